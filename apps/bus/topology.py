@@ -1,0 +1,197 @@
+"""Subjects, streams, consumers and the node registry: the shape of the bus in one place.
+
+`ensure_topology` declares everything idempotently so any app can start first; each app then
+asks this module for the subject or consumer it needs instead of spelling names itself.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import nats
+from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
+from nats.js.kv import KeyValue
+
+REQUESTS_STREAM = "REQUESTS"
+EVENTS_STREAM = "EVENTS"
+NODES_BUCKET = "helexa_nodes"
+RECORDER_CONSUMER = "recorder"
+
+_REQUEST_PREFIX = "helexa.req"
+_EVENT_PREFIX = "helexa.events"
+_CANCEL_PREFIX = "helexa.cancel"
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def model_token(model: str) -> str:
+    """A model id as one subject token: dots, slashes and spaces become `~hex`, reversibly."""
+    return _UNSAFE.sub(lambda m: "~" + m.group().encode().hex(), model)
+
+
+def request_subject(model: str) -> str:
+    return f"{_REQUEST_PREFIX}.{model_token(model)}"
+
+
+def event_subject(kind: str, model: str) -> str:
+    return f"{_EVENT_PREFIX}.{kind}.{model_token(model)}"
+
+
+def cancel_subject(request_id: str) -> str:
+    return f"{_CANCEL_PREFIX}.{model_token(request_id)}"
+
+
+def worker_consumer(model: str) -> str:
+    """The durable pull consumer every worker of `model` shares."""
+    return f"worker-{model_token(model)}"
+
+
+@dataclass(slots=True, frozen=True)
+class BusLimits:
+    """Retention limits; explicit so a stuck consumer cannot grow a stream without bound."""
+
+    request_max_age_s: float = 600.0
+    request_max_msgs: int = 100_000
+    request_max_bytes: int = 1 << 30
+    request_dedupe_window_s: float = 120.0
+    event_max_age_s: float = 7 * 24 * 3600.0
+    event_max_bytes: int = 4 << 30
+    node_ttl_s: float = 15.0
+    replicas: int = 1
+
+    def __post_init__(self) -> None:
+        if self.request_dedupe_window_s > self.request_max_age_s:
+            raise ValueError("the dedupe window cannot outlast the request max_age")
+        if self.node_ttl_s <= 0:
+            raise ValueError("node_ttl_s must be positive")
+
+
+def requests_stream_config(limits: BusLimits) -> StreamConfig:
+    return StreamConfig(
+        name=REQUESTS_STREAM,
+        description="Pending generate requests, one subject per model (work queue)",
+        subjects=[f"{_REQUEST_PREFIX}.>"],
+        retention=RetentionPolicy.WORK_QUEUE,
+        storage=StorageType.FILE,
+        max_age=limits.request_max_age_s,
+        max_msgs=limits.request_max_msgs,
+        max_bytes=limits.request_max_bytes,
+        duplicate_window=limits.request_dedupe_window_s,
+        num_replicas=limits.replicas,
+    )
+
+
+def events_stream_config(limits: BusLimits) -> StreamConfig:
+    return StreamConfig(
+        name=EVENTS_STREAM,
+        description="Run lifecycle, admission, node and bench events: the ledger's source of truth",
+        subjects=[f"{_EVENT_PREFIX}.>"],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        max_age=limits.event_max_age_s,
+        max_bytes=limits.event_max_bytes,
+        duplicate_window=120.0,
+        num_replicas=limits.replicas,
+    )
+
+
+def worker_consumer_config(model: str, ack_wait_s: float = 30.0, max_deliver: int = 3) -> ConsumerConfig:
+    name = worker_consumer(model)
+    return ConsumerConfig(
+        name=name,
+        durable_name=name,
+        filter_subject=request_subject(model),
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        # Workers send in-progress acks while generating, so ack_wait only bounds a dead worker.
+        ack_wait=ack_wait_s,
+        max_deliver=max_deliver,
+    )
+
+
+def recorder_consumer_config() -> ConsumerConfig:
+    return ConsumerConfig(
+        name=RECORDER_CONSUMER,
+        durable_name=RECORDER_CONSUMER,
+        filter_subject=f"{_EVENT_PREFIX}.>",
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_wait=60.0,
+        max_ack_pending=10_000,
+    )
+
+
+async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
+    try:
+        await js.add_stream(config)
+    except BadRequestError:
+        # Exists with other settings (e.g. limits changed by an operator): converge on ours.
+        await js.update_stream(config)
+
+
+async def ensure_topology(js: JetStreamContext, limits: BusLimits | None = None) -> None:
+    limits = limits or BusLimits()
+    await _ensure_stream(js, requests_stream_config(limits))
+    await _ensure_stream(js, events_stream_config(limits))
+    await node_registry(js, limits)
+
+
+async def node_registry(js: JetStreamContext, limits: BusLimits | None = None) -> KeyValue:
+    limits = limits or BusLimits()
+    try:
+        return await js.key_value(NODES_BUCKET)
+    except BucketNotFoundError:
+        return await js.create_key_value(
+            KeyValueConfig(bucket=NODES_BUCKET, ttl=limits.node_ttl_s, history=1, replicas=limits.replicas)
+        )
+
+
+async def worker_subscription(js: JetStreamContext, model: str) -> JetStreamContext.PullSubscription:
+    await js.add_consumer(REQUESTS_STREAM, config=worker_consumer_config(model))
+    return await js.pull_subscribe_bind(durable=worker_consumer(model), stream=REQUESTS_STREAM)
+
+
+async def recorder_subscription(js: JetStreamContext) -> JetStreamContext.PullSubscription:
+    await js.add_consumer(EVENTS_STREAM, config=recorder_consumer_config())
+    return await js.pull_subscribe_bind(durable=RECORDER_CONSUMER, stream=EVENTS_STREAM)
+
+
+async def model_is_known(js: JetStreamContext, model: str) -> bool:
+    """A model some worker has served on this bus (its durable consumer exists), live or not."""
+    try:
+        await js.consumer_info(REQUESTS_STREAM, worker_consumer(model))
+    except NotFoundError:
+        return False
+    return True
+
+
+async def connect(url: str, name: str) -> NatsClient:
+    """Connect with reconnects forever: the apps ride out a NATS restart instead of exiting."""
+    return await nats.connect(
+        url,
+        name=name,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        connect_timeout=5,
+    )
+
+
+def cancel_wildcard() -> str:
+    """Workers listen here for every cancellation and abort the ones they hold."""
+    return f"{_CANCEL_PREFIX}.*"
+
+
+def request_id_from_cancel(subject: str) -> str:
+    token = subject.rsplit(".", 1)[-1]
+    return re.sub(r"~([0-9a-f]{2})", lambda m: bytes.fromhex(m.group(1)).decode(), token)

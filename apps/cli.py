@@ -1,0 +1,147 @@
+"""`helexa` command line: `up` for one machine, and each app on its own for fleets."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+
+from apps import logs
+
+log = logging.getLogger("helexa")
+
+
+def _run_until_signal(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
+    """Run an app's coroutine; SIGTERM and SIGINT ask it to stop cleanly."""
+
+    async def runner() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await main(stop)
+
+    asyncio.run(runner())
+
+
+def cmd_gateway(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from apps.gateway.app import create_app
+    from apps.settings import GatewaySettings
+
+    settings = GatewaySettings()
+    if args.host:
+        settings.host = args.host
+    if args.port:
+        settings.port = args.port
+
+    async def main(stop: asyncio.Event) -> None:
+        config = uvicorn.Config(
+            create_app(settings), host=settings.host, port=settings.port, log_config=None, access_log=False,
+            timeout_graceful_shutdown=10,
+        )
+        server = uvicorn.Server(config)
+        server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        serving = asyncio.create_task(server.serve())
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.05)
+        if serving.done():
+            await serving
+            raise SystemExit("gateway failed to start")
+        logs.announce_ready("gateway", url=f"http://{settings.host}:{settings.port}")
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        server.should_exit = True
+        await serving
+
+    _run_until_signal(main)
+
+
+def cmd_worker(args: argparse.Namespace) -> None:
+    from apps.settings import WorkerSettings
+    from apps.worker.app import Worker
+    from engine.default_model import default_model_path
+    from engine.loader import load_checkpoint
+    from engine.simple_engine import SimpleEngine
+
+    settings = WorkerSettings()
+    if args.model:
+        settings.model = args.model
+    if args.served_model_name:
+        settings.served_model_name = args.served_model_name
+
+    async def main(stop: asyncio.Event) -> None:
+        source = settings.model or str(default_model_path())
+        log.info("loading model", extra={"source": source})
+        checkpoint = await asyncio.to_thread(load_checkpoint, source)
+        engine = SimpleEngine(checkpoint, max_model_len=settings.max_model_len or None)
+        model_id = settings.served_model_name or checkpoint.model_id
+        await Worker(settings, engine, checkpoint.tokenizer, model_id).run(stop)
+
+    _run_until_signal(main)
+
+
+def cmd_recorder(args: argparse.Namespace) -> None:
+    from apps.recorder.app import run_recorder
+    from apps.settings import RecorderSettings
+
+    settings = RecorderSettings()
+    _run_until_signal(lambda stop: run_recorder(settings, stop))
+
+
+def cmd_migrate(args: argparse.Namespace) -> None:
+    from apps.recorder.migrate import migrate
+    from apps.settings import RecorderSettings
+
+    applied = asyncio.run(migrate(RecorderSettings().database_url))
+    log.info("migrated", extra={"applied": applied})
+
+
+def cmd_up(args: argparse.Namespace) -> None:
+    from apps.up import run_up
+
+    sys.exit(run_up(args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="helexa", description="LLM serving over NATS JetStream and PostgreSQL")
+    parser.add_argument("--log-level", default=os.environ.get("HELEXA_LOG_LEVEL", "INFO"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="run everything on this machine: NATS, PostgreSQL, gateway, worker, recorder")
+    up.add_argument("--data-dir", default=None, help="where NATS and PostgreSQL keep data (HELEXA_DATA_DIR)")
+    up.add_argument("--port", type=int, default=None, help="gateway port (HELEXA_PORT, default 8000)")
+    up.add_argument("--model", default=None, help="a .gguf file or HF model directory (default: SmolLM2-135M)")
+    up.set_defaults(func=cmd_up)
+
+    gateway = sub.add_parser("gateway", help="the OpenAI/Anthropic HTTP gateway")
+    gateway.add_argument("--host", default=None)
+    gateway.add_argument("--port", type=int, default=None)
+    gateway.set_defaults(func=cmd_gateway)
+
+    worker = sub.add_parser("worker", help="a model worker")
+    worker.add_argument("--model", default=None, help="a .gguf file or HF model directory")
+    worker.add_argument("--served-model-name", default=None)
+    worker.set_defaults(func=cmd_worker)
+
+    recorder = sub.add_parser("recorder", help="project EVENTS into PostgreSQL")
+    recorder.set_defaults(func=cmd_recorder)
+
+    migrate = sub.add_parser("migrate", help="apply database migrations")
+    migrate.set_defaults(func=cmd_migrate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logs.configure(args.log_level)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

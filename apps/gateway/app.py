@@ -1,0 +1,44 @@
+"""The gateway's Litestar app: routes, error handlers and the NATS connection's lifetime."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from litestar import Litestar
+from litestar.exceptions import HTTPException
+from litestar.openapi import OpenAPIConfig
+
+from apps.gateway.bus_client import GatewayBus
+from apps.gateway.chat import chat_completions
+from apps.gateway.errors import ApiError, api_error_handler, http_error_handler, internal_error_handler
+from apps.gateway.models import health, list_models, ready
+from apps.settings import GatewaySettings
+
+
+def create_app(settings: GatewaySettings | None = None) -> Litestar:
+    settings = settings or GatewaySettings()
+
+    @asynccontextmanager
+    async def bus_lifespan(app: Litestar) -> AsyncIterator[None]:
+        app.state.bus = await GatewayBus.connect(settings.nats_url)
+        try:
+            yield
+        finally:
+            await app.state.bus.close()
+
+    app = Litestar(
+        route_handlers=[chat_completions, list_models, health, ready],
+        lifespan=[bus_lifespan],
+        exception_handlers={
+            ApiError: api_error_handler,
+            HTTPException: http_error_handler,
+            Exception: internal_error_handler,
+        },
+        openapi_config=OpenAPIConfig(title="helexa", version="0.1.0", path="/openapi"),
+        request_max_body_size=settings.max_request_bytes,
+        debug=False,
+        logging_config=None,
+    )
+    app.state.settings = settings
+    return app

@@ -1,0 +1,145 @@
+"""The gateway's side of the bus: publish a request, follow its reply frames, read live nodes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import msgspec
+import nats.errors
+from nats.aio.client import Client as NatsClient
+from nats.aio.subscription import Subscription
+from nats.js.errors import NoKeysError
+from nats.js.kv import KeyValue
+
+from apps.bus import topology, wire
+from apps.bus.topology import BusLimits
+
+log = logging.getLogger("helexa.gateway")
+
+
+class ReplyTimeout(Exception):
+    """No frame arrived within the allowed silence."""
+
+
+class ReplyStream:
+    """Frames of one request's reply subject, in order, duplicates and stale attempts dropped."""
+
+    def __init__(self, subscription: Subscription) -> None:
+        self._sub = subscription
+        self._next_seq = 0
+        self._attempt = 0
+        self.node: str | None = None
+
+    async def next(self, timeout_s: float) -> wire.ReplyFrame:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ReplyTimeout
+            try:
+                msg = await self._sub.next_msg(timeout=remaining)
+            except TimeoutError:  # nats-py raises its own or asyncio's; both are TimeoutError
+                raise ReplyTimeout from None
+            try:
+                frame = wire.frame_decoder.decode(msg.data)
+            except msgspec.DecodeError:
+                log.warning("undecodable reply frame dropped", extra={"subject": msg.subject})
+                continue
+            if frame.attempt != self._attempt:
+                # A redelivered request restarts the sequence; only a fresh attempt may do so.
+                if frame.attempt < self._attempt:
+                    continue
+                self._attempt, self._next_seq = frame.attempt, 0
+            if frame.seq < self._next_seq:
+                continue
+            self._next_seq = frame.seq + 1
+            if isinstance(frame, wire.Accepted):
+                self.node = frame.node
+            return frame
+
+    async def close(self) -> None:
+        try:
+            await self._sub.unsubscribe()
+        except nats.errors.Error:
+            pass
+
+
+class GatewayBus:
+    def __init__(self, nc: NatsClient, kv: KeyValue, limits: BusLimits) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.kv = kv
+        self.limits = limits
+        self._background: set[asyncio.Task[None]] = set()
+
+    @classmethod
+    async def connect(cls, url: str, limits: BusLimits | None = None) -> GatewayBus:
+        limits = limits or BusLimits()
+        nc = await topology.connect(url, name="helexa-gateway")
+        js = nc.jetstream()
+        await topology.ensure_topology(js, limits)
+        kv = await topology.node_registry(js, limits)
+        return cls(nc, kv, limits)
+
+    async def close(self) -> None:
+        await self.nc.drain()
+
+    async def submit(self, request: wire.GenerateRequest) -> ReplyStream:
+        """Listen on the reply subject first, then publish, so no frame can be missed."""
+        sub = await self.nc.subscribe(request.reply_subject)
+        try:
+            await self.js.publish(
+                topology.request_subject(request.model),
+                wire.encode(request),
+                headers={"Nats-Msg-Id": request.request_id},
+            )
+        except BaseException:
+            await sub.unsubscribe()
+            raise
+        return ReplyStream(sub)
+
+    def new_inbox(self) -> str:
+        return self.nc.new_inbox()
+
+    def cancel_soon(self, request_id: str) -> None:
+        """Publish a cancellation even from code that is itself being cancelled."""
+        task = asyncio.get_running_loop().create_task(self._cancel(request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _cancel(self, request_id: str) -> None:
+        try:
+            await self.nc.publish(topology.cancel_subject(request_id), b"")
+        except nats.errors.Error as exc:
+            log.warning("cancel publish failed", extra={"request_id": request_id, "error": str(exc)})
+
+    async def live_nodes(self) -> list[wire.NodeStatus]:
+        try:
+            keys = await self.kv.keys()
+        except NoKeysError:
+            return []
+        nodes = []
+        horizon = time.time() - self.limits.node_ttl_s
+        for key in keys:
+            try:
+                entry = await self.kv.get(key)
+            except Exception:  # a key deleted or expired between keys() and get()
+                continue
+            if not entry.value:
+                continue
+            try:
+                node = wire.node_decoder.decode(entry.value)
+            except msgspec.DecodeError:
+                continue
+            if node.updated_at >= horizon and node.status != "stopping":
+                nodes.append(node)
+        return nodes
+
+    async def model_is_known(self, model: str) -> bool:
+        return await topology.model_is_known(self.js, model)
+
+    async def is_ready(self) -> bool:
+        return self.nc.is_connected

@@ -1,0 +1,136 @@
+"""From a validated API request to a running generation: route, publish, wait for acceptance.
+
+The HTTP status is committed only after the first frame, so errors before the first token are
+real statuses even for `stream: true`. Endpoint modules format what `Generation.frames` yields.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from apps.bus import wire
+from apps.gateway.bus_client import GatewayBus, ReplyStream, ReplyTimeout
+from apps.gateway.errors import ApiError, log_failure, retry_after_s
+from apps.settings import GatewaySettings
+
+
+class GenerationFailed(Exception):
+    """The worker reported an error, or went silent, after the HTTP status was sent."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
+async def resolve_model(bus: GatewayBus, model: str) -> list[wire.NodeStatus]:
+    """The live nodes serving `model`; 404 if no worker ever served it, 503 if none does now."""
+    nodes = [n for n in await bus.live_nodes() if any(m.model == model for m in n.models)]
+    if nodes:
+        return nodes
+    if await bus.model_is_known(model):
+        raise ApiError(
+            503,
+            f"No worker is serving the model '{model}' right now; retry later.",
+            code="model_unavailable",
+            retry_after_s=retry_after_s(),
+            context={"model": model, "detail": "no live node"},
+        )
+    raise ApiError(
+        404,
+        f"The model '{model}' does not exist.",
+        code="model_not_found",
+        param="model",
+        context={"model": model},
+    )
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+@dataclass(slots=True)
+class Generation:
+    request: wire.GenerateRequest
+    reply: ReplyStream
+    bus: GatewayBus
+    accepted: wire.Accepted
+    idle_timeout_s: float
+    handler: str
+    finished: bool = False
+
+    @property
+    def node(self) -> str:
+        return self.accepted.node
+
+    async def frames(self) -> AsyncIterator[wire.Delta | wire.Final]:
+        """Deltas then one Final; raises GenerationFailed on an error frame or a silent worker."""
+        try:
+            while True:
+                try:
+                    frame = await self.reply.next(self.idle_timeout_s)
+                except ReplyTimeout:
+                    raise GenerationFailed(503, "worker_lost", "The worker serving this request stopped responding.")
+                if isinstance(frame, wire.Heartbeat | wire.Accepted):
+                    continue
+                if isinstance(frame, wire.ErrorFrame):
+                    raise GenerationFailed(frame.status, frame.code, frame.message)
+                if isinstance(frame, wire.Final):
+                    self.finished = True
+                yield frame
+                if self.finished:
+                    return
+        except GenerationFailed as exc:
+            self.finished = True
+            log_failure(self.handler, exc.status, exc.message, model=self.request.model, node=self.node,
+                        request_id=self.request.request_id)
+            raise
+
+    async def close(self) -> None:
+        """Stop the work if the client left early, then stop listening."""
+        if not self.finished:
+            self.bus.cancel_soon(self.request.request_id)
+            self.finished = True
+        await self.reply.close()
+
+
+async def start_generation(
+    bus: GatewayBus,
+    settings: GatewaySettings,
+    request: wire.GenerateRequest,
+    handler: str,
+) -> Generation:
+    """Publish and wait for the worker's first frame; any failure so far is an ApiError."""
+    ctx = {"model": request.model, "request_id": request.request_id}
+    reply = await bus.submit(request)
+    try:
+        frame = await reply.next(max(request.deadline - time.time(), 0.001))
+    except ReplyTimeout:
+        bus.cancel_soon(request.request_id)
+        await reply.close()
+        raise ApiError(
+            503,
+            "The model is busy and the request was not started in time; retry later.",
+            code="queue_timeout",
+            retry_after_s=retry_after_s(),
+            context={**ctx, "detail": "no worker accepted before the deadline"},
+        ) from None
+    except BaseException:
+        bus.cancel_soon(request.request_id)
+        await reply.close()
+        raise
+    if isinstance(frame, wire.ErrorFrame):
+        await reply.close()
+        raise ApiError(frame.status, frame.message, code=frame.code, context={**ctx, "node": reply.node})
+    if not isinstance(frame, wire.Accepted):
+        frame = wire.Accepted(seq=0, node=reply.node or "unknown", prompt_tokens=0)
+    return Generation(
+        request=request,
+        reply=reply,
+        bus=bus,
+        accepted=frame,
+        idle_timeout_s=settings.stream_idle_timeout_s,
+        handler=handler,
+    )

@@ -1,0 +1,114 @@
+"""Client-facing errors: the OpenAI envelope, generic messages, one structured warning per failure."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from litestar import Request, Response
+from litestar.exceptions import HTTPException
+
+log = logging.getLogger("helexa.gateway")
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+}
+
+
+class ApiError(Exception):
+    """An error the client should see as-is: status, message, OpenAI `param` and `code`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        retry_after_s: int | None = None,
+        context: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.retry_after_s = retry_after_s
+        self.context = context or {}
+
+
+def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
+            "param": param,
+            "code": code,
+        }
+    }
+
+
+def log_failure(
+    handler: str,
+    status: int,
+    error: str,
+    *,
+    model: str | None = None,
+    node: str | None = None,
+    request_id: str | None = None,
+) -> None:
+    """The one warning every failure path emits, always with the same fields."""
+    log.warning(
+        "request failed",
+        extra={
+            "handler": handler,
+            "model": model,
+            "node": node,
+            "request_id": request_id,
+            "status": status,
+            "error": error,
+        },
+    )
+
+
+def _handler_name(request: Request) -> str:
+    return f"{request.method} {request.url.path}"
+
+
+def api_error_handler(request: Request, exc: ApiError) -> Response:
+    ctx = exc.context
+    log_failure(
+        _handler_name(request),
+        exc.status,
+        ctx.get("detail", exc.message),
+        model=ctx.get("model"),
+        node=ctx.get("node"),
+        request_id=ctx.get("request_id"),
+    )
+    headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else None
+    return Response(error_body(exc.status, exc.message, exc.code, exc.param), status_code=exc.status, headers=headers)
+
+
+def http_error_handler(request: Request, exc: HTTPException) -> Response:
+    status = exc.status_code
+    message = {404: "Not found.", 405: "Method not allowed.", 413: "Request body too large."}.get(
+        status, exc.detail if status < 500 else "Internal server error."
+    )
+    log_failure(_handler_name(request), status, str(exc.detail))
+    return Response(error_body(status, message, code=None), status_code=status, headers=exc.headers)
+
+
+def internal_error_handler(request: Request, exc: Exception) -> Response:
+    log.error("unhandled error", exc_info=exc, extra={"handler": _handler_name(request)})
+    log_failure(_handler_name(request), 500, type(exc).__name__)
+    return Response(error_body(500, "Internal server error.", code="internal_error"), status_code=500)
+
+
+def retry_after_s(pending: int = 0) -> int:
+    """The back-off hint of SPEC §5: clamp((pending + 1) × 2, 1, 120) seconds."""
+    return max(1, min(120, (max(pending, 0) + 1) * 2))

@@ -1,0 +1,95 @@
+"""Every setting the apps read, from the environment, in one place (see the README's table).
+
+CLI flags override these; nothing else in the code reads os.environ for configuration.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
+
+
+def _env(name: str, default: str) -> str:
+    value = os.environ.get(name, "").strip()
+    return value or default
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    try:
+        return float(raw) if raw else default
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {raw!r}") from None
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    try:
+        return int(raw) if raw else default
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+
+
+def default_node_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(slots=True)
+class GatewaySettings:
+    nats_url: str = field(default_factory=lambda: _env("NATS_URL", DEFAULT_NATS_URL))
+    host: str = field(default_factory=lambda: _env("HELEXA_HOST", "127.0.0.1"))
+    port: int = field(default_factory=lambda: _env_int("HELEXA_PORT", 8000))
+    # How long a request may wait in the queue for a worker to accept it before a 503.
+    accept_timeout_s: float = field(default_factory=lambda: _env_float("HELEXA_ACCEPT_TIMEOUT_S", 60.0))
+    # Silence longer than this from the worker serving a request means it is gone.
+    stream_idle_timeout_s: float = field(default_factory=lambda: _env_float("HELEXA_STREAM_IDLE_TIMEOUT_S", 30.0))
+    max_request_bytes: int = field(default_factory=lambda: _env_int("HELEXA_MAX_REQUEST_BYTES", 8 << 20))
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError("HELEXA_PORT must be a TCP port")
+        if self.accept_timeout_s <= 0 or self.stream_idle_timeout_s <= 0:
+            raise ValueError("timeouts must be positive")
+
+
+@dataclass(slots=True)
+class WorkerSettings:
+    nats_url: str = field(default_factory=lambda: _env("NATS_URL", DEFAULT_NATS_URL))
+    # A .gguf file or an HF model directory; empty means the default model from its wheel.
+    model: str = field(default_factory=lambda: _env("HELEXA_MODEL", ""))
+    served_model_name: str = field(default_factory=lambda: _env("HELEXA_SERVED_MODEL_NAME", ""))
+    node_id: str = field(default_factory=lambda: _env("HELEXA_NODE_ID", default_node_id()))
+    max_model_len: int = field(default_factory=lambda: _env_int("HELEXA_MAX_MODEL_LEN", 0))
+    status_interval_s: float = field(default_factory=lambda: _env_float("HELEXA_STATUS_INTERVAL_S", 5.0))
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 0:
+            raise ValueError("HELEXA_MAX_MODEL_LEN must be >= 0 (0 = the model's own limit)")
+        if self.status_interval_s <= 0:
+            raise ValueError("HELEXA_STATUS_INTERVAL_S must be positive")
+
+
+@dataclass(slots=True)
+class RecorderSettings:
+    nats_url: str = field(default_factory=lambda: _env("NATS_URL", DEFAULT_NATS_URL))
+    database_url: str = field(default_factory=lambda: _env("DATABASE_URL", DEFAULT_DATABASE_URL))
+    batch_size: int = field(default_factory=lambda: _env_int("HELEXA_RECORDER_BATCH", 256))
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError("HELEXA_RECORDER_BATCH must be at least 1")
+
+
+def data_dir() -> Path:
+    return Path(_env("HELEXA_DATA_DIR", ".helexa")).resolve()
+
+
+def migrations_dir() -> Path:
+    """The numbered SQL migrations: the repo's `migrations/` unless HELEXA_MIGRATIONS_DIR names another."""
+    default = Path(__file__).resolve().parents[1] / "migrations"
+    return Path(_env("HELEXA_MIGRATIONS_DIR", str(default))).resolve()

@@ -1,0 +1,114 @@
+"""Turn a path on disk into a ready model: config, weights in an `nn.Module`, tokenizer, model id.
+
+Two sources: a `.gguf` file (see `engine.gguf_import`) or an HF model directory (config.json,
+*.safetensors, tokenizer.json). Both end in the same `load_weights`, which insists every parameter
+is filled exactly once. Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from engine import gguf_import
+from engine.config import ModelConfig
+from engine.models import get_model_class
+from engine.tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class Checkpoint:
+    config: ModelConfig
+    model: nn.Module
+    tokenizer: Tokenizer
+    model_id: str
+
+
+def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
+                    device: torch.device | str = "cpu") -> Checkpoint:
+    """Load a `.gguf` file or an HF model directory; the model comes back in eval mode."""
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return _load_gguf(path, dtype, device)
+    if path.is_dir():
+        return _load_hf_dir(path, dtype, device)
+    raise FileNotFoundError(f"{path} is neither a .gguf file nor a model directory")
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str) -> Checkpoint:
+    gguf = gguf_import.GGUFFile(path)
+    config = gguf_import.read_config(gguf)
+    model = _empty_model(config, dtype, device)
+    load_weights(model, gguf_import.iter_weights(gguf, config, dtype))
+    return Checkpoint(config=config, model=model.eval(), tokenizer=gguf_import.read_tokenizer(gguf),
+                      model_id=gguf_import.model_id_from_path(path))
+
+
+def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device | str) -> Checkpoint:
+    raw_config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    if raw_config.get("quantization_config"):
+        raise NotImplementedError(f"{path}: quantized HF checkpoints are not supported")
+    config = ModelConfig.from_hf_config(raw_config)
+    model = _empty_model(config, dtype, device)
+    load_weights(model, _iter_safetensors(path, dtype))
+    return Checkpoint(config=config, model=model.eval(), tokenizer=Tokenizer.from_hf_dir(path),
+                      model_id=path.resolve().name)
+
+
+def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    """Build on the meta device (no random init of weights about to be overwritten), then
+    allocate uninitialized storage; load_weights checks that every parameter gets filled."""
+    model_class = get_model_class(config.model_type)
+    with torch.device("meta"):
+        model = model_class(config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    # to_empty gives tied parameters separate storage; share it again.
+    model.tie_weights()
+    return model
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        return [path / name for name in sorted(set(weight_map.values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has no *.safetensors files")
+    return files
+
+
+def _iter_safetensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in _safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name).to(dtype)
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy named tensors into the model's parameters; error on unknown, misshapen or missing."""
+    params = dict(model.named_parameters())  # tied parameters appear once, under their first name
+    all_names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    tied_aliases = all_names - set(params)
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for name, tensor in weights:
+            if name in tied_aliases or name.endswith("rotary_emb.inv_freq"):
+                continue  # a tied copy some checkpoints save anyway; RoPE tables we compute
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} matches no model parameter")
+            param = params[name]
+            if param.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} "
+                                 f"!= model shape {tuple(param.shape)}")
+            param.copy_(tensor)
+            loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")

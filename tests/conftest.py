@@ -1,0 +1,54 @@
+"""Shared fixtures: a real NATS server and a real PostgreSQL, each from its wheel, on free ports."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from apps.embedded.nats_server import NatsServer
+from apps.embedded.postgres import PostgresServer
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    with NatsServer(tmp_path_factory.mktemp("nats")) as server:
+        yield server
+
+
+def _postgres_dir() -> Path:
+    # Not under pytest's tmp: pytest resets its root to 0700 at every session start, which
+    # would lock out the unprivileged user PostgreSQL runs as when tests run as root.
+    return Path(tempfile.mkdtemp(prefix="helexa-pg-"))
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresServer]:
+    folder = _postgres_dir()
+    try:
+        with PostgresServer(folder) as server:
+            yield server
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def own_nats(tmp_path: Path) -> Iterator[NatsServer]:
+    """A NATS server for one test, for tests that need an empty bus."""
+    with NatsServer(tmp_path / "nats") as server:
+        yield server
+
+
+@pytest.fixture
+def own_postgres() -> Iterator[PostgresServer]:
+    """A PostgreSQL for one test, not yet started; the test may stop and start it again."""
+    folder = _postgres_dir()
+    server = PostgresServer(folder)
+    try:
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(folder, ignore_errors=True)

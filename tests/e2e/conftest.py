@@ -1,0 +1,57 @@
+"""The whole system for end-to-end tests: recorder, worker (default model) and gateway as real
+processes on a real NATS server and a real PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from apps.embedded import free_port
+from apps.embedded.nats_server import NatsServer
+from apps.embedded.postgres import PostgresServer
+from apps.recorder.migrate import migrate
+from tests.support import AppProcess
+
+
+@dataclass
+class System:
+    base_url: str
+    nats_url: str
+    database_url: str
+    model: str
+    gateway: AppProcess
+    worker: AppProcess
+    recorder: AppProcess
+
+
+@pytest.fixture(scope="session")
+def system(nats_server: NatsServer, postgres: PostgresServer) -> Iterator[System]:
+    asyncio.run(migrate(postgres.url))
+    port = free_port()
+    env = {"NATS_URL": nats_server.url, "DATABASE_URL": postgres.url, "HELEXA_PORT": str(port)}
+    apps: list[AppProcess] = []
+    try:
+        recorder = AppProcess(["recorder"], env)
+        apps.append(recorder)
+        worker = AppProcess(["worker"], {**env, "HELEXA_NODE_ID": "e2e-worker"})
+        apps.append(worker)
+        gateway = AppProcess(["gateway"], env)
+        apps.append(gateway)
+        recorder.wait_ready()
+        ready = worker.wait_ready()
+        gateway.wait_ready()
+        yield System(
+            base_url=f"http://127.0.0.1:{port}",
+            nats_url=nats_server.url,
+            database_url=postgres.url,
+            model=ready["model"],
+            gateway=gateway,
+            worker=worker,
+            recorder=recorder,
+        )
+    finally:
+        for app in reversed(apps):
+            app.stop()

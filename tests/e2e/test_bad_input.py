@@ -1,0 +1,87 @@
+"""Bad input gets a clear OpenAI error envelope with the right status, and no internals."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from apps.bus import topology
+from tests.e2e.conftest import System
+
+CHAT = "/v1/chat/completions"
+
+
+def post(system: System, body: bytes | dict, path: str = CHAT) -> httpx.Response:
+    with httpx.Client(base_url=system.base_url, timeout=60) as http:
+        if isinstance(body, bytes):
+            return http.post(path, content=body, headers={"Content-Type": "application/json"})
+        return http.post(path, json=body)
+
+
+def assert_envelope(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    for leak in ("Traceback", "File \"", "nats", "msgspec", "asyncpg", "Exception"):
+        assert leak not in response.text
+    return error
+
+
+def test_malformed_json_is_400(system: System) -> None:
+    error = assert_envelope(post(system, b'{"model": "x", "messages": ['), 400)
+    assert error["code"] == "invalid_json"
+
+
+def test_missing_messages_is_400_naming_it(system: System) -> None:
+    error = assert_envelope(post(system, {"model": system.model}), 400)
+    assert error["param"] == "messages"
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("temperature", -1), ("temperature", "hot"), ("max_tokens", 0), ("top_p", 1.5), ("n", 2)],
+    ids=["negative-temperature", "string-temperature", "zero-max-tokens", "top-p-above-1", "n-2"],
+)
+def test_invalid_parameter_is_400_naming_it(system: System, field: str, value: object) -> None:
+    body = {"model": system.model, "messages": [{"role": "user", "content": "hi"}], field: value}
+    error = assert_envelope(post(system, body), 400)
+    assert error["param"] == field
+
+
+def test_unknown_model_is_404(system: System) -> None:
+    body = {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}
+    error = assert_envelope(post(system, body), 404)
+    assert error["code"] == "model_not_found"
+
+
+def test_known_model_without_worker_is_503_with_retry_after(system: System) -> None:
+    async def remember_model() -> None:
+        # A worker once served this model (its durable consumer exists) but none is live now.
+        nc = await topology.connect(system.nats_url, name="test")
+        js = nc.jetstream()
+        await js.add_consumer(topology.REQUESTS_STREAM, config=topology.worker_consumer_config("offline-model"))
+        await nc.close()
+
+    asyncio.run(remember_model())
+    body = {"model": "offline-model", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    response = post(system, body)
+    error = assert_envelope(response, 503)
+    assert int(response.headers["Retry-After"]) >= 1
+    assert error["code"] == "model_unavailable"
+
+
+def test_prompt_over_the_context_is_400_before_generation(system: System) -> None:
+    body = {"model": system.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10_000_000}
+    error = assert_envelope(post(system, body), 400)
+    assert error["code"] == "context_length_exceeded"
+    assert "maximum context length" in error["message"]
+
+
+def test_unknown_route_is_404_envelope(system: System) -> None:
+    with httpx.Client(base_url=system.base_url, timeout=30) as http:
+        assert_envelope(http.get("/v1/nothing-here"), 404)

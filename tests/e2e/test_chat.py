@@ -1,0 +1,128 @@
+"""One real request end to end: the openai client → gateway → NATS → worker → PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import asyncpg
+import pytest
+import torch
+from openai import OpenAI
+
+from tests.e2e.conftest import System
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    """What HF transformers generates greedily for the same GGUF, prompt and template."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.default_model import default_model_path
+    from engine.gguf_import import GGUFFile, read_tokenizer
+
+    path = default_model_path()
+    tokenizer = read_tokenizer(GGUFFile(path))
+    prompt = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True)
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.eos_token_id,
+        )
+    generated = out[0, len(prompt_ids):].tolist()
+    text_ids = [t for t in generated if t != tokenizer.eos_token_id]
+    finish = "stop" if generated[-1] == tokenizer.eos_token_id else "length"
+    return {
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": len(generated),
+        "text": tokenizer.decode(text_ids),
+        "finish_reason": finish,
+    }
+
+
+def client(system: System) -> OpenAI:
+    return OpenAI(base_url=f"{system.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+async def finished_run(system: System, request_id: str, timeout_s: float = 30.0) -> asyncpg.Record:
+    """The run's ledger row once the recorder has projected its run.finished event."""
+    conn = await asyncpg.connect(system.database_url)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            row = await conn.fetchrow("SELECT * FROM runs WHERE request_id = $1", request_id)
+            if row is not None and row["finished_at"] is not None:
+                return row
+            assert time.monotonic() < deadline, (
+                f"no finished run row for {request_id}; recorder said:\n{system.recorder.output()}"
+            )
+            await asyncio.sleep(0.1)
+    finally:
+        await conn.close()
+
+
+def test_models_lists_the_served_model(system: System) -> None:
+    models = client(system).models.list()
+    ids = [m.id for m in models.data]
+    assert system.model in ids
+    assert system.model == "SmolLM2-135M-Instruct"
+
+
+def test_non_streaming_equals_transformers_and_is_recorded(system: System, reference: dict) -> None:
+    response = client(system).chat.completions.create(
+        model=system.model, messages=QUESTION, temperature=0, max_tokens=MAX_TOKENS
+    )
+    answer = response.choices[0].message.content
+    assert answer == reference["text"]
+    assert "Paris" in answer
+    assert response.usage.prompt_tokens == reference["prompt_tokens"]
+    assert response.usage.completion_tokens == reference["completion_tokens"]
+    assert response.usage.total_tokens == reference["prompt_tokens"] + reference["completion_tokens"]
+    assert response.choices[0].finish_reason == reference["finish_reason"]
+
+    row = asyncio.run(finished_run(system, response.id))
+    assert row["model"] == system.model
+    assert row["node"] == "e2e-worker"
+    assert row["status"] == "ok"
+    assert row["prompt_tokens"] == response.usage.prompt_tokens
+    assert row["completion_tokens"] == response.usage.completion_tokens
+    assert row["finish_reason"] == response.choices[0].finish_reason
+    assert row["started_at"] is not None
+
+
+def test_streaming_equals_transformers_with_usage(system: System, reference: dict) -> None:
+    stream = client(system).chat.completions.create(
+        model=system.model,
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    pieces, finish, usage, ids = [], None, None, set()
+    for chunk in stream:
+        ids.add(chunk.id)
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.delta.content:
+                pieces.append(choice.delta.content)
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == reference["text"]
+    assert len(pieces) > 1, "the answer should arrive in several deltas"
+    assert finish == reference["finish_reason"]
+    assert usage is not None
+    assert usage.prompt_tokens == reference["prompt_tokens"]
+    assert usage.completion_tokens == reference["completion_tokens"]
+    assert len(ids) == 1
+
+    row = asyncio.run(finished_run(system, ids.pop()))
+    assert row["completion_tokens"] == reference["completion_tokens"]

@@ -1,0 +1,27 @@
+"""Shared engine-test fixtures: the default SmolLM2 checkpoint, loaded once per session."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.default_model import default_model_path
+from engine.loader import Checkpoint, load_checkpoint
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Checkpoint:
+    try:
+        path = default_model_path()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    return load_checkpoint(path)
+
+
+@pytest.fixture(scope="session")
+def chat_prompt_ids(smollm2: Checkpoint) -> list[int]:
+    messages = [
+        {"role": "system", "content": "You are a concise assistant."},
+        {"role": "user", "content": "Name three colors of the rainbow."},
+    ]
+    text = smollm2.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return smollm2.tokenizer.encode(text, add_special_tokens=False)

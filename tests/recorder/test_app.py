@@ -1,0 +1,149 @@
+"""The recorder end to end: real NATS, real PostgreSQL, duplicates, garbage and outages."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+from nats.js import JetStreamContext
+
+from apps.bus.topology import EVENTS_STREAM, RECORDER_CONSUMER, connect, ensure_topology, event_subject
+from apps.bus.wire import Event, encode
+from apps.embedded.nats_server import NatsServer
+from apps.embedded.postgres import PostgresServer
+from apps.recorder.projector import event_kind
+from apps.settings import RecorderSettings
+from tests.recorder.conftest import LogWatch, eventually, finished, recording, started
+
+
+@pytest.fixture
+async def js(own_nats: NatsServer) -> AsyncIterator[JetStreamContext]:
+    nc = await connect(own_nats.url, "recorder-test")
+    js = nc.jetstream()
+    await ensure_topology(js)
+    try:
+        yield js
+    finally:
+        await nc.close()
+
+
+async def publish(js: JetStreamContext, *events: Event) -> None:
+    # No Nats-Msg-Id: JetStream stores every copy, as a republish after a lost ack would.
+    for event in events:
+        await js.publish(event_subject(event_kind(event), event.model), encode(event))
+
+
+async def count(url: str, sql: str) -> int:
+    conn = await asyncpg.connect(url)
+    try:
+        return await conn.fetchval(sql)
+    finally:
+        await conn.close()
+
+
+async def wait_all_acked(js: JetStreamContext) -> None:
+    async def drained() -> bool:
+        info = await js.consumer_info(EVENTS_STREAM, RECORDER_CONSUMER)
+        return info.num_pending == 0 and info.num_ack_pending == 0
+
+    await eventually(drained, what="every event acked or terminated")
+
+
+def _settings(own_nats: NatsServer, url: str) -> RecorderSettings:
+    return RecorderSettings(nats_url=own_nats.url, database_url=url, batch_size=64)
+
+
+async def test_redelivered_and_reordered_events_become_exact_rows(
+    own_nats: NatsServer, js: JetStreamContext, database_url: str, log_watch: LogWatch
+) -> None:
+    start, finish = started("req-1", ts=1_700_000_000.0), finished("req-1", ts=1_700_000_002.0)
+    other = started("req-2")
+    await publish(js, finish, start, finish, start, other)
+    assert (await js.stream_info(EVENTS_STREAM)).state.messages == 5
+
+    async with recording(_settings(own_nats, database_url), log_watch) as task:
+        await log_watch.wait_for("ready", task=task)
+        await eventually(lambda: _is(database_url, "SELECT count(*) FROM events", 3), what="3 events")
+        await wait_all_acked(js)
+        # A late duplicate, after the first copies were committed and acked.
+        await publish(js, finish)
+        await wait_all_acked(js)
+
+    assert await count(database_url, "SELECT count(*) FROM events") == 3
+    assert await count(database_url, "SELECT count(*) FROM runs") == 2
+    conn = await asyncpg.connect(database_url)
+    try:
+        row = await conn.fetchrow("SELECT * FROM runs WHERE request_id = 'req-1'")
+    finally:
+        await conn.close()
+    assert (row["status"], row["finish_reason"], row["completion_tokens"]) == ("ok", "stop", 7)
+    assert row["started_at"].timestamp() == 1_700_000_000.0
+    assert row["finished_at"].timestamp() == 1_700_000_002.0
+
+
+async def _is(url: str, sql: str, expected: int) -> bool:
+    return await count(url, sql) == expected
+
+
+async def test_undecodable_and_rejected_events_do_not_block_the_stream(
+    own_nats: NatsServer, js: JetStreamContext, database_url: str, log_watch: LogWatch
+) -> None:
+    await js.publish(event_subject("run.started", "tiny"), b"not json")
+    await js.publish(event_subject("run.started", "tiny"), b'{"kind": "run.started", "model": "tiny"}')
+    # Decodes fine, but PostgreSQL refuses a NUL character in text and jsonb.
+    poison = started("req-poison", principal="nul\x00byte")
+    good = [started(f"req-{i}") for i in range(5)]
+    await publish(js, *good[:2], poison, *good[2:])
+
+    async with recording(_settings(own_nats, database_url), log_watch) as task:
+        await log_watch.wait_for("ready", task=task)
+        await eventually(lambda: _is(database_url, "SELECT count(*) FROM runs", 5), what="the good events")
+        await wait_all_acked(js)
+
+    assert len(log_watch.matching("undecodable event terminated")) == 2
+    assert len(log_watch.matching("event rejected by postgres, terminated")) == 1
+    assert await count(database_url, "SELECT count(*) FROM events") == 5
+    assert await count(database_url, "SELECT count(*) FROM runs WHERE request_id = 'req-poison'") == 0
+
+
+async def test_started_before_postgres_records_everything_once_it_is_up(
+    own_nats: NatsServer, js: JetStreamContext, own_postgres: PostgresServer, log_watch: LogWatch
+) -> None:
+    ids = [f"req-{uuid.uuid4().hex[:8]}" for _ in range(20)]
+    await publish(js, *(started(i) for i in ids), *(finished(i) for i in ids))
+
+    async with recording(_settings(own_nats, own_postgres.url), log_watch) as task:
+        await log_watch.wait_for("postgres unavailable, retrying", task=task, during="migrate")
+        await asyncio.to_thread(own_postgres.start)
+        await log_watch.wait_for("ready", task=task)
+        await eventually(lambda: _is(own_postgres.url, "SELECT count(*) FROM events", 40), what="40 events")
+        await wait_all_acked(js)
+
+    assert await count(own_postgres.url, "SELECT count(*) FROM runs WHERE status = 'ok'") == 20
+
+
+async def test_an_outage_mid_stream_holds_the_batch_and_retries_it(
+    own_nats: NatsServer, js: JetStreamContext, own_postgres: PostgresServer, log_watch: LogWatch
+) -> None:
+    await asyncio.to_thread(own_postgres.start)
+    async with recording(_settings(own_nats, own_postgres.url), log_watch) as task:
+        await log_watch.wait_for("ready", task=task)
+        await publish(js, started("before"))
+        await eventually(lambda: _is(own_postgres.url, "SELECT count(*) FROM runs", 1), what="the first run")
+
+        await asyncio.to_thread(own_postgres.stop)
+        await publish(js, finished("before"), started("during"), finished("during"))
+        await log_watch.wait_for("postgres unavailable, retrying", task=task, during="write")
+        info = await js.consumer_info(EVENTS_STREAM, RECORDER_CONSUMER)
+        # Held in hand or still queued: neither acked nor lost.
+        assert info.num_ack_pending >= 1
+        assert info.num_ack_pending + info.num_pending == 3
+
+        await asyncio.to_thread(own_postgres.start)
+        await eventually(lambda: _is(own_postgres.url, "SELECT count(*) FROM events", 4), what="4 events")
+        await wait_all_acked(js)
+
+    assert await count(own_postgres.url, "SELECT count(*) FROM runs WHERE status = 'ok'") == 2

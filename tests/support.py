@@ -1,0 +1,92 @@
+"""Test helpers: run helexa apps as real subprocesses and wait for their `ready` log line."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class AppProcess:
+    """A `helexa <app>` child whose JSON log lines are collected as they arrive."""
+
+    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+        self.args = args
+        self.lines: list[dict] = []
+        self._raw: list[str] = []
+        self._queue: queue.Queue[dict | None] = queue.Queue()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "apps.cli", *args],
+            cwd=REPO,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for raw in self.process.stdout:
+            self._raw.append(raw)
+            try:
+                entry = json.loads(raw)
+            except ValueError:
+                continue
+            if isinstance(entry, dict):
+                self.lines.append(entry)
+                self._queue.put(entry)
+        self._queue.put(None)
+
+    def wait_for(self, predicate: Callable[[dict], bool], timeout_s: float = 180.0) -> dict:
+        """Block until a log line matches; fail with the app's output if it exits or times out."""
+        for entry in self.lines:
+            if predicate(entry):
+                return entry
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{self.args} gave no matching line:\n{self.output()}")
+            try:
+                entry = self._queue.get(timeout=remaining)
+            except queue.Empty:
+                continue
+            if entry is None:
+                raise RuntimeError(f"{self.args} exited ({self.process.poll()}):\n{self.output()}")
+            if predicate(entry):
+                return entry
+
+    def wait_ready(self, timeout_s: float = 180.0) -> dict:
+        return self.wait_for(lambda e: e.get("event") == "ready", timeout_s)
+
+    def output(self) -> str:
+        return "".join(self._raw[-200:])
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self._reader.join(5)
+        return self.process.returncode
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
