@@ -65,9 +65,9 @@ def cmd_gateway(args: argparse.Namespace) -> None:
 def cmd_worker(args: argparse.Namespace) -> None:
     from apps.settings import WorkerSettings
     from apps.worker.app import Worker
+    from engine.core_client import AsyncEngine
     from engine.default_model import default_model_path
-    from engine.loader import load_checkpoint
-    from engine.simple_engine import SimpleEngine
+    from engine.loader import load_tokenizer
 
     settings = WorkerSettings()
     if args.model:
@@ -78,10 +78,12 @@ def cmd_worker(args: argparse.Namespace) -> None:
     async def main(stop: asyncio.Event) -> None:
         source = settings.model or str(default_model_path())
         log.info("loading model", extra={"source": source})
-        checkpoint = await asyncio.to_thread(load_checkpoint, source)
-        engine = SimpleEngine(checkpoint, max_model_len=settings.max_model_len or None)
-        model_id = settings.served_model_name or checkpoint.model_id
-        await Worker(settings, engine, checkpoint.tokenizer, model_id).run(stop)
+        tokenizer, model_id = await asyncio.to_thread(load_tokenizer, source)
+        engine = await AsyncEngine.start(settings.engine_config(source))
+        try:
+            await Worker(settings, engine, tokenizer, settings.served_model_name or model_id).run(stop)
+        finally:
+            await engine.shutdown()
 
     _run_until_signal(main)
 

@@ -10,6 +10,8 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.engine_config import EngineConfig
+
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 
@@ -66,12 +68,35 @@ class WorkerSettings:
     node_id: str = field(default_factory=lambda: _env("HELEXA_NODE_ID", default_node_id()))
     max_model_len: int = field(default_factory=lambda: _env_int("HELEXA_MAX_MODEL_LEN", 0))
     status_interval_s: float = field(default_factory=lambda: _env_float("HELEXA_STATUS_INTERVAL_S", 5.0))
+    device: str = field(default_factory=lambda: _env("HELEXA_DEVICE", "auto"))
+    max_num_seqs: int = field(default_factory=lambda: _env_int("HELEXA_MAX_NUM_SEQS", 16))
+    max_num_batched_tokens: int = field(default_factory=lambda: _env_int("HELEXA_MAX_NUM_BATCHED_TOKENS", 2048))
+    kv_cache_mb: int = field(default_factory=lambda: _env_int("HELEXA_KV_CACHE_MB", 1024))
+    enable_prefix_caching: bool = field(default_factory=lambda: _env("HELEXA_PREFIX_CACHING", "on") != "off")
 
     def __post_init__(self) -> None:
         if self.max_model_len < 0:
             raise ValueError("HELEXA_MAX_MODEL_LEN must be >= 0 (0 = the model's own limit)")
         if self.status_interval_s <= 0:
             raise ValueError("HELEXA_STATUS_INTERVAL_S must be positive")
+        if self.kv_cache_mb < 1:
+            raise ValueError("HELEXA_KV_CACHE_MB must be at least 1")
+
+    def engine_config(self, model_path: str) -> EngineConfig:
+        device = self.device
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        return EngineConfig(
+            model=model_path,
+            device=device,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            kv_cache_bytes=self.kv_cache_mb << 20,
+            max_model_len=self.max_model_len,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
 
 
 @dataclass(slots=True)

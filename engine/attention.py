@@ -1,64 +1,172 @@
-"""How attention layers store and read keys/values: today, one contiguous cache per request.
+"""Paged attention: how attention layers store keys/values in cache blocks and read them back.
 
-Model files call `attention(...)` and never touch cache tensors themselves, so swapping this module
-for the paged KV cache changes no model code. The cache is preallocated for the request's whole
-length; positions index straight into it.
+Model files call `attention(...)` with one layer's (k_cache, v_cache) and the step's
+`AttentionMetadata`; they never index cache tensors themselves. A cache is
+[num_blocks, block_size, num_kv_heads, head_dim]; token t of a sequence lives in block
+`block_table[t // block_size]` at offset `t % block_size`, i.e. flat slot
+`block_id * block_size + offset`.
+
+One batch mixes whole prefills, chunked-prefill continuations (queries start mid-sequence and
+see earlier keys through the cache) and decodes (one query each). `paged_attention` is the
+PyTorch reference: gather every sequence's keys into a padded batch, pad the queries, and make
+one `scaled_dot_product_attention` call under one causal+padding mask.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 
-
-class ContiguousKVCache:
-    """Keys and values of one sequence for every layer, preallocated up to `max_len` tokens."""
-
-    def __init__(self, num_layers: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
-        self.max_len = max_len
-        # [num_layers, num_kv_heads, max_len, head_dim]: heads-first so a layer's slice feeds SDPA.
-        shape = (num_layers, num_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    positions: torch.Tensor,
-    kv_cache: ContiguousKVCache | None,
-    layer_idx: int,
-    scale: float,
-) -> torch.Tensor:
-    """Causal attention of one sequence's new tokens over everything before them.
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where this step's tokens go in the cache and what each of them may attend to.
 
-    q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
-    positions: [num_tokens], increasing and contiguous. Without a cache the tokens are the whole
-    sequence. Returns [num_tokens, num_heads, head_dim].
+    Tokens are flat: sequence i owns rows query_start_loc[i]:query_start_loc[i+1] of q/k/v,
+    and those rows are its last query_len positions of seq_lens[i].
     """
-    num_tokens = q.shape[0]
-    q = q.transpose(0, 1)  # [num_heads, num_tokens, head_dim]
-    if kv_cache is None:
-        keys, values = k.transpose(0, 1), v.transpose(0, 1)
-        context_len = num_tokens
-    else:
-        # Reading the last position back to the host is fine for a one-sequence CPU engine.
-        context_len = int(positions[-1]) + 1
-        if context_len > kv_cache.max_len:
-            raise ValueError(
-                f"position {context_len - 1} is past the KV cache ({kv_cache.max_len} slots)")
-        kv_cache.k[layer_idx][:, positions] = k.transpose(0, 1)
-        kv_cache.v[layer_idx][:, positions] = v.transpose(0, 1)
-        keys = kv_cache.k[layer_idx][:, :context_len]
-        values = kv_cache.v[layer_idx][:, :context_len]
 
-    if num_tokens == 1:
-        mask = None  # a single newest token sees the whole context
-    else:
-        key_positions = torch.arange(context_len, device=q.device)
-        mask = key_positions[None, :] <= positions[:, None]  # [num_tokens, context_len]
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
-                                         enable_gqa=q.shape[0] != keys.shape[0])
-    return out.transpose(0, 1)
+    slot_mapping: torch.Tensor  # [num_tokens] int64, flat cache slot of each new token's K/V
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cu_seqlens of the new tokens
+    seq_lens: torch.Tensor  # [num_seqs] int32, context per sequence after this step
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, padded with 0
+    max_query_len: int
+    max_seq_len: int
+    # Built on the first layer's call and shared by the rest of the step (same for every layer).
+    _mask: torch.Tensor | None = field(default=None, init=False, repr=False)
+    _query_pad_index: torch.Tensor | None = field(default=None, init=False, repr=False)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return self.max_query_len == 1
+
+    @classmethod
+    def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+              block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
+        """From host lists: each sequence's new-token count, total length and block ids."""
+        if not (len(query_lens) == len(seq_lens) == len(block_tables)) or not query_lens:
+            raise ValueError("query_lens, seq_lens and block_tables must be non-empty, same length")
+        slots: list[int] = []
+        for q_len, s_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
+            if not 1 <= q_len <= s_len or len(table) * block_size < s_len:
+                raise ValueError(f"bad sequence: query_len {q_len}, seq_len {s_len}, "
+                                 f"{len(table)} blocks of {block_size}")
+            slots += [table[p // block_size] * block_size + p % block_size
+                      for p in range(s_len - q_len, s_len)]
+        max_blocks = max(len(table) for table in block_tables)
+        padded_tables = [table + [0] * (max_blocks - len(table)) for table in block_tables]
+        cu_seqlens = [0]
+        for q_len in query_lens:
+            cu_seqlens.append(cu_seqlens[-1] + q_len)
+        return cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(cu_seqlens, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(padded_tables, dtype=torch.int32, device=device),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+
+
+def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                       head_dim: int, dtype: torch.dtype = torch.float32,
+                       device: torch.device | str = "cpu") -> list[KVCache]:
+    """One zeroed (k_cache, v_cache) pair per attention layer, each
+    [num_blocks, block_size, num_kv_heads, head_dim]."""
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device),
+             torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write new keys/values [num_tokens, num_kv_heads, head_dim] into their cache slots."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    flat_shape = (num_blocks * block_size, num_kv_heads, head_dim)
+    k_cache.view(flat_shape).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(flat_shape).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def _build_mask(meta: AttentionMetadata, device: torch.device) -> torch.Tensor:
+    """[num_seqs, 1, max_query_len, max_seq_len] bool, True where query i may see key j.
+
+    Query i of a sequence sits at position seq_len - query_len + i. Padding queries (i past the
+    sequence's query_len) get a bound of at least seq_len - 1, so no row is fully masked (SDPA
+    would return NaN for it); their outputs are dropped anyway.
+    """
+    seq_lens = meta.seq_lens.to(device=device, dtype=torch.int64)
+    query_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).to(device, torch.int64)
+    query_idx = torch.arange(meta.max_query_len, device=device)
+    key_pos = torch.arange(meta.max_seq_len, device=device)
+    last_visible = (seq_lens - query_lens)[:, None] + query_idx[None, :]  # [num_seqs, max_q]
+    mask = ((key_pos[None, None, :] <= last_visible[:, :, None])
+            & (key_pos[None, None, :] < seq_lens[:, None, None]))
+    return mask[:, None]
+
+
+def _build_query_pad_index(meta: AttentionMetadata, num_tokens: int,
+                           device: torch.device) -> torch.Tensor:
+    """[num_tokens] int64: row of each flat token in the padded [num_seqs * max_query_len]."""
+    starts = meta.query_start_loc.to(device=device, dtype=torch.int64)
+    query_lens = starts[1:] - starts[:-1]
+    seq_idx = torch.repeat_interleave(torch.arange(meta.num_seqs, device=device), query_lens,
+                                      output_size=num_tokens)
+    idx_in_seq = torch.arange(num_tokens, device=device) - starts[seq_idx]
+    return seq_idx * meta.max_query_len + idx_in_seq
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its cached keys (stored already).
+
+    q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]. GQA: query head h
+    reads kv head h // (num_heads // num_kv_heads).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    num_seqs, max_q, max_len = meta.num_seqs, meta.max_query_len, meta.max_seq_len
+    if meta._mask is None:
+        meta._mask = _build_mask(meta, q.device)
+
+    num_blocks = -(-max_len // block_size)
+    # index_select on the flattened table: faster on CPU than advanced indexing k_cache[block_ids].
+    block_ids = meta.block_tables[:, :num_blocks].reshape(-1)
+    gathered_shape = (num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
+    # [num_seqs * num_blocks, block_size, ...] -> [num_seqs, kv_heads, max_len, head_dim]
+    keys = k_cache.index_select(0, block_ids).view(gathered_shape)[:, :max_len].transpose(1, 2)
+    values = v_cache.index_select(0, block_ids).view(gathered_shape)[:, :max_len].transpose(1, 2)
+
+    if meta.is_pure_decode:
+        # One query per sequence: fold each kv head's query group into the query axis, so the
+        # keys are read once per kv head instead of being repeated per query head.
+        q = q.view(num_seqs, num_kv_heads, group, head_dim)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta._mask, scale=scale)
+        return out.reshape(num_tokens, num_heads, head_dim)
+
+    if meta._query_pad_index is None:
+        meta._query_pad_index = _build_query_pad_index(meta, num_tokens, q.device)
+    pad_index = meta._query_pad_index
+    padded = q.new_zeros(num_seqs * max_q, num_heads, head_dim)
+    padded[pad_index] = q
+    padded = padded.view(num_seqs, max_q, num_heads, head_dim).transpose(1, 2)
+    out = F.scaled_dot_product_attention(padded, keys, values, attn_mask=meta._mask, scale=scale,
+                                         enable_gqa=group > 1)
+    # [num_seqs, num_heads, max_q, head_dim] -> [num_seqs * max_q, num_heads, head_dim]
+    out = out.transpose(1, 2).reshape(num_seqs * max_q, num_heads, head_dim)
+    return out[pad_index]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+              v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Store this step's k/v [num_tokens, num_kv_heads, head_dim], then attend with q."""
+    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    return paged_attention(q, k_cache, v_cache, meta, scale)

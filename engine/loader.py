@@ -41,6 +41,16 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
     raise FileNotFoundError(f"{path} is neither a .gguf file nor a model directory")
 
 
+def load_tokenizer(path: str | Path) -> tuple[Tokenizer, str]:
+    """Only the tokenizer and the model id, for a process that never runs the model."""
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return gguf_import.read_tokenizer(gguf_import.GGUFFile(path)), gguf_import.model_id_from_path(path)
+    if path.is_dir():
+        return Tokenizer.from_hf_dir(path), path.resolve().name
+    raise FileNotFoundError(f"{path} is neither a .gguf file nor a model directory")
+
+
 def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str) -> Checkpoint:
     gguf = gguf_import.GGUFFile(path)
     config = gguf_import.read_config(gguf)

@@ -127,9 +127,15 @@ def sampling_options(request: wire.GenerateRequest, num_prompt_tokens: int, max_
         temperature=s.temperature,
         top_p=s.top_p,
         top_k=s.top_k,
+        min_p=s.min_p,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty,
         seed=s.seed,
         stop_token_ids=list(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
+        min_tokens=min(s.min_tokens, wanted if wanted is not None else room),
+        logprobs=s.logprobs,
     )
 
 

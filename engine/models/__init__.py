@@ -1,7 +1,15 @@
 """Model families, one module each, looked up by a config's `model_type`.
 
 Entries name a module and class rather than importing them, so adding a family costs nothing
-until a checkpoint of that family is loaded.
+until a checkpoint of that family is loaded. Shared blocks (norms, rotary, MLP) live in `layers`.
+
+Every model class takes a `ModelConfig` and provides:
+- `forward(input_ids [num_tokens], positions [num_tokens], kv_caches, meta) -> [num_tokens, hidden]`
+  over a flat batch of any mix of prefills, prefill chunks and decodes (see `engine.attention`);
+- `compute_logits(hidden [n, hidden]) -> [n, vocab]`;
+- `num_layers`, `num_kv_heads`, `head_dim`: the paged KV cache it expects, `num_layers`
+  (k_cache, v_cache) pairs from `engine.attention.allocate_kv_caches`;
+- `tie_weights()`, called again by the loader after it allocates the weights.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from engine.config import ModelConfig
 # model_type -> (module, class)
 MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "llama": ("engine.models.llama", "LlamaForCausalLM"),
+    "qwen3": ("engine.models.qwen3", "Qwen3ForCausalLM"),
 }
 
 

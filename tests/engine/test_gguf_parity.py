@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from engine.gguf_import import model_id_from_path, unpermute_rope_rows
 from engine.loader import Checkpoint
+from tests.engine.helpers import PagedSequences, chunked_logits
 
 transformers = pytest.importorskip("transformers")
 
@@ -68,7 +69,7 @@ def test_unpermute_inverts_llama_cpp_permutation() -> None:
 def test_logits_match_transformers(smollm2: Checkpoint, hf_model: torch.nn.Module) -> None:
     ids = smollm2.tokenizer.encode(PROMPT)
     assert 18 <= len(ids) <= 30
-    ours = smollm2.model(torch.tensor(ids), torch.arange(len(ids)), all_logits=True)
+    ours = chunked_logits(smollm2.model, ids, block_size=16)
     theirs = hf_model(torch.tensor([ids])).logits[0]
     assert ours.shape == theirs.shape == (len(ids), 49152)
     assert (ours - theirs).abs().max().item() < 1e-3
@@ -76,32 +77,30 @@ def test_logits_match_transformers(smollm2: Checkpoint, hf_model: torch.nn.Modul
 
 
 @torch.inference_mode()
-def test_kv_cache_decode_matches_full_forward(smollm2: Checkpoint) -> None:
+def test_chunked_prefill_and_decode_match_one_prefill(smollm2: Checkpoint) -> None:
     ids = smollm2.tokenizer.encode(PROMPT)
     model = smollm2.model
-    full = model(torch.tensor(ids), torch.arange(len(ids)), all_logits=True)
-    cache = model.new_kv_cache(len(ids))
+    full = chunked_logits(model, ids, block_size=16)
+    chunked = chunked_logits(model, ids, [7, 9, len(ids) - 16], block_size=16)
+    torch.testing.assert_close(chunked, full, atol=1e-4, rtol=1e-4)
     split = len(ids) - 4
-    step_logits = [model(torch.tensor(ids[:split]), torch.arange(split), cache)[-1]]
-    for pos in range(split, len(ids)):
-        step_logits.append(model(torch.tensor([ids[pos]]), torch.tensor([pos]), cache)[-1])
-    torch.testing.assert_close(torch.stack(step_logits), full[split - 1:], atol=1e-4, rtol=1e-4)
+    decoded = chunked_logits(model, ids, [split] + [1] * 4, block_size=16)
+    torch.testing.assert_close(decoded, full, atol=1e-4, rtol=1e-4)
 
 
 @torch.inference_mode()
 def test_greedy_generation_matches_transformers(smollm2: Checkpoint, hf_model: torch.nn.Module,
                                                 chat_prompt_ids: list[int]) -> None:
     max_new_tokens, eos = 20, smollm2.tokenizer.eos_token_id
-    model, prompt = smollm2.model, chat_prompt_ids
-    cache = model.new_kv_cache(len(prompt) + max_new_tokens)
-    logits = model(torch.tensor(prompt), torch.arange(len(prompt)), cache)
+    prompt = chat_prompt_ids
+    seqs = PagedSequences(smollm2.model, [len(prompt) + max_new_tokens], block_size=16)
+    logits = seqs.step({0: prompt})[0]
     ours: list[int] = []
     while True:
         ours.append(int(logits[-1].argmax()))
         if ours[-1] == eos or len(ours) == max_new_tokens:
             break
-        position = len(prompt) + len(ours) - 1
-        logits = model(torch.tensor([ours[-1]]), torch.tensor([position]), cache)
+        logits = seqs.step({0: [ours[-1]]})[0]
 
     input_ids = torch.tensor([prompt])
     generated = hf_model.generate(input_ids, attention_mask=torch.ones_like(input_ids),

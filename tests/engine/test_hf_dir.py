@@ -7,42 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from engine.loader import load_checkpoint
+from tests.engine.helpers import chunked_logits, perturb_norms_and_biases, save_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
 VOCAB_SIZE = 512
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
-    " + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
-    "{% endif %}"
-)
-CORPUS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Pack my box with five dozen liquor jugs; 0123456789.",
-    "def add(a, b):\n    return a + b\n",
-] * 20
-
-
-def _save_tokenizer(directory: Path) -> None:
-    tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator(CORPUS, trainer)
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<|im_start|>",
-        "eos_token": {"content": "<|im_end|>", "special": True},
-        "chat_template": CHAT_TEMPLATE,
-    }))
-
 
 CASES = {
     "untied": dict(tie_word_embeddings=False),
@@ -63,16 +34,12 @@ def hf_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
         bos_token_id=1, eos_token_id=2, **CASES[request.param])
     model = transformers.LlamaForCausalLM(config).float()
-    # Random-init norms are all ones; perturb them so a misloaded norm would show.
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                param.add_(torch.randn_like(param) * 0.1)
+    perturb_norms_and_biases(model)
     shard = "60KB" if request.param.startswith("sharded") else "50MB"
     model.save_pretrained(directory, max_shard_size=shard)
     model.generation_config.eos_token_id = [2, 0]
     model.generation_config.save_pretrained(directory)
-    _save_tokenizer(directory)
+    save_tokenizer(directory, VOCAB_SIZE)
     return directory
 
 
@@ -81,7 +48,7 @@ def test_logits_match_transformers(hf_dir: Path) -> None:
     checkpoint = load_checkpoint(hf_dir)
     reference = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     ids = checkpoint.tokenizer.encode("The lazy fox returns a + b, 42 times.")
-    ours = checkpoint.model(torch.tensor(ids), torch.arange(len(ids)), all_logits=True)
+    ours = chunked_logits(checkpoint.model, ids)
     theirs = reference(torch.tensor([ids])).logits[0]
     assert (ours - theirs).abs().max().item() < 1e-4
     if checkpoint.config.tie_word_embeddings:

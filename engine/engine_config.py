@@ -1,0 +1,41 @@
+"""How an engine is sized: batch limits, KV pool, device. No torch here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    # A .gguf file or an HF model directory.
+    model: str
+    device: str = "cpu"
+    # "auto": float32 on CPU (bf16 matmuls are slow there), bfloat16 on CUDA.
+    dtype: str = "auto"
+    block_size: int = 16
+    # 0 sizes the pool from kv_cache_bytes.
+    num_kv_blocks: int = 0
+    kv_cache_bytes: int = 1 << 30
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    # 0: the model's own limit (also capped by what the KV pool can hold for one sequence).
+    max_model_len: int = 0
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError("block_size must be a power of two")
+        if self.num_kv_blocks < 0 or self.kv_cache_bytes < 0:
+            raise ValueError("num_kv_blocks and kv_cache_bytes must be >= 0")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.max_model_len < 0:
+            raise ValueError("max_model_len must be >= 0")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"unsupported dtype {self.dtype!r}")
+
+    @property
+    def torch_dtype_name(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if self.device == "cpu" else "bfloat16"

@@ -1,0 +1,237 @@
+"""What runs this step: continuous batching under one token budget, chunked prefill, preemption.
+
+Each step the running requests go first (a decode is one token; a request still mid-prefill gets its
+next chunk), in arrival order; then waiting requests are admitted first-come first-served while the
+budget, `max_num_seqs` and the KV cache allow. When a running request cannot get a block, the newest
+running request is preempted: its blocks are freed and it is later recomputed from scratch over its
+prompt and outputs so far, cheaply when its blocks are still in the prefix cache.
+
+The scheduler never advances a request at schedule time; `update_from_output` does, once the step's
+tokens are computed. No torch here.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from engine.kv_cache import KVCacheManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be at least 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be at least 1")
+        if self.max_model_len < 1:
+            raise ValueError("max_model_len must be at least 1")
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """Compute `request.all_token_ids[request.num_computed_tokens:][:num_new_tokens]` this step."""
+
+    request: Request
+    num_new_tokens: int
+    # The chunk reaches the request's last token, so the runner samples the next one.
+    sample: bool
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    preempted: list[str]
+    num_batched_tokens: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        # Kept in arrival order, so the newest running request is always the last one.
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._arrival: dict[str, int] = {}
+        self._next_arrival = 0
+        # Rejected at add time; handed back in the next update_from_output's finished list.
+        self._rejected: list[Request] = []
+        # One sequence can never outgrow the whole pool.
+        self.max_seq_len = min(config.max_model_len, kv_cache.num_blocks * kv_cache.block_size)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self._rejected)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request. One that can never run (its prompt is longer than max_model_len or needs
+        more blocks than the pool has) is marked FINISHED_ERROR with `request.error` set at once,
+        and comes back in the finished list of the next `update_from_output`."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request {request.request_id!r} is already scheduled")
+        if request.status != RequestStatus.WAITING:
+            raise ValueError(f"request {request.request_id!r} is {request.status.name}, not WAITING")
+        capacity = self.kv_cache.num_blocks * self.kv_cache.block_size
+        if request.num_tokens > self.config.max_model_len:
+            request.error = (
+                f"prompt has {request.num_tokens} tokens, more than max_model_len "
+                f"({self.config.max_model_len})"
+            )
+        elif request.num_tokens > capacity:
+            request.error = (
+                f"prompt has {request.num_tokens} tokens, more than the KV cache holds ({capacity})"
+            )
+        if request.error is not None:
+            request.status = RequestStatus.FINISHED_ERROR
+            self._rejected.append(request)
+            return
+        self.requests[request.request_id] = request
+        self._arrival[request.request_id] = self._next_arrival
+        self._next_arrival += 1
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        """Finish the given requests as aborted and free their blocks now; unknown ids are ignored."""
+        aborted = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            aborted.append(request)
+        return aborted
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new_tokens, preempted):
+                break  # it was the newest running request, so none is left after it
+            scheduled.append(self._scheduled(request, num_new_tokens))
+            budget -= num_new_tokens
+            index += 1
+
+        # Right after a preemption the cache is full; admitting now would only thrash.
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting[0]
+            computed_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+            num_new_tokens = min(request.num_tokens - num_hit_tokens, budget)
+            if not self.kv_cache.allocate_slots(request, num_new_tokens, computed_blocks):
+                break  # FIFO: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=lambda r: self._arrival[r.request_id])
+            scheduled.append(self._scheduled(request, num_new_tokens))
+            budget -= num_new_tokens
+
+        return SchedulerOutput(
+            scheduled=scheduled,
+            preempted=preempted,
+            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+        )
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: dict[str, int]
+    ) -> tuple[list[Request], list[Request]]:
+        """Advance the step's requests; `sampled` maps request id to the token sampled for every
+        scheduled request with `sample` set. Returns (requests that got a new token, requests that
+        finished this step, including ones rejected at add time)."""
+        with_new_token: list[Request] = []
+        finished: list[Request] = self._rejected
+        self._rejected = []
+        for item in output.scheduled:
+            request = item.request
+            if request.status != RequestStatus.RUNNING:
+                continue  # aborted since the step was scheduled
+            request.num_computed_tokens += item.num_new_tokens
+            self.kv_cache.cache_blocks(request, request.num_computed_tokens)
+            if not item.sample:
+                continue
+            token_id = sampled[request.request_id]
+            request.append_output_token(token_id)
+            with_new_token.append(request)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                if status == RequestStatus.FINISHED_STOPPED:
+                    request.stop_reason = token_id
+                self._finish(request, status)
+                finished.append(request)
+        if finished:
+            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        return with_new_token, finished
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        sampling = request.sampling
+        if request.num_output_tokens >= sampling.min_tokens and (
+            token_id in sampling.stop_token_ids
+            or (not sampling.ignore_eos and token_id in request.eos_token_ids)
+        ):
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= sampling.max_tokens or request.num_tokens >= self.max_seq_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _allocate_or_preempt(self, request: Request, num_new_tokens: int, preempted: list[str]) -> bool:
+        """Preempt the newest running requests until `request` gets its slots; False if that meant
+        preempting `request` itself. The running requests before it are already scheduled and,
+        being older, are never the ones preempted."""
+        while not self.kv_cache.allocate_slots(request, num_new_tokens):
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _scheduled(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
+        sample = request.num_computed_tokens + num_new_tokens == request.num_tokens
+        return ScheduledRequest(request=request, num_new_tokens=num_new_tokens, sample=sample)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        """Release everything but the running list, which the caller updates."""
+        request.status = status
+        self.kv_cache.free(request)
+        del self.requests[request.request_id]
+        del self._arrival[request.request_id]

@@ -1,0 +1,107 @@
+"""Shared test helpers: drive a model through a paged KV cache, save a tiny HF tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+from torch import nn
+
+from engine.attention import AttentionMetadata, KVCache, allocate_kv_caches
+
+
+class PagedSequences:
+    """KV caches for a few sequences, each on shuffled (non-contiguous) blocks of its own."""
+
+    def __init__(self, model: nn.Module, max_lens: list[int], block_size: int = 4,
+                 seed: int = 0) -> None:
+        self.model, self.block_size = model, block_size
+        per_seq = [-(-n // block_size) for n in max_lens]
+        num_blocks = sum(per_seq) + 1
+        weight = next(model.parameters())
+        self.kv_caches: list[KVCache] = allocate_kv_caches(
+            model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim,
+            weight.dtype, weight.device)
+        free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+        self.block_tables = []
+        for n in per_seq:
+            self.block_tables.append(free[:n])
+            free = free[n:]
+        self.num_computed = [0] * len(max_lens)
+
+    def step(self, chunks: dict[int, list[int]]) -> list[torch.Tensor]:
+        """Feed each listed sequence its next tokens in one batch; logits [len(chunk), vocab]."""
+        seq_ids = list(chunks)
+        query_lens = [len(chunks[i]) for i in seq_ids]
+        seq_lens = [self.num_computed[i] + n for i, n in zip(seq_ids, query_lens, strict=True)]
+        meta = AttentionMetadata.build(query_lens, seq_lens,
+                                       [self.block_tables[i] for i in seq_ids], self.block_size)
+        input_ids = torch.tensor([t for i in seq_ids for t in chunks[i]])
+        positions = torch.cat([torch.arange(s - n, s) for n, s in zip(query_lens, seq_lens,
+                                                                       strict=True)])
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        for i, s in zip(seq_ids, seq_lens, strict=True):
+            self.num_computed[i] = s
+        return list(self.model.compute_logits(hidden).split(query_lens))
+
+
+def chunked_logits(model: nn.Module, ids: list[int], chunk_lens: list[int] | None = None,
+                   block_size: int = 4) -> torch.Tensor:
+    """Logits at every position [len(ids), vocab], the prompt fed in chunks (default: one)."""
+    chunk_lens = chunk_lens or [len(ids)]
+    assert sum(chunk_lens) == len(ids)
+    seqs = PagedSequences(model, [len(ids)], block_size)
+    logits, start = [], 0
+    for n in chunk_lens:
+        logits += seqs.step({0: ids[start:start + n]})
+        start += n
+    return torch.cat(logits)
+
+
+def batched_last_logits(model: nn.Module, prompts: list[list[int]],
+                        block_size: int = 4) -> torch.Tensor:
+    """All prompts prefilled in one paged batch: last-position logits [len(prompts), vocab]."""
+    seqs = PagedSequences(model, [len(p) for p in prompts], block_size)
+    logits = seqs.step(dict(enumerate(prompts)))
+    return torch.stack([x[-1] for x in logits])
+
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% endif %}"
+)
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Pack my box with five dozen liquor jugs; 0123456789.",
+    "def add(a, b):\n    return a + b\n",
+] * 20
+
+
+def save_tokenizer(directory: Path, vocab_size: int) -> None:
+    """A byte-level BPE trained on a tiny corpus, plus a ChatML-style tokenizer_config.json."""
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|im_start|>",
+        "eos_token": {"content": "<|im_end|>", "special": True},
+        "chat_template": CHAT_TEMPLATE,
+    }))
+
+
+def perturb_norms_and_biases(model: nn.Module) -> None:
+    """Random-init norms are all ones; perturb them (and biases) so a misloaded one would show."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                param.add_(torch.randn_like(param) * 0.1)

@@ -1,0 +1,101 @@
+"""The engine core in its own process, driven from asyncio: stream, coalesce, abort, survive."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from engine.api import EngineOutput, EngineRequest, FinishReason, SamplingOptions
+from engine.core_client import AsyncEngine, merge_outputs
+from engine.default_model import default_model_path
+from engine.engine_config import EngineConfig
+from engine.loader import Checkpoint
+
+
+@pytest.fixture
+async def engine() -> AsyncEngine:
+    engine = await AsyncEngine.start(EngineConfig(model=str(default_model_path()), max_num_seqs=4))
+    try:
+        yield engine
+    finally:
+        await engine.shutdown()
+
+
+def greedy(max_tokens: int) -> SamplingOptions:
+    return SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+async def collect(engine: AsyncEngine, request: EngineRequest) -> list[EngineOutput]:
+    return [out async for out in engine.generate(request)]
+
+
+async def test_streams_the_same_tokens_as_the_in_process_core(engine: AsyncEngine, smollm2: Checkpoint,
+                                                               chat_prompt_ids: list[int]) -> None:
+    from engine.core import EngineCore
+
+    core = EngineCore(smollm2, EngineConfig(model="in-memory"))
+    core.add_request(EngineRequest("ref", chat_prompt_ids, greedy(10)))
+    expected = []
+    while core.has_work():
+        expected += [t for out in core.step() for t in out.new_token_ids]
+
+    outputs = await collect(engine, EngineRequest("a", chat_prompt_ids, greedy(10)))
+    assert [t for out in outputs for t in out.new_token_ids] == expected
+    assert outputs[-1].finished and outputs[-1].finish_reason is FinishReason.LENGTH
+    assert outputs[0].prefill_ms is not None and outputs[0].num_prompt_tokens == len(chat_prompt_ids)
+    assert engine.free_slots() == 4
+
+
+async def test_a_slow_consumer_gets_coalesced_deltas(engine: AsyncEngine, chat_prompt_ids: list[int]) -> None:
+    outputs = []
+    async for out in engine.generate(EngineRequest("slow", chat_prompt_ids, greedy(24))):
+        outputs.append(out)
+        if len(outputs) == 1:
+            # Stop consuming until the engine has certainly finished everything.
+            while engine.stats.generated_tokens < 24:
+                await asyncio.sleep(0.01)
+    assert sum(len(o.new_token_ids) for o in outputs) == 24
+    assert len(outputs) == 2, "everything produced while we were away arrives as one output"
+
+
+async def test_abort_ends_the_stream_and_frees_the_pool(engine: AsyncEngine, chat_prompt_ids: list[int]) -> None:
+    outputs = []
+    async for out in engine.generate(EngineRequest("long", chat_prompt_ids, greedy(500))):
+        outputs.append(out)
+        if len(outputs) == 3:
+            await engine.abort("long")
+    assert outputs[-1].finish_reason is FinishReason.ABORT
+    assert sum(len(o.new_token_ids) for o in outputs) < 500
+    # The next step's stats show every block back in the pool.
+    await collect(engine, EngineRequest("next", chat_prompt_ids, greedy(1)))
+    assert engine.stats.num_free_blocks == engine.info.num_blocks
+
+
+async def test_breaking_out_of_the_stream_aborts(engine: AsyncEngine, chat_prompt_ids: list[int]) -> None:
+    async for _ in engine.generate(EngineRequest("left", chat_prompt_ids, greedy(500))):
+        break
+    outputs = await collect(engine, EngineRequest("after", chat_prompt_ids, greedy(2)))
+    assert outputs[-1].finish_reason is FinishReason.LENGTH
+    assert engine.stats.num_running == 0 and engine.stats.num_free_blocks == engine.info.num_blocks
+
+
+async def test_a_dead_core_fails_requests_instead_of_hanging(engine: AsyncEngine, chat_prompt_ids: list[int]) -> None:
+    stream = engine.generate(EngineRequest("doomed", chat_prompt_ids, greedy(500)))
+    await stream.__anext__()
+    os.kill(engine._process.pid, signal.SIGKILL)
+    rest = [out async for out in stream]
+    assert rest[-1].finish_reason is FinishReason.ERROR
+    later = await collect(engine, EngineRequest("later", chat_prompt_ids, greedy(2)))
+    assert later[-1].finish_reason is FinishReason.ERROR
+    assert engine.free_slots() == 0
+
+
+def test_merge_outputs_concatenates_tokens_and_keeps_first_prefill() -> None:
+    a = EngineOutput("r", [1], num_prompt_tokens=5, prefill_ms=3.0)
+    b = EngineOutput("r", [2, 3], finished=True, finish_reason=FinishReason.STOP, num_prompt_tokens=5)
+    merged = merge_outputs(a, b)
+    assert merged.new_token_ids == [1, 2, 3]
+    assert merged.finished and merged.finish_reason is FinishReason.STOP and merged.prefill_ms == 3.0

@@ -1,0 +1,154 @@
+"""The engine core on the real SmolLM2 weights: batching, preemption and prefix caching are
+invisible in the output; aborts give every block back."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.api import EngineRequest, FinishReason, SamplingOptions
+from engine.core import EngineCore
+from engine.engine_config import EngineConfig
+from engine.loader import Checkpoint
+
+TOPICS = [
+    "the sea", "a red bicycle", "why the sky is blue, in one sentence", "bread",
+    "the history of the printing press and why it mattered so much to Europe", "owls",
+    "a quiet winter morning in a small mountain village", "prime numbers",
+]
+
+
+def prompts(checkpoint: Checkpoint) -> list[list[int]]:
+    tokenizer = checkpoint.tokenizer
+    out = []
+    for topic in TOPICS:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": f"Write about {topic}."}])
+        out.append(tokenizer.encode(text, add_special_tokens=False))
+    assert len({len(p) for p in out}) > 4, "prompt lengths should differ"
+    return out
+
+
+def make_core(checkpoint: Checkpoint, **overrides: object) -> EngineCore:
+    return EngineCore(checkpoint, EngineConfig(model="in-memory", **overrides))  # type: ignore[arg-type]
+
+
+def greedy(max_tokens: int = 12, **kw: object) -> SamplingOptions:
+    return SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)  # type: ignore[arg-type]
+
+
+def run(core: EngineCore, requests: list[EngineRequest]) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    for request in requests:
+        core.add_request(request)
+    finished = set()
+    while core.has_work():
+        for out in core.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                assert out.finish_reason is FinishReason.LENGTH, out
+                finished.add(out.request_id)
+    assert finished == set(tokens)
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def alone(smollm2: Checkpoint) -> dict[str, list[int]]:
+    """Each prompt run on its own: the reference every batched run must reproduce."""
+    core = make_core(smollm2)
+    result = {}
+    for i, prompt in enumerate(prompts(smollm2)):
+        result.update(run(core, [EngineRequest(f"r{i}", prompt, greedy())]))
+    return result
+
+
+def test_batching_is_invisible(smollm2: Checkpoint, alone: dict[str, list[int]]) -> None:
+    core = make_core(smollm2, max_num_batched_tokens=64)
+    requests = [EngineRequest(f"r{i}", p, greedy()) for i, p in enumerate(prompts(smollm2))]
+    assert run(core, requests) == alone
+    assert core.stats.num_preemptions == 0
+
+
+def test_preemption_is_invisible(smollm2: Checkpoint, alone: dict[str, list[int]]) -> None:
+    # 24 blocks of 4 tokens cannot hold even two of these 34-47 token prompts plus their outputs.
+    core = make_core(smollm2, block_size=4, num_kv_blocks=24, enable_prefix_caching=False)
+    requests = [EngineRequest(f"r{i}", p, greedy()) for i, p in enumerate(prompts(smollm2))]
+    assert run(core, requests) == alone
+    assert core.stats.num_preemptions > 0
+    assert core.kv_cache.num_free_blocks == 24
+
+
+def test_prefix_cache_computes_only_new_tokens(smollm2: Checkpoint) -> None:
+    tokenizer = smollm2.tokenizer
+    system = "You are a meticulous assistant who answers questions about geography. " * 8
+    first, second = (
+        tokenizer.encode(tokenizer.apply_chat_template(
+            [{"role": "system", "content": system}, {"role": "user", "content": q}]), add_special_tokens=False)
+        for q in ("What is the capital of Italy?", "Name a river in Spain.")
+    )
+    shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    assert shared >= 64
+
+    core = make_core(smollm2)
+    run(core, [EngineRequest("first", first, greedy())])
+    computed_before = core.stats.prompt_tokens_computed
+    cached = []
+    core.add_request(EngineRequest("second", second, greedy()))
+    with_cache: list[int] = []
+    while core.has_work():
+        for out in core.step():
+            with_cache.extend(out.new_token_ids)
+            if out.prefill_ms is not None:
+                cached.append(out.num_cached_tokens)
+    block = core.info.block_size
+    assert cached == [shared // block * block]
+    assert core.stats.prompt_tokens_computed - computed_before == len(second) - cached[0]
+
+    fresh = run(make_core(smollm2, enable_prefix_caching=False), [EngineRequest("second", second, greedy())])
+    assert with_cache == fresh["second"]
+
+
+def test_abort_mid_generation_frees_every_block(smollm2: Checkpoint) -> None:
+    core = make_core(smollm2, num_kv_blocks=64)
+    prompt = prompts(smollm2)[4]
+    core.add_request(EngineRequest("long", prompt, greedy(max_tokens=200)))
+    core.add_request(EngineRequest("other", prompts(smollm2)[0], greedy(max_tokens=200)))
+    for _ in range(5):
+        core.step()
+    assert core.kv_cache.num_free_blocks < 64
+    outputs = core.abort(["long", "other", "never-existed"])
+    assert {(o.request_id, o.finish_reason) for o in outputs} == {
+        ("long", FinishReason.ABORT), ("other", FinishReason.ABORT)
+    }
+    assert not core.has_work()
+    assert core.kv_cache.num_free_blocks == 64
+
+
+def test_seeded_sampling_is_reproducible_alone_or_batched(smollm2: Checkpoint) -> None:
+    all_prompts = prompts(smollm2)
+
+    def sampled(seed: int) -> SamplingOptions:
+        return SamplingOptions(max_tokens=12, temperature=1.0, top_p=0.95, seed=seed, ignore_eos=True)
+
+    alone_core = make_core(smollm2)
+    solo = run(alone_core, [EngineRequest("s", all_prompts[2], sampled(7))])["s"]
+    batch = run(make_core(smollm2), [
+        EngineRequest("a", all_prompts[0], sampled(1)),
+        EngineRequest("s", all_prompts[2], sampled(7)),
+        EngineRequest("b", all_prompts[5], SamplingOptions(max_tokens=12, temperature=1.0, ignore_eos=True)),
+    ])
+    assert batch["s"] == solo
+    other = run(make_core(smollm2), [EngineRequest("s", all_prompts[2], sampled(8))])["s"]
+    assert other != solo
+
+
+def test_top_k_1_equals_greedy(smollm2: Checkpoint, alone: dict[str, list[int]]) -> None:
+    prompt = prompts(smollm2)[3]
+    options = SamplingOptions(max_tokens=12, temperature=0.8, top_k=1, seed=3, ignore_eos=True)
+    assert run(make_core(smollm2), [EngineRequest("r3", prompt, options)])["r3"] == alone["r3"]
+
+
+def test_prompt_longer_than_the_model_fails_cleanly(smollm2: Checkpoint) -> None:
+    core = make_core(smollm2, max_model_len=64)
+    core.add_request(EngineRequest("big", list(range(100, 200)), greedy()))
+    outputs = core.step()
+    assert [(o.request_id, o.finish_reason, o.finished) for o in outputs] == [("big", FinishReason.ERROR, True)]
+    assert not core.has_work()

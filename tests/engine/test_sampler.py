@@ -1,0 +1,330 @@
+"""The batched sampler on CPU: greedy, truncation, penalties, min_tokens, logprobs, seeded replay."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.api import SamplingOptions
+from engine.sampler import Sampler, SamplingRow, _top_k_top_p_cutoff, make_generator, sample
+
+VOCAB = 1000  # not a multiple of the CDF block: exercises the padding
+
+
+def options(**kwargs: object) -> SamplingOptions:
+    kwargs.setdefault("max_tokens", 64)
+    return SamplingOptions(**kwargs)
+
+
+def row(opts: SamplingOptions, generator: torch.Generator | None = None, prompt: list[int] | None = None,
+        output: list[int] | None = None, eos: list[int] | None = None) -> SamplingRow:
+    return SamplingRow(options=opts, generator=generator, prompt_token_ids=prompt or [0],
+                       output_token_ids=output or [], eos_token_ids=eos or [])
+
+
+def random_logits(num_rows: int, vocab: int = VOCAB, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
+    return torch.randn(num_rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def history_logits(history: list[int], vocab: int = VOCAB) -> torch.Tensor:
+    """A stand-in model: logits that depend only on the request's own tokens."""
+    seed = sum((i + 1) * token for i, token in enumerate(history)) % (2**31)
+    return random_logits(1, vocab, seed=seed)[0]
+
+
+def allowed_mask(logits: torch.Tensor, opts: SamplingOptions) -> torch.Tensor:
+    """Naive reference for temperature → top-k → top-p → min-p, by sorting the whole row."""
+    probs = (logits / opts.temperature).softmax(-1).double()
+    order = probs.argsort(descending=True)
+    sorted_probs = probs[order]
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    if 0 < opts.top_k < probs.numel():
+        keep &= probs >= sorted_probs[opts.top_k - 1]
+    if opts.top_p < 1.0:
+        kept_sorted = torch.where(keep[order], sorted_probs, 0.0)
+        cum = kept_sorted.cumsum(0) / kept_sorted.sum()
+        last = int((cum < opts.top_p).sum())  # the first position whose running mass reaches top_p
+        keep &= probs >= sorted_probs[last]
+    if opts.min_p > 0:
+        keep &= probs >= opts.min_p * probs.max()
+    return keep
+
+
+SEEDED_CONFIGS = {
+    "plain": dict(temperature=1.0),
+    "hot": dict(temperature=1.7),
+    "top_k": dict(temperature=0.8, top_k=20),
+    "top_p": dict(temperature=1.0, top_p=0.8),
+    "min_p": dict(temperature=1.2, min_p=0.05),
+    "penalties": dict(temperature=1.0, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.3),
+    "everything": dict(temperature=0.9, top_k=50, top_p=0.9, min_p=0.02, repetition_penalty=1.1,
+                       frequency_penalty=0.2, presence_penalty=0.2, min_tokens=5, logprobs=3),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_greedy_is_argmax(dtype: torch.dtype) -> None:
+    logits = random_logits(8).to(dtype)
+    out = Sampler()(logits, [row(options(temperature=0.0)) for _ in range(8)])
+    assert out.token_ids == logits.float().argmax(-1).tolist()
+    assert out.logprobs == [None] * 8
+
+
+def test_greedy_ties_go_to_the_lowest_id() -> None:
+    logits = torch.zeros(2, 10)
+    logits[0, [7, 3, 9]] = 5.0
+    logits[1, [4, 2]] = 1.0
+    out = Sampler()(logits, [row(options(temperature=0.0)), row(options(temperature=0.0))])
+    assert out.token_ids == [3, 2]
+
+
+def test_top_k_one_is_greedy() -> None:
+    logits = random_logits(16)
+    rows = [row(options(temperature=1.0, top_k=1), make_generator(i)) for i in range(16)]
+    assert Sampler()(logits, rows).token_ids == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("config", list(SEEDED_CONFIGS.values()), ids=list(SEEDED_CONFIGS))
+def test_seeded_request_replays_alone_and_batched(config: dict[str, object]) -> None:
+    opts = options(seed=1234, **config)
+    prompt = [5, 17, 17, 301]
+    eos = [2]
+
+    def run(batched: bool) -> tuple[list[int], list[object]]:
+        sampler = Sampler()
+        generator = make_generator(opts.seed)
+        output: list[int] = []
+        logprobs: list[object] = []
+        for step in range(20):
+            own = history_logits(prompt + output)
+            if not batched:
+                result = sampler(own.unsqueeze(0), [row(opts, generator, prompt, output, eos)])
+                output.append(result.token_ids[0])
+                logprobs.append(result.logprobs[0])
+                continue
+            # Neighbours with every kind of sampling, their own seeds or the shared generator.
+            num_rows = 1 + (step % 5) * 3
+            position = (step * 7) % num_rows
+            logits = random_logits(num_rows, seed=100 + step)
+            logits[position] = own
+            neighbour_opts = [options(temperature=0.0), options(top_p=0.5, seed=9), options(top_k=3),
+                              options(temperature=2.0, repetition_penalty=1.5), options(min_p=0.1)]
+            rows = []
+            for i in range(num_rows):
+                if i == position:
+                    rows.append(row(opts, generator, prompt, output, eos))
+                else:
+                    other = neighbour_opts[i % len(neighbour_opts)]
+                    other_generator = make_generator(other.seed) if other.seed is not None else None
+                    rows.append(row(other, other_generator, [1, 2, 3], [i, i + 1], eos))
+            result = sampler(logits, rows)
+            output.append(result.token_ids[position])
+            logprobs.append(result.logprobs[position])
+        return output, logprobs
+
+    alone, alone_logprobs = run(batched=False)
+    assert run(batched=True) == (alone, alone_logprobs)
+    assert len(set(alone)) > 1
+
+
+def test_different_seeds_give_different_tokens() -> None:
+    logits = random_logits(1, scale=1.0)
+    sequences = []
+    for seed in (1, 2, 3):
+        sampler, generator = Sampler(), make_generator(seed)
+        sequences.append([sampler(logits, [row(options(), generator)]).token_ids[0] for _ in range(50)])
+    assert len({tuple(s) for s in sequences}) == 3
+
+
+def test_seeded_generator_replays_across_samplers() -> None:
+    logits = random_logits(1, scale=1.0)
+    runs = []
+    for _ in range(2):
+        generator = make_generator(77)
+        runs.append([Sampler()(logits, [row(options(seed=77), generator)]).token_ids[0] for _ in range(30)])
+    assert runs[0] == runs[1]
+
+
+def test_samples_follow_the_distribution() -> None:
+    # 600 tokens span three CDF blocks; put mass in each of them.
+    logits = torch.full((600,), -30.0)
+    logits[[3, 255, 256, 300, 511, 512, 599]] = torch.tensor([1.0, 0.5, 0.0, 1.5, -0.5, 0.7, 0.2])
+    expected = logits.softmax(-1)
+    num_draws = 4000
+    rows = [row(options(), make_generator(i)) for i in range(num_draws)]
+    tokens = Sampler()(logits.expand(num_draws, -1), rows).token_ids
+    frequency = torch.bincount(torch.tensor(tokens), minlength=600).double() / num_draws
+    assert set(tokens) <= {3, 255, 256, 300, 511, 512, 599}
+    assert (frequency - expected).abs().max() < 0.025
+
+
+TRUNCATION_CONFIGS = {
+    "top_k=5": dict(top_k=5),
+    "top_p=0.6": dict(top_p=0.6),
+    "top_p=0.95-hot": dict(top_p=0.95, temperature=1.5),
+    "min_p=0.2": dict(min_p=0.2),
+    "top_k=40,top_p=0.7": dict(top_k=40, top_p=0.7),
+    "top_p=0.9,min_p=0.1": dict(top_p=0.9, min_p=0.1),
+    "cold-top_p=0.99": dict(top_p=0.99, temperature=0.3),
+}
+
+
+@pytest.mark.parametrize("config", list(TRUNCATION_CONFIGS.values()), ids=list(TRUNCATION_CONFIGS))
+def test_truncation_never_samples_excluded_tokens(config: dict[str, object]) -> None:
+    opts = options(**config)
+    logits = random_logits(1, scale=1.5, seed=5)[0]
+    allowed = allowed_mask(logits, opts)
+    num_draws = 2000
+    rows = [row(opts, make_generator(i)) for i in range(num_draws)]
+    tokens = torch.tensor(Sampler()(logits.expand(num_draws, -1), rows).token_ids)
+    assert allowed[tokens].all()
+    # Not a degenerate pick: most of a small kept set shows up, and the kept set has several tokens.
+    assert len(set(tokens.tolist())) >= min(int(allowed.sum()), 5)
+
+
+@pytest.mark.parametrize("vocab", [300, 6000], ids=["vocab300", "vocab6000"])
+@pytest.mark.parametrize("config", [
+    dict(top_k=7), dict(top_p=0.5), dict(top_p=0.97), dict(top_k=300, top_p=0.9),
+    dict(top_k=4500, top_p=0.99),
+], ids=["top_k=7", "top_p=0.5", "top_p=0.97", "top_k=300,top_p=0.9", "top_k=4500,top_p=0.99"])
+def test_cutoff_matches_naive_sort(vocab: int, config: dict[str, object]) -> None:
+    # A flat distribution makes the nucleus wider than the first candidate rounds.
+    logits = random_logits(4, vocab, seed=11, scale=0.3)
+    logits[1] = random_logits(1, vocab, seed=12, scale=4.0)[0]
+    logits[2, :50] = 2.0  # ties straddling the top-k boundary are kept together
+    opts = options(**config)
+    probs = logits.softmax(-1)
+    cutoff = _top_k_top_p_cutoff(probs, [opts.top_k] * 4, [opts.top_p] * 4)
+    for i in range(4):
+        assert torch.equal(probs[i] >= cutoff[i], allowed_mask(logits[i], opts)), f"row {i}"
+
+
+def test_repetition_penalty_scales_seen_logits() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
+    opts = options(temperature=0.0, repetition_penalty=2.0, logprobs=5)
+    out = Sampler()(logits, [row(opts, prompt=[0, 4], output=[1, 1])])
+    penalized = torch.tensor([1.0, -2.0, 0.5, 3.0, -4.0])  # seen: 0, 1, 4; positive halved, negative doubled
+    assert_logprobs_equal(out.logprobs[0].top, penalized)
+    assert out.token_ids == [3]
+
+
+def test_frequency_and_presence_penalties_use_output_counts() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0]])
+    opts = options(temperature=0.0, frequency_penalty=0.5, presence_penalty=0.25, logprobs=5)
+    # The prompt does not count; token 3 twice, token 1 once.
+    out = Sampler()(logits, [row(opts, prompt=[0, 2, 4], output=[3, 1, 3])])
+    penalized = torch.tensor([2.0, -1.0 - 0.5 - 0.25, 0.5, 3.0 - 1.0 - 0.25, 1.0])
+    assert_logprobs_equal(out.logprobs[0].top, penalized)
+    assert out.token_ids == [0]
+
+
+def test_penalties_leave_other_rows_and_the_input_alone() -> None:
+    logits = random_logits(3)
+    original = logits.clone()
+    rows = [row(options(temperature=0.0, logprobs=0)),
+            row(options(temperature=0.0, repetition_penalty=1e3, logprobs=0),
+                output=[int(logits[1].argmax())]),
+            row(options(temperature=0.0, logprobs=0), output=[int(logits[2].argmax())])]
+    out = Sampler()(logits, rows)
+    assert torch.equal(logits, original)
+    assert out.token_ids[0] == int(logits[0].argmax())
+    assert out.token_ids[1] != int(logits[1].argmax())
+    assert out.token_ids[2] == int(logits[2].argmax())
+    assert out.logprobs[2].logprob == pytest.approx(float(logits[2].log_softmax(-1).max()), abs=1e-5)
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True], ids=["eos-stops", "ignore-eos"])
+def test_min_tokens_masks_eos_and_stop_ids(ignore_eos: bool) -> None:
+    logits = torch.zeros(1, 8)
+    logits[0, 2] = 10.0  # eos
+    logits[0, 5] = 9.0  # a stop token id
+    logits[0, 6] = 1.0
+    opts = options(temperature=0.0, min_tokens=3, stop_token_ids=[5], ignore_eos=ignore_eos, logprobs=2)
+    sampler = Sampler()
+    picks = [sampler(logits, [row(opts, output=[7] * n, eos=[2])]) for n in range(4)]
+    before_min = 2 if ignore_eos else 6  # with ignore_eos the eos id is an ordinary token
+    assert [p.token_ids[0] for p in picks] == [before_min] * 3 + [2]
+    if not ignore_eos:
+        top = picks[0].logprobs[0].top
+        assert top[0][0] == 6
+        assert all(math.isfinite(lp) for _, lp in top)
+
+
+@pytest.mark.parametrize("config", [
+    dict(temperature=0.0), dict(temperature=0.5, top_p=0.7), dict(temperature=1.5),
+], ids=["greedy", "cold-top_p", "hot"])
+def test_logprobs_are_the_models_log_softmax(config: dict[str, object]) -> None:
+    logits = random_logits(6, seed=3)
+    ks = [0, 1, 5, 20, 20, None]
+    rows = [row(options(logprobs=k, **config), make_generator(i)) for i, k in enumerate(ks)]
+    out = Sampler()(logits, rows)
+    reference = logits.log_softmax(-1)  # before temperature and truncation
+    for i, k in enumerate(ks):
+        entry = out.logprobs[i]
+        if k is None:
+            assert entry is None
+            continue
+        assert entry.token_id == out.token_ids[i]
+        assert entry.logprob == pytest.approx(float(reference[i, entry.token_id]), abs=1e-5)
+        assert len(entry.top) == k
+        values = [lp for _, lp in entry.top]
+        assert values == sorted(values, reverse=True)
+        for token_id, lp in entry.top:
+            assert lp == pytest.approx(float(reference[i, token_id]), abs=1e-5)
+        if k:
+            assert entry.top[0][0] == int(logits[i].argmax())
+
+
+def test_logprobs_over_the_whole_vocab_normalize() -> None:
+    logits = random_logits(2, vocab=16, seed=4)
+    out = Sampler()(logits, [row(options(logprobs=16), make_generator(i)) for i in range(2)])
+    for entry in out.logprobs:
+        assert {t for t, _ in entry.top} == set(range(16))
+        assert torch.tensor([lp for _, lp in entry.top]).logsumexp(0).item() == pytest.approx(0.0, abs=1e-5)
+
+
+def test_single_row_sample_matches_the_batched_sampler() -> None:
+    logits = random_logits(1, seed=8)[0]
+    opts = options(top_p=0.9, top_k=50, seed=42)
+    g1, g2 = make_generator(42), make_generator(42)
+    singles = [sample(logits, opts, g1) for _ in range(10)]
+    batched = [Sampler()(logits.unsqueeze(0), [row(opts, g2, prompt=[])]).token_ids[0] for _ in range(10)]
+    assert singles == batched
+    assert sample(logits, options(temperature=0.0), g1) == int(logits.argmax())
+
+
+def test_unseeded_rows_use_a_shared_generator() -> None:
+    logits = random_logits(4, scale=0.5)
+    out = Sampler()(logits, [row(options()) for _ in range(4)])
+    assert all(0 <= t < VOCAB for t in out.token_ids)
+
+
+def assert_logprobs_equal(top: list[tuple[int, float]], expected_logits: torch.Tensor) -> None:
+    expected = expected_logits.log_softmax(-1)
+    assert len(top) == expected.numel()
+    for token_id, logprob in top:
+        assert logprob == pytest.approx(float(expected[token_id]), abs=1e-5)
+
+
+def test_token_ids_past_the_vocab_are_ignored() -> None:
+    logits = torch.tensor([[1.0, 2.0, 0.5]])
+    opts = options(temperature=0.0, repetition_penalty=2.0, presence_penalty=1.0, min_tokens=2,
+                   stop_token_ids=[7], logprobs=3)
+    out = Sampler()(logits, [row(opts, prompt=[1, 9], output=[12], eos=[5])])
+    assert out.token_ids == [0]  # token 1 halved to tie with token 0: the lower id wins
+    assert_logprobs_equal(out.logprobs[0].top, torch.tensor([1.0, 1.0, 0.5]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_matches_cpu_greedy_and_replays_seeds() -> None:
+    logits = random_logits(32, vocab=49152, seed=21).cuda()
+    greedy = [row(options(temperature=0.0, logprobs=2)) for _ in range(32)]
+    assert Sampler()(logits, greedy).token_ids == logits.cpu().argmax(-1).tolist()
+    opts = options(top_p=0.9, top_k=100, min_p=0.01, repetition_penalty=1.2, seed=5)
+    alone = Sampler()(logits[7:8], [row(opts, make_generator(5, "cuda"), output=[3, 4])]).token_ids[0]
+    rows = [row(options(seed=i), make_generator(i, "cuda")) for i in range(32)]
+    rows[7] = row(opts, make_generator(5, "cuda"), output=[3, 4])
+    assert Sampler()(logits, rows).token_ids[7] == alone
