@@ -35,6 +35,7 @@ class Sampling(Wire, kw_only=True):
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     logprobs: int | None = None
+    n: int = 1
 
 
 class GenerateRequest(Wire, kw_only=True):
@@ -79,6 +80,9 @@ class Accepted(Frame, tag="accepted", kw_only=True):
 class Delta(Frame, tag="delta", kw_only=True):
     text: str
     num_tokens: int
+    # Which of the request's n choices this text belongs to; set with the choice's last delta.
+    index: int = 0
+    finish_reason: str | None = None
 
 
 class Heartbeat(Frame, tag="heartbeat", kw_only=True):

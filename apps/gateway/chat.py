@@ -39,6 +39,7 @@ def to_bus_request(req: oa.ChatCompletionRequest, request_id: str, reply_subject
             stop=req.stop_strings(),
             stop_token_ids=req.stop_token_ids or [],
             ignore_eos=req.ignore_eos,
+            n=req.n,
         ),
         stream=req.stream,
         api="chat.completions",
@@ -81,27 +82,32 @@ async def chat_completions(request: Request, state: State) -> Response | Stream:
 
 
 async def _complete(generation: Generation, created: int) -> Response:
-    parts: list[str] = []
+    n = generation.request.sampling.n
+    texts: list[list[str]] = [[] for _ in range(n)]
+    finish: list[str | None] = [None] * n
     try:
         async for frame in generation.frames():
             if isinstance(frame, wire.Delta):
-                parts.append(frame.text)
-            else:
-                body = oa.ChatCompletion(
-                    id=generation.request.request_id,
-                    created=created,
-                    model=generation.request.model,
-                    choices=[
-                        oa.ChoiceOut(
-                            index=0,
-                            message=oa.ChatMessageOut(content="".join(parts)),
-                            finish_reason=frame.finish_reason,
-                        )
-                    ],
-                    usage=usage_out(frame.usage),
+                texts[frame.index].append(frame.text)
+                finish[frame.index] = frame.finish_reason or finish[frame.index]
+                continue
+            choices = [
+                oa.ChoiceOut(
+                    index=i,
+                    message=oa.ChatMessageOut(content="".join(texts[i])),
+                    finish_reason=finish[i] or frame.finish_reason,
                 )
-                return Response(_encode(body), media_type="application/json",
-                                headers={"X-Request-Id": generation.request.request_id})
+                for i in range(n)
+            ]
+            body = oa.ChatCompletion(
+                id=generation.request.request_id,
+                created=created,
+                model=generation.request.model,
+                choices=choices,
+                usage=usage_out(frame.usage),
+            )
+            return Response(_encode(body), media_type="application/json",
+                            headers={"X-Request-Id": generation.request.request_id})
     except GenerationFailed as exc:
         return Response(error_body(exc.status, exc.message, exc.code), status_code=exc.status)
     finally:
@@ -109,25 +115,28 @@ async def _complete(generation: Generation, created: int) -> Response:
     raise AssertionError("frames() ended without a final frame")
 
 
-def _chunk(generation: Generation, created: int, delta: oa.DeltaOut, finish: str | None = None) -> bytes:
+def _chunk(generation: Generation, created: int, delta: oa.DeltaOut, index: int = 0,
+           finish: str | None = None) -> bytes:
     chunk = oa.ChatCompletionChunk(
         id=generation.request.request_id,
         created=created,
         model=generation.request.model,
-        choices=[oa.ChunkChoice(index=0, delta=delta, finish_reason=finish)],
+        choices=[oa.ChunkChoice(index=index, delta=delta, finish_reason=finish)],
     )
     return b"data: " + _encode(chunk) + b"\n\n"
 
 
 async def _sse(generation: Generation, created: int, include_usage: bool) -> AsyncIterator[bytes]:
     try:
-        yield _chunk(generation, created, oa.DeltaOut(role="assistant", content=""))
+        for index in range(generation.request.sampling.n):
+            yield _chunk(generation, created, oa.DeltaOut(role="assistant", content=""), index)
         async for frame in generation.frames():
             if isinstance(frame, wire.Delta):
                 if frame.text:
-                    yield _chunk(generation, created, oa.DeltaOut(content=frame.text))
+                    yield _chunk(generation, created, oa.DeltaOut(content=frame.text), frame.index)
+                if frame.finish_reason:
+                    yield _chunk(generation, created, oa.DeltaOut(), frame.index, finish=frame.finish_reason)
                 continue
-            yield _chunk(generation, created, oa.DeltaOut(), finish=frame.finish_reason)
             if include_usage:
                 usage_chunk = oa.ChatCompletionChunk(
                     id=generation.request.request_id,

@@ -59,7 +59,7 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    n: Annotated[int, Meta(ge=1, le=1)] = 1
+    n: Annotated[int, Meta(ge=1, le=16)] = 1
     user: str | None = None
 
     def stop_strings(self) -> list[str]:
@@ -87,8 +87,6 @@ def decode_request(body: bytes, kind: type[msgspec.Struct]) -> Any:
         param = found.group(1) if found else None
         if _MISSING.search(text):
             message = f"Missing required parameter: '{param}'."
-        elif "n` <= 1" in text or (param == "n" and "<=" in text):
-            message = "Only n=1 is supported."
         else:
             message = f"Invalid value for '{param}': {text.split(' - at ')[0]}." if param else f"Invalid request: {text}."
         raise ApiError(400, message, code="invalid_request", param=param) from None

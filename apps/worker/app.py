@@ -44,6 +44,7 @@ class Worker:
         self.model_id = model_id
         self.node = settings.node_id
         self.active: dict[str, asyncio.Task[None]] = {}
+        self.requests: dict[str, wire.GenerateRequest] = {}
         # Cancellations for requests not pulled yet; bounded so a flood cannot grow it forever.
         self._cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._slot_freed = asyncio.Event()
@@ -74,7 +75,7 @@ class Worker:
     async def _pull_loop(self, subscription: Any, stop: asyncio.Event) -> None:
         stopping = asyncio.create_task(stop.wait())
         while not stop.is_set():
-            free = self.engine.max_num_seqs - len(self.active)
+            free = self.free_slots()
             if free <= 0:
                 self._slot_freed.clear()
                 freed = asyncio.create_task(self._slot_freed.wait())
@@ -102,10 +103,12 @@ class Worker:
             return
         task = asyncio.create_task(self._serve(msg, request))
         self.active[request.request_id] = task
+        self.requests[request.request_id] = request
         task.add_done_callback(lambda _: self._finished(request.request_id))
 
     def _finished(self, request_id: str) -> None:
         self.active.pop(request_id, None)
+        self.requests.pop(request_id, None)
         self._slot_freed.set()
 
     async def _serve(self, msg: Msg, request: wire.GenerateRequest) -> None:
@@ -130,11 +133,12 @@ class Worker:
         await self._publish_event(record.started_event())
         keep_alive = asyncio.create_task(serve.keep_alive(replier, KEEP_ALIVE_S, msg.in_progress))
         try:
-            finish_reason, error = await serve.generate(self.engine, self.tokenizer, replier, record, prompt_ids, sampling)
+            reasons, error = await serve.generate(self.engine, self.tokenizer, replier, record, prompt_ids, sampling)
+            finish_reason = reasons[0]
         except Exception as exc:  # the run fails, the worker goes on
             log.exception("generation failed", extra={"request_id": request.request_id})
             finish_reason, error = "error", type(exc).__name__
-            await self.engine.abort(request.request_id)
+            await self._abort(request)
         finally:
             keep_alive.cancel()
         record.finished_at = time.time()
@@ -147,11 +151,15 @@ class Worker:
         await msg.ack()
         await self._publish_event(record.finished_event(status, finish_reason, error))
 
+    async def _abort(self, request: wire.GenerateRequest) -> None:
+        for engine_request_id in serve.engine_request_ids(request.request_id, request.sampling.n):
+            await self.engine.abort(engine_request_id)
+
     async def _on_cancel(self, msg: Msg) -> None:
         request_id = topology.request_id_from_cancel(msg.subject)
         if request_id in self.active:
             log.info("cancelling", extra={"request_id": request_id})
-            await self.engine.abort(request_id)
+            await self._abort(self.requests[request_id])
         else:
             self._cancelled[request_id] = None
             while len(self._cancelled) > 10_000:
@@ -166,13 +174,19 @@ class Worker:
         except nats.errors.Error as exc:
             log.warning("event publish failed", extra={"kind": kind, "request_id": event.request_id, "error": str(exc)})
 
+    def free_slots(self) -> int:
+        """Engine sequences not promised to a pulled request (a request takes one per choice)."""
+        if self.engine.free_slots() <= 0:
+            return 0  # e.g. the engine process is gone
+        return max(self.engine.max_num_seqs - sum(r.sampling.n for r in self.requests.values()), 0)
+
     def status(self, state: str = "ready") -> wire.NodeStatus:
         slots = self.engine.max_num_seqs
         model = wire.ModelStatus(
             model=self.model_id,
             max_model_len=self.engine.max_model_len,
             slots=slots,
-            free_slots=max(slots - len(self.active), 0),
+            free_slots=self.free_slots(),
         )
         return wire.NodeStatus(node=self.node, models=[model], version=_version(), status=state)
 
@@ -191,8 +205,8 @@ class Worker:
         """On shutdown: let running requests finish briefly, then abort the rest."""
         if self.active:
             await asyncio.wait(set(self.active.values()), timeout=grace_s)
-        for request_id in list(self.active):
-            await self.engine.abort(request_id)
+        for request in list(self.requests.values()):
+            await self._abort(request)
         if self.active:
             await asyncio.wait(set(self.active.values()), timeout=5.0)
         await self.engine.shutdown()

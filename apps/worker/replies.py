@@ -28,9 +28,11 @@ class Replier:
     async def accepted(self, prompt_tokens: int) -> None:
         await self._send(wire.Accepted(**self._next(), node=self.node, prompt_tokens=prompt_tokens))
 
-    async def delta(self, text: str, num_tokens: int) -> None:
-        self.sent_tokens = True
-        await self._send(wire.Delta(**self._next(), text=text, num_tokens=num_tokens))
+    async def delta(self, text: str, num_tokens: int, index: int = 0, finish_reason: str | None = None) -> None:
+        self.sent_tokens = self.sent_tokens or bool(text)
+        await self._send(
+            wire.Delta(**self._next(), text=text, num_tokens=num_tokens, index=index, finish_reason=finish_reason)
+        )
 
     async def heartbeat(self) -> None:
         await self._send(wire.Heartbeat(**self._next()))

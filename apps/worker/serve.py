@@ -7,6 +7,8 @@ token ids; here they become text (incrementally, stop strings held back) and fra
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -139,6 +141,18 @@ def sampling_options(request: wire.GenerateRequest, num_prompt_tokens: int, max_
     )
 
 
+def engine_request_ids(request_id: str, n: int) -> list[str]:
+    """One engine request per choice; a single choice keeps the bus request's id."""
+    return [request_id] if n == 1 else [f"{request_id}/{i}" for i in range(n)]
+
+
+def choice_sampling(sampling: SamplingOptions, index: int) -> SamplingOptions:
+    # Each choice draws from its own seed, so n choices differ yet each stays reproducible.
+    if sampling.seed is None or index == 0:
+        return sampling
+    return dataclasses.replace(sampling, seed=sampling.seed + index)
+
+
 async def generate(
     engine: Engine,
     tokenizer: Tokenizer,
@@ -146,32 +160,53 @@ async def generate(
     record: RunRecord,
     prompt_ids: list[int],
     sampling: SamplingOptions,
+) -> tuple[list[str], str | None]:
+    """Run every choice and stream its text; returns (finish reason per choice, error)."""
+    ids = engine_request_ids(record.request.request_id, record.request.sampling.n)
+    choices = [
+        generate_choice(engine, tokenizer, replier, record, EngineRequest(rid, prompt_ids, choice_sampling(sampling, i)), i)
+        for i, rid in enumerate(ids)
+    ]
+    results = await asyncio.gather(*choices)
+    errors = [error for _, error in results if error]
+    return [reason for reason, _ in results], (errors[0] if errors else None)
+
+
+async def generate_choice(
+    engine: Engine,
+    tokenizer: Tokenizer,
+    replier: Replier,
+    record: RunRecord,
+    engine_request: EngineRequest,
+    index: int,
 ) -> tuple[str, str | None]:
-    """Run the engine and stream text; returns (finish_reason, error)."""
-    request = record.request
-    detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
-    stops = StopStringMatcher(request.sampling.stop)
-    async for out in engine.generate(EngineRequest(request.request_id, prompt_ids, sampling)):
-        if out.prefill_ms is not None:
-            record.prefill_ms = out.prefill_ms
-            record.cached_tokens = out.num_cached_tokens
-        if out.new_token_ids:
-            record.first_token_at = record.first_token_at or time.time()
-            record.completion_tokens += len(out.new_token_ids)
-            text, hit_stop = stops.feed(detokenizer.step(out.new_token_ids))
-            if text:
-                await replier.delta(text, len(out.new_token_ids))
-            if hit_stop:
-                await engine.abort(request.request_id)
-                return FinishReason.STOP.value, None
-        if out.finished:
-            if out.finish_reason is FinishReason.ERROR:
-                return FinishReason.ERROR.value, out.error or "engine error"
-            tail = stops.flush()
-            if tail:
-                await replier.delta(tail, 0)
-            return (out.finish_reason or FinishReason.STOP).value, None
-    return FinishReason.ABORT.value, None
+    """One choice: detokenize incrementally, hold back possible stop strings, close with its reason."""
+    detokenizer = IncrementalDetokenizer(tokenizer, engine_request.prompt_token_ids)
+    stops = StopStringMatcher(record.request.sampling.stop)
+    reason, error = FinishReason.ABORT.value, None
+    async with contextlib.aclosing(engine.generate(engine_request)) as outputs:
+        async for out in outputs:
+            if out.prefill_ms is not None and index == 0:
+                record.prefill_ms = out.prefill_ms
+                record.cached_tokens = out.num_cached_tokens
+            if out.new_token_ids:
+                record.first_token_at = record.first_token_at or time.time()
+                record.completion_tokens += len(out.new_token_ids)
+                text, hit_stop = stops.feed(detokenizer.step(out.new_token_ids))
+                if text:
+                    await replier.delta(text, len(out.new_token_ids), index=index)
+                if hit_stop:
+                    reason = FinishReason.STOP.value
+                    break
+            if out.finished:
+                if out.finish_reason is FinishReason.ERROR:
+                    return FinishReason.ERROR.value, out.error or "engine error"
+                tail = stops.flush()
+                if tail:
+                    await replier.delta(tail, 0, index=index)
+                reason = (out.finish_reason or FinishReason.STOP).value
+    await replier.delta("", 0, index=index, finish_reason=reason)
+    return reason, error
 
 
 async def keep_alive(replier: Replier, interval_s: float, touch: object) -> None:

@@ -44,8 +44,8 @@ def test_missing_messages_is_400_naming_it(system: System) -> None:
 
 @pytest.mark.parametrize(
     "field, value",
-    [("temperature", -1), ("temperature", "hot"), ("max_tokens", 0), ("top_p", 1.5), ("n", 2)],
-    ids=["negative-temperature", "string-temperature", "zero-max-tokens", "top-p-above-1", "n-2"],
+    [("temperature", -1), ("temperature", "hot"), ("max_tokens", 0), ("top_p", 1.5), ("n", 0), ("n", 17)],
+    ids=["negative-temperature", "string-temperature", "zero-max-tokens", "top-p-above-1", "n-0", "n-17"],
 )
 def test_invalid_parameter_is_400_naming_it(system: System, field: str, value: object) -> None:
     body = {"model": system.model, "messages": [{"role": "user", "content": "hi"}], field: value}

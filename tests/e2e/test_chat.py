@@ -126,3 +126,24 @@ def test_streaming_equals_transformers_with_usage(system: System, reference: dic
 
     row = asyncio.run(finished_run(system, ids.pop()))
     assert row["completion_tokens"] == reference["completion_tokens"]
+
+
+def test_n_choices_streamed_and_not(system: System) -> None:
+    kwargs = dict(model=system.model, messages=QUESTION, temperature=1.0, seed=11, max_tokens=12, n=3,
+                  extra_body={"ignore_eos": True})
+    response = client(system).chat.completions.create(**kwargs)
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    assert all(c.finish_reason == "length" for c in response.choices)
+    assert len({c.message.content for c in response.choices}) > 1, "seeds per choice differ"
+    assert response.usage.completion_tokens == 3 * 12
+
+    texts: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    for chunk in client(system).chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert finishes == {0: "length", 1: "length", 2: "length"}
+    # Same seed, same choices: streaming does not change what is sampled.
+    assert [texts[i] for i in range(3)] == [c.message.content for c in response.choices]
