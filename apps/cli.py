@@ -65,7 +65,9 @@ def cmd_gateway(args: argparse.Namespace) -> None:
 def cmd_worker(args: argparse.Namespace) -> None:
     from apps.settings import WorkerSettings
     from apps.worker.app import Worker
+    from engine.api import Engine
     from engine.core_client import AsyncEngine
+    from engine.scripted import ScriptedEngine
     from engine.default_model import default_model_path
     from engine.loader import load_tokenizer
 
@@ -79,7 +81,11 @@ def cmd_worker(args: argparse.Namespace) -> None:
         source = settings.model or str(default_model_path())
         log.info("loading model", extra={"source": source})
         tokenizer, model_id = await asyncio.to_thread(load_tokenizer, source)
-        engine = await AsyncEngine.start(settings.engine_config(source))
+        engine: Engine
+        if args.script:
+            engine = ScriptedEngine(args.script, tokenizer, model_id, max_num_seqs=settings.max_num_seqs)
+        else:
+            engine = await AsyncEngine.start(settings.engine_config(source))
         try:
             await Worker(settings, engine, tokenizer, settings.served_model_name or model_id).run(stop)
         finally:
@@ -93,7 +99,7 @@ def cmd_recorder(args: argparse.Namespace) -> None:
     from apps.settings import RecorderSettings
 
     settings = RecorderSettings()
-    _run_until_signal(lambda stop: run_recorder(settings, stop))
+    _run_until_signal(lambda stop: run_recorder(settings, stop, rebuild=args.rebuild))
 
 
 def cmd_migrate(args: argparse.Namespace) -> None:
@@ -129,9 +135,16 @@ def build_parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", help="a model worker")
     worker.add_argument("--model", default=None, help="a .gguf file or HF model directory")
     worker.add_argument("--served-model-name", default=None)
+    worker.add_argument("--script", default=None,
+                        help="reply from this JSON script instead of running the model (for testing clients)")
     worker.set_defaults(func=cmd_worker)
 
     recorder = sub.add_parser("recorder", help="project EVENTS into PostgreSQL")
+    recorder.add_argument(
+        "--rebuild",
+        action="store_true",
+        help="first recompute every projection from the recorded events and replay the EVENTS stream",
+    )
     recorder.set_defaults(func=cmd_recorder)
 
     migrate = sub.add_parser("migrate", help="apply database migrations")

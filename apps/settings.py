@@ -51,6 +51,8 @@ class GatewaySettings:
     # Silence longer than this from the worker serving a request means it is gone.
     stream_idle_timeout_s: float = field(default_factory=lambda: _env_float("HELEXA_STREAM_IDLE_TIMEOUT_S", 30.0))
     max_request_bytes: int = field(default_factory=lambda: _env_int("HELEXA_MAX_REQUEST_BYTES", 8 << 20))
+    # A file of `KEY PRINCIPAL` lines; empty means no authentication.
+    api_keys_file: str = field(default_factory=lambda: _env("HELEXA_API_KEYS", ""))
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -73,6 +75,8 @@ class WorkerSettings:
     max_num_batched_tokens: int = field(default_factory=lambda: _env_int("HELEXA_MAX_NUM_BATCHED_TOKENS", 2048))
     kv_cache_mb: int = field(default_factory=lambda: _env_int("HELEXA_KV_CACHE_MB", 1024))
     enable_prefix_caching: bool = field(default_factory=lambda: _env("HELEXA_PREFIX_CACHING", "on") != "off")
+    # auto: split <think> when the chat template uses it; on/off force it (like a reasoning parser flag).
+    reasoning_parser: str = field(default_factory=lambda: _env("HELEXA_REASONING_PARSER", "auto"))
 
     def __post_init__(self) -> None:
         if self.max_model_len < 0:
@@ -81,6 +85,8 @@ class WorkerSettings:
             raise ValueError("HELEXA_STATUS_INTERVAL_S must be positive")
         if self.kv_cache_mb < 1:
             raise ValueError("HELEXA_KV_CACHE_MB must be at least 1")
+        if self.reasoning_parser not in ("auto", "on", "off"):
+            raise ValueError("HELEXA_REASONING_PARSER must be auto, on or off")
 
     def engine_config(self, model_path: str) -> EngineConfig:
         device = self.device
@@ -104,10 +110,14 @@ class RecorderSettings:
     nats_url: str = field(default_factory=lambda: _env("NATS_URL", DEFAULT_NATS_URL))
     database_url: str = field(default_factory=lambda: _env("DATABASE_URL", DEFAULT_DATABASE_URL))
     batch_size: int = field(default_factory=lambda: _env_int("HELEXA_RECORDER_BATCH", 256))
+    # How long a batch fetched by a recorder that then died waits before another recorder gets it.
+    ack_wait_s: float = field(default_factory=lambda: _env_float("HELEXA_RECORDER_ACK_WAIT_S", 60.0))
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
             raise ValueError("HELEXA_RECORDER_BATCH must be at least 1")
+        if self.ack_wait_s < 1:
+            raise ValueError("HELEXA_RECORDER_ACK_WAIT_S must be at least 1")
 
 
 def data_dir() -> Path:

@@ -7,6 +7,7 @@ asks this module for the subject or consumer it needs instead of spelling names 
 from __future__ import annotations
 
 import re
+import uuid
 from dataclasses import dataclass
 
 import nats
@@ -23,6 +24,8 @@ from nats.js.api import (
 )
 from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
+
+from apps.bus.pull import BatchPuller
 
 REQUESTS_STREAM = "REQUESTS"
 EVENTS_STREAM = "EVENTS"
@@ -120,15 +123,29 @@ def worker_consumer_config(model: str, ack_wait_s: float = 30.0, max_deliver: in
     )
 
 
-def recorder_consumer_config() -> ConsumerConfig:
+def recorder_consumer_config(ack_wait_s: float = 60.0) -> ConsumerConfig:
+    """The durable consumer all recorders share; `ack_wait_s` bounds how long a dead recorder's batch waits."""
     return ConsumerConfig(
         name=RECORDER_CONSUMER,
         durable_name=RECORDER_CONSUMER,
         filter_subject=f"{_EVENT_PREFIX}.>",
         ack_policy=AckPolicy.EXPLICIT,
         deliver_policy=DeliverPolicy.ALL,
-        ack_wait=60.0,
+        ack_wait=ack_wait_s,
         max_ack_pending=10_000,
+    )
+
+
+def replay_consumer_config(name: str) -> ConsumerConfig:
+    """A private, unacknowledged read of EVENTS from its first message, for `helexa recorder --rebuild`."""
+    return ConsumerConfig(
+        name=name,
+        filter_subject=f"{_EVENT_PREFIX}.>",
+        ack_policy=AckPolicy.NONE,
+        deliver_policy=DeliverPolicy.ALL,
+        # The server removes it by itself if the recorder dies mid-replay.
+        inactive_threshold=60.0,
+        mem_storage=True,
     )
 
 
@@ -162,9 +179,17 @@ async def worker_subscription(js: JetStreamContext, model: str) -> JetStreamCont
     return await js.pull_subscribe_bind(durable=worker_consumer(model), stream=REQUESTS_STREAM)
 
 
-async def recorder_subscription(js: JetStreamContext) -> JetStreamContext.PullSubscription:
-    await js.add_consumer(EVENTS_STREAM, config=recorder_consumer_config())
-    return await js.pull_subscribe_bind(durable=RECORDER_CONSUMER, stream=EVENTS_STREAM)
+async def recorder_puller(nc: NatsClient, ack_wait_s: float = 60.0) -> BatchPuller:
+    """Batches from the recorders' shared durable consumer, declared (or converged) first."""
+    await nc.jetstream().add_consumer(EVENTS_STREAM, config=recorder_consumer_config(ack_wait_s))
+    return await BatchPuller(nc, EVENTS_STREAM, RECORDER_CONSUMER).start()
+
+
+async def replay_puller(nc: NatsClient) -> BatchPuller:
+    """Batches from a new private consumer reading EVENTS from its start; delete it when done."""
+    name = f"{RECORDER_CONSUMER}-replay-{uuid.uuid4().hex[:12]}"
+    await nc.jetstream().add_consumer(EVENTS_STREAM, config=replay_consumer_config(name))
+    return await BatchPuller(nc, EVENTS_STREAM, name).start()
 
 
 async def model_is_known(js: JetStreamContext, model: str) -> bool:

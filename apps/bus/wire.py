@@ -5,8 +5,10 @@ Importing this module must stay cheap: no torch, no NATS client.
 
 from __future__ import annotations
 
+import enum
 import time
 import uuid
+from typing import Any
 
 import msgspec
 
@@ -18,6 +20,10 @@ class Wire(msgspec.Struct, frozen=True, kw_only=True):
 class ChatMessage(Wire, kw_only=True):
     role: str
     content: str
+    # Assistant turns that called tools, and tool results answering them.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 class Sampling(Wire, kw_only=True):
@@ -39,7 +45,8 @@ class Sampling(Wire, kw_only=True):
 
 
 class GenerateRequest(Wire, kw_only=True):
-    """One client request as published on `helexa.req.<model>`; the bus speaks text, not tokens."""
+    """One client request as published on `helexa.req.<model>`; the bus speaks text (token ids
+    only when a /v1/completions client sent a prompt as token ids)."""
 
     request_id: str
     model: str
@@ -54,6 +61,9 @@ class GenerateRequest(Wire, kw_only=True):
     deadline: float = 0.0
     attempt: int = 1
     created_at: float = msgspec.field(default_factory=time.time)
+    # OpenAI-style tool definitions, handed to the chat template as `tools`.
+    tools: list[dict[str, Any]] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class Usage(Wire, kw_only=True):
@@ -63,6 +73,7 @@ class Usage(Wire, kw_only=True):
     queue_ms: float = 0.0
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
+    reasoning_tokens: int = 0
 
 
 class Frame(Wire, tag_field="type", kw_only=True):
@@ -77,12 +88,34 @@ class Accepted(Frame, tag="accepted", kw_only=True):
     prompt_tokens: int
 
 
+class ToolCallDelta(Wire, kw_only=True):
+    """A tool call the model made (Qwen `<tool_call>{json}</tool_call>`), sent whole once parsed."""
+
+    index: int
+    id: str
+    name: str
+    arguments: str
+
+
+class TokenLogprobs(Wire, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top: list[tuple[str, float, list[int]]] = []
+
+
 class Delta(Frame, tag="delta", kw_only=True):
     text: str
     num_tokens: int
     # Which of the request's n choices this text belongs to; set with the choice's last delta.
     index: int = 0
     finish_reason: str | None = None
+    # Text inside <think>…</think>, never part of `text`.
+    reasoning: str = ""
+    tool_calls: list[ToolCallDelta] = []
+    logprobs: list[TokenLogprobs] | None = None
+    # Which of the request's stop strings ended this choice (with its last delta).
+    stop_sequence: str | None = None
 
 
 class Heartbeat(Frame, tag="heartbeat", kw_only=True):
@@ -137,9 +170,72 @@ class RunFinished(Event, tag="run.finished", kw_only=True):
     decode_ms: float
     e2e_ms: float
     error: str | None = None
+    reasoning_tokens: int = 0
 
 
-AnyEvent = RunStarted | RunFinished
+
+class AdmissionDecision(enum.StrEnum):
+    ADMITTED = "admitted"
+    QUEUE_FULL = "queue_full"
+    PRINCIPAL_CAP = "principal_cap"
+    TIMEOUT = "timeout"
+    CONTEXT_EXCEEDED = "context_exceeded"
+    CANCELLED = "cancelled"
+
+
+class AdmissionDecided(Event, tag="admission", kw_only=True):
+    """How admission control answered one request; `pending`/`in_flight` are the counters at that moment."""
+
+    request_id: str
+    principal: str | None
+    decision: AdmissionDecision
+    detail: str | None = None
+    pending: int
+    in_flight: int
+    retry_after_s: float | None = None
+    waited_ms: float = 0.0
+
+
+class NodeStatusChanged(Event, tag="node.status", kw_only=True):
+    """A worker's status when it changes (the `helexa_nodes` bucket holds the live copy); `model` is its main one."""
+
+    status: str
+    version: str
+    models: list[str]
+    slots: int
+    free_slots: int
+    kv_usage: float | None = None
+
+
+class BenchRunRecorded(Event, tag="bench.run", kw_only=True):
+    """One bench measurement: one target, model and scenario; `run_id` is what scores refer to."""
+
+    run_id: str
+    target: str
+    scenario: str
+    config: dict[str, Any] = {}
+    started_at: float
+    finished_at: float
+    results: dict[str, Any] = {}
+
+
+class ScoreRecorded(Event, tag="bench.score", kw_only=True):
+    """A number attached to a bench run: a measured metric, or a quality score given later."""
+
+    run_id: str
+    scenario: str
+    metric: str
+    value: float
+    unit: str | None = None
+    scorer: str
+
+
+AnyEvent = RunStarted | RunFinished | AdmissionDecided | NodeStatusChanged | BenchRunRecorded | ScoreRecorded
+
+
+def event_kind(event: Event) -> str:
+    """The event's tag, which is also the `<kind>` part of its subject."""
+    return type(event).__struct_config__.tag
 
 
 class ModelStatus(Wire, kw_only=True):
@@ -149,6 +245,11 @@ class ModelStatus(Wire, kw_only=True):
     max_output_tokens: int | None = None
     slots: int = 0
     free_slots: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
 
 
 class NodeStatus(Wire, kw_only=True):

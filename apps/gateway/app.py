@@ -5,19 +5,27 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from litestar import Litestar
+from litestar import Litestar, Request
 from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig
 
+from apps.gateway.anthropic import messages
+from apps.gateway.auth import ApiKeys
 from apps.gateway.bus_client import GatewayBus
 from apps.gateway.chat import chat_completions
+from apps.gateway.completions import completions
 from apps.gateway.errors import ApiError, api_error_handler, http_error_handler, internal_error_handler
-from apps.gateway.models import health, list_models, ready
+from apps.gateway.models import health, list_models, metrics, ready
 from apps.settings import GatewaySettings
 
 
 def create_app(settings: GatewaySettings | None = None) -> Litestar:
     settings = settings or GatewaySettings()
+    keys = ApiKeys.load(settings.api_keys_file) if settings.api_keys_file else None
+
+    async def authenticate(request: Request) -> None:
+        # Principals exist only when keys are configured; anonymous callers are None.
+        request.state.principal = keys.principal(request) if keys and request.url.path.startswith("/v1/") else None
 
     @asynccontextmanager
     async def bus_lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -28,8 +36,9 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
             await app.state.bus.close()
 
     app = Litestar(
-        route_handlers=[chat_completions, list_models, health, ready],
+        route_handlers=[chat_completions, completions, messages, list_models, health, ready, metrics],
         lifespan=[bus_lifespan],
+        before_request=authenticate,
         exception_handlers={
             ApiError: api_error_handler,
             HTTPException: http_error_handler,

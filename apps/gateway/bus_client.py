@@ -16,6 +16,7 @@ from nats.js.kv import KeyValue
 
 from apps.bus import topology, wire
 from apps.bus.topology import BusLimits
+from apps.gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("helexa.gateway")
 
@@ -69,6 +70,7 @@ class ReplyStream:
 
 class GatewayBus:
     def __init__(self, nc: NatsClient, kv: KeyValue, limits: BusLimits) -> None:
+        self.metrics = GatewayMetrics()
         self.nc = nc
         self.js = nc.jetstream()
         self.kv = kv
@@ -136,6 +138,7 @@ class GatewayBus:
                 continue
             if node.updated_at >= horizon and node.status != "stopping":
                 nodes.append(node)
+        self.metrics.set_nodes(nodes)
         return nodes
 
     async def model_is_known(self, model: str) -> bool:

@@ -31,6 +31,7 @@ async def resolve_model(bus: GatewayBus, model: str) -> list[wire.NodeStatus]:
     if nodes:
         return nodes
     if await bus.model_is_known(model):
+        bus.metrics.rejections.labels(model, "no_worker").inc()
         raise ApiError(
             503,
             f"No worker is serving the model '{model}' right now; retry later.",
@@ -67,6 +68,8 @@ class Generation:
 
     async def frames(self) -> AsyncIterator[wire.Delta | wire.Final]:
         """Deltas then one Final; raises GenerationFailed on an error frame or a silent worker."""
+        metrics, model = self.bus.metrics, self.request.model
+        last_text_at: float | None = None
         try:
             while True:
                 try:
@@ -77,13 +80,25 @@ class Generation:
                     continue
                 if isinstance(frame, wire.ErrorFrame):
                     raise GenerationFailed(frame.status, frame.code, frame.message)
+                now = time.time()
+                if isinstance(frame, wire.Delta) and (frame.text or frame.reasoning or frame.tool_calls):
+                    if last_text_at is None:
+                        metrics.ttft.labels(model).observe(max(now - self.request.created_at, 0.0))
+                    else:
+                        metrics.itl.labels(model).observe(now - last_text_at)
+                    last_text_at = now
                 if isinstance(frame, wire.Final):
                     self.finished = True
+                    metrics.e2e.labels(model).observe(max(now - self.request.created_at, 0.0))
+                    metrics.prompt_tokens.labels(model).inc(frame.usage.prompt_tokens)
+                    metrics.generation_tokens.labels(model).inc(frame.usage.completion_tokens)
+                    metrics.outcomes.labels(model, frame.finish_reason).inc()
                 yield frame
                 if self.finished:
                     return
         except GenerationFailed as exc:
             self.finished = True
+            metrics.errors.labels(model, str(exc.status)).inc()
             log_failure(self.handler, exc.status, exc.message, model=self.request.model, node=self.node,
                         request_id=self.request.request_id)
             raise
@@ -109,6 +124,7 @@ async def start_generation(
         frame = await reply.next(max(request.deadline - time.time(), 0.001))
     except ReplyTimeout:
         bus.cancel_soon(request.request_id)
+        bus.metrics.rejections.labels(request.model, "timeout").inc()
         await reply.close()
         raise ApiError(
             503,
@@ -121,7 +137,11 @@ async def start_generation(
         bus.cancel_soon(request.request_id)
         await reply.close()
         raise
+    bus.metrics.queue.labels(request.model).observe(max(time.time() - request.created_at, 0.0))
     if isinstance(frame, wire.ErrorFrame):
+        bus.metrics.errors.labels(request.model, str(frame.status)).inc()
+        if frame.code == "context_length_exceeded":
+            bus.metrics.rejections.labels(request.model, frame.code).inc()
         await reply.close()
         raise ApiError(frame.status, frame.message, code=frame.code, context={**ctx, "node": reply.node})
     if not isinstance(frame, wire.Accepted):

@@ -42,6 +42,12 @@ async def list_models(state: State) -> dict[str, Any]:
     return {"object": "list", "data": data}
 
 
+@get("/metrics", media_type="text/plain; version=0.0.4", include_in_schema=False)
+async def metrics(state: State) -> Response:
+    await state.bus.live_nodes()  # refresh the engine-side gauges from the node registry
+    return Response(state.bus.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
 @get("/health")
 async def health() -> dict[str, str]:
     return {"status": "ok"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal
 
@@ -16,10 +17,37 @@ class TextPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
+class FunctionCallIn(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCallIn(msgspec.Struct, kw_only=True):
+    id: str
+    function: FunctionCallIn
+    type: str = "function"
+
+
 class MessageIn(msgspec.Struct, kw_only=True):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+    def template_tool_calls(self) -> list[dict[str, Any]] | None:
+        """Tool calls as chat templates expect them: arguments as an object, not a JSON string."""
+        if not self.tool_calls:
+            return None
+        calls = []
+        for call in self.tool_calls:
+            try:
+                arguments = json.loads(call.function.arguments or "{}")
+            except ValueError:
+                raise ApiError(400, "Tool call arguments must be a JSON object.", param="messages") from None
+            calls.append({"id": call.id, "type": "function",
+                          "function": {"name": call.function.name, "arguments": arguments}})
+        return calls
 
     def text(self) -> str:
         if self.content is None:
@@ -38,15 +66,30 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(msgspec.Struct, kw_only=True):
-    """The parameters we act on; unknown fields are accepted and ignored, as OpenAI clients expect."""
+class FunctionDef(msgspec.Struct, kw_only=True):
+    name: Annotated[str, Meta(min_length=1, max_length=64)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolDef(msgspec.Struct, kw_only=True):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    type: Literal["function"]
+    function: dict[str, str]
+
+
+class GenerationParams(msgspec.Struct, kw_only=True):
+    """What chat and text completions share; unknown fields are accepted and ignored, as OpenAI
+    clients expect. vLLM's extensions (top_k, min_p, repetition_penalty, ...) are honoured too."""
 
     model: Annotated[str, Meta(min_length=1)]
-    messages: Annotated[list[MessageIn], Meta(min_length=1)]
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Meta(ge=-1)] | None = None
@@ -69,6 +112,54 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True):
         if len(stops) > 4 or any(not s for s in stops):
             raise ApiError(400, "'stop' takes up to 4 non-empty strings.", param="stop")
         return stops
+
+    def logprobs_count(self) -> int | None:
+        return None
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(GenerationParams, kw_only=True):
+    messages: Annotated[list[MessageIn], Meta(min_length=1)]
+    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+
+    def logprobs_count(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """Tools for the chat template; none when the client said tool_choice "none"."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [{"type": "function", "function": msgspec.to_builtins(t.function)} for t in self.tools]
+
+
+class CompletionRequest(GenerationParams, kw_only=True):
+    # Text, or token ids (a list of one text is accepted too).
+    prompt: str | Annotated[list[int | str], Meta(min_length=1)]
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    echo: bool = False
+
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
+
+    def prompt_text_or_ids(self) -> tuple[str | None, list[int] | None]:
+        if self.echo:
+            raise ApiError(400, "'echo' is not supported.", param="echo")
+        if isinstance(self.prompt, str):
+            return self.prompt, None
+        if len(self.prompt) == 1 and isinstance(self.prompt[0], str):
+            return self.prompt[0], None
+        if all(isinstance(p, int) for p in self.prompt):
+            return None, list(self.prompt)  # type: ignore[arg-type]
+        raise ApiError(400, "'prompt' must be a string, a list of token ids, or a list of one string.",
+                       param="prompt")
 
 
 _PATH = re.compile(r"at `\$\.([A-Za-z_]+)")
@@ -99,19 +190,41 @@ class UsageOut(msgspec.Struct, kw_only=True):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: dict[str, int] | None = None
+    completion_tokens_details: dict[str, int] | None = None
     helexa_timing: dict[str, float] | None = None
 
 
-class ChatMessageOut(msgspec.Struct, kw_only=True):
-    role: str = "assistant"
-    content: str | None = None
+class FunctionCallOut(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(msgspec.Struct, kw_only=True):
+    id: str
+    function: FunctionCallOut
+    type: str = "function"
+
+
+class ToolCallChunk(msgspec.Struct, kw_only=True):
+    index: int
+    id: str
+    function: FunctionCallOut
+    type: str = "function"
+
+
+class ChatMessageOut(msgspec.Struct, kw_only=True, omit_defaults=True):
+    # Required fields are always encoded; the optional ones only when present.
+    role: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChoiceOut(msgspec.Struct, kw_only=True):
     index: int
     message: ChatMessageOut
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class ChatCompletion(msgspec.Struct, kw_only=True):
@@ -127,13 +240,15 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
 class DeltaOut(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallChunk] | None = None
 
 
 class ChunkChoice(msgspec.Struct, kw_only=True):
     index: int
     delta: DeltaOut
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct, kw_only=True):

@@ -4,6 +4,10 @@ A message is acked only after its batch committed, so a crash at any point means
 which the projector turns into a no-op. PostgreSQL being down (at start or mid-stream) is
 waited out: the batch in hand is kept, marked in progress so JetStream does not hand it to
 another recorder, and written again once the database is back.
+
+With `rebuild`, the recorder first recomputes the projections from the `events` table, then
+replays the EVENTS stream from its first message through a private consumer (recording any event
+the table lacks, e.g. after restoring an older backup), then goes on as usual.
 """
 
 from __future__ import annotations
@@ -11,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
 
 import asyncpg
 import msgspec
@@ -19,19 +24,19 @@ import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from apps.bus.topology import RECORDER_CONSUMER, connect, ensure_topology, recorder_subscription
+from apps.bus.pull import BatchPuller
+from apps.bus.topology import EVENTS_STREAM, RECORDER_CONSUMER, connect, ensure_topology, recorder_puller, replay_puller
 from apps.bus.wire import Event, event_decoder
-from apps.logs import announce_ready
+from apps.logs import announce_ready, monotonic_ms
 from apps.recorder.migrate import migrate
-from apps.recorder.projector import project
+from apps.recorder import projector
 from apps.settings import RecorderSettings
 
 log = logging.getLogger("helexa.recorder")
 
 FIRST_RETRY_S = 0.2
 MAX_RETRY_S = 5.0
-# Well inside the consumer's 60 s ack_wait.
-IN_PROGRESS_EVERY_S = 15.0
+REPLAY_BATCH = 1000
 
 # Errors that mean "the database is not reachable right now", as opposed to a bad statement.
 # Deadlocks and serialization failures between concurrent recorders are retried the same way.
@@ -44,7 +49,20 @@ _UNAVAILABLE = (
     asyncpg.exceptions.TransactionRollbackError,
 )
 
+# Rows PostgreSQL refuses as data (bad values, violated constraints): never retried, the culprit is dropped.
+_REJECTED = (asyncpg.DataError, asyncpg.IntegrityConstraintViolationError)
+
 Pending = list[tuple[Msg, Event]]
+
+
+class _Identity(msgspec.Struct):
+    """The fields that make an event idempotent; the wire defaults would invent new ones at each delivery."""
+
+    event_id: str | None = None
+    ts: float | None = None
+
+
+_identity_decoder = msgspec.json.Decoder(_Identity)
 
 
 class Recorder:
@@ -52,6 +70,8 @@ class Recorder:
         self.settings = settings
         self.stop = stop
         self.pool: asyncpg.Pool | None = None
+        # Well inside the consumer's ack_wait.
+        self.in_progress_every_s = settings.ack_wait_s / 4
 
     async def until_done(self, what: str, op: Callable[[], Awaitable[object]], held: Sequence[Msg] = ()) -> bool:
         """Run `op` until it gets through to Postgres; False if `stop` was set first."""
@@ -67,34 +87,100 @@ class Recorder:
                     extra={"during": what, "error": repr(exc), "retry_in_s": delay, "held": len(held)},
                 )
                 await self.close_pool()
-            if held and time.monotonic() - last_progress >= IN_PROGRESS_EVERY_S:
+            if held and time.monotonic() - last_progress >= self.in_progress_every_s:
                 await _each(held, Msg.in_progress)
                 last_progress = time.monotonic()
             await _pause(self.stop, delay)
             delay = min(delay * 2, MAX_RETRY_S)
         return False
 
-    async def write(self, pending: Pending) -> None:
+    @asynccontextmanager
+    async def connection(self) -> AsyncIterator[asyncpg.Connection]:
         if self.pool is None:
             self.pool = await asyncpg.create_pool(self.settings.database_url, min_size=0, max_size=2, timeout=5)
         async with self.pool.acquire() as conn:
-            await project(conn, [(msg.subject, event) for msg, event in pending])
+            yield conn
 
-    async def record(self, pending: Pending) -> None:
-        """Commit then ack; a batch the database rejects as data is split to find and drop the culprit."""
+    async def write(self, pending: Pending) -> int:
+        async with self.connection() as conn:
+            return await projector.project(
+                conn, [projector.Recorded(msg.subject, e, msg.metadata.sequence.stream) for msg, e in pending]
+            )
+
+    async def record(self, pending: Pending, acks: bool = True) -> int:
+        """Commit then ack; returns how many events were new.
+
+        A batch the database rejects as data is halved until the culprit is alone, which is dropped
+        (terminated when `acks`). Without `acks` (a replay) nothing is acked, nak'ed or held.
+        """
         msgs = [msg for msg, _ in pending]
+        new = 0
+
+        async def write() -> None:
+            nonlocal new
+            new = await self.write(pending)
+
         try:
-            committed = await self.until_done("write", lambda: self.write(pending), held=msgs)
-        except asyncpg.DataError as exc:
+            committed = await self.until_done("write", write, held=msgs if acks else ())
+        except _REJECTED as exc:
             if len(pending) > 1:
-                for one in pending:
-                    await self.record([one])
-                return
-            log.error("event rejected by postgres, terminated", extra=_describe(msgs[0], error=repr(exc)))
-            await _each(msgs, Msg.term)
-            return
-        # Stopped during an outage: hand the batch back for redelivery now rather than after ack_wait.
-        await _each(msgs, Msg.ack if committed else Msg.nak)
+                half = len(pending) // 2
+                return await self.record(pending[:half], acks) + await self.record(pending[half:], acks)
+            if acks:
+                log.error("event rejected by postgres, terminated", extra=_describe(msgs[0], error=repr(exc)))
+                await _each(msgs, Msg.term)
+            else:
+                log.error("event rejected by postgres, skipped", extra=_describe(msgs[0], error=repr(exc)))
+            return 0
+        if acks:
+            # Stopped during an outage: hand the batch back for redelivery now rather than after ack_wait.
+            await _each(msgs, Msg.ack if committed else Msg.nak)
+        return new
+
+    async def rebuild(self, nc: NatsClient) -> bool:
+        """Recompute the projections from `events`, then replay EVENTS; False if stopped first."""
+        started = time.monotonic()
+        counts: dict[str, int] = {}
+
+        async def from_table() -> None:
+            async with self.connection() as conn:
+                counts.update(await projector.rebuild(conn))
+
+        log.info("rebuilding projections")
+        if not await self.until_done("rebuild", from_table):
+            return False
+        rebuilt_ms = monotonic_ms(started)
+        replayed, recorded = await self.replay(nc)
+        if self.stop.is_set():
+            return False
+        log.info(
+            "rebuild finished",
+            extra={"rows": counts, "rebuilt_ms": rebuilt_ms, "replayed": replayed, "recorded": recorded,
+                   "elapsed_ms": monotonic_ms(started)},
+        )  # fmt: skip
+        return True
+
+    async def replay(self, nc: NatsClient) -> tuple[int, int]:
+        """Read EVENTS from its first message up to its last at the start; returns (messages, new events)."""
+        state = (await nc.jetstream().stream_info(EVENTS_STREAM)).state
+        if state.messages == 0:
+            return 0, 0
+        puller = await replay_puller(nc)
+        replayed = recorded = 0
+        try:
+            while not self.stop.is_set():
+                msgs = await puller.fetch(REPLAY_BATCH, timeout=5)
+                if not msgs:
+                    break  # the tail expired from the stream meanwhile
+                replayed += len(msgs)
+                pending = await decode(msgs, settle=False)
+                if pending:
+                    recorded += await self.record(pending, acks=False)
+                if msgs[-1].metadata.sequence.stream >= state.last_seq:
+                    break
+        finally:
+            await _forget(puller)
+        return replayed, recorded
 
     async def close_pool(self) -> None:
         if self.pool is not None:
@@ -123,16 +209,32 @@ async def _each(msgs: Sequence[Msg], reply: Callable[[Msg], Awaitable[None]]) ->
             log.warning("could not reply to event", extra=_describe(msg, reply=reply.__name__, error=repr(exc)))
 
 
-async def decode(msgs: list[Msg]) -> Pending:
-    """Decoded events; an undecodable message is terminated so it never blocks the ones behind it."""
+async def decode(msgs: list[Msg], settle: bool = True) -> Pending:
+    """Decoded events; an undecodable message is dropped (terminated when `settle`) so it never blocks
+    the ones behind it. An event without its own event_id and ts counts as undecodable."""
     pending: Pending = []
     for msg in msgs:
         try:
+            identity = _identity_decoder.decode(msg.data)
+            if identity.event_id is None or identity.ts is None:
+                raise msgspec.ValidationError("an event needs its own `event_id` and `ts`")
             pending.append((msg, event_decoder.decode(msg.data)))
         except msgspec.DecodeError as exc:
-            log.warning("undecodable event terminated", extra=_describe(msg, error=str(exc)))
-            await _each([msg], Msg.term)
+            if settle:
+                log.warning("undecodable event terminated", extra=_describe(msg, error=str(exc)))
+                await _each([msg], Msg.term)
+            else:
+                log.warning("undecodable event skipped", extra=_describe(msg, error=str(exc)))
     return pending
+
+
+async def _forget(puller: BatchPuller) -> None:
+    # Best effort: the server drops an inactive replay consumer by itself.
+    try:
+        await puller.stop()
+        await puller.nc.jetstream().delete_consumer(puller.stream, puller.consumer)
+    except (nats.errors.Error, TimeoutError) as exc:
+        log.warning("could not delete the replay consumer", extra={"error": repr(exc)})
 
 
 async def _close(nc: NatsClient) -> None:
@@ -144,30 +246,45 @@ async def _close(nc: NatsClient) -> None:
     await nc.close()
 
 
-async def run_recorder(settings: RecorderSettings, stop: asyncio.Event) -> None:
-    """Record EVENTS into Postgres until `stop` is set."""
-    recorder = Recorder(settings, stop)
-    nc = await connect(settings.nats_url, "helexa-recorder")
+async def _fetch(puller: BatchPuller, batch_size: int, stop: asyncio.Event) -> list[Msg]:
     try:
-        js = nc.jetstream()
-        await ensure_topology(js)
-        if not await recorder.until_done("migrate", lambda: migrate(settings.database_url)):
-            return
-        sub = await recorder_subscription(js)
-        announce_ready("recorder", consumer=RECORDER_CONSUMER, batch_size=settings.batch_size)
+        return await puller.fetch(batch_size, timeout=1)
+    except nats.errors.Error as exc:
+        # NATS restarting or unreachable: the client reconnects by itself, the consumer is durable.
+        log.warning("fetch failed, retrying", extra={"error": repr(exc)})
+        await _pause(stop, 1.0)
+        return []
+
+
+async def _consume(recorder: Recorder, puller: BatchPuller) -> None:
+    """Record batch after batch; the next batch is fetched while the current one commits."""
+    stop, batch_size = recorder.stop, recorder.settings.batch_size
+    ahead = asyncio.create_task(_fetch(puller, batch_size, stop))
+    try:
         while not stop.is_set():
-            try:
-                msgs = await sub.fetch(batch=settings.batch_size, timeout=1)
-            except TimeoutError:  # nats-py raises its own or asyncio's; both are TimeoutError
-                continue
-            except nats.errors.Error as exc:
-                # NATS restarting or unreachable: the client reconnects by itself, the consumer is durable.
-                log.warning("fetch failed, retrying", extra={"error": repr(exc)})
-                await _pause(stop, 1.0)
-                continue
+            msgs = await ahead
+            ahead = asyncio.create_task(_fetch(puller, batch_size, stop))
             pending = await decode(msgs)
             if pending:
                 await recorder.record(pending)
+    finally:
+        # Hand back what was fetched ahead rather than leave it waiting out ack_wait.
+        await _each(await ahead, Msg.nak)
+
+
+async def run_recorder(settings: RecorderSettings, stop: asyncio.Event, rebuild: bool = False) -> None:
+    """Record EVENTS into Postgres until `stop` is set; with `rebuild`, rebuild the projections first."""
+    recorder = Recorder(settings, stop)
+    nc = await connect(settings.nats_url, "helexa-recorder")
+    try:
+        await ensure_topology(nc.jetstream())
+        if not await recorder.until_done("migrate", lambda: migrate(settings.database_url)):
+            return
+        if rebuild and not await recorder.rebuild(nc):
+            return
+        puller = await recorder_puller(nc, settings.ack_wait_s)
+        announce_ready("recorder", consumer=RECORDER_CONSUMER, batch_size=settings.batch_size)
+        await _consume(recorder, puller)
     finally:
         await recorder.close_pool()
         await _close(nc)

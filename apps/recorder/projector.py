@@ -1,40 +1,79 @@
 """The SQL side of the recorder: a batch of events into `events`, and from there into the projections.
 
-One transaction per batch. Raw events are copied into a staging table and inserted with
-ON CONFLICT DO NOTHING; only the events that this insert actually added are projected, so a
-redelivered event is a no-op and at-least-once delivery yields exactly-once rows.
+One transaction per batch. The batch is COPYed into a staging table, inserted into `events` with
+ON CONFLICT DO NOTHING, and the staging table is cut down to the events this insert actually
+added; only those are projected, so a redelivered event is a no-op and at-least-once delivery
+yields exactly-once rows.
+
+Every projection is one INSERT … SELECT over the events' JSON payloads. The same statements read
+the staging table for a live batch and the whole `events` table for a rebuild, so a rebuild
+recomputes exactly what live recording produced.
 
 `runs` merges run.started and run.finished whatever order they arrive in: a row describes the
-request's latest attempt, run.finished of an attempt wins over its run.started, and `started_at`
-is the earliest start seen.
+request's latest attempt, run.finished of an attempt wins over its run.started, `started_at` is
+the earliest start seen and `last_event_at` the latest event. Events for one request inside one
+batch are applied in rounds, one event per request per round, in (ts, event_id) order.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from datetime import UTC, datetime
+from typing import NamedTuple
 
 import asyncpg
 
-from apps.bus.wire import Event, RunFinished, RunStarted, encode
+from apps.bus.wire import (
+    AdmissionDecided,
+    BenchRunRecorded,
+    Event,
+    NodeStatusChanged,
+    RunFinished,
+    RunStarted,
+    ScoreRecorded,
+    encode,
+    event_kind,
+)
+
+__all__ = ["PROJECTIONS", "Recorded", "event_kind", "project", "rebuild"]
 
 RUNNING = "running"
+PROJECTIONS = ("runs", "admission_events", "nodes", "bench_runs", "scores")
 
-_EVENT_COLUMNS = ("event_id", "kind", "subject", "model", "node", "ts", "payload")
+_STARTED = RunStarted.__struct_config__.tag
+_FINISHED = RunFinished.__struct_config__.tag
+_ADMISSION = AdmissionDecided.__struct_config__.tag
+_NODE = NodeStatusChanged.__struct_config__.tag
+_BENCH_RUN = BenchRunRecorded.__struct_config__.tag
+_SCORE = ScoreRecorded.__struct_config__.tag
+
+_EVENT_COLUMNS = ("event_id", "kind", "subject", "model", "node", "ts", "payload", "stream_seq")
+_STAGING = "incoming_events"
+
+
+class Recorded(NamedTuple):
+    """An event as it came off the stream."""
+
+    subject: str
+    event: Event
+    stream_seq: int | None = None
+
 
 # The staging table lives for the session and is emptied at every commit.
-_CREATE_STAGING = """
-CREATE TEMP TABLE IF NOT EXISTS incoming_events (LIKE events INCLUDING DEFAULTS) ON COMMIT DELETE ROWS
-"""
+_CREATE_STAGING = f"CREATE TEMP TABLE IF NOT EXISTS {_STAGING} (LIKE events INCLUDING DEFAULTS) ON COMMIT DELETE ROWS"
 
 _INSERT_NEW = f"""
-INSERT INTO events ({", ".join(_EVENT_COLUMNS)})
-SELECT {", ".join(_EVENT_COLUMNS)} FROM incoming_events ORDER BY event_id
-ON CONFLICT (event_id) DO NOTHING
-RETURNING event_id
+WITH fresh AS (
+    INSERT INTO events ({", ".join(_EVENT_COLUMNS)})
+    SELECT {", ".join(_EVENT_COLUMNS)} FROM {_STAGING} ORDER BY event_id
+    ON CONFLICT (event_id) DO NOTHING
+    RETURNING event_id
+)
+DELETE FROM {_STAGING} AS s WHERE NOT EXISTS (SELECT FROM fresh WHERE fresh.event_id = s.event_id)
 """
 
-# Everything about a run except its identity and first start belongs to one attempt.
+# Everything about a run except its identity, first start and latest event belongs to one attempt.
 _ATTEMPT_COLUMNS = (
     "model", "node", "principal", "api", "status", "finish_reason",
     "prompt_tokens", "completion_tokens", "cached_tokens", "reasoning_tokens",
@@ -42,80 +81,165 @@ _ATTEMPT_COLUMNS = (
     "attempt", "error", "finished_at",
 )  # fmt: skip
 
+# A later attempt replaces the row; within an attempt run.finished (finished_at set) replaces run.started.
+# Columns run.started does not carry are NULL in EXCLUDED, so a retry starting clears the previous outcome.
+_SUPERSEDES = "EXCLUDED.attempt > r.attempt OR (EXCLUDED.attempt = r.attempt AND EXCLUDED.finished_at IS NOT NULL)"
 
-def _upsert_run(columns: tuple[str, ...], supersedes: str) -> str:
-    """An upsert of `columns` that replaces the attempt's columns only when `supersedes` holds.
 
-    Attempt columns the statement does not set are NULL in EXCLUDED, so a newer attempt's
-    start clears the previous attempt's outcome.
-    """
-    values = ", ".join(f"${i}" for i in range(1, len(columns) + 1))
-    take = ",\n    ".join(f"{c} = CASE WHEN {supersedes} THEN EXCLUDED.{c} ELSE r.{c} END" for c in _ATTEMPT_COLUMNS)
+def _runs_round(source: str) -> str:
+    take = ",\n    ".join(f"{c} = CASE WHEN {_SUPERSEDES} THEN EXCLUDED.{c} ELSE r.{c} END" for c in _ATTEMPT_COLUMNS)
     return f"""
-INSERT INTO runs AS r ({", ".join(columns)}) VALUES ({values})
+INSERT INTO runs AS r (
+    request_id, model, node, principal, api, status, finish_reason,
+    prompt_tokens, completion_tokens, cached_tokens, reasoning_tokens,
+    queue_ms, ttft_ms, prefill_ms, decode_ms, e2e_ms, attempt, error,
+    started_at, finished_at, last_event_at
+)
+SELECT p->>'request_id', model, node, p->>'principal', p->>'api',
+       CASE WHEN kind = '{_STARTED}' THEN '{RUNNING}' ELSE p->>'status' END, p->>'finish_reason',
+       (p->>'prompt_tokens')::integer, (p->>'completion_tokens')::integer,
+       (p->>'cached_tokens')::integer, (p->>'reasoning_tokens')::integer,
+       (p->>'queue_ms')::float8, (p->>'ttft_ms')::float8, (p->>'prefill_ms')::float8,
+       (p->>'decode_ms')::float8, (p->>'e2e_ms')::float8, (p->>'attempt')::integer, p->>'error',
+       CASE WHEN kind = '{_STARTED}' THEN ts END, CASE WHEN kind = '{_FINISHED}' THEN ts END, ts
+FROM (
+    SELECT kind, model, node, ts, payload AS p,
+           row_number() OVER (PARTITION BY payload->>'request_id' ORDER BY ts, event_id) AS round
+    FROM {source} WHERE kind IN ('{_STARTED}', '{_FINISHED}')
+) AS e
+WHERE round = $1
+-- Sorted so concurrent recorders lock rows in the same order.
+ORDER BY 1
 ON CONFLICT (request_id) DO UPDATE SET
     {take},
     started_at = LEAST(r.started_at, EXCLUDED.started_at),
-    updated_at = now()
+    last_event_at = GREATEST(r.last_event_at, EXCLUDED.last_event_at)
 """
 
 
-_STARTED_COLUMNS = (
-    "request_id", "model", "node", "principal", "api", "status",
-    "prompt_tokens", "queue_ms", "attempt", "started_at",
-)  # fmt: skip
-_FINISHED_COLUMNS = (
-    "request_id", "model", "node", "principal", "api", "status", "finish_reason",
-    "prompt_tokens", "completion_tokens", "cached_tokens", "queue_ms", "ttft_ms",
-    "prefill_ms", "decode_ms", "e2e_ms", "attempt", "error", "finished_at",
-)  # fmt: skip
+def _admission(source: str) -> str:
+    return f"""
+INSERT INTO admission_events (
+    event_id, ts, model, node, request_id, principal, decision, detail,
+    pending, in_flight, retry_after_s, waited_ms
+)
+SELECT event_id, ts, model, node, p->>'request_id', p->>'principal', p->>'decision', p->>'detail',
+       (p->>'pending')::integer, (p->>'in_flight')::integer, (p->>'retry_after_s')::float8, (p->>'waited_ms')::float8
+FROM (SELECT *, payload AS p FROM {source} WHERE kind = '{_ADMISSION}') AS e
+ON CONFLICT (event_id) DO NOTHING
+"""
 
-_UPSERT_STARTED = _upsert_run(_STARTED_COLUMNS, "EXCLUDED.attempt > r.attempt")
-_UPSERT_FINISHED = _upsert_run(_FINISHED_COLUMNS, "EXCLUDED.attempt >= r.attempt")
+
+def _nodes(source: str) -> str:
+    return f"""
+INSERT INTO nodes (event_id, ts, node, model, status, version, models, slots, free_slots, kv_usage)
+SELECT event_id, ts, node, model, p->>'status', p->>'version',
+       ARRAY(SELECT jsonb_array_elements_text(p->'models')),
+       (p->>'slots')::integer, (p->>'free_slots')::integer, (p->>'kv_usage')::float8
+FROM (SELECT *, payload AS p FROM {source} WHERE kind = '{_NODE}') AS e
+ON CONFLICT (event_id) DO NOTHING
+"""
+
+
+def _bench_runs(source: str) -> str:
+    # Later (ts, event_id) wins, inside the batch (DISTINCT ON) and against the stored row (WHERE).
+    return f"""
+INSERT INTO bench_runs AS b (
+    run_id, event_id, ts, model, node, target, scenario, config, results, started_at, finished_at
+)
+SELECT DISTINCT ON (p->>'run_id')
+       p->>'run_id', event_id, ts, model, node, p->>'target', p->>'scenario', p->'config', p->'results',
+       to_timestamp((p->>'started_at')::float8), to_timestamp((p->>'finished_at')::float8)
+FROM (SELECT *, payload AS p FROM {source} WHERE kind = '{_BENCH_RUN}') AS e
+ORDER BY p->>'run_id', ts DESC, event_id DESC
+ON CONFLICT (run_id) DO UPDATE SET
+    event_id = EXCLUDED.event_id, ts = EXCLUDED.ts, model = EXCLUDED.model, node = EXCLUDED.node,
+    target = EXCLUDED.target, scenario = EXCLUDED.scenario, config = EXCLUDED.config,
+    results = EXCLUDED.results, started_at = EXCLUDED.started_at, finished_at = EXCLUDED.finished_at
+WHERE (EXCLUDED.ts, EXCLUDED.event_id) > (b.ts, b.event_id)
+"""
+
+
+def _scores(source: str) -> str:
+    return f"""
+INSERT INTO scores (event_id, ts, run_id, model, node, scenario, metric, value, unit, scorer)
+SELECT event_id, ts, p->>'run_id', model, node, p->>'scenario', p->>'metric',
+       (p->>'value')::float8, p->>'unit', p->>'scorer'
+FROM (SELECT *, payload AS p FROM {source} WHERE kind = '{_SCORE}') AS e
+ON CONFLICT (event_id) DO NOTHING
+"""
+
+
+class _Statements:
+    """The projection statements reading one source table."""
+
+    def __init__(self, source: str) -> None:
+        self.runs_round = _runs_round(source)
+        self.by_kind = {
+            _ADMISSION: _admission(source),
+            _NODE: _nodes(source),
+            _BENCH_RUN: _bench_runs(source),
+            _SCORE: _scores(source),
+        }
+        self.max_rounds = f"""
+SELECT coalesce(max(n), 0) FROM (
+    SELECT count(*) AS n FROM {source} WHERE kind IN ('{_STARTED}', '{_FINISHED}') GROUP BY payload->>'request_id'
+) AS per_request
+"""
+
+
+_LIVE = _Statements(_STAGING)
+_ALL = _Statements("events")
 
 
 def _time(ts: float) -> datetime:
     return datetime.fromtimestamp(ts, UTC)
 
 
-def event_kind(event: Event) -> str:
-    return type(event).__struct_config__.tag
+async def _apply(conn: asyncpg.Connection, statements: _Statements, kinds: set[str], rounds: int) -> None:
+    for kind, sql in statements.by_kind.items():
+        if kind in kinds:
+            await conn.execute(sql)
+    for round_ in range(1, rounds + 1):
+        await conn.execute(statements.runs_round, round_)
 
 
-def _started_row(e: RunStarted) -> tuple:
-    return (e.request_id, e.model, e.node, e.principal, e.api, RUNNING, e.prompt_tokens, e.queue_ms, e.attempt, _time(e.ts))
-
-
-def _finished_row(e: RunFinished) -> tuple:
-    return (
-        e.request_id, e.model, e.node, e.principal, e.api, e.status, e.finish_reason,
-        e.prompt_tokens, e.completion_tokens, e.cached_tokens, e.queue_ms, e.ttft_ms,
-        e.prefill_ms, e.decode_ms, e.e2e_ms, e.attempt, e.error, _time(e.ts),
-    )  # fmt: skip
-
-
-async def project(conn: asyncpg.Connection, batch: Sequence[tuple[str, Event]]) -> int:
-    """Record `(subject, event)` pairs in one transaction; returns how many events were new."""
-    unique = {event.event_id: (subject, event) for subject, event in batch}
+async def project(conn: asyncpg.Connection, batch: Sequence[Recorded | tuple[str, Event]]) -> int:
+    """Record events in one transaction; returns how many of them were new."""
+    unique: dict[str, Recorded] = {}
+    for item in batch:
+        # The first copy wins, so `stream_seq` names the earliest one whatever the batch size.
+        unique.setdefault(item[1].event_id, Recorded(*item))
     if not unique:
         return 0
+    kinds = {event_kind(r.event) for r in unique.values()}
+    per_request = Counter(
+        r.event.request_id for r in unique.values() if isinstance(r.event, (RunStarted, RunFinished))
+    )
     async with conn.transaction():
         await conn.execute(_CREATE_STAGING)
         await conn.copy_records_to_table(
-            "incoming_events",
+            _STAGING,
             columns=_EVENT_COLUMNS,
             records=[
-                (e.event_id, event_kind(e), subject, e.model, e.node, _time(e.ts), encode(e).decode())
-                for subject, e in unique.values()
+                (e.event_id, event_kind(e), subject, e.model, e.node, _time(e.ts), encode(e).decode(), seq)
+                for subject, e, seq in unique.values()
             ],
         )
-        fresh = [unique[row["event_id"]][1] for row in await conn.fetch(_INSERT_NEW)]
-        # Sorted so concurrent recorders lock rows in the same order.
-        fresh.sort(key=lambda e: getattr(e, "request_id", ""))
-        started = [_started_row(e) for e in fresh if isinstance(e, RunStarted)]
-        finished = [_finished_row(e) for e in fresh if isinstance(e, RunFinished)]
-        if started:
-            await conn.executemany(_UPSERT_STARTED, started)
-        if finished:
-            await conn.executemany(_UPSERT_FINISHED, finished)
-    return len(fresh)
+        stale = int((await conn.execute(_INSERT_NEW)).split()[-1])
+        if stale < len(unique):
+            await _apply(conn, _LIVE, kinds, max(per_request.values(), default=0))
+    return len(unique) - stale
+
+
+async def rebuild(conn: asyncpg.Connection) -> dict[str, int]:
+    """Recompute every projection from `events` in one transaction; returns the row count of each.
+
+    Readers and recording recorders wait for the commit, so nobody sees half-built projections.
+    """
+    async with conn.transaction():
+        # Taken before the projections, in the same order a recorder's batch takes its locks.
+        await conn.execute("LOCK TABLE events IN SHARE MODE")
+        await conn.execute(f"TRUNCATE {', '.join(PROJECTIONS)}")
+        await _apply(conn, _ALL, set(_ALL.by_kind), await conn.fetchval(_ALL.max_rounds))
+        return {table: await conn.fetchval(f"SELECT count(*) FROM {table}") for table in PROJECTIONS}

@@ -21,6 +21,7 @@ from apps.bus import topology, wire
 from apps.logs import announce_ready
 from apps.settings import WorkerSettings
 from apps.worker import serve
+from apps.worker.prompt import RequestRejected, build_prompt, sampling_options
 from apps.worker.replies import Replier
 from engine.api import Engine
 from engine.tokenizer import Tokenizer
@@ -121,19 +122,19 @@ class Worker:
         replier = Replier(self.nc, request.reply_subject, attempt, self.node)
         record = serve.RunRecord(request=request, node=self.node, attempt=attempt, received_at=time.time())
         try:
-            prompt_ids = serve.prompt_token_ids(self.tokenizer, request)
-            record.prompt_tokens = len(prompt_ids)
-            sampling = serve.sampling_options(request, len(prompt_ids), self.engine.max_model_len)
-        except serve.RequestRejected as exc:
+            prompt = build_prompt(self.tokenizer, request, self.settings.reasoning_parser)
+            record.prompt_tokens = len(prompt.token_ids)
+            sampling = sampling_options(request, len(prompt.token_ids), self.engine.max_model_len)
+        except RequestRejected as exc:
             await replier.error(exc.status, exc.code, exc.message)
             await msg.ack()
             await self._publish_event(record.finished_event("rejected", "error", exc.code))
             return
-        await replier.accepted(len(prompt_ids))
+        await replier.accepted(len(prompt.token_ids))
         await self._publish_event(record.started_event())
         keep_alive = asyncio.create_task(serve.keep_alive(replier, KEEP_ALIVE_S, msg.in_progress))
         try:
-            reasons, error = await serve.generate(self.engine, self.tokenizer, replier, record, prompt_ids, sampling)
+            reasons, error = await serve.generate(self.engine, self.tokenizer, replier, record, prompt, sampling)
             finish_reason = reasons[0]
         except Exception as exc:  # the run fails, the worker goes on
             log.exception("generation failed", extra={"request_id": request.request_id})
@@ -182,11 +183,17 @@ class Worker:
 
     def status(self, state: str = "ready") -> wire.NodeStatus:
         slots = self.engine.max_num_seqs
+        stats = getattr(self.engine, "stats", None)  # engines without a KV pool report none
         model = wire.ModelStatus(
             model=self.model_id,
             max_model_len=self.engine.max_model_len,
             slots=slots,
             free_slots=self.free_slots(),
+            num_running=stats.num_running if stats else 0,
+            num_waiting=stats.num_waiting if stats else 0,
+            kv_usage=round(stats.kv_usage, 4) if stats else 0.0,
+            prefix_queries=stats.prefix_queries if stats else 0,
+            prefix_hits=stats.prefix_hits if stats else 0,
         )
         return wire.NodeStatus(node=self.node, models=[model], version=_version(), status=state)
 
@@ -198,8 +205,8 @@ class Worker:
             await asyncio.sleep(self.settings.status_interval_s)
             try:
                 await self._publish_status()
-            except nats.errors.Error as exc:
-                log.warning("status publish failed", extra={"error": str(exc)})
+            except Exception as exc:  # a missed refresh must never end the loop: the node would vanish
+                log.warning("status publish failed", extra={"error": repr(exc)})
 
     async def _drain(self, grace_s: float = 10.0) -> None:
         """On shutdown: let running requests finish briefly, then abort the rest."""

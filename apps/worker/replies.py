@@ -28,10 +28,23 @@ class Replier:
     async def accepted(self, prompt_tokens: int) -> None:
         await self._send(wire.Accepted(**self._next(), node=self.node, prompt_tokens=prompt_tokens))
 
-    async def delta(self, text: str, num_tokens: int, index: int = 0, finish_reason: str | None = None) -> None:
-        self.sent_tokens = self.sent_tokens or bool(text)
+    async def delta(
+        self,
+        text: str,
+        num_tokens: int,
+        index: int = 0,
+        finish_reason: str | None = None,
+        reasoning: str = "",
+        tool_calls: list[wire.ToolCallDelta] | None = None,
+        logprobs: list[wire.TokenLogprobs] | None = None,
+        stop_sequence: str | None = None,
+    ) -> None:
+        self.sent_tokens = self.sent_tokens or bool(text or reasoning or tool_calls)
         await self._send(
-            wire.Delta(**self._next(), text=text, num_tokens=num_tokens, index=index, finish_reason=finish_reason)
+            wire.Delta(
+                **self._next(), text=text, num_tokens=num_tokens, index=index, finish_reason=finish_reason,
+                reasoning=reasoning, tool_calls=tool_calls or [], logprobs=logprobs, stop_sequence=stop_sequence,
+            )
         )
 
     async def heartbeat(self) -> None:

@@ -13,21 +13,15 @@ import logging
 import time
 from dataclasses import dataclass
 
-from jinja2 import TemplateError
-
 from apps.bus import wire
+from apps.worker.parsers import Parsed
+from apps.worker.prompt import Prompt
 from apps.worker.replies import Replier
 from apps.worker.stop_strings import StopStringMatcher
-from engine.api import Engine, EngineRequest, FinishReason, SamplingOptions
+from engine.api import Engine, EngineRequest, FinishReason, SamplingOptions, TokenLogprob
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("helexa.worker")
-
-
-class RequestRejected(Exception):
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
 
 
 @dataclass(slots=True)
@@ -42,6 +36,7 @@ class RunRecord:
     completion_tokens: int = 0
     cached_tokens: int = 0
     prefill_ms: float = 0.0
+    reasoning_tokens: int = 0
     first_token_at: float | None = None
     finished_at: float | None = None
 
@@ -58,6 +53,7 @@ class RunRecord:
             queue_ms=round(self.queue_ms, 3),
             prefill_ms=round(self.prefill_ms, 3),
             decode_ms=round(decode_ms, 3),
+            reasoning_tokens=self.reasoning_tokens,
         )
 
     def started_event(self) -> wire.RunStarted:
@@ -94,51 +90,8 @@ class RunRecord:
             decode_ms=usage.decode_ms,
             e2e_ms=round((end - self.request.created_at) * 1000.0, 3),
             error=error,
+            reasoning_tokens=self.reasoning_tokens,
         )
-
-
-def prompt_token_ids(tokenizer: Tokenizer, request: wire.GenerateRequest) -> list[int]:
-    if request.messages is not None:
-        messages = [{"role": m.role, "content": m.content} for m in request.messages]
-        try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except TemplateError as exc:
-            raise RequestRejected(400, "invalid_messages", f"The messages do not fit the model's chat template: {exc}")
-        # The template already places any BOS the model expects.
-        return tokenizer.encode(text, add_special_tokens=False)
-    if request.prompt is not None:
-        return tokenizer.encode(request.prompt, add_special_tokens=True)
-    raise RequestRejected(400, "invalid_request", "The request has neither messages nor a prompt.")
-
-
-def sampling_options(request: wire.GenerateRequest, num_prompt_tokens: int, max_model_len: int) -> SamplingOptions:
-    room = max_model_len - num_prompt_tokens
-    wanted = request.sampling.max_tokens
-    if room <= 0 or (wanted is not None and wanted > room):
-        requested = num_prompt_tokens + (wanted or 1)
-        raise RequestRejected(
-            400,
-            "context_length_exceeded",
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{requested} tokens ({num_prompt_tokens} in the messages, {wanted or 1} in the completion). "
-            "Please reduce the length of the messages or completion.",
-        )
-    s = request.sampling
-    return SamplingOptions(
-        max_tokens=wanted if wanted is not None else room,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        min_p=s.min_p,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        repetition_penalty=s.repetition_penalty,
-        seed=s.seed,
-        stop_token_ids=list(s.stop_token_ids),
-        ignore_eos=s.ignore_eos,
-        min_tokens=min(s.min_tokens, wanted if wanted is not None else room),
-        logprobs=s.logprobs,
-    )
 
 
 def engine_request_ids(request_id: str, n: int) -> list[str]:
@@ -158,13 +111,14 @@ async def generate(
     tokenizer: Tokenizer,
     replier: Replier,
     record: RunRecord,
-    prompt_ids: list[int],
+    prompt: Prompt,
     sampling: SamplingOptions,
 ) -> tuple[list[str], str | None]:
     """Run every choice and stream its text; returns (finish reason per choice, error)."""
     ids = engine_request_ids(record.request.request_id, record.request.sampling.n)
     choices = [
-        generate_choice(engine, tokenizer, replier, record, EngineRequest(rid, prompt_ids, choice_sampling(sampling, i)), i)
+        generate_choice(engine, tokenizer, replier, record, prompt,
+                        EngineRequest(rid, prompt.token_ids, choice_sampling(sampling, i)), i)
         for i, rid in enumerate(ids)
     ]
     results = await asyncio.gather(*choices)
@@ -172,18 +126,45 @@ async def generate(
     return [reason for reason, _ in results], (errors[0] if errors else None)
 
 
+def wire_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob]) -> list[wire.TokenLogprobs]:
+    def described(token_id: int) -> tuple[str, list[int]]:
+        text = tokenizer.decode([token_id], skip_special_tokens=False)
+        return text, list(text.encode("utf-8"))
+
+    out = []
+    for entry in entries:
+        token, raw = described(entry.token_id)
+        top = [(t, round(lp, 6), b) for t, b, lp in ((*described(i), lp) for i, lp in entry.top)]
+        out.append(wire.TokenLogprobs(token=token, logprob=round(entry.logprob, 6), bytes=raw, top=top))
+    return out
+
+
 async def generate_choice(
     engine: Engine,
     tokenizer: Tokenizer,
     replier: Replier,
     record: RunRecord,
+    prompt: Prompt,
     engine_request: EngineRequest,
     index: int,
 ) -> tuple[str, str | None]:
-    """One choice: detokenize incrementally, hold back possible stop strings, close with its reason."""
+    """One choice: detokenize, hold back stop strings, split reasoning and tool calls, close it."""
     detokenizer = IncrementalDetokenizer(tokenizer, engine_request.prompt_token_ids)
     stops = StopStringMatcher(record.request.sampling.stop)
-    reason, error = FinishReason.ABORT.value, None
+    parser = prompt.output_parser()
+    reason = FinishReason.ABORT.value
+    pending_logprobs: list[wire.TokenLogprobs] = []
+
+    async def send(parsed: Parsed, num_tokens: int, finish_reason: str | None = None) -> None:
+        nonlocal pending_logprobs
+        if not (parsed or finish_reason or pending_logprobs):
+            return
+        await replier.delta(parsed.content, num_tokens, index=index, finish_reason=finish_reason,
+                            reasoning=parsed.reasoning, tool_calls=parsed.tool_calls,
+                            logprobs=pending_logprobs or None,
+                            stop_sequence=stops.matched if finish_reason else None)
+        pending_logprobs = []
+
     async with contextlib.aclosing(engine.generate(engine_request)) as outputs:
         async for out in outputs:
             if out.prefill_ms is not None and index == 0:
@@ -192,21 +173,24 @@ async def generate_choice(
             if out.new_token_ids:
                 record.first_token_at = record.first_token_at or time.time()
                 record.completion_tokens += len(out.new_token_ids)
+                if parser.in_reasoning:
+                    record.reasoning_tokens += len(out.new_token_ids)
+                if out.logprobs:
+                    pending_logprobs += wire_logprobs(tokenizer, out.logprobs)
                 text, hit_stop = stops.feed(detokenizer.step(out.new_token_ids))
-                if text:
-                    await replier.delta(text, len(out.new_token_ids), index=index)
+                await send(parser.feed(text), len(out.new_token_ids))
                 if hit_stop:
                     reason = FinishReason.STOP.value
                     break
             if out.finished:
                 if out.finish_reason is FinishReason.ERROR:
                     return FinishReason.ERROR.value, out.error or "engine error"
-                tail = stops.flush()
-                if tail:
-                    await replier.delta(tail, 0, index=index)
                 reason = (out.finish_reason or FinishReason.STOP).value
-    await replier.delta("", 0, index=index, finish_reason=reason)
-    return reason, error
+                await send(parser.feed(stops.flush()), 0)
+    if parser.num_tool_calls and reason == FinishReason.STOP.value:
+        reason = "tool_calls"
+    await send(parser.finish(), 0, finish_reason=reason)
+    return reason, None
 
 
 async def keep_alive(replier: Replier, interval_s: float, touch: object) -> None:

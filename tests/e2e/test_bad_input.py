@@ -85,3 +85,21 @@ def test_prompt_over_the_context_is_400_before_generation(system: System) -> Non
 def test_unknown_route_is_404_envelope(system: System) -> None:
     with httpx.Client(base_url=system.base_url, timeout=30) as http:
         assert_envelope(http.get("/v1/nothing-here"), 404)
+
+
+def test_oversized_body_is_413(system: System) -> None:
+    body = {"model": system.model, "messages": [{"role": "user", "content": "x" * (9 << 20)}]}
+    assert_envelope(post(system, body), 413)
+
+
+def test_each_failure_logs_one_structured_warning(system: System) -> None:
+    body = {"model": "model-for-the-log-test", "messages": [{"role": "user", "content": "hi"}]}
+    assert_envelope(post(system, body), 404)
+    entry = system.gateway.wait_for(
+        lambda e: e.get("event") == "request failed" and e.get("model") == "model-for-the-log-test", timeout_s=10
+    )
+    assert {"handler", "model", "node", "request_id", "status", "error"} <= set(entry)
+    assert entry["status"] == 404 and entry["level"] == "warning"
+    matching = [e for e in system.gateway.lines
+                if e.get("event") == "request failed" and e.get("model") == "model-for-the-log-test"]
+    assert len(matching) == 1

@@ -147,3 +147,32 @@ def test_n_choices_streamed_and_not(system: System) -> None:
     assert finishes == {0: "length", 1: "length", 2: "length"}
     # Same seed, same choices: streaming does not change what is sampled.
     assert [texts[i] for i in range(3)] == [c.message.content for c in response.choices]
+
+
+def test_completions_with_text_and_token_prompts(system: System) -> None:
+    from engine.default_model import default_model_path
+    from engine.loader import load_tokenizer
+
+    tokenizer, _ = load_tokenizer(default_model_path())
+    prompt = "The capital of France is"
+    api = client(system)
+    by_text = api.completions.create(model=system.model, prompt=prompt, max_tokens=6, temperature=0)
+    ids = tokenizer.encode(prompt, add_special_tokens=True)
+    by_ids = api.completions.create(model=system.model, prompt=ids, max_tokens=6, temperature=0, logprobs=2)
+    assert by_text.object == "text_completion"
+    assert by_text.choices[0].text == by_ids.choices[0].text and by_text.choices[0].text.strip()
+    assert by_text.usage.prompt_tokens == len(ids) and by_text.usage.completion_tokens == 6
+    assert by_text.choices[0].finish_reason == "length"
+    lp = by_ids.choices[0].logprobs
+    assert len(lp.tokens) == 6 and all(len(top) == 2 for top in lp.top_logprobs)
+    streamed = "".join(c.choices[0].text for c in api.completions.create(
+        model=system.model, prompt=prompt, max_tokens=6, temperature=0, stream=True) if c.choices)
+    assert streamed == by_text.choices[0].text
+
+
+def test_completions_rejects_out_of_vocab_token_ids(system: System) -> None:
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as caught:
+        client(system).completions.create(model=system.model, prompt=[1, 10**9], max_tokens=2)
+    assert caught.value.body["code"] == "invalid_prompt"

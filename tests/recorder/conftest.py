@@ -13,23 +13,52 @@ from typing import Any
 import asyncpg
 import pytest
 
-from apps.bus.wire import RunFinished, RunStarted
+from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
+
+from apps.bus.topology import EVENTS_STREAM, RECORDER_CONSUMER, connect, ensure_topology, event_subject
+from apps.bus.wire import (
+    AdmissionDecided,
+    BenchRunRecorded,
+    Event,
+    NodeStatusChanged,
+    RunFinished,
+    RunStarted,
+    ScoreRecorded,
+    encode,
+    event_kind,
+)
+from apps.embedded.nats_server import NatsServer
 from apps.embedded.postgres import PostgresServer
 from apps.recorder.app import run_recorder
+from apps.recorder.projector import PROJECTIONS
 from apps.settings import RecorderSettings
 
 
 @pytest.fixture
-async def database_url(postgres: PostgresServer) -> AsyncIterator[str]:
-    """An empty database of its own on the session's PostgreSQL."""
-    name = f"recorder_{uuid.uuid4().hex[:12]}"
+async def new_database(postgres: PostgresServer) -> AsyncIterator[Callable[[], Awaitable[str]]]:
+    """Makes empty databases on the session's PostgreSQL, dropped after the test; returns their URLs."""
+    names: list[str] = []
     admin = await asyncpg.connect(postgres.url)
-    try:
+
+    async def create() -> str:
+        name = f"recorder_{uuid.uuid4().hex[:12]}"
         await admin.execute(f'CREATE DATABASE "{name}"')
-        yield postgres.url.rsplit("/", 1)[0] + "/" + name
-        await admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+        names.append(name)
+        return postgres.url.rsplit("/", 1)[0] + "/" + name
+
+    try:
+        yield create
+        for name in names:
+            await admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
     finally:
         await admin.close()
+
+
+@pytest.fixture
+async def database_url(new_database: Callable[[], Awaitable[str]]) -> str:
+    """An empty database of its own on the session's PostgreSQL."""
+    return await new_database()
 
 
 def started(request_id: str, **fields: Any) -> RunStarted:
@@ -47,6 +76,102 @@ def finished(request_id: str, **fields: Any) -> RunFinished:
         attempt=1, queue_ms=3.0, ttft_ms=20.0, prefill_ms=15.0, decode_ms=40.0, e2e_ms=63.0,
     )  # fmt: skip
     return RunFinished(request_id=request_id, **{**defaults, **fields})
+
+
+def admission(request_id: str, **fields: Any) -> AdmissionDecided:
+    defaults: dict[str, Any] = dict(
+        model="tiny", node="gateway", principal="alice", decision="admitted", pending=1, in_flight=1, waited_ms=2.5,
+    )  # fmt: skip
+    return AdmissionDecided(request_id=request_id, **{**defaults, **fields})
+
+
+def node_status(node: str, **fields: Any) -> NodeStatusChanged:
+    defaults: dict[str, Any] = dict(
+        model="tiny", status="ready", version="0.1.0", models=["tiny"], slots=16, free_slots=16, kv_usage=0.0,
+    )  # fmt: skip
+    return NodeStatusChanged(node=node, **{**defaults, **fields})
+
+
+def bench_run(run_id: str, **fields: Any) -> BenchRunRecorded:
+    defaults: dict[str, Any] = dict(
+        model="tiny", node="bench", target="http://127.0.0.1:8000/v1", scenario="chat:128",
+        config={"samples": 3}, started_at=1_700_000_000.0, finished_at=1_700_000_010.0,
+        results={"ttft_ms": [20.0, 21.0, 25.0]},
+    )  # fmt: skip
+    return BenchRunRecorded(run_id=run_id, **{**defaults, **fields})
+
+
+def score(run_id: str, metric: str, value: float, **fields: Any) -> ScoreRecorded:
+    defaults: dict[str, Any] = dict(model="tiny", node="bench", scenario="chat:128", unit="ms", scorer="helexa-bench")
+    return ScoreRecorded(run_id=run_id, metric=metric, value=value, **{**defaults, **fields})
+
+
+@pytest.fixture
+async def nc(own_nats: NatsServer) -> AsyncIterator[NatsClient]:
+    """A client on an empty bus of the test's own, with the topology declared."""
+    nc = await connect(own_nats.url, "recorder-test")
+    await ensure_topology(nc.jetstream())
+    try:
+        yield nc
+    finally:
+        await nc.close()
+
+
+@pytest.fixture
+def js(nc: NatsClient) -> JetStreamContext:
+    return nc.jetstream()
+
+
+async def publish(js: JetStreamContext, *events: Event) -> None:
+    # No Nats-Msg-Id: JetStream stores every copy, as a republish after a lost ack would.
+    for event in events:
+        await js.publish(event_subject(event_kind(event), event.model), encode(event))
+
+
+async def publish_fast(nc: NatsClient, events: list[Event]) -> None:
+    """Core-NATS publishes (no per-message ack), then wait until the stream holds every one."""
+    js = nc.jetstream()
+    before = (await js.stream_info(EVENTS_STREAM)).state.messages
+    for event in events:
+        await nc.publish(event_subject(event_kind(event), event.model), encode(event))
+    await nc.flush()
+
+    async def stored() -> bool:
+        return (await js.stream_info(EVENTS_STREAM)).state.messages >= before + len(events)
+
+    await eventually(stored, what=f"{len(events)} events stored")
+
+
+async def wait_all_acked(js: JetStreamContext, timeout_s: float = 30.0) -> None:
+    async def drained() -> bool:
+        info = await js.consumer_info(EVENTS_STREAM, RECORDER_CONSUMER)
+        return info.num_pending == 0 and info.num_ack_pending == 0
+
+    await eventually(drained, timeout_s, what="every event acked or terminated")
+
+
+async def fetchval(url: str, sql: str) -> Any:
+    conn = await asyncpg.connect(url)
+    try:
+        return await conn.fetchval(sql)
+    finally:
+        await conn.close()
+
+
+async def wait_rows(url: str, table: str, expected: int, timeout_s: float = 30.0) -> None:
+    async def reached() -> bool:
+        return await fetchval(url, f"SELECT count(*) FROM {table}") >= expected
+
+    await eventually(reached, timeout_s, what=f"{expected} rows in {table}")
+
+
+async def snapshot(url: str, tables: tuple[str, ...] = PROJECTIONS) -> dict[str, list[tuple]]:
+    """Every row of `tables`, in a stable order, for comparing whole tables."""
+    conn = await asyncpg.connect(url)
+    try:
+        return {t: [tuple(r) for r in await conn.fetch(f"SELECT * FROM {t} ORDER BY 1")] for t in tables}
+    finally:
+        await conn.close()
 
 
 async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 20.0, what: str = "condition") -> None:
@@ -105,10 +230,10 @@ def log_watch() -> Iterator[LogWatch]:
 
 
 @asynccontextmanager
-async def recording(settings: RecorderSettings, watch: LogWatch) -> AsyncIterator[asyncio.Task]:
+async def recording(settings: RecorderSettings, watch: LogWatch, rebuild: bool = False) -> AsyncIterator[asyncio.Task]:
     """`run_recorder` as a task for the block's duration; stopped through its stop event, as SIGTERM would."""
     stop = asyncio.Event()
-    task = asyncio.create_task(run_recorder(settings, stop))
+    task = asyncio.create_task(run_recorder(settings, stop, rebuild=rebuild))
     task.add_done_callback(lambda _: watch.changed.set())
     try:
         yield task

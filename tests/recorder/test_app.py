@@ -4,52 +4,27 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
 
 import asyncpg
-import pytest
+import msgspec
 from nats.js import JetStreamContext
 
-from apps.bus.topology import EVENTS_STREAM, RECORDER_CONSUMER, connect, ensure_topology, event_subject
-from apps.bus.wire import Event, encode
+from apps.bus.topology import EVENTS_STREAM, RECORDER_CONSUMER, event_subject
+from apps.bus.wire import encode
 from apps.embedded.nats_server import NatsServer
 from apps.embedded.postgres import PostgresServer
-from apps.recorder.projector import event_kind
 from apps.settings import RecorderSettings
-from tests.recorder.conftest import LogWatch, eventually, finished, recording, started
+from tests.recorder.conftest import (
+    LogWatch,
+    eventually,
+    fetchval,
+    finished,
+    publish,
+    recording,
+    started,
+    wait_all_acked,
+)
 
-
-@pytest.fixture
-async def js(own_nats: NatsServer) -> AsyncIterator[JetStreamContext]:
-    nc = await connect(own_nats.url, "recorder-test")
-    js = nc.jetstream()
-    await ensure_topology(js)
-    try:
-        yield js
-    finally:
-        await nc.close()
-
-
-async def publish(js: JetStreamContext, *events: Event) -> None:
-    # No Nats-Msg-Id: JetStream stores every copy, as a republish after a lost ack would.
-    for event in events:
-        await js.publish(event_subject(event_kind(event), event.model), encode(event))
-
-
-async def count(url: str, sql: str) -> int:
-    conn = await asyncpg.connect(url)
-    try:
-        return await conn.fetchval(sql)
-    finally:
-        await conn.close()
-
-
-async def wait_all_acked(js: JetStreamContext) -> None:
-    async def drained() -> bool:
-        info = await js.consumer_info(EVENTS_STREAM, RECORDER_CONSUMER)
-        return info.num_pending == 0 and info.num_ack_pending == 0
-
-    await eventually(drained, what="every event acked or terminated")
 
 
 def _settings(own_nats: NatsServer, url: str) -> RecorderSettings:
@@ -72,8 +47,8 @@ async def test_redelivered_and_reordered_events_become_exact_rows(
         await publish(js, finish)
         await wait_all_acked(js)
 
-    assert await count(database_url, "SELECT count(*) FROM events") == 3
-    assert await count(database_url, "SELECT count(*) FROM runs") == 2
+    assert await fetchval(database_url, "SELECT count(*) FROM events") == 3
+    assert await fetchval(database_url, "SELECT count(*) FROM runs") == 2
     conn = await asyncpg.connect(database_url)
     try:
         row = await conn.fetchrow("SELECT * FROM runs WHERE request_id = 'req-1'")
@@ -85,7 +60,7 @@ async def test_redelivered_and_reordered_events_become_exact_rows(
 
 
 async def _is(url: str, sql: str, expected: int) -> bool:
-    return await count(url, sql) == expected
+    return await fetchval(url, sql) == expected
 
 
 async def test_undecodable_and_rejected_events_do_not_block_the_stream(
@@ -93,6 +68,10 @@ async def test_undecodable_and_rejected_events_do_not_block_the_stream(
 ) -> None:
     await js.publish(event_subject("run.started", "tiny"), b"not json")
     await js.publish(event_subject("run.started", "tiny"), b'{"kind": "run.started", "model": "tiny"}')
+    # Complete but for its id: the wire default would give every delivery a new one, and duplicate rows.
+    anonymous = msgspec.json.decode(encode(started("req-no-id")))
+    del anonymous["event_id"]
+    await js.publish(event_subject("run.started", "tiny"), msgspec.json.encode(anonymous))
     # Decodes fine, but PostgreSQL refuses a NUL character in text and jsonb.
     poison = started("req-poison", principal="nul\x00byte")
     good = [started(f"req-{i}") for i in range(5)]
@@ -103,10 +82,10 @@ async def test_undecodable_and_rejected_events_do_not_block_the_stream(
         await eventually(lambda: _is(database_url, "SELECT count(*) FROM runs", 5), what="the good events")
         await wait_all_acked(js)
 
-    assert len(log_watch.matching("undecodable event terminated")) == 2
+    assert len(log_watch.matching("undecodable event terminated")) == 3
     assert len(log_watch.matching("event rejected by postgres, terminated")) == 1
-    assert await count(database_url, "SELECT count(*) FROM events") == 5
-    assert await count(database_url, "SELECT count(*) FROM runs WHERE request_id = 'req-poison'") == 0
+    assert await fetchval(database_url, "SELECT count(*) FROM events") == 5
+    assert await fetchval(database_url, "SELECT count(*) FROM runs WHERE request_id = 'req-poison'") == 0
 
 
 async def test_started_before_postgres_records_everything_once_it_is_up(
@@ -122,7 +101,7 @@ async def test_started_before_postgres_records_everything_once_it_is_up(
         await eventually(lambda: _is(own_postgres.url, "SELECT count(*) FROM events", 40), what="40 events")
         await wait_all_acked(js)
 
-    assert await count(own_postgres.url, "SELECT count(*) FROM runs WHERE status = 'ok'") == 20
+    assert await fetchval(own_postgres.url, "SELECT count(*) FROM runs WHERE status = 'ok'") == 20
 
 
 async def test_an_outage_mid_stream_holds_the_batch_and_retries_it(
@@ -146,4 +125,4 @@ async def test_an_outage_mid_stream_holds_the_batch_and_retries_it(
         await eventually(lambda: _is(own_postgres.url, "SELECT count(*) FROM events", 4), what="4 events")
         await wait_all_acked(js)
 
-    assert await count(own_postgres.url, "SELECT count(*) FROM runs WHERE status = 'ok'") == 2
+    assert await fetchval(own_postgres.url, "SELECT count(*) FROM runs WHERE status = 'ok'") == 2

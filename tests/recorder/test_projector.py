@@ -10,8 +10,9 @@ import pytest
 from apps.bus.topology import event_subject
 from apps.bus.wire import Event
 from apps.recorder.migrate import migrate
-from apps.recorder.projector import event_kind, project
-from tests.recorder.conftest import finished, started
+from apps.recorder.projector import PROJECTIONS, Recorded, event_kind, project, rebuild
+from tests.recorder.conftest import admission, bench_run, finished, node_status, score, started
+from tests.recorder.workload import expected_rows, table_rows
 
 
 @pytest.fixture
@@ -84,3 +85,57 @@ async def test_a_retry_starting_clears_the_previous_attempts_outcome(conn: async
     await project(conn, _batch(started("r5", node="node-b", attempt=2)))
     row = await conn.fetchrow("SELECT node, attempt, status, finish_reason, error, finished_at FROM runs")
     assert tuple(row) == ("node-b", 2, "running", None, None, None)
+
+
+async def test_admission_node_and_bench_events_become_rows_once(conn: asyncpg.Connection) -> None:
+    events = [
+        admission(
+            "r6", decision="queue_full", principal=None, pending=9, in_flight=4, retry_after_s=12.0, detail="full"
+        ),
+        node_status("node-a", models=["tiny", "small"], free_slots=3, kv_usage=0.5),
+        bench_run("b1", scenario="chat:512", results={"ttft_ms": [1.5]}),
+        score("b1", "ttft_p50_ms", 1.5, scenario="chat:512"),
+    ]
+    assert await project(conn, _batch(*events, *events)) == 4
+    assert await project(conn, [(*pair, 7) for pair in _batch(*events)]) == 0
+    for table, expected in expected_rows(events).items():
+        assert await table_rows(conn, table) == expected, table
+    row = await conn.fetchrow("SELECT decision, principal, retry_after_s FROM admission_events")
+    assert tuple(row) == ("queue_full", None, 12.0)
+    assert await conn.fetchval("SELECT models FROM nodes") == ["tiny", "small"]
+
+
+async def test_stream_seq_is_the_first_copys(conn: asyncpg.Connection) -> None:
+    event = started("r7")
+    subject = event_subject(event_kind(event), event.model)
+    await project(conn, [Recorded(subject, event, 5), Recorded(subject, event, 9)])
+    assert await conn.fetchval("SELECT stream_seq FROM events") == 5
+
+
+@pytest.mark.parametrize("order", ["older_first", "newer_first", "same_batch"])
+async def test_a_republished_bench_run_keeps_its_latest_copy(conn: asyncpg.Connection, order: str) -> None:
+    older = bench_run("b2", ts=100.0, results={"decode_tok_s": 50.0})
+    newer = bench_run("b2", ts=200.0, results={"decode_tok_s": 60.0})
+    if order == "same_batch":
+        await project(conn, _batch(newer, older))
+    else:
+        for event in (older, newer) if order == "older_first" else (newer, older):
+            await project(conn, _batch(event))
+    row = await conn.fetchrow("SELECT event_id, results FROM bench_runs")
+    assert row["event_id"] == newer.event_id
+    assert row["results"] == '{"decode_tok_s": 60.0}'
+
+
+async def test_rebuild_recomputes_every_projection_from_events(conn: asyncpg.Connection) -> None:
+    run = [finished("r8", attempt=2, ts=9.0), started("r8", ts=1.0), started("r8", attempt=2, ts=5.0)]
+    await project(conn, _batch(*run))
+    await project(conn, _batch(admission("r8"), node_status("node-a"), bench_run("b3"), score("b3", "quality", 7.0)))
+    before = {t: [tuple(r) for r in await conn.fetch(f"SELECT * FROM {t} ORDER BY 1")] for t in PROJECTIONS}
+    await conn.execute("UPDATE runs SET status = 'bogus'; DELETE FROM nodes; DELETE FROM scores")
+
+    assert await rebuild(conn) == {"runs": 1, "admission_events": 1, "nodes": 1, "bench_runs": 1, "scores": 1}
+    after = {t: [tuple(r) for r in await conn.fetch(f"SELECT * FROM {t} ORDER BY 1")] for t in PROJECTIONS}
+    assert after == before
+    row = await conn.fetchrow("SELECT attempt, status, started_at, finished_at, last_event_at FROM runs")
+    assert (row["attempt"], row["status"]) == (2, "ok")
+    assert [row[c].timestamp() for c in ("started_at", "finished_at", "last_event_at")] == [1.0, 9.0, 9.0]

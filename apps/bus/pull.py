@@ -1,0 +1,85 @@
+"""Batches from a JetStream pull consumer with one pull request per batch.
+
+nats-py's `PullSubscription.fetch` waits for each message of a batch separately (a timer task per
+message), which costs the recorder more than writing the event to PostgreSQL. `BatchPuller` sends
+the same pull requests (`$JS.API.CONSUMER.MSG.NEXT.<stream>.<consumer>`) and collects what arrives
+on a private inbox through one callback, so a batch costs one wait. The messages are ordinary
+JetStream messages: ack, nak, term, in_progress and metadata work as usual.
+
+A pull request ends when its batch is full or with a status message (404 no messages, 408 expired,
+409 consumer changed, ...). Messages that arrive after a request was given up on (a reply slower
+than our wait) are kept and handed out with the next batch; they are delivered and waiting for an
+ack like any other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+_STATUS = "Status"
+_HEARTBEAT = "100"
+
+
+class BatchPuller:
+    """Pull batches from `consumer` on `stream`; `await BatchPuller(...).start()` before `fetch`."""
+
+    def __init__(self, nc: NatsClient, stream: str, consumer: str) -> None:
+        self.nc = nc
+        self.stream = stream
+        self.consumer = consumer
+        self._next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
+        self._inbox = nc.new_inbox()
+        self._sub: Subscription | None = None
+        self._arrived: list[Msg] = []
+        self._wanted = 0
+        self._settled = asyncio.Event()
+
+    async def start(self) -> BatchPuller:
+        self._sub = await self.nc.subscribe(self._inbox, cb=self._on_msg)
+        return self
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+            self._sub = None
+
+    async def _on_msg(self, msg: Msg) -> None:
+        status = msg.headers.get(_STATUS) if msg.headers else None
+        if status is None:
+            self._arrived.append(msg)
+            if len(self._arrived) >= self._wanted:
+                self._settled.set()
+        elif status != _HEARTBEAT:
+            self._settled.set()
+
+    async def _pull(self, batch: int, wait_s: float, no_wait: bool) -> None:
+        """One pull request; returns when it ended or after `wait_s`, whichever is first."""
+        self._wanted = len(self._arrived) + batch
+        self._settled.clear()
+        # The server ignores no_wait when expires is present, so they never go together.
+        request = {"batch": batch, "no_wait": True} if no_wait else {"batch": batch, "expires": int(wait_s * 1e9)}
+        await self.nc.publish(self._next_subject, json.dumps(request).encode(), reply=self._inbox)
+        try:
+            # A little past expires, so an idle request usually ends on the server's 408.
+            await asyncio.wait_for(self._settled.wait(), wait_s + (0.0 if no_wait else 0.25))
+        except TimeoutError:
+            pass
+
+    async def fetch(self, batch: int, timeout: float) -> list[Msg]:
+        """Up to about `batch` messages: what is there now, else the first to arrive within `timeout`.
+
+        Returns [] when nothing came; never raises on a timeout.
+        """
+        if len(self._arrived) < batch:
+            await self._pull(batch - len(self._arrived), timeout, no_wait=True)
+        if not self._arrived:
+            await self._pull(1, timeout, no_wait=False)
+            if self._arrived and batch > 1:
+                await self._pull(batch - 1, timeout, no_wait=True)
+        msgs, self._arrived = self._arrived, []
+        return msgs

@@ -1,0 +1,332 @@
+"""POST /v1/messages: the Anthropic Messages API, translated to and from the bus, streaming (SSE) and not.
+
+Errors on this route, including those raised before the handler runs its own code (bad body,
+unknown model, busy workers), are answered in Anthropic's envelope rather than OpenAI's.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+from litestar import Request, post
+from litestar.datastructures import State
+from litestar.exceptions import HTTPException
+from litestar.response import Response, Stream
+
+from apps.bus import wire
+from apps.gateway import anthropic_schema as an
+from apps.gateway.dispatch import Generation, GenerationFailed, resolve_model, start_generation
+from apps.gateway.errors import ApiError, api_error_handler, http_error_handler, internal_error_handler
+from apps.gateway.openai_schema import decode_request
+
+HANDLER = "messages"
+_encode = msgspec.json.encode
+
+
+def _refuse(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, code="invalid_request", param=param)
+
+
+def _unsupported(block: msgspec.Struct, where: str) -> ApiError:
+    return _refuse(f"Content blocks of type '{type(block).__struct_config__.tag}' are not supported in {where}.",
+                   "messages")
+
+
+def _joined(blocks: list[an.TextBlock | an.ImageBlock | an.DocumentBlock], where: str) -> str:
+    texts = []
+    for block in blocks:
+        if not isinstance(block, an.TextBlock):
+            raise _unsupported(block, where)
+        texts.append(block.text)
+    return "\n".join(texts)
+
+
+def chat_messages(req: an.MessagesRequest) -> list[wire.ChatMessage]:
+    """System prompt, turns and tool traffic as the chat messages a template renders."""
+    out: list[wire.ChatMessage] = []
+    if req.system:
+        system = req.system if isinstance(req.system, str) else _joined(list(req.system), "system")
+        out.append(wire.ChatMessage(role="system", content=system))
+    tool_names: dict[str, str] = {}
+    for turn in req.messages:
+        if isinstance(turn.content, str):
+            out.append(wire.ChatMessage(role=turn.role, content=turn.content))
+        elif turn.role == "assistant":
+            out.append(_assistant_turn(turn.content, tool_names))
+        else:
+            out.extend(_user_turn(turn.content, tool_names))
+    return out
+
+
+def _assistant_turn(blocks: list[an.ContentBlockIn], tool_names: dict[str, str]) -> wire.ChatMessage:
+    texts, calls = [], []
+    for block in blocks:
+        if isinstance(block, an.TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, an.ToolUseBlock):
+            tool_names[block.id] = block.name
+            calls.append({"id": block.id, "type": "function",
+                          "function": {"name": block.name, "arguments": block.input}})
+        elif isinstance(block, an.ThinkingBlock | an.RedactedThinkingBlock):
+            continue  # earlier reasoning is not shown to the model again
+        else:
+            raise _unsupported(block, "assistant messages")
+    return wire.ChatMessage(role="assistant", content="\n".join(texts), tool_calls=calls or None)
+
+
+def _user_turn(blocks: list[an.ContentBlockIn], tool_names: dict[str, str]) -> list[wire.ChatMessage]:
+    """Tool results become `tool` messages; runs of text between them become user messages."""
+    out: list[wire.ChatMessage] = []
+    texts: list[str] = []
+    for block in blocks:
+        if isinstance(block, an.TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, an.ToolResultBlock):
+            if texts:
+                out.append(wire.ChatMessage(role="user", content="\n".join(texts)))
+                texts = []
+            content = block.content if isinstance(block.content, str) else _joined(block.content, "tool results")
+            out.append(wire.ChatMessage(role="tool", content=content, tool_call_id=block.tool_use_id,
+                                        name=tool_names.get(block.tool_use_id)))
+        else:
+            raise _unsupported(block, "user messages")
+    if texts or not out:
+        out.append(wire.ChatMessage(role="user", content="\n".join(texts)))
+    return out
+
+
+def function_tools(req: an.MessagesRequest) -> list[dict[str, Any]] | None:
+    """Anthropic tool definitions as the OpenAI function tools chat templates expect."""
+    names = {tool.name for tool in req.tools or []}
+    choice = req.tool_choice
+    if isinstance(choice, an.ToolChoiceAny | an.ToolChoiceTool) and not names:
+        raise _refuse("'tool_choice' requires 'tools'.", "tool_choice")
+    if isinstance(choice, an.ToolChoiceTool) and choice.name not in names:
+        raise _refuse(f"'tool_choice' names the tool '{choice.name}', which is not in 'tools'.", "tool_choice")
+    if not req.tools or isinstance(choice, an.ToolChoiceNone):
+        return None
+    tools = []
+    for tool in req.tools:
+        if tool.type not in (None, "custom"):
+            raise _refuse(f"Tools of type '{tool.type}' are not supported.", "tools")
+        function: dict[str, Any] = {"name": tool.name, "parameters": tool.input_schema}
+        if tool.description is not None:
+            function["description"] = tool.description
+        tools.append({"type": "function", "function": function})
+    return tools
+
+
+def to_bus_request(req: an.MessagesRequest, request_id: str, reply_subject: str, deadline: float,
+                   principal: str | None = None) -> wire.GenerateRequest:
+    stops = req.stop_sequences or []
+    if any(not stop for stop in stops):
+        raise _refuse("'stop_sequences' must be non-empty strings.", "stop_sequences")
+    return wire.GenerateRequest(
+        request_id=request_id,
+        model=req.model,
+        reply_subject=reply_subject,
+        messages=chat_messages(req),
+        tools=function_tools(req),
+        sampling=wire.Sampling(
+            max_tokens=req.max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0,
+            stop=list(stops),
+        ),
+        stream=req.stream,
+        principal=principal,
+        api="messages",
+        deadline=deadline,
+    )
+
+
+def _tool_input(arguments: str) -> dict[str, Any]:
+    # The worker's parser only emits calls whose arguments are a JSON object; anything else is empty.
+    try:
+        value = msgspec.json.decode(arguments)
+    except msgspec.DecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+class ContentBuilder:
+    """A generation's deltas as Anthropic content blocks: stream events as they come, the list at the end.
+
+    Both response shapes are built from the same events, so streamed and whole answers agree.
+    """
+
+    def __init__(self) -> None:
+        self.blocks: list[an.ContentBlockOut] = []
+        self._open: an.TextOut | an.ThinkingOut | None = None
+
+    @property
+    def has_tool_use(self) -> bool:
+        return any(isinstance(block, an.ToolUseOut) for block in self.blocks)
+
+    def feed(self, delta: wire.Delta) -> list[dict[str, Any]]:
+        events = []
+        if delta.reasoning:
+            events += self._append_thinking(delta.reasoning)
+        if delta.text:
+            events += self._append_text(delta.text)
+        for call in delta.tool_calls:
+            events += self._tool_use(call)
+        return events
+
+    def close(self) -> list[dict[str, Any]]:
+        if self._open is None:
+            return []
+        self._open = None
+        return [{"type": "content_block_stop", "index": len(self.blocks) - 1}]
+
+    def _start(self, block: an.ContentBlockOut, shown: an.ContentBlockOut) -> list[dict[str, Any]]:
+        events = self.close()
+        self.blocks.append(block)
+        events.append({"type": "content_block_start", "index": len(self.blocks) - 1, "content_block": shown})
+        return events
+
+    def _append_text(self, text: str) -> list[dict[str, Any]]:
+        events = []
+        if not isinstance(self._open, an.TextOut):
+            block = an.TextOut(text="")
+            events += self._start(block, an.TextOut(text=""))
+            self._open = block
+        self._open.text += text
+        return [*events, self._delta({"type": "text_delta", "text": text})]
+
+    def _append_thinking(self, thinking: str) -> list[dict[str, Any]]:
+        events = []
+        if not isinstance(self._open, an.ThinkingOut):
+            block = an.ThinkingOut(thinking="")
+            events += self._start(block, an.ThinkingOut(thinking=""))
+            self._open = block
+        self._open.thinking += thinking
+        return [*events, self._delta({"type": "thinking_delta", "thinking": thinking})]
+
+    def _tool_use(self, call: wire.ToolCallDelta) -> list[dict[str, Any]]:
+        arguments = _tool_input(call.arguments)
+        events = self._start(an.ToolUseOut(id=call.id, name=call.name, input=arguments),
+                             an.ToolUseOut(id=call.id, name=call.name, input={}))
+        events.append(self._delta({"type": "input_json_delta", "partial_json": _encode(arguments).decode()}))
+        events.append({"type": "content_block_stop", "index": len(self.blocks) - 1})
+        return events
+
+    def _delta(self, delta: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "content_block_delta", "index": len(self.blocks) - 1, "delta": delta}
+
+
+def stop_reason(finish: str, content: ContentBuilder, stop_sequence: str | None = None) -> str:
+    if finish in ("stop", "tool_calls") and content.has_tool_use:
+        return "tool_use"
+    if finish == "stop" and stop_sequence:
+        return "stop_sequence"
+    return an.STOP_REASONS.get(finish, "end_turn")
+
+
+def _anthropic_envelope(handler: Callable[[Request, Any], Response]) -> Callable[[Request, Any], Response]:
+    """Let the gateway's handler log the failure and choose status, message and headers; answer
+    in Anthropic's envelope instead of OpenAI's."""
+
+    def handle(request: Request, exc: Exception) -> Response:
+        response = handler(request, exc)
+        message = response.content["error"]["message"]
+        return Response(an.error_body(response.status_code, message), status_code=response.status_code,
+                        headers=response.headers)
+
+    return handle
+
+
+@post(
+    "/v1/messages",
+    status_code=200,
+    exception_handlers={
+        ApiError: _anthropic_envelope(api_error_handler),
+        HTTPException: _anthropic_envelope(http_error_handler),
+        Exception: _anthropic_envelope(internal_error_handler),
+    },
+)
+async def messages(request: Request, state: State) -> Response | Stream:
+    req = decode_request(await request.body(), an.MessagesRequest)
+    bus, settings = state.bus, state.settings
+    request_id = f"msg_{uuid.uuid4().hex}"
+    bus_request = to_bus_request(req, request_id, bus.new_inbox(), time.time() + settings.accept_timeout_s,
+                                 request.state.principal)
+    await resolve_model(bus, req.model)
+    generation = await start_generation(bus, settings, bus_request, HANDLER)
+    headers = {"X-Request-Id": request_id}
+    if req.stream:
+        return Stream(_sse(generation), media_type="text/event-stream",
+                      headers={**headers, "Cache-Control": "no-cache"})
+    return await _complete(generation, headers)
+
+
+async def _complete(generation: Generation, headers: dict[str, str]) -> Response:
+    content = ContentBuilder()
+    finish: str | None = None
+    stop_sequence: str | None = None
+    try:
+        async for frame in generation.frames():
+            if isinstance(frame, wire.Delta):
+                content.feed(frame)
+                finish = frame.finish_reason or finish
+                stop_sequence = frame.stop_sequence or stop_sequence
+                continue
+            body = an.MessageOut(
+                id=generation.request.request_id,
+                model=generation.request.model,
+                content=content.blocks,
+                stop_reason=stop_reason(finish or frame.finish_reason, content, stop_sequence),
+                stop_sequence=stop_sequence,
+                usage=an.UsageOut(input_tokens=frame.usage.prompt_tokens, output_tokens=frame.usage.completion_tokens),
+            )
+            return Response(_encode(body), media_type="application/json", headers=headers)
+    except GenerationFailed as exc:
+        return Response(an.error_body(exc.status, exc.message), status_code=exc.status)
+    finally:
+        await generation.close()
+    raise AssertionError("frames() ended without a final frame")
+
+
+def _event(payload: dict[str, Any]) -> bytes:
+    return b"event: " + payload["type"].encode() + b"\ndata: " + _encode(payload) + b"\n\n"
+
+
+async def _sse(generation: Generation) -> AsyncIterator[bytes]:
+    start = an.MessageOut(
+        id=generation.request.request_id,
+        model=generation.request.model,
+        content=[],
+        stop_reason=None,
+        usage=an.UsageOut(input_tokens=generation.accepted.prompt_tokens, output_tokens=0),
+    )
+    content = ContentBuilder()
+    finish: str | None = None
+    stop_sequence: str | None = None
+    try:
+        yield _event({"type": "message_start", "message": start})
+        yield _event({"type": "ping"})
+        async for frame in generation.frames():
+            if isinstance(frame, wire.Delta):
+                for event in content.feed(frame):
+                    yield _event(event)
+                finish = frame.finish_reason or finish
+                stop_sequence = frame.stop_sequence or stop_sequence
+                continue
+            for event in content.close():
+                yield _event(event)
+            yield _event({
+                "type": "message_delta",
+                "delta": {"stop_reason": stop_reason(finish or frame.finish_reason, content, stop_sequence),
+                          "stop_sequence": stop_sequence},
+                "usage": {"input_tokens": frame.usage.prompt_tokens, "output_tokens": frame.usage.completion_tokens},
+            })
+            yield _event({"type": "message_stop"})
+    except GenerationFailed as exc:
+        yield _event(an.error_body(exc.status, exc.message))
+    finally:
+        await generation.close()

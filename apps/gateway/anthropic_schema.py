@@ -1,0 +1,155 @@
+"""Anthropic Messages request and response shapes as msgspec Structs, and the Anthropic error envelope."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+
+class TextBlock(msgspec.Struct, kw_only=True, tag_field="type", tag="text"):
+    text: str
+
+
+class ImageBlock(msgspec.Struct, kw_only=True, tag_field="type", tag="image"):
+    """Accepted by the schema only so that it can be refused by name."""
+
+
+class DocumentBlock(msgspec.Struct, kw_only=True, tag_field="type", tag="document"):
+    """Accepted by the schema only so that it can be refused by name."""
+
+
+class ToolUseBlock(msgspec.Struct, kw_only=True, tag_field="type", tag="tool_use"):
+    id: Annotated[str, Meta(min_length=1)]
+    name: Annotated[str, Meta(min_length=1)]
+    input: dict[str, Any]
+
+
+class ToolResultBlock(msgspec.Struct, kw_only=True, tag_field="type", tag="tool_result"):
+    tool_use_id: Annotated[str, Meta(min_length=1)]
+    content: str | list[TextBlock | ImageBlock | DocumentBlock] = ""
+    is_error: bool = False
+
+
+class ThinkingBlock(msgspec.Struct, kw_only=True, tag_field="type", tag="thinking"):
+    thinking: str
+    signature: str | None = None
+
+
+class RedactedThinkingBlock(msgspec.Struct, kw_only=True, tag_field="type", tag="redacted_thinking"):
+    data: str = ""
+
+
+ContentBlockIn = (
+    TextBlock | ImageBlock | DocumentBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
+)
+
+
+class MessageIn(msgspec.Struct, kw_only=True):
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlockIn]
+
+
+class ToolIn(msgspec.Struct, kw_only=True):
+    name: Annotated[str, Meta(pattern=r"^[a-zA-Z0-9_-]{1,128}$")]
+    description: str | None = None
+    input_schema: dict[str, Any]
+    # Absent or "custom" for client tools; Anthropic's server tools ("bash_20250124", ...) set it.
+    type: str | None = None
+
+
+class ToolChoiceAuto(msgspec.Struct, kw_only=True, tag_field="type", tag="auto"):
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceAny(msgspec.Struct, kw_only=True, tag_field="type", tag="any"):
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceTool(msgspec.Struct, kw_only=True, tag_field="type", tag="tool"):
+    name: str
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceNone(msgspec.Struct, kw_only=True, tag_field="type", tag="none"):
+    pass
+
+
+ToolChoice = ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone
+
+
+class Metadata(msgspec.Struct, kw_only=True):
+    user_id: str | None = None
+
+
+class MessagesRequest(msgspec.Struct, kw_only=True):
+    """The parameters we act on; unknown fields are accepted and ignored, as Anthropic clients expect."""
+
+    model: Annotated[str, Meta(min_length=1)]
+    max_tokens: Annotated[int, Meta(ge=1)]
+    messages: Annotated[list[MessageIn], Meta(min_length=1)]
+    system: str | list[TextBlock] | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Meta(ge=0)] | None = None
+    tools: list[ToolIn] | None = None
+    tool_choice: ToolChoice | None = None
+    metadata: Metadata | None = None
+
+
+class TextOut(msgspec.Struct, kw_only=True, tag_field="type", tag="text"):
+    text: str
+
+
+class ThinkingOut(msgspec.Struct, kw_only=True, tag_field="type", tag="thinking"):
+    thinking: str
+    # We cannot sign reasoning; clients round-trip the empty string and we ignore it.
+    signature: str = ""
+
+
+class ToolUseOut(msgspec.Struct, kw_only=True, tag_field="type", tag="tool_use"):
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+ContentBlockOut = TextOut | ThinkingOut | ToolUseOut
+
+
+class UsageOut(msgspec.Struct, kw_only=True):
+    input_tokens: int
+    output_tokens: int
+
+
+class MessageOut(msgspec.Struct, kw_only=True):
+    id: str
+    type: str = "message"
+    role: str = "assistant"
+    model: str
+    content: list[ContentBlockOut]
+    stop_reason: str | None
+    stop_sequence: str | None = None
+    usage: UsageOut
+
+
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def error_body(status: int, message: str) -> dict[str, Any]:
+    """The Anthropic error envelope: `{"type": "error", "error": {"type", "message"}}`."""
+    kind = _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}

@@ -1,0 +1,76 @@
+"""Prometheus metrics of the gateway, named the way vLLM dashboards expect (`helexa:` prefix).
+
+Latencies are observed where the client sees them (the gateway); engine-side state (running and
+waiting sequences, KV-cache usage, prefix-cache hits) comes from the workers' `helexa_nodes`
+entries, read when Prometheus scrapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from apps.bus import wire
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("helexa:time_to_first_token_seconds", "Time to first token", ["model"],
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("helexa:inter_token_latency_seconds", "Time between streamed deltas", ["model"],
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("helexa:e2e_request_latency_seconds", "Request latency, publish to final frame",
+                             ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("helexa:request_queue_time_seconds", "Time from publish until a worker accepted",
+                               ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("helexa:prompt_tokens", "Prompt tokens processed", ["model"], registry=r)
+        self.generation_tokens = Counter("helexa:generation_tokens", "Tokens generated", ["model"], registry=r)
+        self.outcomes = Counter("helexa:request_success", "Finished requests by finish reason",
+                                ["model", "finished_reason"], registry=r)
+        self.errors = Counter("helexa:request_errors", "Failed requests by HTTP status", ["model", "status"],
+                              registry=r)
+        self.rejections = Counter("helexa:admission_rejections", "Requests refused before running, by reason",
+                                  ["model", "reason"], registry=r)
+        self._nodes: list[wire.NodeStatus] = []
+        r.register(_NodeCollector(self))
+
+    def set_nodes(self, nodes: list[wire.NodeStatus]) -> None:
+        self._nodes = nodes
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _NodeCollector(Collector):
+    """Engine state as the workers last reported it, summed per model."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        running = GaugeMetricFamily("helexa:num_requests_running", "Sequences in running batches", labels=["model"])
+        waiting = GaugeMetricFamily("helexa:num_requests_waiting", "Sequences waiting in engines", labels=["model"])
+        kv = GaugeMetricFamily("helexa:kv_cache_usage_perc", "Largest KV-cache usage among workers (0-1)",
+                               labels=["model"])
+        queries = CounterMetricFamily("helexa:prefix_cache_queries", "Prompt tokens looked up in prefix caches",
+                                      labels=["model"])
+        hits = CounterMetricFamily("helexa:prefix_cache_hits", "Prompt tokens found in prefix caches",
+                                   labels=["model"])
+        per_model: dict[str, list[wire.ModelStatus]] = {}
+        for node in self.metrics._nodes:
+            for status in node.models:
+                per_model.setdefault(status.model, []).append(status)
+        for model, statuses in per_model.items():
+            running.add_metric([model], sum(s.num_running for s in statuses))
+            waiting.add_metric([model], sum(s.num_waiting for s in statuses))
+            kv.add_metric([model], max(s.kv_usage for s in statuses))
+            queries.add_metric([model], sum(s.prefix_queries for s in statuses))
+            hits.add_metric([model], sum(s.prefix_hits for s in statuses))
+        yield from (running, waiting, kv, queries, hits)

@@ -1,0 +1,68 @@
+"""An engine that replies from a script instead of a model: for testing clients and parsers.
+
+The script is a JSON file: `{"rules": [{"match": "text in the prompt", "reply": "..."}],
+"default": "..."}`. The first rule whose `match` occurs in the decoded prompt gives the reply,
+which is tokenized with the model's real tokenizer and emitted one token per step, then EOS.
+Output-side features (detokenization, stop strings, reasoning and tool-call parsing, usage)
+therefore behave exactly as with a model, without running one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from engine.api import EngineOutput, EngineRequest, FinishReason
+from engine.tokenizer import Tokenizer
+
+
+class ScriptedEngine:
+    def __init__(self, script_path: str | Path, tokenizer: Tokenizer, model_id: str,
+                 max_model_len: int = 8192, max_num_seqs: int = 16) -> None:
+        script = json.loads(Path(script_path).read_text(encoding="utf-8"))
+        self.rules: list[tuple[str, str]] = [(r["match"], r["reply"]) for r in script.get("rules", [])]
+        self.default_reply: str = script.get("default", "")
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self._running: set[str] = set()
+        self._aborted: set[str] = set()
+
+    def free_slots(self) -> int:
+        return max(self.max_num_seqs - len(self._running), 0)
+
+    def reply_for(self, prompt: str) -> str:
+        return next((reply for match, reply in self.rules if match in prompt), self.default_reply)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        prompt = self.tokenizer.decode(request.prompt_token_ids, skip_special_tokens=False)
+        tokens = self.tokenizer.encode(self.reply_for(prompt), add_special_tokens=False)
+        tokens.append(self.tokenizer.eos_token_id)
+        self._running.add(request.request_id)
+        try:
+            for i, token in enumerate(tokens[: request.sampling.max_tokens]):
+                await asyncio.sleep(0)  # one "step": let others run, as a real engine would
+                if request.request_id in self._aborted:
+                    yield EngineOutput(request.request_id, [], finished=True, finish_reason=FinishReason.ABORT,
+                                       num_prompt_tokens=len(request.prompt_token_ids))
+                    return
+                last = i + 1 == len(tokens) or i + 1 == request.sampling.max_tokens
+                reason = None
+                if last:
+                    reason = FinishReason.STOP if i + 1 == len(tokens) else FinishReason.LENGTH
+                yield EngineOutput(request.request_id, [token], finished=last, finish_reason=reason,
+                                   num_prompt_tokens=len(request.prompt_token_ids),
+                                   prefill_ms=0.0 if i == 0 else None)
+        finally:
+            self._running.discard(request.request_id)
+            self._aborted.discard(request.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        if request_id in self._running:
+            self._aborted.add(request_id)
+
+    async def shutdown(self) -> None:
+        self._running.clear()

@@ -1,0 +1,161 @@
+"""Reasoning, tool calls and logprobs through the OpenAI surface.
+
+SmolLM2 neither thinks nor calls tools, so those cases run against a scripted worker: the real
+worker process and tokenizer, with replies taken from a script instead of a model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+
+from tests.e2e.conftest import System
+from tests.support import AppProcess
+
+SCRIPTED = "scripted-tools"
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current temperature in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+SCRIPT = {
+    "rules": [
+        # First match wins: the follow-up turn also contains the question.
+        {"match": "18 degrees", "reply": "It is 18 degrees in Paris."},
+        {"match": "weather in Paris", "reply": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'},
+        {"match": "think it over", "reply": "<think>\nTwo plus two is four.\n</think>\n\nThe answer is 4."},
+        {"match": "long thought", "reply": "<think>This thought goes on and on and never reaches its end"},
+        {"match": "broken tool", "reply": "<tool_call>{oops}</tool_call>"},
+    ],
+    "default": "ok",
+}
+
+
+@pytest.fixture(scope="module")
+def scripted(system: System, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    script = tmp_path_factory.mktemp("script") / "script.json"
+    script.write_text(json.dumps(SCRIPT))
+    worker = AppProcess(["worker", "--script", str(script), "--served-model-name", SCRIPTED],
+                        {"NATS_URL": system.nats_url, "HELEXA_NODE_ID": "scripted-worker",
+                         "HELEXA_REASONING_PARSER": "on"})
+    try:
+        worker.wait_ready()
+        yield SCRIPTED
+    finally:
+        worker.stop()
+
+
+def client(system: System) -> OpenAI:
+    return OpenAI(base_url=f"{system.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def ask(system: System, content: str, stream: bool = False, **kw: object):
+    messages = [{"role": "user", "content": content}]
+    return client(system).chat.completions.create(model=SCRIPTED, messages=messages, stream=stream, **kw)
+
+
+def collect_stream(chunks) -> dict:
+    out = {"content": "", "reasoning": "", "tool_calls": [], "finish": None}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            delta = choice.delta
+            out["content"] += delta.content or ""
+            out["reasoning"] += getattr(delta, "reasoning_content", None) or ""
+            out["tool_calls"] += [(c.index, c.id, c.function.name, c.function.arguments) for c in delta.tool_calls or []]
+            out["finish"] = choice.finish_reason or out["finish"]
+    return out
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_tool_call_round_trip(system: System, scripted: str, stream: bool) -> None:
+    question = "What is the weather in Paris?"
+    if stream:
+        got = collect_stream(ask(system, question, stream=True, tools=[WEATHER_TOOL]))
+        (index, call_id, name, arguments), = got["tool_calls"]
+        assert got["finish"] == "tool_calls" and got["content"] == ""
+    else:
+        response = ask(system, question, tools=[WEATHER_TOOL])
+        choice = response.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.content is None
+        call, = choice.message.tool_calls
+        call_id, name, arguments = call.id, call.function.name, call.function.arguments
+    assert name == "get_weather" and json.loads(arguments) == {"city": "Paris"}
+
+    follow_up = client(system).chat.completions.create(
+        model=SCRIPTED,
+        tools=[WEATHER_TOOL],
+        messages=[
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": call_id, "content": "18 degrees"},
+        ],
+    )
+    assert follow_up.choices[0].message.content == "It is 18 degrees in Paris."
+    assert follow_up.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_reasoning_is_split_from_content(system: System, scripted: str, stream: bool) -> None:
+    if stream:
+        got = collect_stream(ask(system, "Please think it over.", stream=True))
+        content, reasoning, finish = got["content"], got["reasoning"], got["finish"]
+    else:
+        response = ask(system, "Please think it over.")
+        message = response.choices[0].message
+        content, reasoning, finish = message.content, message.reasoning_content, response.choices[0].finish_reason
+        assert response.usage.completion_tokens_details.reasoning_tokens > 0
+    assert reasoning == "\nTwo plus two is four.\n"
+    assert content == "The answer is 4."
+    assert finish == "stop"
+
+
+def test_cut_off_mid_thought_is_all_reasoning(system: System, scripted: str) -> None:
+    response = ask(system, "A long thought, please.", max_tokens=6)
+    message = response.choices[0].message
+    assert response.choices[0].finish_reason == "length"
+    assert message.reasoning_content and not message.content
+    assert "<think>" not in message.reasoning_content
+
+
+def test_malformed_tool_json_stays_content(system: System, scripted: str) -> None:
+    response = ask(system, "Send a broken tool call.", tools=[WEATHER_TOOL])
+    assert response.choices[0].message.content == "<tool_call>{oops}</tool_call>"
+    assert response.choices[0].finish_reason == "stop"
+    assert not response.choices[0].message.tool_calls
+
+
+def test_logprobs_are_log_probabilities(system: System) -> None:
+    response = client(system).chat.completions.create(
+        model=system.model, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0, max_tokens=8, logprobs=True, top_logprobs=3,
+    )
+    entries = response.choices[0].logprobs.content
+    assert len(entries) == response.usage.completion_tokens
+    for entry in entries:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert tops == sorted(tops, reverse=True)
+        # Greedy: the chosen token is the most likely one.
+        assert entry.token == entry.top_logprobs[0].token and math.isclose(entry.logprob, tops[0], abs_tol=1e-5)
+        assert sum(math.exp(lp) for lp in tops) <= 1.0 + 1e-5
+    assert "".join(e.token for e in entries).startswith(response.choices[0].message.content[:10])
+
+
+def test_top_logprobs_without_logprobs_is_400(system: System) -> None:
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as caught:
+        client(system).chat.completions.create(
+            model=system.model, messages=[{"role": "user", "content": "hi"}], top_logprobs=2
+        )
+    assert caught.value.body["param"] == "top_logprobs"

@@ -1,0 +1,23 @@
+"""Kernel tests: Triton kernels against their naive.py references.
+
+Without CUDA the kernels run in Triton's interpreter on CPU tensors, so TRITON_INTERPRET must
+be set before triton is first imported. It is set only where there is no CUDA, where nothing
+outside these tests launches a Triton kernel, so other folders behave the same with or without
+it. With CUDA the same tests run compiled on the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)

@@ -1,0 +1,148 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.gated_delta_rule import (chunk_gated_delta_rule, naive_chunk_gated_delta_rule,
+                                      naive_recurrent_gated_delta_rule, recurrent_gated_delta_rule)
+from tests.kernels.helpers import DEVICE, assert_close, gpu, tol_for
+
+NUM_SLOTS = 6
+
+
+def _inputs(lens: list[int], hk: int, hv: int, dk: int, dv: int,
+            dtype: torch.dtype = torch.float32):
+    T = sum(lens)
+    cu_seqlens = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                              device=DEVICE)
+    q = torch.randn(T, hk, dk, device=DEVICE).to(dtype)
+    k = torch.randn(T, hk, dk, device=DEVICE).to(dtype)
+    v = torch.randn(T, hv, dv, device=DEVICE).to(dtype)
+    g = -torch.rand(T, hv, device=DEVICE) * 0.5  # log-decay, <= 0
+    beta = torch.rand(T, hv, device=DEVICE)
+    state = torch.randn(NUM_SLOTS, hv, dk, dv, device=DEVICE) * 0.1
+    # Slots out of order, and not the first ones.
+    state_indices = torch.tensor([5, 1, 3, 0, 4][:len(lens)], device=DEVICE)
+    return q, k, v, g, beta, state, state_indices, cu_seqlens
+
+
+def _run(fn, inputs, **kwargs):
+    q, k, v, g, beta, state, state_indices, cu_seqlens = inputs
+    state = state.clone()
+    return fn(q, k, v, g, beta, state, state_indices, cu_seqlens, **kwargs), state
+
+
+def _check(out, ref, tol: float) -> None:
+    assert_close(out[0], ref[0], tol, "o")
+    assert_close(out[1], ref[1], tol, "state")
+
+
+INIT = [pytest.param(None, id="init-all"), pytest.param([False, True, False], id="init-mixed"),
+        pytest.param([False, False, False], id="init-none")]
+# chunk 16: lengths below, at, across and not a multiple of it.
+LENS = [pytest.param([5, 16, 37], id="5-16-37"), pytest.param([1, 33, 2], id="1-33-2")]
+HEADS = [pytest.param(2, 2, id="hv2"), pytest.param(1, 3, id="gqa-hk1-hv3")]
+
+
+def _flags(init: list[bool] | None) -> torch.Tensor | None:
+    return None if init is None else torch.tensor(init, device=DEVICE)
+
+
+@pytest.mark.parametrize("init", INIT)
+@pytest.mark.parametrize("lens", LENS)
+def test_naive_chunk_equals_token_by_token(lens: list[int], init: list[bool] | None) -> None:
+    inputs = _inputs(lens, 2, 4, 16, 8)
+    ref = _run(naive_recurrent_gated_delta_rule, inputs, has_initial_state=_flags(init))
+    for chunk_size in (4, 16, 64):
+        out = _run(naive_chunk_gated_delta_rule, inputs, has_initial_state=_flags(init),
+                   chunk_size=chunk_size)
+        _check(out, ref, 1e-5)
+
+
+@pytest.mark.parametrize("hk,hv", HEADS)
+@pytest.mark.parametrize("init", INIT)
+@pytest.mark.parametrize("lens", LENS)
+def test_chunk_kernel_equals_token_by_token(lens: list[int], init: list[bool] | None, hk: int,
+                                            hv: int) -> None:
+    inputs = _inputs(lens, hk, hv, 16, 24)
+    ref = _run(naive_recurrent_gated_delta_rule, inputs, has_initial_state=_flags(init))
+    out = _run(chunk_gated_delta_rule, inputs, has_initial_state=_flags(init), chunk_size=16,
+               block_v=16)
+    _check(out, ref, 1e-5)
+
+
+@pytest.mark.parametrize("hk,hv", HEADS)
+@pytest.mark.parametrize("init", INIT)
+def test_recurrent_kernel_varlen(init: list[bool] | None, hk: int, hv: int) -> None:
+    inputs = _inputs([3, 9, 1], hk, hv, 16, 24)
+    ref = _run(naive_recurrent_gated_delta_rule, inputs, has_initial_state=_flags(init))
+    _check(_run(recurrent_gated_delta_rule, inputs, has_initial_state=_flags(init)), ref, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"),
+                                   pytest.param(torch.bfloat16, id="bf16")])
+def test_recurrent_decode_on_slots(dtype: torch.dtype) -> None:
+    """One token per sequence, no cu_seqlens; slot -1 leaves every slot untouched."""
+    q, k, v, g, beta, state, _, _ = _inputs([1, 1, 1, 1], 2, 4, 16, 16, dtype)
+    state_indices = torch.tensor([2, -1, 0, 5], device=DEVICE)
+    ref_state, out_state = state.clone(), state.clone()
+    ref = naive_recurrent_gated_delta_rule(q, k, v, g, beta, ref_state, state_indices)
+    out = recurrent_gated_delta_rule(q, k, v, g, beta, out_state, state_indices)
+    keep = state_indices >= 0
+    assert out.dtype == dtype
+    assert_close(out[keep], ref[keep], tol_for(dtype), "o")
+    assert_close(out_state, ref_state, 1e-5 if dtype == torch.float32 else 1e-2, "state")
+    for slot in (1, 3, 4):
+        assert torch.equal(out_state[slot], state[slot])
+
+
+def test_bf16_chunk() -> None:
+    inputs = _inputs([20, 7], 2, 2, 16, 16, torch.bfloat16)
+    ref = _run(naive_recurrent_gated_delta_rule, inputs)
+    out = _run(chunk_gated_delta_rule, inputs, chunk_size=16, block_v=16)
+    assert out[0].dtype == torch.bfloat16
+    _check(out, ref, 1e-2)
+
+
+def test_chunked_prefill_then_decode_continues_the_state() -> None:
+    """Prefill in two chunked calls, then decode a token: equals one pass token by token."""
+    q, k, v, g, beta, state, _, _ = _inputs([40], 2, 2, 16, 16)
+    slot = torch.tensor([3], device=DEVICE)
+    ref_state = state.clone()
+    cu_all = torch.tensor([0, 40], dtype=torch.int32, device=DEVICE)
+    ref = naive_recurrent_gated_delta_rule(q, k, v, g, beta, ref_state, slot, cu_all,
+                                           has_initial_state=torch.tensor([False], device=DEVICE))
+    pieces = []
+    for start, end, fresh in ((0, 21, True), (21, 39, False)):
+        cu = torch.tensor([0, end - start], dtype=torch.int32, device=DEVICE)
+        sl = slice(start, end)
+        pieces.append(chunk_gated_delta_rule(
+            q[sl], k[sl], v[sl], g[sl], beta[sl], state, slot, cu,
+            has_initial_state=torch.tensor([not fresh], device=DEVICE), chunk_size=16, block_v=16))
+    sl = slice(39, 40)
+    pieces.append(recurrent_gated_delta_rule(q[sl], k[sl], v[sl], g[sl], beta[sl], state, slot))
+    assert_close(torch.cat(pieces), ref, 1e-5, "o")
+    assert_close(state[3], ref_state[3], 1e-5, "state")
+
+
+def test_without_l2norm_and_custom_scale() -> None:
+    inputs = _inputs([6, 11], 2, 2, 16, 16)
+    q, k, *rest = inputs
+    inputs = (q * 0.1, torch.nn.functional.normalize(k, dim=-1), *rest)
+    kwargs = {"use_qk_l2norm": False, "scale": 0.3}
+    ref = _run(naive_recurrent_gated_delta_rule, inputs, **kwargs)
+    _check(_run(chunk_gated_delta_rule, inputs, chunk_size=16, block_v=16, **kwargs), ref, 1e-5)
+    _check(_run(recurrent_gated_delta_rule, inputs, **kwargs), ref, 1e-5)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"),
+                                   pytest.param(torch.bfloat16, id="bf16")])
+def test_full_size(dtype: torch.dtype) -> None:
+    # Qwen3-Next-80B linear attention: 16 key heads, 32 value heads, 128 x 128 state.
+    inputs = _inputs([1000, 64, 3, 513], 16, 32, 128, 128, dtype)
+    init = torch.tensor([True, False, True, False], device=DEVICE)
+    ref = _run(naive_chunk_gated_delta_rule, inputs, has_initial_state=init)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    _check(_run(chunk_gated_delta_rule, inputs, has_initial_state=init), ref, tol)
+    _check(_run(recurrent_gated_delta_rule, inputs, has_initial_state=init), ref, tol)

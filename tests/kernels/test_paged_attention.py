@@ -1,0 +1,97 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.attention import paged_attention as engine_paged_attention
+from kernels.kv_store import naive_kv_store
+from kernels.paged_attention import naive_paged_attention, paged_attention
+from tests.kernels.helpers import DEVICE, assert_close, gpu, tol_for
+
+# (query_lens, seq_lens): what each sequence adds this step and its context after it.
+BATCHES = [
+    pytest.param([1, 1, 1], [1, 9, 30], id="decode"),
+    pytest.param([7, 20, 3], [7, 20, 3], id="prefill-varlen"),
+    pytest.param([5, 1, 12, 1], [21, 8, 12, 33], id="mixed-chunked-continuation"),
+]
+HEADS = [pytest.param(4, 4, id="mha"), pytest.param(8, 2, id="gqa4"),
+         pytest.param(6, 2, id="gqa3")]
+
+
+def _case(query_lens: list[int], seq_lens: list[int], num_heads: int, num_kv_heads: int,
+          head_dim: int, block_size: int, dtype: torch.dtype):
+    """Random caches holding every sequence's keys through shuffled block tables."""
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 2
+    ids = torch.randperm(num_blocks).tolist()
+    tables, used = [], 0
+    for n in blocks_per_seq:
+        tables.append(ids[used:used + n])
+        used += n
+    meta = AttentionMetadata.build(seq_lens, seq_lens, tables, block_size, DEVICE)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.zeros(shape, device=DEVICE, dtype=dtype)
+    v_cache = torch.zeros(shape, device=DEVICE, dtype=dtype)
+    total = sum(seq_lens)
+    naive_kv_store(torch.randn(total, num_kv_heads, head_dim, device=DEVICE),
+                   torch.randn(total, num_kv_heads, head_dim, device=DEVICE),
+                   k_cache, v_cache, meta.slot_mapping)
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, DEVICE)
+    q = torch.randn(sum(query_lens), num_heads, head_dim, device=DEVICE).to(dtype)
+    return q, k_cache, v_cache, meta
+
+
+def _args(meta: AttentionMetadata):
+    return meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.max_query_len
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"),
+                                   pytest.param(torch.bfloat16, id="bf16")])
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
+@pytest.mark.parametrize("query_lens,seq_lens", BATCHES)
+def test_paged_attention(query_lens: list[int], seq_lens: list[int], num_heads: int,
+                         num_kv_heads: int, dtype: torch.dtype) -> None:
+    q, k_cache, v_cache, meta = _case(query_lens, seq_lens, num_heads, num_kv_heads, 16, 4, dtype)
+    scale = 16 ** -0.5
+    ref = naive_paged_attention(q, k_cache, v_cache, *_args(meta), scale)
+    # Small tiles so the tiny cases still cross several query and key tiles.
+    out = paged_attention(q, k_cache, v_cache, *_args(meta), scale, block_m=16, block_n=16)
+    assert_close(out, ref, tol_for(dtype))
+
+
+@pytest.mark.parametrize("query_lens,seq_lens", BATCHES)
+def test_naive_equals_the_engine_reference(query_lens: list[int], seq_lens: list[int]) -> None:
+    q, k_cache, v_cache, meta = _case(query_lens, seq_lens, 8, 2, 16, 4, torch.float32)
+    ref = naive_paged_attention(q, k_cache, v_cache, *_args(meta), 0.25)
+    assert_close(engine_paged_attention(q, k_cache, v_cache, meta, 0.25), ref, 1e-5)
+
+
+def test_varlen_equals_one_sequence_at_a_time() -> None:
+    q, k_cache, v_cache, meta = _case([5, 1, 12], [21, 8, 12], 8, 2, 16, 4, torch.float32)
+    batched = paged_attention(q, k_cache, v_cache, *_args(meta), 0.25, block_m=16, block_n=16)
+    starts = meta.query_start_loc.tolist()
+    for i in range(meta.num_seqs):
+        one = (torch.tensor([0, starts[i + 1] - starts[i]], dtype=torch.int32, device=DEVICE),
+               meta.seq_lens[i:i + 1], meta.block_tables[i:i + 1], starts[i + 1] - starts[i])
+        alone = paged_attention(q[starts[i]:starts[i + 1]], k_cache, v_cache, *one, 0.25,
+                                block_m=16, block_n=16)
+        assert_close(batched[starts[i]:starts[i + 1]], alone, 1e-6, f"seq {i}")
+
+
+def test_nonpow2_head_dim_and_default_tiles() -> None:
+    q, k_cache, v_cache, meta = _case([3, 1], [40, 70], 4, 2, 24, 8, torch.float32)
+    ref = naive_paged_attention(q, k_cache, v_cache, *_args(meta), 0.2)
+    assert_close(paged_attention(q, k_cache, v_cache, *_args(meta), 0.2), ref, 1e-5)
+
+
+@gpu
+@pytest.mark.parametrize("query_lens,seq_lens", [
+    pytest.param([1] * 64, [4096] * 64, id="decode-64x4096"),
+    pytest.param([512] * 8, [512] * 8, id="prefill-8x512"),
+    pytest.param([256, 1, 1, 700], [1024, 2000, 17, 700], id="mixed"),
+])
+def test_full_size(query_lens: list[int], seq_lens: list[int]) -> None:
+    q, k_cache, v_cache, meta = _case(query_lens, seq_lens, 32, 8, 128, 16, torch.bfloat16)
+    ref = engine_paged_attention(q, k_cache, v_cache, meta, 128 ** -0.5)
+    assert_close(paged_attention(q, k_cache, v_cache, *_args(meta), 128 ** -0.5), ref, 1e-2)

@@ -1,0 +1,99 @@
+"""Reasoning and tool-call parsing over streamed text, split at every possible point."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from apps.worker.parsers import OutputParser, Parsed
+
+
+def run(text: str, chunk: int, **kw: bool) -> Parsed:
+    parser = OutputParser(**{"parse_reasoning": True, "parse_tools": True, **kw})
+    total = Parsed()
+    pieces = [text[i:i + chunk] for i in range(0, len(text), chunk)]
+    for part in [parser.feed(p) for p in pieces] + [parser.finish()]:
+        total.content += part.content
+        total.reasoning += part.reasoning
+        total.tool_calls += part.tool_calls
+    return total
+
+
+CHUNKS = [1, 2, 3, 7, 1000]
+
+
+@pytest.mark.parametrize("chunk", CHUNKS, ids=lambda c: f"chunk-{c}")
+def test_think_block_is_reasoning(chunk: int) -> None:
+    out = run("<think>\nLet me add 2 and 2.\n</think>\n\nThe answer is 4.", chunk)
+    assert out.reasoning == "\nLet me add 2 and 2.\n"
+    assert out.content == "The answer is 4."
+
+
+@pytest.mark.parametrize("chunk", CHUNKS, ids=lambda c: f"chunk-{c}")
+def test_template_that_preopens_think(chunk: int) -> None:
+    out = run("Hmm, 2 plus 2 is 4.</think>\n\n4", chunk, in_reasoning=True)
+    assert out.reasoning == "Hmm, 2 plus 2 is 4."
+    assert out.content == "4"
+
+
+@pytest.mark.parametrize("chunk", CHUNKS, ids=lambda c: f"chunk-{c}")
+def test_generation_cut_off_mid_thought_stays_reasoning(chunk: int) -> None:
+    out = run("<think>I should consider the </th", chunk)
+    assert out.reasoning == "I should consider the </th"
+    assert out.content == ""
+
+
+@pytest.mark.parametrize("chunk", CHUNKS, ids=lambda c: f"chunk-{c}")
+def test_tool_calls_are_parsed_and_whitespace_between_dropped(chunk: int) -> None:
+    text = (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>'
+    )
+    out = run(text, chunk)
+    assert [(c.index, c.name, json.loads(c.arguments)) for c in out.tool_calls] == [
+        (0, "get_weather", {"city": "Paris"}), (1, "get_time", {"tz": "CET"})
+    ]
+    assert out.content == ""
+    assert len({c.id for c in out.tool_calls}) == 2
+
+
+@pytest.mark.parametrize("chunk", CHUNKS, ids=lambda c: f"chunk-{c}")
+def test_malformed_tool_json_falls_back_to_content(chunk: int) -> None:
+    text = "Sure. <tool_call>{not json}</tool_call> done"
+    out = run(text, chunk)
+    assert out.tool_calls == []
+    assert out.content == text
+
+
+def test_text_that_only_looks_like_a_tag_is_content() -> None:
+    assert run("a < b and <thinking> is not a tag", 1).content == "a < b and <thinking> is not a tag"
+
+
+def test_parsing_off_leaves_tags_in_content() -> None:
+    text = "<think>x</think><tool_call>{}</tool_call>"
+    assert run(text, 3, parse_reasoning=False, parse_tools=False).content == text
+
+
+def test_a_template_that_opens_think_starts_generation_in_reasoning() -> None:
+    from apps.bus import wire
+    from apps.worker.prompt import build_prompt
+    from engine.default_model import default_model_path
+    from engine.loader import load_tokenizer
+    from engine.tokenizer import Tokenizer
+
+    base, _ = load_tokenizer(default_model_path())
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+    )
+    tokenizer = Tokenizer(base.hf, bos_token_id=base.bos_token_id, eos_token_id=base.eos_token_id,
+                          chat_template=template)
+    request = wire.GenerateRequest(request_id="r", model="m", reply_subject="_INBOX.x", sampling=wire.Sampling(),
+                                   messages=[wire.ChatMessage(role="user", content="2+2?")])
+    prompt = build_prompt(tokenizer, request)
+    assert prompt.parse_reasoning and prompt.opens_reasoning
+    parser = prompt.output_parser()
+    first = parser.feed("Four, clearly.</think>\n\n4")
+    assert (first.reasoning, first.content) == ("Four, clearly.", "4")
+    assert not build_prompt(tokenizer, request, reasoning_parser="off").opens_reasoning
