@@ -53,6 +53,7 @@ class CoreInfo:
     num_blocks: int
     block_size: int
     eos_token_ids: list[int] = field(default_factory=list)
+    max_position_embeddings: int = 0
 
 
 class EngineCore:
@@ -88,6 +89,7 @@ class EngineCore:
             num_blocks=num_blocks,
             block_size=block_size,
             eos_token_ids=checkpoint.tokenizer.all_stop_token_ids,
+            max_position_embeddings=model_config.max_position_embeddings,
         )
         self.stats = CoreStats(num_blocks=num_blocks)
         self._first_scheduled: dict[str, float] = {}

@@ -21,6 +21,7 @@ from apps.bus import topology, wire
 from apps.logs import announce_ready
 from apps.settings import WorkerSettings
 from apps.worker import serve
+from apps.worker.context_limit import ContextLimit
 from apps.worker.prompt import RequestRejected, build_prompt, sampling_options
 from apps.worker.replies import Replier
 from engine.api import Engine
@@ -49,6 +50,12 @@ class Worker:
         # Cancellations for requests not pulled yet; bounded so a flood cannot grow it forever.
         self._cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._slot_freed = asyncio.Event()
+        info = getattr(engine, "info", None)  # engines with a paged pool describe it
+        self.context = ContextLimit(
+            max_position_embeddings=(info.max_position_embeddings if info else 0) or engine.max_model_len,
+            kv_pool_tokens=info.num_blocks * info.block_size if info else None,
+            hard_cap=settings.max_model_len or None,
+        )
 
     async def run(self, stop: asyncio.Event) -> None:
         self.nc = await topology.connect(self.settings.nats_url, name=f"helexa-worker-{self.node}")
@@ -59,7 +66,7 @@ class Worker:
         await self.nc.subscribe(topology.cancel_wildcard(), cb=self._on_cancel)
         await self._publish_status()
         status_task = asyncio.create_task(self._status_loop())
-        announce_ready("worker", model=self.model_id, node=self.node, max_model_len=self.engine.max_model_len)
+        announce_ready("worker", model=self.model_id, node=self.node, max_model_len=self.context.derive().context)
         try:
             await self._pull_loop(subscription, stop)
         finally:
@@ -124,7 +131,7 @@ class Worker:
         try:
             prompt = build_prompt(self.tokenizer, request, self.settings.reasoning_parser)
             record.prompt_tokens = len(prompt.token_ids)
-            sampling = sampling_options(request, len(prompt.token_ids), self.engine.max_model_len)
+            sampling = sampling_options(request, len(prompt.token_ids), self.context.derive().context)
         except RequestRejected as exc:
             await replier.error(exc.status, exc.code, exc.message)
             await msg.ack()
@@ -143,6 +150,7 @@ class Worker:
         finally:
             keep_alive.cancel()
         record.finished_at = time.time()
+        self.context.observe_prefill(record.prompt_tokens - record.cached_tokens, record.prefill_ms)
         if error is not None:
             await replier.error(500, "generation_failed", "The generation failed on the worker.")
             status = "error"
@@ -183,10 +191,13 @@ class Worker:
 
     def status(self, state: str = "ready") -> wire.NodeStatus:
         slots = self.engine.max_num_seqs
+        limits = self.context.derive()
         stats = getattr(self.engine, "stats", None)  # engines without a KV pool report none
         model = wire.ModelStatus(
             model=self.model_id,
-            max_model_len=self.engine.max_model_len,
+            max_model_len=limits.context,
+            max_input_tokens=limits.input,
+            max_output_tokens=limits.output,
             slots=slots,
             free_slots=self.free_slots(),
             num_running=stats.num_running if stats else 0,

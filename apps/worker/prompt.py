@@ -74,6 +74,7 @@ def build_prompt(tokenizer: Tokenizer, request: wire.GenerateRequest, reasoning_
 
 
 def sampling_options(request: wire.GenerateRequest, num_prompt_tokens: int, max_model_len: int) -> SamplingOptions:
+    """Refuse what cannot fit the context (OpenAI's wording); a missing max_tokens takes what fits."""
     room = max_model_len - num_prompt_tokens
     wanted = request.sampling.max_tokens
     if room <= 0 or (wanted is not None and wanted > room):

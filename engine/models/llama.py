@@ -16,7 +16,7 @@ from engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotar
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, qk_norm: bool = False) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -27,6 +27,9 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        # Qwen3 normalizes each query and key head before RoPE.
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
 
     def forward(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -34,6 +37,8 @@ class LlamaAttention(nn.Module):
         q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
         k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # over head_dim, each head on its own
         cos, sin = cos_sin
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = attention(q, k, v, *kv_cache, meta, self.scale)
@@ -41,10 +46,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, qk_norm: bool = False) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config, qk_norm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
@@ -55,10 +60,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, qk_norm: bool = False) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, qk_norm)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
@@ -73,16 +78,19 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    family = "llama"
+    qk_norm = False
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         if config.hidden_act != "silu":
-            raise NotImplementedError(f"llama hidden_act {config.hidden_act!r} is not supported")
+            raise NotImplementedError(f"{self.family} hidden_act {config.hidden_act!r} is not supported")
         self.config = config
         # Geometry of the paged KV cache this model expects: one (k, v) pair per layer.
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.model = LlamaModel(config)
+        self.model = LlamaModel(config, self.qk_norm)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 

@@ -7,100 +7,15 @@ projections can be wider than the residual stream.
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-
-from engine.attention import AttentionMetadata, KVCache, attention
 from engine.config import ModelConfig
-from engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from engine.models.llama import LlamaForCausalLM
 
 
-class Qwen3Attention(nn.Module):
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    family = "qwen3"
+    qk_norm = True
+
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.scale = self.head_dim ** -0.5
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-
-    def forward(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.q_norm(q), self.k_norm(k)  # over head_dim, each head on its own
-        cos, sin = cos_sin
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attention(q, k, v, *kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
-
-
-class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Qwen3Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
-
-    def forward(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
-
-
-class Qwen3Model(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config)
-                                    for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
-        cos_sin = self.rotary_emb(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos_sin, kv_cache, meta)
-        return self.norm(hidden)
-
-
-class Qwen3ForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        if config.hidden_act != "silu":
-            raise NotImplementedError(f"qwen3 hidden_act {config.hidden_act!r} is not supported")
         if config.extra.get("use_sliding_window"):
             raise NotImplementedError("qwen3 sliding-window attention is not supported")
-        self.config = config
-        # Geometry of the paged KV cache this model expects: one (k, v) pair per layer.
-        self.num_layers = config.num_hidden_layers
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.model = Qwen3Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.tie_weights()
-
-    def tie_weights(self) -> None:
-        """Share the embedding with the LM head when the config says so (call after to_empty)."""
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
-        return self.model(input_ids, positions, kv_caches, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, hidden_size] -> [n, vocab_size]; pass only the rows that get sampled."""
-        return self.lm_head(hidden)
+        super().__init__(config)

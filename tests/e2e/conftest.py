@@ -4,8 +4,11 @@ processes on a real NATS server and a real PostgreSQL."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -55,3 +58,20 @@ def system(nats_server: NatsServer, postgres: PostgresServer) -> Iterator[System
     finally:
         for app in reversed(apps):
             app.stop()
+
+
+@contextmanager
+def scripted_worker(system: System, folder: Path, name: str, script: dict) -> Iterator[AppProcess]:
+    """A worker that replies from `script` (same tokenizer, parsers and frames as a real one), so
+    tool calls and thoughts happen when a test says; the reasoning parser is forced on because
+    SmolLM2's template has no <think>."""
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps(script), encoding="utf-8")
+    worker = AppProcess(["worker", "--script", str(path), "--served-model-name", name],
+                        {"NATS_URL": system.nats_url, "HELEXA_NODE_ID": f"e2e-{name}",
+                         "HELEXA_REASONING_PARSER": "on"})
+    try:
+        worker.wait_ready()
+        yield worker
+    finally:
+        worker.stop()

@@ -20,7 +20,7 @@ from apps.embedded import free_port
 from apps.gateway import anthropic_schema as an
 from apps.gateway.anthropic import to_bus_request
 from apps.gateway.openai_schema import decode_request
-from tests.e2e.conftest import System
+from tests.e2e.conftest import System, scripted_worker
 from tests.e2e.test_chat import finished_run
 from tests.support import AppProcess
 
@@ -73,16 +73,8 @@ def text_of(message: anthropic.types.Message) -> str:
 def scripted(system: System, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A second worker that replies from SCRIPT, so tool calls and thoughts happen when we say;
     SmolLM2's template has no <think>, so the reasoning parser is switched on by hand."""
-    script = tmp_path_factory.mktemp("script") / "tools.json"
-    script.write_text(json.dumps(SCRIPT), encoding="utf-8")
-    worker = AppProcess(["worker", "--script", str(script), "--served-model-name", SCRIPTED],
-                        {"NATS_URL": system.nats_url, "HELEXA_NODE_ID": "e2e-scripted-anthropic",
-                         "HELEXA_REASONING_PARSER": "on"})
-    try:
-        worker.wait_ready()
+    with scripted_worker(system, tmp_path_factory.mktemp("script"), SCRIPTED, SCRIPT):
         yield SCRIPTED
-    finally:
-        worker.stop()
 
 
 @pytest.fixture(scope="module")
@@ -292,31 +284,26 @@ def test_worker_lost_mid_stream_sends_an_error_event(keyed_gateway: KeyedGateway
     """A worker frozen after its first tokens: the status is already 200, so the stream ends in an
     Anthropic `error` event once the gateway gives up on the silent worker. The scripted reply is
     long enough that it cannot finish before the freeze lands."""
-    script = tmp_path / "long.json"
-    script.write_text(json.dumps({"rules": [], "default": "word " * 6000}), encoding="utf-8")
-    worker = AppProcess(["worker", "--script", str(script), "--served-model-name", "frozen"],
-                        {"NATS_URL": system.nats_url, "HELEXA_NODE_ID": "e2e-frozen"})
-    try:
-        worker.wait_ready()
-        keyed = anthropic.Anthropic(base_url=keyed_gateway.base_url, api_key=keyed_gateway.key, max_retries=0,
-                                    timeout=60)
-        request = ask(system, model="frozen", max_tokens=6000,
-                      messages=[{"role": "user", "content": "Write a long story about a dragon."}])
-        seen: list[str] = []
-        with pytest.raises(anthropic.APIStatusError) as caught:
-            for event in keyed.messages.create(**request, stream=True):
-                if event.type == "content_block_delta" and "content_block_delta" not in seen:
-                    os.kill(worker.process.pid, signal.SIGSTOP)
-                seen.append(event.type)
-        assert seen[:3] == ["message_start", "content_block_start", "content_block_delta"]
-        assert "message_stop" not in seen
-        error = caught.value.body
-        assert error == {"type": "error", "error": {"type": "overloaded_error", "message": error["error"]["message"]}}
-        assert "stopped responding" in error["error"]["message"]
-    finally:
-        if worker.process.poll() is None:
-            os.kill(worker.process.pid, signal.SIGCONT)
-        worker.stop()
+    with scripted_worker(system, tmp_path, "frozen", {"rules": [], "default": "word " * 6000}) as worker:
+        try:
+            keyed = anthropic.Anthropic(base_url=keyed_gateway.base_url, api_key=keyed_gateway.key, max_retries=0,
+                                        timeout=60)
+            request = ask(system, model="frozen", max_tokens=6000,
+                          messages=[{"role": "user", "content": "Write a long story about a dragon."}])
+            seen: list[str] = []
+            with pytest.raises(anthropic.APIStatusError) as caught:
+                for event in keyed.messages.create(**request, stream=True):
+                    if event.type == "content_block_delta" and "content_block_delta" not in seen:
+                        os.kill(worker.process.pid, signal.SIGSTOP)
+                    seen.append(event.type)
+            assert seen[:3] == ["message_start", "content_block_start", "content_block_delta"]
+            assert "message_stop" not in seen
+            error = caught.value.body
+            assert error == {"type": "error", "error": {"type": "overloaded_error", "message": error["error"]["message"]}}
+            assert "stopped responding" in error["error"]["message"]
+        finally:
+            if worker.process.poll() is None:
+                os.kill(worker.process.pid, signal.SIGCONT)
 
 
 def weather_question(model: str) -> dict:

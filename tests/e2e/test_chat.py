@@ -69,11 +69,13 @@ async def finished_run(system: System, request_id: str, timeout_s: float = 30.0)
         await conn.close()
 
 
-def test_models_lists_the_served_model(system: System) -> None:
+def test_models_lists_the_served_model_with_its_limits(system: System) -> None:
     models = client(system).models.list()
-    ids = [m.id for m in models.data]
-    assert system.model in ids
+    entry = next(m for m in models.data if m.id == system.model)
     assert system.model == "SmolLM2-135M-Instruct"
+    # SmolLM2's 8192 positions bind (the KV pool holds more); a quarter is kept for the output.
+    assert entry.limit == {"context": 8192, "input": 6144, "output": 2048}
+    assert (entry.max_model_len, entry.max_input_tokens, entry.max_output_tokens) == (8192, 6144, 2048)
 
 
 def test_non_streaming_equals_transformers_and_is_recorded(system: System, reference: dict) -> None:

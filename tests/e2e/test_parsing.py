@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from tests.e2e.conftest import System
-from tests.support import AppProcess
+from tests.e2e.conftest import System, scripted_worker
 
 SCRIPTED = "scripted-tools"
 WEATHER_TOOL = {
@@ -41,16 +40,8 @@ SCRIPT = {
 
 @pytest.fixture(scope="module")
 def scripted(system: System, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    script = tmp_path_factory.mktemp("script") / "script.json"
-    script.write_text(json.dumps(SCRIPT))
-    worker = AppProcess(["worker", "--script", str(script), "--served-model-name", SCRIPTED],
-                        {"NATS_URL": system.nats_url, "HELEXA_NODE_ID": "scripted-worker",
-                         "HELEXA_REASONING_PARSER": "on"})
-    try:
-        worker.wait_ready()
+    with scripted_worker(system, tmp_path_factory.mktemp("script"), SCRIPTED, SCRIPT):
         yield SCRIPTED
-    finally:
-        worker.stop()
 
 
 def client(system: System) -> OpenAI:
