@@ -113,6 +113,7 @@ class EngineCore:
         for request in self.scheduler.abort_requests(request_ids):
             outputs.append(self._final(request.request_id, FinishReason.ABORT, request.num_prompt_tokens))
             self._forget(request.request_id)
+        self._refresh_stats()
         return outputs
 
     def fail_all(self, error: str) -> list[EngineOutput]:
@@ -121,6 +122,7 @@ class EngineCore:
         for request in self.scheduler.abort_requests(list(self._requests)):
             outputs.append(self._final(request.request_id, FinishReason.ERROR, request.num_prompt_tokens, error))
             self._forget(request.request_id)
+        self._refresh_stats()
         return outputs
 
     def has_work(self) -> bool:
@@ -180,9 +182,12 @@ class EngineCore:
         self.runner.release(request_id)
 
     def _update_stats(self, generated: int) -> None:
+        self.stats.steps += 1
+        self.stats.generated_tokens += generated
+        self._refresh_stats()
+
+    def _refresh_stats(self) -> None:
         s = self.stats
-        s.steps += 1
-        s.generated_tokens += generated
         s.num_free_blocks = self.kv_cache.num_free_blocks
         s.num_running = self.scheduler.num_running
         s.num_waiting = self.scheduler.num_waiting

@@ -55,6 +55,11 @@ def cancel_subject(request_id: str) -> str:
     return f"{_CANCEL_PREFIX}.{model_token(request_id)}"
 
 
+def alive_subject(reply_subject: str) -> str:
+    """Where the requester answers "still listening"; no responders there means it is gone."""
+    return f"{reply_subject}.alive"
+
+
 def worker_consumer(model: str) -> str:
     """The durable pull consumer every worker of `model` shares."""
     return f"worker-{model_token(model)}"

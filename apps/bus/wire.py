@@ -64,6 +64,8 @@ class GenerateRequest(Wire, kw_only=True):
     # OpenAI-style tool definitions, handed to the chat template as `tools`.
     tools: list[dict[str, Any]] | None = None
     prompt_token_ids: list[int] | None = None
+    # The requester answers on alive_subject(reply_subject), so workers can notice it is gone.
+    liveness_probe: bool = False
 
 
 class Usage(Wire, kw_only=True):

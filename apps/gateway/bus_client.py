@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import msgspec
 import nats.errors
 from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.errors import NoKeysError
 from nats.js.kv import KeyValue
@@ -28,8 +29,9 @@ class ReplyTimeout(Exception):
 class ReplyStream:
     """Frames of one request's reply subject, in order, duplicates and stale attempts dropped."""
 
-    def __init__(self, subscription: Subscription) -> None:
+    def __init__(self, subscription: Subscription, alive: Subscription) -> None:
         self._sub = subscription
+        self._alive = alive
         self._next_seq = 0
         self._attempt = 0
         self.node: str | None = None
@@ -62,10 +64,11 @@ class ReplyStream:
             return frame
 
     async def close(self) -> None:
-        try:
-            await self._sub.unsubscribe()
-        except nats.errors.Error:
-            pass
+        for sub in (self._sub, self._alive):
+            try:
+                await sub.unsubscribe()
+            except nats.errors.Error:
+                pass
 
 
 class GatewayBus:
@@ -90,8 +93,15 @@ class GatewayBus:
         await self.nc.drain()
 
     async def submit(self, request: wire.GenerateRequest) -> ReplyStream:
-        """Listen on the reply subject first, then publish, so no frame can be missed."""
+        """Listen on the reply subject first, then publish, so no frame can be missed. While this
+        process lives it answers the worker's liveness probes; when it dies, nobody does."""
         sub = await self.nc.subscribe(request.reply_subject)
+
+        async def still_listening(msg: Msg) -> None:
+            await msg.respond(b"")
+
+        alive = await self.nc.subscribe(topology.alive_subject(request.reply_subject), cb=still_listening)
+        request = msgspec.structs.replace(request, liveness_probe=True)
         try:
             await self.js.publish(
                 topology.request_subject(request.model),
@@ -100,8 +110,9 @@ class GatewayBus:
             )
         except BaseException:
             await sub.unsubscribe()
+            await alive.unsubscribe()
             raise
-        return ReplyStream(sub)
+        return ReplyStream(sub, alive)
 
     def new_inbox(self) -> str:
         return self.nc.new_inbox()

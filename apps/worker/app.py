@@ -29,6 +29,8 @@ from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("helexa.worker")
 KEEP_ALIVE_S = 5.0
+# How often a running request checks that its requester still listens.
+PROBE_S = 1.0
 
 
 def _version() -> str:
@@ -140,6 +142,11 @@ class Worker:
         await replier.accepted(len(prompt.token_ids))
         await self._publish_event(record.started_event())
         keep_alive = asyncio.create_task(serve.keep_alive(replier, KEEP_ALIVE_S, msg.in_progress))
+        watcher = None
+        if request.liveness_probe:
+            watcher = asyncio.create_task(
+                serve.watch_requester(self.nc, request.reply_subject, PROBE_S, lambda: self._abort(request))
+            )
         try:
             reasons, error = await serve.generate(self.engine, self.tokenizer, replier, record, prompt, sampling)
             finish_reason = reasons[0]
@@ -149,6 +156,8 @@ class Worker:
             await self._abort(request)
         finally:
             keep_alive.cancel()
+            if watcher is not None:
+                watcher.cancel()
         record.finished_at = time.time()
         self.context.observe_prefill(record.prompt_tokens - record.cached_tokens, record.prefill_ms)
         if error is not None:

@@ -11,9 +11,13 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from apps.bus import wire
+import nats.errors
+from nats.aio.client import Client as NatsClient
+
+from apps.bus import topology, wire
 from apps.worker.parsers import Parsed
 from apps.worker.prompt import Prompt
 from apps.worker.replies import Replier
@@ -191,6 +195,21 @@ async def generate_choice(
         reason = "tool_calls"
     await send(parser.finish(), 0, finish_reason=reason)
     return reason, None
+
+
+async def watch_requester(nc: NatsClient, reply_subject: str, interval_s: float, gone: Callable[[], Awaitable[None]]) -> None:
+    """Probe the requester; when nobody answers any more (its gateway died), call `gone`."""
+    subject = topology.alive_subject(reply_subject)
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await nc.request(subject, b"", timeout=max(interval_s, 1.0))
+        except nats.errors.NoRespondersError:
+            log.info("requester gone; aborting", extra={"reply_subject": reply_subject})
+            await gone()
+            return
+        except (TimeoutError, nats.errors.Error):
+            continue  # slow or reconnecting is not gone
 
 
 async def keep_alive(replier: Replier, interval_s: float, touch: object) -> None:

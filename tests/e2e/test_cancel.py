@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
+from apps.embedded import free_port
 from tests.e2e.conftest import System
 from tests.e2e.test_chat import finished_run
+from tests.support import AppProcess
 
 LONG = 2000
 
@@ -38,3 +42,51 @@ def test_disconnect_mid_stream_aborts_the_generation(system: System) -> None:
     assert row["status"] == "cancelled"
     assert row["finish_reason"] == "abort"
     assert 0 < row["completion_tokens"] < LONG
+    assert_engine_idle(system)
+
+
+def engine_state(system: System) -> dict[str, float]:
+    text = httpx.get(f"{system.base_url}/metrics", timeout=30).text
+    wanted = {"helexa:num_requests_running", "helexa:kv_cache_usage_perc"}
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name in wanted and s.labels.get("model") == system.model}
+
+
+def assert_engine_idle(system: System, timeout_s: float = 20.0) -> None:
+    """The worker's next status refresh shows no running sequence and every KV block free."""
+    deadline = time.monotonic() + timeout_s
+    while (state := engine_state(system)) != {"helexa:num_requests_running": 0, "helexa:kv_cache_usage_perc": 0}:
+        assert time.monotonic() < deadline, state
+        time.sleep(0.2)
+
+
+def test_a_gateway_killed_mid_stream_leaves_no_generation_running(system: System) -> None:
+    port = free_port()
+    gateway = AppProcess(["gateway"], {"NATS_URL": system.nats_url, "HELEXA_PORT": str(port)})
+    try:
+        gateway.wait_ready()
+        body = {
+            "model": system.model,
+            "messages": [{"role": "user", "content": "Count from one to a thousand."}],
+            "max_tokens": LONG,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
+            with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                request_id = None
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        chunk = json.loads(line[len("data: "):])
+                        request_id = chunk["id"]
+                        if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                            gateway.kill()  # SIGKILL: no cancel message is ever sent
+                            break
+        assert request_id is not None
+        # The worker notices nobody answers its liveness probe any more and aborts.
+        row = asyncio.run(finished_run(system, request_id))
+        assert row["status"] == "cancelled" and row["finish_reason"] == "abort"
+        assert 0 < row["completion_tokens"] < LONG
+        assert_engine_idle(system)
+    finally:
+        gateway.kill()
