@@ -53,12 +53,19 @@ class GatewaySettings:
     max_request_bytes: int = field(default_factory=lambda: _env_int("HELEXA_MAX_REQUEST_BYTES", 8 << 20))
     # A file of `KEY PRINCIPAL` lines; empty means no authentication.
     api_keys_file: str = field(default_factory=lambda: _env("HELEXA_API_KEYS", ""))
+    # Admission per model (SPEC §5); 0 turns a limit off.
+    max_in_flight: int = field(default_factory=lambda: _env_int("HELEXA_MAX_IN_FLIGHT", 0))
+    max_queue_depth: int = field(default_factory=lambda: _env_int("HELEXA_MAX_QUEUE_DEPTH", 0))
+    max_wait_s: float = field(default_factory=lambda: _env_float("HELEXA_MAX_WAIT_S", 60.0))
+    max_per_principal: int = field(default_factory=lambda: _env_int("HELEXA_MAX_PER_PRINCIPAL", 0))
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError("HELEXA_PORT must be a TCP port")
         if self.accept_timeout_s <= 0 or self.stream_idle_timeout_s <= 0:
             raise ValueError("timeouts must be positive")
+        if min(self.max_in_flight, self.max_queue_depth, self.max_per_principal) < 0 or self.max_wait_s <= 0:
+            raise ValueError("admission limits must be >= 0, and HELEXA_MAX_WAIT_S positive")
 
 
 @dataclass(slots=True)

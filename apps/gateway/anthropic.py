@@ -257,7 +257,7 @@ async def messages(request: Request, state: State) -> Response | Stream:
     bus_request = to_bus_request(req, request_id, bus.new_inbox(), time.time() + settings.accept_timeout_s,
                                  request.state.principal)
     await resolve_model(bus, req.model)
-    generation = await start_generation(bus, settings, bus_request, HANDLER)
+    generation = await start_generation(bus, settings, bus_request, HANDLER, request)
     headers = {"X-Request-Id": request_id}
     if req.stream:
         return Stream(_sse(generation), media_type="text/event-stream",

@@ -10,6 +10,7 @@ from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig
 
 from apps.gateway.anthropic import messages
+from apps.gateway.admission import AdmissionLimits
 from apps.gateway.auth import ApiKeys
 from apps.gateway.bus_client import GatewayBus
 from apps.gateway.chat import chat_completions
@@ -29,7 +30,13 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
 
     @asynccontextmanager
     async def bus_lifespan(app: Litestar) -> AsyncIterator[None]:
-        app.state.bus = await GatewayBus.connect(settings.nats_url)
+        admission = AdmissionLimits(
+            max_in_flight=settings.max_in_flight,
+            max_queue_depth=settings.max_queue_depth,
+            max_wait_s=settings.max_wait_s,
+            max_per_principal=settings.max_per_principal,
+        )
+        app.state.bus = await GatewayBus.connect(settings.nats_url, admission=admission)
         try:
             yield
         finally:

@@ -17,6 +17,7 @@ from nats.js.kv import KeyValue
 
 from apps.bus import topology, wire
 from apps.bus.topology import BusLimits
+from apps.gateway.admission import Admission, AdmissionLimits
 from apps.gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("helexa.gateway")
@@ -72,8 +73,12 @@ class ReplyStream:
 
 
 class GatewayBus:
-    def __init__(self, nc: NatsClient, kv: KeyValue, limits: BusLimits) -> None:
+    def __init__(self, nc: NatsClient, kv: KeyValue, limits: BusLimits,
+                 admission: AdmissionLimits | None = None) -> None:
         self.metrics = GatewayMetrics()
+        self.admission_limits = admission or AdmissionLimits()
+        self._admissions: dict[str, Admission] = {}
+        self.metrics.admissions = self._admissions
         self.nc = nc
         self.js = nc.jetstream()
         self.kv = kv
@@ -81,13 +86,14 @@ class GatewayBus:
         self._background: set[asyncio.Task[None]] = set()
 
     @classmethod
-    async def connect(cls, url: str, limits: BusLimits | None = None) -> GatewayBus:
+    async def connect(cls, url: str, limits: BusLimits | None = None,
+                      admission: AdmissionLimits | None = None) -> GatewayBus:
         limits = limits or BusLimits()
         nc = await topology.connect(url, name="helexa-gateway")
         js = nc.jetstream()
         await topology.ensure_topology(js, limits)
         kv = await topology.node_registry(js, limits)
-        return cls(nc, kv, limits)
+        return cls(nc, kv, limits, admission)
 
     async def close(self) -> None:
         await self.nc.drain()
@@ -113,6 +119,19 @@ class GatewayBus:
             await alive.unsubscribe()
             raise
         return ReplyStream(sub, alive)
+
+    def admission(self, model: str) -> Admission:
+        """This gateway's admission control for `model` (one per model, same limits)."""
+        if model not in self._admissions:
+            self._admissions[model] = Admission(self.admission_limits)
+        return self._admissions[model]
+
+    async def publish_event(self, event: wire.AnyEvent) -> None:
+        try:
+            await self.js.publish(topology.event_subject(wire.event_kind(event), event.model), wire.encode(event),
+                                  headers={"Nats-Msg-Id": event.event_id})
+        except (nats.errors.Error, TimeoutError) as exc:
+            log.warning("event publish failed", extra={"kind": wire.event_kind(event), "error": str(exc)})
 
     def new_inbox(self) -> str:
         return self.nc.new_inbox()

@@ -104,7 +104,7 @@ async def chat_completions(request: Request, state: State) -> Response | Stream:
     bus_request = to_bus_request(req, new_request_id("chatcmpl"), bus.new_inbox(),
                                  time.time() + settings.accept_timeout_s, request.state.principal)
     await resolve_model(bus, req.model)
-    generation = await start_generation(bus, settings, bus_request, HANDLER)
+    generation = await start_generation(bus, settings, bus_request, HANDLER, request)
     created = int(time.time())
     if req.stream:
         return Stream(

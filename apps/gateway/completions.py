@@ -67,7 +67,7 @@ async def completions(request: Request, state: State) -> Response | Stream:
         deadline=time.time() + settings.accept_timeout_s,
     )
     await resolve_model(bus, req.model)
-    generation = await start_generation(bus, settings, bus_request, HANDLER)
+    generation = await start_generation(bus, settings, bus_request, HANDLER, request)
     created = int(time.time())
     if req.stream:
         return Stream(_sse(generation, created, req.include_usage()), media_type="text/event-stream",

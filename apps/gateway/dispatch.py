@@ -6,12 +6,18 @@ real statuses even for `stream: true`. Endpoint modules format what `Generation.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import msgspec
+from litestar import Request
+
 from apps.bus import wire
+from apps.gateway.admission import Rejected, Ticket
 from apps.gateway.bus_client import GatewayBus, ReplyStream, ReplyTimeout
 from apps.gateway.errors import ApiError, log_failure, retry_after_s
 from apps.settings import GatewaySettings
@@ -52,7 +58,7 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True)
 class Generation:
     request: wire.GenerateRequest
     reply: ReplyStream
@@ -61,6 +67,7 @@ class Generation:
     idle_timeout_s: float
     handler: str
     finished: bool = False
+    ticket: Ticket | None = None
 
     @property
     def node(self) -> str:
@@ -104,11 +111,76 @@ class Generation:
             raise
 
     async def close(self) -> None:
-        """Stop the work if the client left early, then stop listening."""
+        """Stop the work if the client left early, give back the admission slot, stop listening."""
         if not self.finished:
             self.bus.cancel_soon(self.request.request_id)
             self.finished = True
+        if self.ticket is not None:
+            self.ticket.release()
         await self.reply.close()
+
+
+_ADMISSION_MESSAGES = {
+    "queue_full": ("The model's queue is full; retry later.", "queue_full"),
+    "principal_cap": ("Too many concurrent requests for this API key; retry later.", "rate_limit_exceeded"),
+    "timeout": ("The model is busy and the request waited too long; retry later.", "queue_timeout"),
+}
+
+
+async def admit(bus: GatewayBus, request: wire.GenerateRequest) -> Ticket:
+    """Take an admission slot for the request, or refuse it (429/503 with Retry-After); every
+    decision is published on EVENTS."""
+    admission = bus.admission(request.model)
+
+    def decided(decision: str, **fields: object) -> wire.AdmissionDecided:
+        return wire.AdmissionDecided(model=request.model, node="gateway", request_id=request.request_id,
+                                     principal=request.principal, decision=wire.AdmissionDecision(decision),
+                                     **fields)  # type: ignore[arg-type]
+
+    try:
+        ticket = await admission.acquire(request.principal)
+    except Rejected as exc:
+        bus.metrics.rejections.labels(request.model, exc.decision).inc()
+        await bus.publish_event(decided(exc.decision, pending=exc.pending, in_flight=exc.in_flight,
+                                        retry_after_s=exc.retry_after))
+        message, code = _ADMISSION_MESSAGES[exc.decision]
+        raise ApiError(exc.status, message, code=code, retry_after_s=exc.retry_after,
+                       context={"model": request.model, "request_id": request.request_id, "detail": exc.decision})
+    except asyncio.CancelledError:
+        await asyncio.shield(bus.publish_event(decided("cancelled", pending=admission.pending,
+                                                       in_flight=admission.in_flight)))
+        raise
+    await bus.publish_event(decided("admitted", pending=admission.pending, in_flight=admission.in_flight,
+                                    waited_ms=round(ticket.waited_ms, 3)))
+    return ticket
+
+
+async def _until_disconnected(client: Request) -> None:
+    # The body has been read, so the next ASGI message can only be the client hanging up.
+    while (await client.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _admit_while_connected(bus: GatewayBus, request: wire.GenerateRequest, client: Request | None) -> Ticket:
+    """Queue for a slot, but give the reservation back at once if the client hangs up meanwhile."""
+    if client is None:
+        return await admit(bus, request)
+    admission = asyncio.create_task(admit(bus, request))
+    hangup = asyncio.create_task(_until_disconnected(client))
+    try:
+        await asyncio.wait({admission, hangup}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        hangup.cancel()
+        if not admission.done():
+            admission.cancel()
+    try:
+        return await admission
+    except asyncio.CancelledError:
+        if asyncio.current_task().cancelling():  # type: ignore[union-attr]
+            raise
+        raise ApiError(499, "The client closed the request.", code="client_closed",
+                       context={"model": request.model, "request_id": request.request_id,
+                                "detail": "client left while queued"}) from None
 
 
 async def start_generation(
@@ -116,8 +188,31 @@ async def start_generation(
     settings: GatewaySettings,
     request: wire.GenerateRequest,
     handler: str,
+    client: Request | None = None,
 ) -> Generation:
-    """Publish and wait for the worker's first frame; any failure so far is an ApiError."""
+    """Admit, publish and wait for the worker's first frame; any failure so far is an ApiError.
+    With `client`, a hang-up while queued for admission releases the reservation at once."""
+    ticket = await _admit_while_connected(bus, request, client)
+    try:
+        # The wait for a worker starts once admitted.
+        request = msgspec.structs.replace(request, deadline=time.time() + settings.accept_timeout_s)
+        generation = await _publish_and_wait(bus, settings, request, handler)
+    except BaseException:
+        ticket.release()
+        raise
+    generation.ticket = ticket
+    # A streamed response whose body is never iterated (the client left first) never runs its
+    # cleanup; the slot must come back all the same.
+    weakref.finalize(generation, ticket.release)
+    return generation
+
+
+async def _publish_and_wait(
+    bus: GatewayBus,
+    settings: GatewaySettings,
+    request: wire.GenerateRequest,
+    handler: str,
+) -> Generation:
     ctx = {"model": request.model, "request_id": request.request_id}
     reply = await bus.submit(request)
     try:

@@ -8,6 +8,7 @@ entries, read when Prometheus scrapes.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -39,6 +40,8 @@ class GatewayMetrics:
         self.rejections = Counter("helexa:admission_rejections", "Requests refused before running, by reason",
                                   ["model", "reason"], registry=r)
         self._nodes: list[wire.NodeStatus] = []
+        # Model → this gateway's admission control (shared with the bus client), read at scrape time.
+        self.admissions: dict[str, Any] = {}
         r.register(_NodeCollector(self))
 
     def set_nodes(self, nodes: list[wire.NodeStatus]) -> None:
@@ -74,3 +77,11 @@ class _NodeCollector(Collector):
             queries.add_metric([model], sum(s.prefix_queries for s in statuses))
             hits.add_metric([model], sum(s.prefix_hits for s in statuses))
         yield from (running, waiting, kv, queries, hits)
+        pending = GaugeMetricFamily("helexa:admission_pending", "Requests admitted or queued at this gateway",
+                                    labels=["model"])
+        in_flight = GaugeMetricFamily("helexa:admission_in_flight", "Requests holding a slot at this gateway",
+                                      labels=["model"])
+        for model, admission in self.metrics.admissions.items():
+            pending.add_metric([model], admission.pending)
+            in_flight.add_metric([model], admission.in_flight)
+        yield from (pending, in_flight)

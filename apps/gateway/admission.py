@@ -1,0 +1,124 @@
+"""Admission control per model at the gateway (SPEC §5): shed early and fairly, never leak a slot.
+
+- QueueFull (503) when pending ≥ max_in_flight + max_queue_depth;
+- PrincipalCap (429) when the principal already holds max_per_principal slots (anonymous exempt);
+- otherwise reserve, wait up to max_wait_s for an in-flight slot (FIFO), else Timeout (503).
+The reservation is released however the wait or the request ends: admitted and finished, timed out,
+or the caller cancelled while queued. Zero for a limit means "off".
+
+Where each check lives: this gateway enforces queue depth, the per-principal cap and its own share
+of in-flight requests; workers enforce their real capacity by pulling only what fits their slots.
+With several gateway replicas, give each `max_in_flight` ≈ fleet slots ÷ replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from apps.gateway.errors import retry_after_s
+
+
+@dataclass(slots=True, frozen=True)
+class AdmissionLimits:
+    max_in_flight: int = 0
+    max_queue_depth: int = 0
+    max_wait_s: float = 60.0
+    max_per_principal: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.max_in_flight, self.max_queue_depth, self.max_per_principal) < 0 or self.max_wait_s <= 0:
+            raise ValueError("admission limits must be >= 0 and max_wait_s > 0")
+
+
+class Rejected(Exception):
+    def __init__(self, decision: str, status: int, retry_after: int, pending: int, in_flight: int) -> None:
+        super().__init__(decision)
+        self.decision, self.status, self.retry_after = decision, status, retry_after
+        self.pending, self.in_flight = pending, in_flight
+
+
+class Ticket:
+    """One admitted request's hold on a slot; `release` is idempotent."""
+
+    def __init__(self, admission: Admission, principal: str | None, waited_ms: float) -> None:
+        self._admission = admission
+        self.principal = principal
+        self.waited_ms = waited_ms
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._admission._finish_in_flight()
+            self._admission._unreserve(self.principal)
+
+
+class Admission:
+    def __init__(self, limits: AdmissionLimits) -> None:
+        self.limits = limits
+        self.pending = 0  # in flight + queued
+        self.in_flight = 0
+        self.by_principal: dict[str, int] = {}
+        self._queue: deque[asyncio.Future[None]] = deque()
+
+    def _reject(self, decision: str, status: int) -> Rejected:
+        hint = retry_after_s(max(self.pending - self.limits.max_in_flight, 0))
+        return Rejected(decision, status, hint, self.pending, self.in_flight)
+
+    async def acquire(self, principal: str | None) -> Ticket:
+        limits = self.limits
+        if limits.max_in_flight and self.pending >= limits.max_in_flight + limits.max_queue_depth:
+            raise self._reject("queue_full", 503)
+        if principal is not None and limits.max_per_principal and \
+                self.by_principal.get(principal, 0) >= limits.max_per_principal:
+            raise self._reject("principal_cap", 429)
+        self.pending += 1
+        if principal is not None:
+            self.by_principal[principal] = self.by_principal.get(principal, 0) + 1
+        started = time.monotonic()
+        try:
+            if not limits.max_in_flight or (self.in_flight < limits.max_in_flight and not self._queue):
+                self.in_flight += 1
+            else:
+                await self._wait_for_slot(limits.max_wait_s)
+        except BaseException:
+            self._unreserve(principal)
+            raise
+        return Ticket(self, principal, (time.monotonic() - started) * 1000.0)
+
+    async def _wait_for_slot(self, timeout_s: float) -> None:
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._queue.append(waiter)
+        try:
+            await asyncio.wait_for(waiter, timeout_s)
+        except BaseException as exc:
+            if waiter.done() and not waiter.cancelled():
+                # A slot was handed over just as we gave up: pass it on rather than leak it.
+                self._finish_in_flight()
+            elif waiter in self._queue:
+                self._queue.remove(waiter)
+            if isinstance(exc, TimeoutError):
+                raise self._reject("timeout", 503) from None
+            raise
+
+    def _unreserve(self, principal: str | None) -> None:
+        self.pending -= 1
+        if principal is not None:
+            left = self.by_principal.get(principal, 1) - 1
+            if left:
+                self.by_principal[principal] = left
+            else:
+                self.by_principal.pop(principal, None)
+
+    def _finish_in_flight(self) -> None:
+        self.in_flight -= 1
+        while self._queue:
+            waiter = self._queue.popleft()
+            if not waiter.done():
+                # Handed over now, so a newcomer cannot jump the queue.
+                self.in_flight += 1
+                waiter.set_result(None)
+                return

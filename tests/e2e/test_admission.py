@@ -1,0 +1,164 @@
+"""Admission through real gateways in front of the real worker: the overload mix, the
+per-principal cap, the wait deadline, and every decision in the ledger."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import asyncpg
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from apps.embedded import free_port
+from tests.e2e.conftest import System
+from tests.support import AppProcess
+
+
+@contextmanager
+def gateway(system: System, **env: str) -> Iterator[str]:
+    port = free_port()
+    process = AppProcess(["gateway"], {"NATS_URL": system.nats_url, "HELEXA_PORT": str(port), **env})
+    try:
+        process.wait_ready()
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.stop()
+
+
+def body(system: System, max_tokens: int, tag: str) -> dict:
+    return {"model": system.model, "messages": [{"role": "user", "content": f"Tell me about {tag}."}],
+            "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
+
+
+async def fire(url: str, bodies: list[dict], keys: list[str | None] | None = None) -> list[httpx.Response]:
+    keys = keys or [None] * len(bodies)
+    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+        return await asyncio.gather(*(
+            http.post("/v1/chat/completions", json=b, headers={"Authorization": f"Bearer {k}"} if k else {})
+            for b, k in zip(bodies, keys)
+        ))
+
+
+async def decisions(database_url: str, expected: dict[str, int], timeout_s: float = 30.0) -> Counter:
+    """The admission_events decisions once at least `expected` of each have been recorded."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            rows = await conn.fetch("SELECT decision, count(*) AS n FROM admission_events GROUP BY decision")
+            seen = Counter({r["decision"]: r["n"] for r in rows})
+            if all(seen[k] >= v for k, v in expected.items()) or time.monotonic() > deadline:
+                return seen
+            await asyncio.sleep(0.1)
+    finally:
+        await conn.close()
+
+
+def test_overload_gives_exactly_the_expected_mix(system: System) -> None:
+    before = asyncio.run(decisions(system.database_url, {}))
+    with gateway(system, HELEXA_MAX_IN_FLIGHT="2", HELEXA_MAX_QUEUE_DEPTH="2") as url:
+        responses = asyncio.run(fire(url, [body(system, 24, f"topic {i}") for i in range(10)]))
+    statuses = Counter(r.status_code for r in responses)
+    assert statuses == {200: 4, 503: 6}
+    for response in responses:
+        if response.status_code == 503:
+            assert int(response.headers["Retry-After"]) >= 1
+            assert response.json()["error"]["code"] == "queue_full"
+        else:
+            assert response.json()["usage"]["completion_tokens"] == 24
+    after = asyncio.run(decisions(system.database_url, {"queue_full": before["queue_full"] + 6}))
+    assert after["queue_full"] - before["queue_full"] == 6
+
+
+def test_per_principal_cap_is_429_while_another_principal_is_served(system: System, tmp_path: Path) -> None:
+    keys = tmp_path / "keys.txt"
+    keys.write_text("sk-heavy heavy\nsk-light light\n")
+    with gateway(system, HELEXA_API_KEYS=str(keys), HELEXA_MAX_IN_FLIGHT="8", HELEXA_MAX_QUEUE_DEPTH="8",
+                 HELEXA_MAX_PER_PRINCIPAL="2") as url:
+        responses = asyncio.run(fire(url, [body(system, 16, f"thing {i}") for i in range(4)],
+                                     ["sk-heavy", "sk-heavy", "sk-heavy", "sk-light"]))
+    heavy, light = responses[:3], responses[3]
+    assert sorted(r.status_code for r in heavy) == [200, 200, 429]
+    refused = next(r for r in heavy if r.status_code == 429)
+    assert int(refused.headers["Retry-After"]) >= 1 and refused.json()["error"]["type"] == "rate_limit_error"
+    assert light.status_code == 200
+
+
+def test_waiting_longer_than_max_wait_is_503_and_never_runs(system: System) -> None:
+    with gateway(system, HELEXA_MAX_IN_FLIGHT="1", HELEXA_MAX_QUEUE_DEPTH="2", HELEXA_MAX_WAIT_S="0.5") as url:
+        with httpx.Client(base_url=url, timeout=120) as http:
+            # The long request holds the only slot: its stream has begun before the second is sent.
+            with http.stream("POST", "/v1/chat/completions", json={**body(system, 400, "a long story"),
+                                                                   "stream": True}) as long:
+                assert long.status_code == 200
+                # Keep the line iterator referenced: dropping it would close the connection.
+                lines = long.iter_lines()
+                next(lines)
+                short = http.post("/v1/chat/completions", json=body(system, 4, "waiting"))
+                lines.close()
+    assert short.status_code == 503 and short.json()["error"]["code"] == "queue_timeout"
+    assert int(short.headers["Retry-After"]) >= 1
+    seen = asyncio.run(decisions(system.database_url, {"timeout": 1}))
+    assert seen["timeout"] >= 1
+
+
+def admission_gauge(url: str, model: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "helexa:admission_pending" and sample.labels.get("model") == model:
+                return sample.value
+    return 0.0
+
+
+def wait_for_gauge(url: str, model: str, value: float, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (seen := admission_gauge(url, model)) != value:
+        assert time.monotonic() < deadline, f"admission_pending stayed {seen}, expected {value}"
+        time.sleep(0.05)
+
+
+def queue_then_hang_up(url: str, payload: dict, key: str) -> socket.socket:
+    """A raw HTTP client that sends its request and will later just close the connection."""
+    host, port = url.removeprefix("http://").split(":")
+    data = json.dumps(payload).encode()
+    conn = socket.create_connection((host, int(port)))
+    conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Authorization: Bearer {key}\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    return conn
+
+
+def test_cancelled_queued_waiters_leave_no_trace(system: System, tmp_path: Path) -> None:
+    """The regression that once pinned a model at 429: queued waiters that leave must give their
+    reservations back, so the principal can queue again instead of being refused."""
+    keys = tmp_path / "keys.txt"
+    keys.write_text("sk-p p\n")
+    with gateway(system, HELEXA_API_KEYS=str(keys), HELEXA_MAX_IN_FLIGHT="1", HELEXA_MAX_QUEUE_DEPTH="2",
+                 HELEXA_MAX_PER_PRINCIPAL="3") as url:
+        auth = {"Authorization": "Bearer sk-p"}
+        with httpx.Client(base_url=url, timeout=120, headers=auth) as http:
+            with http.stream("POST", "/v1/chat/completions",
+                             json={**body(system, 300, "a long story"), "stream": True}) as running:
+                lines = running.iter_lines()
+                next(lines)
+                waiters = [queue_then_hang_up(url, body(system, 4, f"waiter {i}"), "sk-p") for i in range(2)]
+                wait_for_gauge(url, system.model, 3)
+                for waiter in waiters:
+                    waiter.close()
+                wait_for_gauge(url, system.model, 1)  # the queue is empty again
+
+                with ThreadPoolExecutor(1) as pool:
+                    newcomer = pool.submit(http.post, "/v1/chat/completions", json=body(system, 4, "newcomer"))
+                    wait_for_gauge(url, system.model, 2)  # queued behind the running one, not refused
+                    for _ in lines:
+                        pass  # the running request finishes
+                    assert newcomer.result().status_code == 200
+        wait_for_gauge(url, system.model, 0)

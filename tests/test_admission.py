@@ -1,0 +1,107 @@
+"""Admission semantics (SPEC §5) with real asyncio tasks: caps, FIFO hand-over, Retry-After, and
+reservations released however a wait ends (the permanent-429 regression)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from apps.gateway.admission import Admission, AdmissionLimits, Rejected
+
+
+async def settle() -> None:
+    """Let every task that can run, run (waiters enqueue themselves)."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_cancelled_queued_waiters_release_everything() -> None:
+    admission = Admission(AdmissionLimits(max_in_flight=1, max_queue_depth=2, max_per_principal=3, max_wait_s=60))
+    running = await admission.acquire("p")
+    waiters = [asyncio.create_task(admission.acquire("p")) for _ in range(2)]
+    await settle()
+    assert (admission.pending, admission.in_flight, admission.by_principal) == (3, 1, {"p": 3})
+
+    for waiter in waiters:
+        waiter.cancel()
+    await asyncio.gather(*waiters, return_exceptions=True)
+    assert (admission.pending, admission.in_flight, admission.by_principal) == (1, 1, {"p": 1})
+
+    newcomer = asyncio.create_task(admission.acquire("p"))  # queues: not a 429
+    await settle()
+    assert not newcomer.done() and admission.pending == 2
+    running.release()
+    ticket = await asyncio.wait_for(newcomer, 5)
+    assert admission.in_flight == 1
+    ticket.release()
+    ticket.release()  # idempotent
+    assert (admission.pending, admission.in_flight, admission.by_principal) == (0, 0, {})
+
+
+async def test_overload_gives_the_expected_mix() -> None:
+    admission = Admission(AdmissionLimits(max_in_flight=2, max_queue_depth=2, max_wait_s=60))
+    tasks = [asyncio.create_task(admission.acquire(None)) for _ in range(10)]
+    await settle()
+    rejected = [t.exception() for t in tasks if t.done() and t.exception()]
+    admitted = [t.result() for t in tasks if t.done() and not t.exception()]
+    queued = [t for t in tasks if not t.done()]
+    assert (len(admitted), len(queued), len(rejected)) == (2, 2, 6)
+    assert all(isinstance(r, Rejected) and r.decision == "queue_full" and r.status == 503 for r in rejected)
+    # Retry-After = clamp(((pending − in_flight cap)₊ + 1) × 2, 1, 120) with 4 pending, cap 2.
+    assert {r.retry_after for r in rejected} == {6}
+    for ticket in admitted:
+        ticket.release()
+    for ticket in await asyncio.gather(*queued):
+        ticket.release()
+    assert (admission.pending, admission.in_flight) == (0, 0)
+
+
+async def test_per_principal_cap_is_429_while_others_are_served() -> None:
+    admission = Admission(AdmissionLimits(max_in_flight=4, max_queue_depth=4, max_per_principal=2))
+    heavy = [await admission.acquire("heavy") for _ in range(2)]
+    with pytest.raises(Rejected) as caught:
+        await admission.acquire("heavy")
+    assert caught.value.decision == "principal_cap" and caught.value.status == 429
+    light = await admission.acquire("light")
+    anonymous = [await admission.acquire(None) for _ in range(1)]  # exempt from the per-principal cap
+    for ticket in heavy + [light] + anonymous:
+        ticket.release()
+    assert admission.by_principal == {}
+
+
+async def test_a_wait_longer_than_max_wait_is_a_503_timeout() -> None:
+    admission = Admission(AdmissionLimits(max_in_flight=1, max_queue_depth=1, max_wait_s=0.05))
+    holder = await admission.acquire("a")
+    with pytest.raises(Rejected) as caught:
+        await admission.acquire("b")
+    assert caught.value.decision == "timeout" and caught.value.status == 503
+    assert (admission.pending, admission.in_flight, admission.by_principal) == (1, 1, {"a": 1})
+    holder.release()
+    assert (admission.pending, admission.in_flight) == (0, 0)
+
+
+async def test_waiters_are_served_in_arrival_order() -> None:
+    admission = Admission(AdmissionLimits(max_in_flight=1, max_queue_depth=3))
+    first = await admission.acquire(None)
+    order: list[int] = []
+
+    async def wait(i: int) -> None:
+        ticket = await admission.acquire(None)
+        order.append(i)
+        ticket.release()
+
+    waiters = [asyncio.create_task(wait(i)) for i in range(3)]
+    await settle()
+    first.release()
+    await asyncio.gather(*waiters)
+    assert order == [0, 1, 2]
+
+
+async def test_no_limits_means_no_queueing() -> None:
+    admission = Admission(AdmissionLimits())
+    tickets = [await admission.acquire("p") for _ in range(50)]
+    assert admission.in_flight == 50
+    for ticket in tickets:
+        ticket.release()
+    assert admission.pending == 0
