@@ -122,10 +122,17 @@ class Worker:
         self._slot_freed.set()
 
     async def _serve(self, msg: Msg, request: wire.GenerateRequest) -> None:
-        if request.request_id in self._cancelled or (request.deadline and time.time() > request.deadline):
+        cancelled = request.request_id in self._cancelled
+        if cancelled or (request.deadline and time.time() > request.deadline):
             # Its client has already been answered (a 503 or a hang-up): nobody waits for it.
             log.info("dropped request nobody waits for", extra={"request_id": request.request_id})
             await msg.term()
+            await self._publish_event(wire.AdmissionDecided(
+                model=request.model, node=self.node, request_id=request.request_id, principal=request.principal,
+                decision=wire.AdmissionDecision.CANCELLED if cancelled else wire.AdmissionDecision.TIMEOUT,
+                detail="dropped by the worker: nobody waits for it", pending=len(self.active),
+                in_flight=len(self.active),
+            ))
             return
         attempt = msg.metadata.num_delivered or 1
         replier = Replier(self.nc, request.reply_subject, attempt, self.node)
@@ -183,19 +190,25 @@ class Worker:
             while len(self._cancelled) > 10_000:
                 self._cancelled.popitem(last=False)
 
-    async def _publish_event(self, event: wire.RunStarted | wire.RunFinished) -> None:
-        kind = "run.started" if isinstance(event, wire.RunStarted) else "run.finished"
+    async def _publish_event(self, event: wire.AnyEvent) -> None:
+        kind = wire.event_kind(event)
         try:
             await self.js.publish(
                 topology.event_subject(kind, event.model), wire.encode(event), headers={"Nats-Msg-Id": event.event_id}
             )
         except nats.errors.Error as exc:
-            log.warning("event publish failed", extra={"kind": kind, "request_id": event.request_id, "error": str(exc)})
+            log.warning("event publish failed", extra={"kind": kind, "request_id": getattr(event, "request_id", None),
+                                                           "error": str(exc)})
 
     def free_slots(self) -> int:
         """Engine sequences not promised to a pulled request (a request takes one per choice)."""
         if self.engine.free_slots() <= 0:
             return 0  # e.g. the engine process is gone
+        stats = getattr(self.engine, "stats", None)
+        if stats is not None and stats.num_waiting > 0:
+            # The engine already holds work it has no KV blocks (or batch room) for: more would
+            # only wait here, where another worker might have served it at once.
+            return 0
         return max(self.engine.max_num_seqs - sum(r.sampling.n for r in self.requests.values()), 0)
 
     def status(self, state: str = "ready") -> wire.NodeStatus:

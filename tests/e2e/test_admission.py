@@ -162,3 +162,38 @@ def test_cancelled_queued_waiters_leave_no_trace(system: System, tmp_path: Path)
                         pass  # the running request finishes
                     assert newcomer.result().status_code == 200
         wait_for_gauge(url, system.model, 0)
+
+
+def test_a_request_past_its_deadline_is_dropped_by_the_worker_with_an_event(system: System) -> None:
+    from apps.bus import topology, wire
+
+    request_id = f"expired-{time.monotonic_ns()}"
+
+    async def publish_expired() -> None:
+        nc = await topology.connect(system.nats_url, name="test")
+        stale = wire.GenerateRequest(
+            request_id=request_id, model=system.model, reply_subject=nc.new_inbox(), sampling=wire.Sampling(),
+            messages=[wire.ChatMessage(role="user", content="too late")], deadline=time.time() - 1,
+        )
+        await nc.jetstream().publish(topology.request_subject(system.model), wire.encode(stale),
+                                     headers={"Nats-Msg-Id": request_id})
+        await nc.close()
+
+    async def recorded() -> tuple[asyncpg.Record | None, int]:
+        conn = await asyncpg.connect(system.database_url)
+        try:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                row = await conn.fetchrow("SELECT * FROM admission_events WHERE request_id = $1", request_id)
+                if row is not None:
+                    starts = await conn.fetchval("SELECT count(*) FROM runs WHERE request_id = $1", request_id)
+                    return row, starts
+                await asyncio.sleep(0.1)
+            return None, 0
+        finally:
+            await conn.close()
+
+    asyncio.run(publish_expired())
+    row, runs = asyncio.run(recorded())
+    assert row is not None and row["decision"] == "timeout" and row["node"] == "e2e-worker"
+    assert runs == 0, "an expired request never starts"

@@ -1,0 +1,47 @@
+"""The worker pulls only what its engine can take now."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from apps.bus import wire
+from apps.settings import WorkerSettings
+from apps.worker.app import Worker
+from engine.core import CoreStats
+
+
+@dataclass
+class FakeEngine:
+    """Only the capacity surface the pull loop reads."""
+
+    max_num_seqs: int = 4
+    max_model_len: int = 2048
+    stats: CoreStats | None = None
+    slots: int = 4
+
+    def free_slots(self) -> int:
+        return self.slots
+
+
+def request(request_id: str, n: int = 1) -> wire.GenerateRequest:
+    return wire.GenerateRequest(request_id=request_id, model="m", reply_subject="_INBOX.x",
+                                sampling=wire.Sampling(n=n))
+
+
+def worker(engine: FakeEngine) -> Worker:
+    return Worker(WorkerSettings(nats_url="nats://unused"), engine, tokenizer=None, model_id="m")  # type: ignore[arg-type]
+
+
+def test_each_choice_takes_a_slot() -> None:
+    w = worker(FakeEngine(stats=CoreStats(num_blocks=10, num_free_blocks=10)))
+    assert w.free_slots() == 4
+    w.requests["a"] = request("a", n=3)
+    assert w.free_slots() == 1
+
+
+def test_nothing_is_pulled_while_the_engine_has_work_waiting() -> None:
+    assert worker(FakeEngine(stats=CoreStats(num_blocks=10, num_free_blocks=0, num_waiting=1))).free_slots() == 0
+
+
+def test_a_dead_engine_takes_nothing() -> None:
+    assert worker(FakeEngine(slots=0)).free_slots() == 0
