@@ -58,6 +58,8 @@ class GatewaySettings:
     max_queue_depth: int = field(default_factory=lambda: _env_int("HELEXA_MAX_QUEUE_DEPTH", 0))
     max_wait_s: float = field(default_factory=lambda: _env_float("HELEXA_MAX_WAIT_S", 60.0))
     max_per_principal: int = field(default_factory=lambda: _env_int("HELEXA_MAX_PER_PRINCIPAL", 0))
+    # A TOML file of per-model overrides: [models."<model id>"] max_in_flight = 4, ...
+    admission_file: str = field(default_factory=lambda: _env("HELEXA_ADMISSION_FILE", ""))
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:

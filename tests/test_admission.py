@@ -105,3 +105,19 @@ async def test_no_limits_means_no_queueing() -> None:
     for ticket in tickets:
         ticket.release()
     assert admission.pending == 0
+
+
+def test_per_model_limits_from_toml(tmp_path) -> None:
+    from apps.gateway.admission import load_per_model
+
+    path = tmp_path / "admission.toml"
+    path.write_text('[models."Qwen/Qwen3-8B"]\nmax_in_flight = 4\nmax_per_principal = 2\n'
+                    '[models.small]\nmax_queue_depth = 9\n')
+    defaults = AdmissionLimits(max_in_flight=16, max_queue_depth=32, max_wait_s=30)
+    limits = load_per_model(path, defaults)
+    assert limits["Qwen/Qwen3-8B"] == AdmissionLimits(max_in_flight=4, max_queue_depth=32, max_wait_s=30,
+                                                      max_per_principal=2)
+    assert limits["small"] == AdmissionLimits(max_in_flight=16, max_queue_depth=9, max_wait_s=30)
+    path.write_text("[models.x]\nmax_inflight = 1\n")
+    with pytest.raises(ValueError, match="max_inflight"):
+        load_per_model(path, defaults)

@@ -16,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from dataclasses import dataclass
+import tomllib
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
 
 from apps.gateway.errors import retry_after_s
 
@@ -31,6 +33,20 @@ class AdmissionLimits:
     def __post_init__(self) -> None:
         if min(self.max_in_flight, self.max_queue_depth, self.max_per_principal) < 0 or self.max_wait_s <= 0:
             raise ValueError("admission limits must be >= 0 and max_wait_s > 0")
+
+
+def load_per_model(path: str | Path, defaults: AdmissionLimits) -> dict[str, AdmissionLimits]:
+    """Per-model limits from TOML (`[models."id"]` tables); fields left out keep the defaults."""
+    with open(path, "rb") as f:
+        document = tomllib.load(f)
+    allowed = {f.name for f in fields(AdmissionLimits)}
+    per_model = {}
+    for model, table in document.get("models", {}).items():
+        unknown = set(table) - allowed
+        if unknown:
+            raise ValueError(f"{path}: unknown admission settings for {model!r}: {sorted(unknown)}")
+        per_model[model] = replace(defaults, **table)
+    return per_model
 
 
 class Rejected(Exception):

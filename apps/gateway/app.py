@@ -10,7 +10,7 @@ from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig
 
 from apps.gateway.anthropic import messages
-from apps.gateway.admission import AdmissionLimits
+from apps.gateway.admission import AdmissionLimits, load_per_model
 from apps.gateway.auth import ApiKeys
 from apps.gateway.bus_client import GatewayBus
 from apps.gateway.chat import chat_completions
@@ -36,7 +36,8 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
             max_wait_s=settings.max_wait_s,
             max_per_principal=settings.max_per_principal,
         )
-        app.state.bus = await GatewayBus.connect(settings.nats_url, admission=admission)
+        per_model = load_per_model(settings.admission_file, admission) if settings.admission_file else None
+        app.state.bus = await GatewayBus.connect(settings.nats_url, admission=admission, per_model=per_model)
         try:
             yield
         finally:

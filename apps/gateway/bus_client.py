@@ -74,9 +74,11 @@ class ReplyStream:
 
 class GatewayBus:
     def __init__(self, nc: NatsClient, kv: KeyValue, limits: BusLimits,
-                 admission: AdmissionLimits | None = None) -> None:
+                 admission: AdmissionLimits | None = None,
+                 per_model: dict[str, AdmissionLimits] | None = None) -> None:
         self.metrics = GatewayMetrics()
         self.admission_limits = admission or AdmissionLimits()
+        self.per_model_admission = per_model or {}
         self._admissions: dict[str, Admission] = {}
         self.metrics.admissions = self._admissions
         self.nc = nc
@@ -86,14 +88,14 @@ class GatewayBus:
         self._background: set[asyncio.Task[None]] = set()
 
     @classmethod
-    async def connect(cls, url: str, limits: BusLimits | None = None,
-                      admission: AdmissionLimits | None = None) -> GatewayBus:
+    async def connect(cls, url: str, limits: BusLimits | None = None, admission: AdmissionLimits | None = None,
+                      per_model: dict[str, AdmissionLimits] | None = None) -> GatewayBus:
         limits = limits or BusLimits()
         nc = await topology.connect(url, name="helexa-gateway")
         js = nc.jetstream()
         await topology.ensure_topology(js, limits)
         kv = await topology.node_registry(js, limits)
-        return cls(nc, kv, limits, admission)
+        return cls(nc, kv, limits, admission, per_model)
 
     async def close(self) -> None:
         await self.nc.drain()
@@ -121,9 +123,9 @@ class GatewayBus:
         return ReplyStream(sub, alive)
 
     def admission(self, model: str) -> Admission:
-        """This gateway's admission control for `model` (one per model, same limits)."""
+        """This gateway's admission control for `model`, with its own limits if configured."""
         if model not in self._admissions:
-            self._admissions[model] = Admission(self.admission_limits)
+            self._admissions[model] = Admission(self.per_model_admission.get(model, self.admission_limits))
         return self._admissions[model]
 
     async def publish_event(self, event: wire.AnyEvent) -> None:

@@ -62,9 +62,12 @@ async def decisions(database_url: str, expected: dict[str, int], timeout_s: floa
         await conn.close()
 
 
-def test_overload_gives_exactly_the_expected_mix(system: System) -> None:
+def test_overload_gives_exactly_the_expected_mix(system: System, tmp_path: Path) -> None:
+    # Limits for this model only, from the per-model file; other models stay unlimited.
+    per_model = tmp_path / "admission.toml"
+    per_model.write_text(f'[models."{system.model}"]\nmax_in_flight = 2\nmax_queue_depth = 2\n')
     before = asyncio.run(decisions(system.database_url, {}))
-    with gateway(system, HELEXA_MAX_IN_FLIGHT="2", HELEXA_MAX_QUEUE_DEPTH="2") as url:
+    with gateway(system, HELEXA_ADMISSION_FILE=str(per_model)) as url:
         responses = asyncio.run(fire(url, [body(system, 24, f"topic {i}") for i in range(10)]))
     statuses = Counter(r.status_code for r in responses)
     assert statuses == {200: 4, 503: 6}

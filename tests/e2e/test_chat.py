@@ -179,3 +179,13 @@ def test_completions_rejects_out_of_vocab_token_ids(system: System) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client(system).completions.create(model=system.model, prompt=[1, 10**9], max_tokens=2)
     assert caught.value.body["code"] == "invalid_prompt"
+
+
+def test_seed_reproducibility(system: System) -> None:
+    kwargs = dict(model=system.model, max_tokens=16, temperature=0.8, top_p=0.9,
+                  messages=[{"role": "user", "content": "Invent a name for a small boat."}])
+    first = client(system).chat.completions.create(seed=1234, **kwargs).choices[0].message.content
+    again = client(system).chat.completions.create(seed=1234, **kwargs).choices[0].message.content
+    others = {client(system).chat.completions.create(seed=s, **kwargs).choices[0].message.content for s in (1, 2, 3)}
+    assert first == again
+    assert others - {first}, "other seeds give other text"
