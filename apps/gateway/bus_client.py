@@ -12,8 +12,7 @@ import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js.errors import NoKeysError
-from nats.js.kv import KeyValue
+from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from apps.bus import topology, wire
 from apps.bus.topology import BusLimits
@@ -81,6 +80,9 @@ class GatewayBus:
         self.per_model_admission = per_model or {}
         self._admissions: dict[str, Admission] = {}
         self.metrics.admissions = self._admissions
+        self._nodes: dict[str, wire.NodeStatus] = {}
+        self._nodes_ready = asyncio.Event()
+        self._node_watch: asyncio.Task[None] | None = None
         self.nc = nc
         self.js = nc.jetstream()
         self.kv = kv
@@ -95,9 +97,13 @@ class GatewayBus:
         js = nc.jetstream()
         await topology.ensure_topology(js, limits)
         kv = await topology.node_registry(js, limits)
-        return cls(nc, kv, limits, admission, per_model)
+        bus = cls(nc, kv, limits, admission, per_model)
+        bus._node_watch = asyncio.create_task(bus.watch_nodes())
+        return bus
 
     async def close(self) -> None:
+        if self._node_watch is not None:
+            self._node_watch.cancel()
         await self.nc.drain()
 
     async def submit(self, request: wire.GenerateRequest) -> ReplyStream:
@@ -150,26 +156,30 @@ class GatewayBus:
         except nats.errors.Error as exc:
             log.warning("cancel publish failed", extra={"request_id": request_id, "error": str(exc)})
 
-    async def live_nodes(self) -> list[wire.NodeStatus]:
+    async def watch_nodes(self) -> None:
+        """Keep `_nodes` current from one long-lived watch on the registry bucket, instead of
+        listing keys per request (slow, and racy while workers rewrite their entries)."""
+        watcher = await self.kv.watchall()
         try:
-            keys = await self.kv.keys()
-        except NoKeysError:
-            return []
-        nodes = []
+            async for entry in watcher:
+                if entry is None:  # the end of the initial values
+                    self._nodes_ready.set()
+                    continue
+                if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
+                    self._nodes.pop(entry.key, None)
+                    continue
+                try:
+                    self._nodes[entry.key] = wire.node_decoder.decode(entry.value)
+                except msgspec.DecodeError:
+                    log.warning("undecodable node entry ignored", extra={"node": entry.key})
+        finally:
+            await watcher.stop()
+
+    async def live_nodes(self) -> list[wire.NodeStatus]:
+        """Nodes whose last refresh is younger than the bucket's TTL (expiry leaves no marker)."""
+        await self._nodes_ready.wait()
         horizon = time.time() - self.limits.node_ttl_s
-        for key in keys:
-            try:
-                entry = await self.kv.get(key)
-            except Exception:  # a key deleted or expired between keys() and get()
-                continue
-            if not entry.value:
-                continue
-            try:
-                node = wire.node_decoder.decode(entry.value)
-            except msgspec.DecodeError:
-                continue
-            if node.updated_at >= horizon and node.status != "stopping":
-                nodes.append(node)
+        nodes = [n for n in self._nodes.values() if n.updated_at >= horizon and n.status != "stopping"]
         self.metrics.set_nodes(nodes)
         return nodes
 
