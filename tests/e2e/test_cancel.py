@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -17,27 +18,35 @@ from tests.support import AppProcess
 LONG = 2000
 
 
-def test_disconnect_mid_stream_aborts_the_generation(system: System) -> None:
+def stream_until_first_text(base_url: str, model: str, on_first_text: Callable[[], None] = lambda: None) -> str:
+    """Start a long stream, read until its first text arrives, call `on_first_text`, then hang up;
+    returns the request id."""
     body = {
-        "model": system.model,
+        "model": model,
         "messages": [{"role": "user", "content": "Count from one to a thousand."}],
         "max_tokens": LONG,
         "ignore_eos": True,
         "temperature": 0,
         "stream": True,
     }
-    with httpx.Client(base_url=system.base_url, timeout=60) as http:
+    request_id = None
+    with httpx.Client(base_url=base_url, timeout=60) as http:
         with http.stream("POST", "/v1/chat/completions", json=body) as response:
             assert response.status_code == 200
-            request_id = None
             for line in response.iter_lines():
                 if line.startswith("data: {"):
                     chunk = json.loads(line[len("data: "):])
                     request_id = chunk["id"]
                     if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                        on_first_text()
                         break
-            assert request_id is not None
         # Leaving the block closes the connection mid-stream.
+    assert request_id is not None
+    return request_id
+
+
+def test_disconnect_mid_stream_aborts_the_generation(system: System) -> None:
+    request_id = stream_until_first_text(system.base_url, system.model)
     row = asyncio.run(finished_run(system, request_id))
     assert row["status"] == "cancelled"
     assert row["finish_reason"] == "abort"
@@ -65,24 +74,8 @@ def test_a_gateway_killed_mid_stream_leaves_no_generation_running(system: System
     gateway = AppProcess(["gateway"], {"NATS_URL": system.nats_url, "HELEXA_PORT": str(port)})
     try:
         gateway.wait_ready()
-        body = {
-            "model": system.model,
-            "messages": [{"role": "user", "content": "Count from one to a thousand."}],
-            "max_tokens": LONG,
-            "ignore_eos": True,
-            "stream": True,
-        }
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
-            with http.stream("POST", "/v1/chat/completions", json=body) as response:
-                request_id = None
-                for line in response.iter_lines():
-                    if line.startswith("data: {"):
-                        chunk = json.loads(line[len("data: "):])
-                        request_id = chunk["id"]
-                        if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                            gateway.kill()  # SIGKILL: no cancel message is ever sent
-                            break
-        assert request_id is not None
+        # SIGKILL once text flows: the dead gateway never sends a cancel message.
+        request_id = stream_until_first_text(f"http://127.0.0.1:{port}", system.model, gateway.kill)
         # The worker notices nobody answers its liveness probe any more and aborts.
         row = asyncio.run(finished_run(system, request_id))
         assert row["status"] == "cancelled" and row["finish_reason"] == "abort"

@@ -76,15 +76,6 @@ async def test_killed_mid_batch_then_restarted(
         second.stop()
     await assert_projections(database_url, workload)
 
-    second = _recorder(own_nats.url, database_url)
-    try:
-        second.wait_ready(60)
-        await wait_rows(database_url, "events", workload.counts["events"])
-        await wait_all_acked(js)
-    finally:
-        second.stop()
-    await assert_projections(database_url, workload)
-
 
 async def test_postgres_stopped_for_seconds_during_a_stream(
     own_nats: NatsServer, nc: NatsClient, js: JetStreamContext, own_postgres: PostgresServer, log_watch: LogWatch
