@@ -97,3 +97,19 @@ def test_a_template_that_opens_think_starts_generation_in_reasoning() -> None:
     first = parser.feed("Four, clearly.</think>\n\n4")
     assert (first.reasoning, first.content) == ("Four, clearly.", "4")
     assert not build_prompt(tokenizer, request, reasoning_parser="off").opens_reasoning
+
+
+@pytest.mark.parametrize("chunk", CHUNKS, ids=lambda c: f"chunk-{c}")
+@pytest.mark.parametrize("ending", ["", "\n", "\n</tool_", "\n</tool_call"], ids=["eos", "newline", "half-close", "no-bracket"])
+def test_a_tool_call_cut_before_its_close_tag_still_counts_when_its_json_is_whole(chunk: int, ending: str) -> None:
+    out = run('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' + ending, chunk)
+    assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [("get_weather", {"city": "Paris"})]
+    assert out.content == ""
+
+
+@pytest.mark.parametrize("chunk", CHUNKS, ids=lambda c: f"chunk-{c}")
+def test_an_unclosed_tool_call_with_broken_json_is_shown_as_written(chunk: int) -> None:
+    text = '<tool_call>\n{"name": "get_weather", "argu'
+    out = run(text, chunk)
+    assert out.tool_calls == []
+    assert out.content == text

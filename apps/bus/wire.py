@@ -66,6 +66,11 @@ class GenerateRequest(Wire, kw_only=True):
     prompt_token_ids: list[int] | None = None
     # The requester answers on alive_subject(reply_subject), so workers can notice it is gone.
     liveness_probe: bool = False
+    # The reply must open with a tool call: any tool (`tool_required`), or the one named.
+    tool_required: bool = False
+    tool_name: str | None = None
+    # The conversation ends on an assistant turn that the model continues (Anthropic prefill).
+    continue_final_message: bool = False
 
 
 class Usage(Wire, kw_only=True):

@@ -22,6 +22,7 @@ from apps.gateway import anthropic_schema as an
 from apps.gateway.dispatch import Generation, GenerationFailed, resolve_model, start_generation
 from apps.gateway.errors import ApiError, api_error_handler, http_error_handler, internal_error_handler
 from apps.gateway.openai_schema import decode_request
+from apps.gateway.openapi_docs import operation_for
 
 HANDLER = "messages"
 _encode = msgspec.json.encode
@@ -125,12 +126,18 @@ def to_bus_request(req: an.MessagesRequest, request_id: str, reply_subject: str,
     stops = req.stop_sequences or []
     if any(not stop for stop in stops):
         raise _refuse("'stop_sequences' must be non-empty strings.", "stop_sequences")
+    choice = req.tool_choice
+    messages = chat_messages(req)
     return wire.GenerateRequest(
         request_id=request_id,
         model=req.model,
         reply_subject=reply_subject,
-        messages=chat_messages(req),
+        messages=messages,
         tools=function_tools(req),
+        tool_required=isinstance(choice, an.ToolChoiceAny | an.ToolChoiceTool),
+        tool_name=choice.name if isinstance(choice, an.ToolChoiceTool) else None,
+        # A conversation that ends on an assistant turn is a prefill: the reply continues it.
+        continue_final_message=messages[-1].role == "assistant",
         sampling=wire.Sampling(
             max_tokens=req.max_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
@@ -244,6 +251,7 @@ def _anthropic_envelope(handler: Callable[[Request, Any], Response]) -> Callable
 @post(
     "/v1/messages",
     status_code=200,
+    operation_class=operation_for("messages"),
     exception_handlers={
         ApiError: _anthropic_envelope(api_error_handler),
         HTTPException: _anthropic_envelope(http_error_handler),

@@ -153,3 +153,15 @@ def error_body(status: int, message: str) -> dict[str, Any]:
     """The Anthropic error envelope: `{"type": "error", "error": {"type", "message"}}`."""
     kind = _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
     return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+class ErrorDetail(msgspec.Struct, kw_only=True):
+    type: str
+    message: str
+
+
+class ErrorEnvelope(msgspec.Struct, kw_only=True):
+    """What every failed `/v1/messages` request answers (documented in the OpenAPI schema)."""
+
+    type: str = "error"
+    error: ErrorDetail

@@ -16,6 +16,7 @@ from apps.gateway.bus_client import GatewayBus
 from apps.gateway.chat import chat_completions
 from apps.gateway.completions import completions
 from apps.gateway.errors import ApiError, api_error_handler, http_error_handler, internal_error_handler
+from apps.gateway.openapi_docs import add_components
 from apps.gateway.models import health, list_models, metrics, ready
 from apps.settings import GatewaySettings
 
@@ -58,4 +59,5 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
         logging_config=None,
     )
     app.state.settings = settings
+    add_components(app.openapi_schema)
     return app

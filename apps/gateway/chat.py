@@ -17,6 +17,7 @@ from apps.bus import wire
 from apps.gateway import openai_schema as oa
 from apps.gateway.dispatch import Generation, GenerationFailed, new_request_id, resolve_model, start_generation
 from apps.gateway.errors import error_body
+from apps.gateway.openapi_docs import operation_for
 
 HANDLER = "chat_completions"
 _encode = msgspec.json.encode
@@ -49,11 +50,15 @@ def to_bus_request(req: oa.ChatCompletionRequest, request_id: str, reply_subject
                          tool_call_id=m.tool_call_id, name=m.name)
         for m in req.messages
     ]
+    tool_required, tool_name = req.forced_tool()
     return wire.GenerateRequest(
         request_id=request_id,
         model=req.model,
         reply_subject=reply_subject,
         messages=messages,
+        tool_required=tool_required,
+        tool_name=tool_name,
+        continue_final_message=req.continues_final_message(),
         sampling=sampling_from(req, req.max_completion_tokens or req.max_tokens),
         stream=req.stream,
         principal=principal,
@@ -97,7 +102,7 @@ def tool_calls_out(calls: list[wire.ToolCallDelta]) -> list[oa.ToolCallOut]:
     return [oa.ToolCallOut(id=c.id, function=oa.FunctionCallOut(name=c.name, arguments=c.arguments)) for c in calls]
 
 
-@post("/v1/chat/completions", status_code=200)
+@post("/v1/chat/completions", status_code=200, operation_class=operation_for("chat"))
 async def chat_completions(request: Request, state: State) -> Response | Stream:
     req = oa.decode_request(await request.body(), oa.ChatCompletionRequest)
     bus, settings = state.bus, state.settings

@@ -16,6 +16,7 @@ from apps.gateway import openai_schema as oa
 from apps.gateway.chat import sampling_from, usage_out
 from apps.gateway.dispatch import Generation, GenerationFailed, new_request_id, resolve_model, start_generation
 from apps.gateway.errors import error_body
+from apps.gateway.openapi_docs import operation_for
 
 HANDLER = "completions"
 _encode = msgspec.json.encode
@@ -35,21 +36,18 @@ def logprobs_legacy(entries: list[wire.TokenLogprobs], offset: int) -> dict[str,
     }
 
 
-def _body(generation: Generation, created: int, choices: list[dict[str, Any]],
-          usage: wire.Usage | None = None) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "id": generation.request.request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": generation.request.model,
-        "choices": choices,
-    }
-    if usage is not None:
-        body["usage"] = msgspec.to_builtins(usage_out(usage))
-    return body
+def _body(generation: Generation, created: int, choices: list[oa.CompletionChoiceOut],
+          usage: wire.Usage | None = None) -> oa.TextCompletion:
+    return oa.TextCompletion(
+        id=generation.request.request_id,
+        created=created,
+        model=generation.request.model,
+        choices=choices,
+        usage=usage_out(usage) if usage is not None else None,
+    )
 
 
-@post("/v1/completions", status_code=200)
+@post("/v1/completions", status_code=200, operation_class=operation_for("completions"))
 async def completions(request: Request, state: State) -> Response | Stream:
     req = oa.decode_request(await request.body(), oa.CompletionRequest)
     text, token_ids = req.prompt_text_or_ids()
@@ -89,15 +87,16 @@ async def _complete(generation: Generation, created: int) -> Response:
                 finish[frame.index] = frame.finish_reason or finish[frame.index]
                 continue
             choices = [
-                {
-                    "index": i,
-                    "text": "".join(texts[i]),
-                    "finish_reason": finish[i] or frame.finish_reason,
-                    "logprobs": logprobs_legacy(logprobs[i], 0) if with_logprobs else None,
-                }
+                oa.CompletionChoiceOut(
+                    index=i,
+                    text="".join(texts[i]),
+                    finish_reason=finish[i] or frame.finish_reason,
+                    logprobs=logprobs_legacy(logprobs[i], 0) if with_logprobs else None,
+                )
                 for i in range(n)
             ]
-            return Response(_encode(_body(generation, created, choices, frame.usage)), media_type="application/json")
+            return Response(_encode(_body(generation, created, choices, frame.usage)), media_type="application/json",
+                            headers={"X-Request-Id": generation.request.request_id})
     except GenerationFailed as exc:
         return Response(error_body(exc.status, exc.message, exc.code), status_code=exc.status)
     finally:
@@ -112,12 +111,12 @@ async def _sse(generation: Generation, created: int, include_usage: bool) -> Asy
             if isinstance(frame, wire.Delta):
                 if not (frame.text or frame.finish_reason or frame.logprobs):
                     continue
-                choice = {
-                    "index": frame.index,
-                    "text": frame.text,
-                    "finish_reason": frame.finish_reason,
-                    "logprobs": logprobs_legacy(frame.logprobs, offsets[frame.index]) if frame.logprobs else None,
-                }
+                choice = oa.CompletionChoiceOut(
+                    index=frame.index,
+                    text=frame.text,
+                    finish_reason=frame.finish_reason,
+                    logprobs=logprobs_legacy(frame.logprobs, offsets[frame.index]) if frame.logprobs else None,
+                )
                 offsets[frame.index] += len(frame.text)
                 yield b"data: " + _encode(_body(generation, created, [choice])) + b"\n\n"
             elif include_usage:

@@ -127,6 +127,8 @@ class ChatCompletionRequest(GenerationParams, kw_only=True):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    # vLLM's extension: the final assistant message is a prefix the model continues.
+    continue_final_message: bool = False
 
     def logprobs_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -138,6 +140,27 @@ class ChatCompletionRequest(GenerationParams, kw_only=True):
         if not self.tools or self.tool_choice == "none":
             return None
         return [{"type": "function", "function": msgspec.to_builtins(t.function)} for t in self.tools]
+
+    def forced_tool(self) -> tuple[bool, str | None]:
+        """(a tool call is required, the name it must have): what `tool_choice` demands of the reply."""
+        choice = self.tool_choice
+        if choice in (None, "none", "auto"):
+            return False, None
+        if not self.tools:
+            raise ApiError(400, "'tool_choice' requires 'tools'.", param="tool_choice")
+        if choice == "required":
+            return True, None
+        name = choice.function.get("name") if isinstance(choice, NamedToolChoice) else None
+        if name not in {t.function.name for t in self.tools}:
+            raise ApiError(400, f"'tool_choice' names the function '{name}', which is not in 'tools'.",
+                           param="tool_choice")
+        return True, name
+
+    def continues_final_message(self) -> bool:
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ApiError(400, "'continue_final_message' needs the last message to be from the assistant.",
+                           param="continue_final_message")
+        return self.continue_final_message
 
 
 class CompletionRequest(GenerationParams, kw_only=True):
@@ -258,3 +281,34 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
     model: str
     choices: list[ChunkChoice]
     usage: UsageOut | None = None
+
+
+class CompletionChoiceOut(msgspec.Struct, kw_only=True):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: dict[str, Any] | None = None
+
+
+class TextCompletion(msgspec.Struct, kw_only=True):
+    """A `/v1/completions` body; streamed chunks have the same shape with one choice and no usage."""
+
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoiceOut]
+    usage: UsageOut | None = None
+
+
+class ErrorDetail(msgspec.Struct, kw_only=True):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorEnvelope(msgspec.Struct, kw_only=True):
+    """What every failed OpenAI-style request answers (documented in the OpenAPI schema)."""
+
+    error: ErrorDetail

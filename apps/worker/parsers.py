@@ -114,7 +114,8 @@ class OutputParser:
         out.content += self._held_space + text
         self._held_space = ""
 
-    def _emit_tool_call(self, raw: str, out: Parsed) -> None:
+    def _emit_tool_call(self, raw: str, out: Parsed, as_written: str | None = None) -> None:
+        """A call from its JSON; text that is not a valid call is shown as written (`as_written`)."""
         try:
             call = json.loads(raw)
             name = call["name"]
@@ -123,7 +124,7 @@ class OutputParser:
                 raise ValueError("tool call needs a string name and object arguments")
         except (ValueError, KeyError, TypeError):
             # Not a tool call we can hand to a client: show the model's text as it was.
-            self._emit_content(TOOL_OPEN + raw + TOOL_CLOSE, out)
+            self._emit_content(TOOL_OPEN + raw + TOOL_CLOSE if as_written is None else as_written, out)
             return
         out.tool_calls.append(
             wire.ToolCallDelta(index=self.num_tool_calls, id=f"call_{uuid.uuid4().hex[:24]}", name=name,
@@ -133,13 +134,16 @@ class OutputParser:
         self._held_space = ""
 
     def finish(self) -> Parsed:
-        """End of generation: flush what was held; an unclosed thought stays reasoning."""
+        """End of generation: flush what was held; an unclosed thought stays reasoning, and an
+        unclosed tool call counts when its JSON is complete (models often stop right after it)."""
         out = Parsed()
         rest, self._buffer = self._buffer, ""
         if self.mode == "reasoning":
             out.reasoning = rest
         elif self.mode == "tool":
-            self._emit_content(TOOL_OPEN + rest, out)
+            body = rest.rstrip()
+            body = body[: len(body) - _partial_tag_suffix(body, [TOOL_CLOSE])]
+            self._emit_tool_call(body, out, as_written=TOOL_OPEN + rest)
         else:
             self._emit_content(rest, out)
         return out

@@ -3,13 +3,14 @@ the output parser should expect (reasoning, tool calls). Refusals here happen be
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from jinja2 import TemplateError
 
 from apps.bus import wire
-from apps.worker.parsers import THINK_OPEN, TOOL_OPEN, OutputParser
+from apps.worker.parsers import THINK_CLOSE, THINK_OPEN, TOOL_OPEN, OutputParser
 from engine.api import SamplingOptions
 from engine.tokenizer import Tokenizer
 
@@ -27,9 +28,14 @@ class Prompt:
     opens_reasoning: bool = False
     parse_reasoning: bool = False
     parse_tools: bool = False
+    # Text placed after the template's prompt that the reply must start with (a forced tool call);
+    # the parser reads it first, as if the model had written it.
+    forced_start: str = ""
 
     def output_parser(self) -> OutputParser:
-        return OutputParser(self.parse_reasoning, self.parse_tools, in_reasoning=self.opens_reasoning)
+        parser = OutputParser(self.parse_reasoning, self.parse_tools, in_reasoning=self.opens_reasoning)
+        parser.feed(self.forced_start)
+        return parser
 
 
 def _template_message(message: wire.ChatMessage) -> dict[str, Any]:
@@ -47,18 +53,16 @@ def build_prompt(tokenizer: Tokenizer, request: wire.GenerateRequest, reasoning_
     template = tokenizer.chat_template or ""
     parse_reasoning = THINK_OPEN in template if reasoning_parser == "auto" else reasoning_parser == "on"
     if request.messages is not None:
-        messages = [_template_message(m) for m in request.messages]
-        extra = {"tools": request.tools} if request.tools else {}
-        try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
-        except TemplateError as exc:
-            raise RequestRejected(400, "invalid_messages", f"The messages do not fit the model's chat template: {exc}")
+        text = _render_chat(tokenizer, request)
+        opens_reasoning = parse_reasoning and text.rstrip().endswith(THINK_OPEN)
+        forced = _forced_tool_start(request, opens_reasoning)
         return Prompt(
             # The template already places any BOS the model expects.
-            token_ids=tokenizer.encode(text, add_special_tokens=False),
-            opens_reasoning=parse_reasoning and text.rstrip().endswith(THINK_OPEN),
+            token_ids=tokenizer.encode(text + forced, add_special_tokens=False),
+            opens_reasoning=opens_reasoning,
             parse_reasoning=parse_reasoning,
             parse_tools=bool(request.tools) or TOOL_OPEN in template,
+            forced_start=forced,
         )
     if request.prompt_token_ids is not None:
         vocab = tokenizer.vocab_size
@@ -71,6 +75,41 @@ def build_prompt(tokenizer: Tokenizer, request: wire.GenerateRequest, reasoning_
             raise RequestRejected(400, "invalid_prompt", "The prompt is empty.")
         return Prompt(token_ids=ids, parse_reasoning=reasoning_parser == "on")
     raise RequestRejected(400, "invalid_request", "The request has neither messages nor a prompt.")
+
+
+def _render_chat(tokenizer: Tokenizer, request: wire.GenerateRequest) -> str:
+    messages = [_template_message(m) for m in request.messages or []]
+    extra = {"tools": request.tools} if request.tools else {}
+    final = messages[-1] if request.continue_final_message else None
+    prefill = (final or {}).get("content", "").strip()
+    if final is not None:
+        if final["role"] != "assistant" or final.get("tool_calls"):
+            raise RequestRejected(400, "invalid_messages", "Only a final assistant message of text can be continued.")
+        if request.tool_required:
+            raise RequestRejected(400, "invalid_messages", "A forced tool call cannot continue an assistant message.")
+        if not prefill:
+            messages.pop()  # nothing to continue: an ordinary new turn
+    try:
+        if not prefill:
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=False, **extra)
+    except TemplateError as exc:
+        raise RequestRejected(400, "invalid_messages", f"The messages do not fit the model's chat template: {exc}")
+    # Cut the rendered conversation right after the prefill, before the template closes the turn.
+    end = text.rfind(prefill)
+    if end < 0:
+        raise RequestRejected(400, "invalid_messages", "This model's chat template cannot continue an assistant message.")
+    return text[: end + len(prefill)]
+
+
+def _forced_tool_start(request: wire.GenerateRequest, in_reasoning: bool) -> str:
+    """How the reply must begin so that it is a tool call (the named one, if any), Qwen style."""
+    if not request.tool_required:
+        return ""
+    start = (THINK_CLOSE + "\n\n" if in_reasoning else "") + TOOL_OPEN + "\n"
+    if request.tool_name:
+        start += '{"name": ' + json.dumps(request.tool_name) + ', "arguments": '
+    return start
 
 
 def sampling_options(request: wire.GenerateRequest, num_prompt_tokens: int, max_model_len: int) -> SamplingOptions:

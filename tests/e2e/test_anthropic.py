@@ -37,6 +37,12 @@ WEATHER_TOOL = {
 # question, so the rule for the tool result comes first.
 SCRIPT = {
     "rules": [
+        # Forced tool calls and prefills end the prompt; the reply goes on from there.
+        {"match": '<tool_call>\n{"name": "get_weather", "arguments": ', "reply": '{"city": "Paris"}}\n</tool_call>'},
+        {"match": "Use a tool now.<|im_end|>\n<|im_start|>assistant\n<tool_call>\n",
+         "reply": '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'},
+        {"match": "The capital is<|im_end|>", "reply": "CLOSED"},
+        {"match": "Name the capital", "reply": " Paris."},
         {"match": "18", "reply": "It is 18 degrees in Paris."},
         {"match": "weather in Paris",
          "reply": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'},
@@ -416,3 +422,21 @@ def test_conversation_translates_to_template_messages() -> None:
     body["tool_choice"] = {"type": "none"}
     req = decode_request(json.dumps(body).encode(), an.MessagesRequest)
     assert to_bus_request(req, "msg_2", "inbox", 0.0).tools is None
+
+
+def test_assistant_prefill_is_continued(system: System, scripted: str) -> None:
+    message = client(system).messages.create(model=scripted, max_tokens=16, messages=[
+        {"role": "user", "content": "Name the capital of France."},
+        {"role": "assistant", "content": "The capital is"}])
+    # The reply holds only what follows the prefill, as Anthropic's API does.
+    assert text_of(message) == " Paris."
+    assert message.stop_reason == "end_turn"
+
+
+@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}], ids=["any", "named"])
+def test_tool_choice_forces_tool_use(system: System, scripted: str, choice: dict) -> None:
+    request = dict(model=scripted, max_tokens=64, tools=[WEATHER_TOOL], tool_choice=choice,
+                   messages=[{"role": "user", "content": "Use a tool now."}])
+    only_tool_use(client(system).messages.create(**request))
+    unforced = client(system).messages.create(**{**request, "tool_choice": {"type": "auto"}})
+    assert text_of(unforced) == "ok" and unforced.stop_reason == "end_turn"

@@ -25,8 +25,16 @@ WEATHER_TOOL = {
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
     },
 }
+FORCED_NAMED = '<tool_call>\n{"name": "get_weather", "arguments": '
+FORCED_ANY = "Use a tool now.<|im_end|>\n<|im_start|>assistant\n<tool_call>\n"
 SCRIPT = {
     "rules": [
+        # A forced start lands at the end of the prompt; the reply goes on from there.
+        {"match": FORCED_NAMED, "reply": '{"city": "Lyon"}}\n</tool_call>'},
+        {"match": FORCED_ANY, "reply": '{"name": "get_weather", "arguments": {"city": "Nice"}}\n</tool_call>'},
+        # A prefill the template closed would be a new turn: say so loudly.
+        {"match": "The capital is<|im_end|>", "reply": "CLOSED"},
+        {"match": "Name the capital", "reply": " Paris."},
         # First match wins: the follow-up turn also contains the question.
         {"match": "18 degrees", "reply": "It is 18 degrees in Paris."},
         {"match": "weather in Paris", "reply": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'},
@@ -150,3 +158,47 @@ def test_top_logprobs_without_logprobs_is_400(system: System) -> None:
             model=system.model, messages=[{"role": "user", "content": "hi"}], top_logprobs=2
         )
     assert caught.value.body["param"] == "top_logprobs"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("choice, city", [
+    ("auto", None),
+    ("required", "Nice"),
+    ({"type": "function", "function": {"name": "get_weather"}}, "Lyon"),
+], ids=["auto", "required", "named"])
+def test_tool_choice_forces_a_call(system: System, scripted: str, stream: bool, choice: object, city: str | None) -> None:
+    """The script answers "ok" unless the prompt ends in the forced start of a call."""
+    if stream:
+        got = collect_stream(ask(system, "Use a tool now.", stream=True, tools=[WEATHER_TOOL], tool_choice=choice))
+        calls = [(name, json.loads(arguments)) for _, _, name, arguments in got["tool_calls"]]
+        content, finish = got["content"], got["finish"]
+    else:
+        choice_out = ask(system, "Use a tool now.", tools=[WEATHER_TOOL], tool_choice=choice).choices[0]
+        calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice_out.message.tool_calls or []]
+        content, finish = choice_out.message.content, choice_out.finish_reason
+    if city is None:
+        assert (calls, content, finish) == ([], "ok", "stop")
+    else:
+        assert calls == [("get_weather", {"city": city})]
+        assert not content and finish == "tool_calls"
+
+
+def test_continue_final_message_extends_the_assistant_turn(system: System, scripted: str) -> None:
+    response = client(system).chat.completions.create(
+        model=SCRIPTED, extra_body={"continue_final_message": True},
+        messages=[{"role": "user", "content": "Name the capital of France."},
+                  {"role": "assistant", "content": "The capital is"}])
+    assert response.choices[0].message.content == " Paris."
+
+
+@pytest.mark.parametrize("kw, param", [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"extra_body": {"continue_final_message": True}}, "continue_final_message"),
+], ids=["required-without-tools", "unknown-function", "continue-a-user-turn"])
+def test_impossible_tool_choice_or_continuation_is_400(system: System, scripted: str, kw: dict, param: str) -> None:
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as caught:
+        ask(system, "Use a tool now.", **kw)
+    assert caught.value.body["param"] == param

@@ -1,0 +1,91 @@
+"""From a bus request to prompt text: assistant prefill and forced tool calls, with the default
+model's real tokenizer and chat template."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from apps.bus import wire
+from apps.worker.prompt import RequestRejected, build_prompt
+from engine.default_model import default_model_path
+from engine.loader import load_tokenizer
+from engine.tokenizer import Tokenizer
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return load_tokenizer(default_model_path())[0]
+
+
+def request(*messages: tuple[str, str], **kw: object) -> wire.GenerateRequest:
+    return wire.GenerateRequest(request_id="r", model="m", reply_subject="_INBOX.x", sampling=wire.Sampling(),
+                                messages=[wire.ChatMessage(role=r, content=c) for r, c in messages], **kw)
+
+
+def text_of(tokenizer: Tokenizer, req: wire.GenerateRequest) -> str:
+    return tokenizer.decode(build_prompt(tokenizer, req).token_ids, skip_special_tokens=False)
+
+
+def test_a_final_assistant_message_is_continued_not_closed(tokenizer: Tokenizer) -> None:
+    ordinary = text_of(tokenizer, request(("user", "Capital of France?")))
+    prefilled = text_of(tokenizer, request(("user", "Capital of France?"), ("assistant", "The capital is"),
+                                           continue_final_message=True))
+    assert prefilled.endswith("The capital is")
+    # The same conversation up to the assistant header, then the prefill, with no new turn opened.
+    assert prefilled == ordinary + "The capital is"
+
+
+def test_an_empty_prefill_is_an_ordinary_new_turn(tokenizer: Tokenizer) -> None:
+    ordinary = text_of(tokenizer, request(("user", "Hi")))
+    assert text_of(tokenizer, request(("user", "Hi"), ("assistant", ""), continue_final_message=True)) == ordinary
+
+
+def test_a_required_tool_call_starts_the_reply(tokenizer: Tokenizer) -> None:
+    req = request(("user", "Weather in Paris?"), tools=[WEATHER], tool_required=True)
+    prompt = build_prompt(tokenizer, req)
+    assert tokenizer.decode(prompt.token_ids, skip_special_tokens=False).endswith("assistant\n<tool_call>\n")
+    parser = prompt.output_parser()
+    parsed = parser.feed('{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [("get_weather", {"city": "Paris"})]
+    assert parsed.content == ""
+
+
+def test_a_named_tool_call_starts_with_its_name(tokenizer: Tokenizer) -> None:
+    req = request(("user", "Weather in Paris?"), tools=[WEATHER], tool_required=True, tool_name="get_weather")
+    prompt = build_prompt(tokenizer, req)
+    assert tokenizer.decode(prompt.token_ids, skip_special_tokens=False).endswith(
+        '<tool_call>\n{"name": "get_weather", "arguments": ')
+    parser = prompt.output_parser()
+    parsed = parser.feed('{"city": "Paris"}}')
+    parsed.tool_calls += parser.finish().tool_calls
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [("get_weather", {"city": "Paris"})]
+
+
+def test_a_forced_tool_call_closes_a_thought_the_template_opened(tokenizer: Tokenizer) -> None:
+    thinking = Tokenizer(tokenizer.hf, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         chat_template="{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+                                       "{% endfor %}<|im_start|>assistant\n<think>\n")
+    prompt = build_prompt(thinking, request(("user", "Weather?"), tools=[WEATHER], tool_required=True))
+    assert thinking.decode(prompt.token_ids, skip_special_tokens=False).endswith("assistant\n<think></think>\n\n<tool_call>\n")
+    parsed = prompt.output_parser().feed('{"name": "get_weather", "arguments": {}}</tool_call>')
+    assert parsed.reasoning == "" and [c.name for c in parsed.tool_calls] == ["get_weather"]
+
+
+@pytest.mark.parametrize("case", ["user-last", "tool-calls", "forced-tool"])
+def test_what_cannot_be_continued_is_refused(tokenizer: Tokenizer, case: str) -> None:
+    if case == "user-last":
+        req = request(("user", "Hi"), continue_final_message=True)
+    elif case == "tool-calls":
+        req = request(("user", "Hi"), continue_final_message=True)
+        req.messages.append(wire.ChatMessage(role="assistant", content="x", tool_calls=[
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {}}}]))
+    else:
+        req = request(("user", "Hi"), ("assistant", "Sure"), continue_final_message=True, tools=[WEATHER],
+                      tool_required=True)
+    with pytest.raises(RequestRejected) as caught:
+        build_prompt(tokenizer, req)
+    assert caught.value.status == 400
