@@ -144,8 +144,9 @@ def test_cancelled_queued_waiters_leave_no_trace(system: System, tmp_path: Path)
     reservations back, so the principal can queue again instead of being refused."""
     keys = tmp_path / "keys.txt"
     keys.write_text("sk-p p\n")
+    # The newcomer waits out the whole long story, however slow a loaded machine makes it.
     with gateway(system, HELEXA_API_KEYS=str(keys), HELEXA_MAX_IN_FLIGHT="1", HELEXA_MAX_QUEUE_DEPTH="2",
-                 HELEXA_MAX_PER_PRINCIPAL="3") as url:
+                 HELEXA_MAX_PER_PRINCIPAL="3", HELEXA_MAX_WAIT_S="600") as url:
         auth = {"Authorization": "Bearer sk-p"}
         with httpx.Client(base_url=url, timeout=120, headers=auth) as http:
             with http.stream("POST", "/v1/chat/completions",
