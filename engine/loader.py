@@ -125,7 +125,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
                     continue
                 if param_name not in params:
                     raise ValueError(f"checkpoint tensor {name!r} matches no model parameter")
-                destination = params[param_name][index]
+                try:
+                    destination = params[param_name][index]
+                except IndexError:
+                    raise ValueError(f"checkpoint tensor {name!r} does not fit {param_name!r} "
+                                     f"{tuple(params[param_name].shape)}") from None
                 if destination.shape != piece.shape:
                     raise ValueError(f"{name}: checkpoint shape {tuple(piece.shape)} "
                                      f"!= model shape {tuple(destination.shape)}")

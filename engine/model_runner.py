@@ -48,7 +48,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-        # One (k_cache, v_cache) pair per full-attention layer: [num_blocks, block_size, num_kv_heads, head_dim].
+        # One (k_cache, v_cache) pair per full-attention layer:
+        # [num_blocks, block_size, num_kv_heads, head_dim].
         self.kv_caches: KVCaches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(config.num_attention_layers)

@@ -223,13 +223,14 @@ class Qwen3NextForCausalLM(nn.Module):
     def _split_qkvz(self, prefix: str, tensor: torch.Tensor) -> list[CheckpointTarget]:
         """Rows grouped per key head as [q | k | v of its value heads | z of its value heads]."""
         extra = self.config.extra
-        nk, k_dim, v_dim = extra["linear_num_key_heads"], extra["linear_key_head_dim"], extra["linear_value_head_dim"]
-        per_group_v = extra["linear_num_value_heads"] // nk * v_dim
+        nk, k_dim = extra["linear_num_key_heads"], extra["linear_key_head_dim"]
+        per_group_v = extra["linear_num_value_heads"] // nk * extra["linear_value_head_dim"]
         grouped = tensor.reshape(nk, 2 * k_dim + 2 * per_group_v, -1)
         q, k, v, z = grouped.split((k_dim, k_dim, per_group_v, per_group_v), dim=1)
         hidden = tensor.shape[-1]
         qkv = torch.cat([part.reshape(-1, hidden) for part in (q, k, v)])
-        return [(prefix + "in_proj_qkv.weight", (), qkv), (prefix + "in_proj_z.weight", (), z.reshape(-1, hidden))]
+        return [(prefix + "in_proj_qkv.weight", (), qkv),
+                (prefix + "in_proj_z.weight", (), z.reshape(-1, hidden))]
 
     def _split_ba(self, prefix: str, tensor: torch.Tensor) -> list[CheckpointTarget]:
         """Rows grouped per key head as [b of its value heads | a of its value heads]."""

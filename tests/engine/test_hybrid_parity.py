@@ -94,3 +94,24 @@ def test_mixed_step_matches_each_alone(checkpoint: Checkpoint, prompt_ids: list[
     torch.testing.assert_close(mixed[2], expected[2][:-1], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(decode[0], expected[1][-1:], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(decode[1], expected[2][-1:], atol=1e-4, rtol=1e-4)
+
+
+def test_checkpoint_pieces_must_fill_each_parameter_once(model_dir: Path,
+                                                         checkpoint: Checkpoint) -> None:
+    """Per-expert tensors fill slices of one stacked parameter, fused ones are split: a missing
+    or surplus piece is an error, never a silently uninitialized (or overwritten) parameter."""
+    from engine.loader import _iter_safetensors, load_weights  # noqa: PLC0415
+
+    model = checkpoint.model
+    weights = list(_iter_safetensors(model_dir, torch.float32))
+    has_experts = checkpoint.config.model_type != "qwen3_5"
+    piece = ".experts.3.down_proj" if has_experts else "linear_attn.in_proj_a"
+    name, tensor = next((n, t) for n, t in weights if piece in n)
+    with pytest.raises(ValueError, match="missing .* tensors"):
+        load_weights(model, [(n, t) for n, t in weights if n != name])
+    with pytest.raises(ValueError, match="more than once"):
+        load_weights(model, weights + [(name, tensor)])
+    if has_experts:
+        with pytest.raises(ValueError, match="does not fit"):
+            load_weights(model, weights + [(name.replace(".experts.3.", ".experts.9."), tensor)])
+    load_weights(model, weights)  # and the real checkpoint still loads whole
