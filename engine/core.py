@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -67,16 +67,20 @@ class EngineCore:
         model_config = checkpoint.config
         dtype = next(checkpoint.model.parameters()).dtype
         block_size = config.block_size
-        # A model with no full-attention layer still gets a pool sized as if it had one.
-        per_token = kv_bytes_per_token(model_config, dtype) or kv_bytes_per_token(
-            replace(model_config, extra={}), dtype) // model_config.num_hidden_layers
-        num_blocks = config.num_kv_blocks or max(config.kv_cache_bytes // (per_token * block_size), 1)
+        num_blocks = config.num_kv_blocks or max(
+            config.kv_cache_bytes // (kv_bytes_per_token(model_config, dtype) * block_size), 1
+        )
         max_model_len = min(
             config.max_model_len or model_config.max_position_embeddings,
             model_config.max_position_embeddings,
             num_blocks * block_size,
         )
-        is_hybrid = getattr(checkpoint.model, "linear_state_shape", None) is not None
+        state_shape = getattr(checkpoint.model, "linear_state_shape", None)
+        is_hybrid = state_shape is not None
+        if is_hybrid:
+            log.info("%s: %d linear-attention state slots, %.1f MiB beside the KV cache",
+                     checkpoint.model_id, config.max_num_seqs,
+                     config.max_num_seqs * state_shape.bytes_per_slot(dtype) / (1 << 20))
         enable_prefix_caching = config.enable_prefix_caching
         if is_hybrid and enable_prefix_caching:
             # A cached KV prefix is useless without the linear layers' state at that point.

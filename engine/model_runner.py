@@ -23,9 +23,11 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     """K and V for every full-attention layer: 2 × layers × kv heads × head_dim × element size.
-    (A hybrid model's linear-attention layers keep a per-sequence state instead, not per token.)"""
+    A hybrid model's linear-attention layers keep a per-sequence state instead, not per token
+    (a model with no full-attention layer at all is sized as if it had one, to keep the pool small)."""
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_attention_layers * config.num_key_value_heads * config.head_dim * element
+    layers = max(config.num_attention_layers, 1)
+    return 2 * layers * config.num_key_value_heads * config.head_dim * element
 
 
 @dataclass(slots=True)
