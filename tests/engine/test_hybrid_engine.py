@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from engine.api import EngineRequest, FinishReason, SamplingOptions
 from engine.core import EngineCore
@@ -145,6 +144,10 @@ def test_kv_pool_covers_full_attention_layers_only(checkpoint: Checkpoint) -> No
 def _decode_step_at(core: EngineCore, prompt: list[int]) -> tuple[dict[str, int], int]:
     """Prefill `prompt`, then count the FLOPs of each linear-attention layer in one decode step.
     Also returns the KV blocks the request holds, to show the context really differs."""
+    # Imported here: it imports triton, which must not happen while pytest collects, before the
+    # kernel tests choose Triton's interpreter.
+    from torch.utils.flop_counter import FlopCounterMode  # noqa: PLC0415
+
     core.add_request(EngineRequest("probe", prompt, greedy(max_tokens=3)))
     core.step()  # prefill (and the first token)
     with FlopCounterMode(display=False) as counter:
