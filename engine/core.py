@@ -19,6 +19,7 @@ from engine.loader import Checkpoint
 from engine.model_runner import ModelRunner, kv_bytes_per_token
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.state_slots import StateSlotPool
 
 log = logging.getLogger("helexa.engine")
 
@@ -34,6 +35,9 @@ class CoreStats:
     num_preemptions: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
+    # Hybrid models: linear-attention state slots (0 and 0 for models without them).
+    num_state_slots: int = 0
+    num_free_state_slots: int = 0
     prompt_tokens_computed: int = 0
     generated_tokens: int = 0
     steps: int = 0
@@ -71,7 +75,21 @@ class EngineCore:
             model_config.max_position_embeddings,
             num_blocks * block_size,
         )
-        self.kv_cache = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching)
+        state_shape = getattr(checkpoint.model, "linear_state_shape", None)
+        is_hybrid = state_shape is not None
+        if is_hybrid:
+            log.info("%s: %d linear-attention state slots, %.1f MiB beside the KV cache",
+                     checkpoint.model_id, config.max_num_seqs,
+                     config.max_num_seqs * state_shape.bytes_per_slot(dtype) / (1 << 20))
+        enable_prefix_caching = config.enable_prefix_caching
+        if is_hybrid and enable_prefix_caching:
+            # A cached KV prefix is useless without the linear layers' state at that point.
+            log.info("prefix caching disabled for %s: hybrid (linear-attention) model",
+                     checkpoint.model_id)
+            enable_prefix_caching = False
+        # One state slot per sequence that may run at once.
+        self.state_slots = StateSlotPool(config.max_num_seqs) if is_hybrid else None
+        self.kv_cache = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -79,9 +97,11 @@ class EngineCore:
                 max_model_len=max_model_len,
             ),
             self.kv_cache,
+            self.state_slots,
         )
         device = next(checkpoint.model.parameters()).device
-        self.runner = ModelRunner(checkpoint.model, model_config, num_blocks, block_size, device, dtype)
+        self.runner = ModelRunner(checkpoint.model, model_config, num_blocks, block_size, device, dtype,
+                                  num_state_slots=config.max_num_seqs if is_hybrid else 0)
         self.info = CoreInfo(
             model_id=checkpoint.model_id,
             max_model_len=max_model_len,
@@ -92,6 +112,7 @@ class EngineCore:
             max_position_embeddings=model_config.max_position_embeddings,
         )
         self.stats = CoreStats(num_blocks=num_blocks)
+        self._refresh_stats()
         self._first_scheduled: dict[str, float] = {}
         self._requests: dict[str, Request] = {}
         self._rejected: list[EngineOutput] = []
@@ -194,6 +215,9 @@ class EngineCore:
         s.num_preemptions = self.scheduler.num_preemptions
         s.prefix_queries = self.kv_cache.prefix_queries
         s.prefix_hits = self.kv_cache.prefix_hits
+        if self.state_slots is not None:
+            s.num_state_slots = self.state_slots.num_slots
+            s.num_free_state_slots = self.state_slots.num_free
 
 
 def build_core(config: EngineConfig) -> EngineCore:

@@ -102,23 +102,41 @@ def _iter_safetensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, tor
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy named tensors into the model's parameters; error on unknown, misshapen or missing."""
+    """Copy named tensors into the model's parameters; error on unknown, misshapen or missing.
+
+    A model whose checkpoints name or cut tensors differently from its parameters (per-expert
+    tensors stacked into one, fused projections split, a nested prefix) provides
+    `checkpoint_targets(name, tensor) -> [(param_name, index, tensor), ...]`: each piece is
+    copied into `param[index]` (an empty list skips the tensor). A parameter counts as filled
+    once pieces covering all of its elements have arrived, and never more than that.
+    """
     params = dict(model.named_parameters())  # tied parameters appear once, under their first name
     all_names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     tied_aliases = all_names - set(params)
-    loaded: set[str] = set()
+    targets = getattr(model, "checkpoint_targets", None)
+    filled: dict[str, int] = {}
     with torch.no_grad():
         for name, tensor in weights:
             if name in tied_aliases or name.endswith("rotary_emb.inv_freq"):
                 continue  # a tied copy some checkpoints save anyway; RoPE tables we compute
-            if name not in params:
-                raise ValueError(f"checkpoint tensor {name!r} matches no model parameter")
-            param = params[name]
-            if param.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} "
-                                 f"!= model shape {tuple(param.shape)}")
-            param.copy_(tensor)
-            loaded.add(name)
-    missing = sorted(set(params) - loaded)
+            pieces = targets(name, tensor) if targets is not None else [(name, (), tensor)]
+            for param_name, index, piece in pieces:
+                if param_name in tied_aliases:
+                    continue
+                if param_name not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} matches no model parameter")
+                try:
+                    destination = params[param_name][index]
+                except IndexError:
+                    raise ValueError(f"checkpoint tensor {name!r} does not fit {param_name!r} "
+                                     f"{tuple(params[param_name].shape)}") from None
+                if destination.shape != piece.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(piece.shape)} "
+                                     f"!= model shape {tuple(destination.shape)}")
+                destination.copy_(piece)
+                filled[param_name] = filled.get(param_name, 0) + piece.numel()
+                if filled[param_name] > params[param_name].numel():
+                    raise ValueError(f"checkpoint fills {param_name!r} more than once")
+    missing = sorted(n for n, p in params.items() if filled.get(n, 0) != p.numel())
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")

@@ -16,14 +16,18 @@ from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
 from engine.sampler import Sampler, SamplingRow, make_generator
 from engine.scheduler import SchedulerOutput
+from engine.state_cache import HybridCaches, LinearStateCache
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    """K and V for every layer: 2 × layers × kv heads × head_dim × element size."""
+    """K and V for every full-attention layer: 2 × layers × kv heads × head_dim × element size.
+    A hybrid model's linear-attention layers keep a per-sequence state instead, not per token
+    (a model with no full-attention layer at all is sized as if it had one, to keep the pool small)."""
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element
+    layers = max(config.num_attention_layers, 1)
+    return 2 * layers * config.num_key_value_heads * config.head_dim * element
 
 
 @dataclass(slots=True)
@@ -38,7 +42,7 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, num_state_slots: int = 0) -> None:
         self.model = model
         self.config = config
         self.block_size = block_size
@@ -46,11 +50,19 @@ class ModelRunner:
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-        # One (k_cache, v_cache) pair per layer: [num_blocks, block_size, num_kv_heads, head_dim].
+        # One (k_cache, v_cache) pair per full-attention layer:
+        # [num_blocks, block_size, num_kv_heads, head_dim].
         self.kv_caches: KVCaches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(config.num_hidden_layers)
+            for _ in range(config.num_attention_layers)
         ]
+        # --- hybrid models: linear-attention state slots beside the KV cache ---
+        self.hybrid_caches: HybridCaches | None = None
+        state_shape = getattr(model, "linear_state_shape", None)
+        if state_shape is not None:
+            states = LinearStateCache(state_shape, max(num_state_slots, 1), dtype, device)
+            self.hybrid_caches = HybridCaches(kv=self.kv_caches, states=states)
+        # --- end hybrid ---
 
     def prepare(self, step: SchedulerOutput) -> StepInputs:
         bs = self.block_size
@@ -102,7 +114,12 @@ class ModelRunner:
     def execute(self, step: SchedulerOutput) -> dict[str, tuple[int, TokenLogprob | None]]:
         """Run one step; returns the sampled token (and logprobs) of each request that samples."""
         inputs = self.prepare(step)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        caches: KVCaches | HybridCaches = self.kv_caches
+        if self.hybrid_caches is not None:  # hybrid: each sequence's state slot, in batch order
+            slots = [s.request.state_slot for s in step.scheduled]
+            self.hybrid_caches.slot_indices = torch.tensor(slots, dtype=torch.int32, device=self.device)
+            caches = self.hybrid_caches
+        hidden = self.model(inputs.input_ids, inputs.positions, caches, inputs.meta)
         if not inputs.sample_indices:
             return {}
         logits = self.model.compute_logits(hidden[inputs.sample_indices])

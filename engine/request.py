@@ -59,6 +59,8 @@ class Request:
         self.num_cached_tokens = -1
         # The block table: block ids holding this request's KV, in token order.
         self.block_ids: list[int] = []
+        # Hybrid models: the linear-attention state slot held while running (None otherwise).
+        self.state_slot: int | None = None
         self.num_preemptions = 0
         self.stop_reason: int | None = None
         # Why the request finished with FINISHED_ERROR.

@@ -6,6 +6,10 @@ budget, `max_num_seqs` and the KV cache allow. When a running request cannot get
 running request is preempted: its blocks are freed and it is later recomputed from scratch over its
 prompt and outputs so far, cheaply when its blocks are still in the prefix cache.
 
+For hybrid models a running request also holds one linear-attention state slot (`StateSlotPool`):
+taken on admission, so free slots cap the running set, and given back on finish, abort and
+preemption (a recomputed request starts its state from zeros).
+
 The scheduler never advances a request at schedule time; `update_from_output` does, once the step's
 tokens are computed. No torch here.
 """
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 
 from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestStatus
+from engine.state_slots import StateSlotPool
 
 
 @dataclass(slots=True)
@@ -54,9 +59,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
+                 state_slots: StateSlotPool | None = None) -> None:
         self.config = config
         self.kv_cache = kv_cache
+        self.state_slots = state_slots
         self.waiting: deque[Request] = deque()
         # Kept in arrival order, so the newest running request is always the last one.
         self.running: list[Request] = []
@@ -143,6 +150,7 @@ class Scheduler:
             and self.waiting
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
+            and (self.state_slots is None or self.state_slots.num_free > 0)
         ):
             request = self.waiting[0]
             computed_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
@@ -150,6 +158,8 @@ class Scheduler:
             if not self.kv_cache.allocate_slots(request, num_new_tokens, computed_blocks):
                 break  # FIFO: nobody overtakes the head of the queue
             self.waiting.popleft()
+            if self.state_slots is not None:
+                request.state_slot = self.state_slots.allocate(request.request_id)
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
@@ -221,8 +231,14 @@ class Scheduler:
         sample = request.num_computed_tokens + num_new_tokens == request.num_tokens
         return ScheduledRequest(request=request, num_new_tokens=num_new_tokens, sample=sample)
 
+    def _release_state_slot(self, request: Request) -> None:
+        if self.state_slots is not None and request.state_slot is not None:
+            self.state_slots.free(request.state_slot)
+        request.state_slot = None
+
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)
+        self._release_state_slot(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
@@ -233,5 +249,6 @@ class Scheduler:
         """Release everything but the running list, which the caller updates."""
         request.status = status
         self.kv_cache.free(request)
+        self._release_state_slot(request)
         del self.requests[request.request_id]
         del self._arrival[request.request_id]

@@ -257,6 +257,9 @@ class ModelStatus(Wire, kw_only=True):
     kv_usage: float = 0.0
     prefix_queries: int = 0
     prefix_hits: int = 0
+    # Hybrid models: linear-attention state slots in the engine, and how many are free.
+    state_slots: int = 0
+    free_state_slots: int = 0
 
 
 class NodeStatus(Wire, kw_only=True):

@@ -66,6 +66,9 @@ class _NodeCollector(Collector):
                                       labels=["model"])
         hits = CounterMetricFamily("helexa:prefix_cache_hits", "Prompt tokens found in prefix caches",
                                    labels=["model"])
+        state_slots = GaugeMetricFamily("helexa:state_slots_in_use",
+                                        "Linear-attention state slots held by sequences (hybrid models)",
+                                        labels=["model"])
         per_model: dict[str, list[wire.ModelStatus]] = {}
         for node in self.metrics._nodes:
             for status in node.models:
@@ -76,7 +79,8 @@ class _NodeCollector(Collector):
             kv.add_metric([model], max(s.kv_usage for s in statuses))
             queries.add_metric([model], sum(s.prefix_queries for s in statuses))
             hits.add_metric([model], sum(s.prefix_hits for s in statuses))
-        yield from (running, waiting, kv, queries, hits)
+            state_slots.add_metric([model], sum(s.state_slots - s.free_state_slots for s in statuses))
+        yield from (running, waiting, kv, queries, hits, state_slots)
         pending = GaugeMetricFamily("helexa:admission_pending", "Requests admitted or queued at this gateway",
                                     labels=["model"])
         in_flight = GaugeMetricFamily("helexa:admission_in_flight", "Requests holding a slot at this gateway",

@@ -227,6 +227,8 @@ class Worker:
             kv_usage=round(stats.kv_usage, 4) if stats else 0.0,
             prefix_queries=stats.prefix_queries if stats else 0,
             prefix_hits=stats.prefix_hits if stats else 0,
+            state_slots=stats.num_state_slots if stats else 0,
+            free_state_slots=stats.num_free_state_slots if stats else 0,
         )
         return wire.NodeStatus(node=self.node, models=[model], version=_version(), status=state)
 

@@ -10,6 +10,12 @@ Every model class takes a `ModelConfig` and provides:
 - `num_layers`, `num_kv_heads`, `head_dim`: the paged KV cache it expects, `num_layers`
   (k_cache, v_cache) pairs from `engine.attention.allocate_kv_caches`;
 - `tie_weights()`, called again by the loader after it allocates the weights.
+
+Hybrid families (linear-attention layers beside full attention) also set `linear_state_shape`
+(`engine.state_cache.LinearStateShape`) and take an `engine.state_cache.HybridCaches` in place of
+the list of KV caches; `num_layers` then counts the full-attention layers only. A family whose
+checkpoints name tensors differently from its parameters provides `checkpoint_targets` (see
+`engine.loader.load_weights`).
 """
 
 from __future__ import annotations
@@ -24,6 +30,10 @@ from engine.config import ModelConfig
 MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "llama": ("engine.models.llama", "LlamaForCausalLM"),
     "qwen3": ("engine.models.qwen3", "Qwen3ForCausalLM"),
+    "qwen3_moe": ("engine.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "qwen3_next": ("engine.models.qwen3_next", "Qwen3NextForCausalLM"),
+    "qwen3_5": ("engine.models.qwen3_next", "Qwen3_5ForCausalLM"),
+    "qwen3_5_text": ("engine.models.qwen3_next", "Qwen3_5ForCausalLM"),
 }
 
 

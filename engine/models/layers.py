@@ -29,8 +29,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Per-pair rotation frequencies [head_dim / 2], with linear or llama3 scaling applied."""
-    dim = config.head_dim
+    """Per-pair rotation frequencies [rotary_dim / 2], with linear or llama3 scaling applied."""
+    dim = config.rotary_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     inv_freq = 1.0 / (config.rope_theta ** exponents)
     scaling = config.rope_scaling
@@ -66,8 +66,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self._inv_freq is None or self._inv_freq.device != positions.device:
             self._inv_freq = rope_inv_freq(self.config).to(positions.device)
-        freqs = positions.float()[:, None] * self._inv_freq[None, :]  # [num_tokens, head_dim/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, head_dim]
+        freqs = positions.float()[:, None] * self._inv_freq[None, :]  # [num_tokens, rotary_dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, rotary_dim]
         return emb.cos(), emb.sin()
 
 
@@ -77,8 +77,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, num_heads, head_dim]; cos/sin: [num_tokens, head_dim]."""
+    """x: [num_tokens, num_heads, head_dim]; cos/sin: [num_tokens, rotary_dim]. With partial
+    rotary (rotary_dim < head_dim) only the leading rotary_dim dims of each head turn."""
     cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        turned, kept = x[..., :rotary_dim], x[..., rotary_dim:]
+        return torch.cat((turned * cos + rotate_half(turned) * sin, kept), dim=-1)
     return x * cos + rotate_half(x) * sin
 
 

@@ -11,10 +11,13 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from torch import nn
 
 from engine.attention import AttentionMetadata, KVCache, allocate_kv_caches
+from engine.state_cache import HybridCaches, LinearStateCache
 
 
 class PagedSequences:
-    """KV caches for a few sequences, each on shuffled (non-contiguous) blocks of its own."""
+    """KV caches for a few sequences, each on shuffled (non-contiguous) blocks of its own; for a
+    hybrid model also a linear-state slot per sequence (slot i for sequence i, reversed so slot
+    order differs from batch order)."""
 
     def __init__(self, model: nn.Module, max_lens: list[int], block_size: int = 4,
                  seed: int = 0) -> None:
@@ -31,6 +34,12 @@ class PagedSequences:
             self.block_tables.append(free[:n])
             free = free[n:]
         self.num_computed = [0] * len(max_lens)
+        shape = getattr(model, "linear_state_shape", None)
+        self.caches: list[KVCache] | HybridCaches = self.kv_caches
+        if shape is not None:
+            states = LinearStateCache(shape, len(max_lens), weight.dtype, weight.device)
+            self.caches = HybridCaches(kv=self.kv_caches, states=states)
+        self.slots = list(range(len(max_lens)))[::-1]
 
     def step(self, chunks: dict[int, list[int]]) -> list[torch.Tensor]:
         """Feed each listed sequence its next tokens in one batch; logits [len(chunk), vocab]."""
@@ -42,7 +51,9 @@ class PagedSequences:
         input_ids = torch.tensor([t for i in seq_ids for t in chunks[i]])
         positions = torch.cat([torch.arange(s - n, s) for n, s in zip(query_lens, seq_lens,
                                                                        strict=True)])
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if isinstance(self.caches, HybridCaches):
+            self.caches.slot_indices = torch.tensor([self.slots[i] for i in seq_ids], dtype=torch.int32)
+        hidden = self.model(input_ids, positions, self.caches, meta)
         for i, s in zip(seq_ids, seq_lens, strict=True):
             self.num_computed[i] = s
         return list(self.model.compute_logits(hidden).split(query_lens))

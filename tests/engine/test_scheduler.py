@@ -320,3 +320,38 @@ def test_max_model_len_ends_with_length():
         _, _, finished = step(scheduler)
     assert request.status == RequestStatus.FINISHED_LENGTH
     assert (request.num_tokens, request.num_output_tokens) == (8, 3)
+
+
+def test_state_slots_cap_running_and_are_released_on_finish_preempt_and_abort():
+    """Hybrid models: a running request holds one state slot, from admission to finish, abort or
+    preemption; with no free slot, nothing more is admitted, whatever max_num_seqs says."""
+    from engine.state_slots import StateSlotPool
+
+    slots = StateSlotPool(2)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=8),
+                          KVCacheManager(num_blocks=5, block_size=BLOCK_SIZE, enable_prefix_caching=False),
+                          slots)
+    a = make_request("a", 8, max_tokens=2)
+    b = make_request("b", 7, first_token=2000)
+    c = make_request("c", 2, first_token=3000)
+    for request in (a, b, c):
+        scheduler.add_request(request)
+
+    output, _, _ = step(scheduler)
+    assert chunks(output) == [("a", 8, True), ("b", 7, True)]  # c waits for a slot, not for blocks
+    assert (a.state_slot, b.state_slot, c.state_slot, slots.num_free) == (0, 1, None, 0)
+
+    output, _, finished = step(scheduler)  # a finishes: its slot goes back...
+    assert [r.request_id for r in finished] == ["a"] and a.state_slot is None
+    output, _, _ = step(scheduler)  # ...and c takes it
+    assert ("c", 2, True) in chunks(output) and c.state_slot == 0
+
+    for _ in range(20):  # b and c grow until the pool is full and c, the newest, is preempted
+        output, _, _ = step(scheduler)
+        if output.preempted:
+            break
+    assert output.preempted == ["c"]
+    assert (c.status, c.state_slot, slots.num_free) == (RequestStatus.WAITING, None, 1)
+
+    scheduler.abort_requests(["b", "c"])
+    assert (b.state_slot, slots.num_free) == (None, 2)

@@ -1,0 +1,257 @@
+"""Hybrid Qwen3-Next / Qwen3.5: gated DeltaNet (linear attention) layers between gated full-attention
+layers, `config.layer_types` saying which is which.
+
+- Full attention: Qwen3's attention with q_proj twice as wide (per head [query | gate]), output
+  multiplied by sigmoid(gate); q/k norms with (1 + w) weights; partial rotary. K/V in the paged cache.
+- Linear attention: one projection to q|k|v (the causal conv's channels), z (the output gate) and
+  b, a (update rate and decay) per value head; causal depthwise conv + SiLU; the gated delta rule
+  over a per-sequence recurrent state; a gated RMSNorm; out_proj. Conv and recurrent states live in
+  slots of `engine.state_cache.LinearStateCache`, one slot per sequence for its whole life.
+- MLP: MoE (with a shared expert) where the config has experts, dense otherwise (Qwen3.5).
+- Every other norm scales by (1 + w).
+
+Qwen3-Next checkpoints fuse q,k,v,z and b,a per key-head group (`in_proj_qkvz`, `in_proj_ba`);
+`checkpoint_targets` de-interleaves them into Qwen3.5's separate layout, which this module uses.
+Qwen3.5 checkpoints nest the language model under `model.language_model.`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.attention import AttentionMetadata, KVCache, attention
+from engine.config import ModelConfig
+from engine.models import kernel_calls
+from engine.models.layers import GatedMLP, RotaryEmbedding, apply_rotary
+from engine.models.moe import CheckpointTarget, SparseMoeBlock, expert_checkpoint_targets, is_sparse_layer
+from engine.state_cache import HybridCaches, LinearStateShape
+
+CosSin = tuple[torch.Tensor, torch.Tensor]
+
+
+class UnitOffsetRMSNorm(nn.Module):
+    """RMSNorm scaling by (1 + w): weights are stored centred on zero."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernel_calls.rms_norm_unit_offset(x, self.weight, self.eps)
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim ** -0.5
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim * 2, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.q_norm = UnitOffsetRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = UnitOffsetRMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, cos_sin: CosSin, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, gate = self.q_proj(hidden).view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, -1)
+        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+        out = attention(q, k, v, *kv_cache, meta, self.scale) * torch.sigmoid(gate)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        extra = config.extra
+        self.num_k_heads = int(extra["linear_num_key_heads"])
+        self.num_v_heads = int(extra["linear_num_value_heads"])
+        self.k_dim = int(extra["linear_key_head_dim"])
+        self.v_dim = int(extra["linear_value_head_dim"])
+        self.conv_kernel = int(extra.get("linear_conv_kernel_dim", 4))
+        self.eps = config.rms_norm_eps
+        key_size, value_size = self.num_k_heads * self.k_dim, self.num_v_heads * self.v_dim
+        self.conv_dim = 2 * key_size + value_size
+        hidden = config.hidden_size
+        self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden, value_size, bias=False)
+        self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
+        # Depthwise conv weight [conv_dim, 1, kernel]; named as in the checkpoints.
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_kernel, groups=self.conv_dim,
+                                bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(self.v_dim))  # plain w: the gated norm
+        self.out_proj = nn.Linear(value_size, hidden, bias=False)
+
+    def forward(self, hidden: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor,
+                slot_indices: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        mixed = self.in_proj_qkv(hidden)  # [num_tokens, conv_dim]
+        if meta.is_pure_decode:
+            mixed = kernel_calls.conv1d_decode(mixed, self.conv1d.weight, conv_state, slot_indices)
+        else:
+            mixed = kernel_calls.conv1d_prefill(mixed, self.conv1d.weight, conv_state, slot_indices,
+                                                meta.query_start_loc, _has_initial_state(meta))
+        key_size = self.num_k_heads * self.k_dim
+        q, k, v = mixed.split((key_size, key_size, self.num_v_heads * self.v_dim), dim=-1)
+        q = q.reshape(num_tokens, self.num_k_heads, self.k_dim)
+        k = k.reshape(num_tokens, self.num_k_heads, self.k_dim)
+        v = v.reshape(num_tokens, self.num_v_heads, self.v_dim)
+        g, beta = kernel_calls.gdn_gating(self.A_log, self.in_proj_a(hidden), self.in_proj_b(hidden),
+                                          self.dt_bias)
+        if meta.is_pure_decode:
+            out = kernel_calls.gated_delta_rule_decode(q, k, v, g, beta, recurrent_state, slot_indices)
+        else:
+            out = kernel_calls.gated_delta_rule_prefill(q, k, v, g, beta, recurrent_state, slot_indices,
+                                                        meta.query_start_loc, _has_initial_state(meta))
+        z = self.in_proj_z(hidden).reshape(num_tokens * self.num_v_heads, self.v_dim)
+        out = kernel_calls.gated_rms_norm(out.reshape(-1, self.v_dim), z, self.norm.weight, self.eps)
+        return self.out_proj(out.reshape(num_tokens, self.num_v_heads * self.v_dim))
+
+
+def _has_initial_state(meta: AttentionMetadata) -> torch.Tensor:
+    """[num_seqs] bool: the sequence computed tokens in an earlier step, so its slot holds its state."""
+    query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+    return meta.seq_lens - query_lens > 0
+
+
+class HybridDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, index: int) -> None:
+        super().__init__()
+        self.is_linear = config.layer_types[index] == "linear_attention"
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(config)
+        else:
+            self.self_attn = GatedAttention(config)
+        if is_sparse_layer(config, index):
+            self.mlp: nn.Module = SparseMoeBlock(config)
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = UnitOffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = UnitOffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class HybridModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(HybridDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = UnitOffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: HybridCaches,
+                meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos_sin = self.rotary_emb(positions)
+        slots = caches.slot_indices
+        kv_index = linear_index = 0
+        for layer in self.layers:
+            normed = layer.input_layernorm(hidden)
+            if layer.is_linear:
+                states = caches.states
+                mixed = layer.linear_attn(normed, states.conv[linear_index],
+                                          states.recurrent[linear_index], slots, meta)
+                linear_index += 1
+            else:
+                mixed = layer.self_attn(normed, cos_sin, caches.kv[kv_index], meta)
+                kv_index += 1
+            hidden = hidden + mixed
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return self.norm(hidden)
+
+
+class Qwen3NextForCausalLM(nn.Module):
+    family = "qwen3_next"
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise NotImplementedError(f"{self.family} hidden_act {config.hidden_act!r} is not supported")
+        self.config = config
+        # The paged KV cache covers the full-attention layers only.
+        self.num_layers = config.num_attention_layers
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.model = HybridModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        linear = [layer.linear_attn for layer in self.model.layers if layer.is_linear]
+        # Per-sequence state the engine keeps in slots (zero layers still takes HybridCaches).
+        self.linear_state_shape = LinearStateShape(
+            num_layers=len(linear), conv_dim=linear[0].conv_dim if linear else 1,
+            conv_kernel=linear[0].conv_kernel if linear else 2,
+            num_v_heads=linear[0].num_v_heads if linear else 1,
+            k_dim=linear[0].k_dim if linear else 1, v_dim=linear[0].v_dim if linear else 1)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: HybridCaches,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> hidden [num_tokens, hidden_size]; `caches.slot_indices`
+        gives each sequence's state slot, in the order of `meta`."""
+        return self.model(input_ids, positions, caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def checkpoint_targets(self, name: str, tensor: torch.Tensor) -> list[CheckpointTarget]:
+        if name.startswith("mtp."):
+            return []  # multi-token-prediction head: not used for decoding here
+        experts = expert_checkpoint_targets(name, tensor)
+        if experts is not None:
+            return experts
+        if name.endswith("linear_attn.in_proj_qkvz.weight"):
+            return self._split_qkvz(name.removesuffix("in_proj_qkvz.weight"), tensor)
+        if name.endswith("linear_attn.in_proj_ba.weight"):
+            return self._split_ba(name.removesuffix("in_proj_ba.weight"), tensor)
+        return [(name, (), tensor)]
+
+    def _split_qkvz(self, prefix: str, tensor: torch.Tensor) -> list[CheckpointTarget]:
+        """Rows grouped per key head as [q | k | v of its value heads | z of its value heads]."""
+        extra = self.config.extra
+        nk, k_dim = extra["linear_num_key_heads"], extra["linear_key_head_dim"]
+        per_group_v = extra["linear_num_value_heads"] // nk * extra["linear_value_head_dim"]
+        grouped = tensor.reshape(nk, 2 * k_dim + 2 * per_group_v, -1)
+        q, k, v, z = grouped.split((k_dim, k_dim, per_group_v, per_group_v), dim=1)
+        hidden = tensor.shape[-1]
+        qkv = torch.cat([part.reshape(-1, hidden) for part in (q, k, v)])
+        return [(prefix + "in_proj_qkv.weight", (), qkv),
+                (prefix + "in_proj_z.weight", (), z.reshape(-1, hidden))]
+
+    def _split_ba(self, prefix: str, tensor: torch.Tensor) -> list[CheckpointTarget]:
+        """Rows grouped per key head as [b of its value heads | a of its value heads]."""
+        extra = self.config.extra
+        nk = extra["linear_num_key_heads"]
+        per_group = extra["linear_num_value_heads"] // nk
+        b, a = tensor.reshape(nk, 2 * per_group, -1).split((per_group, per_group), dim=1)
+        hidden = tensor.shape[-1]
+        return [(prefix + "in_proj_b.weight", (), b.reshape(-1, hidden)),
+                (prefix + "in_proj_a.weight", (), a.reshape(-1, hidden))]
+
+
+class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
+    """The text part of Qwen3.5: dense MLPs, separate projections, weights under
+    `model.language_model.`; the vision tower's weights are skipped."""
+
+    family = "qwen3_5"
+
+    def checkpoint_targets(self, name: str, tensor: torch.Tensor) -> list[CheckpointTarget]:
+        if name.startswith("model.visual."):
+            return []
+        if name.startswith("model.language_model."):
+            name = "model." + name.removeprefix("model.language_model.")
+        return super().checkpoint_targets(name, tensor)

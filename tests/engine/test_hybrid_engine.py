@@ -1,0 +1,173 @@
+"""The engine core on tiny hybrid checkpoints: linear-attention state slots across batching, chunked
+prefill, preemption and aborts; a KV pool sized for the full-attention layers only; decode work of
+the linear layers that does not grow with the context."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.api import EngineRequest, FinishReason, SamplingOptions
+from engine.core import EngineCore
+from engine.engine_config import EngineConfig
+from engine.loader import Checkpoint, load_checkpoint
+from engine.model_runner import kv_bytes_per_token
+from tests.engine.hybrid_models import LONG_PROMPT, reference_model, save_hybrid_dir
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(params=["qwen3_next", "qwen3_5"], scope="module")
+def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_hybrid_dir(transformers, request.param,
+                           tmp_path_factory.mktemp("hybrid-engine") / f"tiny-{request.param}")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(model_dir: Path) -> Checkpoint:
+    return load_checkpoint(model_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts(checkpoint: Checkpoint) -> list[list[int]]:
+    ids = checkpoint.tokenizer.encode(LONG_PROMPT)
+    # Ragged: one longer than a delta-rule chunk, two short ones.
+    return [ids[:90], ids[100:107], ids[40:63]]
+
+
+def make_core(checkpoint: Checkpoint, **overrides: object) -> EngineCore:
+    overrides = {"kv_cache_bytes": 1 << 22} | overrides  # a few thousand tokens: plenty here
+    return EngineCore(checkpoint, EngineConfig(model="in-memory", **overrides))  # type: ignore[arg-type]
+
+
+def greedy(max_tokens: int = 8) -> SamplingOptions:
+    return SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def run(core: EngineCore, requests: list[EngineRequest]) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    for request in requests:
+        core.add_request(request)
+    while core.has_work():
+        for out in core.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                assert out.finish_reason is FinishReason.LENGTH, out
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def sequential(checkpoint: Checkpoint, prompts: list[list[int]]) -> dict[str, list[int]]:
+    core = make_core(checkpoint)
+    result: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        result.update(run(core, [EngineRequest(f"r{i}", prompt, greedy())]))
+    return result
+
+
+@torch.inference_mode()
+def test_sequential_greedy_matches_transformers(model_dir: Path, checkpoint: Checkpoint,
+                                                prompts: list[list[int]],
+                                                sequential: dict[str, list[int]]) -> None:
+    reference = reference_model(transformers, checkpoint.config.model_type, model_dir)
+    for i, prompt in enumerate(prompts):
+        out = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+        assert sequential[f"r{i}"] == out[0, len(prompt):].tolist()
+
+
+def test_batched_greedy_matches_sequential(checkpoint: Checkpoint, prompts: list[list[int]],
+                                           sequential: dict[str, list[int]]) -> None:
+    # A 24-token budget splits the long prompt over several steps, beside the others' decodes.
+    core = make_core(checkpoint, max_num_batched_tokens=24)
+    requests = [EngineRequest(f"r{i}", p, greedy()) for i, p in enumerate(prompts)]
+    assert run(core, requests) == sequential
+    assert core.stats.num_free_state_slots == core.stats.num_state_slots == 16
+
+
+def test_preemption_restarts_state(checkpoint: Checkpoint, prompts: list[list[int]],
+                                   sequential: dict[str, list[int]]) -> None:
+    # 34 blocks of 4 tokens cannot hold all three prompts plus their outputs at once.
+    core = make_core(checkpoint, block_size=4, num_kv_blocks=34)
+    requests = [EngineRequest(f"r{i}", p, greedy()) for i, p in enumerate(prompts)]
+    assert run(core, requests) == sequential
+    assert core.stats.num_preemptions > 0
+    assert core.state_slots is not None and core.state_slots.num_free == 16
+
+
+def test_free_state_slots_cap_running_and_come_back(checkpoint: Checkpoint,
+                                                    prompts: list[list[int]]) -> None:
+    core = make_core(checkpoint, max_num_seqs=2)
+    for i, prompt in enumerate(prompts):
+        core.add_request(EngineRequest(f"r{i}", prompt, greedy(max_tokens=20)))
+    core.step()
+    assert (core.stats.num_state_slots, core.stats.num_free_state_slots) == (2, 0)
+    assert (core.stats.num_running, core.stats.num_waiting) == (2, 1)
+    [aborted] = core.abort(["r0"])
+    assert aborted.finish_reason is FinishReason.ABORT
+    assert core.stats.num_free_state_slots == 1
+    core.step()  # the waiting request takes the freed slot
+    assert (core.stats.num_running, core.stats.num_free_state_slots) == (2, 0)
+    finished = set()
+    while core.has_work():
+        finished |= {o.request_id for o in core.step() if o.finished}
+    assert finished == {"r1", "r2"}
+    assert core.stats.num_free_state_slots == 2
+    assert core.kv_cache.num_free_blocks == core.stats.num_blocks
+
+
+def test_prefix_caching_is_disabled_with_a_log_line(checkpoint: Checkpoint,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="helexa.engine"):
+        core = make_core(checkpoint, enable_prefix_caching=True)
+    assert not core.kv_cache.enable_prefix_caching
+    assert any("prefix caching disabled" in r.getMessage() for r in caplog.records)
+
+
+def test_kv_pool_covers_full_attention_layers_only(checkpoint: Checkpoint) -> None:
+    config = checkpoint.config
+    core = make_core(checkpoint, kv_cache_bytes=1 << 20)
+    per_token = 2 * config.num_attention_layers * config.num_key_value_heads * config.head_dim * 4
+    assert kv_bytes_per_token(config, torch.float32) == per_token
+    assert config.num_attention_layers < config.num_hidden_layers
+    assert core.stats.num_blocks == (1 << 20) // (per_token * 16)
+    assert len(core.runner.kv_caches) == config.num_attention_layers
+    states = core.runner.hybrid_caches.states
+    linear_layers = config.num_hidden_layers - config.num_attention_layers
+    assert len(states.recurrent) == len(states.conv) == linear_layers
+    assert all(r.dtype == torch.float32 and r.shape[0] == 16 for r in states.recurrent)
+
+
+def _decode_step_at(core: EngineCore, prompt: list[int]) -> tuple[dict[str, int], int]:
+    """Prefill `prompt`, then count the FLOPs of each linear-attention layer in one decode step.
+    Also returns the KV blocks the request holds, to show the context really differs."""
+    # Imported here: it imports triton, which must not happen while pytest collects, before the
+    # kernel tests choose Triton's interpreter.
+    from torch.utils.flop_counter import FlopCounterMode  # noqa: PLC0415
+
+    core.add_request(EngineRequest("probe", prompt, greedy(max_tokens=3)))
+    core.step()  # prefill (and the first token)
+    with FlopCounterMode(display=False) as counter:
+        core.step()  # one decode
+    blocks = len(core.scheduler.requests["probe"].block_ids)
+    while core.has_work():
+        core.step()
+    counts = {name.split(".", 1)[1]: sum(by_op.values())
+              for name, by_op in counter.get_flop_counts().items() if name.endswith("linear_attn")}
+    return counts, blocks
+
+
+def test_linear_layer_decode_work_is_flat_in_context(checkpoint: Checkpoint) -> None:
+    ids = checkpoint.tokenizer.encode(LONG_PROMPT)
+    core = make_core(checkpoint, block_size=4)
+    states = core.runner.hybrid_caches.states
+    state_sizes = [t.numel() for t in states.conv + states.recurrent]
+    short, short_blocks = _decode_step_at(core, ids[:8])
+    long, long_blocks = _decode_step_at(core, ids[:200])
+    assert long_blocks >= 10 * short_blocks  # the attention layers' context grew 25 times...
+    assert short and all(count > 0 for count in short.values())
+    assert long == short  # ...while each linear layer's decode did the same work
+    assert [t.numel() for t in states.conv + states.recurrent] == state_sizes
