@@ -14,6 +14,7 @@ import torch
 from engine.api import TokenLogprob
 from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.sampler import Sampler, SamplingRow, make_generator
 from engine.scheduler import SchedulerOutput
 
@@ -44,6 +45,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
+        # Set by EngineCore on CUDA (engine.cuda_graphs); pure decode steps replay from it.
+        self.decode_graphs: DecodeGraphs | None = None
         self._generators: dict[str, torch.Generator] = {}
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         # One (k_cache, v_cache) pair per layer: [num_blocks, block_size, num_kv_heads, head_dim].
@@ -102,7 +105,9 @@ class ModelRunner:
     def execute(self, step: SchedulerOutput) -> dict[str, tuple[int, TokenLogprob | None]]:
         """Run one step; returns the sampled token (and logprobs) of each request that samples."""
         inputs = self.prepare(step)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        hidden = self.decode_graphs.replay(inputs) if self.decode_graphs is not None else None
+        if hidden is None:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         if not inputs.sample_indices:
             return {}
         logits = self.model.compute_logits(hidden[inputs.sample_indices])
