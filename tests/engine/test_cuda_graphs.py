@@ -5,18 +5,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.models import WordLevel
 
 from engine import ops
 from engine.api import EngineRequest
 from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeBuffers, DecodeGraphs, bucket_sizes, graphs_wanted, pick_bucket
-from engine.default_model import default_model_path
-from engine.loader import Checkpoint, load_checkpoint
+from engine.loader import Checkpoint
 from engine.model_runner import StepInputs
 from engine.models import build_model
+from engine.tokenizer import Tokenizer
 from tests.engine.helpers import PagedSequences, perturb_norms_and_biases
-from tests.engine.test_engine_core import greedy, make_core, prompts, run
+from tests.engine.test_engine_core import greedy, make_core, run
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -160,11 +162,16 @@ def test_replay_matches_eager_on_gpu() -> None:
 
 @needs_cuda
 def test_engine_tokens_same_with_and_without_graphs() -> None:
-    checkpoint = load_checkpoint(default_model_path(), dtype=torch.bfloat16, device="cuda")
-    prompt_ids = prompts(checkpoint)[:5]
+    """A random-weight model (no wheel to carry to the GPU machine), greedy through EngineCore."""
+    model = _tiny_model("cuda", torch.bfloat16)
+    tokenizer = Tokenizer(HFTokenizer(WordLevel({"<unk>": 0}, unk_token="<unk>")),
+                          bos_token_id=None, eos_token_id=None)
+    checkpoint = Checkpoint(config=model.config, model=model, tokenizer=tokenizer, model_id="tiny")
+    prompt_ids = [[(7 * i + 3 * j) % 80 for j in range(5 + 3 * i)] for i in range(5)]
 
     def tokens(cuda_graphs: bool) -> dict[str, list[int]]:
-        core = make_core(checkpoint, device="cuda", cuda_graphs=cuda_graphs, max_num_seqs=8)
+        core = make_core(checkpoint, device="cuda", cuda_graphs=cuda_graphs, max_num_seqs=8,
+                         max_model_len=48)
         assert (core.runner.decode_graphs is not None) == cuda_graphs
         return run(core, [EngineRequest(f"r{i}", p, greedy(16)) for i, p in enumerate(prompt_ids)])
 

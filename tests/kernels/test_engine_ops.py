@@ -16,13 +16,13 @@ from tests.kernels.helpers import DEVICE, assert_close
 VOCAB = 96
 
 
-def _tiny_model(model_type: str) -> torch.nn.Module:
+def _tiny_model(model_type: str, device: str = DEVICE) -> torch.nn.Module:
     torch.manual_seed(0)
     config = ModelConfig(model_type=model_type, vocab_size=VOCAB, hidden_size=32,
                          intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
                          rope_theta=1e4, tie_word_embeddings=model_type == "llama")
-    model = build_model(config).to(DEVICE).eval()
+    model = build_model(config).to(device).eval()
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, 0.3)  # larger than HF's init, so logits have clear margins
@@ -70,7 +70,7 @@ def test_a_bad_setting_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_torch_path_never_touches_triton_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ops.ENV_VAR, raising=False)
     ops._triton.cache_clear()
-    model = _tiny_model("qwen3")
+    model = _tiny_model("qwen3", "cpu")
     _run(model)
     assert ops._triton.cache_info().currsize == 0
 
