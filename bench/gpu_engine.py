@@ -106,6 +106,7 @@ def build_pair(family: str, sizes: dict, device: str,
     torch.manual_seed(0)
     with torch.device(device):
         hf = hf_class(hf_config).to(dtype).eval()
+    hf.generation_config.eos_token_id = None  # ignore_eos: every request runs to its length
     raw = hf_config.to_dict()
     raw["model_type"] = family  # our registry's name for the family
     config = ModelConfig.from_hf_config(raw)
@@ -124,11 +125,11 @@ def build_pair(family: str, sizes: dict, device: str,
 def weight_bytes_per_decode_step(checkpoint: Checkpoint) -> int:
     """Bytes of weights one decode step reads: every parameter once, except an untied embedding
     table (a step gathers one row of it)."""
-    model = checkpoint.model
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    embed = model.model.embed_tokens.weight
+    params = dict(checkpoint.model.named_parameters())  # a tied table appears once
+    total = sum(p.numel() * p.element_size() for p in params.values())
     if not checkpoint.config.tie_word_embeddings:
-        total -= embed.numel() * embed.element_size()
+        total -= sum(p.numel() * p.element_size() for name, p in params.items()
+                     if name.endswith("embed_tokens.weight"))
     return total
 
 
