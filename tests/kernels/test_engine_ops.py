@@ -4,6 +4,9 @@ tokens as the torch path on tiny llama and qwen3 models."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -65,6 +68,15 @@ def test_a_bad_setting_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ops.ENV_VAR, "cuda")
     with pytest.raises(ValueError, match="HELEXA_KERNELS='cuda'"):
         ops.backend_for("cpu")
+
+
+def test_importing_the_engine_does_not_import_triton() -> None:
+    """Triton decides interpreter or GPU when it is first imported (the kernel tests set
+    TRITON_INTERPRET before that), and a CPU engine has no use for it."""
+    code = ("import sys, engine.ops, engine.core, kernels.rmsnorm, kernels.gated_delta_rule; "
+            "print('triton' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 def test_the_torch_path_never_touches_triton_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
