@@ -84,6 +84,8 @@ class WorkerSettings:
     max_num_batched_tokens: int = field(default_factory=lambda: _env_int("HELEXA_MAX_NUM_BATCHED_TOKENS", 2048))
     kv_cache_mb: int = field(default_factory=lambda: _env_int("HELEXA_KV_CACHE_MB", 1024))
     enable_prefix_caching: bool = field(default_factory=lambda: _env("HELEXA_PREFIX_CACHING", "on") != "off")
+    # Decode steps replay CUDA graphs on a GPU; "off" runs every step eagerly.
+    cuda_graphs: bool = field(default_factory=lambda: _env("HELEXA_CUDA_GRAPHS", "on") != "off")
     # auto: split <think> when the chat template uses it; on/off force it (like a reasoning parser flag).
     reasoning_parser: str = field(default_factory=lambda: _env("HELEXA_REASONING_PARSER", "auto"))
 
@@ -111,6 +113,7 @@ class WorkerSettings:
             kv_cache_bytes=self.kv_cache_mb << 20,
             max_model_len=self.max_model_len,
             enable_prefix_caching=self.enable_prefix_caching,
+            cuda_graphs=self.cuda_graphs,
         )
 
 

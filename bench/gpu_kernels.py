@@ -184,7 +184,7 @@ def _gdn_case(name: str, lens: list[int], s: dict, dev: str, dt: torch.dtype) ->
     ref = (gated_delta_rule.naive_chunk_gated_delta_rule if chunked
            else gated_delta_rule.naive_recurrent_gated_delta_rule)
     baselines = {"naive": lambda: (ref(q, k, v, g, beta, s_n, idx, cu), s_n[idx])}
-    fla = _fla_chunk(q, k, v, g, beta, state, idx, cu) if chunked else None
+    fla = _fla(q, k, v, g, beta, state, idx, cu if chunked else _cu([1] * len(lens), dev), chunked)
     if fla is not None:
         baselines["fla_core"] = fla
     return Case("gated_delta_rule", name, {"seqs": _summary(lens), "k_heads": hk, "v_heads": hv,
@@ -217,23 +217,26 @@ def gdn_cases(s: dict, dev: str, dt: torch.dtype) -> list[Case]:
     return cases
 
 
-def _fla_chunk(q, k, v, g, beta, state, idx, cu) -> Callable[[], Outputs] | None:
-    """fla-core's chunked gated delta rule on the same problem, when it is installed (GPU only)."""
+def _fla(q, k, v, g, beta, state, idx, cu, chunked: bool) -> Callable[[], Outputs] | None:
+    """fla-core's chunked (prefill) or fused recurrent (decode) gated delta rule on the same
+    problem, when it is installed (GPU only; bench/gpu_run.sh says how to carry the wheel)."""
     if not torch.cuda.is_available():
         return None
     try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
     except ImportError:
         return None
+    fla_op = chunk_gated_delta_rule if chunked else fused_recurrent_gated_delta_rule
     group = v.shape[1] // q.shape[1]
     # fla-core takes [1, T, H, D] with cu_seqlens, and q/k on every value head.
     qf, kf = (t.repeat_interleave(group, dim=1)[None] for t in (q, k))
     init = state[idx].clone()
 
     def run() -> Outputs:
-        o, final = fla_chunk(qf, kf, v[None], g[None], beta[None], initial_state=init,
-                             output_final_state=True, cu_seqlens=cu.long(),
-                             use_qk_l2norm_in_kernel=True)
+        # Keywords: the two ops order their optional gates differently.
+        o, final = fla_op(qf, kf, v[None], g=g[None], beta=beta[None], initial_state=init,
+                          output_final_state=True, cu_seqlens=cu.long(),
+                          use_qk_l2norm_in_kernel=True)
         return o[0], final
     return run
 

@@ -1,14 +1,17 @@
 """Paged attention: how attention layers store keys/values in cache blocks and read them back.
 
-Model files call `attention(...)` with one layer's (k_cache, v_cache) and the step's
-`AttentionMetadata`; they never index cache tensors themselves. A cache is
+Model files call `engine.ops.attention(...)` with one layer's (k_cache, v_cache) and the step's
+`AttentionMetadata`; they never index cache tensors themselves. This module owns the metadata
+and the batched PyTorch form of paged attention that `engine.ops` runs off CUDA (the KV store
+reference lives in kernels/kv_store/naive.py, the loop-per-sequence referee in
+kernels/paged_attention/naive.py). A cache is
 [num_blocks, block_size, num_kv_heads, head_dim]; token t of a sequence lives in block
 `block_table[t // block_size]` at offset `t % block_size`, i.e. flat slot
 `block_id * block_size + offset`.
 
 One batch mixes whole prefills, chunked-prefill continuations (queries start mid-sequence and
 see earlier keys through the cache) and decodes (one query each). `paged_attention` is the
-PyTorch reference: gather every sequence's keys into a padded batch, pad the queries, and make
+PyTorch path: gather every sequence's keys into a padded batch, pad the queries, and make
 one `scaled_dot_product_attention` call under one causal+padding mask.
 """
 
@@ -86,15 +89,6 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
              torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Write new keys/values [num_tokens, num_kv_heads, head_dim] into their cache slots."""
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    flat_shape = (num_blocks * block_size, num_kv_heads, head_dim)
-    k_cache.view(flat_shape).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(flat_shape).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
-
-
 def _build_mask(meta: AttentionMetadata, device: torch.device) -> torch.Tensor:
     """[num_seqs, 1, max_query_len, max_seq_len] bool, True where query i may see key j.
 
@@ -164,9 +158,3 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = out.transpose(1, 2).reshape(num_seqs * max_q, num_heads, head_dim)
     return out[pad_index]
 
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-              v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Store this step's k/v [num_tokens, num_kv_heads, head_dim], then attend with q."""
-    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    return paged_attention(q, k_cache, v_cache, meta, scale)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.api import EngineOutput, EngineRequest, FinishReason, TokenLogprob
+from engine.cuda_graphs import DecodeGraphs, graphs_wanted
 from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCacheManager
 from engine.loader import Checkpoint
@@ -102,6 +103,14 @@ class EngineCore:
         device = next(checkpoint.model.parameters()).device
         self.runner = ModelRunner(checkpoint.model, model_config, num_blocks, block_size, device, dtype,
                                   num_state_slots=config.max_num_seqs if is_hybrid else 0)
+        if graphs_wanted(config.cuda_graphs, device):
+            if is_hybrid:
+                # Graph capture covers the paged-KV forward only; state-slot models decode eagerly.
+                log.info("CUDA graphs off for %s: hybrid (linear-attention) model", checkpoint.model_id)
+            else:
+                self.runner.decode_graphs = DecodeGraphs.capture(
+                    checkpoint.model, self.runner.kv_caches, config.max_num_seqs, max_model_len,
+                    block_size, device)
         self.info = CoreInfo(
             model_id=checkpoint.model_id,
             max_model_len=max_model_len,

@@ -21,6 +21,8 @@ class EngineConfig:
     # 0: the model's own limit (also capped by what the KV pool can hold for one sequence).
     max_model_len: int = 0
     enable_prefix_caching: bool = True
+    # Decode steps replay CUDA graphs (engine.cuda_graphs); only ever on CUDA.
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

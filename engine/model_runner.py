@@ -14,6 +14,7 @@ import torch
 from engine.api import TokenLogprob
 from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.sampler import Sampler, SamplingRow, make_generator
 from engine.scheduler import SchedulerOutput
 from engine.state_cache import HybridCaches, LinearStateCache
@@ -48,6 +49,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
+        # Set by EngineCore on CUDA (engine.cuda_graphs); pure decode steps replay from it.
+        self.decode_graphs: DecodeGraphs | None = None
         self._generators: dict[str, torch.Generator] = {}
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         # One (k_cache, v_cache) pair per full-attention layer:
@@ -119,7 +122,10 @@ class ModelRunner:
             slots = [s.request.state_slot for s in step.scheduled]
             self.hybrid_caches.slot_indices = torch.tensor(slots, dtype=torch.int32, device=self.device)
             caches = self.hybrid_caches
-        hidden = self.model(inputs.input_ids, inputs.positions, caches, inputs.meta)
+        # Decode graphs are captured for KV-only models (EngineCore never captures for hybrids).
+        hidden = self.decode_graphs.replay(inputs) if self.decode_graphs is not None else None
+        if hidden is None:
+            hidden = self.model(inputs.input_ids, inputs.positions, caches, inputs.meta)
         if not inputs.sample_indices:
             return {}
         logits = self.model.compute_logits(hidden[inputs.sample_indices])

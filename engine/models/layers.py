@@ -1,6 +1,7 @@
 """Building blocks the model families share: RMSNorm, rotary embeddings, the SiLU-gated MLP.
 
-Parameter names match HF (`weight`, `gate_proj`, ...) so checkpoints load by name.
+Parameter names match HF (`weight`, `gate_proj`, ...) so checkpoints load by name. The math
+itself runs through `engine.ops`, which picks the Triton kernel or the PyTorch reference.
 """
 
 from __future__ import annotations
@@ -8,10 +9,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from engine import ops
 from engine.config import ModelConfig
+from kernels.rotary.naive import build_cos_sin_cache
 
 
 class RMSNorm(nn.Module):
@@ -21,15 +23,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in fp32 whatever the model dtype, as the reference implementation does.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        """Normalized in fp32 whatever the model dtype, as the reference implementation does."""
+        return ops.rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual += x (in place), then norm it: one pass over the residual stream."""
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Per-pair rotation frequencies [rotary_dim / 2], with linear or llama3 scaling applied."""
+    """Per-pair rotation frequencies [head_dim / 2], with linear or llama3 scaling applied."""
     dim = config.rotary_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     inv_freq = 1.0 / (config.rope_theta ** exponents)
@@ -54,37 +57,26 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for rotate-half RoPE, computed from positions on the fly."""
+    """Rotate-half RoPE from a cos|sin table indexed by position (`ops.rotary`)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         rope_inv_freq(config)  # fail at construction, not at the first forward
         # Built lazily: the model is constructed on the meta device and weights fill it later.
-        self._inv_freq: torch.Tensor | None = None
+        # fp32 [max_position_embeddings, head_dim]: cos of each position's angles, then sin.
+        self._cos_sin: torch.Tensor | None = None
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._inv_freq is None or self._inv_freq.device != positions.device:
-            self._inv_freq = rope_inv_freq(self.config).to(positions.device)
-        freqs = positions.float()[:, None] * self._inv_freq[None, :]  # [num_tokens, rotary_dim/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, rotary_dim]
-        return emb.cos(), emb.sin()
+    def cos_sin_cache(self, device: torch.device) -> torch.Tensor:
+        if self._cos_sin is None or self._cos_sin.device != device:
+            inv_freq = rope_inv_freq(self.config).to(device)
+            self._cos_sin = build_cos_sin_cache(inv_freq, self.config.max_position_embeddings)
+        return self._cos_sin
 
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, num_heads, head_dim]; cos/sin: [num_tokens, rotary_dim]. With partial
-    rotary (rotary_dim < head_dim) only the leading rotary_dim dims of each head turn."""
-    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
-    rotary_dim = cos.shape[-1]
-    if rotary_dim < x.shape[-1]:
-        turned, kept = x[..., :rotary_dim], x[..., rotary_dim:]
-        return torch.cat((turned * cos + rotate_half(turned) * sin, kept), dim=-1)
-    return x * cos + rotate_half(x) * sin
+    def forward(self, q: torch.Tensor, k: torch.Tensor,
+                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [num_tokens, num_heads, head_dim], k [num_tokens, num_kv_heads, head_dim]."""
+        return ops.rotary(q, k, positions, self.cos_sin_cache(positions.device))
 
 
 class GatedMLP(nn.Module):
@@ -97,4 +89,6 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # Separate gate/up weights keep HF's names; their outputs side by side feed the fused op.
+        gate_up = torch.cat((self.gate_proj(x), self.up_proj(x)), dim=-1)
+        return self.down_proj(ops.silu_and_mul(gate_up))

@@ -2,7 +2,11 @@
 
 Module and parameter names follow HF's `LlamaForCausalLM`, so HF checkpoints (and GGUF files once
 renamed) load by name. `forward` takes a flat batch of tokens from any number of sequences and
-keeps keys/values in the paged cache through `engine.attention`.
+keeps keys/values in the paged cache through `engine.ops.attention`.
+
+The residual stream travels beside the hidden states: each norm adds the previous sublayer's
+output into it in place and normalizes in one pass (`RMSNorm.add_and_norm`), as the fused
+kernel does on CUDA.
 """
 
 from __future__ import annotations
@@ -10,9 +14,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata, KVCache, attention
+from engine import ops
+from engine.attention import AttentionMetadata, KVCache
 from engine.config import ModelConfig
-from engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
@@ -31,7 +36,7 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
 
-    def forward(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rotary_emb: RotaryEmbedding,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
@@ -39,9 +44,8 @@ class LlamaAttention(nn.Module):
         v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # over head_dim, each head on its own
-        cos, sin = cos_sin
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attention(q, k, v, *kv_cache, meta, self.scale)
+        q, k = rotary_emb(q, k, positions)
+        out = ops.attention(q, k, v, *kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -53,10 +57,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
-    def forward(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                rotary_emb: RotaryEmbedding, kv_cache: KVCache,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (this layer's MLP output, the residual stream before it is added)."""
+        if residual is None:  # first layer: the embeddings are the residual stream
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(hidden, positions, rotary_emb, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -71,10 +82,12 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
-        cos_sin = self.rotary_emb(positions)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos_sin, kv_cache, meta)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, positions, self.rotary_emb, kv_cache, meta)
+        if residual is None:
+            return self.norm(hidden)
+        return self.norm.add_and_norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -13,8 +13,8 @@ import re
 import torch
 from torch import nn
 
+from engine import ops
 from engine.config import ModelConfig
-from engine.models import kernel_calls
 from engine.models.layers import GatedMLP
 
 # A per-expert checkpoint tensor: (prefix ending in "experts."), expert index, projection.
@@ -62,9 +62,8 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         router_logits = hidden @ self.gate.weight.T
-        weights, ids = kernel_calls.moe_routing(router_logits, self.top_k, self.renormalize)
-        out = kernel_calls.fused_moe(hidden, self.experts.gate_up_proj, self.experts.down_proj,
-                                     weights, ids)
+        weights, ids = ops.moe_routing(router_logits, self.top_k, self.renormalize)
+        out = ops.fused_moe(hidden, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
         return out

@@ -20,14 +20,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata, KVCache, attention
+from engine import ops
+from engine.attention import AttentionMetadata, KVCache
 from engine.config import ModelConfig
-from engine.models import kernel_calls
-from engine.models.layers import GatedMLP, RotaryEmbedding, apply_rotary
+from engine.models.layers import GatedMLP, RotaryEmbedding
 from engine.models.moe import CheckpointTarget, SparseMoeBlock, expert_checkpoint_targets, is_sparse_layer
 from engine.state_cache import HybridCaches, LinearStateShape
-
-CosSin = tuple[torch.Tensor, torch.Tensor]
 
 
 class UnitOffsetRMSNorm(nn.Module):
@@ -39,7 +37,7 @@ class UnitOffsetRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernel_calls.rms_norm_unit_offset(x, self.weight, self.eps)
+        return ops.rms_norm(x, self.weight, self.eps, unit_offset=True)
 
 
 class GatedAttention(nn.Module):
@@ -57,15 +55,15 @@ class GatedAttention(nn.Module):
         self.q_norm = UnitOffsetRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = UnitOffsetRMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, cos_sin: CosSin, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rotary_emb: RotaryEmbedding,
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, gate = self.q_proj(hidden).view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, -1)
         k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
-        out = attention(q, k, v, *kv_cache, meta, self.scale) * torch.sigmoid(gate)
+        q, k = rotary_emb(q, k, positions)
+        out = ops.attention(q, k, v, *kv_cache, meta, self.scale) * torch.sigmoid(gate)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -100,24 +98,23 @@ class GatedDeltaNet(nn.Module):
         num_tokens = hidden.shape[0]
         mixed = self.in_proj_qkv(hidden)  # [num_tokens, conv_dim]
         if meta.is_pure_decode:
-            mixed = kernel_calls.conv1d_decode(mixed, self.conv1d.weight, conv_state, slot_indices)
+            mixed = ops.causal_conv1d_update(mixed, self.conv1d.weight, None, conv_state, slot_indices)
         else:
-            mixed = kernel_calls.conv1d_prefill(mixed, self.conv1d.weight, conv_state, slot_indices,
-                                                meta.query_start_loc, _has_initial_state(meta))
+            mixed = ops.causal_conv1d(mixed, self.conv1d.weight, None, conv_state, slot_indices,
+                                      meta.query_start_loc, has_initial_state=_has_initial_state(meta))
         key_size = self.num_k_heads * self.k_dim
         q, k, v = mixed.split((key_size, key_size, self.num_v_heads * self.v_dim), dim=-1)
         q = q.reshape(num_tokens, self.num_k_heads, self.k_dim)
         k = k.reshape(num_tokens, self.num_k_heads, self.k_dim)
         v = v.reshape(num_tokens, self.num_v_heads, self.v_dim)
-        g, beta = kernel_calls.gdn_gating(self.A_log, self.in_proj_a(hidden), self.in_proj_b(hidden),
-                                          self.dt_bias)
+        g, beta = ops.gdn_gating(self.A_log, self.in_proj_a(hidden), self.in_proj_b(hidden), self.dt_bias)
         if meta.is_pure_decode:
-            out = kernel_calls.gated_delta_rule_decode(q, k, v, g, beta, recurrent_state, slot_indices)
+            out = ops.recurrent_gated_delta_rule(q, k, v, g, beta, recurrent_state, slot_indices)
         else:
-            out = kernel_calls.gated_delta_rule_prefill(q, k, v, g, beta, recurrent_state, slot_indices,
-                                                        meta.query_start_loc, _has_initial_state(meta))
+            out = ops.chunk_gated_delta_rule(q, k, v, g, beta, recurrent_state, slot_indices,
+                                             meta.query_start_loc, has_initial_state=_has_initial_state(meta))
         z = self.in_proj_z(hidden).reshape(num_tokens * self.num_v_heads, self.v_dim)
-        out = kernel_calls.gated_rms_norm(out.reshape(-1, self.v_dim), z, self.norm.weight, self.eps)
+        out = ops.gated_rms_norm(out.reshape(-1, self.v_dim), z, self.norm.weight, self.eps)
         return self.out_proj(out.reshape(num_tokens, self.num_v_heads * self.v_dim))
 
 
@@ -154,7 +151,6 @@ class HybridModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: HybridCaches,
                 meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        cos_sin = self.rotary_emb(positions)
         slots = caches.slot_indices
         kv_index = linear_index = 0
         for layer in self.layers:
@@ -165,7 +161,7 @@ class HybridModel(nn.Module):
                                           states.recurrent[linear_index], slots, meta)
                 linear_index += 1
             else:
-                mixed = layer.self_attn(normed, cos_sin, caches.kv[kv_index], meta)
+                mixed = layer.self_attn(normed, positions, self.rotary_emb, caches.kv[kv_index], meta)
                 kv_index += 1
             hidden = hidden + mixed
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, attention, store_kv
+from engine.attention import AttentionMetadata
+from engine.ops import attention
+from engine.ops import kv_store as store_kv
 
 # (query_len, seq_len) per sequence: whole prefills, chunked continuations, decodes.
 BATCHES = {

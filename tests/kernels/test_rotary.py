@@ -3,7 +3,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models.layers import apply_rotary
 from kernels.rotary import build_cos_sin_cache, naive_rotary, rotary
 from tests.kernels.helpers import DEVICE, assert_close, gpu, tol_for
 
@@ -47,12 +46,18 @@ def test_strided_views_of_fused_qkv() -> None:
     assert_close(qkv.view(6, 8, 16)[:, 4:6], ref_k, 1e-6, "k")
 
 
-def test_matches_the_engine_rotary() -> None:
+def _rotate_half_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's formulation: x * cos + rotate_half(x) * sin, with cos/sin repeated over both halves."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
+
+
+def test_matches_the_hf_formulation() -> None:
     q = torch.randn(5, 3, 32, device=DEVICE)
     positions = torch.tensor([0, 1, 9, 4, 30], device=DEVICE)
     cache = _cache(32)
     cos, sin = cache[positions].chunk(2, dim=-1)
-    ref = apply_rotary(q, torch.cat((cos, cos), -1), torch.cat((sin, sin), -1))
+    ref = _rotate_half_reference(q, torch.cat((cos, cos), -1), torch.cat((sin, sin), -1))
     assert_close(rotary(q, q[:, :1], positions, cache)[0], ref, 1e-6)
 
 

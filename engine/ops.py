@@ -1,0 +1,207 @@
+"""The one place that decides which implementation of a hot op the engine runs.
+
+Each op has a PyTorch reference (`kernels/<op>/naive.py`, or the batched SDPA form in
+`engine.attention` for paged attention) and a Triton kernel (`kernels/<op>/triton.py`). Model
+code calls the functions here and never picks one itself. The choice is per call, from the
+tensors' device: Triton on CUDA, PyTorch elsewhere. `HELEXA_KERNELS` overrides it:
+
+- `auto` (default): as above;
+- `torch`: the references everywhere (e.g. to bisect a numerical problem on a GPU);
+- `triton`: the Triton kernels everywhere; on CPU they run only under `TRITON_INTERPRET=1`,
+  which is how the CPU tests check the engine's Triton path.
+
+Triton modules are imported on first use, so a CPU engine never loads Triton.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from functools import cache
+from types import ModuleType
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.attention import paged_attention as sdpa_paged_attention
+from kernels.causal_conv1d import naive as conv_naive
+from kernels.gated_delta_rule import naive as gdr_naive
+from kernels.gdn_gating import naive as gating_naive
+from kernels.kv_store import naive as kv_store_naive
+from kernels.moe import naive as moe_naive
+from kernels.rmsnorm import naive as rmsnorm_naive
+from kernels.rotary import naive as rotary_naive
+from kernels.silu_and_mul import naive as silu_naive
+
+ENV_VAR = "HELEXA_KERNELS"
+BACKENDS = ("auto", "torch", "triton")
+
+
+def kernel_setting() -> str:
+    """The `HELEXA_KERNELS` value, checked: a typo must fail loudly, not silently pick torch."""
+    value = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if value not in BACKENDS:
+        raise ValueError(f"{ENV_VAR}={value!r}: expected one of {', '.join(BACKENDS)}")
+    return value
+
+
+def backend_for(device: torch.device | str) -> str:
+    """'triton' or 'torch': what ops run for tensors on `device`."""
+    setting = kernel_setting()
+    if setting != "auto":
+        return setting
+    return "triton" if torch.device(device).type == "cuda" else "torch"
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return backend_for(x.device) == "triton"
+
+
+@cache
+def _triton(op: str) -> ModuleType:
+    return importlib.import_module(f"kernels.{op}.triton")
+
+
+# --- norms -----------------------------------------------------------------------------------
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
+             unit_offset: bool = False) -> torch.Tensor:
+    """x / rms(x) * w over the last dim in fp32 (`unit_offset`: (1 + w), Qwen3-Next/3.5)."""
+    if _use_triton(x):
+        return _triton("rmsnorm").rms_norm(x, weight, eps, unit_offset=unit_offset)
+    return rmsnorm_naive.naive_rms_norm(x, weight, eps, unit_offset=unit_offset)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                       *, unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual += x in place; returns (rms_norm(residual), residual)."""
+    if _use_triton(x):
+        return _triton("rmsnorm").fused_add_rms_norm(x, residual, weight, eps,
+                                                     unit_offset=unit_offset)
+    return rmsnorm_naive.naive_fused_add_rms_norm(x, residual, weight, eps, unit_offset=unit_offset)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    """rms_norm(x) * w * silu(z): the norm after the gated delta rule."""
+    if _use_triton(x):
+        return _triton("rmsnorm").gated_rms_norm(x, z, weight, eps)
+    return rmsnorm_naive.naive_gated_rms_norm(x, z, weight, eps)
+
+
+# --- attention -------------------------------------------------------------------------------
+
+def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+           cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE of q [T, H, D] and k [T, HK, D]; cos_sin_cache [max_pos, rotary_dim].
+
+    The Triton path rotates in place: callers pass fresh projections they own.
+    """
+    if _use_triton(q):
+        return _triton("rotary").rotary(q, k, positions, cos_sin_cache, inplace=True)
+    return rotary_naive.naive_rotary(q, k, positions, cos_sin_cache)
+
+
+def kv_store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """New k/v [T, HK, D] into the paged caches at their flat slots; slot -1 is skipped
+    (CUDA-graph padding rows use it)."""
+    if _use_triton(k):
+        _triton("kv_store").kv_store(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        kv_store_naive.naive_kv_store(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of the step's queries over the cache (keys already stored)."""
+    if _use_triton(q):
+        return _triton("paged_attention").paged_attention(
+            q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+            meta.max_query_len, scale)
+    return sdpa_paged_attention(q, k_cache, v_cache, meta, scale)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+              v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Store this step's k/v, then attend with q: what a model's attention layer calls."""
+    kv_store(k, v, k_cache, v_cache, meta.slot_mapping)
+    return paged_attention(q, k_cache, v_cache, meta, scale)
+
+
+# --- MLP -------------------------------------------------------------------------------------
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2d] -> [..., d]: silu(gate) * up."""
+    if _use_triton(x):
+        return _triton("silu_and_mul").silu_and_mul(x)
+    return silu_naive.naive_silu_and_mul(x)
+
+
+def moe_routing(router_logits: torch.Tensor, top_k: int,
+                renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all experts, top k, optional renormalization -> (weights fp32, ids int32)."""
+    if _use_triton(router_logits):
+        return _triton("moe").moe_routing(router_logits, top_k, renormalize)
+    return moe_naive.naive_moe_routing(router_logits, top_k, renormalize)
+
+
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """The routed experts' SiLU-gated MLPs, weighted and summed per token: [T, H] -> [T, H]."""
+    if _use_triton(hidden):
+        return _triton("moe").fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+    return moe_naive.naive_fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+
+
+# --- gated DeltaNet (hybrid models) ----------------------------------------------------------
+
+def gdn_gating(A_log: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+               dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g, beta) fp32 [T, HV]: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)."""
+    if _use_triton(a):
+        return _triton("gdn_gating").gdn_gating(A_log, a, b, dt_bias)
+    return gating_naive.naive_gdn_gating(A_log, a, b, dt_bias)
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  conv_state: torch.Tensor, state_indices: torch.Tensor,
+                  cu_seqlens: torch.Tensor, *, has_initial_state: torch.Tensor | None = None,
+                  activation: str | None = "silu") -> torch.Tensor:
+    """Varlen prefill of the depthwise causal conv; each sequence's conv_state slot updated."""
+    fn = _triton("causal_conv1d").causal_conv1d if _use_triton(x) else conv_naive.naive_causal_conv1d
+    return fn(x, weight, bias, conv_state, state_indices, cu_seqlens,
+              has_initial_state=has_initial_state, activation=activation)
+
+
+def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         conv_state: torch.Tensor, state_indices: torch.Tensor, *,
+                         activation: str | None = "silu") -> torch.Tensor:
+    """Decode: one token per sequence through its conv_state slot."""
+    fn = (_triton("causal_conv1d").causal_conv1d_update if _use_triton(x)
+          else conv_naive.naive_causal_conv1d_update)
+    return fn(x, weight, bias, conv_state, state_indices, activation=activation)
+
+
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                           beta: torch.Tensor, state: torch.Tensor, state_indices: torch.Tensor,
+                           cu_seqlens: torch.Tensor, *, scale: float | None = None,
+                           use_qk_l2norm: bool = True,
+                           has_initial_state: torch.Tensor | None = None) -> torch.Tensor:
+    """Prefill form of the gated delta rule (see kernels/gated_delta_rule/naive.py)."""
+    fn = (_triton("gated_delta_rule").chunk_gated_delta_rule if _use_triton(v)
+          else gdr_naive.naive_chunk_gated_delta_rule)
+    return fn(q, k, v, g, beta, state, state_indices, cu_seqlens, scale=scale,
+              use_qk_l2norm=use_qk_l2norm, has_initial_state=has_initial_state)
+
+
+def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+                               state_indices: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                               *, scale: float | None = None, use_qk_l2norm: bool = True,
+                               has_initial_state: torch.Tensor | None = None) -> torch.Tensor:
+    """Token-by-token form (decode: cu_seqlens None, one token per sequence)."""
+    fn = (_triton("gated_delta_rule").recurrent_gated_delta_rule if _use_triton(v)
+          else gdr_naive.naive_recurrent_gated_delta_rule)
+    return fn(q, k, v, g, beta, state, state_indices, cu_seqlens, scale=scale,
+              use_qk_l2norm=use_qk_l2norm, has_initial_state=has_initial_state)

@@ -1,0 +1,123 @@
+"""The engine's op dispatch: torch on CPU by default, and the Triton path (forced with
+HELEXA_KERNELS=triton, run by Triton's interpreter here) giving the same logits and greedy
+tokens as the torch path on tiny llama and qwen3 models."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine import ops
+from engine.config import ModelConfig
+from engine.models import build_model
+from tests.engine.helpers import PagedSequences, perturb_norms_and_biases
+from tests.kernels.helpers import DEVICE, assert_close
+
+VOCAB = 96
+
+
+def _tiny_model(model_type: str, device: str = DEVICE) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = ModelConfig(model_type=model_type, vocab_size=VOCAB, hidden_size=32,
+                         intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                         rope_theta=1e4, tie_word_embeddings=model_type == "llama")
+    model = build_model(config).to(device).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.3)  # larger than HF's init, so logits have clear margins
+    perturb_norms_and_biases(model)
+    return model
+
+
+@torch.inference_mode()
+def _run(model: torch.nn.Module) -> tuple[torch.Tensor, list[list[int]]]:
+    """Two prompts, one prefilled in two chunks beside the other's whole prefill, then a few
+    batched greedy decode steps; returns (all logits, the greedy tokens of each sequence)."""
+    prompts = [[5, 17, 3, 44, 9, 61, 2], [70, 8, 8, 31, 12]]
+    steps = 3
+    seqs = PagedSequences(model, [len(p) + steps for p in prompts], block_size=4)
+    logits = seqs.step({0: prompts[0][:4], 1: prompts[1]})
+    logits += seqs.step({0: prompts[0][4:]})
+    last = [logits[2][-1], logits[1][-1]]
+    tokens: list[list[int]] = [[], []]
+    for _ in range(steps):
+        nxt = [int(x.argmax()) for x in last]
+        for i, t in enumerate(nxt):
+            tokens[i].append(t)
+        out = seqs.step({0: [nxt[0]], 1: [nxt[1]]})
+        logits += out
+        last = [out[0][-1], out[1][-1]]
+    return torch.cat(logits), tokens
+
+
+def test_torch_on_cpu_triton_on_cuda_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ops.ENV_VAR, raising=False)
+    assert ops.backend_for("cpu") == "torch"
+    assert ops.backend_for(torch.device("cuda", 0)) == "triton"
+    monkeypatch.setenv(ops.ENV_VAR, "torch")
+    assert ops.backend_for("cuda") == "torch"
+    monkeypatch.setenv(ops.ENV_VAR, "Triton")
+    assert ops.backend_for("cpu") == "triton"
+
+
+def test_a_bad_setting_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ops.ENV_VAR, "cuda")
+    with pytest.raises(ValueError, match="HELEXA_KERNELS='cuda'"):
+        ops.backend_for("cpu")
+
+
+def test_importing_the_engine_does_not_import_triton() -> None:
+    """Triton decides interpreter or GPU when it is first imported (the kernel tests set
+    TRITON_INTERPRET before that), and a CPU engine has no use for it."""
+    code = ("import sys, engine.ops, engine.core, kernels.rmsnorm, kernels.gated_delta_rule; "
+            "print('triton' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_the_torch_path_never_touches_triton_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ops.ENV_VAR, raising=False)
+    ops._triton.cache_clear()
+    model = _tiny_model("qwen3", "cpu")
+    _run(model)
+    assert ops._triton.cache_info().currsize == 0
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_triton_path_matches_torch_path(model_type: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _tiny_model(model_type)
+    monkeypatch.setenv(ops.ENV_VAR, "torch")
+    torch_logits, torch_tokens = _run(model)
+    monkeypatch.setenv(ops.ENV_VAR, "triton")
+    ops._triton.cache_clear()
+    triton_logits, triton_tokens = _run(model)
+    # The five ops the dense models route (norms, rotary, silu_and_mul, kv store, attention)
+    # each loaded its Triton module.
+    assert ops._triton.cache_info().currsize == 5
+    assert_close(triton_logits, torch_logits, 1e-4, "logits")
+    assert triton_tokens == torch_tokens
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5"])
+def test_triton_path_matches_torch_path_for_hybrids(model_type: str, monkeypatch: pytest.MonkeyPatch,
+                                                    tmp_path) -> None:
+    """The hybrid models reach the GDN ops (conv, gating, delta rule), the gated and (1+w)
+    norms and MoE through `engine.ops` too; both paths agree over chunked prefill and decode."""
+    transformers = pytest.importorskip("transformers")
+    from engine.loader import load_checkpoint
+    from tests.engine.hybrid_models import save_hybrid_dir
+
+    model = load_checkpoint(save_hybrid_dir(transformers, model_type, tmp_path / model_type)).model.to(DEVICE)
+    monkeypatch.setenv(ops.ENV_VAR, "torch")
+    torch_logits, torch_tokens = _run(model)
+    monkeypatch.setenv(ops.ENV_VAR, "triton")
+    ops._triton.cache_clear()
+    triton_logits, triton_tokens = _run(model)
+    loaded = ops._triton.cache_info().currsize
+    assert loaded >= 8, f"only {loaded} Triton op modules were used"
+    assert_close(triton_logits, torch_logits, 1e-4, "logits")
+    assert triton_tokens == torch_tokens

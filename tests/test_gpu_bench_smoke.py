@@ -1,0 +1,43 @@
+"""The prepared GPU scripts run end to end in their --tiny CPU mode, so a GPU session finds them
+working: every correctness check passes and speeds are printed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(script: str, tmp_path: Path, *args: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("HELEXA_KERNELS", "OUT")}
+    env["OUT"] = str(tmp_path)
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--tiny", *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout[proc.stdout.index("{"):])
+
+
+def test_gpu_engine_tiny(tmp_path: Path) -> None:
+    report = _run("gpu_engine.py", tmp_path)
+    assert report["all_passed"] and report["tiny"]
+    assert json.loads((tmp_path / "gpu_engine.json").read_text()) == report
+    (model,) = report["models"]
+    assert model["check"]["passed"]
+    assert model["check"]["greedy_cuda_graphs_off"]["matched_tokens"] == 24
+    for side in ("ours", "hf_generate"):
+        assert set(model[side]) == {"1", "4"}
+        assert all(v["output_tokens_per_s"] > 0 for v in model[side].values())
+    assert model["batch1_decode_roofline"]["fraction_of_roofline"] > 0
+    assert model["cuda_graphs"] == "not used on CPU"
+
+
+def test_gpu_kernels_tiny(tmp_path: Path) -> None:
+    report = _run("gpu_kernels.py", tmp_path, "--only", "paged_attention,gated_delta_rule,kv_store")
+    assert report["all_passed"]
+    ops = {(r["op"], r["case"]) for r in report["results"]}
+    assert ("paged_attention", "decode") in ops and ("gated_delta_rule", "chunk_prefill") in ops
+    assert all(r["median_ms"]["triton"] > 0 for r in report["results"])
