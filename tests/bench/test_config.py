@@ -77,3 +77,22 @@ def test_unreadable_files_are_config_errors(tmp_path: Path) -> None:
         load_config(tmp_path / "missing.toml")
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(write(tmp_path, "scenarios = ["))
+
+
+def test_swap_without_model_control_fails_with_a_clear_message(tmp_path: Path) -> None:
+    """`swap` needs our workers' model control over NATS; a target without it is refused by name."""
+    import asyncio
+
+    from apps.bench.client import http_client
+    from apps.bench.scenarios import SWAP_UNAVAILABLE, BenchContext, run_scenario
+
+    config, specs = load_config(write(tmp_path, GOOD))
+    swap = next(s for s in specs if s.kind == "swap")
+
+    async def run() -> str | None:
+        async with http_client(config.targets[1].base_url, None) as http:
+            outcome = await run_scenario(BenchContext(config, config.targets[1], "peer-model", http), swap)
+        return outcome.error
+
+    error = asyncio.run(run())
+    assert error is not None and error.startswith(SWAP_UNAVAILABLE)
