@@ -103,6 +103,14 @@ class App:
                 break
         raise RuntimeError(f"{self.process.args} did not become ready (exit code {self.process.poll()})")
 
+    def cpu_s(self) -> float | None:
+        """CPU seconds (user + system) the child has used so far; None where /proc is missing."""
+        try:
+            fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def stop(self) -> None:
         self.process.terminate()
         try:
@@ -152,6 +160,7 @@ async def one_run(nats_url: str, admin_url: str, batch_size: int, events: list[E
     conn = await asyncpg.connect(url)
     try:
         await asyncio.to_thread(recorder.wait_ready)
+        cpu_before = recorder.cpu_s()
         started = time.perf_counter()
         for i, (subject, data) in enumerate(payloads):
             await nc.publish(subject, data)
@@ -165,6 +174,7 @@ async def one_run(nats_url: str, admin_url: str, batch_size: int, events: list[E
 
         await _wait(all_committed, 600, "every event committed")
         elapsed_s = time.perf_counter() - started
+        cpu_after = recorder.cpu_s()
 
         async def all_acked() -> bool:
             info = await js.consumer_info(EVENTS_STREAM, RECORDER_CONSUMER)
@@ -195,6 +205,10 @@ async def one_run(nats_url: str, admin_url: str, batch_size: int, events: list[E
         "elapsed_s": round(elapsed_s, 3),
         "publish_s": round(published_s, 3),
         "events_per_s": round(len(events) / elapsed_s, 1),
+        # Less sensitive to a busy machine than the wall clock: what the recorder process itself spent.
+        "recorder_cpu_us_per_event": (
+            round((cpu_after - cpu_before) * 1e6 / len(events), 1) if cpu_before is not None and cpu_after else None
+        ),
     }
 
 

@@ -24,7 +24,7 @@ import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from apps.bus.pull import BatchPuller
+from apps.bus.pull import BatchPuller, stream_sequence
 from apps.bus.topology import EVENTS_STREAM, RECORDER_CONSUMER, connect, ensure_topology, recorder_puller, replay_puller
 from apps.bus.wire import Event, event_decoder
 from apps.logs import announce_ready, monotonic_ms
@@ -104,7 +104,7 @@ class Recorder:
     async def write(self, pending: Pending) -> int:
         async with self.connection() as conn:
             return await projector.project(
-                conn, [projector.Recorded(msg.subject, e, msg.metadata.sequence.stream) for msg, e in pending]
+                conn, [projector.Recorded(msg.subject, e, stream_sequence(msg)) for msg, e in pending]
             )
 
     async def record(self, pending: Pending, acks: bool = True) -> int:
@@ -176,7 +176,7 @@ class Recorder:
                 pending = await decode(msgs, settle=False)
                 if pending:
                     recorded += await self.record(pending, acks=False)
-                if msgs[-1].metadata.sequence.stream >= state.last_seq:
+                if stream_sequence(msgs[-1]) >= state.last_seq:
                     break
         finally:
             await _forget(puller)
@@ -197,7 +197,7 @@ async def _pause(stop: asyncio.Event, seconds: float) -> None:
 
 
 def _describe(msg: Msg, **fields: object) -> dict[str, object]:
-    return {"subject": msg.subject, "stream_seq": msg.metadata.sequence.stream, **fields}
+    return {"subject": msg.subject, "stream_seq": stream_sequence(msg), **fields}
 
 
 async def _each(msgs: Sequence[Msg], reply: Callable[[Msg], Awaitable[None]]) -> None:
