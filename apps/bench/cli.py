@@ -7,6 +7,10 @@ import argparse
 import asyncio
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from apps.settings import BenchSettings
 
 
 def add_commands(bench: argparse.ArgumentParser) -> None:
@@ -38,7 +42,7 @@ def add_commands(bench: argparse.ArgumentParser) -> None:
     score.set_defaults(func=cmd_score)
 
 
-def _settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _settings(args: argparse.Namespace) -> BenchSettings:
     from apps.settings import BenchSettings
 
     settings = BenchSettings()
@@ -48,6 +52,7 @@ def _settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def cmd_run(args: argparse.Namespace) -> None:
+    import nats.errors
     from rich.console import Console
 
     from apps.bench.config import ConfigError, load_config
@@ -61,17 +66,25 @@ def cmd_run(args: argparse.Namespace) -> None:
     if args.no_publish and not args.out:
         sys.exit("helexa bench: --no-publish needs --out, or the results go nowhere")
     nats_url = None if args.no_publish else _settings(args).nats_url
-    failures = asyncio.run(run_bench(config, specs, nats_url, args.out, console))
+    try:
+        failures = asyncio.run(run_bench(config, specs, nats_url, args.out, console))
+    except (OSError, TimeoutError, nats.errors.Error) as exc:
+        sys.exit(f"helexa bench: cannot publish to NATS at {nats_url} ({exc!r}); --no-publish --out FILE runs without it")
     sys.exit(1 if failures else 0)
 
 
 def cmd_report(args: argparse.Namespace) -> None:
+    import asyncpg
+
     from apps.bench import report
 
-    if args.results:
-        runs = report.runs_from_file(args.results)
-    else:
-        runs = asyncio.run(report.runs_from_database(_settings(args).database_url))
+    try:
+        if args.results:
+            runs = report.runs_from_file(args.results)
+        else:
+            runs = asyncio.run(report.runs_from_database(_settings(args).database_url))
+    except (OSError, ValueError, asyncpg.PostgresError) as exc:
+        sys.exit(f"helexa bench: cannot read bench runs: {exc}")
     text = report.render_markdown(runs) if args.format == "md" else report.render_json(runs)
     if args.output:
         Path(args.output).write_text(text + "\n", encoding="utf-8")
@@ -98,7 +111,10 @@ def cmd_score(args: argparse.Namespace) -> None:
     from apps.bus import wire
 
     settings = _settings(args)
-    found = asyncio.run(_find_run(settings.database_url, args.run))
+    try:
+        found = asyncio.run(_find_run(settings.database_url, args.run))
+    except OSError as exc:
+        sys.exit(f"helexa bench: cannot reach PostgreSQL at DATABASE_URL: {exc}")
     if found is None:
         sys.exit(f"helexa bench: no bench run {args.run!r} in bench_runs")
     model, scenario = found

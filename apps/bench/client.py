@@ -4,6 +4,7 @@ time to first generated token, gaps between generated chunks, usage and the opti
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -93,7 +94,8 @@ def chat_body(model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
 
 
 async def stream_chat(http: httpx.AsyncClient, body: dict[str, Any], timeout_s: float) -> StreamResult:
-    """Send `body` to `/chat/completions` under `http`'s base URL and time the stream."""
+    """Send `body` to `/chat/completions` under `http`'s base URL and time the stream; `timeout_s`
+    bounds the whole request, not each read."""
     start = time.perf_counter()
     first: float | None = None
     last: float | None = None
@@ -104,7 +106,7 @@ async def stream_chat(http: httpx.AsyncClient, body: dict[str, Any], timeout_s: 
     usage: dict[str, Any] | None = None
     finish_reason: str | None = None
     try:
-        async with http.stream("POST", "chat/completions", json=body, timeout=timeout_s) as response:
+        async with asyncio.timeout(timeout_s), http.stream("POST", "chat/completions", json=body) as response:
             if response.status_code != 200:
                 detail = (await response.aread()).decode("utf-8", "replace")[:500]
                 raise StreamFailed(f"HTTP {response.status_code}: {detail}", response.status_code)
@@ -137,6 +139,8 @@ async def stream_chat(http: httpx.AsyncClient, body: dict[str, Any], timeout_s: 
                     usage = chunk["usage"]
     except httpx.HTTPError as exc:
         raise StreamFailed(f"{type(exc).__name__}: {exc}") from exc
+    except TimeoutError:
+        raise StreamFailed(f"no complete answer within {timeout_s:g} s") from None
     total = time.perf_counter() - start
     if first is None or last is None:
         raise StreamFailed("the stream ended without any generated content or reasoning")

@@ -47,6 +47,10 @@ def outcome_events(
     return run, scores
 
 
+async def _reported_later(exc: Exception) -> None:
+    """Connection errors surface as the exception `connect` or `publish` raises; no log per retry."""
+
+
 class EventPublisher:
     """Publishes bench events onto EVENTS and waits for each JetStream ack: a result the stream did not
     take is an error here, not a warning, since the bench exists to record it."""
@@ -57,7 +61,7 @@ class EventPublisher:
 
     async def __aenter__(self) -> EventPublisher:
         self._nc = await nats.connect(self.nats_url, name="helexa-bench", connect_timeout=5,
-                                      max_reconnect_attempts=3, reconnect_time_wait=0.5)
+                                      max_reconnect_attempts=3, reconnect_time_wait=0.5, error_cb=_reported_later)
         await topology.ensure_topology(self._nc.jetstream())
         return self
 
