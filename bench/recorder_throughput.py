@@ -23,7 +23,7 @@ by less than one batch over the whole load. Gate: every client request succeeded
 the successful `runs` match the stream and the clients exactly once the load stops.
 
     python bench/recorder_throughput.py --runs 3 --out bench/results/recorder_throughput-cpu.json
-    python bench/recorder_throughput.py --lag-only --out bench/results/recorder_lag-cpu.json
+    python bench/recorder_throughput.py --lag-only --lag-seconds 60    # just the lag
 """
 
 from __future__ import annotations
