@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,11 +26,11 @@ _WORDS = ("the river moves slowly past old stone houses while children play near
           "birds sing above quiet roads under a wide blue sky").split()
 
 
-def build_prompt(approx_tokens: int, sample: int) -> str:
-    """About `approx_tokens` tokens of prose. The sample number leads, so no sample is served from a
-    previous one's prefix cache and every prefill is measured in full."""
+def build_prompt(approx_tokens: int) -> str:
+    """About `approx_tokens` tokens of prose, led by a random tag, so no prompt is served from the
+    prefix cache of an earlier sample (or an earlier bench) and every prefill is measured in full."""
     words = [_WORDS[i % len(_WORDS)] for i in range(max(approx_tokens - 16, 8))]
-    return f"Sample {sample}. Continue this story in your own words: " + " ".join(words)
+    return f"Sample {uuid.uuid4().hex[:8]}. Continue this story in your own words: " + " ".join(words)
 
 
 @dataclass(slots=True)
@@ -85,8 +86,8 @@ async def _samples(ctx: BenchContext, prompt_tokens: int) -> tuple[list[StreamRe
     """`samples` requests one after another: the batch-1 view of a prompt size."""
     ok: list[StreamResult] = []
     errors: list[str] = []
-    for sample in range(ctx.config.samples):
-        body = chat_body(ctx.model, build_prompt(prompt_tokens, sample), ctx.config.max_tokens)
+    for _ in range(ctx.config.samples):
+        body = chat_body(ctx.model, build_prompt(prompt_tokens), ctx.config.max_tokens)
         result = await _one(ctx, body)
         if isinstance(result, StreamFailed):
             errors.append(str(result))
@@ -123,9 +124,9 @@ async def run_chat(ctx: BenchContext, spec: ScenarioSpec, outcome: Outcome) -> N
     outcome.score("decode_tok_s", outcome.results["decode_tok_s"], "tok/s")
 
 
-async def _burst(ctx: BenchContext, n: int, sample: int) -> dict[str, Any]:
+async def _burst(ctx: BenchContext, n: int) -> dict[str, Any]:
     """n identical streams at once; node throughput is all their tokens over the burst's wall time."""
-    body = chat_body(ctx.model, build_prompt(ctx.config.concurrency_prompt_tokens, sample), ctx.config.max_tokens)
+    body = chat_body(ctx.model, build_prompt(ctx.config.concurrency_prompt_tokens), ctx.config.max_tokens)
     start = time.perf_counter()
     results = await asyncio.gather(*(_one(ctx, body) for _ in range(n)))
     window = time.perf_counter() - start
@@ -143,7 +144,7 @@ async def _burst(ctx: BenchContext, n: int, sample: int) -> dict[str, Any]:
 
 
 async def run_concurrency(ctx: BenchContext, spec: ScenarioSpec, outcome: Outcome) -> None:
-    bursts = [await _burst(ctx, spec.size, sample) for sample in range(ctx.config.samples)]
+    bursts = [await _burst(ctx, spec.size) for _ in range(ctx.config.samples)]
     ttfts = [t for b in bursts for t in b["ttft_ms"]]
     queue = [q for b in bursts for q in b["queue_ms"]]
     throughput = [b["throughput_tok_s"] for b in bursts if b["throughput_tok_s"] is not None]
@@ -229,7 +230,7 @@ async def run_swap(ctx: BenchContext, spec: ScenarioSpec, outcome: Outcome) -> N
         return
     finally:
         await nc.close()
-    cold = await _one(ctx, chat_body(ctx.model, build_prompt(128, 0), ctx.config.max_tokens))
+    cold = await _one(ctx, chat_body(ctx.model, build_prompt(128), ctx.config.max_tokens))
     outcome.results = {"unload_ms": (unloaded - started) * 1000, "load_ms": (loaded - unloaded) * 1000}
     if isinstance(cold, StreamFailed):
         outcome.error = f"cold request after reload failed: {cold}"
