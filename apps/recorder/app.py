@@ -292,8 +292,9 @@ async def _consume(recorder: Recorder, puller: BatchPuller) -> None:
             writing.add(asyncio.create_task(recorder.record(pending)))
     finally:
         # Let the batches being written commit and ack; hand back what was fetched ahead.
-        if writing:
-            await asyncio.gather(*writing, return_exceptions=True)
+        for result in await asyncio.gather(*writing, return_exceptions=True):
+            if isinstance(result, BaseException):
+                log.error("batch write failed", extra={"error": repr(result)})
         await _each(await ahead, Msg.nak)
 
 
