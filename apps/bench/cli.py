@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -59,6 +60,7 @@ def cmd_run(args: argparse.Namespace) -> None:
     from apps.bench.runner import run_bench
 
     console = Console(stderr=True)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would bury the progress bar
     try:
         config, specs = load_config(args.config)
     except ConfigError as exc:

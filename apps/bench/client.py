@@ -106,7 +106,10 @@ async def stream_chat(http: httpx.AsyncClient, body: dict[str, Any], timeout_s: 
     usage: dict[str, Any] | None = None
     finish_reason: str | None = None
     try:
-        async with asyncio.timeout(timeout_s), http.stream("POST", "chat/completions", json=body) as response:
+        async with (
+            asyncio.timeout(timeout_s),
+            http.stream("POST", "chat/completions", json=body, timeout=timeout_s) as response,
+        ):
             if response.status_code != 200:
                 detail = (await response.aread()).decode("utf-8", "replace")[:500]
                 raise StreamFailed(f"HTTP {response.status_code}: {detail}", response.status_code)

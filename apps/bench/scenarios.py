@@ -162,7 +162,9 @@ async def run_concurrency(ctx: BenchContext, spec: ScenarioSpec, outcome: Outcom
         "bursts": bursts,
     }
     if not ttfts:
-        outcome.error = f"every stream of every burst failed ({shed} shed by admission)"
+        errors = [e for b in bursts for e in b["errors"]]
+        outcome.error = f"every stream of every burst failed ({shed} shed by admission)" + (
+            f": {errors[0]}" if errors else "")
         return
     outcome.score("ttft_median_ms", outcome.results["ttft_median_ms"], "ms")
     outcome.score("ttft_p95_ms", outcome.results["ttft_p95_ms"], "ms")
