@@ -149,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     migrate = sub.add_parser("migrate", help="apply database migrations")
     migrate.set_defaults(func=cmd_migrate)
+
+    from apps.bench.cli import add_commands as add_bench_commands
+
+    add_bench_commands(sub.add_parser("bench", help="benchmark any OpenAI-compatible endpoint; report; score runs"))
     return parser
 
 

@@ -132,6 +132,14 @@ class RecorderSettings:
             raise ValueError("HELEXA_RECORDER_ACK_WAIT_S must be at least 1")
 
 
+@dataclass(slots=True)
+class BenchSettings:
+    """Where `helexa bench` publishes its events and where `bench report` / `bench score` read runs."""
+
+    nats_url: str = field(default_factory=lambda: _env("NATS_URL", DEFAULT_NATS_URL))
+    database_url: str = field(default_factory=lambda: _env("DATABASE_URL", DEFAULT_DATABASE_URL))
+
+
 def data_dir() -> Path:
     return Path(_env("HELEXA_DATA_DIR", ".helexa")).resolve()
 

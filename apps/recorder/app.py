@@ -24,7 +24,7 @@ import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from apps.bus.pull import BatchPuller
+from apps.bus.pull import BatchPuller, stream_sequence
 from apps.bus.topology import EVENTS_STREAM, RECORDER_CONSUMER, connect, ensure_topology, recorder_puller, replay_puller
 from apps.bus.wire import Event, event_decoder
 from apps.logs import announce_ready, monotonic_ms
@@ -37,6 +37,9 @@ log = logging.getLogger("helexa.recorder")
 FIRST_RETRY_S = 0.2
 MAX_RETRY_S = 5.0
 REPLAY_BATCH = 1000
+# Batches committing at once. Their transactions overlap, so one batch's WAL flush runs while the next
+# is copied and projected; the projections are written for recorders side by side, so this is safe.
+WRITERS = 2
 
 # Errors that mean "the database is not reachable right now", as opposed to a bad statement.
 # Deadlocks and serialization failures between concurrent recorders are retried the same way.
@@ -70,6 +73,7 @@ class Recorder:
         self.settings = settings
         self.stop = stop
         self.pool: asyncpg.Pool | None = None
+        self._pool_lock = asyncio.Lock()
         # Well inside the consumer's ack_wait.
         self.in_progress_every_s = settings.ack_wait_s / 4
 
@@ -86,7 +90,6 @@ class Recorder:
                     "postgres unavailable, retrying",
                     extra={"during": what, "error": repr(exc), "retry_in_s": delay, "held": len(held)},
                 )
-                await self.close_pool()
             if held and time.monotonic() - last_progress >= self.in_progress_every_s:
                 await _each(held, Msg.in_progress)
                 last_progress = time.monotonic()
@@ -96,15 +99,28 @@ class Recorder:
 
     @asynccontextmanager
     async def connection(self) -> AsyncIterator[asyncpg.Connection]:
-        if self.pool is None:
-            self.pool = await asyncpg.create_pool(self.settings.database_url, min_size=0, max_size=2, timeout=5)
-        async with self.pool.acquire() as conn:
-            yield conn
+        async with self._pool_lock:
+            if self.pool is None:
+                self.pool = await asyncpg.create_pool(
+                    self.settings.database_url, min_size=0, max_size=WRITERS, timeout=5
+                )
+            pool = self.pool
+        try:
+            async with pool.acquire() as conn:
+                yield conn
+        except _UNAVAILABLE as exc:
+            # Start over with fresh connections, unless this transaction only lost a deadlock or
+            # serialization conflict. Only the pool this write used: another writer failing on the
+            # same outage must not close the pool a retry has opened meanwhile.
+            if not isinstance(exc, asyncpg.exceptions.TransactionRollbackError) and self.pool is pool:
+                self.pool = None
+                pool.terminate()
+            raise
 
     async def write(self, pending: Pending) -> int:
         async with self.connection() as conn:
             return await projector.project(
-                conn, [projector.Recorded(msg.subject, e, msg.metadata.sequence.stream) for msg, e in pending]
+                conn, [projector.Recorded(msg.subject, e, stream_sequence(msg)) for msg, e in pending]
             )
 
     async def record(self, pending: Pending, acks: bool = True) -> int:
@@ -176,7 +192,7 @@ class Recorder:
                 pending = await decode(msgs, settle=False)
                 if pending:
                     recorded += await self.record(pending, acks=False)
-                if msgs[-1].metadata.sequence.stream >= state.last_seq:
+                if stream_sequence(msgs[-1]) >= state.last_seq:
                     break
         finally:
             await _forget(puller)
@@ -197,7 +213,7 @@ async def _pause(stop: asyncio.Event, seconds: float) -> None:
 
 
 def _describe(msg: Msg, **fields: object) -> dict[str, object]:
-    return {"subject": msg.subject, "stream_seq": msg.metadata.sequence.stream, **fields}
+    return {"subject": msg.subject, "stream_seq": stream_sequence(msg), **fields}
 
 
 async def _each(msgs: Sequence[Msg], reply: Callable[[Msg], Awaitable[None]]) -> None:
@@ -257,18 +273,28 @@ async def _fetch(puller: BatchPuller, batch_size: int, stop: asyncio.Event) -> l
 
 
 async def _consume(recorder: Recorder, puller: BatchPuller) -> None:
-    """Record batch after batch; the next batch is fetched while the current one commits."""
+    """Record batch after batch, up to WRITERS at once; the next batch is fetched while they commit.
+    Each batch is acked after its own commit, whatever order the commits finish in."""
     stop, batch_size = recorder.stop, recorder.settings.batch_size
+    writing: set[asyncio.Task[int]] = set()
     ahead = asyncio.create_task(_fetch(puller, batch_size, stop))
     try:
         while not stop.is_set():
             msgs = await ahead
             ahead = asyncio.create_task(_fetch(puller, batch_size, stop))
             pending = await decode(msgs)
-            if pending:
-                await recorder.record(pending)
+            if not pending:
+                continue
+            if len(writing) >= WRITERS:
+                done, writing = await asyncio.wait(writing, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    task.result()  # a write fails only on a bug: let it end the recorder
+            writing.add(asyncio.create_task(recorder.record(pending)))
     finally:
-        # Hand back what was fetched ahead rather than leave it waiting out ack_wait.
+        # Let the batches being written commit and ack; hand back what was fetched ahead.
+        for result in await asyncio.gather(*writing, return_exceptions=True):
+            if isinstance(result, BaseException):
+                log.error("batch write failed", extra={"error": repr(result)})
         await _each(await ahead, Msg.nak)
 
 

@@ -1,8 +1,8 @@
 """The SQL side of the recorder: a batch of events into `events`, and from there into the projections.
 
-One transaction per batch. The batch is COPYed into a staging table, inserted into `events` with
-ON CONFLICT DO NOTHING, and the staging table is cut down to the events this insert actually
-added; only those are projected, so a redelivered event is a no-op and at-least-once delivery
+One transaction per batch. The batch is COPYed into a staging table, inserted into `events` (an
+event already there is not inserted again), and the staging table is cut down to the events this
+insert actually added; only those are projected, so a redelivered event is a no-op and at-least-once delivery
 yields exactly-once rows.
 
 Every projection is one INSERT … SELECT over the events' JSON payloads. The same statements read
@@ -63,14 +63,19 @@ class Recorded(NamedTuple):
 # The staging table lives for the session and is emptied at every commit.
 _CREATE_STAGING = f"CREATE TEMP TABLE IF NOT EXISTS {_STAGING} (LIKE events INCLUDING DEFAULTS) ON COMMIT DELETE ROWS"
 
+# A copy already recorded only lowers `stream_seq` to the earliest copy seen, whichever batch commits
+# first (batches of one recorder, or of several, commit in any order). `xmax = 0` marks a row this
+# statement inserted rather than updated: only those are new, and only they stay staged.
 _INSERT_NEW = f"""
 WITH fresh AS (
-    INSERT INTO events ({", ".join(_EVENT_COLUMNS)})
+    INSERT INTO events AS old ({", ".join(_EVENT_COLUMNS)})
     SELECT {", ".join(_EVENT_COLUMNS)} FROM {_STAGING} ORDER BY event_id
-    ON CONFLICT (event_id) DO NOTHING
-    RETURNING event_id
+    ON CONFLICT (event_id) DO UPDATE SET stream_seq = EXCLUDED.stream_seq
+        WHERE EXCLUDED.stream_seq < old.stream_seq
+    RETURNING event_id, old.xmax = 0 AS inserted
 )
-DELETE FROM {_STAGING} AS s WHERE NOT EXISTS (SELECT FROM fresh WHERE fresh.event_id = s.event_id)
+DELETE FROM {_STAGING} AS s
+WHERE NOT EXISTS (SELECT FROM fresh WHERE fresh.event_id = s.event_id AND fresh.inserted)
 """
 
 # Everything about a run except its identity, first start and latest event belongs to one attempt.

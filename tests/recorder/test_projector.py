@@ -112,6 +112,20 @@ async def test_stream_seq_is_the_first_copys(conn: asyncpg.Connection) -> None:
     assert await conn.fetchval("SELECT stream_seq FROM events") == 5
 
 
+async def test_stream_seq_is_the_earliest_copys_whichever_batch_commits_first(conn: asyncpg.Connection) -> None:
+    """Batches commit in any order (a recorder's concurrent writers, or several recorders); the later
+    copy committing first is corrected by the earlier one, which still counts as nothing new."""
+    start, finish = started("r8"), finished("r8")
+    subject = event_subject(event_kind(start), start.model)
+    assert await project(conn, [Recorded(subject, start, 9), Recorded(subject, finish, 10)]) == 2
+    assert await project(conn, [Recorded(subject, start, 4)]) == 0
+    assert await project(conn, [Recorded(subject, start, 12)]) == 0
+    assert await conn.fetchval("SELECT stream_seq FROM events WHERE event_id = $1", start.event_id) == 4
+    assert await conn.fetchval("SELECT count(*) FROM events") == 2
+    row = await conn.fetchrow("SELECT status, completion_tokens FROM runs WHERE request_id = 'r8'")
+    assert (row["status"], row["completion_tokens"]) == ("ok", 7)
+
+
 @pytest.mark.parametrize("order", ["older_first", "newer_first", "same_batch"])
 async def test_a_republished_bench_run_keeps_its_latest_copy(conn: asyncpg.Connection, order: str) -> None:
     older = bench_run("b2", ts=100.0, results={"decode_tok_s": 50.0})
