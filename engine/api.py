@@ -12,6 +12,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 
+class DeviceFault(RuntimeError):
+    """The accelerator failed under the model (an illegal access, a lost device): its weights and
+    KV cache can no longer be trusted, so the worker poisons the model until it is reloaded."""
+
+
 class FinishReason(enum.StrEnum):
     STOP = "stop"
     LENGTH = "length"

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 
 import msgspec
 import nats.errors
@@ -16,6 +17,8 @@ from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from apps.bus import topology, wire
 from apps.bus.topology import BusLimits
+from apps.fleet import control_client
+from apps.fleet.catalogue import CatalogueEntry
 from apps.gateway.admission import Admission, AdmissionLimits
 from apps.gateway.metrics import GatewayMetrics
 
@@ -27,14 +30,28 @@ class ReplyTimeout(Exception):
 
 
 class ReplyStream:
-    """Frames of one request's reply subject, in order, duplicates and stale attempts dropped."""
+    """Frames of one request's reply subject, in order, duplicates and stale attempts dropped.
 
-    def __init__(self, subscription: Subscription, alive: Subscription) -> None:
+    Once the client has been sent text, `lock()` pins the attempt that sent it: a later attempt
+    (JetStream redelivered the request) would start the text again, so its frames are dropped.
+    """
+
+    def __init__(self, subscription: Subscription, alive: Subscription,
+                 on_close: Callable[[], None] | None = None) -> None:
         self._sub = subscription
         self._alive = alive
+        self._on_close = on_close
         self._next_seq = 0
         self._attempt = 0
+        self._locked = False
         self.node: str | None = None
+
+    @property
+    def attempt(self) -> int:
+        return self._attempt
+
+    def lock(self) -> None:
+        self._locked = True
 
     async def next(self, timeout_s: float) -> wire.ReplyFrame:
         deadline = time.monotonic() + timeout_s
@@ -53,7 +70,7 @@ class ReplyStream:
                 continue
             if frame.attempt != self._attempt:
                 # A redelivered request restarts the sequence; only a fresh attempt may do so.
-                if frame.attempt < self._attempt:
+                if frame.attempt < self._attempt or self._locked:
                     continue
                 self._attempt, self._next_seq = frame.attempt, 0
             if frame.seq < self._next_seq:
@@ -64,6 +81,9 @@ class ReplyStream:
             return frame
 
     async def close(self) -> None:
+        if self._on_close is not None:
+            self._on_close()
+            self._on_close = None
         for sub in (self._sub, self._alive):
             try:
                 await sub.unsubscribe()
@@ -74,8 +94,16 @@ class ReplyStream:
 class GatewayBus:
     def __init__(self, nc: NatsClient, kv: KeyValue, limits: BusLimits,
                  admission: AdmissionLimits | None = None,
-                 per_model: dict[str, AdmissionLimits] | None = None) -> None:
+                 per_model: dict[str, AdmissionLimits] | None = None,
+                 catalogue: dict[str, CatalogueEntry] | None = None, cold_start_wait_s: float = 120.0) -> None:
         self.metrics = GatewayMetrics()
+        self.catalogue = catalogue or {}
+        self.cold_start_wait_s = cold_start_wait_s
+        self._loads: dict[str, asyncio.Task[dict]] = {}
+        self._nodes_changed = asyncio.Event()
+        # Stream sequence of each request this gateway waits on -> its reply subject, so a
+        # max-deliveries advisory (which names only the sequence) reaches the right client.
+        self._waiting: dict[int, str] = {}
         self.admission_limits = admission or AdmissionLimits()
         self.per_model_admission = per_model or {}
         self._admissions: dict[str, Admission] = {}
@@ -91,14 +119,17 @@ class GatewayBus:
 
     @classmethod
     async def connect(cls, url: str, limits: BusLimits | None = None, admission: AdmissionLimits | None = None,
-                      per_model: dict[str, AdmissionLimits] | None = None) -> GatewayBus:
+                      per_model: dict[str, AdmissionLimits] | None = None,
+                      catalogue: dict[str, CatalogueEntry] | None = None,
+                      cold_start_wait_s: float = 120.0) -> GatewayBus:
         limits = limits or BusLimits()
         nc = await topology.connect(url, name="helexa-gateway")
         js = nc.jetstream()
         await topology.ensure_topology(js, limits)
         kv = await topology.node_registry(js, limits)
-        bus = cls(nc, kv, limits, admission, per_model)
+        bus = cls(nc, kv, limits, admission, per_model, catalogue, cold_start_wait_s)
         bus._node_watch = asyncio.create_task(bus.watch_nodes())
+        await nc.subscribe(topology.max_deliveries_advisories(), cb=bus._on_max_deliveries)
         return bus
 
     async def close(self) -> None:
@@ -117,7 +148,7 @@ class GatewayBus:
         alive = await self.nc.subscribe(topology.alive_subject(request.reply_subject), cb=still_listening)
         request = msgspec.structs.replace(request, liveness_probe=True)
         try:
-            await self.js.publish(
+            ack = await self.js.publish(
                 topology.request_subject(request.model),
                 wire.encode(request),
                 headers={"Nats-Msg-Id": request.request_id},
@@ -126,7 +157,31 @@ class GatewayBus:
             await sub.unsubscribe()
             await alive.unsubscribe()
             raise
-        return ReplyStream(sub, alive)
+        self._waiting[ack.seq] = request.reply_subject
+        return ReplyStream(sub, alive, on_close=lambda: self._waiting.pop(ack.seq, None))
+
+    async def _on_max_deliveries(self, msg: Msg) -> None:
+        """JetStream gave up on a request (every delivery's worker died holding it): tell its client
+        now instead of letting it wait out a deadline, and drop the message from the stream."""
+        try:
+            advisory = json.loads(msg.data)
+            seq = int(advisory["stream_seq"])
+        except (ValueError, KeyError, TypeError):
+            return
+        reply_subject = self._waiting.pop(seq, None)
+        if reply_subject is None:
+            return  # another gateway's request
+        deliveries = int(advisory.get("deliveries") or self.limits.max_deliver)
+        frame = wire.ErrorFrame(
+            seq=0, attempt=deliveries + 1, status=500, code="delivery_failed",
+            message=f"The request was tried {deliveries} times and every worker serving it stopped; "
+                    "it will not be tried again.",
+        )
+        await self.nc.publish(reply_subject, wire.encode(frame))
+        try:
+            await self.js.delete_msg(topology.REQUESTS_STREAM, seq)
+        except (nats.errors.Error, TimeoutError) as exc:
+            log.warning("could not drop an undeliverable request", extra={"seq": seq, "error": str(exc)})
 
     def admission(self, model: str) -> Admission:
         """This gateway's admission control for `model`, with its own limits if configured."""
@@ -167,11 +222,13 @@ class GatewayBus:
                     continue
                 if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
                     self._nodes.pop(entry.key, None)
-                    continue
-                try:
-                    self._nodes[entry.key] = wire.node_decoder.decode(entry.value)
-                except msgspec.DecodeError:
-                    log.warning("undecodable node entry ignored", extra={"node": entry.key})
+                else:
+                    try:
+                        self._nodes[entry.key] = wire.node_decoder.decode(entry.value)
+                    except msgspec.DecodeError:
+                        log.warning("undecodable node entry ignored", extra={"node": entry.key})
+                self._nodes_changed.set()
+                self._nodes_changed = asyncio.Event()
         finally:
             await watcher.stop()
 
@@ -182,6 +239,27 @@ class GatewayBus:
         nodes = [n for n in self._nodes.values() if n.updated_at >= horizon and n.status != "stopping"]
         self.metrics.set_nodes(nodes)
         return nodes
+
+    async def wait_for_model(self, model: str, timeout_s: float) -> list[wire.NodeStatus]:
+        """Live nodes serving `model` ready, waiting for the registry to show one (TimeoutError)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            changed = self._nodes_changed
+            nodes = [n for n in await self.live_nodes()
+                     if any(m.model == model and m.state == "ready" for m in n.models)]
+            if nodes:
+                return nodes
+            await asyncio.wait_for(changed.wait(), max(deadline - time.monotonic(), 0.001))
+
+    def load_once(self, model: str) -> asyncio.Task[dict]:
+        """One load of `model` through the control endpoint, shared by every request waiting on it."""
+        task = self._loads.get(model)
+        if task is None:
+            task = asyncio.create_task(control_client.load_model(
+                self.nc, model, timeout_s=max(self.cold_start_wait_s, 600.0), catalogue=self.catalogue))
+            self._loads[model] = task
+            task.add_done_callback(lambda _: self._loads.pop(model, None))
+        return task
 
     async def model_is_known(self, model: str) -> bool:
         return await topology.model_is_known(self.js, model)
