@@ -233,9 +233,12 @@ async def model_is_known(js: JetStreamContext, model: str) -> bool:
 
 
 async def connect(url: str, name: str) -> NatsClient:
-    """Connect with reconnects forever: the apps ride out a NATS restart instead of exiting."""
+    """Connect with reconnects forever: the apps ride out a NATS restart instead of exiting.
+
+    `url` may list several servers of a cluster, comma-separated; any of them will do.
+    """
     return await nats.connect(
-        url,
+        [u.strip() for u in url.split(",") if u.strip()],
         name=name,
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,

@@ -16,6 +16,7 @@ from nats.aio.subscription import Subscription
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from apps.bus import topology, wire
+from apps.bus.publish import publish
 from apps.bus.topology import BusLimits
 from apps.fleet import control_client
 from apps.fleet.catalogue import CatalogueEntry
@@ -148,11 +149,8 @@ class GatewayBus:
         alive = await self.nc.subscribe(topology.alive_subject(request.reply_subject), cb=still_listening)
         request = msgspec.structs.replace(request, liveness_probe=True)
         try:
-            ack = await self.js.publish(
-                topology.request_subject(request.model),
-                wire.encode(request),
-                headers={"Nats-Msg-Id": request.request_id},
-            )
+            ack = await publish(self.js, topology.request_subject(request.model), wire.encode(request),
+                                request.request_id)
         except BaseException:
             await sub.unsubscribe()
             await alive.unsubscribe()
@@ -191,8 +189,8 @@ class GatewayBus:
 
     async def publish_event(self, event: wire.AnyEvent) -> None:
         try:
-            await self.js.publish(topology.event_subject(wire.event_kind(event), event.model), wire.encode(event),
-                                  headers={"Nats-Msg-Id": event.event_id})
+            await publish(self.js, topology.event_subject(wire.event_kind(event), event.model), wire.encode(event),
+                          event.event_id)
         except (nats.errors.Error, TimeoutError) as exc:
             log.warning("event publish failed", extra={"kind": wire.event_kind(event), "error": str(exc)})
 

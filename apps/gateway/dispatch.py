@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import msgspec
+import nats.errors
 from litestar import Request
 
 from apps.bus import wire
@@ -301,7 +302,14 @@ async def _publish_and_wait(
     handler: str,
 ) -> Generation:
     ctx = {"model": request.model, "request_id": request.request_id}
-    reply = await bus.submit(request)
+    try:
+        reply = await bus.submit(request)
+    except (nats.errors.Error, TimeoutError) as exc:
+        # E.g. a NATS server of the cluster died and its streams are electing new leaders.
+        bus.metrics.rejections.labels(request.model, "bus_unavailable").inc()
+        raise ApiError(503, "The request could not be queued (the message bus is unavailable); retry shortly.",
+                       code="bus_unavailable", retry_after_s=retry_after_s(),
+                       context={**ctx, "detail": f"publish failed: {exc!r}"}) from None
     try:
         frame = await reply.next(max(request.deadline - time.time(), 0.001))
     except ReplyTimeout:

@@ -23,6 +23,7 @@ from nats.aio.msg import Msg
 from nats.micro.request import Request as ServiceRequest
 
 from apps.bus import topology, wire
+from apps.bus.publish import publish
 from apps.bus.topology import BusLimits
 from apps.fleet.catalogue import CatalogueEntry
 from apps.logs import announce_ready
@@ -117,9 +118,7 @@ class Worker:
     async def publish_event(self, event: wire.AnyEvent) -> None:
         kind = wire.event_kind(event)
         try:
-            await self.js.publish(
-                topology.event_subject(kind, event.model), wire.encode(event), headers={"Nats-Msg-Id": event.event_id}
-            )
+            await publish(self.js, topology.event_subject(kind, event.model), wire.encode(event), event.event_id)
         except (nats.errors.Error, TimeoutError) as exc:
             log.warning("event publish failed", extra={"kind": kind, "request_id": getattr(event, "request_id", None),
                                                            "error": str(exc)})
