@@ -211,13 +211,32 @@ class GatewayBus:
 
     async def watch_nodes(self) -> None:
         """Keep `_nodes` current from one long-lived watch on the registry bucket, instead of
-        listing keys per request (slow, and racy while workers rewrite their entries)."""
+        listing keys per request (slow, and racy while workers rewrite their entries).
+
+        Live workers rewrite their entries every few seconds, so a watch silent for half the TTL
+        has most likely lost its consumer (e.g. the NATS server holding it died): start a new one
+        before every entry looks expired.
+        """
+        while True:
+            try:
+                await self._watch_once(self.limits.node_ttl_s / 2)
+            except (nats.errors.Error, TimeoutError) as exc:
+                log.warning("node registry watch failed; restarting it", extra={"error": repr(exc)})
+                await asyncio.sleep(0.5)
+
+    async def _watch_once(self, silence_s: float) -> None:
         watcher = await self.kv.watchall()
         try:
-            async for entry in watcher:
+            while True:
+                try:
+                    entry = await watcher.updates(timeout=silence_s)
+                except TimeoutError:  # nats-py's TimeoutError is one too
+                    return
                 if entry is None:  # the end of the initial values
                     self._nodes_ready.set()
                     continue
+                if not hasattr(entry, "operation"):  # the watcher was stopped under us
+                    return
                 if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
                     self._nodes.pop(entry.key, None)
                 else:
@@ -228,7 +247,10 @@ class GatewayBus:
                 self._nodes_changed.set()
                 self._nodes_changed = asyncio.Event()
         finally:
-            await watcher.stop()
+            try:
+                await watcher.stop()
+            except (nats.errors.Error, TimeoutError):
+                pass
 
     async def live_nodes(self) -> list[wire.NodeStatus]:
         """Nodes whose last refresh is younger than the bucket's TTL (expiry leaves no marker)."""

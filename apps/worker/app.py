@@ -61,6 +61,7 @@ class Worker:
         self.sources: dict[str, tuple[str, int]] = {}
         self.loading: set[str] = set()
         self._lifecycle = asyncio.Lock()
+        self._last_summary: tuple[str, tuple[tuple[str, str], ...]] | None = None
         # Cancellations for requests not pulled yet; bounded so a flood cannot grow it forever.
         self._cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
 
@@ -124,7 +125,19 @@ class Worker:
                                                            "error": str(exc)})
 
     async def publish_status(self, state: str = "ready") -> None:
-        await self.kv.put(self.node, wire.encode(self.status(state)))
+        status = self.status(state)
+        await self.kv.put(self.node, wire.encode(status))
+        # The ledger hears of changes (models loaded or unloaded, poisoned), not of every refresh.
+        degraded = any(m.state != "ready" for m in status.models)
+        summary = ("degraded" if degraded and state == "ready" else state, tuple((m.model, m.state) for m in status.models))
+        if summary != self._last_summary:
+            self._last_summary = summary
+            await self.publish_event(wire.NodeStatusChanged(
+                model=status.models[0].model if status.models else "-", node=self.node, status=summary[0],
+                version=status.version, models=[m.model for m in status.models],
+                slots=sum(m.slots for m in status.models), free_slots=sum(m.free_slots for m in status.models),
+                kv_usage=max((m.kv_usage for m in status.models), default=None),
+            ))
 
     # -- bus handlers ------------------------------------------------------------------------
 

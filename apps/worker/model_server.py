@@ -23,7 +23,7 @@ from apps.worker import serve
 from apps.worker.context_limit import ContextLimit
 from apps.worker.prompt import RequestRejected, build_prompt, sampling_options
 from apps.worker.replies import Replier
-from engine.api import DeviceFault, Engine
+from engine.api import DeviceFault, Engine, is_device_fault
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("helexa.worker")
@@ -195,12 +195,13 @@ class ModelServer:
         try:
             reasons, error = await serve.generate(self.engine, self.tokenizer, replier, record, prompt, sampling)
             finish_reason = reasons[0]
+            if is_device_fault(error):
+                self._poison(error or "device fault")
+                error = "device_fault"
         except DeviceFault as exc:
-            log.error("device fault: model poisoned", extra={"model": self.model_id, "error": str(exc)})
-            self.poisoned = str(exc) or "device fault"
+            self._poison(str(exc) or "device fault")
             finish_reason, error = "error", "device_fault"
             await self.abort(request)
-            asyncio.create_task(self.host.publish_status())  # tell gateways now, not at the next refresh
         except Exception as exc:  # the run fails, the worker goes on
             log.exception("generation failed", extra={"request_id": request.request_id})
             finish_reason, error = "error", type(exc).__name__
@@ -218,6 +219,13 @@ class ModelServer:
             return record.finished_event("error", finish_reason, error)
         await replier.final(finish_reason, record.usage())
         return record.finished_event("cancelled" if finish_reason == "abort" else "ok", finish_reason)
+
+    def _poison(self, detail: str) -> None:
+        """Out of service until reloaded: the device's state can no longer be trusted."""
+        if self.poisoned is None:
+            log.error("device fault: model poisoned", extra={"model": self.model_id, "error": detail})
+            self.poisoned = detail
+            asyncio.create_task(self.host.publish_status())  # tell gateways now, not at the next refresh
 
     async def abort(self, request: wire.GenerateRequest) -> None:
         for engine_request_id in serve.engine_request_ids(request.request_id, request.sampling.n):

@@ -136,6 +136,12 @@ def test_a_silent_worker_leaves_the_registry_and_comes_back(fleet: Fleet) -> Non
             worker.process.send_signal(signal.SIGCONT)
         assert wait_until(lambda: model in listed(), timeout_s=30)
         assert ask(fleet, model, "hello") == "hi"
+        worker.kill()
+        assert wait_until(lambda: model not in listed(), timeout_s=30)
+    # The same node restarted is seen afresh.
+    with fleet.worker("ttl-a", model, {"default": "hi again"}):
+        assert model in listed()
+        assert ask(fleet, model, "hello") == "hi again"
 
 
 def wait_until(condition, timeout_s: float) -> bool:  # type: ignore[no-untyped-def]

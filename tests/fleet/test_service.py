@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from apps.bus import topology, wire
-from tests.fleet.conftest import COLD_MODEL, Fleet
+from tests.fleet.conftest import COLD_MODEL, Fleet, wait_events
 from tests.support import REPO
 
 
@@ -103,6 +103,8 @@ def test_cold_start_load_unload_and_poisoning(fleet: Fleet) -> None:
         poisoned = next(m for n in helexa(fleet, "models", "ls")["nodes"] for m in n["models"]
                         if m["model"] == COLD_MODEL)
         assert poisoned["state"] == "poisoned"
+        wait_events(fleet.nats_url, "helexa.events.node.status.>",
+                    lambda es: any(e.node == "life-a" and e.status == "degraded" for e in es))
         # A reload clears it.
         assert helexa(fleet, "models", "load", COLD_MODEL)["nodes"] == ["life-a"]
         assert ask(fleet, COLD_MODEL, "healed?") == "loaded on demand"
