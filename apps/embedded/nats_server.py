@@ -124,7 +124,8 @@ class NatsCluster:
         cluster_ports = [free_port() for _ in range(size)]
         routes = [f"nats://127.0.0.1:{p}" for p in cluster_ports]
         self.servers = [
-            NatsServer(Path(data_dir) / f"n{i}", cluster_port=port, routes=[r for r in routes if not r.endswith(f":{port}")])
+            NatsServer(Path(data_dir) / f"n{i}", cluster_port=port,
+                       routes=[r for r in routes if not r.endswith(f":{port}")])
             for i, port in enumerate(cluster_ports)
         ]
 

@@ -129,7 +129,8 @@ class Worker:
         await self.kv.put(self.node, wire.encode(status))
         # The ledger hears of changes (models loaded or unloaded, poisoned), not of every refresh.
         degraded = any(m.state != "ready" for m in status.models)
-        summary = ("degraded" if degraded and state == "ready" else state, tuple((m.model, m.state) for m in status.models))
+        summary = ("degraded" if degraded and state == "ready" else state,
+                   tuple((m.model, m.state) for m in status.models))
         if summary != self._last_summary:
             self._last_summary = summary
             await self.publish_event(wire.NodeStatusChanged(

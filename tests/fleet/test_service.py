@@ -111,7 +111,7 @@ def test_cold_start_load_unload_and_poisoning(fleet: Fleet) -> None:
         assert ask(fleet, "life-warm", "unaffected") == "loaded on demand"
 
 
-def test_cold_start_answers_503_when_loading_outlasts_the_wait(fleet: Fleet, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_cold_start_answers_503_when_loading_outlasts_the_wait(fleet: Fleet) -> None:
     from apps.embedded import free_port
     from tests.support import AppProcess
 
