@@ -56,8 +56,12 @@ def cancel_subject(request_id: str) -> str:
 
 
 def alive_subject(reply_subject: str) -> str:
-    """Where the requester answers "still listening"; no responders there means it is gone."""
+    """Where the requester answers "still listening"; no responders there means it is gone.
+    Asked with an attempt number, it answers ATTEMPT_TAKEN when another attempt already sent text."""
     return f"{reply_subject}.alive"
+
+
+ATTEMPT_TAKEN = b"taken"
 
 
 def worker_consumer(model: str) -> str:

@@ -37,11 +37,11 @@ class ReplyStream:
     (JetStream redelivered the request) would start the text again, so its frames are dropped.
     """
 
-    def __init__(self, subscription: Subscription, alive: Subscription,
-                 on_close: Callable[[], None] | None = None) -> None:
+    def __init__(self, subscription: Subscription) -> None:
         self._sub = subscription
-        self._alive = alive
-        self._on_close = on_close
+        # The requester's answer to liveness probes, and what to do on close; set by its owner.
+        self.alive: Subscription | None = None
+        self.on_close: Callable[[], None] | None = None
         self._next_seq = 0
         self._attempt = 0
         self._locked = False
@@ -50,6 +50,10 @@ class ReplyStream:
     @property
     def attempt(self) -> int:
         return self._attempt
+
+    @property
+    def locked_attempt(self) -> int | None:
+        return self._attempt if self._locked else None
 
     def lock(self) -> None:
         self._locked = True
@@ -82,10 +86,12 @@ class ReplyStream:
             return frame
 
     async def close(self) -> None:
-        if self._on_close is not None:
-            self._on_close()
-            self._on_close = None
-        for sub in (self._sub, self._alive):
+        if self.on_close is not None:
+            self.on_close()
+            self.on_close = None
+        for sub in (self._sub, self.alive):
+            if sub is None:
+                continue
             try:
                 await sub.unsubscribe()
             except nats.errors.Error:
@@ -142,21 +148,29 @@ class GatewayBus:
         """Listen on the reply subject first, then publish, so no frame can be missed. While this
         process lives it answers the worker's liveness probes; when it dies, nobody does."""
         sub = await self.nc.subscribe(request.reply_subject)
+        stream = ReplyStream(sub)
 
         async def still_listening(msg: Msg) -> None:
-            await msg.respond(b"")
+            # A worker about to serve a redelivered attempt asks with its attempt number: once
+            # another attempt has sent the client text, this one must not run at all.
+            try:
+                asking = int(msg.data) if msg.data else None
+            except ValueError:
+                asking = None
+            taken = asking is not None and stream.locked_attempt not in (None, asking)
+            await msg.respond(topology.ATTEMPT_TAKEN if taken else b"")
 
-        alive = await self.nc.subscribe(topology.alive_subject(request.reply_subject), cb=still_listening)
+        stream.alive = await self.nc.subscribe(topology.alive_subject(request.reply_subject), cb=still_listening)
         request = msgspec.structs.replace(request, liveness_probe=True)
         try:
             ack = await publish(self.js, topology.request_subject(request.model), wire.encode(request),
                                 request.request_id)
         except BaseException:
-            await sub.unsubscribe()
-            await alive.unsubscribe()
+            await stream.close()
             raise
         self._waiting[ack.seq] = request.reply_subject
-        return ReplyStream(sub, alive, on_close=lambda: self._waiting.pop(ack.seq, None))
+        stream.on_close = lambda: self._waiting.pop(ack.seq, None)
+        return stream
 
     async def _on_max_deliveries(self, msg: Msg) -> None:
         """JetStream gave up on a request (every delivery's worker died holding it): tell its client

@@ -62,6 +62,7 @@ class Worker:
         self.loading: set[str] = set()
         self._lifecycle = asyncio.Lock()
         self._last_summary: tuple[str, tuple[tuple[str, str], ...]] | None = None
+        self._background: set[asyncio.Task[None]] = set()
         # Cancellations for requests not pulled yet; bounded so a flood cannot grow it forever.
         self._cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
 
@@ -154,6 +155,12 @@ class Worker:
             self._cancelled.popitem(last=False)
 
     async def _on_generate(self, req: ServiceRequest) -> None:
+        # Handlers of one endpoint run one at a time; generations must not wait for each other.
+        task = asyncio.create_task(self._generate(req))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _generate(self, req: ServiceRequest) -> None:
         """A whole answer in one reply, for NATS clients that want no streaming and no gateway."""
         try:
             request = wire.request_decoder.decode(req.data)

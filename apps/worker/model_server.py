@@ -162,6 +162,12 @@ class ModelServer:
             ))
             return
         attempt = msg.metadata.num_delivered or 1
+        if attempt > 1 and request.liveness_probe and not await self._still_wanted(request, attempt):
+            # Its worker died after sending text: the client has had an error, this must not run.
+            log.info("redelivered request no longer wanted", extra={"request_id": request.request_id,
+                                                                    "attempt": attempt})
+            await msg.term()
+            return
         replier = Replier(self.host.nc, request.reply_subject, attempt, self.host.node)
         keep_alive = asyncio.create_task(serve.keep_alive(replier, self.settings.heartbeat_s, msg.in_progress))
         try:
@@ -170,6 +176,17 @@ class ModelServer:
             keep_alive.cancel()
         await msg.ack()
         await self.host.publish_event(record)
+
+    async def _still_wanted(self, request: wire.GenerateRequest, attempt: int) -> bool:
+        """Ask the requester whether this attempt may run (another may have sent text already)."""
+        try:
+            answer = await self.host.nc.request(topology.alive_subject(request.reply_subject),
+                                                str(attempt).encode(), timeout=2.0)
+        except nats.errors.NoRespondersError:
+            return False  # the requester is gone
+        except (TimeoutError, nats.errors.Error):
+            return True  # slow is not gone
+        return answer.data != topology.ATTEMPT_TAKEN
 
     async def run(self, request: wire.GenerateRequest, replier: Replier, attempt: int,
                   probe: bool = False) -> wire.RunFinished:
