@@ -21,7 +21,9 @@ REPLY = "replicated and still here"
 def test_losing_one_of_three_servers_loses_no_request(tmp_path: Path) -> None:
     with NatsCluster(tmp_path / "cluster", size=3) as cluster:
         port = free_port()
-        env = {**FLEET_ENV, "NATS_URL": cluster.url, "HELEXA_REPLICAS": "3", "HELEXA_PORT": str(port)}
+        # The node TTL must outlast a leader election of the registry (seconds on a busy machine).
+        env = {**FLEET_ENV, "NATS_URL": cluster.url, "HELEXA_REPLICAS": "3", "HELEXA_PORT": str(port),
+               "HELEXA_NODE_TTL_S": "15"}
         script = tmp_path / "script.json"
         script.write_text(json.dumps({"default": REPLY}), encoding="utf-8")
         apps = [AppProcess(["worker", "--script", str(script), "--served-model-name", "ha-model"],
