@@ -8,7 +8,6 @@ model's catalogue entry, the one with the most free memory first.
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 import nats.errors
@@ -30,7 +29,7 @@ async def live_nodes(nc: NatsClient) -> list[wire.NodeStatus]:
         keys = await kv.keys()
     except NoKeysError:
         return []
-    horizon = time.time() - bus_limits().node_ttl_s
+    # Read directly, an entry older than the bucket's TTL is already gone (expired by the server).
     nodes = []
     for key in keys:
         try:
@@ -39,7 +38,7 @@ async def live_nodes(nc: NatsClient) -> list[wire.NodeStatus]:
             continue
         if entry.value:
             node = wire.node_decoder.decode(entry.value)
-            if node.updated_at >= horizon and node.status != "stopping":
+            if node.status != "stopping":
                 nodes.append(node)
     return nodes
 
