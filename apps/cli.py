@@ -63,35 +63,55 @@ def cmd_gateway(args: argparse.Namespace) -> None:
 
 
 def cmd_worker(args: argparse.Namespace) -> None:
-    from apps.settings import WorkerSettings
+    from apps.fleet.catalogue import load_catalogue
+    from apps.settings import WorkerSettings, bus_limits, catalogue_file
     from apps.worker.app import Worker
-    from engine.api import Engine
-    from engine.core_client import AsyncEngine
-    from engine.scripted import ScriptedEngine
-    from engine.default_model import default_model_path
-    from engine.loader import load_tokenizer
+    from apps.worker.loading import open_model
 
     settings = WorkerSettings()
     if args.model:
         settings.model = args.model
     if args.served_model_name:
         settings.served_model_name = args.served_model_name
+    catalogue = load_catalogue(catalogue_file())
+
+    async def opener(source: str, served_name: str, memory_mb: int):  # type: ignore[no-untyped-def]
+        return await open_model(settings, source, served_name, args.script, memory_mb)
 
     async def main(stop: asyncio.Event) -> None:
-        source = settings.model or str(default_model_path())
-        log.info("loading model", extra={"source": source})
-        tokenizer, model_id = await asyncio.to_thread(load_tokenizer, source)
-        engine: Engine
-        if args.script:
-            engine = ScriptedEngine(args.script, tokenizer, model_id, max_num_seqs=settings.max_num_seqs)
-        else:
-            engine = await AsyncEngine.start(settings.engine_config(source))
-        try:
-            await Worker(settings, engine, tokenizer, settings.served_model_name or model_id).run(stop)
-        finally:
-            await engine.shutdown()
+        first = await opener(settings.model, settings.served_model_name, 0)
+        await Worker(settings, bus_limits(), opener, catalogue).run(stop, first)
 
     _run_until_signal(main)
+
+
+def cmd_models(args: argparse.Namespace) -> None:
+    """`helexa models ls|load|unload`: the fleet's models, through the workers' control endpoints."""
+    import json
+
+    from apps.bus import topology
+    from apps.fleet import control_client
+    from apps.settings import GatewaySettings
+
+    async def main() -> None:
+        nc = await topology.connect(GatewaySettings().nats_url, name="helexa-cli")
+        try:
+            if args.action == "ls":
+                result = await control_client.list_models(nc)
+            elif not args.model:
+                raise SystemExit(f"helexa models {args.action} needs a model id")
+            elif args.action == "load":
+                result = await control_client.load_model(nc, args.model, timeout_s=args.timeout)
+            else:
+                result = await control_client.unload_model(nc, args.model, timeout_s=args.timeout)
+        except control_client.ControlFailed as exc:
+            print(json.dumps({"ok": False, "error": str(exc)}))
+            raise SystemExit(1) from None
+        finally:
+            await nc.close()
+        print(json.dumps(result, default=str))
+
+    asyncio.run(main())
 
 
 def cmd_recorder(args: argparse.Namespace) -> None:
@@ -138,6 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--script", default=None,
                         help="reply from this JSON script instead of running the model (for testing clients)")
     worker.set_defaults(func=cmd_worker)
+
+    models = sub.add_parser("models", help="list, load or unload models on the fleet's workers")
+    models.add_argument("action", choices=["ls", "load", "unload"])
+    models.add_argument("model", nargs="?", default="")
+    models.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the workers")
+    models.set_defaults(func=cmd_models)
 
     recorder = sub.add_parser("recorder", help="project EVENTS into PostgreSQL")
     recorder.add_argument(

@@ -9,8 +9,12 @@ import os
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.engine_config import EngineConfig
+
+if TYPE_CHECKING:
+    from apps.bus.topology import BusLimits
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -41,6 +45,24 @@ def default_node_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
+def bus_limits() -> BusLimits:
+    """The bus shape every app of one fleet must agree on (TTL, replicas, redelivery)."""
+    from apps.bus.topology import BusLimits
+
+    return BusLimits(
+        node_ttl_s=_env_float("HELEXA_NODE_TTL_S", 15.0),
+        # 3 on a NATS cluster: streams and the node registry survive losing a server.
+        replicas=_env_int("HELEXA_REPLICAS", 1),
+        request_ack_wait_s=_env_float("HELEXA_REQUEST_ACK_WAIT_S", 10.0),
+        max_deliver=_env_int("HELEXA_MAX_DELIVER", 3),
+    )
+
+
+def catalogue_file() -> str:
+    """A TOML file of models workers may load on demand: [models."<id>"] source, min_memory_mb."""
+    return _env("HELEXA_CATALOGUE", "")
+
+
 @dataclass(slots=True)
 class GatewaySettings:
     nats_url: str = field(default_factory=lambda: _env("NATS_URL", DEFAULT_NATS_URL))
@@ -60,6 +82,8 @@ class GatewaySettings:
     max_per_principal: int = field(default_factory=lambda: _env_int("HELEXA_MAX_PER_PRINCIPAL", 0))
     # A TOML file of per-model overrides: [models."<model id>"] max_in_flight = 4, ...
     admission_file: str = field(default_factory=lambda: _env("HELEXA_ADMISSION_FILE", ""))
+    # How long a request for a catalogued model no worker has loaded waits for a load (then 503).
+    cold_start_wait_s: float = field(default_factory=lambda: _env_float("HELEXA_COLD_START_WAIT_S", 120.0))
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -88,8 +112,14 @@ class WorkerSettings:
     cuda_graphs: bool = field(default_factory=lambda: _env("HELEXA_CUDA_GRAPHS", "on") != "off")
     # auto: split <think> when the chat template uses it; on/off force it (like a reasoning parser flag).
     reasoning_parser: str = field(default_factory=lambda: _env("HELEXA_REASONING_PARSER", "auto"))
+    # Heartbeat frames and in-progress acks while a request is held; well under the request ack wait.
+    heartbeat_s: float = field(default_factory=lambda: _env_float("HELEXA_HEARTBEAT_S", 2.0))
+    # Memory this worker offers for models loaded on request (0: what the machine has).
+    memory_mb: int = field(default_factory=lambda: _env_int("HELEXA_WORKER_MEMORY_MB", 0))
 
     def __post_init__(self) -> None:
+        if self.heartbeat_s <= 0:
+            raise ValueError("HELEXA_HEARTBEAT_S must be positive")
         if self.max_model_len < 0:
             raise ValueError("HELEXA_MAX_MODEL_LEN must be >= 0 (0 = the model's own limit)")
         if self.status_interval_s <= 0:

@@ -12,6 +12,31 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 
+class DeviceFault(RuntimeError):
+    """The accelerator failed under the model (an illegal access, a lost device): its weights and
+    KV cache can no longer be trusted, so the worker poisons the model until it is reloaded."""
+
+
+DEVICE_FAULT_PREFIX = "device fault: "
+# What a failing accelerator raises (torch.AcceleratorError, "CUDA error: an illegal memory access").
+_DEVICE_FAULT_MARKERS = ("CUDA error", "AcceleratorError", "device-side assert", "HIP error")
+
+
+def device_fault_message(exc: BaseException) -> str:
+    """An engine error's text, marked as a device fault when the accelerator caused it."""
+    text = f"{type(exc).__name__}: {exc}"
+    faulty = isinstance(exc, DeviceFault) or any(marker in text for marker in _DEVICE_FAULT_MARKERS)
+    return DEVICE_FAULT_PREFIX + text if faulty else text
+
+
+def is_device_fault(error: str | None) -> bool:
+    """Whether an engine's error output means the model can no longer serve until reloaded."""
+    return bool(error) and (error.startswith(DEVICE_FAULT_PREFIX) or error == ENGINE_STOPPED)
+
+
+ENGINE_STOPPED = "the engine process stopped"
+
+
 class FinishReason(enum.StrEnum):
     STOP = "stop"
     LENGTH = "length"

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from multiprocessing.connection import Connection
 from typing import Any
 
-from engine.api import EngineOutput, EngineRequest, FinishReason
+from engine.api import ENGINE_STOPPED, EngineOutput, EngineRequest, FinishReason, device_fault_message
 from engine.core import CoreInfo, CoreStats
 from engine.engine_config import EngineConfig
 
@@ -52,7 +52,7 @@ def run_core_process(conn: Connection, config: EngineConfig) -> None:
             outputs.extend(core.step())
         except Exception as exc:
             log.exception("engine step failed")
-            outputs.extend(core.fail_all(f"{type(exc).__name__}: {exc}"))
+            outputs.extend(core.fail_all(device_fault_message(exc)))
         if outputs:
             try:
                 conn.send(("outputs", (outputs, core.stats)))
@@ -163,7 +163,7 @@ class AsyncEngine:
     def _core_died(self) -> None:
         if self._dead:
             return
-        self._dead = "the engine process stopped"
+        self._dead = ENGINE_STOPPED
         log.error("engine core process died", extra={"exitcode": self._process.exitcode})
         for request_id, queue in self._queues.items():
             queue.put_nowait(EngineOutput(request_id=request_id, new_token_ids=[], finished=True,

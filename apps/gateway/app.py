@@ -18,7 +18,8 @@ from apps.gateway.completions import completions
 from apps.gateway.errors import ApiError, api_error_handler, http_error_handler, internal_error_handler
 from apps.gateway.openapi_docs import add_components
 from apps.gateway.models import health, list_models, metrics, ready
-from apps.settings import GatewaySettings
+from apps.fleet.catalogue import load_catalogue
+from apps.settings import GatewaySettings, bus_limits, catalogue_file
 
 
 def create_app(settings: GatewaySettings | None = None) -> Litestar:
@@ -38,7 +39,9 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
             max_per_principal=settings.max_per_principal,
         )
         per_model = load_per_model(settings.admission_file, admission) if settings.admission_file else None
-        app.state.bus = await GatewayBus.connect(settings.nats_url, admission=admission, per_model=per_model)
+        app.state.bus = await GatewayBus.connect(settings.nats_url, limits=bus_limits(), admission=admission,
+                                                 per_model=per_model, catalogue=load_catalogue(catalogue_file()),
+                                                 cold_start_wait_s=settings.cold_start_wait_s)
         try:
             yield
         finally:

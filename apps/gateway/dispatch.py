@@ -14,9 +14,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import msgspec
+import nats.errors
 from litestar import Request
 
 from apps.bus import wire
+from apps.fleet.control_client import ControlFailed
 from apps.gateway.admission import Rejected, Ticket
 from apps.gateway.bus_client import GatewayBus, ReplyStream, ReplyTimeout
 from apps.gateway.errors import ApiError, log_failure, retry_after_s
@@ -31,11 +33,30 @@ class GenerationFailed(Exception):
         self.status, self.code, self.message = status, code, message
 
 
+def _serving(nodes: list[wire.NodeStatus], model: str, state: str | None = None) -> list[wire.NodeStatus]:
+    return [n for n in nodes if any(m.model == model and (state is None or m.state == state) for m in n.models)]
+
+
 async def resolve_model(bus: GatewayBus, model: str) -> list[wire.NodeStatus]:
-    """The live nodes serving `model`; 404 if no worker ever served it, 503 if none does now."""
-    nodes = [n for n in await bus.live_nodes() if any(m.model == model for m in n.models)]
+    """The live nodes serving `model`. A model poisoned everywhere is a 503 at once; a catalogued
+    model no worker has loaded is loaded now (cold start); 404 if no worker ever served it, 503
+    if none does now."""
+    live = await bus.live_nodes()
+    nodes = _serving(live, model, "ready")
     if nodes:
         return nodes
+    if _serving(live, model):
+        bus.metrics.rejections.labels(model, "poisoned").inc()
+        raise ApiError(
+            503,
+            f"The model '{model}' is out of service after a device fault on every worker serving it; "
+            f"it answers again once reloaded (helexa models load {model}).",
+            code="model_poisoned",
+            retry_after_s=retry_after_s(),
+            context={"model": model, "detail": "poisoned"},
+        )
+    if model in bus.catalogue:
+        return await _cold_start(bus, model)
     if await bus.model_is_known(model):
         bus.metrics.rejections.labels(model, "no_worker").inc()
         raise ApiError(
@@ -52,6 +73,49 @@ async def resolve_model(bus: GatewayBus, model: str) -> list[wire.NodeStatus]:
         param="model",
         context={"model": model},
     )
+
+
+async def _cold_start(bus: GatewayBus, model: str) -> list[wire.NodeStatus]:
+    """Have a capable worker load a catalogued model and wait for it, up to the cold-start bound."""
+    deadline = time.monotonic() + bus.cold_start_wait_s
+    try:
+        # Shielded: a client giving up must not abort a load other requests share.
+        await asyncio.wait_for(asyncio.shield(bus.load_once(model)), bus.cold_start_wait_s)
+        return await bus.wait_for_model(model, max(deadline - time.monotonic(), 0.001))
+    except TimeoutError:
+        bus.metrics.rejections.labels(model, "loading").inc()
+        raise ApiError(
+            503,
+            f"The model '{model}' is being loaded; retry shortly.",
+            code="model_loading",
+            retry_after_s=retry_after_s(),
+            context={"model": model, "detail": "cold start outlasted its wait"},
+        ) from None
+    except ControlFailed as exc:
+        bus.metrics.rejections.labels(model, "no_worker").inc()
+        raise ApiError(
+            503,
+            f"The model '{model}' could not be loaded: {exc}",
+            code="model_unavailable",
+            retry_after_s=retry_after_s(),
+            context={"model": model, "detail": "cold start failed"},
+        ) from None
+
+
+async def record_failed_run(bus: GatewayBus, request: wire.GenerateRequest, node: str, attempt: int, error: str,
+                            prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
+    """The ledger's RunFinished for a run no worker can report: it died serving it."""
+    await bus.publish_event(wire.RunFinished(
+        model=request.model, node=node, request_id=request.request_id, api=request.api,
+        principal=request.principal, status="error", finish_reason="error", prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens, cached_tokens=0, attempt=max(attempt, 1), queue_ms=0.0,
+        ttft_ms=None, prefill_ms=0.0, decode_ms=0.0,
+        e2e_ms=round((time.time() - request.created_at) * 1000.0, 3), error=error,
+    ))
+
+
+# Failures where the worker is gone and cannot report the run itself.
+_LOST = ("worker_lost", "delivery_failed")
 
 
 def new_request_id(prefix: str) -> str:
@@ -74,21 +138,40 @@ class Generation:
         return self.accepted.node
 
     async def frames(self) -> AsyncIterator[wire.Delta | wire.Final]:
-        """Deltas then one Final; raises GenerationFailed on an error frame or a silent worker."""
+        """Deltas then one Final; raises GenerationFailed on an error frame or a silent worker.
+
+        Silence before any text means the worker may have died holding the request: JetStream
+        hands it to another worker after its ack wait, so we keep waiting as a queued request
+        would, up to its deadline (workers drop it after that; the max-deliveries advisory ends
+        it sooner when every delivery's worker died). Silence after text is final:
+        the text cannot be taken back, so the client gets an error and later attempts are ignored.
+        """
         metrics, model = self.bus.metrics, self.request.model
         last_text_at: float | None = None
+        completion_tokens = 0
+        attempts: int | None = None
         try:
             while True:
                 try:
                     frame = await self.reply.next(self.idle_timeout_s)
                 except ReplyTimeout:
+                    if last_text_at is None and time.time() < self.request.deadline:
+                        continue
                     raise GenerationFailed(503, "worker_lost", "The worker serving this request stopped responding.")
-                if isinstance(frame, wire.Heartbeat | wire.Accepted):
+                if isinstance(frame, wire.Accepted):
+                    self.accepted = frame
+                    continue
+                if isinstance(frame, wire.Heartbeat):
                     continue
                 if isinstance(frame, wire.ErrorFrame):
+                    if frame.code == "delivery_failed":
+                        attempts = frame.attempt - 1  # the gateway's own frame comes after the last attempt
                     raise GenerationFailed(frame.status, frame.code, frame.message)
                 now = time.time()
+                if isinstance(frame, wire.Delta):
+                    completion_tokens += frame.num_tokens
                 if isinstance(frame, wire.Delta) and (frame.text or frame.reasoning or frame.tool_calls):
+                    self.reply.lock()
                     if last_text_at is None:
                         metrics.ttft.labels(model).observe(max(now - self.request.created_at, 0.0))
                     else:
@@ -105,6 +188,11 @@ class Generation:
                     return
         except GenerationFailed as exc:
             self.finished = True
+            if exc.code in _LOST:
+                # Whatever attempt comes next must not serve a client that is already answered.
+                self.bus.cancel_soon(self.request.request_id)
+                await record_failed_run(self.bus, self.request, self.node, attempts or self.reply.attempt, exc.code,
+                                        self.accepted.prompt_tokens, completion_tokens)
             metrics.errors.labels(model, str(exc.status)).inc()
             log_failure(self.handler, exc.status, exc.message, model=self.request.model, node=self.node,
                         request_id=self.request.request_id)
@@ -214,7 +302,14 @@ async def _publish_and_wait(
     handler: str,
 ) -> Generation:
     ctx = {"model": request.model, "request_id": request.request_id}
-    reply = await bus.submit(request)
+    try:
+        reply = await bus.submit(request)
+    except (nats.errors.Error, TimeoutError) as exc:
+        # E.g. a NATS server of the cluster died and its streams are electing new leaders.
+        bus.metrics.rejections.labels(request.model, "bus_unavailable").inc()
+        raise ApiError(503, "The request could not be queued (the message bus is unavailable); retry shortly.",
+                       code="bus_unavailable", retry_after_s=retry_after_s(),
+                       context={**ctx, "detail": f"publish failed: {exc!r}"}) from None
     try:
         frame = await reply.next(max(request.deadline - time.time(), 0.001))
     except ReplyTimeout:
@@ -235,6 +330,8 @@ async def _publish_and_wait(
     bus.metrics.queue.labels(request.model).observe(max(time.time() - request.created_at, 0.0))
     if isinstance(frame, wire.ErrorFrame):
         bus.metrics.errors.labels(request.model, str(frame.status)).inc()
+        if frame.code in _LOST:
+            await record_failed_run(bus, request, reply.node or "unknown", frame.attempt - 1, frame.code)
         if frame.code == "context_length_exceeded":
             bus.metrics.rejections.labels(request.model, frame.code).inc()
         await reply.close()

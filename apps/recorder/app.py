@@ -30,7 +30,7 @@ from apps.bus.wire import Event, event_decoder
 from apps.logs import announce_ready, monotonic_ms
 from apps.recorder.migrate import migrate
 from apps.recorder import projector
-from apps.settings import RecorderSettings
+from apps.settings import RecorderSettings, bus_limits
 
 log = logging.getLogger("helexa.recorder")
 
@@ -303,7 +303,7 @@ async def run_recorder(settings: RecorderSettings, stop: asyncio.Event, rebuild:
     recorder = Recorder(settings, stop)
     nc = await connect(settings.nats_url, "helexa-recorder")
     try:
-        await ensure_topology(nc.jetstream())
+        await ensure_topology(nc.jetstream(), bus_limits())
         if not await recorder.until_done("migrate", lambda: migrate(settings.database_url)):
             return
         if rebuild and not await recorder.rebuild(nc):

@@ -1,7 +1,8 @@
-"""The worker process: load a model, register in `helexa_nodes`, pull what fits, serve, record.
+"""The worker process: one node on the bus serving one or more models.
 
-It fetches from its model's shared durable consumer only as many requests as it has free
-slots, so JetStream spreads work across workers by capacity with no router of our own.
+It keeps its `helexa_nodes` entry fresh, listens for cancellations, registers as a NATS micro
+service (so `nats micro ls/info/stats` find it) whose endpoints answer a one-shot `generate` and
+`control` (list, load, unload), and runs one ModelServer per loaded model.
 """
 
 from __future__ import annotations
@@ -9,28 +10,30 @@ from __future__ import annotations
 import asyncio
 import collections
 import importlib.metadata
+import json
 import logging
-import time
+import os
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
 import nats.errors
+import nats.micro
 from nats.aio.msg import Msg
+from nats.micro.request import Request as ServiceRequest
 
 from apps.bus import topology, wire
+from apps.bus.publish import publish
+from apps.bus.topology import BusLimits
+from apps.fleet.catalogue import CatalogueEntry
 from apps.logs import announce_ready
 from apps.settings import WorkerSettings
-from apps.worker import serve
-from apps.worker.context_limit import ContextLimit
-from apps.worker.prompt import RequestRejected, build_prompt, sampling_options
-from apps.worker.replies import Replier
-from engine.api import Engine
-from engine.tokenizer import Tokenizer
+from apps.worker.model_server import CollectingReplier, ModelServer
 
 log = logging.getLogger("helexa.worker")
-KEEP_ALIVE_S = 5.0
-# How often a running request checks that its requester still listens.
-PROBE_S = 1.0
+
+# Loads a model for a control request: (source, served name, memory it needs) -> a server.
+Opener = Callable[[str, str, int], Awaitable[ModelServer]]
 
 
 def _version() -> str:
@@ -40,40 +43,50 @@ def _version() -> str:
         return "dev"
 
 
+def _machine_memory_mb() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20
+
+
 class Worker:
-    def __init__(self, settings: WorkerSettings, engine: Engine, tokenizer: Tokenizer, model_id: str) -> None:
+    def __init__(self, settings: WorkerSettings, limits: BusLimits | None = None, opener: Opener | None = None,
+                 catalogue: dict[str, CatalogueEntry] | None = None) -> None:
         self.settings = settings
-        self.engine = engine
-        self.tokenizer = tokenizer
-        self.model_id = model_id
+        self.limits = limits or BusLimits()
+        self.opener = opener
+        self.catalogue = catalogue or {}
         self.node = settings.node_id
-        self.active: dict[str, asyncio.Task[None]] = {}
-        self.requests: dict[str, wire.GenerateRequest] = {}
+        self.memory_mb = settings.memory_mb or _machine_memory_mb()
+        self.models: dict[str, ModelServer] = {}
+        # Where each model this worker has served came from, so an unloaded one can come back.
+        self.sources: dict[str, tuple[str, int]] = {}
+        self.loading: set[str] = set()
+        self._lifecycle = asyncio.Lock()
+        self._last_summary: tuple[str, tuple[tuple[str, str], ...]] | None = None
+        self._background: set[asyncio.Task[None]] = set()
         # Cancellations for requests not pulled yet; bounded so a flood cannot grow it forever.
         self._cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self._slot_freed = asyncio.Event()
-        info = getattr(engine, "info", None)  # engines with a paged pool describe it
-        self.context = ContextLimit(
-            max_position_embeddings=(info.max_position_embeddings if info else 0) or engine.max_model_len,
-            kv_pool_tokens=info.num_blocks * info.block_size if info else None,
-            hard_cap=settings.max_model_len or None,
-        )
 
-    async def run(self, stop: asyncio.Event) -> None:
+    async def run(self, stop: asyncio.Event, first: ModelServer | None = None) -> None:
         self.nc = await topology.connect(self.settings.nats_url, name=f"helexa-worker-{self.node}")
         self.js = self.nc.jetstream()
-        await topology.ensure_topology(self.js)
-        self.kv = await topology.node_registry(self.js)
-        subscription = await topology.worker_subscription(self.js, self.model_id)
+        await topology.ensure_topology(self.js, self.limits)
+        self.kv = await topology.node_registry(self.js, self.limits)
         await self.nc.subscribe(topology.cancel_wildcard(), cb=self._on_cancel)
-        await self._publish_status()
+        service = await self._register_service()
+        if first is not None:
+            await self._add(first)
+        await self.publish_status()
         status_task = asyncio.create_task(self._status_loop())
-        announce_ready("worker", model=self.model_id, node=self.node, max_model_len=self.context.derive().context)
+        ready: dict[str, Any] = {"node": self.node, "models": sorted(self.models)}
+        if first is not None:
+            ready.update(model=first.model_id, max_model_len=first.context.derive().context)
+        announce_ready("worker", **ready)
         try:
-            await self._pull_loop(subscription, stop)
+            await stop.wait()
         finally:
             status_task.cancel()
-            await self._drain()
+            await service.stop()
+            await asyncio.gather(*(server.stop() for server in self.models.values()))
             try:
                 await self.kv.delete(self.node)
             except nats.errors.Error:
@@ -82,173 +95,181 @@ class Worker:
             await self.nc.flush()
             await self.nc.close()
 
-    async def _pull_loop(self, subscription: Any, stop: asyncio.Event) -> None:
-        stopping = asyncio.create_task(stop.wait())
-        while not stop.is_set():
-            free = self.free_slots()
-            if free <= 0:
-                self._slot_freed.clear()
-                freed = asyncio.create_task(self._slot_freed.wait())
-                await asyncio.wait({freed, stopping}, return_when=asyncio.FIRST_COMPLETED)
-                freed.cancel()
-                continue
-            try:
-                msgs = await subscription.fetch(batch=free, timeout=1.0)
-            except TimeoutError:  # nats-py raises its own or asyncio's; both are TimeoutError
-                continue
-            except nats.errors.Error as exc:
-                log.warning("fetch failed", extra={"error": str(exc)})
-                await asyncio.wait({stopping}, timeout=1.0)
-                continue
-            for msg in msgs:
-                self._start(msg)
-        stopping.cancel()
+    async def _register_service(self) -> nats.micro.Service:
+        version = _version()
+        service = await nats.micro.add_service(
+            self.nc, name=topology.WORKER_SERVICE, version=version if version[:1].isdigit() else "0.1.0",
+            description="helexa model worker", metadata={"node": self.node},
+        )
+        await service.add_endpoint(name="generate", subject=topology.node_endpoint(self.node, "generate"),
+                                   handler=self._on_generate, metadata={"body": "GenerateRequest JSON"})
+        await service.add_endpoint(name="control", subject=topology.node_endpoint(self.node, "control"),
+                                   handler=self._on_control, metadata={"ops": "list, load, unload"})
+        return service
 
-    def _start(self, msg: Msg) -> None:
-        try:
-            request = wire.request_decoder.decode(msg.data)
-        except msgspec.DecodeError as exc:
-            log.warning("undecodable request terminated", extra={"error": str(exc)})
-            asyncio.create_task(msg.term())
-            return
-        task = asyncio.create_task(self._serve(msg, request))
-        self.active[request.request_id] = task
-        self.requests[request.request_id] = request
-        task.add_done_callback(lambda _: self._finished(request.request_id))
+    async def _add(self, server: ModelServer) -> None:
+        await server.start(self, self.limits)
+        self.models[server.model_id] = server
+        self.sources[server.model_id] = (server.source, server.memory_mb)
 
-    def _finished(self, request_id: str) -> None:
-        self.active.pop(request_id, None)
-        self.requests.pop(request_id, None)
-        self._slot_freed.set()
+    # -- the host side a ModelServer uses ---------------------------------------------------
 
-    async def _serve(self, msg: Msg, request: wire.GenerateRequest) -> None:
-        cancelled = request.request_id in self._cancelled
-        if cancelled or (request.deadline and time.time() > request.deadline):
-            # Its client has already been answered (a 503 or a hang-up): nobody waits for it.
-            log.info("dropped request nobody waits for", extra={"request_id": request.request_id})
-            await msg.term()
-            await self._publish_event(wire.AdmissionDecided(
-                model=request.model, node=self.node, request_id=request.request_id, principal=request.principal,
-                decision=wire.AdmissionDecision.CANCELLED if cancelled else wire.AdmissionDecision.TIMEOUT,
-                detail="dropped by the worker: nobody waits for it", pending=len(self.active),
-                in_flight=len(self.active),
-            ))
-            return
-        attempt = msg.metadata.num_delivered or 1
-        replier = Replier(self.nc, request.reply_subject, attempt, self.node)
-        record = serve.RunRecord(request=request, node=self.node, attempt=attempt, received_at=time.time())
-        try:
-            prompt = build_prompt(self.tokenizer, request, self.settings.reasoning_parser)
-            record.prompt_tokens = len(prompt.token_ids)
-            sampling = sampling_options(request, len(prompt.token_ids), self.context.derive().context)
-        except RequestRejected as exc:
-            await replier.error(exc.status, exc.code, exc.message)
-            await msg.ack()
-            await self._publish_event(record.finished_event("rejected", "error", exc.code))
-            return
-        await replier.accepted(len(prompt.token_ids))
-        await self._publish_event(record.started_event())
-        keep_alive = asyncio.create_task(serve.keep_alive(replier, KEEP_ALIVE_S, msg.in_progress))
-        watcher = None
-        if request.liveness_probe:
-            watcher = asyncio.create_task(
-                serve.watch_requester(self.nc, request.reply_subject, PROBE_S, lambda: self._abort(request))
-            )
-        try:
-            reasons, error = await serve.generate(self.engine, self.tokenizer, replier, record, prompt, sampling)
-            finish_reason = reasons[0]
-        except Exception as exc:  # the run fails, the worker goes on
-            log.exception("generation failed", extra={"request_id": request.request_id})
-            finish_reason, error = "error", type(exc).__name__
-            await self._abort(request)
-        finally:
-            keep_alive.cancel()
-            if watcher is not None:
-                watcher.cancel()
-        record.finished_at = time.time()
-        self.context.observe_prefill(record.prompt_tokens - record.cached_tokens, record.prefill_ms)
-        if error is not None:
-            await replier.error(500, "generation_failed", "The generation failed on the worker.")
-            status = "error"
-        else:
-            await replier.final(finish_reason, record.usage())
-            status = "cancelled" if finish_reason == "abort" else "ok"
-        await msg.ack()
-        await self._publish_event(record.finished_event(status, finish_reason, error))
+    def was_cancelled(self, request_id: str) -> bool:
+        return request_id in self._cancelled
 
-    async def _abort(self, request: wire.GenerateRequest) -> None:
-        for engine_request_id in serve.engine_request_ids(request.request_id, request.sampling.n):
-            await self.engine.abort(engine_request_id)
-
-    async def _on_cancel(self, msg: Msg) -> None:
-        request_id = topology.request_id_from_cancel(msg.subject)
-        if request_id in self.active:
-            log.info("cancelling", extra={"request_id": request_id})
-            await self._abort(self.requests[request_id])
-        else:
-            self._cancelled[request_id] = None
-            while len(self._cancelled) > 10_000:
-                self._cancelled.popitem(last=False)
-
-    async def _publish_event(self, event: wire.AnyEvent) -> None:
+    async def publish_event(self, event: wire.AnyEvent) -> None:
         kind = wire.event_kind(event)
         try:
-            await self.js.publish(
-                topology.event_subject(kind, event.model), wire.encode(event), headers={"Nats-Msg-Id": event.event_id}
-            )
-        except nats.errors.Error as exc:
+            await publish(self.js, topology.event_subject(kind, event.model), wire.encode(event), event.event_id)
+        except (nats.errors.Error, TimeoutError) as exc:
             log.warning("event publish failed", extra={"kind": kind, "request_id": getattr(event, "request_id", None),
                                                            "error": str(exc)})
 
-    def free_slots(self) -> int:
-        """Engine sequences not promised to a pulled request (a request takes one per choice)."""
-        if self.engine.free_slots() <= 0:
-            return 0  # e.g. the engine process is gone
-        stats = getattr(self.engine, "stats", None)
-        if stats is not None and stats.num_waiting > 0:
-            # The engine already holds work it has no KV blocks (or batch room) for: more would
-            # only wait here, where another worker might have served it at once.
-            return 0
-        return max(self.engine.max_num_seqs - sum(r.sampling.n for r in self.requests.values()), 0)
+    async def publish_status(self, state: str = "ready") -> None:
+        status = self.status(state)
+        await self.kv.put(self.node, wire.encode(status))
+        # The ledger hears of changes (models loaded or unloaded, poisoned), not of every refresh.
+        degraded = any(m.state != "ready" for m in status.models)
+        summary = ("degraded" if degraded and state == "ready" else state,
+                   tuple((m.model, m.state) for m in status.models))
+        if summary != self._last_summary:
+            self._last_summary = summary
+            await self.publish_event(wire.NodeStatusChanged(
+                model=status.models[0].model if status.models else "-", node=self.node, status=summary[0],
+                version=status.version, models=[m.model for m in status.models],
+                slots=sum(m.slots for m in status.models), free_slots=sum(m.free_slots for m in status.models),
+                kv_usage=max((m.kv_usage for m in status.models), default=None),
+            ))
+
+    # -- bus handlers ------------------------------------------------------------------------
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        request_id = topology.request_id_from_cancel(msg.subject)
+        for server in self.models.values():
+            if request_id in server.requests:
+                log.info("cancelling", extra={"request_id": request_id})
+                await server.abort(server.requests[request_id])
+                return
+        self._cancelled[request_id] = None
+        while len(self._cancelled) > 10_000:
+            self._cancelled.popitem(last=False)
+
+    async def _on_generate(self, req: ServiceRequest) -> None:
+        # Handlers of one endpoint run one at a time; generations must not wait for each other.
+        task = asyncio.create_task(self._generate(req))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _generate(self, req: ServiceRequest) -> None:
+        """A whole answer in one reply, for NATS clients that want no streaming and no gateway."""
+        try:
+            request = wire.request_decoder.decode(req.data)
+        except msgspec.DecodeError as exc:
+            await req.respond_error("400", f"the body is not a GenerateRequest: {exc}")
+            return
+        server = self.models.get(request.model)
+        if server is None:
+            await req.respond_error("404", f"this worker does not serve the model '{request.model}'")
+            return
+        replier = CollectingReplier(attempt=1, node=self.node)
+        outcome = await server.run(request, replier, attempt=1)
+        await self.publish_event(outcome)
+        errors = [f for f in replier.frames if isinstance(f, wire.ErrorFrame)]
+        if errors:
+            await req.respond_error(str(errors[0].status), errors[0].message, data=wire.encode(errors[0]))
+            return
+        final = next(f for f in replier.frames if isinstance(f, wire.Final))
+        text = "".join(f.text for f in replier.frames if isinstance(f, wire.Delta) and f.index == 0)
+        await req.respond(json.dumps({"model": request.model, "node": self.node, "text": text,
+                                      "finish_reason": final.finish_reason,
+                                      "usage": msgspec.to_builtins(final.usage)}).encode())
+
+    async def _on_control(self, req: ServiceRequest) -> None:
+        try:
+            body = json.loads(req.data or b"{}")
+            op, model = body.get("op", "list"), body.get("model", "")
+        except (ValueError, AttributeError):
+            await req.respond(json.dumps({"ok": False, "error": "the body must be a JSON object"}).encode())
+            return
+        try:
+            if op == "load":
+                await self.load(model)
+            elif op == "unload":
+                await self.unload(model)
+            elif op != "list":
+                raise ControlError(f"unknown op {op!r}: use list, load or unload")
+            reply: dict[str, Any] = {"ok": True}
+        except ControlError as exc:
+            reply = {"ok": False, "error": str(exc)}
+        reply.update(node=self.node, models=[msgspec.to_builtins(s.status()) for s in self.models.values()],
+                     loading=sorted(self.loading))
+        await req.respond(json.dumps(reply).encode())
+
+    # -- model lifecycle -----------------------------------------------------------------------
+
+    async def load(self, model: str) -> None:
+        """Load `model` (from the catalogue, or where it came from before); a poisoned one reloads."""
+        async with self._lifecycle:
+            current = self.models.get(model)
+            if current is not None and current.poisoned is None:
+                return
+            entry = self.catalogue.get(model)
+            source = (entry.source, entry.min_memory_mb) if entry else self.sources.get(model)
+            if source is None:
+                raise ControlError(f"the model '{model}' is neither in the catalogue nor served here before")
+            if self.opener is None:
+                raise ControlError("this worker cannot load models")
+            if current is not None:
+                await self._remove(model)
+            if source[1] > self.free_memory_mb():
+                raise ControlError(f"the model '{model}' needs {source[1]} MB; this worker has "
+                                   f"{self.free_memory_mb()} MB free")
+            self.loading.add(model)
+            await self.publish_status()
+            try:
+                server = await self.opener(source[0], model, source[1])
+                await self._add(server)
+            except ControlError:
+                raise
+            except Exception as exc:
+                log.exception("model load failed", extra={"model": model})
+                raise ControlError(f"loading '{model}' failed: {exc}") from exc
+            finally:
+                self.loading.discard(model)
+            await self.publish_status()
+            log.info("model loaded", extra={"model": model})
+
+    async def unload(self, model: str) -> None:
+        async with self._lifecycle:
+            if model not in self.models:
+                raise ControlError(f"the model '{model}' is not loaded on this worker")
+            await self._remove(model)
+            await self.publish_status()
+            log.info("model unloaded", extra={"model": model})
+
+    async def _remove(self, model: str) -> None:
+        server = self.models.pop(model)
+        await server.stop()
+
+    # -- the node registry ---------------------------------------------------------------------
+
+    def free_memory_mb(self) -> int:
+        return max(self.memory_mb - sum(s.memory_mb for s in self.models.values()), 0)
 
     def status(self, state: str = "ready") -> wire.NodeStatus:
-        slots = self.engine.max_num_seqs
-        limits = self.context.derive()
-        stats = getattr(self.engine, "stats", None)  # engines without a KV pool report none
-        model = wire.ModelStatus(
-            model=self.model_id,
-            max_model_len=limits.context,
-            max_input_tokens=limits.input,
-            max_output_tokens=limits.output,
-            slots=slots,
-            free_slots=self.free_slots(),
-            num_running=stats.num_running if stats else 0,
-            num_waiting=stats.num_waiting if stats else 0,
-            kv_usage=round(stats.kv_usage, 4) if stats else 0.0,
-            prefix_queries=stats.prefix_queries if stats else 0,
-            prefix_hits=stats.prefix_hits if stats else 0,
-            state_slots=stats.num_state_slots if stats else 0,
-            free_state_slots=stats.num_free_state_slots if stats else 0,
+        return wire.NodeStatus(
+            node=self.node, models=[s.status() for s in self.models.values()], version=_version(), status=state,
+            memory_mb=self.memory_mb, free_memory_mb=self.free_memory_mb(), loading=sorted(self.loading),
         )
-        return wire.NodeStatus(node=self.node, models=[model], version=_version(), status=state)
-
-    async def _publish_status(self, state: str = "ready") -> None:
-        await self.kv.put(self.node, wire.encode(self.status(state)))
 
     async def _status_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.status_interval_s)
             try:
-                await self._publish_status()
+                await self.publish_status()
             except Exception as exc:  # a missed refresh must never end the loop: the node would vanish
                 log.warning("status publish failed", extra={"error": repr(exc)})
 
-    async def _drain(self, grace_s: float = 10.0) -> None:
-        """On shutdown: let running requests finish briefly, then abort the rest."""
-        if self.active:
-            await asyncio.wait(set(self.active.values()), timeout=grace_s)
-        for request in list(self.requests.values()):
-            await self._abort(request)
-        if self.active:
-            await asyncio.wait(set(self.active.values()), timeout=5.0)
-        await self.engine.shutdown()
+
+class ControlError(Exception):
+    """A control request this worker cannot carry out; the message goes back to the caller."""

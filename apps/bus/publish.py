@@ -1,0 +1,31 @@
+"""Publishing to JetStream through a cluster's hiccups: retry with the same message id.
+
+When a NATS server of a cluster dies, the streams it led elect a new leader (a few seconds);
+publishes meanwhile get no answer. Retrying with the same `Nats-Msg-Id` is safe (the stream's
+dedupe window stores it once), so a request or event is stored, or the caller learns it was not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import nats.errors
+from nats.js import JetStreamContext
+from nats.js.api import PubAck
+
+
+async def publish(js: JetStreamContext, subject: str, payload: bytes, msg_id: str,
+                  within_s: float = 10.0) -> PubAck:
+    """Publish until stored or `within_s` has passed; raises the last error then."""
+    deadline = time.monotonic() + within_s
+    pause = 0.1
+    while True:
+        try:
+            return await js.publish(subject, payload, timeout=min(2.0, max(deadline - time.monotonic(), 0.1)),
+                                    headers={"Nats-Msg-Id": msg_id})
+        except (nats.errors.Error, TimeoutError):
+            if time.monotonic() + pause > deadline:
+                raise
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 1.0)

@@ -1,0 +1,1 @@
+"""Fleet operations: the model catalogue and the control client workers answer."""

@@ -1,0 +1,156 @@
+"""Several workers of one model: shared load, and what a client sees when a worker dies (SPEC §3)."""
+
+from __future__ import annotations
+
+import json
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from apps.bus import wire
+from tests.fleet.conftest import Fleet, wait_events
+
+REPLY = "one two three four five six seven eight nine ten eleven twelve"
+
+
+def client(fleet: Fleet) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{fleet.base_url}/v1", api_key="unused", max_retries=0, timeout=90)
+
+
+def ask(fleet: Fleet, model: str, content: str) -> str:
+    reply = client(fleet).chat.completions.create(model=model, messages=[{"role": "user", "content": content}])
+    return reply.choices[0].message.content or ""
+
+
+def finished(events: list[wire.Event], request_ids: set[str] | None = None) -> list[wire.RunFinished]:
+    return [e for e in events if isinstance(e, wire.RunFinished)
+            and (request_ids is None or e.request_id in request_ids)]
+
+
+def test_two_workers_share_one_consumer(fleet: Fleet) -> None:
+    model = "shared-model"
+    script = {"default": REPLY, "rules": [{"match": "share", "reply": REPLY, "token_delay_s": 0.02}]}
+    with fleet.workers_of([("share-a", model, script), ("share-b", model, script)],
+                          HELEXA_MAX_NUM_SEQS="3"):
+        with ThreadPoolExecutor(12) as pool:
+            answers = list(pool.map(lambda i: ask(fleet, model, f"share {i}"), range(12)))
+        assert answers == [REPLY] * 12
+        events = wait_events(fleet.nats_url, f"helexa.events.run.finished.{model}",
+                             lambda es: len(finished(es)) >= 12)
+    served_by = {e.node for e in finished(events)}
+    assert served_by == {"share-a", "share-b"}
+    assert all(e.status == "ok" and e.attempt == 1 for e in finished(events))
+
+
+def test_unstarted_requests_move_to_another_worker(fleet: Fleet) -> None:
+    model = "handover-model"
+    holding = {"default": REPLY, "rules": [{"match": "hold", "reply": REPLY, "first_token_delay_s": 300}]}
+    with fleet.worker("handover-a", model, holding, HELEXA_MAX_NUM_SEQS="4") as doomed:
+        with ThreadPoolExecutor(3) as pool:
+            answers = pool.map(lambda i: ask(fleet, model, f"hold {i}"), range(3))
+            started = wait_events(fleet.nats_url, f"helexa.events.run.started.{model}",
+                                  lambda es: len(es) >= 3)
+            assert {e.node for e in started} == {"handover-a"}
+            doomed.kill()
+            # The requests are held by no one now; a new worker gets them from JetStream.
+            with fleet.worker("handover-b", model, {"default": REPLY}):
+                assert list(answers) == [REPLY] * 3
+                ids = {e.request_id for e in started}
+                events = wait_events(fleet.nats_url, f"helexa.events.run.finished.{model}",
+                                     lambda es: len(finished(es, ids)) >= 3)
+    outcomes = finished(events, ids)
+    assert {(e.node, e.status, e.attempt) for e in outcomes} == {("handover-b", "ok", 2)}
+
+
+def test_worker_death_mid_stream_ends_the_stream_without_repeating_text(fleet: Fleet) -> None:
+    model = "midstream-model"
+    slow = {"default": REPLY, "rules": [{"match": "slow", "reply": REPLY, "token_delay_s": 0.3}]}
+    with fleet.workers_of([("mid-a", model, slow), ("mid-b", model, slow)]) as workers:
+        by_node = {"mid-a": workers[0], "mid-b": workers[1]}
+        body = {"model": model, "messages": [{"role": "user", "content": "slow please"}], "stream": True}
+        text, errors, done, request_id = "", [], False, None
+        with httpx.Client(base_url=fleet.base_url, timeout=60) as http:
+            with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                assert response.status_code == 200
+                for line in response.iter_lines():
+                    if line == "data: [DONE]":
+                        done = True
+                        continue
+                    if not line.startswith("data: "):
+                        continue
+                    chunk = json.loads(line[len("data: "):])
+                    if "error" in chunk:
+                        errors.append(chunk["error"])
+                        continue
+                    request_id = chunk["id"]
+                    content = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
+                    if content and not text:
+                        started = wait_events(fleet.nats_url, f"helexa.events.run.started.{model}",
+                                              lambda es: any(e.request_id == request_id for e in es))
+                        node = next(e.node for e in started if e.request_id == request_id)
+                        by_node[node].kill()
+                    text += content or ""
+        assert done
+        assert len(errors) == 1 and errors[0]["code"] == "worker_lost", errors
+        assert text and REPLY.startswith(text) and text != REPLY
+        events = wait_events(fleet.nats_url, f"helexa.events.run.finished.{model}",
+                             lambda es: any(e.request_id == request_id for e in finished(es)))
+    outcomes = finished(events, {request_id})
+    assert [(e.node, e.status, e.error, e.attempt) for e in outcomes] == [(node, "error", "worker_lost", 1)]
+
+
+def test_a_request_that_kills_its_workers_is_tried_a_bounded_number_of_times(fleet: Fleet) -> None:
+    model = "poison-model"
+    script = {"default": "still serving", "rules": [{"match": "POISON", "reply": "", "fault": "exit"}]}
+    specs = [(f"poison-{n}", model, script) for n in "abc"]
+    with fleet.workers_of(specs) as workers:
+        with pytest.raises(openai.InternalServerError) as failure:
+            ask(fleet, model, "POISON pill")
+        assert failure.value.status_code == 500
+        assert "tried 2 times" in failure.value.message
+        dead = [w for w in workers if w.process.poll() is not None]
+        assert 1 <= len(dead) <= 2  # max_deliver = 2: never all three
+        assert all(w.process.returncode == 70 for w in dead)
+        assert ask(fleet, model, "are you alive") == "still serving"
+        events = wait_events(fleet.nats_url, f"helexa.events.run.finished.{model}",
+                             lambda es: any(e.error == "delivery_failed" for e in finished(es)))
+    lost = [e for e in finished(events) if e.error == "delivery_failed"]
+    assert len(lost) == 1 and lost[0].attempt == 2 and lost[0].status == "error"
+
+
+def test_a_silent_worker_leaves_the_registry_and_comes_back(fleet: Fleet) -> None:
+    model = "ttl-model"
+
+    def listed() -> set[str]:
+        return {m["id"] for m in httpx.get(f"{fleet.base_url}/v1/models", timeout=10).json()["data"]}
+
+    with fleet.worker("ttl-a", model, {"default": "hi"}) as worker:
+        assert model in listed()
+        worker.process.send_signal(signal.SIGSTOP)  # alive but silent: no refresh
+        try:
+            assert wait_until(lambda: model not in listed(), timeout_s=30)
+        finally:
+            worker.process.send_signal(signal.SIGCONT)
+        assert wait_until(lambda: model in listed(), timeout_s=30)
+        assert ask(fleet, model, "hello") == "hi"
+        worker.kill()
+        assert wait_until(lambda: model not in listed(), timeout_s=30)
+    # The same node restarted is seen afresh.
+    with fleet.worker("ttl-a", model, {"default": "hi again"}):
+        assert model in listed()
+        assert ask(fleet, model, "hello") == "hi again"
+
+
+def wait_until(condition, timeout_s: float) -> bool:  # type: ignore[no-untyped-def]
+    """Poll an HTTP-visible condition: the registry's expiry has no event a client can wait on."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.2)
+    return False
