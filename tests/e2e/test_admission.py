@@ -150,7 +150,7 @@ def test_cancelled_queued_waiters_leave_no_trace(system: System, tmp_path: Path)
         auth = {"Authorization": "Bearer sk-p"}
         with httpx.Client(base_url=url, timeout=120, headers=auth) as http:
             with http.stream("POST", "/v1/chat/completions",
-                             json={**body(system, 300, "a long story"), "stream": True}) as running:
+                             json={**body(system, 160, "a long story"), "stream": True}) as running:
                 lines = running.iter_lines()
                 next(lines)
                 waiters = [queue_then_hang_up(url, body(system, 4, f"waiter {i}"), "sk-p") for i in range(2)]
