@@ -132,10 +132,16 @@ class Generation:
     handler: str
     finished: bool = False
     ticket: Ticket | None = None
+    # A first frame that was not `Accepted` (a worker that skipped it): read before the stream.
+    held: wire.ReplyFrame | None = None
 
     @property
     def node(self) -> str:
         return self.accepted.node
+
+    def _take_held(self) -> wire.ReplyFrame | None:
+        frame, self.held = self.held, None
+        return frame
 
     async def frames(self) -> AsyncIterator[wire.Delta | wire.Final]:
         """Deltas then one Final; raises GenerationFailed on an error frame or a silent worker.
@@ -153,7 +159,7 @@ class Generation:
         try:
             while True:
                 try:
-                    frame = await self.reply.next(self.idle_timeout_s)
+                    frame = self._take_held() or await self.reply.next(self.idle_timeout_s)
                 except ReplyTimeout:
                     if last_text_at is None and time.time() < self.request.deadline:
                         continue
@@ -336,13 +342,14 @@ async def _publish_and_wait(
             bus.metrics.rejections.labels(request.model, frame.code).inc()
         await reply.close()
         raise ApiError(frame.status, frame.message, code=frame.code, context={**ctx, "node": reply.node})
-    if not isinstance(frame, wire.Accepted):
-        frame = wire.Accepted(seq=0, node=reply.node or "unknown", prompt_tokens=0)
+    accepted = frame if isinstance(frame, wire.Accepted) else wire.Accepted(
+        seq=0, node=reply.node or "unknown", prompt_tokens=0)
     return Generation(
         request=request,
         reply=reply,
         bus=bus,
-        accepted=frame,
+        accepted=accepted,
         idle_timeout_s=settings.stream_idle_timeout_s,
         handler=handler,
+        held=None if frame is accepted else frame,
     )

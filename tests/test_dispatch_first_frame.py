@@ -1,0 +1,40 @@
+"""The gateway loses no text from a worker that starts its reply without an `Accepted` frame:
+a bare NATS client stands in for the worker (the bus speaks plain JSON, so any client may serve)."""
+
+from __future__ import annotations
+
+import time
+
+import nats
+
+from apps.bus import topology, wire
+from apps.embedded.nats_server import NatsServer
+from apps.gateway.bus_client import GatewayBus
+from apps.gateway.dispatch import _publish_and_wait
+from apps.settings import GatewaySettings
+
+
+async def test_a_reply_without_accepted_keeps_its_first_delta(own_nats: NatsServer) -> None:
+    bus = await GatewayBus.connect(own_nats.url)
+    worker = await nats.connect(own_nats.url)
+
+    async def serve(msg: nats.aio.msg.Msg) -> None:
+        request = wire.request_decoder.decode(msg.data)
+        usage = wire.Usage(prompt_tokens=3, completion_tokens=2)
+        for frame in (wire.Delta(seq=0, text="Hello", num_tokens=1),
+                      wire.Delta(seq=1, text=" there", num_tokens=1, finish_reason="stop"),
+                      wire.Final(seq=2, finish_reason="stop", usage=usage)):
+            await worker.publish(request.reply_subject, wire.encode(frame))
+
+    await worker.subscribe(topology.request_subject("bare"), cb=serve)
+    await worker.flush()
+    try:
+        request = wire.GenerateRequest(request_id="bare-1", model="bare", reply_subject=bus.new_inbox(),
+                                       sampling=wire.Sampling(), prompt="hi", deadline=time.time() + 30)
+        generation = await _publish_and_wait(bus, GatewaySettings(), request, "test")
+        texts = [f.text async for f in generation.frames() if isinstance(f, wire.Delta)]
+        assert "".join(texts) == "Hello there"
+        await generation.close()
+    finally:
+        await worker.close()
+        await bus.close()
