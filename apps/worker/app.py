@@ -185,6 +185,13 @@ class Worker:
                                       "usage": msgspec.to_builtins(final.usage)}).encode())
 
     async def _on_control(self, req: ServiceRequest) -> None:
+        # Handlers of one endpoint run one at a time: a slow load must not hold up a `list`.
+        # Loads and unloads still take turns, through the lifecycle lock.
+        task = asyncio.create_task(self._control(req))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _control(self, req: ServiceRequest) -> None:
         try:
             body = json.loads(req.data or b"{}")
             op, model = body.get("op", "list"), body.get("model", "")
