@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
+import signal
 import threading
 from collections.abc import AsyncIterator
 from multiprocessing.connection import Connection
@@ -25,6 +26,10 @@ log = logging.getLogger("helexa.engine")
 def run_core_process(conn: Connection, config: EngineConfig) -> None:
     """The core process: load the model, then step whenever there is work, until told to stop."""
     from engine.core import build_core
+
+    # Ctrl-C reaches the whole process group; the worker owns shutdown and stops us through the
+    # pipe (or by closing it), so an interrupted terminal does not look like a crashed engine.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     try:
         core = build_core(config)
@@ -164,6 +169,8 @@ class AsyncEngine:
         if self._dead:
             return
         self._dead = ENGINE_STOPPED
+        if self._closed:
+            return  # we asked it to stop: its pipe closing is the expected end
         log.error("engine core process died", extra={"exitcode": self._process.exitcode})
         for request_id, queue in self._queues.items():
             queue.put_nowait(EngineOutput(request_id=request_id, new_token_ids=[], finished=True,
