@@ -80,6 +80,30 @@ def batched_last_logits(model: nn.Module, prompts: list[list[int]],
     return torch.stack([x[-1] for x in logits])
 
 
+def assert_ragged_batch_matches_each_alone(model: nn.Module, prompt_ids: list[int]) -> None:
+    """Three prompts of different lengths prefilled in one batch give each one's own last logits."""
+    prompts = [prompt_ids, prompt_ids[3:7], prompt_ids[::-1][:11]]
+    batched = batched_last_logits(model, prompts)
+    alone = torch.stack([chunked_logits(model, p)[-1] for p in prompts])
+    torch.testing.assert_close(batched, alone, atol=1e-4, rtol=1e-4)
+
+
+def assert_mixed_steps_match_each_alone(model: nn.Module, prompt_ids: list[int]) -> None:
+    """One step holding a prefill chunk continuation, a decode and a whole new prefill, then a
+    pure-decode step for two of them: each sequence's logits are what it gets alone."""
+    a, b, c = prompt_ids, prompt_ids[2:9], prompt_ids[::-1][:6]
+    seqs = PagedSequences(model, [len(a), len(b) + 1, len(c) + 1])
+    seqs.step({0: a[:4], 1: b[:-1]})
+    mixed = seqs.step({0: a[4:], 1: b[-1:], 2: c})
+    decode = seqs.step({1: [a[0]], 2: [a[1]]})
+    expected = [chunked_logits(model, ids) for ids in (a, b + [a[0]], c + [a[1]])]
+    torch.testing.assert_close(mixed[0], expected[0][4:], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(mixed[1], expected[1][-2:-1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(mixed[2], expected[2][:-1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(decode[0], expected[1][-1:], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(decode[1], expected[2][-1:], atol=1e-4, rtol=1e-4)
+
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"

@@ -13,7 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from engine.loader import Checkpoint, load_checkpoint
-from tests.engine.helpers import PagedSequences, batched_last_logits, chunked_logits
+from tests.engine.helpers import (
+    assert_mixed_steps_match_each_alone,
+    assert_ragged_batch_matches_each_alone,
+    chunked_logits,
+)
 from tests.engine.hybrid_models import LONG_PROMPT, VOCAB_SIZE, reference_model, save_hybrid_dir
 
 transformers = pytest.importorskip("transformers")
@@ -72,28 +76,12 @@ def test_chunked_prefill_and_decode_match_one_prefill(checkpoint: Checkpoint,
 
 @torch.inference_mode()
 def test_ragged_batch_matches_each_alone(checkpoint: Checkpoint, prompt_ids: list[int]) -> None:
-    model = checkpoint.model
-    prompts = [prompt_ids, prompt_ids[3:7], prompt_ids[::-1][:11]]
-    batched = batched_last_logits(model, prompts)
-    alone = torch.stack([chunked_logits(model, p)[-1] for p in prompts])
-    torch.testing.assert_close(batched, alone, atol=1e-4, rtol=1e-4)
+    assert_ragged_batch_matches_each_alone(checkpoint.model, prompt_ids)
 
 
 @torch.inference_mode()
-def test_mixed_step_matches_each_alone(checkpoint: Checkpoint, prompt_ids: list[int]) -> None:
-    """One step holding a prefill chunk continuation, a decode and a whole new prefill."""
-    model = checkpoint.model
-    a, b, c = prompt_ids, prompt_ids[2:9], prompt_ids[::-1][:6]
-    seqs = PagedSequences(model, [len(a), len(b), len(c)])
-    seqs.step({0: a[:4], 1: b[:-1]})
-    mixed = seqs.step({0: a[4:], 1: b[-1:], 2: c})
-    decode = seqs.step({1: [a[0]], 2: [a[1]]})  # a pure-decode step for two of them
-    expected = [chunked_logits(model, ids) for ids in (a, b + [a[0]], c + [a[1]])]
-    torch.testing.assert_close(mixed[0], expected[0][4:], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(mixed[1], expected[1][-2:-1], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(mixed[2], expected[2][:-1], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(decode[0], expected[1][-1:], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(decode[1], expected[2][-1:], atol=1e-4, rtol=1e-4)
+def test_mixed_steps_match_each_alone(checkpoint: Checkpoint, prompt_ids: list[int]) -> None:
+    assert_mixed_steps_match_each_alone(checkpoint.model, prompt_ids)
 
 
 def test_checkpoint_pieces_must_fill_each_parameter_once(model_dir: Path,
