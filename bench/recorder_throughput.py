@@ -145,8 +145,10 @@ async def _wait(condition, timeout_s: float, what: str) -> None:  # noqa: ANN001
         await asyncio.sleep(POLL_S)
 
 
-async def one_run(nats_url: str, admin_url: str, batch_size: int, events: list[Event], num_requests: int) -> dict:
-    nc = await connect(nats_url, "bench-recorder")
+async def _fresh_start(nats_url: str, admin_url: str, client_name: str) -> tuple:
+    """An empty EVENTS stream with no recorder consumer, and a freshly migrated database:
+    (NATS connection, JetStream context, database URL)."""
+    nc = await connect(nats_url, client_name)
     js = nc.jetstream()
     await ensure_topology(js)
     await js.purge_stream(EVENTS_STREAM)
@@ -154,7 +156,11 @@ async def one_run(nats_url: str, admin_url: str, batch_size: int, events: list[E
         await js.delete_consumer(EVENTS_STREAM, RECORDER_CONSUMER)
     except Exception:  # noqa: BLE001 - absent on the first run
         pass
-    url = await _fresh_database(admin_url)
+    return nc, js, await _fresh_database(admin_url)
+
+
+async def one_run(nats_url: str, admin_url: str, batch_size: int, events: list[Event], num_requests: int) -> dict:
+    nc, js, url = await _fresh_start(nats_url, admin_url, "bench-recorder")
     payloads = [(event_subject(event_kind(e), e.model), encode(e)) for e in events]
     recorder = start_recorder(nats_url, url, batch_size)
     conn = await asyncpg.connect(url)
@@ -236,15 +242,7 @@ async def lag_run(nats_url: str, admin_url: str, batch_size: int, clients: int, 
     from apps.bench.client import StreamFailed, chat_body, http_client, stream_chat
     from apps.embedded import free_port
 
-    nc = await connect(nats_url, "bench-recorder-lag")
-    js = nc.jetstream()
-    await ensure_topology(js)
-    await js.purge_stream(EVENTS_STREAM)
-    try:
-        await js.delete_consumer(EVENTS_STREAM, RECORDER_CONSUMER)
-    except Exception:  # noqa: BLE001 - absent on the first run
-        pass
-    url = await _fresh_database(admin_url)
+    nc, js, url = await _fresh_start(nats_url, admin_url, "bench-recorder-lag")
     script = folder / "lag-script.json"
     script.write_text(json.dumps({"rules": [], "default": LAG_REPLY}))
     port = free_port()
