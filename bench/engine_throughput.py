@@ -25,14 +25,14 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.api import EngineRequest, SamplingOptions  # noqa: E402
+from bench.core_timing import RunResult, StepClock, run_greedy  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
 from engine.default_model import default_model_path  # noqa: E402
 from engine.engine_config import EngineConfig  # noqa: E402
@@ -56,15 +56,8 @@ class Work:
     max_tokens: int
 
 
-@dataclass
-class RunResult:
-    wall_s: float
-    tokens: dict[str, list[int]]
-    ttft_s: list[float] = field(default_factory=list)
-    itl_s: list[float] = field(default_factory=list)
-
-    def useful_tokens(self, work: list[Work]) -> int:
-        return sum(min(len(self.tokens[w.request_id]), w.max_tokens) for w in work)
+def useful_tokens(run: RunResult, work: list[Work]) -> int:
+    return sum(min(len(run.tokens[w.request_id]), w.max_tokens) for w in work)
 
 
 def workload(checkpoint: Checkpoint) -> list[Work]:
@@ -85,46 +78,13 @@ def run_ours(checkpoint: Checkpoint, work: list[Work], max_num_seqs: int) -> Run
     config = EngineConfig(model="in-memory", max_num_seqs=max_num_seqs, max_num_batched_tokens=2048,
                           enable_prefix_caching=False)
     core = EngineCore(checkpoint, config)
-    tokens: dict[str, list[int]] = {w.request_id: [] for w in work}
-    last: dict[str, float] = {}
-    result = RunResult(0.0, tokens)
-    start = time.perf_counter()
-    for w in work:
-        core.add_request(EngineRequest(w.request_id, w.prompt,
-                                       SamplingOptions(max_tokens=w.max_tokens, temperature=0.0, ignore_eos=True)))
-    while core.has_work():
-        outputs = core.step()
-        now = time.perf_counter()
-        for out in outputs:
-            if not out.new_token_ids:
-                continue
-            previous = last.get(out.request_id)
-            if previous is None:
-                result.ttft_s.append(now - start)
-            else:
-                result.itl_s.append(now - previous)
-            last[out.request_id] = now
-            tokens[out.request_id].extend(out.new_token_ids)
-    result.wall_s = time.perf_counter() - start
-    return result
-
-
-class StepClock:
-    """A logits processor that only records when each generation step happens."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self.times.append(time.perf_counter())
-        return scores
+    return run_greedy(core, [(w.request_id, w.prompt, w.max_tokens) for w in work])
 
 
 def run_hf(hf_model: torch.nn.Module, work: list[Work], batch_size: int, pad_id: int) -> RunResult:
     from transformers import LogitsProcessorList
 
-    tokens: dict[str, list[int]] = {}
-    result = RunResult(0.0, tokens)
+    result = RunResult()
     start = time.perf_counter()
     for i in range(0, len(work), batch_size):
         batch = work[i:i + batch_size]
@@ -140,7 +100,7 @@ def run_hf(hf_model: torch.nn.Module, work: list[Work], batch_size: int, pad_id:
                 logits_processor=LogitsProcessorList([clock]),
             )
         for row, w in enumerate(batch):
-            tokens[w.request_id] = out[row, width:width + w.max_tokens].tolist()
+            result.tokens[w.request_id] = out[row, width:width + w.max_tokens].tolist()
             # A request's token k exists once step k has run; later steps serve only its companions.
             steps = clock.times[:w.max_tokens]
             result.ttft_s.append(steps[0] - start)
@@ -163,7 +123,7 @@ def mismatches(result: RunResult, reference: RunResult) -> list[str]:
 
 def summarize(name: str, runs: list[RunResult], work: list[Work], reference: RunResult | None) -> dict:
     bad = sorted({rid for r in runs for rid in (mismatches(r, reference) if reference else [])})
-    useful = runs[0].useful_tokens(work)
+    useful = useful_tokens(runs[0], work)
     entry: dict = {"name": name, "useful_output_tokens": useful, "correct": not bad}
     if bad:
         entry["mismatched_requests"] = bad

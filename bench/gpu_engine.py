@@ -35,15 +35,14 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.core_timing import RunResult, StepClock, run_greedy  # noqa: E402
 from engine import ops  # noqa: E402
-from engine.api import EngineRequest, SamplingOptions  # noqa: E402
 from engine.attention import AttentionMetadata, allocate_kv_caches  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
@@ -74,14 +73,6 @@ TINY_QWEN3 = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hid
                   rope_parameters={"rope_type": "default", "rope_theta": 1e4})
 
 CHECK_PROMPT, CHECK_NEW = 16, 24
-
-
-@dataclass
-class RunResult:
-    wall_s: float = 0.0
-    tokens: dict[str, list[int]] = field(default_factory=dict)
-    ttft_s: list[float] = field(default_factory=list)
-    itl_s: list[float] = field(default_factory=list)
 
 
 def _sync(device: str) -> None:
@@ -163,41 +154,8 @@ def make_core(checkpoint: Checkpoint, device: str, concurrency: int, prompt: int
 
 
 def run_ours(core: EngineCore, prompts: list[list[int]], new: int, device: str) -> RunResult:
-    result = RunResult()
-    last: dict[str, float] = {}
-    _sync(device)
-    start = time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        result.tokens[f"r{i}"] = []
-        core.add_request(EngineRequest(f"r{i}", prompt, SamplingOptions(
-            max_tokens=new, temperature=0.0, ignore_eos=True)))
-    while core.has_work():
-        outputs = core.step()  # returns sampled ids: the step is done on the device
-        now = time.perf_counter()
-        for out in outputs:
-            if not out.new_token_ids:
-                continue
-            previous = last.get(out.request_id)
-            if previous is None:
-                result.ttft_s.append(now - start)
-            else:
-                result.itl_s.append(now - previous)
-            last[out.request_id] = now
-            result.tokens[out.request_id].extend(out.new_token_ids)
-    result.wall_s = time.perf_counter() - start
-    return result
-
-
-class StepClock:
-    """A logits processor that records when each generation step's logits are ready."""
-
-    def __init__(self, device: str) -> None:
-        self.device, self.times = device, []
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        _sync(self.device)
-        self.times.append(time.perf_counter())
-        return scores
+    return run_greedy(core, [(f"r{i}", prompt, new) for i, prompt in enumerate(prompts)],
+                      sync=lambda: _sync(device))
 
 
 def run_hf(hf: torch.nn.Module, prompts: list[list[int]], new: int, device: str,
@@ -206,7 +164,7 @@ def run_hf(hf: torch.nn.Module, prompts: list[list[int]], new: int, device: str,
     from transformers import LogitsProcessorList
 
     input_ids = torch.tensor(prompts, device=device)
-    clock = StepClock(device)
+    clock = StepClock(lambda: _sync(device))
     result = RunResult()
     _sync(device)
     start = time.perf_counter()
