@@ -190,7 +190,15 @@ async def generate_choice(
                 if out.finish_reason is FinishReason.ERROR:
                     return FinishReason.ERROR.value, out.error or "engine error"
                 reason = (out.finish_reason or FinishReason.STOP).value
-                await send(parser.feed(stops.flush()), 0)
+                # The detokenizer may still hold the tail back (a character cut off by the end,
+                # or text it could not yet tell apart); it belongs to the answer, and a stop
+                # string may even end inside it.
+                text, hit_stop = stops.feed(detokenizer.flush())
+                if hit_stop:
+                    reason = FinishReason.STOP.value
+                    await send(parser.feed(text), 0)
+                else:
+                    await send(parser.feed(text + stops.flush()), 0)
     if parser.num_tool_calls and reason == FinishReason.STOP.value:
         reason = "tool_calls"
     await send(parser.finish(), 0, finish_reason=reason)

@@ -54,9 +54,16 @@ def wait_for_gauges(system: System, model: str, expected: dict[str, float], time
         time.sleep(0.1)
 
 
-def test_streaming_matches_the_whole_response(system: System, hybrid_model: str) -> None:
+# Random weights emit byte tokens often, so some answers end inside a character: each of these
+# prompts exercises the end of a choice once more (the tail the detokenizer holds back).
+_PROMPTS = ["Pack my box with five dozen jugs.", "日本語で答えて", "🙂🙃", "How vexingly quick daft zebras jump",
+            "Ünïcödé?", "1 2 3 4", "Sphinx of black quartz, judge my vow", "写一首诗"]
+
+
+@pytest.mark.parametrize("prompt", _PROMPTS)
+def test_streaming_matches_the_whole_response(system: System, hybrid_model: str, prompt: str) -> None:
     client = openai.OpenAI(base_url=f"{system.base_url}/v1", api_key="unused")
-    messages = [{"role": "user", "content": "Pack my box with five dozen jugs."}]
+    messages = [{"role": "user", "content": prompt}]
     whole = client.chat.completions.create(model=hybrid_model, messages=messages, max_tokens=12,
                                            temperature=0)
     assert whole.choices[0].finish_reason == "length"

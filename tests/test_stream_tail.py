@@ -1,0 +1,86 @@
+"""The end of a streamed choice: whatever the detokenizer still holds back reaches the client.
+
+A run's text must not depend on how the engine's outputs were grouped (a slow reader gets them
+coalesced): every grouping of the same token ids streams exactly the full decode, including a
+character cut off by the end of generation, and a stop string that ends inside the held-back tail
+still stops the choice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+
+from apps.bus import wire
+from apps.worker import serve
+from apps.worker.model_server import CollectingReplier
+from apps.worker.prompt import Prompt
+from engine.api import EngineOutput, EngineRequest, FinishReason, SamplingOptions
+from engine.default_model import default_model_path
+from engine.loader import load_tokenizer
+from engine.tokenizer import Tokenizer
+from tests.engine.test_tokenizer import _byte_token_ids
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return load_tokenizer(default_model_path())[0]
+
+
+class GroupedEngine:
+    """Hands out fixed token ids in the given groups, the last group finishing the request."""
+
+    def __init__(self, groups: list[list[int]], reason: FinishReason) -> None:
+        self.groups, self.reason = groups, reason
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        for i, ids in enumerate(self.groups):
+            last = i == len(self.groups) - 1
+            yield EngineOutput(request.request_id, list(ids), finished=last,
+                               finish_reason=self.reason if last else None,
+                               num_prompt_tokens=len(request.prompt_token_ids),
+                               prefill_ms=0.0 if i == 0 else None)
+
+
+def _groupings(ids: list[int]) -> list[list[list[int]]]:
+    """One token per output, everything in one output, and every split into two outputs."""
+    splits = [[ids[:cut], ids[cut:]] for cut in range(1, len(ids))]
+    return [[[t] for t in ids], [ids], *splits]
+
+
+def _stream(tok: Tokenizer, groups: list[list[int]], stop: list[str], reason: FinishReason) -> tuple[str, str]:
+    prompt_ids = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    request = wire.GenerateRequest(request_id="r", model="m", reply_subject="-",
+                                   sampling=wire.Sampling(max_tokens=64, stop=stop))
+    record = serve.RunRecord(request=request, node="n", attempt=1, received_at=time.time())
+    replier = CollectingReplier(attempt=1, node="n")
+    engine_request = EngineRequest("r", prompt_ids, SamplingOptions(max_tokens=64))
+    finish, error = asyncio.run(serve.generate_choice(
+        GroupedEngine(groups, reason), tok, replier, record, Prompt(token_ids=prompt_ids), engine_request, 0))
+    assert error is None
+    return "".join(f.text for f in replier.frames if isinstance(f, wire.Delta)), finish
+
+
+@pytest.mark.parametrize("text", ["ok 🙂", "日本", "héllo 👍🏽"], ids=["emoji", "cjk", "modifier"])
+def test_every_grouping_streams_the_full_decode(tok: Tokenizer, text: str) -> None:
+    ids = _byte_token_ids(tok, text)
+    for groups in _groupings(ids):
+        assert _stream(tok, groups, [], FinishReason.LENGTH) == (text, "length"), groups
+
+
+def test_a_character_cut_off_by_the_end_is_not_dropped(tok: Tokenizer) -> None:
+    # Generation stopped (max_tokens) after half an emoji: the text is what a whole decode says.
+    ids = _byte_token_ids(tok, "ab🙂")[:4]
+    expected = tok.decode(ids)
+    assert expected.startswith("ab") and expected.endswith("\ufffd")
+    for groups in _groupings(ids):
+        assert _stream(tok, groups, [], FinishReason.LENGTH) == (expected, "length"), groups
+
+
+def test_stop_strings_hold_for_every_grouping(tok: Tokenizer) -> None:
+    ids = _byte_token_ids(tok, "say 日本 then")
+    for groups in _groupings(ids):
+        assert _stream(tok, groups, ["本"], FinishReason.LENGTH) == ("say 日", "stop"), groups
