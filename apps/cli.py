@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
 
-from apps import logs
+from apps import logs, settings
 
 log = logging.getLogger("helexa")
 
@@ -138,7 +137,7 @@ def cmd_up(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="helexa", description="LLM serving over NATS JetStream and PostgreSQL")
-    parser.add_argument("--log-level", default=os.environ.get("HELEXA_LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-level", default=None, help="DEBUG, INFO, ... (HELEXA_LOG_LEVEL, default INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="run everything on this machine: NATS, PostgreSQL, gateway, worker, recorder")
@@ -184,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logs.configure(args.log_level)
+    logs.configure(args.log_level or settings.log_level())
     args.func(args)
 
 

@@ -58,6 +58,25 @@ def bus_limits() -> BusLimits:
     )
 
 
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level() -> str:
+    """HELEXA_LOG_LEVEL: the apps' log threshold (the CLI's --log-level overrides it)."""
+    level = _env("HELEXA_LOG_LEVEL", "INFO").upper()
+    if level not in _LOG_LEVELS:
+        raise ValueError(f"HELEXA_LOG_LEVEL must be one of {', '.join(_LOG_LEVELS)}, got {level!r}")
+    return level
+
+
+def postgres_fsync() -> bool:
+    """HELEXA_PG_FSYNC=off runs the embedded PostgreSQL without fsync (benchmarks, throwaway data)."""
+    value = _env("HELEXA_PG_FSYNC", "on").lower()
+    if value not in ("on", "off"):
+        raise ValueError(f"HELEXA_PG_FSYNC must be on or off, got {value!r}")
+    return value == "on"
+
+
 def catalogue_file() -> str:
     """A TOML file of models workers may load on demand: [models."<id>"] source, min_memory_mb."""
     return _env("HELEXA_CATALOGUE", "")
@@ -130,14 +149,9 @@ class WorkerSettings:
             raise ValueError("HELEXA_REASONING_PARSER must be auto, on or off")
 
     def engine_config(self, model_path: str) -> EngineConfig:
-        device = self.device
-        if device == "auto":
-            import torch
-
-            device = "cuda" if torch.cuda.is_available() else "cpu"
         return EngineConfig(
             model=model_path,
-            device=device,
+            device=self.device,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             kv_cache_bytes=self.kv_cache_mb << 20,

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.api import EngineRequest, SamplingOptions
 from engine.core import EngineCore
+from engine.protocol import EngineRequest, SamplingParams
 
 
 @dataclass
@@ -35,7 +35,7 @@ def run_greedy(core: EngineCore, requests: list[tuple[str, list[int], int]],
     sync()
     start = time.perf_counter()
     for request_id, prompt, max_tokens in requests:
-        core.add_request(EngineRequest(request_id, prompt, SamplingOptions(
+        core.add_request(EngineRequest(request_id, prompt, SamplingParams(
             max_tokens=max_tokens, temperature=0.0, ignore_eos=True)))
     while core.has_work():
         outputs = core.step()

@@ -47,7 +47,7 @@ import asyncpg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from apps.bus.topology import EVENTS_STREAM, RECORDER_CONSUMER, connect, ensure_topology, event_subject  # noqa: E402
+from apps.bus.topology import EVENTS_STREAM, RECORDER_CONSUMER, BusLimits, connect, ensure_topology, event_subject  # noqa: E402
 from apps.bus.wire import AdmissionDecided, Event, RunFinished, RunStarted, encode, event_kind  # noqa: E402
 from apps.embedded.nats_server import NatsServer, nats_server_binary  # noqa: E402
 from apps.embedded.postgres import PostgresServer  # noqa: E402
@@ -150,7 +150,7 @@ async def _fresh_start(nats_url: str, admin_url: str, client_name: str) -> tuple
     (NATS connection, JetStream context, database URL)."""
     nc = await connect(nats_url, client_name)
     js = nc.jetstream()
-    await ensure_topology(js)
+    await ensure_topology(js, BusLimits())
     await js.purge_stream(EVENTS_STREAM)
     try:
         await js.delete_consumer(EVENTS_STREAM, RECORDER_CONSUMER)

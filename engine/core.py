@@ -1,64 +1,48 @@
 """The engine core: schedule → run the model → sample → update, one step at a time.
 
 `EngineCore` is synchronous and owns every torch object; `run_core_process` drives it in its own
-process behind a pipe (see `engine.core_client`), so the worker's event loop never waits on torch.
+process behind a pipe of `engine.protocol` messages (the client side is `engine.core_client`), so
+the worker's event loop never waits on torch and never imports it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import signal
 import time
-from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 
 import torch
 
-from engine.api import EngineOutput, EngineRequest, FinishReason, TokenLogprob
 from engine.cuda_graphs import DecodeGraphs, graphs_wanted
 from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCacheManager
 from engine.loader import Checkpoint
 from engine.model_runner import ModelRunner, kv_bytes_per_token
+from engine.protocol import (
+    AbortRequests,
+    AddRequest,
+    CoreFailed,
+    CoreInfo,
+    CoreReady,
+    CoreStats,
+    EngineOutput,
+    EngineRequest,
+    FinishReason,
+    FromCore,
+    Shutdown,
+    StepOutputs,
+    TokenLogprob,
+    device_fault_message,
+    encode_message,
+    to_core_decoder,
+)
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.state_slots import StateSlotPool
 
 log = logging.getLogger("helexa.engine")
-
-
-@dataclass(slots=True)
-class CoreStats:
-    """Cumulative counters and the pool's state, sent to the worker after each step."""
-
-    num_blocks: int = 0
-    num_free_blocks: int = 0
-    num_running: int = 0
-    num_waiting: int = 0
-    num_preemptions: int = 0
-    prefix_queries: int = 0
-    prefix_hits: int = 0
-    # Hybrid models: linear-attention state slots (0 and 0 for models without them).
-    num_state_slots: int = 0
-    num_free_state_slots: int = 0
-    prompt_tokens_computed: int = 0
-    generated_tokens: int = 0
-    steps: int = 0
-
-    @property
-    def kv_usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
-
-
-@dataclass(slots=True)
-class CoreInfo:
-    """What the core tells its client once the model is loaded."""
-
-    model_id: str
-    max_model_len: int
-    max_num_seqs: int
-    num_blocks: int
-    block_size: int
-    eos_token_ids: list[int] = field(default_factory=list)
-    max_position_embeddings: int = 0
 
 
 class EngineCore:
@@ -129,6 +113,8 @@ class EngineCore:
     def add_request(self, request: EngineRequest) -> None:
         if request.request_id in self._requests:
             raise ValueError(f"duplicate request id {request.request_id}")
+        if request.sampling.max_tokens is None:
+            raise ValueError(f"request {request.request_id}: max_tokens must be resolved before the engine")
         if len(request.prompt_token_ids) + 1 > self.info.max_model_len:
             self._rejected.append(self._final(request.request_id, FinishReason.ERROR, len(request.prompt_token_ids),
                                               error="prompt exceeds max_model_len"))
@@ -232,6 +218,51 @@ class EngineCore:
 def build_core(config: EngineConfig) -> EngineCore:
     from engine.loader import load_checkpoint
 
+    if config.device == "auto":
+        config = dataclasses.replace(config, device="cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, config.torch_dtype_name)
     checkpoint = load_checkpoint(config.model, dtype=dtype, device=config.device)
     return EngineCore(checkpoint, config)
+
+
+def run_core_process(conn: Connection, config: EngineConfig) -> None:
+    """The core process: load the model, then step whenever there is work, until told to stop."""
+    # Ctrl-C reaches the whole process group; the worker owns shutdown and stops us through the
+    # pipe (or by closing it), so an interrupted terminal does not look like a crashed engine.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def send(message: FromCore) -> None:
+        conn.send_bytes(encode_message(message))
+
+    try:
+        core = build_core(config)
+    except Exception as exc:  # reported to the parent, which decides what to do
+        send(CoreFailed(error=f"{type(exc).__name__}: {exc}"))
+        return
+    send(CoreReady(info=core.info))
+    while True:
+        outputs: list[EngineOutput] = []
+        try:
+            # Block for commands only when idle; otherwise just take what has arrived.
+            if not core.has_work():
+                conn.poll(None)
+            while conn.poll():
+                message = to_core_decoder.decode(conn.recv_bytes())
+                if isinstance(message, AddRequest):
+                    core.add_request(message.request)
+                elif isinstance(message, AbortRequests):
+                    outputs.extend(core.abort(message.request_ids))
+                elif isinstance(message, Shutdown):
+                    return
+        except (EOFError, OSError):
+            return  # the worker is gone; so is our reason to run
+        try:
+            outputs.extend(core.step())
+        except Exception as exc:
+            log.exception("engine step failed")
+            outputs.extend(core.fail_all(device_fault_message(exc)))
+        if outputs:
+            try:
+                send(StepOutputs(outputs=outputs, stats=core.stats))
+            except (EOFError, OSError):
+                return

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 class EngineConfig:
     # A .gguf file or an HF model directory.
     model: str
+    # "auto": CUDA when the core process finds a GPU, else the CPU (resolved there, with torch).
     device: str = "cpu"
     # "auto": float32 on CPU (bf16 matmuls are slow there), bfloat16 on CUDA.
     dtype: str = "auto"

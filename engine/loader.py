@@ -1,6 +1,6 @@
 """Turn a path on disk into a ready model: config, weights in an `nn.Module`, tokenizer, model id.
 
-Two sources: a `.gguf` file (see `engine.gguf_import`) or an HF model directory (config.json,
+Two sources: a `.gguf` file (see `engine.gguf_file` and `engine.gguf_import`) or an HF model directory (config.json,
 *.safetensors, tokenizer.json). Both end in the same `load_weights`, which insists every parameter
 is filled exactly once. Nothing is ever downloaded.
 """
@@ -18,6 +18,8 @@ from torch import nn
 
 from engine import gguf_import
 from engine.config import ModelConfig
+from engine.gguf_file import GGUFFile, read_config, read_tokenizer
+from engine.model_source import is_gguf, model_id
 from engine.models import get_model_class
 from engine.tokenizer import Tokenizer
 
@@ -34,30 +36,19 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
                     device: torch.device | str = "cpu") -> Checkpoint:
     """Load a `.gguf` file or an HF model directory; the model comes back in eval mode."""
     path = Path(path)
-    if path.is_file() and path.suffix == ".gguf":
+    if is_gguf(path):
         return _load_gguf(path, dtype, device)
     if path.is_dir():
         return _load_hf_dir(path, dtype, device)
     raise FileNotFoundError(f"{path} is neither a .gguf file nor a model directory")
 
 
-def load_tokenizer(path: str | Path) -> tuple[Tokenizer, str]:
-    """Only the tokenizer and the model id, for a process that never runs the model."""
-    path = Path(path)
-    if path.is_file() and path.suffix == ".gguf":
-        return gguf_import.read_tokenizer(gguf_import.GGUFFile(path)), gguf_import.model_id_from_path(path)
-    if path.is_dir():
-        return Tokenizer.from_hf_dir(path), path.resolve().name
-    raise FileNotFoundError(f"{path} is neither a .gguf file nor a model directory")
-
-
 def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str) -> Checkpoint:
-    gguf = gguf_import.GGUFFile(path)
-    config = gguf_import.read_config(gguf)
+    gguf = GGUFFile(path)
+    config = read_config(gguf)
     model = _empty_model(config, dtype, device)
     load_weights(model, gguf_import.iter_weights(gguf, config, dtype))
-    return Checkpoint(config=config, model=model.eval(), tokenizer=gguf_import.read_tokenizer(gguf),
-                      model_id=gguf_import.model_id_from_path(path))
+    return Checkpoint(config=config, model=model.eval(), tokenizer=read_tokenizer(gguf), model_id=model_id(path))
 
 
 def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device | str) -> Checkpoint:
@@ -67,8 +58,7 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device | str) -> 
     config = ModelConfig.from_hf_config(raw_config)
     model = _empty_model(config, dtype, device)
     load_weights(model, _iter_safetensors(path, dtype))
-    return Checkpoint(config=config, model=model.eval(), tokenizer=Tokenizer.from_hf_dir(path),
-                      model_id=path.resolve().name)
+    return Checkpoint(config=config, model=model.eval(), tokenizer=Tokenizer.from_hf_dir(path), model_id=model_id(path))
 
 
 def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> nn.Module:

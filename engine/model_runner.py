@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.api import TokenLogprob
 from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeGraphs
+from engine.protocol import TokenLogprob
 from engine.sampler import Sampler, SamplingRow, make_generator
 from engine.scheduler import SchedulerOutput
 from engine.state_cache import HybridCaches, LinearStateCache

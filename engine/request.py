@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
-from engine.api import FinishReason, SamplingOptions
+from engine.protocol import FinishReason, SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -40,7 +40,7 @@ class Request:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        sampling: SamplingOptions,
+        sampling: SamplingParams,
         eos_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
     ) -> None:

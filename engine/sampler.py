@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.api import SamplingOptions, TokenLogprob
+from engine.protocol import SamplingParams, TokenLogprob
 
 # Tokens per block of the two-level inverse CDF: block sums first, then one block's prefix sums.
 _CDF_BLOCK = 256
@@ -36,7 +36,7 @@ _TOP_K_TOP_P_CANDIDATES = (256, 4096)
 class SamplingRow:
     """One request's row in this step's logits."""
 
-    options: SamplingOptions
+    options: SamplingParams
     # Per request, created once from its seed; None draws from the sampler's shared generator.
     generator: torch.Generator | None
     prompt_token_ids: list[int]
@@ -107,7 +107,7 @@ _single_row_sampler = Sampler()
 
 def sample(
     logits: torch.Tensor,
-    options: SamplingOptions,
+    options: SamplingParams,
     generator: torch.Generator,
     prompt_token_ids: list[int] | None = None,
     output_token_ids: list[int] | None = None,
@@ -188,7 +188,7 @@ def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         logits[torch.tensor(row_index, device=device), torch.tensor(token_index, device=device)] = -math.inf
 
 
-def _sample_random(logits: torch.Tensor, options: list[SamplingOptions],
+def _sample_random(logits: torch.Tensor, options: list[SamplingParams],
                    generators: list[torch.Generator]) -> torch.Tensor:
     """logits: [rows, vocab] penalized. Returns [rows] token ids drawn after temperature and truncation."""
     device = logits.device

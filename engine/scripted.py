@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
-import os
-from dataclasses import dataclass
-
-from engine.api import DeviceFault, EngineOutput, EngineRequest, FinishReason
+from engine.protocol import CoreInfo, CoreStats, DeviceFault, EngineOutput, EngineRequest, FinishReason
 from engine.tokenizer import Tokenizer
 
 
@@ -46,6 +45,14 @@ class ScriptedEngine:
         self.max_num_seqs = max_num_seqs
         self._running: set[str] = set()
         self._aborted: set[str] = set()
+        # No KV pool: no blocks, and stats that only count what runs.
+        self.info = CoreInfo(model_id=model_id, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                             num_blocks=0, block_size=0, eos_token_ids=tokenizer.all_stop_token_ids,
+                             max_position_embeddings=max_model_len)
+
+    @property
+    def stats(self) -> CoreStats:
+        return CoreStats(num_running=len(self._running))
 
     def free_slots(self) -> int:
         return max(self.max_num_seqs - len(self._running), 0)

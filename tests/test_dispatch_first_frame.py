@@ -8,14 +8,16 @@ import time
 import nats
 
 from apps.bus import topology, wire
+from apps.bus.topology import BusLimits
 from apps.embedded.nats_server import NatsServer
 from apps.gateway.bus_client import GatewayBus
 from apps.gateway.dispatch import _publish_and_wait
 from apps.settings import GatewaySettings
+from engine.protocol import SamplingParams
 
 
 async def test_a_reply_without_accepted_keeps_its_first_delta(own_nats: NatsServer) -> None:
-    bus = await GatewayBus.connect(own_nats.url)
+    bus = await GatewayBus.connect(own_nats.url, BusLimits())
     worker = await nats.connect(own_nats.url)
 
     async def serve(msg: nats.aio.msg.Msg) -> None:
@@ -30,7 +32,7 @@ async def test_a_reply_without_accepted_keeps_its_first_delta(own_nats: NatsServ
     await worker.flush()
     try:
         request = wire.GenerateRequest(request_id="bare-1", model="bare", reply_subject=bus.new_inbox(),
-                                       sampling=wire.Sampling(), prompt="hi", deadline=time.time() + 30)
+                                       sampling=SamplingParams(), prompt="hi", deadline=time.time() + 30)
         generation = await _publish_and_wait(bus, GatewaySettings(), request, "test")
         texts = [f.text async for f in generation.frames() if isinstance(f, wire.Delta)]
         assert "".join(texts) == "Hello there"

@@ -79,7 +79,8 @@ def test_a_template_that_opens_think_starts_generation_in_reasoning() -> None:
     from apps.bus import wire
     from apps.worker.prompt import build_prompt
     from engine.default_model import default_model_path
-    from engine.loader import load_tokenizer
+    from engine.model_source import load_tokenizer
+    from engine.protocol import SamplingParams
     from engine.tokenizer import Tokenizer
 
     base, _ = load_tokenizer(default_model_path())
@@ -89,7 +90,7 @@ def test_a_template_that_opens_think_starts_generation_in_reasoning() -> None:
     )
     tokenizer = Tokenizer(base.hf, bos_token_id=base.bos_token_id, eos_token_id=base.eos_token_id,
                           chat_template=template)
-    request = wire.GenerateRequest(request_id="r", model="m", reply_subject="_INBOX.x", sampling=wire.Sampling(),
+    request = wire.GenerateRequest(request_id="r", model="m", reply_subject="_INBOX.x", sampling=SamplingParams(),
                                    messages=[wire.ChatMessage(role="user", content="2+2?")])
     prompt = build_prompt(tokenizer, request)
     assert prompt.parse_reasoning and prompt.opens_reasoning

@@ -8,9 +8,11 @@ import json
 import pytest
 
 from apps.bus import wire
-from apps.worker.prompt import RequestRejected, build_prompt
+from apps.bus.codes import ServingError
+from apps.worker.prompt import build_prompt
 from engine.default_model import default_model_path
-from engine.loader import load_tokenizer
+from engine.model_source import load_tokenizer
+from engine.protocol import SamplingParams
 from engine.tokenizer import Tokenizer
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
@@ -22,7 +24,7 @@ def tokenizer() -> Tokenizer:
 
 
 def request(*messages: tuple[str, str], **kw: object) -> wire.GenerateRequest:
-    return wire.GenerateRequest(request_id="r", model="m", reply_subject="_INBOX.x", sampling=wire.Sampling(),
+    return wire.GenerateRequest(request_id="r", model="m", reply_subject="_INBOX.x", sampling=SamplingParams(),
                                 messages=[wire.ChatMessage(role=r, content=c) for r, c in messages], **kw)
 
 
@@ -86,6 +88,6 @@ def test_what_cannot_be_continued_is_refused(tokenizer: Tokenizer, case: str) ->
     else:
         req = request(("user", "Hi"), ("assistant", "Sure"), continue_final_message=True, tools=[WEATHER],
                       tool_required=True)
-    with pytest.raises(RequestRejected) as caught:
+    with pytest.raises(ServingError) as caught:
         build_prompt(tokenizer, req)
     assert caught.value.status == 400

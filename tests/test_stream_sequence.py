@@ -6,7 +6,7 @@ import pytest
 from nats.aio.msg import Msg
 
 from apps.bus.pull import BatchPuller, stream_sequence
-from apps.bus.topology import EVENTS_STREAM, connect, ensure_topology, event_subject, replay_puller
+from apps.bus.topology import EVENTS_STREAM, BusLimits, connect, ensure_topology, event_subject, replay_puller
 from apps.embedded.nats_server import NatsServer
 
 
@@ -14,7 +14,7 @@ async def test_matches_nats_metadata_on_real_deliveries(own_nats: NatsServer) ->
     nc = await connect(own_nats.url, "test")
     try:
         js = nc.jetstream()
-        await ensure_topology(js)
+        await ensure_topology(js, BusLimits())
         for i in range(5):
             await js.publish(event_subject("bench.score", "m"), f'{{"i": {i}}}'.encode())
         puller: BatchPuller = await replay_puller(nc)

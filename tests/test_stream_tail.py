@@ -18,9 +18,9 @@ from apps.bus import wire
 from apps.worker import serve
 from apps.worker.model_server import CollectingReplier
 from apps.worker.prompt import Prompt
-from engine.api import EngineOutput, EngineRequest, FinishReason, SamplingOptions
 from engine.default_model import default_model_path
-from engine.loader import load_tokenizer
+from engine.model_source import load_tokenizer
+from engine.protocol import EngineOutput, EngineRequest, FinishReason, SamplingParams
 from engine.tokenizer import Tokenizer
 from tests.engine.test_tokenizer import _byte_token_ids
 
@@ -54,10 +54,10 @@ def _groupings(ids: list[int]) -> list[list[list[int]]]:
 def _stream(tok: Tokenizer, groups: list[list[int]], stop: list[str], reason: FinishReason) -> tuple[str, str]:
     prompt_ids = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
     request = wire.GenerateRequest(request_id="r", model="m", reply_subject="-",
-                                   sampling=wire.Sampling(max_tokens=64, stop=stop))
+                                   sampling=SamplingParams(max_tokens=64, stop=stop))
     record = serve.RunRecord(request=request, node="n", attempt=1, received_at=time.time())
     replier = CollectingReplier(attempt=1, node="n")
-    engine_request = EngineRequest("r", prompt_ids, SamplingOptions(max_tokens=64))
+    engine_request = EngineRequest("r", prompt_ids, SamplingParams(max_tokens=64))
     finish, error = asyncio.run(serve.generate_choice(
         GroupedEngine(groups, reason), tok, replier, record, Prompt(token_ids=prompt_ids), engine_request, 0))
     assert error is None

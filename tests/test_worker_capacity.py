@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from apps.bus import wire
 from apps.settings import WorkerSettings
 from apps.worker.model_server import ModelServer
-from engine.core import CoreStats
+from engine.protocol import CoreInfo, CoreStats, SamplingParams
 
 
 @dataclass
@@ -16,8 +16,9 @@ class FakeEngine:
 
     max_num_seqs: int = 4
     max_model_len: int = 2048
-    stats: CoreStats | None = None
+    stats: CoreStats = CoreStats()
     slots: int = 4
+    info: CoreInfo = CoreInfo(model_id="m", max_model_len=2048, max_num_seqs=4, num_blocks=10, block_size=16)
 
     def free_slots(self) -> int:
         return self.slots
@@ -25,7 +26,7 @@ class FakeEngine:
 
 def request(request_id: str, n: int = 1) -> wire.GenerateRequest:
     return wire.GenerateRequest(request_id=request_id, model="m", reply_subject="_INBOX.x",
-                                sampling=wire.Sampling(n=n))
+                                sampling=SamplingParams(n=n))
 
 
 def worker(engine: FakeEngine) -> ModelServer:

@@ -111,6 +111,7 @@ async def _find_run(database_url: str, run_id: str) -> tuple[str, str] | None:
 def cmd_score(args: argparse.Namespace) -> None:
     from apps.bench.publish import EventPublisher, bench_node
     from apps.bus import wire
+    from apps.settings import bus_limits
 
     settings = _settings(args)
     try:
@@ -124,7 +125,7 @@ def cmd_score(args: argparse.Namespace) -> None:
                                metric=args.metric, value=args.score, unit=args.unit, scorer=args.scorer)
 
     async def publish() -> None:
-        async with EventPublisher(settings.nats_url) as publisher:
+        async with EventPublisher(settings.nats_url, bus_limits()) as publisher:
             await publisher.publish([event])
 
     asyncio.run(publish())

@@ -17,6 +17,8 @@ from nats.aio.client import Client as NatsClient
 
 from apps.bench.scenarios import Outcome
 from apps.bus import topology, wire
+from apps.bus.publish import publish_event
+from apps.bus.topology import BusLimits
 
 # `scorer` of the numbers the bench measured itself; quality scores carry their scorer's name.
 MEASURED_BY = "helexa-bench"
@@ -55,14 +57,16 @@ class EventPublisher:
     """Publishes bench events onto EVENTS and waits for each JetStream ack: a result the stream did not
     take is an error here, not a warning, since the bench exists to record it."""
 
-    def __init__(self, nats_url: str) -> None:
+    def __init__(self, nats_url: str, limits: BusLimits) -> None:
         self.nats_url = nats_url
+        self.limits = limits
         self._nc: NatsClient | None = None
 
     async def __aenter__(self) -> EventPublisher:
         self._nc = await nats.connect(self.nats_url, name="helexa-bench", connect_timeout=5,
                                       max_reconnect_attempts=3, reconnect_time_wait=0.5, error_cb=_reported_later)
-        await topology.ensure_topology(self._nc.jetstream())
+        # The fleet's own limits: declaring with defaults would reset a replicated fleet's streams.
+        await topology.ensure_topology(self._nc.jetstream(), self.limits)
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -75,8 +79,7 @@ class EventPublisher:
         assert self._nc is not None, "use EventPublisher as an async context manager"
         js = self._nc.jetstream()
         for event in events:
-            await js.publish(topology.event_subject(wire.event_kind(event), event.model), wire.encode(event),
-                             headers={"Nats-Msg-Id": event.event_id})
+            await publish_event(js, event, required=True)
 
 
 class ResultsFile(msgspec.Struct, kw_only=True):

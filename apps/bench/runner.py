@@ -12,6 +12,7 @@ from apps.bench.client import http_client
 from apps.bench.config import BenchConfig, ScenarioSpec
 from apps.bench.publish import EventPublisher, ResultsFile, outcome_events
 from apps.bench.scenarios import BenchContext, planned_requests, run_scenario
+from apps.settings import bus_limits
 
 
 async def run_bench(config: BenchConfig, specs: list[ScenarioSpec], nats_url: str | None,
@@ -28,7 +29,7 @@ async def run_bench(config: BenchConfig, specs: list[ScenarioSpec], nats_url: st
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=console)
     async with contextlib.AsyncExitStack() as stack:
-        publisher = await stack.enter_async_context(EventPublisher(nats_url)) if nats_url else None
+        publisher = await stack.enter_async_context(EventPublisher(nats_url, bus_limits())) if nats_url else None
         with progress:
             task = progress.add_task("bench", total=total)
             for target, model, spec in plan:

@@ -1,4 +1,4 @@
-"""Publishing to JetStream through a cluster's hiccups: retry with the same message id.
+"""Publishing to JetStream through a cluster's hiccups, and the one way any app publishes an event.
 
 When a NATS server of a cluster dies, the streams it led elect a new leader (a few seconds);
 publishes meanwhile get no answer. Retrying with the same `Nats-Msg-Id` is safe (the stream's
@@ -8,11 +8,16 @@ dedupe window stores it once), so a request or event is stored, or the caller le
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import nats.errors
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
+
+from apps.bus import topology, wire
+
+log = logging.getLogger("helexa.bus")
 
 
 async def publish(js: JetStreamContext, subject: str, payload: bytes, msg_id: str,
@@ -29,3 +34,21 @@ async def publish(js: JetStreamContext, subject: str, payload: bytes, msg_id: st
                 raise
             await asyncio.sleep(pause)
             pause = min(pause * 2, 1.0)
+
+
+async def publish_event(js: JetStreamContext, event: wire.AnyEvent, *, required: bool = False) -> bool:
+    """Put one event on EVENTS under `helexa.events.<kind>.<model>`, keyed by its event id.
+
+    Serving never fails for the ledger's sake: a publish that does not get through is logged and
+    returns False. `required` (the bench, whose results exist to be recorded) raises instead.
+    """
+    kind = wire.event_kind(event)
+    try:
+        await publish(js, topology.event_subject(kind, event.model), wire.encode(event), event.event_id)
+    except (nats.errors.Error, TimeoutError) as exc:
+        if required:
+            raise
+        log.warning("event publish failed", extra={"kind": kind, "request_id": getattr(event, "request_id", None),
+                                                   "error": repr(exc)})
+        return False
+    return True

@@ -175,15 +175,15 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
         await js.update_stream(config)
 
 
-async def ensure_topology(js: JetStreamContext, limits: BusLimits | None = None) -> None:
-    limits = limits or BusLimits()
+async def ensure_topology(js: JetStreamContext, limits: BusLimits) -> None:
+    """Declare (or converge) both streams and the node registry. `limits` is the fleet's own
+    (`apps.settings.bus_limits`): declaring with other limits would reset the fleet's streams."""
     await _ensure_stream(js, requests_stream_config(limits))
     await _ensure_stream(js, events_stream_config(limits))
     await node_registry(js, limits)
 
 
-async def node_registry(js: JetStreamContext, limits: BusLimits | None = None) -> KeyValue:
-    limits = limits or BusLimits()
+async def node_registry(js: JetStreamContext, limits: BusLimits) -> KeyValue:
     try:
         return await js.key_value(NODES_BUCKET)
     except BucketNotFoundError:
@@ -193,9 +193,8 @@ async def node_registry(js: JetStreamContext, limits: BusLimits | None = None) -
 
 
 async def worker_subscription(
-    js: JetStreamContext, model: str, limits: BusLimits | None = None
+    js: JetStreamContext, model: str, limits: BusLimits
 ) -> JetStreamContext.PullSubscription:
-    limits = limits or BusLimits()
     config = worker_consumer_config(model, limits.request_ack_wait_s, limits.max_deliver)
     await js.add_consumer(REQUESTS_STREAM, config=config)
     return await js.pull_subscribe_bind(durable=worker_consumer(model), stream=REQUESTS_STREAM)

@@ -1,6 +1,8 @@
 """Wire types of the bus: requests, reply frames, events and node status, as JSON msgspec Structs.
 
-Importing this module must stay cheap: no torch, no NATS client.
+Importing this module must stay cheap: no torch, no NATS client. A request carries the engine
+protocol's `SamplingParams` as it is (the one definition of sampling), and the shared enums of
+`apps.bus.codes` type every status, state, code and finish reason.
 """
 
 from __future__ import annotations
@@ -11,6 +13,9 @@ import uuid
 from typing import Any
 
 import msgspec
+
+from apps.bus.codes import Api, ErrorCode, FinishReason, ModelState, NodeState, RunStatus
+from engine.protocol import SamplingParams
 
 
 class Wire(msgspec.Struct, frozen=True, kw_only=True):
@@ -26,24 +31,6 @@ class ChatMessage(Wire, kw_only=True):
     name: str | None = None
 
 
-class Sampling(Wire, kw_only=True):
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: list[str] = []
-    stop_token_ids: list[int] = []
-    ignore_eos: bool = False
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    logprobs: int | None = None
-    n: int = 1
-
-
 class GenerateRequest(Wire, kw_only=True):
     """One client request as published on `helexa.req.<model>`; the bus speaks text (token ids
     only when a /v1/completions client sent a prompt as token ids)."""
@@ -51,12 +38,12 @@ class GenerateRequest(Wire, kw_only=True):
     request_id: str
     model: str
     reply_subject: str
-    sampling: Sampling
+    sampling: SamplingParams
     messages: list[ChatMessage] | None = None
     prompt: str | None = None
     stream: bool = False
     principal: str | None = None
-    api: str = "chat.completions"
+    api: Api = Api.CHAT_COMPLETIONS
     # Unix seconds after which nobody is waiting for the answer any more.
     deadline: float = 0.0
     attempt: int = 1
@@ -116,7 +103,7 @@ class Delta(Frame, tag="delta", kw_only=True):
     num_tokens: int
     # Which of the request's n choices this text belongs to; set with the choice's last delta.
     index: int = 0
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     # Text inside <think>…</think>, never part of `text`.
     reasoning: str = ""
     tool_calls: list[ToolCallDelta] = []
@@ -130,13 +117,13 @@ class Heartbeat(Frame, tag="heartbeat", kw_only=True):
 
 
 class Final(Frame, tag="final", kw_only=True):
-    finish_reason: str
+    finish_reason: FinishReason
     usage: Usage
 
 
 class ErrorFrame(Frame, tag="error", kw_only=True):
     status: int
-    code: str
+    code: ErrorCode
     message: str
 
 
@@ -154,7 +141,7 @@ class Event(Wire, tag_field="kind", kw_only=True):
 
 class RunStarted(Event, tag="run.started", kw_only=True):
     request_id: str
-    api: str
+    api: Api
     principal: str | None
     prompt_tokens: int
     attempt: int
@@ -163,10 +150,10 @@ class RunStarted(Event, tag="run.started", kw_only=True):
 
 class RunFinished(Event, tag="run.finished", kw_only=True):
     request_id: str
-    api: str
+    api: Api
     principal: str | None
-    status: str
-    finish_reason: str
+    status: RunStatus
+    finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -206,7 +193,7 @@ class AdmissionDecided(Event, tag="admission", kw_only=True):
 class NodeStatusChanged(Event, tag="node.status", kw_only=True):
     """A worker's status when it changes (the `helexa_nodes` bucket holds the live copy); `model` is its main one."""
 
-    status: str
+    status: NodeState
     version: str
     models: list[str]
     slots: int
@@ -261,7 +248,7 @@ class ModelStatus(Wire, kw_only=True):
     state_slots: int = 0
     free_state_slots: int = 0
     # "ready", or "poisoned" after a device fault (requests fail fast until a reload).
-    state: str = "ready"
+    state: ModelState = ModelState.READY
     detail: str | None = None
     prefill_tok_per_s: float | None = None
     # What the catalogue says the model needs (0: not from the catalogue, unknown).
@@ -274,7 +261,7 @@ class NodeStatus(Wire, kw_only=True):
     node: str
     models: list[ModelStatus]
     version: str
-    status: str = "ready"
+    status: NodeState = NodeState.READY
     updated_at: float = msgspec.field(default_factory=time.time)
     # Memory the worker offers for models, and what its loaded models leave of it.
     memory_mb: int = 0

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from apps.embedded import free_port
+from apps.settings import postgres_fsync
 
 SYSTEM_USER = "embedded_postgres"
 
@@ -104,7 +105,7 @@ class PostgresServer:
                 "-p", str(self.port),
                 "-k", str(self.data_dir),
                 "-c", "max_connections=200",
-                "-c", "fsync=off" if os.environ.get("HELEXA_PG_FSYNC") == "off" else "fsync=on",
+                "-c", "fsync=on" if postgres_fsync() else "fsync=off",
             ],
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -15,6 +15,7 @@ from nats.aio.client import Client as NatsClient
 from nats.js.errors import KeyNotFoundError, NoKeysError
 
 from apps.bus import topology, wire
+from apps.bus.codes import ModelState, NodeState
 from apps.fleet.catalogue import CatalogueEntry, load_catalogue
 from apps.settings import bus_limits, catalogue_file
 
@@ -38,7 +39,7 @@ async def live_nodes(nc: NatsClient) -> list[wire.NodeStatus]:
             continue
         if entry.value:
             node = wire.node_decoder.decode(entry.value)
-            if node.status != "stopping":
+            if node.status != NodeState.STOPPING:
                 nodes.append(node)
     return nodes
 
@@ -70,10 +71,10 @@ async def list_models(nc: NatsClient) -> dict[str, Any]:
 def choose_node(nodes: list[wire.NodeStatus], model: str, entry: CatalogueEntry | None) -> wire.NodeStatus | None:
     """The worker to load `model`: one that has it poisoned (a reload), else the most free memory."""
     for node in nodes:
-        if any(m.model == model and m.state == "poisoned" for m in node.models):
+        if any(m.model == model and m.state == ModelState.POISONED for m in node.models):
             return node
     need = entry.min_memory_mb if entry else 0
-    capable = [n for n in nodes if n.status == "ready" and n.free_memory_mb >= need
+    capable = [n for n in nodes if n.status == NodeState.READY and n.free_memory_mb >= need
                and not any(m.model == model for m in n.models)]
     return max(capable, key=lambda n: n.free_memory_mb, default=None)
 
@@ -83,8 +84,8 @@ async def load_model(nc: NatsClient, model: str, *, timeout_s: float,
     """Have one capable worker load `model` (or reload it where it is poisoned); returns its reply."""
     catalogue = load_catalogue(catalogue_file()) if catalogue is None else catalogue
     nodes = await live_nodes(nc)
-    if any(m.model == model and m.state == "ready" for n in nodes for m in n.models):
-        serving = [n.node for n in nodes if any(m.model == model and m.state == "ready" for m in n.models)]
+    if any(m.model == model and m.state == ModelState.READY for n in nodes for m in n.models):
+        serving = [n.node for n in nodes if any(m.model == model and m.state == ModelState.READY for m in n.models)]
         return {"ok": True, "model": model, "nodes": serving, "already": True}
     node = choose_node(nodes, model, catalogue.get(model))
     if node is None:

@@ -18,9 +18,10 @@ from litestar.exceptions import HTTPException
 from litestar.response import Response, Stream
 
 from apps.bus import wire
+from apps.bus.codes import Api, ErrorCode, ServingError
 from apps.gateway import anthropic_schema as an
-from apps.gateway.dispatch import Generation, GenerationFailed, resolve_model, start_generation
-from apps.gateway.errors import ApiError, api_error_handler, http_error_handler, internal_error_handler
+from apps.gateway.dispatch import Generation, resolve_model, start_generation
+from apps.gateway.errors import http_error_handler, internal_error_handler, serving_error_handler
 from apps.gateway.openai_schema import decode_request
 from apps.gateway.openapi_docs import operation_for
 
@@ -28,11 +29,11 @@ HANDLER = "messages"
 _encode = msgspec.json.encode
 
 
-def _refuse(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, code="invalid_request", param=param)
+def _refuse(message: str, param: str | None = None) -> ServingError:
+    return ServingError(400, ErrorCode.INVALID_REQUEST, message, param=param)
 
 
-def _unsupported(block: msgspec.Struct, where: str) -> ApiError:
+def _unsupported(block: msgspec.Struct, where: str) -> ServingError:
     return _refuse(f"Content blocks of type '{type(block).__struct_config__.tag}' are not supported in {where}.",
                    "messages")
 
@@ -123,9 +124,6 @@ def function_tools(req: an.MessagesRequest) -> list[dict[str, Any]] | None:
 
 def to_bus_request(req: an.MessagesRequest, request_id: str, reply_subject: str, deadline: float,
                    principal: str | None = None) -> wire.GenerateRequest:
-    stops = req.stop_sequences or []
-    if any(not stop for stop in stops):
-        raise _refuse("'stop_sequences' must be non-empty strings.", "stop_sequences")
     choice = req.tool_choice
     messages = chat_messages(req)
     return wire.GenerateRequest(
@@ -138,16 +136,10 @@ def to_bus_request(req: an.MessagesRequest, request_id: str, reply_subject: str,
         tool_name=choice.name if isinstance(choice, an.ToolChoiceTool) else None,
         # A conversation that ends on an assistant turn is a prefill: the reply continues it.
         continue_final_message=messages[-1].role == "assistant",
-        sampling=wire.Sampling(
-            max_tokens=req.max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=req.top_k or 0,
-            stop=list(stops),
-        ),
+        sampling=req.sampling_params(),
         stream=req.stream,
         principal=principal,
-        api="messages",
+        api=Api.MESSAGES,
         deadline=deadline,
     )
 
@@ -253,7 +245,7 @@ def _anthropic_envelope(handler: Callable[[Request, Any], Response]) -> Callable
     status_code=200,
     operation_class=operation_for("messages"),
     exception_handlers={
-        ApiError: _anthropic_envelope(api_error_handler),
+        ServingError: _anthropic_envelope(serving_error_handler),
         HTTPException: _anthropic_envelope(http_error_handler),
         Exception: _anthropic_envelope(internal_error_handler),
     },
@@ -293,7 +285,7 @@ async def _complete(generation: Generation, headers: dict[str, str]) -> Response
                 usage=an.UsageOut(input_tokens=frame.usage.prompt_tokens, output_tokens=frame.usage.completion_tokens),
             )
             return Response(_encode(body), media_type="application/json", headers=headers)
-    except GenerationFailed as exc:
+    except ServingError as exc:
         return Response(an.error_body(exc.status, exc.message), status_code=exc.status)
     finally:
         await generation.close()
@@ -334,7 +326,7 @@ async def _sse(generation: Generation) -> AsyncIterator[bytes]:
                 "usage": {"input_tokens": frame.usage.prompt_tokens, "output_tokens": frame.usage.completion_tokens},
             })
             yield _event({"type": "message_stop"})
-    except GenerationFailed as exc:
+    except ServingError as exc:
         yield _event(an.error_body(exc.status, exc.message))
     finally:
         await generation.close()

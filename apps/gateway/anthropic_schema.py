@@ -7,6 +7,9 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from apps.bus.codes import ErrorCode, ServingError
+from engine.protocol import SamplingParams, TokenCount, TopK, TopP
+
 
 class TextBlock(msgspec.Struct, kw_only=True, tag_field="type", tag="text"):
     text: str
@@ -87,17 +90,27 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     """The parameters we act on; unknown fields are accepted and ignored, as Anthropic clients expect."""
 
     model: Annotated[str, Meta(min_length=1)]
-    max_tokens: Annotated[int, Meta(ge=1)]
+    max_tokens: TokenCount
     messages: Annotated[list[MessageIn], Meta(min_length=1)]
     system: str | list[TextBlock] | None = None
     stop_sequences: list[str] | None = None
     stream: bool = False
     temperature: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Meta(ge=0)] | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
     tools: list[ToolIn] | None = None
     tool_choice: ToolChoice | None = None
     metadata: Metadata | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        """Anthropic's sampling fields under their `SamplingParams` names; null means the default."""
+        stops = self.stop_sequences or []
+        if any(not stop for stop in stops):
+            raise ServingError(400, ErrorCode.INVALID_REQUEST, "'stop_sequences' must be non-empty strings.",
+                               param="stop_sequences")
+        given = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+        return SamplingParams(max_tokens=self.max_tokens, stop=list(stops),
+                              **{name: value for name, value in given.items() if value is not None})
 
 
 class TextOut(msgspec.Struct, kw_only=True, tag_field="type", tag="text"):

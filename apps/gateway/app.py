@@ -9,16 +9,17 @@ from litestar import Litestar, Request
 from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig
 
-from apps.gateway.anthropic import messages
+from apps.bus.codes import ServingError
+from apps.fleet.catalogue import load_catalogue
 from apps.gateway.admission import AdmissionLimits, load_per_model
+from apps.gateway.anthropic import messages
 from apps.gateway.auth import ApiKeys
 from apps.gateway.bus_client import GatewayBus
 from apps.gateway.chat import chat_completions
 from apps.gateway.completions import completions
-from apps.gateway.errors import ApiError, api_error_handler, http_error_handler, internal_error_handler
-from apps.gateway.openapi_docs import add_components
+from apps.gateway.errors import http_error_handler, internal_error_handler, serving_error_handler
 from apps.gateway.models import health, list_models, metrics, ready
-from apps.fleet.catalogue import load_catalogue
+from apps.gateway.openapi_docs import add_components
 from apps.settings import GatewaySettings, bus_limits, catalogue_file
 
 
@@ -52,7 +53,7 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
         lifespan=[bus_lifespan],
         before_request=authenticate,
         exception_handlers={
-            ApiError: api_error_handler,
+            ServingError: serving_error_handler,
             HTTPException: http_error_handler,
             Exception: internal_error_handler,
         },

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from litestar import Request
 
-from apps.gateway.errors import ApiError
+from apps.bus.codes import ErrorCode, ServingError
 
 
 def _digest(key: str) -> bytes:
@@ -44,9 +44,13 @@ class ApiKeys:
             scheme, _, token = request.headers.get("authorization", "").partition(" ")
             key = token.strip() if scheme.lower() == "bearer" else None
         if not key:
-            raise ApiError(401, "Missing API key: send 'Authorization: Bearer <key>'.", code="missing_api_key",
-                           context={"detail": "no key"})
+            raise ServingError(
+                401,
+                ErrorCode.MISSING_API_KEY,
+                "Missing API key: send 'Authorization: Bearer <key>'.",
+                context={"detail": "no key"},
+            )
         principal = self._principals.get(_digest(key))
         if principal is None:
-            raise ApiError(401, "Invalid API key.", code="invalid_api_key", context={"detail": "unknown key"})
+            raise ServingError(401, ErrorCode.INVALID_API_KEY, "Invalid API key.", context={"detail": "unknown key"})
         return principal

@@ -16,7 +16,8 @@ from nats.aio.subscription import Subscription
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from apps.bus import topology, wire
-from apps.bus.publish import publish
+from apps.bus.codes import ModelState, NodeState
+from apps.bus.publish import publish, publish_event
 from apps.bus.topology import BusLimits
 from apps.fleet import control_client
 from apps.fleet.catalogue import CatalogueEntry
@@ -125,11 +126,10 @@ class GatewayBus:
         self._background: set[asyncio.Task[None]] = set()
 
     @classmethod
-    async def connect(cls, url: str, limits: BusLimits | None = None, admission: AdmissionLimits | None = None,
+    async def connect(cls, url: str, limits: BusLimits, admission: AdmissionLimits | None = None,
                       per_model: dict[str, AdmissionLimits] | None = None,
                       catalogue: dict[str, CatalogueEntry] | None = None,
                       cold_start_wait_s: float = 120.0) -> GatewayBus:
-        limits = limits or BusLimits()
         nc = await topology.connect(url, name="helexa-gateway")
         js = nc.jetstream()
         await topology.ensure_topology(js, limits)
@@ -202,11 +202,7 @@ class GatewayBus:
         return self._admissions[model]
 
     async def publish_event(self, event: wire.AnyEvent) -> None:
-        try:
-            await publish(self.js, topology.event_subject(wire.event_kind(event), event.model), wire.encode(event),
-                          event.event_id)
-        except (nats.errors.Error, TimeoutError) as exc:
-            log.warning("event publish failed", extra={"kind": wire.event_kind(event), "error": str(exc)})
+        await publish_event(self.js, event)
 
     def new_inbox(self) -> str:
         return self.nc.new_inbox()
@@ -270,7 +266,7 @@ class GatewayBus:
         """Nodes whose last refresh is younger than the bucket's TTL (expiry leaves no marker)."""
         await self._nodes_ready.wait()
         horizon = time.time() - self.limits.node_ttl_s
-        nodes = [n for n in self._nodes.values() if n.updated_at >= horizon and n.status != "stopping"]
+        nodes = [n for n in self._nodes.values() if n.updated_at >= horizon and n.status != NodeState.STOPPING]
         self.metrics.set_nodes(nodes)
         return nodes
 
@@ -280,7 +276,7 @@ class GatewayBus:
         while True:
             changed = self._nodes_changed
             nodes = [n for n in await self.live_nodes()
-                     if any(m.model == model and m.state == "ready" for m in n.models)]
+                     if any(m.model == model and m.state == ModelState.READY for m in n.models)]
             if nodes:
                 return nodes
             await asyncio.wait_for(changed.wait(), max(deadline - time.monotonic(), 0.001))

@@ -14,33 +14,14 @@ from litestar.datastructures import State
 from litestar.response import Response, Stream
 
 from apps.bus import wire
+from apps.bus.codes import Api, ServingError
 from apps.gateway import openai_schema as oa
-from apps.gateway.dispatch import Generation, GenerationFailed, new_request_id, resolve_model, start_generation
+from apps.gateway.dispatch import Generation, new_request_id, resolve_model, start_generation
 from apps.gateway.errors import error_body
 from apps.gateway.openapi_docs import operation_for
 
 HANDLER = "chat_completions"
 _encode = msgspec.json.encode
-
-
-def sampling_from(req: oa.GenerationParams, max_tokens: int | None) -> wire.Sampling:
-    return wire.Sampling(
-        max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=0 if req.top_k in (None, -1) else req.top_k,
-        min_p=req.min_p or 0.0,
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=req.repetition_penalty or 1.0,
-        min_tokens=req.min_tokens,
-        seed=req.seed,
-        stop=req.stop_strings(),
-        stop_token_ids=req.stop_token_ids or [],
-        ignore_eos=req.ignore_eos,
-        logprobs=req.logprobs_count(),
-        n=req.n,
-    )
 
 
 def to_bus_request(req: oa.ChatCompletionRequest, request_id: str, reply_subject: str, deadline: float,
@@ -59,10 +40,10 @@ def to_bus_request(req: oa.ChatCompletionRequest, request_id: str, reply_subject
         tool_required=tool_required,
         tool_name=tool_name,
         continue_final_message=req.continues_final_message(),
-        sampling=sampling_from(req, req.max_completion_tokens or req.max_tokens),
+        sampling=req.sampling_params(),
         stream=req.stream,
         principal=principal,
-        api="chat.completions",
+        api=Api.CHAT_COMPLETIONS,
         deadline=deadline,
         tools=req.tool_dicts(),
     )
@@ -171,7 +152,7 @@ async def _complete(generation: Generation, created: int) -> Response:
             )
             return Response(_encode(body), media_type="application/json",
                             headers={"X-Request-Id": generation.request.request_id})
-    except GenerationFailed as exc:
+    except ServingError as exc:
         return Response(error_body(exc.status, exc.message, exc.code), status_code=exc.status)
     finally:
         await generation.close()
@@ -216,7 +197,7 @@ async def _sse(generation: Generation, created: int, include_usage: bool) -> Asy
                     id=generation.request.request_id, created=created, model=generation.request.model,
                     choices=[], usage=usage_out(frame.usage),
                 ))
-    except GenerationFailed as exc:
+    except ServingError as exc:
         yield _sse_data(error_body(exc.status, exc.message, exc.code))
     finally:
         await generation.close()

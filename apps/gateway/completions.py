@@ -12,9 +12,10 @@ from litestar.datastructures import State
 from litestar.response import Response, Stream
 
 from apps.bus import wire
+from apps.bus.codes import Api, ServingError
 from apps.gateway import openai_schema as oa
-from apps.gateway.chat import sampling_from, usage_out
-from apps.gateway.dispatch import Generation, GenerationFailed, new_request_id, resolve_model, start_generation
+from apps.gateway.chat import usage_out
+from apps.gateway.dispatch import Generation, new_request_id, resolve_model, start_generation
 from apps.gateway.errors import error_body
 from apps.gateway.openapi_docs import operation_for
 
@@ -56,11 +57,11 @@ async def completions(request: Request, state: State) -> Response | Stream:
         request_id=new_request_id("cmpl"),
         model=req.model,
         reply_subject=bus.new_inbox(),
-        sampling=sampling_from(req, req.max_tokens or 16),
+        sampling=req.sampling_params(),
         prompt=text,
         prompt_token_ids=token_ids,
         stream=req.stream,
-        api="completions",
+        api=Api.COMPLETIONS,
         principal=request.state.principal,
         deadline=time.time() + settings.accept_timeout_s,
     )
@@ -97,7 +98,7 @@ async def _complete(generation: Generation, created: int) -> Response:
             ]
             return Response(_encode(_body(generation, created, choices, frame.usage)), media_type="application/json",
                             headers={"X-Request-Id": generation.request.request_id})
-    except GenerationFailed as exc:
+    except ServingError as exc:
         return Response(error_body(exc.status, exc.message, exc.code), status_code=exc.status)
     finally:
         await generation.close()
@@ -121,7 +122,7 @@ async def _sse(generation: Generation, created: int, include_usage: bool) -> Asy
                 yield b"data: " + _encode(_body(generation, created, [choice])) + b"\n\n"
             elif include_usage:
                 yield b"data: " + _encode(_body(generation, created, [], frame.usage)) + b"\n\n"
-    except GenerationFailed as exc:
+    except ServingError as exc:
         yield b"data: " + _encode(error_body(exc.status, exc.message, exc.code)) + b"\n\n"
     finally:
         await generation.close()

@@ -18,22 +18,15 @@ import nats.errors
 from litestar import Request
 
 from apps.bus import wire
+from apps.bus.codes import ErrorCode, FinishReason, ModelState, RunStatus, ServingError
 from apps.fleet.control_client import ControlFailed
 from apps.gateway.admission import Rejected, Ticket
 from apps.gateway.bus_client import GatewayBus, ReplyStream, ReplyTimeout
-from apps.gateway.errors import ApiError, log_failure, retry_after_s
+from apps.gateway.errors import log_failure, retry_after_s
 from apps.settings import GatewaySettings
 
 
-class GenerationFailed(Exception):
-    """The worker reported an error, or went silent, after the HTTP status was sent."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
-
-
-def _serving(nodes: list[wire.NodeStatus], model: str, state: str | None = None) -> list[wire.NodeStatus]:
+def _serving(nodes: list[wire.NodeStatus], model: str, state: ModelState | None = None) -> list[wire.NodeStatus]:
     return [n for n in nodes if any(m.model == model and (state is None or m.state == state) for m in n.models)]
 
 
@@ -42,16 +35,16 @@ async def resolve_model(bus: GatewayBus, model: str) -> list[wire.NodeStatus]:
     model no worker has loaded is loaded now (cold start); 404 if no worker ever served it, 503
     if none does now."""
     live = await bus.live_nodes()
-    nodes = _serving(live, model, "ready")
+    nodes = _serving(live, model, ModelState.READY)
     if nodes:
         return nodes
     if _serving(live, model):
         bus.metrics.rejections.labels(model, "poisoned").inc()
-        raise ApiError(
+        raise ServingError(
             503,
+            ErrorCode.MODEL_POISONED,
             f"The model '{model}' is out of service after a device fault on every worker serving it; "
             f"it answers again once reloaded (helexa models load {model}).",
-            code="model_poisoned",
             retry_after_s=retry_after_s(),
             context={"model": model, "detail": "poisoned"},
         )
@@ -59,17 +52,17 @@ async def resolve_model(bus: GatewayBus, model: str) -> list[wire.NodeStatus]:
         return await _cold_start(bus, model)
     if await bus.model_is_known(model):
         bus.metrics.rejections.labels(model, "no_worker").inc()
-        raise ApiError(
+        raise ServingError(
             503,
+            ErrorCode.MODEL_UNAVAILABLE,
             f"No worker is serving the model '{model}' right now; retry later.",
-            code="model_unavailable",
             retry_after_s=retry_after_s(),
             context={"model": model, "detail": "no live node"},
         )
-    raise ApiError(
+    raise ServingError(
         404,
+        ErrorCode.MODEL_NOT_FOUND,
         f"The model '{model}' does not exist.",
-        code="model_not_found",
         param="model",
         context={"model": model},
     )
@@ -84,19 +77,19 @@ async def _cold_start(bus: GatewayBus, model: str) -> list[wire.NodeStatus]:
         return await bus.wait_for_model(model, max(deadline - time.monotonic(), 0.001))
     except TimeoutError:
         bus.metrics.rejections.labels(model, "loading").inc()
-        raise ApiError(
+        raise ServingError(
             503,
+            ErrorCode.MODEL_LOADING,
             f"The model '{model}' is being loaded; retry shortly.",
-            code="model_loading",
             retry_after_s=retry_after_s(),
             context={"model": model, "detail": "cold start outlasted its wait"},
         ) from None
     except ControlFailed as exc:
         bus.metrics.rejections.labels(model, "no_worker").inc()
-        raise ApiError(
+        raise ServingError(
             503,
+            ErrorCode.MODEL_UNAVAILABLE,
             f"The model '{model}' could not be loaded: {exc}",
-            code="model_unavailable",
             retry_after_s=retry_after_s(),
             context={"model": model, "detail": "cold start failed"},
         ) from None
@@ -107,7 +100,8 @@ async def record_failed_run(bus: GatewayBus, request: wire.GenerateRequest, node
     """The ledger's RunFinished for a run no worker can report: it died serving it."""
     await bus.publish_event(wire.RunFinished(
         model=request.model, node=node, request_id=request.request_id, api=request.api,
-        principal=request.principal, status="error", finish_reason="error", prompt_tokens=prompt_tokens,
+        principal=request.principal, status=RunStatus.ERROR, finish_reason=FinishReason.ERROR,
+        prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens, cached_tokens=0, attempt=max(attempt, 1), queue_ms=0.0,
         ttft_ms=None, prefill_ms=0.0, decode_ms=0.0,
         e2e_ms=round((time.time() - request.created_at) * 1000.0, 3), error=error,
@@ -144,7 +138,7 @@ class Generation:
         return frame
 
     async def frames(self) -> AsyncIterator[wire.Delta | wire.Final]:
-        """Deltas then one Final; raises GenerationFailed on an error frame or a silent worker.
+        """Deltas then one Final; raises ServingError on an error frame or a silent worker.
 
         Silence before any text means the worker may have died holding the request: JetStream
         hands it to another worker after its ack wait, so we keep waiting as a queued request
@@ -163,7 +157,7 @@ class Generation:
                 except ReplyTimeout:
                     if last_text_at is None and time.time() < self.request.deadline:
                         continue
-                    raise GenerationFailed(503, "worker_lost", "The worker serving this request stopped responding.")
+                    raise ServingError(503, "worker_lost", "The worker serving this request stopped responding.")
                 if isinstance(frame, wire.Accepted):
                     self.accepted = frame
                     continue
@@ -172,7 +166,7 @@ class Generation:
                 if isinstance(frame, wire.ErrorFrame):
                     if frame.code == "delivery_failed":
                         attempts = frame.attempt - 1  # the gateway's own frame comes after the last attempt
-                    raise GenerationFailed(frame.status, frame.code, frame.message)
+                    raise ServingError(frame.status, frame.code, frame.message)
                 now = time.time()
                 if isinstance(frame, wire.Delta):
                     completion_tokens += frame.num_tokens
@@ -192,7 +186,7 @@ class Generation:
                 yield frame
                 if self.finished:
                     return
-        except GenerationFailed as exc:
+        except ServingError as exc:
             self.finished = True
             if exc.code in _LOST:
                 # Whatever attempt comes next must not serve a client that is already answered.
@@ -238,8 +232,13 @@ async def admit(bus: GatewayBus, request: wire.GenerateRequest) -> Ticket:
         await bus.publish_event(decided(exc.decision, pending=exc.pending, in_flight=exc.in_flight,
                                         retry_after_s=exc.retry_after))
         message, code = _ADMISSION_MESSAGES[exc.decision]
-        raise ApiError(exc.status, message, code=code, retry_after_s=exc.retry_after,
-                       context={"model": request.model, "request_id": request.request_id, "detail": exc.decision})
+        raise ServingError(
+            exc.status,
+            code,
+            message,
+            retry_after_s=exc.retry_after,
+            context={"model": request.model, "request_id": request.request_id, "detail": exc.decision},
+        )
     except asyncio.CancelledError:
         await asyncio.shield(bus.publish_event(decided("cancelled", pending=admission.pending,
                                                        in_flight=admission.in_flight)))
@@ -272,9 +271,13 @@ async def _admit_while_connected(bus: GatewayBus, request: wire.GenerateRequest,
     except asyncio.CancelledError:
         if asyncio.current_task().cancelling():  # type: ignore[union-attr]
             raise
-        raise ApiError(499, "The client closed the request.", code="client_closed",
-                       context={"model": request.model, "request_id": request.request_id,
-                                "detail": "client left while queued"}) from None
+        raise ServingError(
+            499,
+            ErrorCode.CLIENT_CLOSED,
+            "The client closed the request.",
+            context={"model": request.model, "request_id": request.request_id,
+                                "detail": "client left while queued"},
+        ) from None
 
 
 async def start_generation(
@@ -284,7 +287,7 @@ async def start_generation(
     handler: str,
     client: Request | None = None,
 ) -> Generation:
-    """Admit, publish and wait for the worker's first frame; any failure so far is an ApiError.
+    """Admit, publish and wait for the worker's first frame; any failure so far is an ServingError.
     With `client`, a hang-up while queued for admission releases the reservation at once."""
     ticket = await _admit_while_connected(bus, request, client)
     try:
@@ -313,19 +316,23 @@ async def _publish_and_wait(
     except (nats.errors.Error, TimeoutError) as exc:
         # E.g. a NATS server of the cluster died and its streams are electing new leaders.
         bus.metrics.rejections.labels(request.model, "bus_unavailable").inc()
-        raise ApiError(503, "The request could not be queued (the message bus is unavailable); retry shortly.",
-                       code="bus_unavailable", retry_after_s=retry_after_s(),
-                       context={**ctx, "detail": f"publish failed: {exc!r}"}) from None
+        raise ServingError(
+            503,
+            ErrorCode.BUS_UNAVAILABLE,
+            "The request could not be queued (the message bus is unavailable); retry shortly.",
+            retry_after_s=retry_after_s(),
+            context={**ctx, "detail": f"publish failed: {exc!r}"},
+        ) from None
     try:
         frame = await reply.next(max(request.deadline - time.time(), 0.001))
     except ReplyTimeout:
         bus.cancel_soon(request.request_id)
         bus.metrics.rejections.labels(request.model, "timeout").inc()
         await reply.close()
-        raise ApiError(
+        raise ServingError(
             503,
+            ErrorCode.QUEUE_TIMEOUT,
             "The model is busy and the request was not started in time; retry later.",
-            code="queue_timeout",
             retry_after_s=retry_after_s(),
             context={**ctx, "detail": "no worker accepted before the deadline"},
         ) from None
@@ -341,7 +348,7 @@ async def _publish_and_wait(
         if frame.code == "context_length_exceeded":
             bus.metrics.rejections.labels(request.model, frame.code).inc()
         await reply.close()
-        raise ApiError(frame.status, frame.message, code=frame.code, context={**ctx, "node": reply.node})
+        raise ServingError(frame.status, frame.code, frame.message, context={**ctx, "node": reply.node})
     accepted = frame if isinstance(frame, wire.Accepted) else wire.Accepted(
         seq=0, node=reply.node or "unknown", prompt_tokens=0)
     return Generation(

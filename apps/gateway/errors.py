@@ -8,6 +8,8 @@ from typing import Any
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
+from apps.bus.codes import ErrorCode, ServingError
+
 log = logging.getLogger("helexa.gateway")
 
 _TYPES = {
@@ -20,29 +22,7 @@ _TYPES = {
 }
 
 
-class ApiError(Exception):
-    """An error the client should see as-is: status, message, OpenAI `param` and `code`."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        code: str | None = None,
-        param: str | None = None,
-        retry_after_s: int | None = None,
-        context: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
-        self.param = param
-        self.retry_after_s = retry_after_s
-        self.context = context or {}
-
-
-def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
+def error_body(status: int, message: str, code: ErrorCode | None = None, param: str | None = None) -> dict[str, Any]:
     return {
         "error": {
             "message": message,
@@ -80,7 +60,7 @@ def _handler_name(request: Request) -> str:
     return f"{request.method} {request.url.path}"
 
 
-def api_error_handler(request: Request, exc: ApiError) -> Response:
+def serving_error_handler(request: Request, exc: ServingError) -> Response:
     ctx = exc.context
     log_failure(
         _handler_name(request),
@@ -106,7 +86,7 @@ def http_error_handler(request: Request, exc: HTTPException) -> Response:
 def internal_error_handler(request: Request, exc: Exception) -> Response:
     log.error("unhandled error", exc_info=exc, extra={"handler": _handler_name(request)})
     log_failure(_handler_name(request), 500, type(exc).__name__)
-    return Response(error_body(500, "Internal server error.", code="internal_error"), status_code=500)
+    return Response(error_body(500, "Internal server error.", code=ErrorCode.INTERNAL_ERROR), status_code=500)
 
 
 def retry_after_s(pending: int = 0) -> int:

@@ -9,7 +9,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from apps.gateway.errors import ApiError
+from apps.bus.codes import ErrorCode, ServingError
+from engine import protocol as p
 
 
 class TextPart(msgspec.Struct, kw_only=True):
@@ -44,7 +45,7 @@ class MessageIn(msgspec.Struct, kw_only=True):
             try:
                 arguments = json.loads(call.function.arguments or "{}")
             except ValueError:
-                raise ApiError(400, "Tool call arguments must be a JSON object.", param="messages") from None
+                raise ServingError(400, None, "Tool call arguments must be a JSON object.", param="messages") from None
             calls.append({"id": call.id, "type": "function",
                           "function": {"name": call.function.name, "arguments": arguments}})
         return calls
@@ -57,7 +58,12 @@ class MessageIn(msgspec.Struct, kw_only=True):
         parts = []
         for part in self.content:
             if part.type != "text" or part.text is None:
-                raise ApiError(400, f"Content parts of type '{part.type}' are not supported.", param="messages")
+                raise ServingError(
+                    400,
+                    None,
+                    f"Content parts of type '{part.type}' are not supported.",
+                    param="messages",
+                )
             parts.append(part.text)
         return "".join(parts)
 
@@ -84,25 +90,29 @@ class NamedToolChoice(msgspec.Struct, kw_only=True):
 
 class GenerationParams(msgspec.Struct, kw_only=True):
     """What chat and text completions share; unknown fields are accepted and ignored, as OpenAI
-    clients expect. vLLM's extensions (top_k, min_p, repetition_penalty, ...) are honoured too."""
+    clients expect. vLLM's extensions (top_k, min_p, repetition_penalty, ...) are honoured too.
+
+    Sampling fields carry the bounds of `engine.protocol` and are spelled as `SamplingParams`
+    spells them, so `sampling_params` copies them over by name; null means the default."""
 
     model: Annotated[str, Meta(min_length=1)]
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: Annotated[int, Meta(ge=1)] | None = None
-    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    max_tokens: p.TokenCount | None = None
+    temperature: p.Temperature | None = None
+    top_p: p.TopP | None = None
+    # vLLM spells "no top-k" as -1 as well as 0.
     top_k: Annotated[int, Meta(ge=-1)] | None = None
-    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
-    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
-    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
-    min_tokens: Annotated[int, Meta(ge=0)] = 0
-    seed: int | None = None
+    min_p: p.MinP | None = None
+    presence_penalty: p.AdditivePenalty | None = None
+    frequency_penalty: p.AdditivePenalty | None = None
+    repetition_penalty: p.RepetitionPenalty | None = None
+    min_tokens: Annotated[int, Meta(ge=0)] | None = None
+    seed: p.Seed | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    n: Annotated[int, Meta(ge=1, le=16)] = 1
+    ignore_eos: bool | None = None
+    n: p.Choices | None = None
     user: str | None = None
 
     def stop_strings(self) -> list[str]:
@@ -110,11 +120,24 @@ class GenerationParams(msgspec.Struct, kw_only=True):
             return []
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
         if len(stops) > 4 or any(not s for s in stops):
-            raise ApiError(400, "'stop' takes up to 4 non-empty strings.", param="stop")
+            raise ServingError(400, ErrorCode.INVALID_REQUEST, "'stop' takes up to 4 non-empty strings.",
+                               param="stop")
         return stops
 
     def logprobs_count(self) -> int | None:
         return None
+
+    def completion_limit(self) -> int | None:
+        return self.max_tokens
+
+    def sampling_params(self) -> p.SamplingParams:
+        """The request's sampling, built once; the worker only resolves a missing max_tokens."""
+        given = {name: getattr(self, name) for name in p.SamplingParams.__struct_fields__
+                 if getattr(self, name, None) is not None}
+        given.update(max_tokens=self.completion_limit(), stop=self.stop_strings(), logprobs=self.logprobs_count())
+        if given.get("top_k") == -1:
+            del given["top_k"]
+        return p.SamplingParams(**given)
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -122,17 +145,20 @@ class GenerationParams(msgspec.Struct, kw_only=True):
 
 class ChatCompletionRequest(GenerationParams, kw_only=True):
     messages: Annotated[list[MessageIn], Meta(min_length=1)]
-    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_completion_tokens: p.TokenCount | None = None
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    top_logprobs: p.TopLogprobs | None = None
     # vLLM's extension: the final assistant message is a prefix the model continues.
     continue_final_message: bool = False
 
+    def completion_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
     def logprobs_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
-            raise ApiError(400, "'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
+            raise ServingError(400, None, "'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def tool_dicts(self) -> list[dict[str, Any]] | None:
@@ -147,42 +173,57 @@ class ChatCompletionRequest(GenerationParams, kw_only=True):
         if choice in (None, "none", "auto"):
             return False, None
         if not self.tools:
-            raise ApiError(400, "'tool_choice' requires 'tools'.", param="tool_choice")
+            raise ServingError(400, None, "'tool_choice' requires 'tools'.", param="tool_choice")
         if choice == "required":
             return True, None
         name = choice.function.get("name") if isinstance(choice, NamedToolChoice) else None
         if name not in {t.function.name for t in self.tools}:
-            raise ApiError(400, f"'tool_choice' names the function '{name}', which is not in 'tools'.",
-                           param="tool_choice")
+            raise ServingError(
+                400,
+                None,
+                f"'tool_choice' names the function '{name}', which is not in 'tools'.",
+                param="tool_choice",
+            )
         return True, name
 
     def continues_final_message(self) -> bool:
         if self.continue_final_message and self.messages[-1].role != "assistant":
-            raise ApiError(400, "'continue_final_message' needs the last message to be from the assistant.",
-                           param="continue_final_message")
+            raise ServingError(
+                400,
+                None,
+                "'continue_final_message' needs the last message to be from the assistant.",
+                param="continue_final_message",
+            )
         return self.continue_final_message
 
 
 class CompletionRequest(GenerationParams, kw_only=True):
     # Text, or token ids (a list of one text is accepted too).
     prompt: str | Annotated[list[int | str], Meta(min_length=1)]
-    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    logprobs: p.TopLogprobs | None = None
     echo: bool = False
 
     def logprobs_count(self) -> int | None:
         return self.logprobs
 
+    def completion_limit(self) -> int | None:
+        return self.max_tokens or 16  # OpenAI's default for text completions
+
     def prompt_text_or_ids(self) -> tuple[str | None, list[int] | None]:
         if self.echo:
-            raise ApiError(400, "'echo' is not supported.", param="echo")
+            raise ServingError(400, None, "'echo' is not supported.", param="echo")
         if isinstance(self.prompt, str):
             return self.prompt, None
         if len(self.prompt) == 1 and isinstance(self.prompt[0], str):
             return self.prompt[0], None
         if all(isinstance(p, int) for p in self.prompt):
             return None, list(self.prompt)  # type: ignore[arg-type]
-        raise ApiError(400, "'prompt' must be a string, a list of token ids, or a list of one string.",
-                       param="prompt")
+        raise ServingError(
+            400,
+            None,
+            "'prompt' must be a string, a list of token ids, or a list of one string.",
+            param="prompt",
+        )
 
 
 _PATH = re.compile(r"at `\$\.([A-Za-z_]+)")
@@ -192,7 +233,7 @@ _MISSING = re.compile(r"missing required field `([A-Za-z_]+)`")
 def decode_request(body: bytes, kind: type[msgspec.Struct]) -> Any:
     """Decode a JSON body into `kind`, turning msgspec's errors into 400s that name the parameter."""
     if not body.strip():
-        raise ApiError(400, "The request body is empty; expected a JSON object.")
+        raise ServingError(400, None, "The request body is empty; expected a JSON object.")
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
@@ -203,9 +244,9 @@ def decode_request(body: bytes, kind: type[msgspec.Struct]) -> Any:
             message = f"Missing required parameter: '{param}'."
         else:
             message = f"Invalid value for '{param}': {text.split(' - at ')[0]}." if param else f"Invalid request: {text}."
-        raise ApiError(400, message, code="invalid_request", param=param) from None
+        raise ServingError(400, ErrorCode.INVALID_REQUEST, message, param=param) from None
     except msgspec.DecodeError:
-        raise ApiError(400, "The request body is not valid JSON.", code="invalid_json") from None
+        raise ServingError(400, ErrorCode.INVALID_JSON, "The request body is not valid JSON.") from None
 
 
 class UsageOut(msgspec.Struct, kw_only=True):

@@ -23,7 +23,8 @@ from nats.aio.msg import Msg
 from nats.micro.request import Request as ServiceRequest
 
 from apps.bus import topology, wire
-from apps.bus.publish import publish
+from apps.bus.codes import ModelState, NodeState
+from apps.bus.publish import publish_event
 from apps.bus.topology import BusLimits
 from apps.fleet.catalogue import CatalogueEntry
 from apps.logs import announce_ready
@@ -48,10 +49,10 @@ def _machine_memory_mb() -> int:
 
 
 class Worker:
-    def __init__(self, settings: WorkerSettings, limits: BusLimits | None = None, opener: Opener | None = None,
+    def __init__(self, settings: WorkerSettings, limits: BusLimits, opener: Opener | None = None,
                  catalogue: dict[str, CatalogueEntry] | None = None) -> None:
         self.settings = settings
-        self.limits = limits or BusLimits()
+        self.limits = limits
         self.opener = opener
         self.catalogue = catalogue or {}
         self.node = settings.node_id
@@ -118,19 +119,14 @@ class Worker:
         return request_id in self._cancelled
 
     async def publish_event(self, event: wire.AnyEvent) -> None:
-        kind = wire.event_kind(event)
-        try:
-            await publish(self.js, topology.event_subject(kind, event.model), wire.encode(event), event.event_id)
-        except (nats.errors.Error, TimeoutError) as exc:
-            log.warning("event publish failed", extra={"kind": kind, "request_id": getattr(event, "request_id", None),
-                                                           "error": str(exc)})
+        await publish_event(self.js, event)
 
-    async def publish_status(self, state: str = "ready") -> None:
+    async def publish_status(self, state: NodeState = NodeState.READY) -> None:
         status = self.status(state)
         await self.kv.put(self.node, wire.encode(status))
         # The ledger hears of changes (models loaded or unloaded, poisoned), not of every refresh.
-        degraded = any(m.state != "ready" for m in status.models)
-        summary = ("degraded" if degraded and state == "ready" else state,
+        degraded = any(m.state != ModelState.READY for m in status.models)
+        summary = (NodeState.DEGRADED if degraded and state == NodeState.READY else state,
                    tuple((m.model, m.state) for m in status.models))
         if summary != self._last_summary:
             self._last_summary = summary
@@ -263,7 +259,7 @@ class Worker:
     def free_memory_mb(self) -> int:
         return max(self.memory_mb - sum(s.memory_mb for s in self.models.values()), 0)
 
-    def status(self, state: str = "ready") -> wire.NodeStatus:
+    def status(self, state: NodeState = NodeState.READY) -> wire.NodeStatus:
         return wire.NodeStatus(
             node=self.node, models=[s.status() for s in self.models.values()], version=_version(), status=state,
             memory_mb=self.memory_mb, free_memory_mb=self.free_memory_mb(), loading=sorted(self.loading),

@@ -12,6 +12,11 @@ import logging
 from apps.fleet.catalogue import DEFAULT_SOURCE
 from apps.settings import WorkerSettings
 from apps.worker.model_server import ModelServer
+from engine.core_client import AsyncEngine
+from engine.default_model import default_model_path
+from engine.model_source import load_tokenizer
+from engine.protocol import Engine
+from engine.scripted import ScriptedEngine
 
 log = logging.getLogger("helexa.worker")
 
@@ -19,18 +24,12 @@ log = logging.getLogger("helexa.worker")
 def resolve_source(source: str) -> str:
     """`default` or empty means the built-in default model."""
     if source in ("", DEFAULT_SOURCE):
-        from engine.default_model import default_model_path
-
         return str(default_model_path())
     return source
 
 
 async def open_model(settings: WorkerSettings, source: str, served_name: str = "", script: str | None = None,
                      memory_mb: int = 0) -> ModelServer:
-    from engine.api import Engine
-    from engine.loader import load_tokenizer
-    from engine.scripted import ScriptedEngine
-
     path = resolve_source(source)
     log.info("loading model", extra={"source": path, "served_name": served_name})
     tokenizer, model_id = await asyncio.to_thread(load_tokenizer, path)
@@ -38,8 +37,6 @@ async def open_model(settings: WorkerSettings, source: str, served_name: str = "
     if script:
         engine = ScriptedEngine(script, tokenizer, model_id, max_num_seqs=settings.max_num_seqs)
     else:
-        from engine.core_client import AsyncEngine
-
         engine = await AsyncEngine.start(settings.engine_config(path))
     return ModelServer(settings, engine, tokenizer, served_name or model_id, source=source or DEFAULT_SOURCE,
                        memory_mb=memory_mb)

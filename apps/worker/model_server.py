@@ -18,12 +18,13 @@ import nats.errors
 from nats.aio.msg import Msg
 
 from apps.bus import topology, wire
+from apps.bus.codes import ErrorCode, FinishReason, ModelState, RunStatus, ServingError
 from apps.settings import WorkerSettings
 from apps.worker import serve
 from apps.worker.context_limit import ContextLimit
-from apps.worker.prompt import RequestRejected, build_prompt, sampling_options
+from apps.worker.prompt import build_prompt, resolve_sampling
 from apps.worker.replies import Replier
-from engine.api import DeviceFault, Engine, is_device_fault
+from engine.protocol import DeviceFault, Engine, is_device_fault
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("helexa.worker")
@@ -77,10 +78,11 @@ class ModelServer:
         self._slot_freed = asyncio.Event()
         self._stop = asyncio.Event()
         self._pulling: asyncio.Task[None] | None = None
-        info = getattr(engine, "info", None)  # engines with a paged pool describe it
+        info = engine.info
         self.context = ContextLimit(
-            max_position_embeddings=(info.max_position_embeddings if info else 0) or engine.max_model_len,
-            kv_pool_tokens=info.num_blocks * info.block_size if info else None,
+            max_position_embeddings=info.max_position_embeddings or engine.max_model_len,
+            # Engines without a paged pool (the scripted one) report no blocks: no KV ceiling.
+            kv_pool_tokens=info.num_blocks * info.block_size or None,
             hard_cap=settings.max_model_len or None,
         )
 
@@ -193,15 +195,15 @@ class ModelServer:
         """Serve one request through `replier` and return the run's outcome for the ledger."""
         record = serve.RunRecord(request=request, node=self.host.node, attempt=attempt, received_at=time.time())
         if self.poisoned is not None:
-            await replier.error(503, "model_poisoned", poisoned_message(self.model_id))
-            return record.finished_event("rejected", "error", "model_poisoned")
+            await replier.error(503, ErrorCode.MODEL_POISONED, poisoned_message(self.model_id))
+            return record.finished_event(RunStatus.REJECTED, FinishReason.ERROR, ErrorCode.MODEL_POISONED)
         try:
             prompt = build_prompt(self.tokenizer, request, self.settings.reasoning_parser)
             record.prompt_tokens = len(prompt.token_ids)
-            sampling = sampling_options(request, len(prompt.token_ids), self.context.derive().context)
-        except RequestRejected as exc:
+            sampling = resolve_sampling(request, len(prompt.token_ids), self.context.derive().context)
+        except ServingError as exc:
             await replier.error(exc.status, exc.code, exc.message)
-            return record.finished_event("rejected", "error", exc.code)
+            return record.finished_event(RunStatus.REJECTED, FinishReason.ERROR, exc.code)
         await replier.accepted(len(prompt.token_ids))
         await self.host.publish_event(record.started_event())
         watcher = None
@@ -214,28 +216,29 @@ class ModelServer:
             finish_reason = reasons[0]
             if is_device_fault(error):
                 self._poison(error or "device fault")
-                error = "device_fault"
+                error = ErrorCode.DEVICE_FAULT
         except DeviceFault as exc:
             self._poison(str(exc) or "device fault")
-            finish_reason, error = "error", "device_fault"
+            finish_reason, error = FinishReason.ERROR, ErrorCode.DEVICE_FAULT
             await self.abort(request)
         except Exception as exc:  # the run fails, the worker goes on
             log.exception("generation failed", extra={"request_id": request.request_id})
-            finish_reason, error = "error", type(exc).__name__
+            finish_reason, error = FinishReason.ERROR, type(exc).__name__
             await self.abort(request)
         finally:
             if watcher is not None:
                 watcher.cancel()
         record.finished_at = time.time()
         self.context.observe_prefill(record.prompt_tokens - record.cached_tokens, record.prefill_ms)
-        if error == "device_fault":
-            await replier.error(503, "model_poisoned", poisoned_message(self.model_id))
-            return record.finished_event("error", finish_reason, error)
+        if error == ErrorCode.DEVICE_FAULT:
+            await replier.error(503, ErrorCode.MODEL_POISONED, poisoned_message(self.model_id))
+            return record.finished_event(RunStatus.ERROR, finish_reason, error)
         if error is not None:
-            await replier.error(500, "generation_failed", "The generation failed on the worker.")
-            return record.finished_event("error", finish_reason, error)
+            await replier.error(500, ErrorCode.GENERATION_FAILED, "The generation failed on the worker.")
+            return record.finished_event(RunStatus.ERROR, finish_reason, error)
         await replier.final(finish_reason, record.usage())
-        return record.finished_event("cancelled" if finish_reason == "abort" else "ok", finish_reason)
+        status = RunStatus.CANCELLED if finish_reason == FinishReason.ABORT else RunStatus.OK
+        return record.finished_event(status, finish_reason)
 
     def _poison(self, detail: str) -> None:
         """Out of service until reloaded: the device's state can no longer be trusted."""
@@ -252,8 +255,7 @@ class ModelServer:
         """Engine sequences not promised to a pulled request (a request takes one per choice)."""
         if self.engine.free_slots() <= 0:
             return 0  # e.g. the engine process is gone
-        stats = getattr(self.engine, "stats", None)
-        if stats is not None and stats.num_waiting > 0:
+        if self.engine.stats.num_waiting > 0:
             # The engine already holds work it has no KV blocks (or batch room) for: more would
             # only wait here, where another worker might have served it at once.
             return 0
@@ -261,7 +263,7 @@ class ModelServer:
 
     def status(self) -> wire.ModelStatus:
         limits = self.context.derive()
-        stats = getattr(self.engine, "stats", None)  # engines without a KV pool report none
+        stats = self.engine.stats
         return wire.ModelStatus(
             model=self.model_id,
             max_model_len=limits.context,
@@ -269,14 +271,14 @@ class ModelServer:
             max_output_tokens=limits.output,
             slots=self.engine.max_num_seqs,
             free_slots=self.free_slots(),
-            num_running=stats.num_running if stats else len(self.active),
-            num_waiting=stats.num_waiting if stats else 0,
-            kv_usage=round(stats.kv_usage, 4) if stats else 0.0,
-            prefix_queries=stats.prefix_queries if stats else 0,
-            prefix_hits=stats.prefix_hits if stats else 0,
-            state_slots=stats.num_state_slots if stats else 0,
-            free_state_slots=stats.num_free_state_slots if stats else 0,
-            state="poisoned" if self.poisoned is not None else "ready",
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            kv_usage=round(stats.kv_usage, 4),
+            prefix_queries=stats.prefix_queries,
+            prefix_hits=stats.prefix_hits,
+            state_slots=stats.num_state_slots,
+            free_state_slots=stats.num_free_state_slots,
+            state=ModelState.POISONED if self.poisoned is not None else ModelState.READY,
             detail=self.poisoned,
             prefill_tok_per_s=round(self.context.prefill_tok_per_s, 1),
             memory_mb=self.memory_mb,

@@ -1,5 +1,6 @@
-"""From a bus request to what the engine needs: prompt token ids, sampling options, and what
-the output parser should expect (reasoning, tool calls). Refusals here happen before any work."""
+"""From a bus request to what the engine needs: prompt token ids, the sampling with its max_tokens
+resolved, and what the output parser should expect (reasoning, tool calls). Refusals here happen
+before any work."""
 
 from __future__ import annotations
 
@@ -7,18 +8,14 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from jinja2 import TemplateError
 
 from apps.bus import wire
+from apps.bus.codes import ErrorCode, ServingError
 from apps.worker.parsers import THINK_CLOSE, THINK_OPEN, TOOL_OPEN, OutputParser
-from engine.api import SamplingOptions
+from engine.protocol import SamplingParams
 from engine.tokenizer import Tokenizer
-
-
-class RequestRejected(Exception):
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
 
 
 @dataclass(slots=True)
@@ -67,14 +64,14 @@ def build_prompt(tokenizer: Tokenizer, request: wire.GenerateRequest, reasoning_
     if request.prompt_token_ids is not None:
         vocab = tokenizer.vocab_size
         if not request.prompt_token_ids or any(not 0 <= t < vocab for t in request.prompt_token_ids):
-            raise RequestRejected(400, "invalid_prompt", f"Prompt token ids must be in [0, {vocab}).")
+            raise ServingError(400, ErrorCode.INVALID_PROMPT, f"Prompt token ids must be in [0, {vocab}).")
         return Prompt(token_ids=list(request.prompt_token_ids), parse_reasoning=reasoning_parser == "on")
     if request.prompt is not None:
         ids = tokenizer.encode(request.prompt, add_special_tokens=True)
         if not ids:
-            raise RequestRejected(400, "invalid_prompt", "The prompt is empty.")
+            raise ServingError(400, ErrorCode.INVALID_PROMPT, "The prompt is empty.")
         return Prompt(token_ids=ids, parse_reasoning=reasoning_parser == "on")
-    raise RequestRejected(400, "invalid_request", "The request has neither messages nor a prompt.")
+    raise ServingError(400, ErrorCode.INVALID_REQUEST, "The request has neither messages nor a prompt.")
 
 
 def _render_chat(tokenizer: Tokenizer, request: wire.GenerateRequest) -> str:
@@ -84,9 +81,17 @@ def _render_chat(tokenizer: Tokenizer, request: wire.GenerateRequest) -> str:
     prefill = (final or {}).get("content", "").strip()
     if final is not None:
         if final["role"] != "assistant" or final.get("tool_calls"):
-            raise RequestRejected(400, "invalid_messages", "Only a final assistant message of text can be continued.")
+            raise ServingError(
+                400,
+                ErrorCode.INVALID_MESSAGES,
+                "Only a final assistant message of text can be continued.",
+            )
         if request.tool_required:
-            raise RequestRejected(400, "invalid_messages", "A forced tool call cannot continue an assistant message.")
+            raise ServingError(
+                400,
+                ErrorCode.INVALID_MESSAGES,
+                "A forced tool call cannot continue an assistant message.",
+            )
         if not prefill:
             messages.pop()  # nothing to continue: an ordinary new turn
     try:
@@ -94,11 +99,15 @@ def _render_chat(tokenizer: Tokenizer, request: wire.GenerateRequest) -> str:
             return tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=False, **extra)
     except TemplateError as exc:
-        raise RequestRejected(400, "invalid_messages", f"The messages do not fit the model's chat template: {exc}")
+        raise ServingError(400, ErrorCode.INVALID_MESSAGES, f"The messages do not fit the model's chat template: {exc}")
     # Cut the rendered conversation right after the prefill, before the template closes the turn.
     end = text.rfind(prefill)
     if end < 0:
-        raise RequestRejected(400, "invalid_messages", "This model's chat template cannot continue an assistant message.")
+        raise ServingError(
+            400,
+            ErrorCode.INVALID_MESSAGES,
+            "This model's chat template cannot continue an assistant message.",
+        )
     return text[: end + len(prefill)]
 
 
@@ -112,32 +121,20 @@ def _forced_tool_start(request: wire.GenerateRequest, in_reasoning: bool) -> str
     return start
 
 
-def sampling_options(request: wire.GenerateRequest, num_prompt_tokens: int, max_model_len: int) -> SamplingOptions:
-    """Refuse what cannot fit the context (OpenAI's wording); a missing max_tokens takes what fits."""
+def resolve_sampling(request: wire.GenerateRequest, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+    """The request's sampling with max_tokens resolved: refuse what cannot fit the context (OpenAI's
+    wording); a missing max_tokens takes what fits."""
     room = max_model_len - num_prompt_tokens
     wanted = request.sampling.max_tokens
     if room <= 0 or (wanted is not None and wanted > room):
         requested = num_prompt_tokens + (wanted or 1)
-        raise RequestRejected(
+        raise ServingError(
             400,
-            "context_length_exceeded",
+            ErrorCode.CONTEXT_LENGTH_EXCEEDED,
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{requested} tokens ({num_prompt_tokens} in the messages, {wanted or 1} in the completion). "
             "Please reduce the length of the messages or completion.",
         )
-    s = request.sampling
-    return SamplingOptions(
-        max_tokens=wanted if wanted is not None else room,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        min_p=s.min_p,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        repetition_penalty=s.repetition_penalty,
-        seed=s.seed,
-        stop_token_ids=list(s.stop_token_ids),
-        ignore_eos=s.ignore_eos,
-        min_tokens=min(s.min_tokens, wanted if wanted is not None else room),
-        logprobs=s.logprobs,
-    )
+    max_tokens = wanted if wanted is not None else room
+    return msgspec.structs.replace(request.sampling, max_tokens=max_tokens,
+                                   min_tokens=min(request.sampling.min_tokens, max_tokens))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -18,11 +17,12 @@ import nats.errors
 from nats.aio.client import Client as NatsClient
 
 from apps.bus import topology, wire
+from apps.bus.codes import RunStatus
 from apps.worker.parsers import Parsed
 from apps.worker.prompt import Prompt
 from apps.worker.replies import Replier
 from apps.worker.stop_strings import StopStringMatcher
-from engine.api import Engine, EngineRequest, FinishReason, SamplingOptions, TokenLogprob
+from engine.protocol import Engine, EngineRequest, FinishReason, SamplingParams, TokenLogprob
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("helexa.worker")
@@ -72,7 +72,8 @@ class RunRecord:
             queue_ms=round(self.queue_ms, 3),
         )
 
-    def finished_event(self, status: str, finish_reason: str, error: str | None = None) -> wire.RunFinished:
+    def finished_event(self, status: RunStatus, finish_reason: FinishReason,
+                       error: str | None = None) -> wire.RunFinished:
         end = self.finished_at or time.time()
         usage = self.usage()
         ttft = (self.first_token_at - self.request.created_at) * 1000.0 if self.first_token_at else None
@@ -103,26 +104,19 @@ def engine_request_ids(request_id: str, n: int) -> list[str]:
     return [request_id] if n == 1 else [f"{request_id}/{i}" for i in range(n)]
 
 
-def choice_sampling(sampling: SamplingOptions, index: int) -> SamplingOptions:
-    # Each choice draws from its own seed, so n choices differ yet each stays reproducible.
-    if sampling.seed is None or index == 0:
-        return sampling
-    return dataclasses.replace(sampling, seed=sampling.seed + index)
-
-
 async def generate(
     engine: Engine,
     tokenizer: Tokenizer,
     replier: Replier,
     record: RunRecord,
     prompt: Prompt,
-    sampling: SamplingOptions,
-) -> tuple[list[str], str | None]:
+    sampling: SamplingParams,
+) -> tuple[list[FinishReason], str | None]:
     """Run every choice and stream its text; returns (finish reason per choice, error)."""
     ids = engine_request_ids(record.request.request_id, record.request.sampling.n)
     choices = [
         generate_choice(engine, tokenizer, replier, record, prompt,
-                        EngineRequest(rid, prompt.token_ids, choice_sampling(sampling, i)), i)
+                        EngineRequest(rid, prompt.token_ids, sampling.for_choice(i)), i)
         for i, rid in enumerate(ids)
     ]
     results = await asyncio.gather(*choices)
@@ -151,15 +145,15 @@ async def generate_choice(
     prompt: Prompt,
     engine_request: EngineRequest,
     index: int,
-) -> tuple[str, str | None]:
+) -> tuple[FinishReason, str | None]:
     """One choice: detokenize, hold back stop strings, split reasoning and tool calls, close it."""
     detokenizer = IncrementalDetokenizer(tokenizer, engine_request.prompt_token_ids)
     stops = StopStringMatcher(record.request.sampling.stop)
     parser = prompt.output_parser()
-    reason = FinishReason.ABORT.value
+    reason = FinishReason.ABORT
     pending_logprobs: list[wire.TokenLogprobs] = []
 
-    async def send(parsed: Parsed, num_tokens: int, finish_reason: str | None = None) -> None:
+    async def send(parsed: Parsed, num_tokens: int, finish_reason: FinishReason | None = None) -> None:
         nonlocal pending_logprobs
         if not (parsed or finish_reason or pending_logprobs):
             return
@@ -184,23 +178,23 @@ async def generate_choice(
                 text, hit_stop = stops.feed(detokenizer.step(out.new_token_ids))
                 await send(parser.feed(text), len(out.new_token_ids))
                 if hit_stop:
-                    reason = FinishReason.STOP.value
+                    reason = FinishReason.STOP
                     break
             if out.finished:
                 if out.finish_reason is FinishReason.ERROR:
-                    return FinishReason.ERROR.value, out.error or "engine error"
-                reason = (out.finish_reason or FinishReason.STOP).value
+                    return FinishReason.ERROR, out.error or "engine error"
+                reason = out.finish_reason or FinishReason.STOP
                 # The detokenizer may still hold the tail back (a character cut off by the end,
                 # or text it could not yet tell apart); it belongs to the answer, and a stop
                 # string may even end inside it.
                 text, hit_stop = stops.feed(detokenizer.flush())
                 if hit_stop:
-                    reason = FinishReason.STOP.value
+                    reason = FinishReason.STOP
                     await send(parser.feed(text), 0)
                 else:
                     await send(parser.feed(text + stops.flush()), 0)
-    if parser.num_tool_calls and reason == FinishReason.STOP.value:
-        reason = "tool_calls"
+    if parser.num_tool_calls and reason == FinishReason.STOP:
+        reason = FinishReason.TOOL_CALLS
     await send(parser.finish(), 0, finish_reason=reason)
     return reason, None
 

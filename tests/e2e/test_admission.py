@@ -170,13 +170,14 @@ def test_cancelled_queued_waiters_leave_no_trace(system: System, tmp_path: Path)
 
 def test_a_request_past_its_deadline_is_dropped_by_the_worker_with_an_event(system: System) -> None:
     from apps.bus import topology, wire
+    from engine.protocol import SamplingParams
 
     request_id = f"expired-{time.monotonic_ns()}"
 
     async def publish_expired() -> None:
         nc = await topology.connect(system.nats_url, name="test")
         stale = wire.GenerateRequest(
-            request_id=request_id, model=system.model, reply_subject=nc.new_inbox(), sampling=wire.Sampling(),
+            request_id=request_id, model=system.model, reply_subject=nc.new_inbox(), sampling=SamplingParams(),
             messages=[wire.ChatMessage(role="user", content="too late")], deadline=time.time() - 1,
         )
         await nc.jetstream().publish(topology.request_subject(system.model), wire.encode(stale),

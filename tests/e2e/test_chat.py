@@ -22,7 +22,7 @@ def reference() -> dict:
     from transformers import AutoModelForCausalLM
 
     from engine.default_model import default_model_path
-    from engine.gguf_import import GGUFFile, read_tokenizer
+    from engine.gguf_file import GGUFFile, read_tokenizer
 
     path = default_model_path()
     tokenizer = read_tokenizer(GGUFFile(path))
@@ -154,7 +154,7 @@ def test_n_choices_streamed_and_not(system: System) -> None:
 
 def test_completions_with_text_and_token_prompts(system: System) -> None:
     from engine.default_model import default_model_path
-    from engine.loader import load_tokenizer
+    from engine.model_source import load_tokenizer
 
     tokenizer, _ = load_tokenizer(default_model_path())
     prompt = "The capital of France is"

@@ -7,7 +7,7 @@ import asyncio
 from openai import AsyncOpenAI
 
 from engine.default_model import default_model_path
-from engine.loader import load_tokenizer
+from engine.model_source import load_tokenizer
 from tests.e2e.conftest import System
 
 CLIENTS = 16

@@ -8,11 +8,11 @@ import signal
 
 import pytest
 
-from engine.api import EngineOutput, EngineRequest, FinishReason, SamplingOptions
-from engine.core_client import AsyncEngine, merge_outputs
+from engine.core_client import AsyncEngine
 from engine.default_model import default_model_path
 from engine.engine_config import EngineConfig
 from engine.loader import Checkpoint
+from engine.protocol import EngineOutput, EngineRequest, FinishReason, SamplingParams
 
 
 @pytest.fixture
@@ -24,8 +24,8 @@ async def engine() -> AsyncEngine:
         await engine.shutdown()
 
 
-def greedy(max_tokens: int) -> SamplingOptions:
-    return SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
 async def collect(engine: AsyncEngine, request: EngineRequest) -> list[EngineOutput]:
@@ -93,9 +93,9 @@ async def test_a_dead_core_fails_requests_instead_of_hanging(engine: AsyncEngine
     assert engine.free_slots() == 0
 
 
-def test_merge_outputs_concatenates_tokens_and_keeps_first_prefill() -> None:
+def test_merged_outputs_concatenate_tokens_and_keeps_first_prefill() -> None:
     a = EngineOutput("r", [1], num_prompt_tokens=5, prefill_ms=3.0)
     b = EngineOutput("r", [2, 3], finished=True, finish_reason=FinishReason.STOP, num_prompt_tokens=5)
-    merged = merge_outputs(a, b)
+    merged = a.merged(b)
     assert merged.new_token_ids == [1, 2, 3]
     assert merged.finished and merged.finish_reason is FinishReason.STOP and merged.prefill_ms == 3.0

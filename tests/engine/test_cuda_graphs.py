@@ -9,13 +9,13 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import WordLevel
 
 from engine import ops
-from engine.api import EngineRequest
 from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeBuffers, DecodeGraphs, bucket_sizes, graphs_wanted, pick_bucket
 from engine.loader import Checkpoint
 from engine.model_runner import StepInputs
 from engine.models import build_model
+from engine.protocol import EngineRequest
 from engine.tokenizer import Tokenizer
 from tests.engine.helpers import PagedSequences, perturb_norms_and_biases
 from tests.engine.test_engine_core import greedy, make_core, run

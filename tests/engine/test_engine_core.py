@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.api import EngineRequest, FinishReason, SamplingOptions
 from engine.core import EngineCore
 from engine.engine_config import EngineConfig
 from engine.loader import Checkpoint
+from engine.protocol import EngineRequest, FinishReason, SamplingParams
 
 TOPICS = [
     "the sea", "a red bicycle", "why the sky is blue, in one sentence", "bread",
@@ -31,8 +31,8 @@ def make_core(checkpoint: Checkpoint, **overrides: object) -> EngineCore:
     return EngineCore(checkpoint, EngineConfig(model="in-memory", **overrides))  # type: ignore[arg-type]
 
 
-def greedy(max_tokens: int = 12, **kw: object) -> SamplingOptions:
-    return SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)  # type: ignore[arg-type]
+def greedy(max_tokens: int = 12, **kw: object) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)  # type: ignore[arg-type]
 
 
 def run(core: EngineCore, requests: list[EngineRequest]) -> dict[str, list[int]]:
@@ -125,15 +125,15 @@ def test_abort_mid_generation_frees_every_block(smollm2: Checkpoint) -> None:
 def test_seeded_sampling_is_reproducible_alone_or_batched(smollm2: Checkpoint) -> None:
     all_prompts = prompts(smollm2)
 
-    def sampled(seed: int) -> SamplingOptions:
-        return SamplingOptions(max_tokens=12, temperature=1.0, top_p=0.95, seed=seed, ignore_eos=True)
+    def sampled(seed: int) -> SamplingParams:
+        return SamplingParams(max_tokens=12, temperature=1.0, top_p=0.95, seed=seed, ignore_eos=True)
 
     alone_core = make_core(smollm2)
     solo = run(alone_core, [EngineRequest("s", all_prompts[2], sampled(7))])["s"]
     batch = run(make_core(smollm2), [
         EngineRequest("a", all_prompts[0], sampled(1)),
         EngineRequest("s", all_prompts[2], sampled(7)),
-        EngineRequest("b", all_prompts[5], SamplingOptions(max_tokens=12, temperature=1.0, ignore_eos=True)),
+        EngineRequest("b", all_prompts[5], SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)),
     ])
     assert batch["s"] == solo
     other = run(make_core(smollm2), [EngineRequest("s", all_prompts[2], sampled(8))])["s"]
@@ -142,7 +142,7 @@ def test_seeded_sampling_is_reproducible_alone_or_batched(smollm2: Checkpoint) -
 
 def test_top_k_1_equals_greedy(smollm2: Checkpoint, alone: dict[str, list[int]]) -> None:
     prompt = prompts(smollm2)[3]
-    options = SamplingOptions(max_tokens=12, temperature=0.8, top_k=1, seed=3, ignore_eos=True)
+    options = SamplingParams(max_tokens=12, temperature=0.8, top_k=1, seed=3, ignore_eos=True)
     assert run(make_core(smollm2), [EngineRequest("r3", prompt, options)])["r3"] == alone["r3"]
 
 

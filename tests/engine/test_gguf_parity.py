@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.gguf_import import model_id_from_path, unpermute_rope_rows
+from engine.gguf_file import model_id_from_path
+from engine.gguf_import import unpermute_rope_rows
 from engine.loader import Checkpoint
 from tests.engine.helpers import PagedSequences, chunked_logits
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.api import EngineRequest, FinishReason, SamplingOptions
 from engine.core import EngineCore
 from engine.engine_config import EngineConfig
 from engine.loader import Checkpoint, load_checkpoint
 from engine.model_runner import kv_bytes_per_token
+from engine.protocol import EngineRequest, FinishReason, SamplingParams
 from tests.engine.hybrid_models import LONG_PROMPT, reference_model, save_hybrid_dir
 
 transformers = pytest.importorskip("transformers")
@@ -43,8 +43,8 @@ def make_core(checkpoint: Checkpoint, **overrides: object) -> EngineCore:
     return EngineCore(checkpoint, EngineConfig(model="in-memory", **overrides))  # type: ignore[arg-type]
 
 
-def greedy(max_tokens: int = 8) -> SamplingOptions:
-    return SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+def greedy(max_tokens: int = 8) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
 def run(core: EngineCore, requests: list[EngineRequest]) -> dict[str, list[int]]:

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from engine.api import SamplingOptions
 from engine.kv_cache import BlockHash, KVCacheManager, hash_block_tokens
+from engine.protocol import SamplingParams
 from engine.request import Request
 
 BLOCK_SIZE = 4
 
 
 def make_request(request_id: str, token_ids: list[int]) -> Request:
-    return Request(request_id, token_ids, SamplingOptions(max_tokens=16))
+    return Request(request_id, token_ids, SamplingParams(max_tokens=16))
 
 
 def compute_prompt(kv: KVCacheManager, request: Request) -> None:

@@ -7,18 +7,18 @@ import math
 import pytest
 import torch
 
-from engine.api import SamplingOptions
+from engine.protocol import SamplingParams
 from engine.sampler import Sampler, SamplingRow, _top_k_top_p_cutoff, make_generator, sample
 
 VOCAB = 1000  # not a multiple of the CDF block: exercises the padding
 
 
-def options(**kwargs: object) -> SamplingOptions:
+def options(**kwargs: object) -> SamplingParams:
     kwargs.setdefault("max_tokens", 64)
-    return SamplingOptions(**kwargs)
+    return SamplingParams(**kwargs)
 
 
-def row(opts: SamplingOptions, generator: torch.Generator | None = None, prompt: list[int] | None = None,
+def row(opts: SamplingParams, generator: torch.Generator | None = None, prompt: list[int] | None = None,
         output: list[int] | None = None, eos: list[int] | None = None) -> SamplingRow:
     return SamplingRow(options=opts, generator=generator, prompt_token_ids=prompt or [0],
                        output_token_ids=output or [], eos_token_ids=eos or [])
@@ -34,7 +34,7 @@ def history_logits(history: list[int], vocab: int = VOCAB) -> torch.Tensor:
     return random_logits(1, vocab, seed=seed)[0]
 
 
-def allowed_mask(logits: torch.Tensor, opts: SamplingOptions) -> torch.Tensor:
+def allowed_mask(logits: torch.Tensor, opts: SamplingParams) -> torch.Tensor:
     """Naive reference for temperature → top-k → top-p → min-p, by sorting the whole row."""
     probs = (logits / opts.temperature).softmax(-1).double()
     order = probs.argsort(descending=True)

@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 import pytest
 
-from engine.api import FinishReason, SamplingOptions
 from engine.kv_cache import KVCacheManager
+from engine.protocol import FinishReason, SamplingParams
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
@@ -34,7 +34,7 @@ def make_request(
     request_id: str, num_prompt_tokens: int, first_token: int = 1000, max_tokens: int = 16, **sampling
 ) -> Request:
     prompt = list(range(first_token, first_token + num_prompt_tokens))
-    return Request(request_id, prompt, SamplingOptions(max_tokens=max_tokens, **sampling), eos_token_ids=[2])
+    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, **sampling), eos_token_ids=[2])
 
 
 def step(

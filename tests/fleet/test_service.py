@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from apps.bus import topology, wire
+from engine.protocol import SamplingParams
 from tests.fleet.conftest import COLD_MODEL, Fleet, wait_events
 from tests.support import REPO
 
@@ -50,7 +51,7 @@ def test_worker_is_a_discoverable_micro_service(fleet: Fleet) -> None:
         assert endpoints == {"generate": topology.node_endpoint("svc-a", "generate"),
                              "control": topology.node_endpoint("svc-a", "control")}
         request = wire.GenerateRequest(request_id="micro-1", model="svc-model", reply_subject="",
-                                       sampling=wire.Sampling(),
+                                       sampling=SamplingParams(),
                                        messages=[wire.ChatMessage(role="user", content="hi")])
         answer = asyncio.run(_generate(fleet.nats_url, "svc-a", request))
         assert answer["text"] == "micro hello" and answer["finish_reason"] == "stop"

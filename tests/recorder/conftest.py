@@ -12,11 +12,10 @@ from typing import Any
 
 import asyncpg
 import pytest
-
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
-from apps.bus.topology import EVENTS_STREAM, RECORDER_CONSUMER, connect, ensure_topology, event_subject
+from apps.bus.topology import EVENTS_STREAM, RECORDER_CONSUMER, BusLimits, connect, ensure_topology, event_subject
 from apps.bus.wire import (
     AdmissionDecided,
     BenchRunRecorded,
@@ -110,7 +109,7 @@ def score(run_id: str, metric: str, value: float, **fields: Any) -> ScoreRecorde
 async def nc(own_nats: NatsServer) -> AsyncIterator[NatsClient]:
     """A client on an empty bus of the test's own, with the topology declared."""
     nc = await connect(own_nats.url, "recorder-test")
-    await ensure_topology(nc.jetstream())
+    await ensure_topology(nc.jetstream(), BusLimits())
     try:
         yield nc
     finally:

@@ -145,7 +145,7 @@ def mixed(num_requests: int = 1500, seed: int = 7, base_ts: float = BASE_TS) -> 
     for i in range(n_nodes):
         w.events.append(
             node_status(f"node-{'abc'[i % 3]}", ts=base_ts + i, free_slots=i % 17, kv_usage=(i % 8) / 8,
-                        status=("ready", "busy", "stopping")[i % 3])
+                        status=("ready", "degraded", "stopping")[i % 3])
         )  # fmt: skip
     n_bench = num_requests // 30
     scenarios = ("chat:128", "chat:2048", "concurrency:8", "capability:haiku", "swap")
