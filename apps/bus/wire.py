@@ -253,6 +253,8 @@ class ModelStatus(Wire, kw_only=True):
     prefill_tok_per_s: float | None = None
     # What the catalogue says the model needs (0: not from the catalogue, unknown).
     memory_mb: int = 0
+    # Token ids the model's tokenizer knows (0: unknown), so the gateway can refuse others.
+    vocab_size: int = 0
 
 
 class NodeStatus(Wire, kw_only=True):
