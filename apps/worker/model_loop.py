@@ -1,9 +1,14 @@
-"""One model on one worker: pull what fits from the model's shared consumer, serve, record.
+"""One model on one worker: pull what fits from the model's shared consumer, serve, settle.
 
 It fetches only as many requests as it has free slots, so JetStream spreads work across the
-workers of a model by capacity with no router of our own. A held request is touched (heartbeat
-frame + in-progress ack) every heartbeat, so a dead worker's requests go to another worker
-after the consumer's short ack wait, and at most max_deliver times.
+workers of a model by capacity with no router of our own. Each pulled message becomes one run
+(`run.run_request`); while it runs, `liveness.keep_alive` touches it (heartbeat frame +
+in-progress ack) every heartbeat, so a dead worker's requests go to another worker after the
+consumer's short ack wait, and at most max_deliver times. Once the run is over the message is
+acked and the run's `run.finished` event published.
+
+What the loop needs of its worker (the bus connection, the node id, the cancelled ids, where to
+say the node entry changed) is handed down in a `NodeBus` when it starts.
 """
 
 from __future__ import annotations
@@ -11,59 +16,45 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Protocol
+from collections.abc import Container
+from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import nats.errors
+from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 
 from apps.bus import topology, wire
-from apps.bus.codes import ErrorCode, FinishReason, ModelState, RunStatus, ServingError
+from apps.bus.codes import ModelState
+from apps.bus.publish import publish_event
 from apps.settings import WorkerSettings
-from apps.worker import serve
+from apps.worker import liveness
 from apps.worker.context_limit import ContextLimit
-from apps.worker.prompt import build_prompt, resolve_sampling
 from apps.worker.replies import Replier
-from engine.protocol import DeviceFault, Engine, is_device_fault
+from apps.worker.run import ModelHealth, ServedModel, abort_request, run_request
+from engine.protocol import Engine
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("helexa.worker")
-# How often a running request checks that its requester still listens.
-PROBE_S = 1.0
 
 
-class Host(Protocol):
-    """What a model server needs from its worker: the bus and the node-wide cancellations."""
+@dataclass(slots=True, frozen=True)
+class NodeBus:
+    """What a model loop uses of its worker, handed down when the loop starts."""
 
+    nc: NatsClient
+    js: JetStreamContext
     node: str
-    nc: Any
-    js: Any
-
-    def was_cancelled(self, request_id: str) -> bool: ...
-
-    async def publish_event(self, event: wire.AnyEvent) -> None: ...
-
-    async def publish_status(self) -> None: ...
+    limits: topology.BusLimits
+    # Requests cancelled before they were pulled: dropped unserved when they are.
+    cancelled: Container[str]
+    # Set when the node entry should be refreshed now (a model was poisoned).
+    status_changed: asyncio.Event
 
 
-def poisoned_message(model: str) -> str:
-    return (f"The model '{model}' hit a device fault on this worker and is out of service; "
-            f"reload it (helexa models load {model}).")
-
-
-class CollectingReplier(Replier):
-    """Frames kept in memory: for the request-reply `generate` endpoint, which answers once."""
-
-    def __init__(self, attempt: int, node: str) -> None:
-        super().__init__(None, "", attempt, node)  # type: ignore[arg-type]
-        self.frames: list[wire.ReplyFrame] = []
-
-    async def _send(self, frame: wire.ReplyFrame) -> None:
-        self._seq += 1
-        self.frames.append(frame)
-
-
-class ModelServer:
+class ModelLoop:
     def __init__(self, settings: WorkerSettings, engine: Engine, tokenizer: Tokenizer, model_id: str,
                  source: str = "", memory_mb: int = 0) -> None:
         self.settings = settings
@@ -74,7 +65,6 @@ class ModelServer:
         self.memory_mb = memory_mb
         self.active: dict[str, asyncio.Task[None]] = {}
         self.requests: dict[str, wire.GenerateRequest] = {}
-        self.poisoned: str | None = None
         self._slot_freed = asyncio.Event()
         self._stop = asyncio.Event()
         self._pulling: asyncio.Task[None] | None = None
@@ -85,10 +75,18 @@ class ModelServer:
             kv_pool_tokens=info.num_blocks * info.block_size or None,
             hard_cap=settings.max_model_len or None,
         )
+        self.health = ModelHealth(model_id)
+        self.model = ServedModel(model_id, engine, tokenizer, self.context, self.health,
+                                 reasoning_parser=settings.reasoning_parser)
 
-    async def start(self, host: Host, limits: topology.BusLimits) -> None:
-        self.host = host
-        subscription = await topology.worker_subscription(host.js, self.model_id, limits)
+    @property
+    def poisoned(self) -> str | None:
+        return self.health.poisoned
+
+    async def start(self, bus: NodeBus) -> None:
+        self.bus = bus
+        self.health.changed = bus.status_changed
+        subscription = await topology.worker_subscription(bus.js, self.model_id, bus.limits)
         self._pulling = asyncio.create_task(self._pull_loop(subscription))
 
     async def stop(self, grace_s: float = 10.0) -> None:
@@ -150,13 +148,13 @@ class ModelServer:
         self._slot_freed.set()
 
     async def _serve(self, msg: Msg, request: wire.GenerateRequest) -> None:
-        cancelled = self.host.was_cancelled(request.request_id)
+        cancelled = request.request_id in self.bus.cancelled
         if cancelled or (request.deadline and time.time() > request.deadline):
             # Its client has already been answered (a 503 or a hang-up): nobody waits for it.
             log.info("dropped request nobody waits for", extra={"request_id": request.request_id})
             await msg.term()
-            await self.host.publish_event(wire.AdmissionDecided(
-                model=request.model, node=self.host.node, request_id=request.request_id,
+            await publish_event(self.bus.js, wire.AdmissionDecided(
+                model=request.model, node=self.bus.node, request_id=request.request_id,
                 principal=request.principal,
                 decision=wire.AdmissionDecision.CANCELLED if cancelled else wire.AdmissionDecision.TIMEOUT,
                 detail="dropped by the worker: nobody waits for it", pending=len(self.active),
@@ -164,92 +162,29 @@ class ModelServer:
             ))
             return
         attempt = msg.metadata.num_delivered or 1
-        if attempt > 1 and request.liveness_probe and not await self._still_wanted(request, attempt):
+        if attempt > 1 and request.liveness_probe and not await liveness.still_wanted(
+                self.bus.nc, request.reply_subject, attempt):
             # Its worker died after sending text: the client has had an error, this must not run.
             log.info("redelivered request no longer wanted", extra={"request_id": request.request_id,
                                                                     "attempt": attempt})
             await msg.term()
             return
-        replier = Replier(self.host.nc, request.reply_subject, attempt, self.host.node)
-        keep_alive = asyncio.create_task(serve.keep_alive(replier, self.settings.heartbeat_s, msg.in_progress))
+        replier = Replier(self.bus.nc, request.reply_subject, attempt, self.bus.node)
+        keep_alive = asyncio.create_task(liveness.keep_alive(replier, self.settings.heartbeat_s, msg.in_progress))
         try:
-            record = await self.run(request, replier, attempt, probe=request.liveness_probe)
+            finished = await run_request(self.model, request, replier, attempt=attempt, node=self.bus.node,
+                                         js=self.bus.js, probe=self.bus.nc if request.liveness_probe else None)
         finally:
             keep_alive.cancel()
         await msg.ack()
-        await self.host.publish_event(record)
+        await publish_event(self.bus.js, finished)
 
-    async def _still_wanted(self, request: wire.GenerateRequest, attempt: int) -> bool:
-        """Ask the requester whether this attempt may run (another may have sent text already)."""
-        try:
-            answer = await self.host.nc.request(topology.alive_subject(request.reply_subject),
-                                                str(attempt).encode(), timeout=2.0)
-        except nats.errors.NoRespondersError:
-            return False  # the requester is gone
-        except (TimeoutError, nats.errors.Error):
-            return True  # slow is not gone
-        return answer.data != topology.ATTEMPT_TAKEN
-
-    async def run(self, request: wire.GenerateRequest, replier: Replier, attempt: int,
-                  probe: bool = False) -> wire.RunFinished:
-        """Serve one request through `replier` and return the run's outcome for the ledger."""
-        record = serve.RunRecord(request=request, node=self.host.node, attempt=attempt, received_at=time.time())
-        if self.poisoned is not None:
-            await replier.error(503, ErrorCode.MODEL_POISONED, poisoned_message(self.model_id))
-            return record.finished_event(RunStatus.REJECTED, FinishReason.ERROR, ErrorCode.MODEL_POISONED)
-        try:
-            prompt = build_prompt(self.tokenizer, request, self.settings.reasoning_parser)
-            record.prompt_tokens = len(prompt.token_ids)
-            sampling = resolve_sampling(request, len(prompt.token_ids), self.context.derive().context)
-        except ServingError as exc:
-            await replier.error(exc.status, exc.code, exc.message)
-            return record.finished_event(RunStatus.REJECTED, FinishReason.ERROR, exc.code)
-        await replier.accepted(len(prompt.token_ids))
-        await self.host.publish_event(record.started_event())
-        watcher = None
-        if probe:
-            watcher = asyncio.create_task(
-                serve.watch_requester(self.host.nc, request.reply_subject, PROBE_S, lambda: self.abort(request))
-            )
-        try:
-            reasons, error = await serve.generate(self.engine, self.tokenizer, replier, record, prompt, sampling)
-            finish_reason = reasons[0]
-            if is_device_fault(error):
-                self._poison(error or "device fault")
-                error = ErrorCode.DEVICE_FAULT
-        except DeviceFault as exc:
-            self._poison(str(exc) or "device fault")
-            finish_reason, error = FinishReason.ERROR, ErrorCode.DEVICE_FAULT
-            await self.abort(request)
-        except Exception as exc:  # the run fails, the worker goes on
-            log.exception("generation failed", extra={"request_id": request.request_id})
-            finish_reason, error = FinishReason.ERROR, type(exc).__name__
-            await self.abort(request)
-        finally:
-            if watcher is not None:
-                watcher.cancel()
-        record.finished_at = time.time()
-        self.context.observe_prefill(record.prompt_tokens - record.cached_tokens, record.prefill_ms)
-        if error == ErrorCode.DEVICE_FAULT:
-            await replier.error(503, ErrorCode.MODEL_POISONED, poisoned_message(self.model_id))
-            return record.finished_event(RunStatus.ERROR, finish_reason, error)
-        if error is not None:
-            await replier.error(500, ErrorCode.GENERATION_FAILED, "The generation failed on the worker.")
-            return record.finished_event(RunStatus.ERROR, finish_reason, error)
-        await replier.final(finish_reason, record.usage())
-        status = RunStatus.CANCELLED if finish_reason == FinishReason.ABORT else RunStatus.OK
-        return record.finished_event(status, finish_reason)
-
-    def _poison(self, detail: str) -> None:
-        """Out of service until reloaded: the device's state can no longer be trusted."""
-        if self.poisoned is None:
-            log.error("device fault: model poisoned", extra={"model": self.model_id, "error": detail})
-            self.poisoned = detail
-            asyncio.create_task(self.host.publish_status())  # tell gateways now, not at the next refresh
+    async def serve_once(self, request: wire.GenerateRequest, replier: Replier) -> wire.RunFinished:
+        """One request not pulled from the consumer (the `generate` endpoint), served the same way."""
+        return await run_request(self.model, request, replier, attempt=1, node=self.bus.node, js=self.bus.js)
 
     async def abort(self, request: wire.GenerateRequest) -> None:
-        for engine_request_id in serve.engine_request_ids(request.request_id, request.sampling.n):
-            await self.engine.abort(engine_request_id)
+        await abort_request(self.engine, request)
 
     def free_slots(self) -> int:
         """Engine sequences not promised to a pulled request (a request takes one per choice)."""

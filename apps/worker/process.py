@@ -1,40 +1,44 @@
 """The worker process: one node on the bus serving one or more models.
 
-It keeps its `helexa_nodes` entry fresh, listens for cancellations, registers as a NATS micro
-service (so `nats micro ls/info/stats` find it) whose endpoints answer a one-shot `generate` and
-`control` (list, load, unload), and runs one ModelServer per loaded model.
+It owns the NATS connection and what hangs off it for the whole node: the node's `helexa_nodes`
+entry (refreshed every few seconds, and at once when a model changes state), the cancellation
+listener (`liveness.Cancellations`), the NATS micro service `helexa-worker` (so `nats micro
+ls/info/stats` find it) whose endpoints answer a one-shot `generate` and `control` (list, load,
+unload), and one `ModelLoop` per loaded model, which gets what it needs of all this handed down
+in a `NodeBus` when it starts.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
+import contextlib
 import importlib.metadata
 import json
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import msgspec
 import nats.errors
 import nats.micro
-from nats.aio.msg import Msg
 from nats.micro.request import Request as ServiceRequest
 
 from apps.bus import topology, wire
-from apps.bus.codes import ModelState, NodeState
+from apps.bus.codes import ErrorCode, ModelState, NodeState, ServingError
 from apps.bus.publish import publish_event
 from apps.bus.topology import BusLimits
 from apps.fleet.catalogue import CatalogueEntry
 from apps.logs import announce_ready
 from apps.settings import WorkerSettings
-from apps.worker.model_server import CollectingReplier, ModelServer
+from apps.worker.liveness import Cancellations
+from apps.worker.model_loop import ModelLoop, NodeBus
+from apps.worker.replies import CollectingReplier
 
 log = logging.getLogger("helexa.worker")
 
-# Loads a model for a control request: (source, served name, memory it needs) -> a server.
-Opener = Callable[[str, str, int], Awaitable[ModelServer]]
+# Loads a model for a control request: (source, served name, memory it needs) -> its loop.
+Opener = Callable[[str, str, int], Awaitable[ModelLoop]]
 
 
 def _version() -> str:
@@ -48,7 +52,7 @@ def _machine_memory_mb() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20
 
 
-class Worker:
+class WorkerProcess:
     def __init__(self, settings: WorkerSettings, limits: BusLimits, opener: Opener | None = None,
                  catalogue: dict[str, CatalogueEntry] | None = None) -> None:
         self.settings = settings
@@ -57,22 +61,22 @@ class Worker:
         self.catalogue = catalogue or {}
         self.node = settings.node_id
         self.memory_mb = settings.memory_mb or _machine_memory_mb()
-        self.models: dict[str, ModelServer] = {}
+        self.models: dict[str, ModelLoop] = {}
         # Where each model this worker has served came from, so an unloaded one can come back.
         self.sources: dict[str, tuple[str, int]] = {}
         self.loading: set[str] = set()
         self._lifecycle = asyncio.Lock()
         self._last_summary: tuple[str, tuple[tuple[str, str], ...]] | None = None
         self._background: set[asyncio.Task[None]] = set()
-        # Cancellations for requests not pulled yet; bounded so a flood cannot grow it forever.
-        self._cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._status_changed = asyncio.Event()
+        self.cancellations = Cancellations(self._abort_held)
 
-    async def run(self, stop: asyncio.Event, first: ModelServer | None = None) -> None:
+    async def run(self, stop: asyncio.Event, first: ModelLoop | None = None) -> None:
         self.nc = await topology.connect(self.settings.nats_url, name=f"helexa-worker-{self.node}")
         self.js = self.nc.jetstream()
         await topology.ensure_topology(self.js, self.limits)
         self.kv = await topology.node_registry(self.js, self.limits)
-        await self.nc.subscribe(topology.cancel_wildcard(), cb=self._on_cancel)
+        await self.cancellations.subscribe(self.nc)
         service = await self._register_service()
         if first is not None:
             await self._add(first)
@@ -87,7 +91,7 @@ class Worker:
         finally:
             status_task.cancel()
             await service.stop()
-            await asyncio.gather(*(server.stop() for server in self.models.values()))
+            await asyncio.gather(*(loop.stop() for loop in self.models.values()))
             try:
                 await self.kv.delete(self.node)
             except nats.errors.Error:
@@ -108,53 +112,30 @@ class Worker:
                                    handler=self._on_control, metadata={"ops": "list, load, unload"})
         return service
 
-    async def _add(self, server: ModelServer) -> None:
-        await server.start(self, self.limits)
-        self.models[server.model_id] = server
-        self.sources[server.model_id] = (server.source, server.memory_mb)
+    async def _add(self, loop: ModelLoop) -> None:
+        await loop.start(NodeBus(nc=self.nc, js=self.js, node=self.node, limits=self.limits,
+                                 cancelled=self.cancellations, status_changed=self._status_changed))
+        self.models[loop.model_id] = loop
+        self.sources[loop.model_id] = (loop.source, loop.memory_mb)
 
-    # -- the host side a ModelServer uses ---------------------------------------------------
+    async def _abort_held(self, request_id: str) -> bool:
+        for loop in self.models.values():
+            if request_id in loop.requests:
+                await loop.abort(loop.requests[request_id])
+                return True
+        return False
 
-    def was_cancelled(self, request_id: str) -> bool:
-        return request_id in self._cancelled
+    # -- the micro service's endpoints --------------------------------------------------------
 
-    async def publish_event(self, event: wire.AnyEvent) -> None:
-        await publish_event(self.js, event)
-
-    async def publish_status(self, state: NodeState = NodeState.READY) -> None:
-        status = self.status(state)
-        await self.kv.put(self.node, wire.encode(status))
-        # The ledger hears of changes (models loaded or unloaded, poisoned), not of every refresh.
-        degraded = any(m.state != ModelState.READY for m in status.models)
-        summary = (NodeState.DEGRADED if degraded and state == NodeState.READY else state,
-                   tuple((m.model, m.state) for m in status.models))
-        if summary != self._last_summary:
-            self._last_summary = summary
-            await self.publish_event(wire.NodeStatusChanged(
-                model=status.models[0].model if status.models else "-", node=self.node, status=summary[0],
-                version=status.version, models=[m.model for m in status.models],
-                slots=sum(m.slots for m in status.models), free_slots=sum(m.free_slots for m in status.models),
-                kv_usage=max((m.kv_usage for m in status.models), default=None),
-            ))
-
-    # -- bus handlers ------------------------------------------------------------------------
-
-    async def _on_cancel(self, msg: Msg) -> None:
-        request_id = topology.request_id_from_cancel(msg.subject)
-        for server in self.models.values():
-            if request_id in server.requests:
-                log.info("cancelling", extra={"request_id": request_id})
-                await server.abort(server.requests[request_id])
-                return
-        self._cancelled[request_id] = None
-        while len(self._cancelled) > 10_000:
-            self._cancelled.popitem(last=False)
-
-    async def _on_generate(self, req: ServiceRequest) -> None:
-        # Handlers of one endpoint run one at a time; generations must not wait for each other.
-        task = asyncio.create_task(self._generate(req))
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        # Handlers of one endpoint run one at a time: a generation must not wait for another, nor
+        # a `list` for a slow load (loads and unloads still take turns, through the lifecycle lock).
+        task = asyncio.create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    async def _on_generate(self, req: ServiceRequest) -> None:
+        self._in_background(self._generate(req))
 
     async def _generate(self, req: ServiceRequest) -> None:
         """A whole answer in one reply, for NATS clients that want no streaming and no gateway."""
@@ -163,13 +144,13 @@ class Worker:
         except msgspec.DecodeError as exc:
             await req.respond_error("400", f"the body is not a GenerateRequest: {exc}")
             return
-        server = self.models.get(request.model)
-        if server is None:
+        loop = self.models.get(request.model)
+        if loop is None:
             await req.respond_error("404", f"this worker does not serve the model '{request.model}'")
             return
         replier = CollectingReplier(attempt=1, node=self.node)
-        outcome = await server.run(request, replier, attempt=1)
-        await self.publish_event(outcome)
+        outcome = await loop.serve_once(request, replier)
+        await publish_event(self.js, outcome)
         errors = [f for f in replier.frames if isinstance(f, wire.ErrorFrame)]
         if errors:
             await req.respond_error(str(errors[0].status), errors[0].message, data=wire.encode(errors[0]))
@@ -181,11 +162,7 @@ class Worker:
                                       "usage": msgspec.to_builtins(final.usage)}).encode())
 
     async def _on_control(self, req: ServiceRequest) -> None:
-        # Handlers of one endpoint run one at a time: a slow load must not hold up a `list`.
-        # Loads and unloads still take turns, through the lifecycle lock.
-        task = asyncio.create_task(self._control(req))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._in_background(self._control(req))
 
     async def _control(self, req: ServiceRequest) -> None:
         try:
@@ -200,10 +177,10 @@ class Worker:
             elif op == "unload":
                 await self.unload(model)
             elif op != "list":
-                raise ControlError(f"unknown op {op!r}: use list, load or unload")
+                raise ServingError(400, ErrorCode.INVALID_REQUEST, f"unknown op {op!r}: use list, load or unload")
             reply: dict[str, Any] = {"ok": True}
-        except ControlError as exc:
-            reply = {"ok": False, "error": str(exc)}
+        except ServingError as exc:
+            reply = {"ok": False, "error": exc.message}
         reply.update(node=self.node, models=[msgspec.to_builtins(s.status()) for s in self.models.values()],
                      loading=sorted(self.loading))
         await req.respond(json.dumps(reply).encode())
@@ -219,24 +196,26 @@ class Worker:
             entry = self.catalogue.get(model)
             source = (entry.source, entry.min_memory_mb) if entry else self.sources.get(model)
             if source is None:
-                raise ControlError(f"the model '{model}' is neither in the catalogue nor served here before")
+                raise ServingError(404, ErrorCode.MODEL_NOT_FOUND,
+                                   f"the model '{model}' is neither in the catalogue nor served here before")
             if self.opener is None:
-                raise ControlError("this worker cannot load models")
+                raise ServingError(503, ErrorCode.MODEL_UNAVAILABLE, "this worker cannot load models")
             if current is not None:
                 await self._remove(model)
             if source[1] > self.free_memory_mb():
-                raise ControlError(f"the model '{model}' needs {source[1]} MB; this worker has "
+                raise ServingError(503, ErrorCode.MODEL_UNAVAILABLE,
+                                   f"the model '{model}' needs {source[1]} MB; this worker has "
                                    f"{self.free_memory_mb()} MB free")
             self.loading.add(model)
             await self.publish_status()
             try:
-                server = await self.opener(source[0], model, source[1])
-                await self._add(server)
-            except ControlError:
+                loop = await self.opener(source[0], model, source[1])
+                await self._add(loop)
+            except ServingError:
                 raise
             except Exception as exc:
                 log.exception("model load failed", extra={"model": model})
-                raise ControlError(f"loading '{model}' failed: {exc}") from exc
+                raise ServingError(500, ErrorCode.INTERNAL_ERROR, f"loading '{model}' failed: {exc}") from exc
             finally:
                 self.loading.discard(model)
             await self.publish_status()
@@ -245,14 +224,14 @@ class Worker:
     async def unload(self, model: str) -> None:
         async with self._lifecycle:
             if model not in self.models:
-                raise ControlError(f"the model '{model}' is not loaded on this worker")
+                raise ServingError(404, ErrorCode.MODEL_NOT_FOUND, f"the model '{model}' is not loaded on this worker")
             await self._remove(model)
             await self.publish_status()
             log.info("model unloaded", extra={"model": model})
 
     async def _remove(self, model: str) -> None:
-        server = self.models.pop(model)
-        await server.stop()
+        loop = self.models.pop(model)
+        await loop.stop()
 
     # -- the node registry ---------------------------------------------------------------------
 
@@ -265,14 +244,29 @@ class Worker:
             memory_mb=self.memory_mb, free_memory_mb=self.free_memory_mb(), loading=sorted(self.loading),
         )
 
+    async def publish_status(self, state: NodeState = NodeState.READY) -> None:
+        status = self.status(state)
+        await self.kv.put(self.node, wire.encode(status))
+        # The ledger hears of changes (models loaded or unloaded, poisoned), not of every refresh.
+        degraded = any(m.state != ModelState.READY for m in status.models)
+        summary = (NodeState.DEGRADED if degraded and state == NodeState.READY else state,
+                   tuple((m.model, m.state) for m in status.models))
+        if summary != self._last_summary:
+            self._last_summary = summary
+            await publish_event(self.js, wire.NodeStatusChanged(
+                model=status.models[0].model if status.models else "-", node=self.node, status=summary[0],
+                version=status.version, models=[m.model for m in status.models],
+                slots=sum(m.slots for m in status.models), free_slots=sum(m.free_slots for m in status.models),
+                kv_usage=max((m.kv_usage for m in status.models), default=None),
+            ))
+
     async def _status_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.settings.status_interval_s)
+            # Every interval, or at once when a model changed state (gateways must hear of a poisoned one now).
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._status_changed.wait(), self.settings.status_interval_s)
+            self._status_changed.clear()
             try:
                 await self.publish_status()
             except Exception as exc:  # a missed refresh must never end the loop: the node would vanish
                 log.warning("status publish failed", extra={"error": repr(exc)})
-
-
-class ControlError(Exception):
-    """A control request this worker cannot carry out; the message goes back to the caller."""
