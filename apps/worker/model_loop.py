@@ -27,13 +27,19 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from apps.bus import topology, wire
-from apps.bus.codes import ModelState
+from apps.bus.codes import ErrorCode, ModelState, ServingError
 from apps.bus.publish import publish_event
 from apps.settings import WorkerSettings
 from apps.worker import liveness
 from apps.worker.context_limit import ContextLimit
 from apps.worker.replies import Replier
-from apps.worker.run import ModelHealth, ServedModel, abort_request, run_request
+from apps.worker.run import (
+    ModelHealth,
+    ServedModel,
+    abort_request,
+    engine_request_ids,
+    run_request,
+)
 from engine.protocol import Engine
 from engine.tokenizer import Tokenizer
 
@@ -65,6 +71,8 @@ class ModelLoop:
         self.memory_mb = memory_mb
         self.active: dict[str, asyncio.Task[None]] = {}
         self.requests: dict[str, wire.GenerateRequest] = {}
+        # The stream sequence of each held request's message, to tell a redelivery from a reused id.
+        self._stream_seqs: dict[str, int] = {}
         self._slot_freed = asyncio.Event()
         self._stop = asyncio.Event()
         self._pulling: asyncio.Task[None] | None = None
@@ -137,17 +145,66 @@ class ModelLoop:
             log.warning("undecodable request terminated", extra={"error": str(exc)})
             asyncio.create_task(msg.term())
             return
+        if not topology.valid_reply_subject(request.reply_subject):
+            # Publishing on it could make the server close this worker's connection for good.
+            log.warning("request with an unusable reply subject terminated",
+                        extra={"request_id": request.request_id, "bytes": len(request.reply_subject.encode())})
+            asyncio.create_task(msg.term())
+            return
+        if self._holds(request):
+            asyncio.create_task(self._refuse_duplicate(msg, request))
+            return
+        self._claim(request, msg.metadata.sequence.stream)
         task = asyncio.create_task(self._serve(msg, request))
         self.active[request.request_id] = task
-        self.requests[request.request_id] = request
         task.add_done_callback(lambda _: self._finished(request.request_id))
+
+    def _holds(self, request: wire.GenerateRequest) -> bool:
+        """Whether one of `request`'s engine ids is already running here: the engine core must never
+        see an id twice (it cannot tell the two apart and fails)."""
+        running = {rid for held in self.requests.values()
+                   for rid in engine_request_ids(held.request_id, held.sampling.n)}
+        return any(rid in running for rid in engine_request_ids(request.request_id, request.sampling.n))
+
+    def _claim(self, request: wire.GenerateRequest, stream_seq: int | None) -> None:
+        self.requests[request.request_id] = request
+        if stream_seq is not None:
+            self._stream_seqs[request.request_id] = stream_seq
 
     def _finished(self, request_id: str) -> None:
         self.active.pop(request_id, None)
         self.requests.pop(request_id, None)
+        self._stream_seqs.pop(request_id, None)
         self._slot_freed.set()
 
+    async def _refuse_duplicate(self, msg: Msg, request: wire.GenerateRequest) -> None:
+        held = self.requests.get(request.request_id)
+        if held is not None and self._stream_seqs.get(request.request_id) == msg.metadata.sequence.stream:
+            # JetStream redelivered the message this worker is still running (its in-progress acks
+            # came late). Acks name a message by its stream sequence, whichever delivery they came
+            # with, so the running attempt still holds this one: it goes on touching it and acks it
+            # when done. A nak would only have it redelivered again; an ack or a term would settle
+            # it while the run it belongs to may yet fail.
+            log.warning("redelivered while its first attempt runs here; left to that attempt",
+                        extra={"request_id": request.request_id, "attempt": msg.metadata.num_delivered})
+            await msg.in_progress()
+            return
+        # Another message whose id is already running here: refused, so the running one is untouched.
+        log.warning("request id already running here; refused",
+                    extra={"request_id": request.request_id, "attempt": msg.metadata.num_delivered})
+        if held is None or held.reply_subject != request.reply_subject:
+            # Its own requester is told; on the running one's reply subject a frame would only confuse.
+            replier = Replier(self.bus.nc, request.reply_subject, msg.metadata.num_delivered or 1, self.bus.node)
+            await replier.error(409, ErrorCode.INVALID_REQUEST, "A request with this id is already running.")
+        await msg.term()
+
     async def _serve(self, msg: Msg, request: wire.GenerateRequest) -> None:
+        try:
+            await self._serve_message(msg, request)
+        except Exception:  # never a silent end: the message is redelivered once its ack wait passes
+            log.exception("serving a request failed", extra={"request_id": request.request_id})
+
+    async def _serve_message(self, msg: Msg, request: wire.GenerateRequest) -> None:
         cancelled = request.request_id in self.bus.cancelled
         if cancelled or (request.deadline and time.time() > request.deadline):
             # Its client has already been answered (a 503 or a hang-up): nobody waits for it.
@@ -172,16 +229,24 @@ class ModelLoop:
         replier = Replier(self.bus.nc, request.reply_subject, attempt, self.bus.node)
         keep_alive = asyncio.create_task(liveness.keep_alive(replier, self.settings.heartbeat_s, msg.in_progress))
         try:
-            finished = await run_request(self.model, request, replier, attempt=attempt, node=self.bus.node,
-                                         js=self.bus.js, probe=self.bus.nc if request.liveness_probe else None)
+            outcome = await run_request(self.model, request, replier, attempt=attempt, node=self.bus.node,
+                                        js=self.bus.js, probe=self.bus.nc if request.liveness_probe else None)
         finally:
             keep_alive.cancel()
-        await msg.ack()
-        await publish_event(self.bus.js, finished)
+        await (msg.term() if outcome.terminate else msg.ack())
+        await publish_event(self.bus.js, outcome.finished)
 
     async def serve_once(self, request: wire.GenerateRequest, replier: Replier) -> wire.RunFinished:
-        """One request not pulled from the consumer (the `generate` endpoint), served the same way."""
-        return await run_request(self.model, request, replier, attempt=1, node=self.bus.node, js=self.bus.js)
+        """One request not pulled from the consumer (the `generate` endpoint), served the same way;
+        it takes its slots like any other. Raises ServingError (409) for an id already running here."""
+        if self._holds(request):
+            raise ServingError(409, ErrorCode.INVALID_REQUEST, "A request with this id is already running.")
+        self._claim(request, None)
+        try:
+            outcome = await run_request(self.model, request, replier, attempt=1, node=self.bus.node, js=self.bus.js)
+        finally:
+            self._finished(request.request_id)
+        return outcome.finished
 
     async def abort(self, request: wire.GenerateRequest) -> None:
         await abort_request(self.engine, request)

@@ -6,6 +6,11 @@ listener (`liveness.Cancellations`), the NATS micro service `helexa-worker` (so 
 ls/info/stats` find it) whose endpoints answer a one-shot `generate` and `control` (list, load,
 unload), and one `ModelLoop` per loaded model, which gets what it needs of all this handed down
 in a `NodeBus` when it starts.
+
+When the server closes the connection for good (a server `-ERR`; nats-py reconnects after anything
+else), `run` stops the models and raises `BusConnectionLost`: `helexa worker` exits non-zero
+(EXIT_BUS_LOST) so that `helexa up` or a supervisor restarts it, rather than rebuilding every
+subscription, pull loop and running request on a new connection.
 """
 
 from __future__ import annotations
@@ -69,10 +74,17 @@ class WorkerProcess:
         self._last_summary: tuple[str, tuple[tuple[str, str], ...]] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._status_changed = asyncio.Event()
+        # Set once the node is on the bus and serving.
+        self.ready = asyncio.Event()
+        # The server closed our connection for good (not us, shutting down).
+        self._closed = asyncio.Event()
+        self._closing = False
         self.cancellations = Cancellations(self._abort_held)
 
     async def run(self, stop: asyncio.Event, first: ModelLoop | None = None) -> None:
-        self.nc = await topology.connect(self.settings.nats_url, name=f"helexa-worker-{self.node}")
+        """Serve until `stop` is set; raises BusConnectionLost if the server closed the connection."""
+        self.nc = await topology.connect(self.settings.nats_url, name=f"helexa-worker-{self.node}",
+                                         closed_cb=self._on_closed)
         self.js = self.nc.jetstream()
         await topology.ensure_topology(self.js, self.limits)
         self.kv = await topology.node_registry(self.js, self.limits)
@@ -86,19 +98,38 @@ class WorkerProcess:
         if first is not None:
             ready.update(model=first.model_id, max_model_len=first.context.derive().context)
         announce_ready("worker", **ready)
+        self.ready.set()
+        stopping, lost = asyncio.create_task(stop.wait()), asyncio.create_task(self._closed.wait())
         try:
-            await stop.wait()
+            await asyncio.wait({stopping, lost}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            stopping.cancel()
+            lost.cancel()
             status_task.cancel()
-            await service.stop()
-            await asyncio.gather(*(loop.stop() for loop in self.models.values()))
-            try:
-                await self.kv.delete(self.node)
-            except nats.errors.Error:
-                pass
-            # drain() waits out pull subscriptions (30 s in nats-py); flush what we sent and close.
-            await self.nc.flush()
-            await self.nc.close()
+            await self._shut_down(service)
+        if self._closed.is_set():
+            raise BusConnectionLost(f"the NATS server closed the connection: {self.nc.last_error!r}")
+
+    async def _on_closed(self) -> None:
+        if not self._closing:
+            log.error("NATS connection closed by the server; the worker exits",
+                      extra={"node": self.node, "error": repr(self.nc.last_error)})
+            self._closed.set()
+
+    async def _shut_down(self, service: nats.micro.Service) -> None:
+        self._closing = True
+        if self._closed.is_set():
+            # Nothing can reach a client or JetStream any more: stop the models at once (their
+            # messages go to other workers after the ack wait) and let the node entry expire.
+            await asyncio.gather(*(loop.stop(grace_s=0.0) for loop in self.models.values()))
+            return
+        await service.stop()
+        await asyncio.gather(*(loop.stop() for loop in self.models.values()))
+        with contextlib.suppress(nats.errors.Error):
+            await self.kv.delete(self.node)
+        # drain() waits out pull subscriptions (30 s in nats-py); flush what we sent and close.
+        await self.nc.flush()
+        await self.nc.close()
 
     async def _register_service(self) -> nats.micro.Service:
         version = _version()
@@ -149,7 +180,11 @@ class WorkerProcess:
             await req.respond_error("404", f"this worker does not serve the model '{request.model}'")
             return
         replier = CollectingReplier(attempt=1, node=self.node)
-        outcome = await loop.serve_once(request, replier)
+        try:
+            outcome = await loop.serve_once(request, replier)
+        except ServingError as exc:
+            await req.respond_error(str(exc.status), exc.message)
+            return
         await publish_event(self.js, outcome)
         errors = [f for f in replier.frames if isinstance(f, wire.ErrorFrame)]
         if errors:
@@ -266,7 +301,20 @@ class WorkerProcess:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._status_changed.wait(), self.settings.status_interval_s)
             self._status_changed.clear()
+            if self.nc.is_closed and not self._closing:
+                await self._on_closed()  # in case nats-py closed it without calling back
+                return
             try:
                 await self.publish_status()
             except Exception as exc:  # a missed refresh must never end the loop: the node would vanish
                 log.warning("status publish failed", extra={"error": repr(exc)})
+
+
+class BusConnectionLost(Exception):
+    """The NATS server closed this worker's connection for good (nats-py never reconnects after a
+    server `-ERR`). The worker does not rebuild itself on a new connection: it exits with
+    EXIT_BUS_LOST, and `helexa up` or any supervisor starts it again."""
+
+
+# EX_TEMPFAIL: a temporary failure; starting again is the cure.
+EXIT_BUS_LOST = 75

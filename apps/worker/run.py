@@ -2,9 +2,11 @@
 
 `run_request` is the whole life of one attempt once the model loop has taken it: a poisoned model
 refuses at once; the prompt is rendered and tokenized and max_tokens resolved against the context
-(a refusal is the request's own 4xx); then the `Accepted` frame and the `run.started` event, the
+(a refusal is the request's own 4xx; any other failure there is an error frame and the message is
+terminated, never left to be redelivered); then the `Accepted` frame and the `run.started` event, the
 generation of every choice with its text streamed as it comes, and the final (or error) frame.
-It returns the `run.finished` event for the model loop to publish once the message is settled.
+It returns a `RunOutcome`: the `run.finished` event, which the model loop publishes once it has
+settled the message, and whether to terminate the message rather than ack it.
 
 This is the worker's asyncio side: the engine does the torch work elsewhere and hands back token
 ids; here they become text (incrementally, stop strings held back) and frames. A device fault is
@@ -77,6 +79,15 @@ class ServedModel:
     context: ContextLimit
     health: ModelHealth
     reasoning_parser: str = "auto"
+
+
+@dataclass(slots=True, frozen=True)
+class RunOutcome:
+    """How a run ended: the ledger's event, and whether the message must be terminated rather
+    than acked (a request no worker could prepare: it must not come back, nor wait for it)."""
+
+    finished: wire.RunFinished
+    terminate: bool = False
 
 
 @dataclass(slots=True)
@@ -162,8 +173,8 @@ async def abort_request(engine: Engine, request: wire.GenerateRequest) -> None:
 
 
 async def run_request(model: ServedModel, request: wire.GenerateRequest, replier: Replier, *, attempt: int,
-                      node: str, js: JetStreamContext, probe: NatsClient | None = None) -> wire.RunFinished:
-    """Serve one request through `replier` and return the run's outcome for the ledger.
+                      node: str, js: JetStreamContext, probe: NatsClient | None = None) -> RunOutcome:
+    """Serve one request through `replier` and say how it ended, for the ledger and the message.
 
     With `probe` (the bus connection), the requester is probed while the run goes, and the run
     is aborted when it is gone.
@@ -171,14 +182,19 @@ async def run_request(model: ServedModel, request: wire.GenerateRequest, replier
     record = RunRecord(request=request, node=node, attempt=attempt, received_at=time.time())
     if model.health.poisoned is not None:
         await replier.error(503, ErrorCode.MODEL_POISONED, poisoned_message(model.model_id))
-        return record.finished_event(RunStatus.REJECTED, FinishReason.ERROR, ErrorCode.MODEL_POISONED)
+        return RunOutcome(record.finished_event(RunStatus.REJECTED, FinishReason.ERROR, ErrorCode.MODEL_POISONED))
     try:
         prompt = build_prompt(model.tokenizer, request, model.reasoning_parser)
         record.prompt_tokens = len(prompt.token_ids)
         sampling = resolve_sampling(request, len(prompt.token_ids), model.context.derive().context)
     except ServingError as exc:
         await replier.error(exc.status, exc.code or ErrorCode.INVALID_REQUEST, exc.message)
-        return record.finished_event(RunStatus.REJECTED, FinishReason.ERROR, exc.code)
+        return RunOutcome(record.finished_event(RunStatus.REJECTED, FinishReason.ERROR, exc.code))
+    except Exception as exc:  # a template or tokenizer that breaks on this request: its own failure
+        log.exception("preparing the request failed", extra={"request_id": request.request_id})
+        await replier.error(500, ErrorCode.INTERNAL_ERROR, "The worker could not prepare a prompt from this request.")
+        return RunOutcome(record.finished_event(RunStatus.REJECTED, FinishReason.ERROR, type(exc).__name__),
+                          terminate=True)
     await replier.accepted(len(prompt.token_ids))
     await publish_event(js, record.started_event())
     watcher = None
@@ -207,13 +223,13 @@ async def run_request(model: ServedModel, request: wire.GenerateRequest, replier
     model.context.observe_prefill(record.prompt_tokens - record.cached_tokens, record.prefill_ms)
     if error == ErrorCode.DEVICE_FAULT:
         await replier.error(503, ErrorCode.MODEL_POISONED, poisoned_message(model.model_id))
-        return record.finished_event(RunStatus.ERROR, finish_reason, error)
+        return RunOutcome(record.finished_event(RunStatus.ERROR, finish_reason, error))
     if error is not None:
         await replier.error(500, ErrorCode.GENERATION_FAILED, "The generation failed on the worker.")
-        return record.finished_event(RunStatus.ERROR, finish_reason, error)
+        return RunOutcome(record.finished_event(RunStatus.ERROR, finish_reason, error))
     await replier.final(finish_reason, record.usage())
     status = RunStatus.CANCELLED if finish_reason == FinishReason.ABORT else RunStatus.OK
-    return record.finished_event(status, finish_reason)
+    return RunOutcome(record.finished_event(status, finish_reason))
 
 
 async def generate(
