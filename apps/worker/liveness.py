@@ -15,6 +15,9 @@ The protocol (the gateway's side answers it; any NATS client may):
   same subject with its attempt number (`still_wanted`). The requester answers `ATTEMPT_TAKEN` once
   another attempt has sent the client text: then this attempt must not run (its text would be
   repeated) and the message is terminated. No responders there too means nobody waits for it.
+  A redelivery that reaches the worker still running the first attempt (its in-progress acks came
+  late) is not an attempt at all: the model loop leaves the message to the running one, whose acks
+  still count (JetStream names a message by its stream sequence), and touches it.
 - **Cancel.** The requester publishes `helexa.cancel.<request id>` when its client leaves or a
   deadline passes. Every worker listens (`Cancellations`): the one holding the request aborts it
   (idempotently); the others remember the id, boundedly, so a later pull of it is dropped unserved.

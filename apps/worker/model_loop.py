@@ -5,7 +5,12 @@ workers of a model by capacity with no router of our own. Each pulled message be
 (`run.run_request`); while it runs, `liveness.keep_alive` touches it (heartbeat frame +
 in-progress ack) every heartbeat, so a dead worker's requests go to another worker after the
 consumer's short ack wait, and at most max_deliver times. Once the run is over the message is
-acked and the run's `run.finished` event published.
+acked (terminated, when no worker could prepare it) and the run's `run.finished` event published.
+
+The engine never sees a request id twice: a redelivery of a message still running here is left to
+its run, and another message reusing a running id is refused alone (409, terminated). A request
+whose reply subject the server would refuse is terminated unanswered, since publishing on it would
+cost this worker its connection.
 
 What the loop needs of its worker (the bus connection, the node id, the cancelled ids, where to
 say the node entry changed) is handed down in a `NodeBus` when it starts.
