@@ -64,8 +64,8 @@ def cmd_gateway(args: argparse.Namespace) -> None:
 def cmd_worker(args: argparse.Namespace) -> None:
     from apps.fleet.catalogue import load_catalogue
     from apps.settings import WorkerSettings, bus_limits, catalogue_file
-    from apps.worker.app import Worker
     from apps.worker.loading import open_model
+    from apps.worker.process import EXIT_BUS_LOST, BusConnectionLost, WorkerProcess
 
     settings = WorkerSettings()
     if args.model:
@@ -79,9 +79,12 @@ def cmd_worker(args: argparse.Namespace) -> None:
 
     async def main(stop: asyncio.Event) -> None:
         first = await opener(settings.model, settings.served_model_name, 0)
-        await Worker(settings, bus_limits(), opener, catalogue).run(stop, first)
+        await WorkerProcess(settings, bus_limits(), opener, catalogue).run(stop, first)
 
-    _run_until_signal(main)
+    try:
+        _run_until_signal(main)
+    except BusConnectionLost:
+        raise SystemExit(EXIT_BUS_LOST) from None
 
 
 def cmd_models(args: argparse.Namespace) -> None:

@@ -6,7 +6,8 @@ which is tokenized with the model's real tokenizer and emitted one token per ste
 
 A rule may also set `first_token_delay_s` and `token_delay_s` (a slow model, so tests can act
 mid-request) and `fault`: fault injection for delivery tests, `"exit"` kills the worker process
-as a crash would, `"device"` raises DeviceFault as a failing accelerator would.
+as a crash would, `"device"` raises DeviceFault as a failing accelerator would, `"error"` ends
+that request alone with an engine error (a bad row, as the sampler reports one).
 Output-side features (detokenization, stop strings, reasoning and tool-call parsing, usage)
 therefore behave exactly as with a model, without running one.
 """
@@ -70,6 +71,10 @@ class ScriptedEngine:
             os._exit(70)  # a crash: no cleanup, no goodbye, exactly like kill -9
         if rule.fault == "device":
             raise DeviceFault("injected device fault")
+        if rule.fault == "error":
+            yield EngineOutput(request.request_id, [], finished=True, finish_reason=FinishReason.ERROR,
+                               num_prompt_tokens=len(request.prompt_token_ids), error="injected request error")
+            return
         tokens = self.tokenizer.encode(rule.reply, add_special_tokens=False)
         tokens.append(self.tokenizer.eos_token_id)
         self._running.add(request.request_id)

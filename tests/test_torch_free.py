@@ -13,7 +13,8 @@ from tests.support import REPO
 TORCH_FREE = [
     "apps.bus.wire", "apps.bus.topology", "apps.bus.publish", "apps.bus.codes", "apps.bus.pull",
     "engine.protocol", "engine.core_client", "engine.model_source", "engine.scripted",
-    "apps.worker.app", "apps.worker.model_server", "apps.worker.serve", "apps.worker.loading",
+    "apps.worker.process", "apps.worker.model_loop", "apps.worker.run", "apps.worker.liveness",
+    "apps.worker.loading",
     "apps.gateway.app", "apps.recorder.app",
 ]
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from apps.bus import wire
 from apps.settings import WorkerSettings
-from apps.worker.model_server import ModelServer
+from apps.worker.model_loop import ModelLoop
 from engine.protocol import CoreInfo, CoreStats, SamplingParams
 
 
@@ -29,8 +29,8 @@ def request(request_id: str, n: int = 1) -> wire.GenerateRequest:
                                 sampling=SamplingParams(n=n))
 
 
-def worker(engine: FakeEngine) -> ModelServer:
-    return ModelServer(WorkerSettings(nats_url="nats://unused"), engine, tokenizer=None, model_id="m")  # type: ignore[arg-type]
+def worker(engine: FakeEngine) -> ModelLoop:
+    return ModelLoop(WorkerSettings(nats_url="nats://unused"), engine, tokenizer=None, model_id="m")  # type: ignore[arg-type]
 
 
 def test_each_choice_takes_a_slot() -> None:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import re
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import nats
 from nats.aio.client import Client as NatsClient
@@ -62,6 +64,16 @@ def alive_subject(reply_subject: str) -> str:
 
 
 ATTEMPT_TAKEN = b"taken"
+# Longest reply subject a worker answers on. nats-server closes, for good, a connection that sends
+# a protocol line over its max_control_line (4096 bytes by default): a request naming a longer
+# reply subject would take the worker's connection down with it.
+MAX_REPLY_SUBJECT_BYTES = 1024
+_REPLY_SUBJECT = re.compile(r"[^\s*>.]+(\.[^\s*>.]+)*")
+
+
+def valid_reply_subject(subject: str) -> bool:
+    """A subject a worker may publish frames on: dot-separated tokens, no wildcards or whitespace."""
+    return len(subject.encode()) <= MAX_REPLY_SUBJECT_BYTES and _REPLY_SUBJECT.fullmatch(subject) is not None
 
 
 def worker_consumer(model: str) -> str:
@@ -235,17 +247,21 @@ async def model_is_known(js: JetStreamContext, model: str) -> bool:
     return True
 
 
-async def connect(url: str, name: str) -> NatsClient:
+async def connect(url: str, name: str, closed_cb: Callable[[], Awaitable[None]] | None = None) -> NatsClient:
     """Connect with reconnects forever: the apps ride out a NATS restart instead of exiting.
 
-    `url` may list several servers of a cluster, comma-separated; any of them will do.
+    `url` may list several servers of a cluster, comma-separated; any of them will do. The
+    connection is closed for good only by us or by a server's `-ERR` (nats-py never reconnects
+    then); `closed_cb` hears of both.
     """
+    options: dict[str, Any] = {"closed_cb": closed_cb} if closed_cb is not None else {}
     return await nats.connect(
         [u.strip() for u in url.split(",") if u.strip()],
         name=name,
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,
         connect_timeout=5,
+        **options,
     )
 
 

@@ -11,7 +11,7 @@ import logging
 
 from apps.fleet.catalogue import DEFAULT_SOURCE
 from apps.settings import WorkerSettings
-from apps.worker.model_server import ModelServer
+from apps.worker.model_loop import ModelLoop
 from engine.core_client import AsyncEngine
 from engine.default_model import default_model_path
 from engine.model_source import load_tokenizer
@@ -29,7 +29,7 @@ def resolve_source(source: str) -> str:
 
 
 async def open_model(settings: WorkerSettings, source: str, served_name: str = "", script: str | None = None,
-                     memory_mb: int = 0) -> ModelServer:
+                     memory_mb: int = 0) -> ModelLoop:
     path = resolve_source(source)
     log.info("loading model", extra={"source": path, "served_name": served_name})
     tokenizer, model_id = await asyncio.to_thread(load_tokenizer, path)
@@ -38,5 +38,5 @@ async def open_model(settings: WorkerSettings, source: str, served_name: str = "
         engine = ScriptedEngine(script, tokenizer, model_id, max_num_seqs=settings.max_num_seqs)
     else:
         engine = await AsyncEngine.start(settings.engine_config(path))
-    return ModelServer(settings, engine, tokenizer, served_name or model_id, source=source or DEFAULT_SOURCE,
+    return ModelLoop(settings, engine, tokenizer, served_name or model_id, source=source or DEFAULT_SOURCE,
                        memory_mb=memory_mb)

@@ -1,10 +1,12 @@
-"""Frames from a worker to the client waiting on one request's reply subject."""
+"""Frames from a worker to the client waiting on one request's reply subject (or, for the
+one-shot `generate` endpoint, kept in memory and answered at once)."""
 
 from __future__ import annotations
 
 from nats.aio.client import Client as NatsClient
 
 from apps.bus import wire
+from apps.bus.codes import ErrorCode, FinishReason
 
 
 class Replier:
@@ -33,7 +35,7 @@ class Replier:
         text: str,
         num_tokens: int,
         index: int = 0,
-        finish_reason: str | None = None,
+        finish_reason: FinishReason | None = None,
         reasoning: str = "",
         tool_calls: list[wire.ToolCallDelta] | None = None,
         logprobs: list[wire.TokenLogprobs] | None = None,
@@ -50,8 +52,20 @@ class Replier:
     async def heartbeat(self) -> None:
         await self._send(wire.Heartbeat(**self._next()))
 
-    async def final(self, finish_reason: str, usage: wire.Usage) -> None:
+    async def final(self, finish_reason: FinishReason, usage: wire.Usage) -> None:
         await self._send(wire.Final(**self._next(), finish_reason=finish_reason, usage=usage))
 
-    async def error(self, status: int, code: str, message: str) -> None:
+    async def error(self, status: int, code: ErrorCode, message: str) -> None:
         await self._send(wire.ErrorFrame(**self._next(), status=status, code=code, message=message))
+
+
+class CollectingReplier(Replier):
+    """Frames kept in memory: for the request-reply `generate` endpoint, which answers once."""
+
+    def __init__(self, attempt: int, node: str) -> None:
+        super().__init__(None, "", attempt, node)  # type: ignore[arg-type]
+        self.frames: list[wire.ReplyFrame] = []
+
+    async def _send(self, frame: wire.ReplyFrame) -> None:
+        self._seq += 1
+        self.frames.append(frame)

@@ -112,6 +112,24 @@ def test_cold_start_load_unload_and_poisoning(fleet: Fleet) -> None:
         assert ask(fleet, "life-warm", "unaffected") == "loaded on demand"
 
 
+def test_a_request_level_engine_error_does_not_poison(fleet: Fleet) -> None:
+    # Beside the device fault above: an engine error for one request (a bad row) fails that
+    # request alone; the model stays in service for the next one, on the same worker.
+    script = {"default": "still serving", "rules": [{"match": "BAD ROW", "reply": "", "fault": "error"}]}
+    with fleet.worker("row-a", "row-model", script):
+        with pytest.raises(openai.APIStatusError) as failed:
+            ask(fleet, "row-model", "BAD ROW please")
+        assert failed.value.status_code == 500
+        assert ask(fleet, "row-model", "and now?") == "still serving"
+        state = next(m for n in helexa(fleet, "models", "ls")["nodes"] for m in n["models"]
+                     if m["model"] == "row-model")
+        assert state["state"] == "ready" and state["detail"] is None
+        finished = wait_events(fleet.nats_url, "helexa.events.run.finished.row-model",
+                               lambda es: len([e for e in es if e.node == "row-a"]) >= 2)
+        errors = [e.error for e in finished if e.node == "row-a"]
+        assert errors == ["injected request error", None]
+
+
 def test_cold_start_answers_503_when_loading_outlasts_the_wait(fleet: Fleet) -> None:
     from apps.embedded import free_port
     from tests.support import AppProcess

@@ -1,7 +1,16 @@
-"""Serving one bus request: template, tokenize, check limits, generate, stream frames, record.
+"""One request's run on a worker: template, tokenize, check limits, generate, stream frames, record.
 
-This is the worker's asyncio side: the engine does the torch work elsewhere and hands back
-token ids; here they become text (incrementally, stop strings held back) and frames.
+`run_request` is the whole life of one attempt once the model loop has taken it: a poisoned model
+refuses at once; the prompt is rendered and tokenized and max_tokens resolved against the context
+(a refusal is the request's own 4xx; any other failure there is an error frame and the message is
+terminated, never left to be redelivered); then the `Accepted` frame and the `run.started` event, the
+generation of every choice with its text streamed as it comes, and the final (or error) frame.
+It returns a `RunOutcome`: the `run.finished` event, which the model loop publishes once it has
+settled the message, and whether to terminate the message rather than ack it.
+
+This is the worker's asyncio side: the engine does the torch work elsewhere and hands back token
+ids; here they become text (incrementally, stop strings held back) and frames. A device fault is
+the only failure that changes shared state: it poisons the model through its `ModelHealth`.
 """
 
 from __future__ import annotations
@@ -10,22 +19,75 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-import nats.errors
 from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
 
-from apps.bus import topology, wire
-from apps.bus.codes import RunStatus
+from apps.bus import wire
+from apps.bus.codes import ErrorCode, RunStatus, ServingError
+from apps.bus.publish import publish_event
+from apps.worker import liveness
+from apps.worker.context_limit import ContextLimit
 from apps.worker.parsers import Parsed
-from apps.worker.prompt import Prompt
+from apps.worker.prompt import Prompt, build_prompt, resolve_sampling
 from apps.worker.replies import Replier
 from apps.worker.stop_strings import StopStringMatcher
-from engine.protocol import Engine, EngineRequest, FinishReason, SamplingParams, TokenLogprob
+from engine.protocol import (
+    DeviceFault,
+    Engine,
+    EngineRequest,
+    FinishReason,
+    SamplingParams,
+    TokenLogprob,
+    is_device_fault,
+)
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("helexa.worker")
+
+
+def poisoned_message(model: str) -> str:
+    return (f"The model '{model}' hit a device fault on this worker and is out of service; "
+            f"reload it (helexa models load {model}).")
+
+
+@dataclass(slots=True)
+class ModelHealth:
+    """Whether a model may serve. Only a device fault takes it out of service, until it is
+    reloaded; `changed` is set so the worker refreshes its node entry now, not at the next tick."""
+
+    model_id: str
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    poisoned: str | None = None
+
+    def poison(self, detail: str) -> None:
+        """Out of service until reloaded: the device's state can no longer be trusted."""
+        if self.poisoned is None:
+            log.error("device fault: model poisoned", extra={"model": self.model_id, "error": detail})
+            self.poisoned = detail
+            self.changed.set()
+
+
+@dataclass(slots=True, frozen=True)
+class ServedModel:
+    """What a run uses of the model it runs on."""
+
+    model_id: str
+    engine: Engine
+    tokenizer: Tokenizer
+    context: ContextLimit
+    health: ModelHealth
+    reasoning_parser: str = "auto"
+
+
+@dataclass(slots=True, frozen=True)
+class RunOutcome:
+    """How a run ended: the ledger's event, and whether the message must be terminated rather
+    than acked (a request no worker could prepare: it must not come back, nor wait for it)."""
+
+    finished: wire.RunFinished
+    terminate: bool = False
 
 
 @dataclass(slots=True)
@@ -102,6 +164,72 @@ class RunRecord:
 def engine_request_ids(request_id: str, n: int) -> list[str]:
     """One engine request per choice; a single choice keeps the bus request's id."""
     return [request_id] if n == 1 else [f"{request_id}/{i}" for i in range(n)]
+
+
+async def abort_request(engine: Engine, request: wire.GenerateRequest) -> None:
+    """Abort every choice of `request` (idempotent: a finished or unknown id is no-op)."""
+    for engine_request_id in engine_request_ids(request.request_id, request.sampling.n):
+        await engine.abort(engine_request_id)
+
+
+async def run_request(model: ServedModel, request: wire.GenerateRequest, replier: Replier, *, attempt: int,
+                      node: str, js: JetStreamContext, probe: NatsClient | None = None) -> RunOutcome:
+    """Serve one request through `replier` and say how it ended, for the ledger and the message.
+
+    With `probe` (the bus connection), the requester is probed while the run goes, and the run
+    is aborted when it is gone.
+    """
+    record = RunRecord(request=request, node=node, attempt=attempt, received_at=time.time())
+    if model.health.poisoned is not None:
+        await replier.error(503, ErrorCode.MODEL_POISONED, poisoned_message(model.model_id))
+        return RunOutcome(record.finished_event(RunStatus.REJECTED, FinishReason.ERROR, ErrorCode.MODEL_POISONED))
+    try:
+        prompt = build_prompt(model.tokenizer, request, model.reasoning_parser)
+        record.prompt_tokens = len(prompt.token_ids)
+        sampling = resolve_sampling(request, len(prompt.token_ids), model.context.derive().context)
+    except ServingError as exc:
+        await replier.error(exc.status, exc.code or ErrorCode.INVALID_REQUEST, exc.message)
+        return RunOutcome(record.finished_event(RunStatus.REJECTED, FinishReason.ERROR, exc.code))
+    except Exception as exc:  # a template or tokenizer that breaks on this request: its own failure
+        log.exception("preparing the request failed", extra={"request_id": request.request_id})
+        await replier.error(500, ErrorCode.INTERNAL_ERROR, "The worker could not prepare a prompt from this request.")
+        return RunOutcome(record.finished_event(RunStatus.REJECTED, FinishReason.ERROR, type(exc).__name__),
+                          terminate=True)
+    await replier.accepted(len(prompt.token_ids))
+    await publish_event(js, record.started_event())
+    watcher = None
+    if probe is not None:
+        watcher = asyncio.create_task(liveness.watch_requester(
+            probe, request.reply_subject, liveness.PROBE_S, lambda: abort_request(model.engine, request)))
+    error: str | None
+    try:
+        reasons, error = await generate(model.engine, model.tokenizer, replier, record, prompt, sampling)
+        finish_reason = reasons[0]
+        if is_device_fault(error):
+            model.health.poison(error or "device fault")
+            error = ErrorCode.DEVICE_FAULT
+    except DeviceFault as exc:
+        model.health.poison(str(exc) or "device fault")
+        finish_reason, error = FinishReason.ERROR, ErrorCode.DEVICE_FAULT
+        await abort_request(model.engine, request)
+    except Exception as exc:  # the run fails, the worker goes on
+        log.exception("generation failed", extra={"request_id": request.request_id})
+        finish_reason, error = FinishReason.ERROR, type(exc).__name__
+        await abort_request(model.engine, request)
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+    record.finished_at = time.time()
+    model.context.observe_prefill(record.prompt_tokens - record.cached_tokens, record.prefill_ms)
+    if error == ErrorCode.DEVICE_FAULT:
+        await replier.error(503, ErrorCode.MODEL_POISONED, poisoned_message(model.model_id))
+        return RunOutcome(record.finished_event(RunStatus.ERROR, finish_reason, error))
+    if error is not None:
+        await replier.error(500, ErrorCode.GENERATION_FAILED, "The generation failed on the worker.")
+        return RunOutcome(record.finished_event(RunStatus.ERROR, finish_reason, error))
+    await replier.final(finish_reason, record.usage())
+    status = RunStatus.CANCELLED if finish_reason == FinishReason.ABORT else RunStatus.OK
+    return RunOutcome(record.finished_event(status, finish_reason))
 
 
 async def generate(
@@ -197,26 +325,3 @@ async def generate_choice(
         reason = FinishReason.TOOL_CALLS
     await send(parser.finish(), 0, finish_reason=reason)
     return reason, None
-
-
-async def watch_requester(nc: NatsClient, reply_subject: str, interval_s: float, gone: Callable[[], Awaitable[None]]) -> None:
-    """Probe the requester; when nobody answers any more (its gateway died), call `gone`."""
-    subject = topology.alive_subject(reply_subject)
-    while True:
-        await asyncio.sleep(interval_s)
-        try:
-            await nc.request(subject, b"", timeout=max(interval_s, 1.0))
-        except nats.errors.NoRespondersError:
-            log.info("requester gone; aborting", extra={"reply_subject": reply_subject})
-            await gone()
-            return
-        except (TimeoutError, nats.errors.Error):
-            continue  # slow or reconnecting is not gone
-
-
-async def keep_alive(replier: Replier, interval_s: float, touch: object) -> None:
-    """Heartbeats for the gateway and in-progress acks for JetStream while a run is going."""
-    while True:
-        await asyncio.sleep(interval_s)
-        await replier.heartbeat()
-        await touch()  # type: ignore[operator]

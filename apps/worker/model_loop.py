@@ -1,0 +1,291 @@
+"""One model on one worker: pull what fits from the model's shared consumer, serve, settle.
+
+It fetches only as many requests as it has free slots, so JetStream spreads work across the
+workers of a model by capacity with no router of our own. Each pulled message becomes one run
+(`run.run_request`); while it runs, `liveness.keep_alive` touches it (heartbeat frame +
+in-progress ack) every heartbeat, so a dead worker's requests go to another worker after the
+consumer's short ack wait, and at most max_deliver times. Once the run is over the message is
+acked (terminated, when no worker could prepare it) and the run's `run.finished` event published.
+
+The engine never sees a request id twice: a redelivery of a message still running here is left to
+its run, and another message reusing a running id is refused alone (409, terminated). A request
+whose reply subject the server would refuse is terminated unanswered, since publishing on it would
+cost this worker its connection.
+
+What the loop needs of its worker (the bus connection, the node id, the cancelled ids, where to
+say the node entry changed) is handed down in a `NodeBus` when it starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Container
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import nats.errors
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from apps.bus import topology, wire
+from apps.bus.codes import ErrorCode, ModelState, ServingError
+from apps.bus.publish import publish_event
+from apps.settings import WorkerSettings
+from apps.worker import liveness
+from apps.worker.context_limit import ContextLimit
+from apps.worker.replies import Replier
+from apps.worker.run import (
+    ModelHealth,
+    ServedModel,
+    abort_request,
+    engine_request_ids,
+    run_request,
+)
+from engine.protocol import Engine
+from engine.tokenizer import Tokenizer
+
+log = logging.getLogger("helexa.worker")
+
+
+@dataclass(slots=True, frozen=True)
+class NodeBus:
+    """What a model loop uses of its worker, handed down when the loop starts."""
+
+    nc: NatsClient
+    js: JetStreamContext
+    node: str
+    limits: topology.BusLimits
+    # Requests cancelled before they were pulled: dropped unserved when they are.
+    cancelled: Container[str]
+    # Set when the node entry should be refreshed now (a model was poisoned).
+    status_changed: asyncio.Event
+
+
+class ModelLoop:
+    def __init__(self, settings: WorkerSettings, engine: Engine, tokenizer: Tokenizer, model_id: str,
+                 source: str = "", memory_mb: int = 0) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.source = source
+        self.memory_mb = memory_mb
+        self.active: dict[str, asyncio.Task[None]] = {}
+        self.requests: dict[str, wire.GenerateRequest] = {}
+        # The stream sequence of each held request's message, to tell a redelivery from a reused id.
+        self._stream_seqs: dict[str, int] = {}
+        self._slot_freed = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._pulling: asyncio.Task[None] | None = None
+        info = engine.info
+        self.context = ContextLimit(
+            max_position_embeddings=info.max_position_embeddings or engine.max_model_len,
+            # Engines without a paged pool (the scripted one) report no blocks: no KV ceiling.
+            kv_pool_tokens=info.num_blocks * info.block_size or None,
+            hard_cap=settings.max_model_len or None,
+        )
+        self.health = ModelHealth(model_id)
+        self.model = ServedModel(model_id, engine, tokenizer, self.context, self.health,
+                                 reasoning_parser=settings.reasoning_parser)
+
+    @property
+    def poisoned(self) -> str | None:
+        return self.health.poisoned
+
+    async def start(self, bus: NodeBus) -> None:
+        self.bus = bus
+        self.health.changed = bus.status_changed
+        subscription = await topology.worker_subscription(bus.js, self.model_id, bus.limits)
+        self._pulling = asyncio.create_task(self._pull_loop(subscription))
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        """Pull nothing more, let running requests finish briefly, abort the rest, free the engine."""
+        self._stop.set()
+        if self._pulling is not None:
+            await self._pulling
+        if self.active:
+            await asyncio.wait(set(self.active.values()), timeout=grace_s)
+        for request in list(self.requests.values()):
+            await self.abort(request)
+        if self.active:
+            await asyncio.wait(set(self.active.values()), timeout=5.0)
+        await self.engine.shutdown()
+
+    async def _pull_loop(self, subscription: Any) -> None:
+        stopping = asyncio.create_task(self._stop.wait())
+        try:
+            while not self._stop.is_set():
+                free = self.free_slots()
+                if free <= 0:
+                    self._slot_freed.clear()
+                    freed = asyncio.create_task(self._slot_freed.wait())
+                    await asyncio.wait({freed, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                    freed.cancel()
+                    continue
+                try:
+                    msgs = await subscription.fetch(batch=free, timeout=1.0)
+                except TimeoutError:  # nats-py raises its own or asyncio's; both are TimeoutError
+                    continue
+                except nats.errors.Error as exc:
+                    log.warning("fetch failed", extra={"model": self.model_id, "error": str(exc)})
+                    await asyncio.wait({stopping}, timeout=1.0)
+                    continue
+                for msg in msgs:
+                    self._start(msg)
+        finally:
+            stopping.cancel()
+            try:
+                await subscription.unsubscribe()
+            except nats.errors.Error:
+                pass
+
+    def _start(self, msg: Msg) -> None:
+        try:
+            request = wire.request_decoder.decode(msg.data)
+        except msgspec.DecodeError as exc:
+            log.warning("undecodable request terminated", extra={"error": str(exc)})
+            asyncio.create_task(msg.term())
+            return
+        if not topology.valid_reply_subject(request.reply_subject):
+            # Publishing on it could make the server close this worker's connection for good.
+            log.warning("request with an unusable reply subject terminated",
+                        extra={"request_id": request.request_id, "bytes": len(request.reply_subject.encode())})
+            asyncio.create_task(msg.term())
+            return
+        if self._holds(request):
+            asyncio.create_task(self._refuse_duplicate(msg, request))
+            return
+        self._claim(request, msg.metadata.sequence.stream)
+        task = asyncio.create_task(self._serve(msg, request))
+        self.active[request.request_id] = task
+        task.add_done_callback(lambda _: self._finished(request.request_id))
+
+    def _holds(self, request: wire.GenerateRequest) -> bool:
+        """Whether one of `request`'s engine ids is already running here: the engine core must never
+        see an id twice (it cannot tell the two apart and fails)."""
+        running = {rid for held in self.requests.values()
+                   for rid in engine_request_ids(held.request_id, held.sampling.n)}
+        return any(rid in running for rid in engine_request_ids(request.request_id, request.sampling.n))
+
+    def _claim(self, request: wire.GenerateRequest, stream_seq: int | None) -> None:
+        self.requests[request.request_id] = request
+        if stream_seq is not None:
+            self._stream_seqs[request.request_id] = stream_seq
+
+    def _finished(self, request_id: str) -> None:
+        self.active.pop(request_id, None)
+        self.requests.pop(request_id, None)
+        self._stream_seqs.pop(request_id, None)
+        self._slot_freed.set()
+
+    async def _refuse_duplicate(self, msg: Msg, request: wire.GenerateRequest) -> None:
+        held = self.requests.get(request.request_id)
+        if held is not None and self._stream_seqs.get(request.request_id) == msg.metadata.sequence.stream:
+            # JetStream redelivered the message this worker is still running (its in-progress acks
+            # came late). Acks name a message by its stream sequence, whichever delivery they came
+            # with, so the running attempt still holds this one: it goes on touching it and acks it
+            # when done. A nak would only have it redelivered again; an ack or a term would settle
+            # it while the run it belongs to may yet fail.
+            log.warning("redelivered while its first attempt runs here; left to that attempt",
+                        extra={"request_id": request.request_id, "attempt": msg.metadata.num_delivered})
+            await msg.in_progress()
+            return
+        # Another message whose id is already running here: refused, so the running one is untouched.
+        log.warning("request id already running here; refused",
+                    extra={"request_id": request.request_id, "attempt": msg.metadata.num_delivered})
+        if held is None or held.reply_subject != request.reply_subject:
+            # Its own requester is told; on the running one's reply subject a frame would only confuse.
+            replier = Replier(self.bus.nc, request.reply_subject, msg.metadata.num_delivered or 1, self.bus.node)
+            await replier.error(409, ErrorCode.INVALID_REQUEST, "A request with this id is already running.")
+        await msg.term()
+
+    async def _serve(self, msg: Msg, request: wire.GenerateRequest) -> None:
+        try:
+            await self._serve_message(msg, request)
+        except Exception:  # never a silent end: the message is redelivered once its ack wait passes
+            log.exception("serving a request failed", extra={"request_id": request.request_id})
+
+    async def _serve_message(self, msg: Msg, request: wire.GenerateRequest) -> None:
+        cancelled = request.request_id in self.bus.cancelled
+        if cancelled or (request.deadline and time.time() > request.deadline):
+            # Its client has already been answered (a 503 or a hang-up): nobody waits for it.
+            log.info("dropped request nobody waits for", extra={"request_id": request.request_id})
+            await msg.term()
+            await publish_event(self.bus.js, wire.AdmissionDecided(
+                model=request.model, node=self.bus.node, request_id=request.request_id,
+                principal=request.principal,
+                decision=wire.AdmissionDecision.CANCELLED if cancelled else wire.AdmissionDecision.TIMEOUT,
+                detail="dropped by the worker: nobody waits for it", pending=len(self.active),
+                in_flight=len(self.active),
+            ))
+            return
+        attempt = msg.metadata.num_delivered or 1
+        if attempt > 1 and request.liveness_probe and not await liveness.still_wanted(
+                self.bus.nc, request.reply_subject, attempt):
+            # Its worker died after sending text: the client has had an error, this must not run.
+            log.info("redelivered request no longer wanted", extra={"request_id": request.request_id,
+                                                                    "attempt": attempt})
+            await msg.term()
+            return
+        replier = Replier(self.bus.nc, request.reply_subject, attempt, self.bus.node)
+        keep_alive = asyncio.create_task(liveness.keep_alive(replier, self.settings.heartbeat_s, msg.in_progress))
+        try:
+            outcome = await run_request(self.model, request, replier, attempt=attempt, node=self.bus.node,
+                                        js=self.bus.js, probe=self.bus.nc if request.liveness_probe else None)
+        finally:
+            keep_alive.cancel()
+        await (msg.term() if outcome.terminate else msg.ack())
+        await publish_event(self.bus.js, outcome.finished)
+
+    async def serve_once(self, request: wire.GenerateRequest, replier: Replier) -> wire.RunFinished:
+        """One request not pulled from the consumer (the `generate` endpoint), served the same way;
+        it takes its slots like any other. Raises ServingError (409) for an id already running here."""
+        if self._holds(request):
+            raise ServingError(409, ErrorCode.INVALID_REQUEST, "A request with this id is already running.")
+        self._claim(request, None)
+        try:
+            outcome = await run_request(self.model, request, replier, attempt=1, node=self.bus.node, js=self.bus.js)
+        finally:
+            self._finished(request.request_id)
+        return outcome.finished
+
+    async def abort(self, request: wire.GenerateRequest) -> None:
+        await abort_request(self.engine, request)
+
+    def free_slots(self) -> int:
+        """Engine sequences not promised to a pulled request (a request takes one per choice)."""
+        if self.engine.free_slots() <= 0:
+            return 0  # e.g. the engine process is gone
+        if self.engine.stats.num_waiting > 0:
+            # The engine already holds work it has no KV blocks (or batch room) for: more would
+            # only wait here, where another worker might have served it at once.
+            return 0
+        return max(self.engine.max_num_seqs - sum(r.sampling.n for r in self.requests.values()), 0)
+
+    def status(self) -> wire.ModelStatus:
+        limits = self.context.derive()
+        stats = self.engine.stats
+        return wire.ModelStatus(
+            model=self.model_id,
+            max_model_len=limits.context,
+            max_input_tokens=limits.input,
+            max_output_tokens=limits.output,
+            slots=self.engine.max_num_seqs,
+            free_slots=self.free_slots(),
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            kv_usage=round(stats.kv_usage, 4),
+            prefix_queries=stats.prefix_queries,
+            prefix_hits=stats.prefix_hits,
+            state_slots=stats.num_state_slots,
+            free_state_slots=stats.num_free_state_slots,
+            state=ModelState.POISONED if self.poisoned is not None else ModelState.READY,
+            detail=self.poisoned,
+            prefill_tok_per_s=round(self.context.prefill_tok_per_s, 1),
+            memory_mb=self.memory_mb,
+            vocab_size=self.tokenizer.vocab_size,
+        )

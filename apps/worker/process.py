@@ -1,0 +1,320 @@
+"""The worker process: one node on the bus serving one or more models.
+
+It owns the NATS connection and what hangs off it for the whole node: the node's `helexa_nodes`
+entry (refreshed every few seconds, and at once when a model changes state), the cancellation
+listener (`liveness.Cancellations`), the NATS micro service `helexa-worker` (so `nats micro
+ls/info/stats` find it) whose endpoints answer a one-shot `generate` and `control` (list, load,
+unload), and one `ModelLoop` per loaded model, which gets what it needs of all this handed down
+in a `NodeBus` when it starts.
+
+When the server closes the connection for good (a server `-ERR`; nats-py reconnects after anything
+else), `run` stops the models and raises `BusConnectionLost`: `helexa worker` exits non-zero
+(EXIT_BUS_LOST) so that `helexa up` or a supervisor restarts it, rather than rebuilding every
+subscription, pull loop and running request on a new connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.metadata
+import json
+import logging
+import os
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+import msgspec
+import nats.errors
+import nats.micro
+from nats.micro.request import Request as ServiceRequest
+
+from apps.bus import topology, wire
+from apps.bus.codes import ErrorCode, ModelState, NodeState, ServingError
+from apps.bus.publish import publish_event
+from apps.bus.topology import BusLimits
+from apps.fleet.catalogue import CatalogueEntry
+from apps.logs import announce_ready
+from apps.settings import WorkerSettings
+from apps.worker.liveness import Cancellations
+from apps.worker.model_loop import ModelLoop, NodeBus
+from apps.worker.replies import CollectingReplier
+
+log = logging.getLogger("helexa.worker")
+
+# Loads a model for a control request: (source, served name, memory it needs) -> its loop.
+Opener = Callable[[str, str, int], Awaitable[ModelLoop]]
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("helexa")
+    except importlib.metadata.PackageNotFoundError:
+        return "dev"
+
+
+def _machine_memory_mb() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20
+
+
+class WorkerProcess:
+    def __init__(self, settings: WorkerSettings, limits: BusLimits, opener: Opener | None = None,
+                 catalogue: dict[str, CatalogueEntry] | None = None) -> None:
+        self.settings = settings
+        self.limits = limits
+        self.opener = opener
+        self.catalogue = catalogue or {}
+        self.node = settings.node_id
+        self.memory_mb = settings.memory_mb or _machine_memory_mb()
+        self.models: dict[str, ModelLoop] = {}
+        # Where each model this worker has served came from, so an unloaded one can come back.
+        self.sources: dict[str, tuple[str, int]] = {}
+        self.loading: set[str] = set()
+        self._lifecycle = asyncio.Lock()
+        self._last_summary: tuple[str, tuple[tuple[str, str], ...]] | None = None
+        self._background: set[asyncio.Task[None]] = set()
+        self._status_changed = asyncio.Event()
+        # Set once the node is on the bus and serving.
+        self.ready = asyncio.Event()
+        # The server closed our connection for good (not us, shutting down).
+        self._closed = asyncio.Event()
+        self._closing = False
+        self.cancellations = Cancellations(self._abort_held)
+
+    async def run(self, stop: asyncio.Event, first: ModelLoop | None = None) -> None:
+        """Serve until `stop` is set; raises BusConnectionLost if the server closed the connection."""
+        self.nc = await topology.connect(self.settings.nats_url, name=f"helexa-worker-{self.node}",
+                                         closed_cb=self._on_closed)
+        self.js = self.nc.jetstream()
+        await topology.ensure_topology(self.js, self.limits)
+        self.kv = await topology.node_registry(self.js, self.limits)
+        await self.cancellations.subscribe(self.nc)
+        service = await self._register_service()
+        if first is not None:
+            await self._add(first)
+        await self.publish_status()
+        status_task = asyncio.create_task(self._status_loop())
+        ready: dict[str, Any] = {"node": self.node, "models": sorted(self.models)}
+        if first is not None:
+            ready.update(model=first.model_id, max_model_len=first.context.derive().context)
+        announce_ready("worker", **ready)
+        self.ready.set()
+        stopping, lost = asyncio.create_task(stop.wait()), asyncio.create_task(self._closed.wait())
+        try:
+            await asyncio.wait({stopping, lost}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+            lost.cancel()
+            status_task.cancel()
+            await self._shut_down(service)
+        if self._closed.is_set():
+            raise BusConnectionLost(f"the NATS server closed the connection: {self.nc.last_error!r}")
+
+    async def _on_closed(self) -> None:
+        if not self._closing:
+            log.error("NATS connection closed by the server; the worker exits",
+                      extra={"node": self.node, "error": repr(self.nc.last_error)})
+            self._closed.set()
+
+    async def _shut_down(self, service: nats.micro.Service) -> None:
+        self._closing = True
+        if self._closed.is_set():
+            # Nothing can reach a client or JetStream any more: stop the models at once (their
+            # messages go to other workers after the ack wait) and let the node entry expire.
+            await asyncio.gather(*(loop.stop(grace_s=0.0) for loop in self.models.values()))
+            return
+        await service.stop()
+        await asyncio.gather(*(loop.stop() for loop in self.models.values()))
+        with contextlib.suppress(nats.errors.Error):
+            await self.kv.delete(self.node)
+        # drain() waits out pull subscriptions (30 s in nats-py); flush what we sent and close.
+        await self.nc.flush()
+        await self.nc.close()
+
+    async def _register_service(self) -> nats.micro.Service:
+        version = _version()
+        service = await nats.micro.add_service(
+            self.nc, name=topology.WORKER_SERVICE, version=version if version[:1].isdigit() else "0.1.0",
+            description="helexa model worker", metadata={"node": self.node},
+        )
+        await service.add_endpoint(name="generate", subject=topology.node_endpoint(self.node, "generate"),
+                                   handler=self._on_generate, metadata={"body": "GenerateRequest JSON"})
+        await service.add_endpoint(name="control", subject=topology.node_endpoint(self.node, "control"),
+                                   handler=self._on_control, metadata={"ops": "list, load, unload"})
+        return service
+
+    async def _add(self, loop: ModelLoop) -> None:
+        await loop.start(NodeBus(nc=self.nc, js=self.js, node=self.node, limits=self.limits,
+                                 cancelled=self.cancellations, status_changed=self._status_changed))
+        self.models[loop.model_id] = loop
+        self.sources[loop.model_id] = (loop.source, loop.memory_mb)
+
+    async def _abort_held(self, request_id: str) -> bool:
+        for loop in self.models.values():
+            if request_id in loop.requests:
+                await loop.abort(loop.requests[request_id])
+                return True
+        return False
+
+    # -- the micro service's endpoints --------------------------------------------------------
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        # Handlers of one endpoint run one at a time: a generation must not wait for another, nor
+        # a `list` for a slow load (loads and unloads still take turns, through the lifecycle lock).
+        task = asyncio.create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _on_generate(self, req: ServiceRequest) -> None:
+        self._in_background(self._generate(req))
+
+    async def _generate(self, req: ServiceRequest) -> None:
+        """A whole answer in one reply, for NATS clients that want no streaming and no gateway."""
+        try:
+            request = wire.request_decoder.decode(req.data)
+        except msgspec.DecodeError as exc:
+            await req.respond_error("400", f"the body is not a GenerateRequest: {exc}")
+            return
+        loop = self.models.get(request.model)
+        if loop is None:
+            await req.respond_error("404", f"this worker does not serve the model '{request.model}'")
+            return
+        replier = CollectingReplier(attempt=1, node=self.node)
+        try:
+            outcome = await loop.serve_once(request, replier)
+        except ServingError as exc:
+            await req.respond_error(str(exc.status), exc.message)
+            return
+        await publish_event(self.js, outcome)
+        errors = [f for f in replier.frames if isinstance(f, wire.ErrorFrame)]
+        if errors:
+            await req.respond_error(str(errors[0].status), errors[0].message, data=wire.encode(errors[0]))
+            return
+        final = next(f for f in replier.frames if isinstance(f, wire.Final))
+        text = "".join(f.text for f in replier.frames if isinstance(f, wire.Delta) and f.index == 0)
+        await req.respond(json.dumps({"model": request.model, "node": self.node, "text": text,
+                                      "finish_reason": final.finish_reason,
+                                      "usage": msgspec.to_builtins(final.usage)}).encode())
+
+    async def _on_control(self, req: ServiceRequest) -> None:
+        self._in_background(self._control(req))
+
+    async def _control(self, req: ServiceRequest) -> None:
+        try:
+            body = json.loads(req.data or b"{}")
+            op, model = body.get("op", "list"), body.get("model", "")
+        except (ValueError, AttributeError):
+            await req.respond(json.dumps({"ok": False, "error": "the body must be a JSON object"}).encode())
+            return
+        try:
+            if op == "load":
+                await self.load(model)
+            elif op == "unload":
+                await self.unload(model)
+            elif op != "list":
+                raise ServingError(400, ErrorCode.INVALID_REQUEST, f"unknown op {op!r}: use list, load or unload")
+            reply: dict[str, Any] = {"ok": True}
+        except ServingError as exc:
+            reply = {"ok": False, "error": exc.message}
+        reply.update(node=self.node, models=[msgspec.to_builtins(s.status()) for s in self.models.values()],
+                     loading=sorted(self.loading))
+        await req.respond(json.dumps(reply).encode())
+
+    # -- model lifecycle -----------------------------------------------------------------------
+
+    async def load(self, model: str) -> None:
+        """Load `model` (from the catalogue, or where it came from before); a poisoned one reloads."""
+        async with self._lifecycle:
+            current = self.models.get(model)
+            if current is not None and current.poisoned is None:
+                return
+            entry = self.catalogue.get(model)
+            source = (entry.source, entry.min_memory_mb) if entry else self.sources.get(model)
+            if source is None:
+                raise ServingError(404, ErrorCode.MODEL_NOT_FOUND,
+                                   f"the model '{model}' is neither in the catalogue nor served here before")
+            if self.opener is None:
+                raise ServingError(503, ErrorCode.MODEL_UNAVAILABLE, "this worker cannot load models")
+            if current is not None:
+                await self._remove(model)
+            if source[1] > self.free_memory_mb():
+                raise ServingError(503, ErrorCode.MODEL_UNAVAILABLE,
+                                   f"the model '{model}' needs {source[1]} MB; this worker has "
+                                   f"{self.free_memory_mb()} MB free")
+            self.loading.add(model)
+            await self.publish_status()
+            try:
+                loop = await self.opener(source[0], model, source[1])
+                await self._add(loop)
+            except ServingError:
+                raise
+            except Exception as exc:
+                log.exception("model load failed", extra={"model": model})
+                raise ServingError(500, ErrorCode.INTERNAL_ERROR, f"loading '{model}' failed: {exc}") from exc
+            finally:
+                self.loading.discard(model)
+            await self.publish_status()
+            log.info("model loaded", extra={"model": model})
+
+    async def unload(self, model: str) -> None:
+        async with self._lifecycle:
+            if model not in self.models:
+                raise ServingError(404, ErrorCode.MODEL_NOT_FOUND, f"the model '{model}' is not loaded on this worker")
+            await self._remove(model)
+            await self.publish_status()
+            log.info("model unloaded", extra={"model": model})
+
+    async def _remove(self, model: str) -> None:
+        loop = self.models.pop(model)
+        await loop.stop()
+
+    # -- the node registry ---------------------------------------------------------------------
+
+    def free_memory_mb(self) -> int:
+        return max(self.memory_mb - sum(s.memory_mb for s in self.models.values()), 0)
+
+    def status(self, state: NodeState = NodeState.READY) -> wire.NodeStatus:
+        return wire.NodeStatus(
+            node=self.node, models=[s.status() for s in self.models.values()], version=_version(), status=state,
+            memory_mb=self.memory_mb, free_memory_mb=self.free_memory_mb(), loading=sorted(self.loading),
+        )
+
+    async def publish_status(self, state: NodeState = NodeState.READY) -> None:
+        status = self.status(state)
+        await self.kv.put(self.node, wire.encode(status))
+        # The ledger hears of changes (models loaded or unloaded, poisoned), not of every refresh.
+        degraded = any(m.state != ModelState.READY for m in status.models)
+        summary = (NodeState.DEGRADED if degraded and state == NodeState.READY else state,
+                   tuple((m.model, m.state) for m in status.models))
+        if summary != self._last_summary:
+            self._last_summary = summary
+            await publish_event(self.js, wire.NodeStatusChanged(
+                model=status.models[0].model if status.models else "-", node=self.node, status=summary[0],
+                version=status.version, models=[m.model for m in status.models],
+                slots=sum(m.slots for m in status.models), free_slots=sum(m.free_slots for m in status.models),
+                kv_usage=max((m.kv_usage for m in status.models), default=None),
+            ))
+
+    async def _status_loop(self) -> None:
+        while True:
+            # Every interval, or at once when a model changed state (gateways must hear of a poisoned one now).
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._status_changed.wait(), self.settings.status_interval_s)
+            self._status_changed.clear()
+            if self.nc.is_closed and not self._closing:
+                await self._on_closed()  # in case nats-py closed it without calling back
+                return
+            try:
+                await self.publish_status()
+            except Exception as exc:  # a missed refresh must never end the loop: the node would vanish
+                log.warning("status publish failed", extra={"error": repr(exc)})
+
+
+class BusConnectionLost(Exception):
+    """The NATS server closed this worker's connection for good (nats-py never reconnects after a
+    server `-ERR`). The worker does not rebuild itself on a new connection: it exits with
+    EXIT_BUS_LOST, and `helexa up` or any supervisor starts it again."""
+
+
+# EX_TEMPFAIL: a temporary failure; starting again is the cure.
+EXIT_BUS_LOST = 75

@@ -1,0 +1,332 @@
+"""A request cannot hurt the others on its worker, nor take the worker's connection with it.
+
+The worker runs in this process (its real `WorkerProcess` and `ModelLoop`) on a real NATS server,
+with the scripted engine behind a guard that fails, as the real engine core does, when an id it
+is still running is submitted again. Requests are published straight onto REQUESTS, as any NATS
+client may, and their frames read from their reply subjects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import subprocess
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+
+from apps.bus import topology, wire
+from apps.bus.codes import ErrorCode, ModelState
+from apps.bus.topology import BusLimits
+from apps.embedded import free_port
+from apps.embedded.nats_server import NatsServer, nats_server_binary
+from apps.settings import WorkerSettings
+from apps.worker.model_loop import ModelLoop
+from apps.worker.process import EXIT_BUS_LOST, WorkerProcess
+from engine.default_model import default_model_path
+from engine.model_source import load_tokenizer
+from engine.protocol import EngineOutput, EngineRequest, SamplingParams
+from engine.scripted import ScriptedEngine
+from engine.tokenizer import Tokenizer
+from tests.recorder.conftest import eventually
+from tests.support import AppProcess
+
+MODEL = "iso-model"
+SLOW_REPLY = "one two three four five six"
+SCRIPT = {"default": "fine", "rules": [{"match": "SLOW", "reply": SLOW_REPLY, "token_delay_s": 0.4}]}
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return load_tokenizer(default_model_path())[0]
+
+
+class CoreLikeEngine:
+    """The scripted engine, refusing an id it is still running as the engine core does (there it
+    kills the core process); every submitted id is recorded."""
+
+    def __init__(self, inner: ScriptedEngine) -> None:
+        self.inner = inner
+        self.submitted: list[str] = []
+        self._running: set[str] = set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        self.submitted.append(request.request_id)
+        if request.request_id in self._running:
+            raise AssertionError(f"duplicate request id {request.request_id} reached the engine")
+        self._running.add(request.request_id)
+        try:
+            async for out in self.inner.generate(request):
+                yield out
+        finally:
+            self._running.discard(request.request_id)
+
+
+class BreakingTokenizer:
+    """The model's tokenizer, except that its chat template breaks on a message saying BREAK
+    (an error no validation names: what a template bug or a strange message would raise)."""
+
+    def __init__(self, inner: Tokenizer) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+        if any("BREAK" in str(m.get("content")) for m in messages):
+            raise RuntimeError("the template fell over")
+        return self.inner.apply_chat_template(messages, **kwargs)
+
+
+@asynccontextmanager
+async def worker(nats_url: str, tok: Tokenizer, tmp_path: Path, *, limits: BusLimits, heartbeat_s: float = 0.5,
+                 tokenizer: Any = None) -> AsyncIterator[tuple[WorkerProcess, CoreLikeEngine]]:
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps(SCRIPT), encoding="utf-8")
+    settings = WorkerSettings(nats_url=nats_url, node_id="iso", heartbeat_s=heartbeat_s, status_interval_s=0.5)
+    engine = CoreLikeEngine(ScriptedEngine(script, tok, MODEL))
+    loop = ModelLoop(settings, engine, tokenizer or tok, MODEL)  # type: ignore[arg-type]
+    process = WorkerProcess(settings, limits)
+    stop = asyncio.Event()
+    running = asyncio.create_task(process.run(stop, loop))
+    ready = asyncio.create_task(process.ready.wait())
+    await asyncio.wait({running, ready}, return_when=asyncio.FIRST_COMPLETED)
+    if running.done():
+        running.result()  # it failed to start: say why
+    try:
+        yield process, engine
+    finally:
+        stop.set()
+        await running
+
+
+class Frames:
+    """Every frame on one reply subject, in arrival order."""
+
+    def __init__(self) -> None:
+        self.frames: list[wire.ReplyFrame] = []
+        self.accepted = asyncio.Event()
+        self.ended = asyncio.Event()
+
+    async def on_msg(self, msg: Msg) -> None:
+        frame = wire.frame_decoder.decode(msg.data)
+        self.frames.append(frame)
+        if isinstance(frame, wire.Accepted):
+            self.accepted.set()
+        if isinstance(frame, (wire.Final, wire.ErrorFrame)):
+            self.ended.set()
+
+    def text(self) -> str:
+        return "".join(f.text for f in self.frames if isinstance(f, wire.Delta))
+
+
+async def listen(nc: NatsClient, reply_subject: str) -> Frames:
+    frames = Frames()
+    await nc.subscribe(reply_subject, cb=frames.on_msg)
+    return frames
+
+
+async def publish(nc: NatsClient, request_id: str, content: str, reply_subject: str, msg_id: str | None = None) -> int:
+    request = wire.GenerateRequest(request_id=request_id, model=MODEL, reply_subject=reply_subject,
+                                   sampling=SamplingParams(max_tokens=32),
+                                   messages=[wire.ChatMessage(role="user", content=content)])
+    ack = await nc.jetstream().publish(topology.request_subject(MODEL), wire.encode(request),
+                                       headers={"Nats-Msg-Id": msg_id or request_id})
+    return ack.seq
+
+
+class Terminations:
+    """JetStream's advisories for messages of REQUESTS that a worker terminated."""
+
+    def __init__(self) -> None:
+        self.seqs: list[int] = []
+        self.changed = asyncio.Event()
+
+    async def on_msg(self, msg: Msg) -> None:
+        self.seqs.append(json.loads(msg.data)["stream_seq"])
+        self.changed.set()
+
+    async def wait_for(self, seq: int, timeout_s: float = 20.0) -> None:
+        async def seen() -> None:
+            while seq not in self.seqs:
+                self.changed.clear()
+                await self.changed.wait()
+        await asyncio.wait_for(seen(), timeout_s)
+
+
+async def terminations(nc: NatsClient) -> Terminations:
+    advisories = Terminations()
+    await nc.subscribe(f"$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.{topology.REQUESTS_STREAM}.*",
+                       cb=advisories.on_msg)
+    return advisories
+
+
+async def request_settled(nc: NatsClient) -> bool:
+    info = await nc.jetstream().consumer_info(topology.REQUESTS_STREAM, topology.worker_consumer(MODEL))
+    stream = await nc.jetstream().stream_info(topology.REQUESTS_STREAM)
+    return info.num_ack_pending == 0 and info.num_pending == 0 and stream.state.messages == 0
+
+
+def clean_stream(frames: Frames, attempt: int = 1) -> None:
+    """One attempt's frames, numbered without a gap, opened once and closed by a normal finish."""
+    assert [f.seq for f in frames.frames] == list(range(len(frames.frames)))
+    assert {f.attempt for f in frames.frames} == {attempt}
+    assert sum(isinstance(f, wire.Accepted) for f in frames.frames) == 1
+    assert isinstance(frames.frames[-1], wire.Final) and frames.frames[-1].finish_reason == "stop"
+
+
+async def test_a_redelivery_while_the_first_attempt_runs_never_reaches_the_engine(
+        own_nats: NatsServer, tok: Tokenizer, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Heartbeats far apart and a short ack wait: JetStream redelivers the message to this same
+    # worker while it is still running it, as it does when in-progress acks come late.
+    limits = BusLimits(request_ack_wait_s=1.0, max_deliver=3)
+    caplog.set_level(logging.INFO, logger="helexa")
+    async with worker(own_nats.url, tok, tmp_path, limits=limits, heartbeat_s=30.0) as (_, engine):
+        nc = await nats.connect(own_nats.url)
+        try:
+            terminated = await terminations(nc)
+            frames = await listen(nc, "_INBOX.dup")
+            seq = await publish(nc, "dup-1", "SLOW please", "_INBOX.dup")
+            await asyncio.wait_for(frames.ended.wait(), 30)
+            clean_stream(frames)
+            assert frames.text() == SLOW_REPLY
+            assert engine.submitted == ["dup-1"]
+            assert any("left to that attempt" in r.getMessage() for r in caplog.records), "never redelivered"
+            # The running attempt's ack settles the message, whichever delivery it came with.
+            await eventually(lambda: request_settled(nc), what="the message acked")
+            assert seq not in terminated.seqs
+        finally:
+            await nc.close()
+
+
+async def test_another_message_reusing_a_running_id_is_refused_alone(
+        own_nats: NatsServer, tok: Tokenizer, tmp_path: Path) -> None:
+    async with worker(own_nats.url, tok, tmp_path, limits=BusLimits()) as (_, engine):
+        nc = await nats.connect(own_nats.url)
+        try:
+            terminated = await terminations(nc)
+            first = await listen(nc, "_INBOX.first")
+            await publish(nc, "reused", "SLOW please", "_INBOX.first")
+            await asyncio.wait_for(first.accepted.wait(), 20)
+            second = await listen(nc, "_INBOX.second")
+            seq = await publish(nc, "reused", "hello", "_INBOX.second", msg_id="reused-again")
+            await asyncio.wait_for(second.ended.wait(), 20)
+            refusal = second.frames[-1]
+            assert isinstance(refusal, wire.ErrorFrame) and refusal.status == 409
+            assert refusal.code == ErrorCode.INVALID_REQUEST
+            await terminated.wait_for(seq)
+            await asyncio.wait_for(first.ended.wait(), 30)
+            clean_stream(first)
+            assert first.text() == SLOW_REPLY
+            assert engine.submitted == ["reused"]
+        finally:
+            await nc.close()
+
+
+async def test_a_failing_preparation_is_an_error_frame_and_a_term_and_poisons_nothing(
+        own_nats: NatsServer, tok: Tokenizer, tmp_path: Path) -> None:
+    tokenizer = BreakingTokenizer(tok)
+    async with worker(own_nats.url, tok, tmp_path, limits=BusLimits(), tokenizer=tokenizer) as (process, engine):
+        nc = await nats.connect(own_nats.url)
+        try:
+            terminated = await terminations(nc)
+            broken = await listen(nc, "_INBOX.broken")
+            seq = await publish(nc, "broken-1", "BREAK the template", "_INBOX.broken")
+            await asyncio.wait_for(broken.ended.wait(), 20)
+            assert len(broken.frames) == 1
+            error = broken.frames[0]
+            assert isinstance(error, wire.ErrorFrame) and error.status == 500
+            assert error.code == ErrorCode.INTERNAL_ERROR and "RuntimeError" not in error.message
+            await terminated.wait_for(seq)
+            assert engine.submitted == []
+            # The next request on the same model is served; the model was never out of service.
+            fine = await listen(nc, "_INBOX.fine")
+            await publish(nc, "fine-1", "hello", "_INBOX.fine")
+            await asyncio.wait_for(fine.ended.wait(), 20)
+            clean_stream(fine)
+            assert fine.text() == "fine"
+            assert process.models[MODEL].status().state == ModelState.READY
+        finally:
+            await nc.close()
+
+
+async def test_a_reply_subject_the_server_would_refuse_is_terminated_unanswered(
+        own_nats: NatsServer, tok: Tokenizer, tmp_path: Path) -> None:
+    async with worker(own_nats.url, tok, tmp_path, limits=BusLimits()) as (process, engine):
+        nc = await nats.connect(own_nats.url)
+        try:
+            terminated = await terminations(nc)
+            seq = await publish(nc, "long-reply", "hello", "_INBOX." + "x" * 5000)
+            await terminated.wait_for(seq)
+            assert engine.submitted == []
+            fine = await listen(nc, "_INBOX.after")
+            await publish(nc, "after-1", "hello", "_INBOX.after")
+            await asyncio.wait_for(fine.ended.wait(), 20)
+            clean_stream(fine)
+            assert process.nc.is_connected
+        finally:
+            await nc.close()
+
+
+def _server_with_short_control_lines(folder: Path, max_control_line: int) -> tuple[subprocess.Popen[bytes], str]:
+    """A nats-server that refuses protocol lines longer than `max_control_line` (an operator may
+    lower it) by closing the connection that sent one, with `-ERR`."""
+    port = free_port()
+    folder.mkdir(parents=True, exist_ok=True)
+    config = folder / "nats.conf"
+    config.write_text(f'listen: "127.0.0.1:{port}"\nmax_control_line: {max_control_line}\n'
+                      f'jetstream {{ store_dir: "{folder / "js"}" }}\n', encoding="utf-8")
+    server = subprocess.Popen([nats_server_binary(), "-c", str(config)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 20
+    while True:  # listening is the server's readiness event
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                break
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                raise RuntimeError("nats-server did not start") from None
+            time.sleep(0.05)
+    return server, f"nats://127.0.0.1:{port}"
+
+
+def test_a_worker_whose_connection_the_server_closed_exits_non_zero(tmp_path: Path) -> None:
+    server, url = _server_with_short_control_lines(tmp_path / "nats", max_control_line=700)
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps(SCRIPT), encoding="utf-8")
+    app = None
+    try:
+        app = AppProcess(["worker", "--script", str(script), "--served-model-name", MODEL],
+                         {"NATS_URL": url, "HELEXA_NODE_ID": "closing"})
+        app.wait_ready()
+
+        async def send() -> None:
+            nc = await nats.connect(url)
+            try:
+                # Short enough for the worker, too long for this server: answering it, the worker
+                # sends a line the server refuses, and the server closes its connection for good.
+                await publish(nc, "too-long", "hello", "_INBOX." + "y" * 800)
+            finally:
+                await nc.close()
+
+        asyncio.run(send())
+        app.wait_for(lambda e: "closed by the server" in e.get("event", ""), timeout_s=60)
+        assert app.process.wait(timeout=60) == EXIT_BUS_LOST
+    finally:
+        if app is not None:
+            app.stop()
+        server.terminate()
+        server.wait(timeout=10)
