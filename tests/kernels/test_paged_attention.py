@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata
 from engine.attention import paged_attention as engine_paged_attention
+from engine.step_metadata import AttentionMetadata
 from kernels.kv_store import naive_kv_store
 from kernels.paged_attention import naive_paged_attention, paged_attention
 from tests.kernels.helpers import DEVICE, assert_close, tol_for
