@@ -129,9 +129,11 @@ class EngineCore:
                         scheduled.num_new_tokens, request.num_prompt_tokens - request.num_computed_tokens)
             result = self._execute(step)
         # Rows that failed end now, alone: the update below skips requests no longer running.
-        outputs = [self._end_one(request) for request_id, error in result.failed.items()
-                   for request in self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ERROR,
-                                                                 error)]
+        outputs = []
+        for request_id, error in result.failed.items():
+            log.warning("request %s failed alone: %s", request_id, error)
+            failed = self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ERROR, error)
+            outputs += [self._end_one(request) for request in failed]
         # Always: it also hands back the requests the scheduler rejected at add.
         got_token, finished = self.scheduler.update_from_output(
             step, {request_id: token for request_id, (token, _) in result.sampled.items()})
