@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.engine_config import EngineConfig
+from engine.engine_config import KERNEL_CHOICES, EngineConfig
 
 if TYPE_CHECKING:
     from apps.bus.topology import BusLimits
@@ -135,8 +135,12 @@ class WorkerSettings:
     heartbeat_s: float = field(default_factory=lambda: _env_float("HELEXA_HEARTBEAT_S", 2.0))
     # Memory this worker offers for models loaded on request (0: what the machine has).
     memory_mb: int = field(default_factory=lambda: _env_int("HELEXA_WORKER_MEMORY_MB", 0))
+    # Hot-op implementation: auto (Triton on CUDA, PyTorch on CPU), torch or triton.
+    kernels: str = field(default_factory=lambda: _env("HELEXA_KERNELS", "auto").lower())
 
     def __post_init__(self) -> None:
+        if self.kernels not in KERNEL_CHOICES:
+            raise ValueError(f"HELEXA_KERNELS must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
         if self.heartbeat_s <= 0:
             raise ValueError("HELEXA_HEARTBEAT_S must be positive")
         if self.max_model_len < 0:
@@ -158,6 +162,7 @@ class WorkerSettings:
             max_model_len=self.max_model_len,
             enable_prefix_caching=self.enable_prefix_caching,
             cuda_graphs=self.cuda_graphs,
+            kernels=self.kernels,
         )
 
 

@@ -43,12 +43,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.core_timing import RunResult, StepClock, run_greedy  # noqa: E402
 from engine import ops  # noqa: E402
-from engine.attention import AttentionMetadata, allocate_kv_caches  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
 from engine.engine_config import EngineConfig  # noqa: E402
 from engine.loader import Checkpoint, _empty_model, load_weights  # noqa: E402
+from engine.model_runner import allocate_kv_caches  # noqa: E402
 from engine.models import MODEL_REGISTRY  # noqa: E402
+from engine.step_metadata import AttentionMetadata  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
 
 # Real sizes (HF config.json of each model); the weights are random.
@@ -209,8 +210,7 @@ def our_last_logits(checkpoint: Checkpoint, prompt: list[int], device: str) -> t
     model, block_size = checkpoint.model, 16
     blocks = -(-len(prompt) // block_size)
     dtype = next(model.parameters()).dtype
-    caches = allocate_kv_caches(model.num_layers, blocks, block_size, model.num_kv_heads,
-                                model.head_dim, dtype, device)
+    caches = allocate_kv_caches(model.config, blocks, block_size, dtype, device)
     meta = AttentionMetadata.build([len(prompt)], [len(prompt)], [list(range(blocks))], block_size,
                                    device)
     positions = torch.arange(len(prompt), device=device)

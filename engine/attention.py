@@ -1,9 +1,9 @@
 """Paged attention: how attention layers store keys/values in cache blocks and read them back.
 
 Model files call `engine.ops.attention(...)` with one layer's (k_cache, v_cache) and the step's
-`AttentionMetadata`; they never index cache tensors themselves. This module owns the metadata
-and the batched PyTorch form of paged attention that `engine.ops` runs off CUDA (the KV store
-reference lives in kernels/kv_store/naive.py, the loop-per-sequence referee in
+`AttentionMetadata` (built in `engine.step_metadata`); they never index cache tensors themselves.
+This module owns the batched PyTorch form of paged attention that `engine.ops` runs off CUDA (the
+KV store reference lives in kernels/kv_store/naive.py, the loop-per-sequence referee in
 kernels/paged_attention/naive.py). A cache is
 [num_blocks, block_size, num_kv_heads, head_dim]; token t of a sequence lives in block
 `block_table[t // block_size]` at offset `t % block_size`, i.e. flat slot
@@ -17,76 +17,11 @@ one `scaled_dot_product_attention` call under one causal+padding mask.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn.functional as F
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
-
-
-@dataclass(slots=True)
-class AttentionMetadata:
-    """Where this step's tokens go in the cache and what each of them may attend to.
-
-    Tokens are flat: sequence i owns rows query_start_loc[i]:query_start_loc[i+1] of q/k/v,
-    and those rows are its last query_len positions of seq_lens[i].
-    """
-
-    slot_mapping: torch.Tensor  # [num_tokens] int64, flat cache slot of each new token's K/V
-    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cu_seqlens of the new tokens
-    seq_lens: torch.Tensor  # [num_seqs] int32, context per sequence after this step
-    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, padded with 0
-    max_query_len: int
-    max_seq_len: int
-    # Built on the first layer's call and shared by the rest of the step (same for every layer).
-    _mask: torch.Tensor | None = field(default=None, init=False, repr=False)
-    _query_pad_index: torch.Tensor | None = field(default=None, init=False, repr=False)
-
-    @property
-    def num_seqs(self) -> int:
-        return self.seq_lens.shape[0]
-
-    @property
-    def is_pure_decode(self) -> bool:
-        return self.max_query_len == 1
-
-    @classmethod
-    def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-              block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
-        """From host lists: each sequence's new-token count, total length and block ids."""
-        if not (len(query_lens) == len(seq_lens) == len(block_tables)) or not query_lens:
-            raise ValueError("query_lens, seq_lens and block_tables must be non-empty, same length")
-        slots: list[int] = []
-        for q_len, s_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
-            if not 1 <= q_len <= s_len or len(table) * block_size < s_len:
-                raise ValueError(f"bad sequence: query_len {q_len}, seq_len {s_len}, "
-                                 f"{len(table)} blocks of {block_size}")
-            slots += [table[p // block_size] * block_size + p % block_size
-                      for p in range(s_len - q_len, s_len)]
-        max_blocks = max(len(table) for table in block_tables)
-        padded_tables = [table + [0] * (max_blocks - len(table)) for table in block_tables]
-        cu_seqlens = [0]
-        for q_len in query_lens:
-            cu_seqlens.append(cu_seqlens[-1] + q_len)
-        return cls(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            query_start_loc=torch.tensor(cu_seqlens, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=torch.tensor(padded_tables, dtype=torch.int32, device=device),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-        )
-
-
-def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                       head_dim: int, dtype: torch.dtype = torch.float32,
-                       device: torch.device | str = "cpu") -> list[KVCache]:
-    """One zeroed (k_cache, v_cache) pair per attention layer, each
-    [num_blocks, block_size, num_kv_heads, head_dim]."""
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device),
-             torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+# Model files import the metadata and cache types from here, beside the computation that reads them.
+from engine.step_metadata import AttentionMetadata, KVCache  # noqa: F401
 
 
 def _build_mask(meta: AttentionMetadata, device: torch.device) -> torch.Tensor:

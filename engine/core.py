@@ -1,8 +1,15 @@
 """The engine core: schedule → run the model → sample → update, one step at a time.
 
-`EngineCore` is synchronous and owns every torch object; `run_core_process` drives it in its own
-process behind a pipe of `engine.protocol` messages (the client side is `engine.core_client`), so
-the worker's event loop never waits on torch and never imports it.
+`EngineCore` is synchronous and owns every torch object through its `ModelRunner`; the scheduler owns
+the request table. `run_core_process` drives the core in its own process behind a pipe of
+`engine.protocol` messages (the client side is `engine.core_client`), so the worker's event loop never
+waits on torch and never imports it.
+
+A failure belongs to the request that caused it. Requests that can never run are refused at add
+(the scheduler's rejections); a row the sampler cannot sample ends alone; a step that raises is run
+again one request at a time, so only the request it belongs to ends with `finish_reason: "error"`.
+Only a device fault (`engine.protocol.device_fault_message`), or an error no request can be blamed
+for, ends every request in flight.
 """
 
 from __future__ import annotations
@@ -13,13 +20,14 @@ import signal
 import time
 from multiprocessing.connection import Connection
 
+import msgspec
 import torch
 
-from engine.cuda_graphs import DecodeGraphs, graphs_wanted
+from engine import ops
 from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCacheManager
 from engine.loader import Checkpoint
-from engine.model_runner import ModelRunner, kv_bytes_per_token
+from engine.model_runner import ModelRunner, StepResult
 from engine.protocol import (
     AbortRequests,
     AddRequest,
@@ -36,10 +44,16 @@ from engine.protocol import (
     TokenLogprob,
     device_fault_message,
     encode_message,
+    is_device_fault,
     to_core_decoder,
 )
 from engine.request import Request, RequestStatus
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import (
+    ScheduledRequest,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 from engine.state_slots import StateSlotPool
 
 log = logging.getLogger("helexa.engine")
@@ -50,126 +64,137 @@ class EngineCore:
         self.config = config
         self.checkpoint = checkpoint
         model_config = checkpoint.config
-        dtype = next(checkpoint.model.parameters()).dtype
-        block_size = config.block_size
-        num_blocks = config.num_kv_blocks or max(
-            config.kv_cache_bytes // (kv_bytes_per_token(model_config, dtype) * block_size), 1
-        )
-        max_model_len = min(
-            config.max_model_len or model_config.max_position_embeddings,
-            model_config.max_position_embeddings,
-            num_blocks * block_size,
-        )
-        state_shape = getattr(checkpoint.model, "linear_state_shape", None)
-        is_hybrid = state_shape is not None
-        if is_hybrid:
-            log.info("%s: %d linear-attention state slots, %.1f MiB beside the KV cache",
-                     checkpoint.model_id, config.max_num_seqs,
-                     config.max_num_seqs * state_shape.bytes_per_slot(dtype) / (1 << 20))
+        # The kernel choice is made once per engine, for the device its weights are on.
+        ops.use_backend(config.kernels, next(checkpoint.model.parameters()).device)
+        self.runner = ModelRunner(checkpoint.model, model_config, config, checkpoint.model_id)
         enable_prefix_caching = config.enable_prefix_caching
-        if is_hybrid and enable_prefix_caching:
+        if self.runner.is_hybrid and enable_prefix_caching:
             # A cached KV prefix is useless without the linear layers' state at that point.
             log.info("prefix caching disabled for %s: hybrid (linear-attention) model",
                      checkpoint.model_id)
             enable_prefix_caching = False
         # One state slot per sequence that may run at once.
-        self.state_slots = StateSlotPool(config.max_num_seqs) if is_hybrid else None
-        self.kv_cache = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        self.state_slots = StateSlotPool(config.max_num_seqs) if self.runner.is_hybrid else None
+        self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size, enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=max(config.max_num_batched_tokens, 1),
-                max_model_len=max_model_len,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.runner.max_model_len,
+                vocab_size=model_config.vocab_size,
             ),
             self.kv_cache,
             self.state_slots,
         )
-        device = next(checkpoint.model.parameters()).device
-        self.runner = ModelRunner(checkpoint.model, model_config, num_blocks, block_size, device, dtype,
-                                  num_state_slots=config.max_num_seqs if is_hybrid else 0)
-        if graphs_wanted(config.cuda_graphs, device):
-            if is_hybrid:
-                # Graph capture covers the paged-KV forward only; state-slot models decode eagerly.
-                log.info("CUDA graphs off for %s: hybrid (linear-attention) model", checkpoint.model_id)
-            else:
-                self.runner.decode_graphs = DecodeGraphs.capture(
-                    checkpoint.model, self.runner.kv_caches, config.max_num_seqs, max_model_len,
-                    block_size, device)
         self.info = CoreInfo(
             model_id=checkpoint.model_id,
-            max_model_len=max_model_len,
+            max_model_len=self.runner.max_model_len,
             max_num_seqs=config.max_num_seqs,
-            num_blocks=num_blocks,
-            block_size=block_size,
+            num_blocks=self.runner.num_blocks,
+            block_size=config.block_size,
             eos_token_ids=checkpoint.tokenizer.all_stop_token_ids,
             max_position_embeddings=model_config.max_position_embeddings,
         )
-        self.stats = CoreStats(num_blocks=num_blocks)
+        self.stats = CoreStats(num_blocks=self.runner.num_blocks)
         self._refresh_stats()
         self._first_scheduled: dict[str, float] = {}
-        self._requests: dict[str, Request] = {}
-        self._rejected: list[EngineOutput] = []
 
     def add_request(self, request: EngineRequest) -> None:
-        if request.request_id in self._requests:
-            raise ValueError(f"duplicate request id {request.request_id}")
-        if request.sampling.max_tokens is None:
-            raise ValueError(f"request {request.request_id}: max_tokens must be resolved before the engine")
-        if len(request.prompt_token_ids) + 1 > self.info.max_model_len:
-            self._rejected.append(self._final(request.request_id, FinishReason.ERROR, len(request.prompt_token_ids),
-                                              error="prompt exceeds max_model_len"))
-            return
-        engine_request = Request(request.request_id, request.prompt_token_ids, request.sampling,
-                                 eos_token_ids=self.info.eos_token_ids)
-        self._requests[request.request_id] = engine_request
-        self.scheduler.add_request(engine_request)
+        """Queue a request; one that can never run comes back as an error output of the next step."""
+        self.scheduler.add_request(Request(request.request_id, request.prompt_token_ids, request.sampling,
+                                           eos_token_ids=self.info.eos_token_ids))
 
     def abort(self, request_ids: list[str]) -> list[EngineOutput]:
-        outputs = []
-        for request in self.scheduler.abort_requests(request_ids):
-            outputs.append(self._final(request.request_id, FinishReason.ABORT, request.num_prompt_tokens))
-            self._forget(request.request_id)
-        self._refresh_stats()
-        return outputs
+        return self._end(self.scheduler.abort_requests(request_ids))
 
     def fail_all(self, error: str) -> list[EngineOutput]:
-        """A step raised: every live request ends with an error; the core itself carries on."""
-        outputs = []
-        for request in self.scheduler.abort_requests(list(self._requests)):
-            outputs.append(self._final(request.request_id, FinishReason.ERROR, request.num_prompt_tokens, error))
-            self._forget(request.request_id)
-        self._refresh_stats()
-        return outputs
+        """A step raised and no request can be blamed: every live request ends with an error; the
+        core itself carries on."""
+        return self._end(self.scheduler.finish_requests(list(self.scheduler.requests),
+                                                        RequestStatus.FINISHED_ERROR, error))
 
     def has_work(self) -> bool:
-        return bool(self._rejected) or self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished()
 
     def step(self) -> list[EngineOutput]:
-        outputs, self._rejected = self._rejected, []
         step = self.scheduler.schedule()
-        if not step.scheduled:
-            return outputs
-        now = time.monotonic()
-        for scheduled in step.scheduled:
-            self._first_scheduled.setdefault(scheduled.request.request_id, now)
-            request = scheduled.request
-            if request.num_computed_tokens < request.num_prompt_tokens:
-                self.stats.prompt_tokens_computed += min(
-                    scheduled.num_new_tokens, request.num_prompt_tokens - request.num_computed_tokens
-                )
-        sampled = self.runner.execute(step)
-        got_token, finished = self.scheduler.update_from_output(step, {k: v[0] for k, v in sampled.items()})
+        result = StepResult()
+        if step.scheduled:
+            now = time.monotonic()
+            for scheduled in step.scheduled:
+                request = scheduled.request
+                self._first_scheduled.setdefault(request.request_id, now)
+                if request.num_computed_tokens < request.num_prompt_tokens:
+                    self.stats.prompt_tokens_computed += min(
+                        scheduled.num_new_tokens, request.num_prompt_tokens - request.num_computed_tokens)
+            result = self._execute(step)
+        # Rows that failed end now, alone: the update below skips requests no longer running.
+        outputs = []
+        for request_id, error in result.failed.items():
+            log.warning("request %s failed alone: %s", request_id, error)
+            failed = self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ERROR, error)
+            outputs += [self._end_one(request) for request in failed]
+        # Always: it also hands back the requests the scheduler rejected at add.
+        got_token, finished = self.scheduler.update_from_output(
+            step, {request_id: token for request_id, (token, _) in result.sampled.items()})
         done = time.monotonic()
         for request in got_token:
-            _, logprob = sampled[request.request_id]
+            _, logprob = result.sampled[request.request_id]
             outputs.append(self._output(request, logprob, done))
+        with_token = {id(request) for request in got_token}
         for request in finished:
-            if request.request_id not in sampled:
-                outputs.append(self._final(request.request_id, request.status.finish_reason or FinishReason.ERROR,
-                                           request.num_prompt_tokens))
-            self._forget(request.request_id)
-        self._update_stats(len(got_token))
+            if id(request) in with_token:
+                self._forget(request)
+            else:  # rejected at add: a request of its own, even when it repeats a live id
+                outputs.append(self._end_one(request))
+        if step.scheduled:
+            self._update_stats(len(got_token))
+        else:
+            self._refresh_stats()
         return outputs
+
+    def _execute(self, step: SchedulerOutput) -> StepResult:
+        """Run the step. If it raises with no device fault, run each request alone: the ones that
+        still raise fail, the rest get their tokens. A device fault propagates (see the module doc)."""
+        try:
+            return self.runner.execute(step)
+        except Exception as exc:
+            message = device_fault_message(exc)
+            if is_device_fault(message):
+                raise
+            if len(step.scheduled) == 1:
+                log.warning("engine step failed for one request", exc_info=True)
+                return StepResult(failed={step.scheduled[0].request.request_id: message})
+            log.warning("engine step failed; running its %d requests one at a time", len(step.scheduled),
+                        exc_info=True)
+        result = StepResult()
+        for item in step.scheduled:
+            try:
+                alone = self._run_alone(item)
+            except Exception as exc:
+                message = device_fault_message(exc)
+                if is_device_fault(message):
+                    raise
+                result.failed[item.request.request_id] = message
+                continue
+            result.sampled.update(alone.sampled)
+            result.failed.update(alone.failed)
+        return result
+
+    def _run_alone(self, item: ScheduledRequest) -> StepResult:
+        request = item.request
+        if not self.runner.is_hybrid:
+            # Re-running a chunk rewrites the same KV slots with the same values: safe to repeat.
+            return self.runner.execute(SchedulerOutput([item], [], item.num_new_tokens))
+        # The failed batch may have advanced this sequence's linear state part way; recompute the
+        # whole sequence up to the same point from a zero state (blocks already cover it).
+        computed = request.num_computed_tokens
+        request.num_computed_tokens = 0
+        try:
+            whole = ScheduledRequest(request, computed + item.num_new_tokens, item.sample)
+            return self.runner.execute(SchedulerOutput([whole], [], whole.num_new_tokens))
+        finally:
+            request.num_computed_tokens = computed
 
     def _output(self, request: Request, logprob: TokenLogprob | None, now: float) -> EngineOutput:
         first = request.num_output_tokens == 1
@@ -187,15 +212,24 @@ class EngineCore:
             prefill_ms=prefill_ms,
         )
 
-    def _final(self, request_id: str, reason: FinishReason, num_prompt_tokens: int,
-               error: str | None = None) -> EngineOutput:
-        return EngineOutput(request_id=request_id, new_token_ids=[], finished=True, finish_reason=reason,
-                            num_prompt_tokens=num_prompt_tokens, error=error)
+    def _end(self, requests: list[Request]) -> list[EngineOutput]:
+        outputs = [self._end_one(request) for request in requests]
+        self._refresh_stats()
+        return outputs
 
-    def _forget(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
-        self._first_scheduled.pop(request_id, None)
-        self.runner.release(request_id)
+    def _end_one(self, request: Request) -> EngineOutput:
+        """The final, token-less output of a request that ended without a new token."""
+        self._forget(request)
+        return EngineOutput(request_id=request.request_id, new_token_ids=[], finished=True,
+                            finish_reason=request.status.finish_reason or FinishReason.ERROR,
+                            num_prompt_tokens=request.num_prompt_tokens, error=request.error)
+
+    def _forget(self, request: Request) -> None:
+        # A rejected duplicate shares its id with a live request, whose state must stay.
+        if request.request_id in self.scheduler.requests:
+            return
+        self._first_scheduled.pop(request.request_id, None)
+        self.runner.release(request.request_id)
 
     def _update_stats(self, generated: int) -> None:
         self.stats.steps += 1
@@ -225,6 +259,37 @@ def build_core(config: EngineConfig) -> EngineCore:
     return EngineCore(checkpoint, config)
 
 
+def _handle(core: EngineCore, data: bytes) -> list[EngineOutput] | None:
+    """Apply one message from the client; None means shut down. A message that cannot be
+    applied fails the request it carries, never the process."""
+    try:
+        message = to_core_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        request_id = _request_id_of(data)
+        log.warning("undecodable message for request %r: %s", request_id, exc)
+        if request_id is None:
+            return []
+        return [EngineOutput(request_id=request_id, new_token_ids=[], finished=True,
+                             finish_reason=FinishReason.ERROR, error=f"invalid engine request: {exc}")]
+    if isinstance(message, AddRequest):
+        core.add_request(message.request)
+    elif isinstance(message, AbortRequests):
+        return core.abort(message.request_ids)
+    elif isinstance(message, Shutdown):
+        return None
+    return []
+
+
+def _request_id_of(data: bytes) -> str | None:
+    """The request id inside an AddRequest that failed validation, if it can be read at all."""
+    try:
+        raw = msgspec.msgpack.decode(data)
+        request_id = raw["request"][0]
+    except (msgspec.DecodeError, KeyError, IndexError, TypeError):
+        return None
+    return request_id if isinstance(request_id, str) else None
+
+
 def run_core_process(conn: Connection, config: EngineConfig) -> None:
     """The core process: load the model, then step whenever there is work, until told to stop."""
     # Ctrl-C reaches the whole process group; the worker owns shutdown and stops us through the
@@ -247,13 +312,10 @@ def run_core_process(conn: Connection, config: EngineConfig) -> None:
             if not core.has_work():
                 conn.poll(None)
             while conn.poll():
-                message = to_core_decoder.decode(conn.recv_bytes())
-                if isinstance(message, AddRequest):
-                    core.add_request(message.request)
-                elif isinstance(message, AbortRequests):
-                    outputs.extend(core.abort(message.request_ids))
-                elif isinstance(message, Shutdown):
+                handled = _handle(core, conn.recv_bytes())
+                if handled is None:
                     return
+                outputs.extend(handled)
         except (EOFError, OSError):
             return  # the worker is gone; so is our reason to run
         try:

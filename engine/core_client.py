@@ -149,9 +149,13 @@ class AsyncEngine:
             self._core_died()
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
-        if self._dead:
+        refused = self._dead
+        if refused is None and request.request_id in self._queues:
+            # Outputs are routed by id: a second stream under a live id would steal the first's.
+            refused = f"duplicate request id {request.request_id!r}: a request with that id is running"
+        if refused is not None:
             yield EngineOutput(request_id=request.request_id, new_token_ids=[], finished=True,
-                               finish_reason=FinishReason.ERROR, error=self._dead)
+                               finish_reason=FinishReason.ERROR, error=refused)
             return
         queue: asyncio.Queue[EngineOutput] = asyncio.Queue()
         self._queues[request.request_id] = queue

@@ -15,21 +15,17 @@ addresses and shapes, so:
 
 Graphs need the Triton ops (the PyTorch references synchronise with the host), so they are
 used only on CUDA with the Triton backend, and never on CPU. `EngineConfig.cuda_graphs`
-turns them off.
+turns them off; the model runner decides and captures.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 
 from engine import ops
-from engine.attention import AttentionMetadata
-
-if TYPE_CHECKING:
-    from engine.model_runner import KVCaches, StepInputs
+from engine.step_metadata import AttentionMetadata, KVCaches, StepInputs
 
 log = logging.getLogger("helexa.engine")
 

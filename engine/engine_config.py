@@ -1,8 +1,11 @@
-"""How an engine is sized: batch limits, KV pool, device. No torch here."""
+"""How an engine is sized and run: batch limits, KV pool, device, kernels. No torch here."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+# auto: Triton kernels on CUDA, the PyTorch references elsewhere; torch / triton force one (engine.ops).
+KERNEL_CHOICES = ("auto", "torch", "triton")
 
 
 @dataclass(slots=True)
@@ -24,6 +27,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # Decode steps replay CUDA graphs (engine.cuda_graphs); only ever on CUDA.
     cuda_graphs: bool = True
+    # Which implementation of the hot ops runs (KERNEL_CHOICES); the core resolves it once at build.
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -36,6 +41,8 @@ class EngineConfig:
             raise ValueError("max_model_len must be >= 0")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
+        if self.kernels not in KERNEL_CHOICES:
+            raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
 
     @property
     def torch_dtype_name(self) -> str:

@@ -1,25 +1,30 @@
-"""Tensors for one scheduler step: flatten the batch, run the model over the paged KV cache, sample.
+"""The model's device side: its KV pool and state slots, its decode graphs, and one step's forward + sample.
 
-The scheduler decides which tokens of which requests run; this module turns that decision into
-`input_ids`, `positions`, `slot_mapping`, `query_start_loc` (cu_seqlens), `seq_lens` and
-`block_tables`, owns the per-layer KV cache tensors and the per-request sampling generators.
+The runner sizes and allocates the paged KV cache (one (k_cache, v_cache) pair per full-attention
+layer), decides whether the model is hybrid (linear-attention layers keep a state slot per sequence,
+`engine.state_cache`) and captures decode CUDA graphs where they apply (`engine.cuda_graphs`: CUDA,
+Triton ops, not hybrid). Each step it lays the scheduler's decision out with the one step builder
+(`engine.step_metadata.build_step_inputs`), runs the model and samples, drawing each seeded request's
+tokens from that request's own generator.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
-from engine.cuda_graphs import DecodeGraphs
+from engine.cuda_graphs import DecodeGraphs, graphs_wanted
+from engine.engine_config import EngineConfig
 from engine.protocol import TokenLogprob
 from engine.sampler import Sampler, SamplingRow, make_generator
 from engine.scheduler import SchedulerOutput
 from engine.state_cache import HybridCaches, LinearStateCache
+from engine.step_metadata import KVCaches, SequenceChunk, StepInputs, build_step_inputs
 
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+log = logging.getLogger("helexa.engine")
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -31,122 +36,110 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     return 2 * layers * config.num_key_value_heads * config.head_dim * element
 
 
+def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                       device: torch.device | str) -> KVCaches:
+    """One zeroed (k_cache, v_cache) pair per full-attention layer, each
+    [num_blocks, block_size, num_kv_heads, head_dim]."""
+    shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(config.num_attention_layers)]
+
+
 @dataclass(slots=True)
-class StepInputs:
-    input_ids: torch.Tensor  # [num_tokens]
-    positions: torch.Tensor  # [num_tokens]
-    meta: AttentionMetadata
-    # Rows of the hidden states whose logits are sampled (the last new token of a request).
-    sample_indices: list[int]
-    sample_request_ids: list[str]
+class StepResult:
+    # The sampled token (and its logprobs when asked for) of each request whose chunk samples.
+    sampled: dict[str, tuple[int, TokenLogprob | None]] = field(default_factory=dict)
+    # Requests whose row could not be sampled (the model gave no finite logit): why.
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, config: ModelConfig, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype, num_state_slots: int = 0) -> None:
+    def __init__(self, model: torch.nn.Module, config: ModelConfig, engine: EngineConfig,
+                 model_id: str = "") -> None:
         self.model = model
         self.config = config
-        self.block_size = block_size
-        self.device = device
-        self.sampler = Sampler()
-        # Set by EngineCore on CUDA (engine.cuda_graphs); pure decode steps replay from it.
-        self.decode_graphs: DecodeGraphs | None = None
-        self._generators: dict[str, torch.Generator] = {}
-        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-        # One (k_cache, v_cache) pair per full-attention layer:
-        # [num_blocks, block_size, num_kv_heads, head_dim].
-        self.kv_caches: KVCaches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(config.num_attention_layers)
-        ]
-        # --- hybrid models: linear-attention state slots beside the KV cache ---
-        self.hybrid_caches: HybridCaches | None = None
+        weight = next(model.parameters())
+        self.device, self.dtype = weight.device, weight.dtype
+        self.block_size = engine.block_size
+        self.num_blocks = engine.num_kv_blocks or max(
+            engine.kv_cache_bytes // (kv_bytes_per_token(config, self.dtype) * self.block_size), 1)
+        positions = config.max_position_embeddings
+        # One sequence can never hold more than the whole pool.
+        self.max_model_len = min(engine.max_model_len or positions, positions,
+                                 self.num_blocks * self.block_size)
+        self.kv_caches = allocate_kv_caches(config, self.num_blocks, self.block_size, self.dtype,
+                                            self.device)
         state_shape = getattr(model, "linear_state_shape", None)
+        # Hybrid: linear-attention layers keep one state slot per sequence that may run at once.
+        self.is_hybrid = state_shape is not None
+        self.hybrid_caches: HybridCaches | None = None
         if state_shape is not None:
-            states = LinearStateCache(state_shape, max(num_state_slots, 1), dtype, device)
+            log.info("%s: %d linear-attention state slots, %.1f MiB beside the KV cache", model_id,
+                     engine.max_num_seqs,
+                     engine.max_num_seqs * state_shape.bytes_per_slot(self.dtype) / (1 << 20))
+            states = LinearStateCache(state_shape, engine.max_num_seqs, self.dtype, self.device)
             self.hybrid_caches = HybridCaches(kv=self.kv_caches, states=states)
-        # --- end hybrid ---
+        # Pure decode steps replay from these when set.
+        self.decode_graphs: DecodeGraphs | None = None
+        if graphs_wanted(engine.cuda_graphs, self.device):
+            if self.is_hybrid:
+                # Graph capture covers the paged-KV forward only; state-slot models decode eagerly.
+                log.info("CUDA graphs off for %s: hybrid (linear-attention) model", model_id)
+            else:
+                self.decode_graphs = DecodeGraphs.capture(model, self.kv_caches, engine.max_num_seqs,
+                                                          self.max_model_len, self.block_size,
+                                                          self.device)
+        self.sampler = Sampler()
+        self._generators: dict[str, torch.Generator] = {}
 
     def prepare(self, step: SchedulerOutput) -> StepInputs:
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        block_tables: list[list[int]] = []
-        sample_indices: list[int] = []
-        sample_request_ids: list[str] = []
+        chunks = []
         for scheduled in step.scheduled:
             request = scheduled.request
             start = request.num_computed_tokens
-            end = start + scheduled.num_new_tokens
-            input_ids.extend(request.all_token_ids[start:end])
-            positions.extend(range(start, end))
-            blocks = request.block_ids
-            slot_mapping.extend(blocks[pos // bs] * bs + pos % bs for pos in range(start, end))
-            query_start_loc.append(query_start_loc[-1] + scheduled.num_new_tokens)
-            seq_lens.append(end)
-            block_tables.append(blocks)
-            if scheduled.sample:
-                sample_indices.append(query_start_loc[-1] - 1)
-                sample_request_ids.append(request.request_id)
-        max_blocks = max(len(b) for b in block_tables)
-        padded = [b + [0] * (max_blocks - len(b)) for b in block_tables]
-
-        def tensor(values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=self.device)
-
-        meta = AttentionMetadata(
-            slot_mapping=tensor(slot_mapping, torch.int64),
-            query_start_loc=tensor(query_start_loc, torch.int32),
-            seq_lens=tensor(seq_lens, torch.int32),
-            block_tables=tensor(padded, torch.int32),
-            max_query_len=max(b - a for a, b in zip(query_start_loc, query_start_loc[1:])),
-            max_seq_len=max(seq_lens),
-        )
-        return StepInputs(
-            input_ids=tensor(input_ids, torch.int64),
-            positions=tensor(positions, torch.int64),
-            meta=meta,
-            sample_indices=sample_indices,
-            sample_request_ids=sample_request_ids,
-        )
+            chunks.append(SequenceChunk(
+                token_ids=request.all_token_ids[start:start + scheduled.num_new_tokens],
+                start=start,
+                block_table=request.block_ids,
+                sample_id=request.request_id if scheduled.sample else None,
+            ))
+        return build_step_inputs(chunks, self.block_size, self.device)
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> dict[str, tuple[int, TokenLogprob | None]]:
-        """Run one step; returns the sampled token (and logprobs) of each request that samples."""
+    def execute(self, step: SchedulerOutput) -> StepResult:
+        """Run one step: the sampled token of each request that samples, or why its row failed."""
         inputs = self.prepare(step)
         caches: KVCaches | HybridCaches = self.kv_caches
         if self.hybrid_caches is not None:  # hybrid: each sequence's state slot, in batch order
             slots = [s.request.state_slot for s in step.scheduled]
             self.hybrid_caches.slot_indices = torch.tensor(slots, dtype=torch.int32, device=self.device)
             caches = self.hybrid_caches
-        # Decode graphs are captured for KV-only models (EngineCore never captures for hybrids).
         hidden = self.decode_graphs.replay(inputs) if self.decode_graphs is not None else None
         if hidden is None:
             hidden = self.model(inputs.input_ids, inputs.positions, caches, inputs.meta)
+        result = StepResult()
         if not inputs.sample_indices:
-            return {}
+            return result
         logits = self.model.compute_logits(hidden[inputs.sample_indices])
         by_id = {s.request.request_id: s.request for s in step.scheduled}
         rows = []
         for request_id in inputs.sample_request_ids:
             request = by_id[request_id]
-            rows.append(
-                SamplingRow(
-                    options=request.sampling,
-                    generator=self._generator(request_id, request.sampling.seed),
-                    prompt_token_ids=request.prompt_token_ids,
-                    output_token_ids=request.output_token_ids,
-                    eos_token_ids=request.eos_token_ids,
-                )
-            )
+            rows.append(SamplingRow(
+                options=request.sampling,
+                generator=self._generator(request_id, request.sampling.seed),
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=request.output_token_ids,
+                eos_token_ids=request.eos_token_ids,
+            ))
         sampled = self.sampler(logits, rows)
-        return {
-            request_id: (token, logprob)
-            for request_id, token, logprob in zip(inputs.sample_request_ids, sampled.token_ids, sampled.logprobs)
-        }
+        for request_id, token, logprob, error in zip(inputs.sample_request_ids, sampled.token_ids,
+                                                     sampled.logprobs, sampled.errors, strict=True):
+            if error is None:
+                result.sampled[request_id] = (token, logprob)
+            else:
+                result.failed[request_id] = error
+        return result
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         # A seeded request draws only from its own generator, so its text never depends on

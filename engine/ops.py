@@ -2,13 +2,16 @@
 
 Each op has a PyTorch reference (`kernels/<op>/naive.py`, or the batched SDPA form in
 `engine.attention` for paged attention) and a Triton kernel (`kernels/<op>/triton.py`). Model
-code calls the functions here and never picks one itself. The choice is per call, from the
-tensors' device: Triton on CUDA, PyTorch elsewhere. `HELEXA_KERNELS` overrides it:
+code calls the functions here and never picks one itself. The engine core picks once, at build,
+from `EngineConfig.kernels` (the worker's `HELEXA_KERNELS`, read in apps/settings.py):
 
-- `auto` (default): as above;
+- `auto` (default): Triton on CUDA, PyTorch elsewhere, resolved against the engine's device;
 - `torch`: the references everywhere (e.g. to bisect a numerical problem on a GPU);
 - `triton`: the Triton kernels everywhere; on CPU they run only under `TRITON_INTERPRET=1`,
   which is how the CPU tests check the engine's Triton path.
+
+Until an engine has picked (kernel tests, benches calling ops directly), `auto` holds per
+tensor: Triton for CUDA tensors, PyTorch for the rest.
 
 Triton modules are imported on first use, so a CPU engine never loads Triton.
 """
@@ -16,14 +19,14 @@ Triton modules are imported on first use, so a CPU engine never loads Triton.
 from __future__ import annotations
 
 import importlib
-import os
 from functools import cache
 from types import ModuleType
 
 import torch
 
-from engine.attention import AttentionMetadata
 from engine.attention import paged_attention as sdpa_paged_attention
+from engine.engine_config import KERNEL_CHOICES
+from engine.step_metadata import AttentionMetadata
 from kernels.causal_conv1d import naive as conv_naive
 from kernels.gated_delta_rule import naive as gdr_naive
 from kernels.gdn_gating import naive as gating_naive
@@ -33,28 +36,39 @@ from kernels.rmsnorm import naive as rmsnorm_naive
 from kernels.rotary import naive as rotary_naive
 from kernels.silu_and_mul import naive as silu_naive
 
-ENV_VAR = "HELEXA_KERNELS"
-BACKENDS = ("auto", "torch", "triton")
+# "torch" or "triton" once an engine has picked; None: auto, per tensor device.
+_backend: str | None = None
 
 
-def kernel_setting() -> str:
-    """The `HELEXA_KERNELS` value, checked: a typo must fail loudly, not silently pick torch."""
-    value = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
-    if value not in BACKENDS:
-        raise ValueError(f"{ENV_VAR}={value!r}: expected one of {', '.join(BACKENDS)}")
-    return value
+def resolve_backend(choice: str, device: torch.device | str) -> str:
+    """'torch' or 'triton': what `choice` (one of KERNEL_CHOICES) means on `device`."""
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {choice!r}")
+    if choice != "auto":
+        return choice
+    return "triton" if torch.device(device).type == "cuda" else "torch"
+
+
+def use_backend(choice: str, device: torch.device | str | None = None) -> str:
+    """Pick the ops' implementation from now on: `choice` resolved for `device`; `auto` without
+    a device goes back to per-tensor auto. Returns what is in use ('auto' for the latter)."""
+    global _backend
+    if device is None and choice == "auto":
+        _backend = None
+        return "auto"
+    _backend = resolve_backend(choice, device if device is not None else "cpu")
+    return _backend
 
 
 def backend_for(device: torch.device | str) -> str:
     """'triton' or 'torch': what ops run for tensors on `device`."""
-    setting = kernel_setting()
-    if setting != "auto":
-        return setting
-    return "triton" if torch.device(device).type == "cuda" else "torch"
+    return _backend or resolve_backend("auto", device)
 
 
 def _use_triton(x: torch.Tensor) -> bool:
-    return backend_for(x.device) == "triton"
+    if _backend is None:
+        return x.is_cuda
+    return _backend == "triton"
 
 
 @cache

@@ -33,6 +33,8 @@ class FinishReason(enum.StrEnum):
 MAX_CHOICES = 16
 MAX_TOP_LOGPROBS = 20
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+# Temperatures below this sample greedily (as vLLM does): dividing logits by less overflows them.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
@@ -71,7 +73,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """The one place that decides greedy (argmax) decoding for a request."""
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     def for_choice(self, index: int) -> SamplingParams:
         """Choice `index` of n: its own seed, so choices differ yet each stays reproducible."""
@@ -216,9 +219,12 @@ _DEVICE_FAULT_MARKERS = ("CUDA error", "AcceleratorError", "device-side assert",
 
 
 def device_fault_message(exc: BaseException) -> str:
-    """An engine error's text, marked as a device fault when the accelerator caused it."""
+    """An engine error's text, marked as a device fault when the accelerator caused it. The
+    accelerator's errors are RuntimeErrors (torch.AcceleratorError among them); any other kind
+    (a ValueError, an IndexError from one request's row) is that request's, whatever its text."""
     text = f"{type(exc).__name__}: {exc}"
-    faulty = isinstance(exc, DeviceFault) or any(marker in text for marker in _DEVICE_FAULT_MARKERS)
+    faulty = isinstance(exc, DeviceFault) or (
+        isinstance(exc, RuntimeError) and any(marker in text for marker in _DEVICE_FAULT_MARKERS))
     return DEVICE_FAULT_PREFIX + text if faulty else text
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import time
 
 from engine.protocol import FinishReason, SamplingParams
 
@@ -42,17 +41,13 @@ class Request:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         eos_token_ids: list[int] | None = None,
-        arrival_time: float | None = None,
     ) -> None:
-        if not prompt_token_ids:
-            raise ValueError("a request needs at least one prompt token")
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.sampling = sampling
         self.eos_token_ids = list(eos_token_ids or [])
-        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         # Prompt tokens found in the prefix cache when the request was first scheduled.
@@ -61,8 +56,6 @@ class Request:
         self.block_ids: list[int] = []
         # Hybrid models: the linear-attention state slot held while running (None otherwise).
         self.state_slot: int | None = None
-        self.num_preemptions = 0
-        self.stop_reason: int | None = None
         # Why the request finished with FINISHED_ERROR.
         self.error: str | None = None
 

@@ -10,9 +10,14 @@ temperature or top-p, and finite for every token the request can be given.
 
 A seeded request gets the same tokens whichever other requests share the batch and at any row: each
 random row draws exactly one float64 uniform per step from its own generator and inverts the CDF of
-its own distribution, and no step mixes values across rows. Truncation cut-offs are values, not
-positions (tokens tied with the last kept one stay), so the kept set never depends on how a sort
-orders ties.
+its own distribution, and no step mixes values across rows. Unseeded rows share one stream, drawn in
+row order. Truncation cut-offs are values, not positions (tokens tied with the last kept one stay),
+so the kept set never depends on how a sort orders ties.
+
+One row never hurts the others, and every token id is inside the vocabulary: a row whose logits are
+NaN or infinite after the penalties (a degenerate penalty, a broken forward), or whose temperature
+scaling overflows, is sampled greedily over its finite logits; a row with no finite logit at all
+fails alone (`SamplerOutput.errors`).
 """
 
 from __future__ import annotations
@@ -49,10 +54,17 @@ class SamplingRow:
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
+    # Per row: None, or why the row has no token (its token id is then a placeholder 0).
+    errors: list[str | None]
+
+
+NO_FINITE_LOGITS = "the model produced no finite logits for this request"
 
 
 class Sampler:
-    def __init__(self) -> None:
+    def __init__(self, seed: int | None = None) -> None:
+        # The stream unseeded rows share, one generator per device (None: fresh entropy).
+        self._seed = seed
         self._shared_generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
@@ -60,37 +72,68 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} sampling rows")
         if not rows:
-            return SamplerOutput(token_ids=[], logprobs=[])
+            return SamplerOutput(token_ids=[], logprobs=[], errors=[])
         # Penalties and the min_tokens mask write in place: never into the caller's tensor.
-        logits = logits.to(torch.float32, copy=any(_adjusts_logits(row) for row in rows))
+        adjusts = any(_adjusts_logits(row) for row in rows)
+        logits = logits.to(torch.float32, copy=adjusts)
         _apply_penalties(logits, rows)
+        errors: list[str | None] = [None] * len(rows)
+        # Rows forced greedy because their logits or probabilities are not usable.
+        fallback: set[int] = set()
+        finite = torch.isfinite(logits).all(-1)
+        if not bool(finite.all()):
+            if not adjusts:
+                logits = logits.clone()
+            broken = (~finite).nonzero().squeeze(1).tolist()
+            fallback.update(broken)
+            # Only the finite logits take part; a row with none left cannot be sampled at all.
+            logits[broken] = torch.where(torch.isfinite(logits[broken]), logits[broken], -math.inf)
+            for i, usable in zip(broken, torch.isfinite(logits[broken]).any(-1).tolist(), strict=True):
+                if not usable:
+                    errors[i] = NO_FINITE_LOGITS
         _apply_min_tokens(logits, rows)
 
-        logprob_rows = [i for i, row in enumerate(rows) if row.options.logprobs is not None]
+        logprob_rows = [i for i, row in enumerate(rows)
+                        if row.options.logprobs is not None and errors[i] is None]
         log_probs = _take_rows(logits, logprob_rows).log_softmax(-1) if logprob_rows else None
 
-        token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-        greedy_rows = [i for i, row in enumerate(rows) if row.options.greedy]
+        token_ids = torch.zeros(len(rows), dtype=torch.long, device=logits.device)
+        greedy_rows = [i for i, row in enumerate(rows) if row.options.greedy or i in fallback]
         if greedy_rows:
             token_ids[greedy_rows] = _take_rows(logits, greedy_rows).argmax(-1)
-        random_rows = [i for i, row in enumerate(rows) if not row.options.greedy]
+        random_rows = [i for i, row in enumerate(rows) if not row.options.greedy and i not in fallback]
         if random_rows:
             generators = [rows[i].generator or self._shared_generator(logits.device) for i in random_rows]
             options = [rows[i].options for i in random_rows]
-            token_ids[random_rows] = _sample_random(_take_rows(logits, random_rows), options, generators)
+            drawn, overflowed = _sample_random(_take_rows(logits, random_rows), options, generators)
+            token_ids[random_rows] = drawn
+            if overflowed:
+                overflow_rows = [random_rows[j] for j in overflowed]
+                token_ids[overflow_rows] = logits[overflow_rows].argmax(-1)
+        ids = token_ids.tolist()
+        # Last line of defence: an id outside the vocabulary would fail the next step for everyone.
+        vocab = logits.shape[1]
+        outside = [i for i, token in enumerate(ids) if not 0 <= token < vocab]
+        if outside:
+            token_ids[outside] = logits[outside].argmax(-1)
+            ids = token_ids.tolist()
 
         logprobs: list[TokenLogprob | None] = [None] * len(rows)
         if log_probs is not None:
             ks = [rows[i].options.logprobs or 0 for i in logprob_rows]
             for i, entry in zip(logprob_rows, _gather_logprobs(log_probs, token_ids[logprob_rows], ks)):
                 logprobs[i] = entry
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+        return SamplerOutput(token_ids=ids, logprobs=logprobs, errors=errors)
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         generator = self._shared_generators.get(device)
         if generator is None:
-            generator = self._shared_generators[device] = make_generator(None, device)
+            generator = self._shared_generators[device] = make_generator(self._seed, device)
         return generator
+
+
+# torch.Generator seeds are 64-bit; any int (a request's int64 seed) maps onto that range.
+_GENERATOR_SEEDS = 1 << 64
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
@@ -98,30 +141,8 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     if seed is None:
         generator.seed()  # fresh entropy: unseeded requests must not share a stream
     else:
-        generator.manual_seed(seed)
+        generator.manual_seed(seed % _GENERATOR_SEEDS)
     return generator
-
-
-_single_row_sampler = Sampler()
-
-
-def sample(
-    logits: torch.Tensor,
-    options: SamplingParams,
-    generator: torch.Generator,
-    prompt_token_ids: list[int] | None = None,
-    output_token_ids: list[int] | None = None,
-    eos_token_ids: list[int] | None = None,
-) -> int:
-    """logits: [vocab] for one sequence. Returns the chosen token id (the batched path, one row)."""
-    row = SamplingRow(
-        options=options,
-        generator=generator,
-        prompt_token_ids=prompt_token_ids or [],
-        output_token_ids=output_token_ids or [],
-        eos_token_ids=eos_token_ids or [],
-    )
-    return _single_row_sampler(logits.reshape(1, -1), [row]).token_ids[0]
 
 
 def _take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -189,12 +210,19 @@ def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 
 
 def _sample_random(logits: torch.Tensor, options: list[SamplingParams],
-                   generators: list[torch.Generator]) -> torch.Tensor:
-    """logits: [rows, vocab] penalized. Returns [rows] token ids drawn after temperature and truncation."""
+                   generators: list[torch.Generator]) -> tuple[torch.Tensor, list[int]]:
+    """logits: [rows, vocab] penalized, finite or -inf. Returns ([rows] token ids drawn after
+    temperature and truncation, the rows whose scaled logits overflowed: their draw is void)."""
     device = logits.device
+    overflowed: list[int] = []
     if any(o.temperature != 1.0 for o in options):
         temperature = torch.tensor([o.temperature for o in options], device=device)
         logits = logits / temperature.unsqueeze(1)
+        # A huge logit over a small temperature reaches +inf, and softmax turns its row into NaN.
+        bad = torch.isposinf(logits).any(-1)
+        if bool(bad.any()):
+            overflowed = bad.nonzero().squeeze(1).tolist()
+            logits[overflowed] = 0.0  # any finite row: the draw is replaced by the caller
     probs = logits.softmax(-1)
     # Truncation as one probability cut-off per row (0: keep all), applied in a single pass.
     cutoff = _top_k_top_p_cutoff(probs, [o.top_k for o in options], [o.top_p for o in options])
@@ -208,7 +236,7 @@ def _sample_random(logits: torch.Tensor, options: list[SamplingParams],
     uniforms = torch.cat([
         torch.rand(1, generator=g, device=g.device, dtype=torch.float64).to(device) for g in generators
     ])
-    return _inverse_cdf(probs, uniforms)
+    return _inverse_cdf(probs, uniforms), overflowed
 
 
 def _top_k_top_p_cutoff(probs: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:

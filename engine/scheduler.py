@@ -10,8 +10,10 @@ For hybrid models a running request also holds one linear-attention state slot (
 taken on admission, so free slots cap the running set, and given back on finish, abort and
 preemption (a recomputed request starts its state from zeros).
 
-The scheduler never advances a request at schedule time; `update_from_output` does, once the step's
-tokens are computed. No torch here.
+The scheduler owns the request table: every live request by id, and the rejections of requests that
+can never run (refused at add, without touching any live request's state, and handed back by the next
+`update_from_output`). It never advances a request at schedule time; `update_from_output` does, once
+the step's tokens are computed. No torch here.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ class SchedulerConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
+    # Token ids a prompt may hold are 0..vocab_size-1 (the model's embedding rows); 0: unchecked.
+    vocab_size: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -39,6 +43,8 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens must be at least 1")
         if self.max_model_len < 1:
             raise ValueError("max_model_len must be at least 1")
+        if self.vocab_size < 0:
+            raise ValueError("vocab_size must be >= 0")
 
 
 @dataclass(slots=True)
@@ -88,25 +94,14 @@ class Scheduler:
         return bool(self.waiting or self.running or self._rejected)
 
     def add_request(self, request: Request) -> None:
-        """Queue a request. One that can never run (its prompt is longer than max_model_len or needs
-        more blocks than the pool has) is marked FINISHED_ERROR with `request.error` set at once,
-        and comes back in the finished list of the next `update_from_output`."""
-        if request.request_id in self.requests:
-            raise ValueError(f"request {request.request_id!r} is already scheduled")
-        if request.status != RequestStatus.WAITING:
-            raise ValueError(f"request {request.request_id!r} is {request.status.name}, not WAITING")
-        capacity = self.kv_cache.num_blocks * self.kv_cache.block_size
-        if request.num_tokens > self.config.max_model_len:
-            request.error = (
-                f"prompt has {request.num_tokens} tokens, more than max_model_len "
-                f"({self.config.max_model_len})"
-            )
-        elif request.num_tokens > capacity:
-            request.error = (
-                f"prompt has {request.num_tokens} tokens, more than the KV cache holds ({capacity})"
-            )
-        if request.error is not None:
+        """Queue a request. One that can never run is marked FINISHED_ERROR with `request.error` set
+        at once and comes back in the finished list of the next `update_from_output`: a duplicate of
+        a live request's id (the live one is left alone), no prompt or no resolved max_tokens, a
+        prompt longer than max_model_len or than the KV pool, a prompt token outside the vocabulary."""
+        error = self._never_runs(request)
+        if error is not None:
             request.status = RequestStatus.FINISHED_ERROR
+            request.error = error
             self._rejected.append(request)
             return
         self.requests[request.request_id] = request
@@ -114,9 +109,37 @@ class Scheduler:
         self._next_arrival += 1
         self.waiting.append(request)
 
+    def _never_runs(self, request: Request) -> str | None:
+        if request.request_id in self.requests:
+            return f"duplicate request id {request.request_id!r}: a request with that id is already in the engine"
+        if request.status != RequestStatus.WAITING:
+            return f"request {request.request_id!r} is {request.status.name}, not WAITING"
+        if not request.prompt_token_ids:
+            return "a request needs at least one prompt token"
+        if request.sampling.max_tokens is None:
+            return "max_tokens must be resolved before the engine"
+        capacity = self.kv_cache.num_blocks * self.kv_cache.block_size
+        # The prompt plus one generated token must fit: a prompt that fills the window can say nothing.
+        if request.num_tokens >= self.config.max_model_len:
+            return (f"prompt has {request.num_tokens} tokens; max_model_len ({self.config.max_model_len}) "
+                    "leaves no room for a completion")
+        if request.num_tokens > capacity:
+            return f"prompt has {request.num_tokens} tokens, more than the KV cache holds ({capacity})"
+        vocab = self.config.vocab_size
+        if vocab and not all(0 <= token < vocab for token in request.prompt_token_ids):
+            bad = next(token for token in request.prompt_token_ids if not 0 <= token < vocab)
+            return f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})"
+        return None
+
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
         """Finish the given requests as aborted and free their blocks now; unknown ids are ignored."""
-        aborted = []
+        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus,
+                        error: str | None = None) -> list[Request]:
+        """End the given live requests with `status` (and `error`) and free their blocks now;
+        unknown ids are ignored. The caller reports them: they are not in any finished list."""
+        ended = []
         for request_id in request_ids:
             request = self.requests.get(request_id)
             if request is None:
@@ -125,9 +148,10 @@ class Scheduler:
                 self.running.remove(request)
             else:
                 self.waiting.remove(request)
-            self._finish(request, RequestStatus.FINISHED_ABORTED)
-            aborted.append(request)
-        return aborted
+            request.error = error
+            self._finish(request, status)
+            ended.append(request)
+        return ended
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -196,8 +220,6 @@ class Scheduler:
             with_new_token.append(request)
             status = self._check_stop(request, token_id)
             if status is not None:
-                if status == RequestStatus.FINISHED_STOPPED:
-                    request.stop_reason = token_id
                 self._finish(request, status)
                 finished.append(request)
         if finished:
@@ -241,7 +263,6 @@ class Scheduler:
         self._release_state_slot(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
-        request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 

@@ -65,6 +65,11 @@ class ScriptedEngine:
         return self.rule_for(prompt).reply
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        if request.request_id in self._running:
+            # As the real engine does: a second stream under a live id is refused, the first goes on.
+            yield EngineOutput(request.request_id, [], finished=True, finish_reason=FinishReason.ERROR,
+                               error=f"duplicate request id {request.request_id!r}: a request with that id is running")
+            return
         prompt = self.tokenizer.decode(request.prompt_token_ids, skip_special_tokens=False)
         rule = self.rule_for(prompt)
         if rule.fault == "exit":

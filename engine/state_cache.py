@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import KVCache
+from engine.step_metadata import KVCache
 
 
 @dataclass(frozen=True, slots=True)

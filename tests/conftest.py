@@ -1,4 +1,5 @@
-"""Shared fixtures: a real NATS server and a real PostgreSQL, each from its wheel, on free ports."""
+"""Shared fixtures: a real NATS server and a real PostgreSQL, each from its wheel, on free ports;
+and the `gpu` marker's auto-skip (`pytest -m gpu` selects every test that needs a CUDA device)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,19 @@ import pytest
 
 from apps.embedded.nats_server import NatsServer
 from apps.embedded.postgres import PostgresServer
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_tests = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_tests:
+        return
+    import torch  # only when GPU tests were collected: most test runs never need torch here
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in gpu_tests:
+        item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(script: str, tmp_path: Path, *args: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("HELEXA_KERNELS", "OUT")}
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
     env["OUT"] = str(tmp_path)
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--tiny", *args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

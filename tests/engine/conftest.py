@@ -1,11 +1,22 @@
-"""Shared engine-test fixtures: the default SmolLM2 checkpoint, loaded once per session."""
+"""Shared engine-test fixtures: the default SmolLM2 checkpoint, loaded once per session; each test
+starts with the ops' kernel choice unset (an engine core sets it for its device)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
+from engine import ops
 from engine.default_model import default_model_path
 from engine.loader import Checkpoint, load_checkpoint
+
+
+@pytest.fixture(autouse=True)
+def _kernel_choice_unset() -> Iterator[None]:
+    ops.use_backend("auto")
+    yield
+    ops.use_backend("auto")
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""Shared test helpers: drive a model through a paged KV cache, save a tiny HF tokenizer."""
+"""Shared test helpers: drive a model through a paged KV cache (with the engine's own KV allocation
+and step builder), save a tiny HF tokenizer."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from torch import nn
 
-from engine.attention import AttentionMetadata, KVCache, allocate_kv_caches
+from engine.model_runner import allocate_kv_caches
 from engine.state_cache import HybridCaches, LinearStateCache
+from engine.step_metadata import KVCaches, SequenceChunk, build_step_inputs
 
 
 class PagedSequences:
@@ -25,9 +27,8 @@ class PagedSequences:
         per_seq = [-(-n // block_size) for n in max_lens]
         num_blocks = sum(per_seq) + 1
         weight = next(model.parameters())
-        self.kv_caches: list[KVCache] = allocate_kv_caches(
-            model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim,
-            weight.dtype, weight.device)
+        self.kv_caches = allocate_kv_caches(model.config, num_blocks, block_size, weight.dtype,
+                                            weight.device)
         free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
         self.block_tables = []
         for n in per_seq:
@@ -35,7 +36,7 @@ class PagedSequences:
             free = free[n:]
         self.num_computed = [0] * len(max_lens)
         shape = getattr(model, "linear_state_shape", None)
-        self.caches: list[KVCache] | HybridCaches = self.kv_caches
+        self.caches: KVCaches | HybridCaches = self.kv_caches
         if shape is not None:
             states = LinearStateCache(shape, len(max_lens), weight.dtype, weight.device)
             self.caches = HybridCaches(kv=self.kv_caches, states=states)
@@ -44,19 +45,33 @@ class PagedSequences:
     def step(self, chunks: dict[int, list[int]]) -> list[torch.Tensor]:
         """Feed each listed sequence its next tokens in one batch; logits [len(chunk), vocab]."""
         seq_ids = list(chunks)
-        query_lens = [len(chunks[i]) for i in seq_ids]
-        seq_lens = [self.num_computed[i] + n for i, n in zip(seq_ids, query_lens, strict=True)]
-        meta = AttentionMetadata.build(query_lens, seq_lens,
-                                       [self.block_tables[i] for i in seq_ids], self.block_size)
-        input_ids = torch.tensor([t for i in seq_ids for t in chunks[i]])
-        positions = torch.cat([torch.arange(s - n, s) for n, s in zip(query_lens, seq_lens,
-                                                                       strict=True)])
+        inputs = build_step_inputs(
+            [SequenceChunk(chunks[i], self.num_computed[i], self.block_tables[i]) for i in seq_ids],
+            self.block_size, self.kv_caches[0][0].device)
         if isinstance(self.caches, HybridCaches):
-            self.caches.slot_indices = torch.tensor([self.slots[i] for i in seq_ids], dtype=torch.int32)
-        hidden = self.model(input_ids, positions, self.caches, meta)
-        for i, s in zip(seq_ids, seq_lens, strict=True):
-            self.num_computed[i] = s
-        return list(self.model.compute_logits(hidden).split(query_lens))
+            self.caches.slot_indices = torch.tensor([self.slots[i] for i in seq_ids], dtype=torch.int32,
+                                                    device=inputs.input_ids.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.caches, inputs.meta)
+        for i in seq_ids:
+            self.num_computed[i] += len(chunks[i])
+        return list(self.model.compute_logits(hidden).split([len(chunks[i]) for i in seq_ids]))
+
+
+class RaisesAfterForward:
+    """Stands in for a runner's model: a step holding `token` runs the whole forward (every row's KV
+    and linear state advanced), then raises the way one bad row would."""
+
+    def __init__(self, model: nn.Module, token: int) -> None:
+        self.model, self.token = model, token
+
+    def __call__(self, input_ids: torch.Tensor, *args: object) -> torch.Tensor:
+        hidden = self.model(input_ids, *args)
+        if bool((input_ids == self.token).any()):
+            raise IndexError("index out of range in self")
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
 
 
 def chunked_logits(model: nn.Module, ids: list[int], chunk_lens: list[int] | None = None,

@@ -99,3 +99,24 @@ def test_merged_outputs_concatenate_tokens_and_keeps_first_prefill() -> None:
     merged = a.merged(b)
     assert merged.new_token_ids == [1, 2, 3]
     assert merged.finished and merged.finish_reason is FinishReason.STOP and merged.prefill_ms == 3.0
+
+
+async def test_a_rejected_request_reaches_the_client_and_the_core_stays_up(
+        engine: AsyncEngine, smollm2: Checkpoint, chat_prompt_ids: list[int]) -> None:
+    vocab = smollm2.config.vocab_size
+    (out,) = await collect(engine, EngineRequest("outside", [1, vocab + 5], greedy(4)))
+    assert out.finished and out.finish_reason is FinishReason.ERROR and "outside the vocabulary" in out.error
+    after = await collect(engine, EngineRequest("after", chat_prompt_ids, greedy(3)))
+    assert after[-1].finish_reason is FinishReason.LENGTH
+    assert sum(len(o.new_token_ids) for o in after) == 3
+
+
+async def test_a_duplicate_id_is_refused_and_the_first_stream_goes_on(engine: AsyncEngine,
+                                                                      chat_prompt_ids: list[int]) -> None:
+    first = engine.generate(EngineRequest("twice", chat_prompt_ids, greedy(8)))
+    outputs = [await first.__anext__()]
+    (refused,) = await collect(engine, EngineRequest("twice", chat_prompt_ids, greedy(8)))
+    assert refused.finish_reason is FinishReason.ERROR and "duplicate" in refused.error
+    outputs += [out async for out in first]
+    assert outputs[-1].finish_reason is FinishReason.LENGTH
+    assert sum(len(o.new_token_ids) for o in outputs) == 8

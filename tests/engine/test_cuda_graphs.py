@@ -9,18 +9,21 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import WordLevel
 
 from engine import ops
-from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
-from engine.cuda_graphs import DecodeBuffers, DecodeGraphs, bucket_sizes, graphs_wanted, pick_bucket
+from engine.cuda_graphs import (
+    DecodeBuffers,
+    DecodeGraphs,
+    bucket_sizes,
+    graphs_wanted,
+    pick_bucket,
+)
 from engine.loader import Checkpoint
-from engine.model_runner import StepInputs
 from engine.models import build_model
 from engine.protocol import EngineRequest
+from engine.step_metadata import SequenceChunk, StepInputs, build_step_inputs
 from engine.tokenizer import Tokenizer
 from tests.engine.helpers import PagedSequences, perturb_norms_and_biases
 from tests.engine.test_engine_core import greedy, make_core, run
-
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def test_bucket_sizes() -> None:
@@ -39,14 +42,14 @@ def test_pick_bucket() -> None:
     assert pick_bucket(49, buckets) is None
 
 
-def test_graphs_only_on_cuda_with_triton(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(ops.ENV_VAR, raising=False)
+def test_graphs_only_on_cuda_with_triton() -> None:
+    ops.use_backend("auto")
     assert not graphs_wanted(True, torch.device("cpu"))
     assert graphs_wanted(True, torch.device("cuda"))
     assert not graphs_wanted(False, torch.device("cuda"))
-    monkeypatch.setenv(ops.ENV_VAR, "torch")  # the references sync with the host: no capture
+    ops.use_backend("torch")  # the references sync with the host: no capture
     assert not graphs_wanted(True, torch.device("cuda"))
-    monkeypatch.setenv(ops.ENV_VAR, "triton")
+    ops.use_backend("triton")
     assert not graphs_wanted(True, torch.device("cpu"))
 
 
@@ -75,15 +78,10 @@ def _prefilled(model: torch.nn.Module, prompts_: list[list[int]]) -> PagedSequen
 
 
 def _decode_inputs(seqs: PagedSequences, tokens: list[int]) -> StepInputs:
-    """One decode token per sequence, as ModelRunner.prepare lays a step out."""
-    seq_lens = [n + 1 for n in seqs.num_computed[:len(tokens)]]
-    device = seqs.kv_caches[0][0].device
-    meta = AttentionMetadata.build([1] * len(tokens), seq_lens, seqs.block_tables[:len(tokens)],
-                                   seqs.block_size, device)
-    return StepInputs(input_ids=torch.tensor(tokens, device=device),
-                      positions=torch.tensor([n - 1 for n in seq_lens], device=device),
-                      meta=meta, sample_indices=list(range(len(tokens))),
-                      sample_request_ids=[str(i) for i in range(len(tokens))])
+    """One decode token per sequence, laid out by the runner's step builder."""
+    chunks = [SequenceChunk([token], seqs.num_computed[i], seqs.block_tables[i], sample_id=str(i))
+              for i, token in enumerate(tokens)]
+    return build_step_inputs(chunks, seqs.block_size, seqs.kv_caches[0][0].device)
 
 
 @torch.inference_mode()
@@ -131,12 +129,11 @@ def test_prefills_and_oversized_batches_do_not_fit() -> None:
                             device=torch.device("cpu"))
     assert not buffers.fits(_decode_inputs(seqs, [1, 2, 3]))  # 3 sequences > 2
     assert buffers.fits(_decode_inputs(seqs, [1, 2]))
-    prefill_meta = AttentionMetadata.build([2], [2], [[0]], 4)
-    prefill = StepInputs(torch.tensor([1, 2]), torch.tensor([0, 1]), prefill_meta, [1], ["0"])
+    prefill = build_step_inputs([SequenceChunk([1, 2], 0, [0], sample_id="0")], 4)
     assert not buffers.fits(prefill)
 
 
-@needs_cuda
+@pytest.mark.gpu
 @torch.inference_mode()
 def test_replay_matches_eager_on_gpu() -> None:
     model = _tiny_model("cuda", torch.bfloat16)
@@ -160,7 +157,7 @@ def test_replay_matches_eager_on_gpu() -> None:
         torch.testing.assert_close(gv, v, rtol=2e-2, atol=2e-2)
 
 
-@needs_cuda
+@pytest.mark.gpu
 def test_engine_tokens_same_with_and_without_graphs() -> None:
     """A random-weight model (no wheel to carry to the GPU machine), greedy through EngineCore."""
     model = _tiny_model("cuda", torch.bfloat16)

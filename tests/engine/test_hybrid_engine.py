@@ -14,7 +14,8 @@ from engine.core import EngineCore
 from engine.engine_config import EngineConfig
 from engine.loader import Checkpoint, load_checkpoint
 from engine.model_runner import kv_bytes_per_token
-from engine.protocol import EngineRequest, FinishReason, SamplingParams
+from engine.protocol import EngineOutput, EngineRequest, FinishReason, SamplingParams
+from tests.engine.helpers import RaisesAfterForward
 from tests.engine.hybrid_models import LONG_PROMPT, reference_model, save_hybrid_dir
 
 transformers = pytest.importorskip("transformers")
@@ -86,6 +87,41 @@ def test_batched_greedy_matches_sequential(checkpoint: Checkpoint, prompts: list
     requests = [EngineRequest(f"r{i}", p, greedy()) for i, p in enumerate(prompts)]
     assert run(core, requests) == sequential
     assert core.stats.num_free_state_slots == core.stats.num_state_slots == 16
+
+
+def test_a_row_that_raises_fails_alone_and_the_others_recompute_their_state(
+        checkpoint: Checkpoint, prompts: list[list[int]], sequential: dict[str, list[int]]) -> None:
+    """The failed step advanced every row's linear state before raising; the others are run again
+    from a zero state up to the same point, so their tokens and logprobs are what they are without
+    the failing request (a state advanced twice shows in the logprobs)."""
+    used = {t for p in prompts for t in p} | {t for tokens in sequential.values() for t in tokens}
+    marker = next(t for t in range(checkpoint.config.vocab_size) if t not in used)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+
+    def outputs(with_bad: bool) -> dict[str, list[EngineOutput]]:
+        core = make_core(checkpoint, max_num_batched_tokens=24)
+        requests = [EngineRequest(f"r{i}", p, params) for i, p in enumerate(prompts)]
+        if with_bad:
+            core.runner.model = RaisesAfterForward(core.runner.model, marker)  # type: ignore[assignment]
+            requests.insert(1, EngineRequest("bad", prompts[1][:3] + [marker], params))
+        result: dict[str, list[EngineOutput]] = {r.request_id: [] for r in requests}
+        for request in requests:
+            core.add_request(request)
+        while core.has_work():
+            for out in core.step():
+                result[out.request_id].append(out)
+        assert core.stats.num_free_state_slots == core.stats.num_state_slots
+        return result
+
+    clean, hurt = outputs(with_bad=False), outputs(with_bad=True)
+    bad = hurt.pop("bad")
+    assert len(bad) == 1 and bad[0].finish_reason is FinishReason.ERROR and not bad[0].new_token_ids
+    for request_id, expected in clean.items():
+        got = hurt[request_id]
+        assert [t for o in got for t in o.new_token_ids] == sequential[request_id]
+        assert got[-1].finish_reason is FinishReason.LENGTH
+        expected_logprobs = [lp.logprob for o in expected for lp in o.logprobs or []]
+        assert [lp.logprob for o in got for lp in o.logprobs or []] == pytest.approx(expected_logprobs, abs=1e-4)
 
 
 def test_preemption_restarts_state(checkpoint: Checkpoint, prompts: list[list[int]],

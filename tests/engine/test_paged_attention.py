@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata
 from engine.ops import attention
 from engine.ops import kv_store as store_kv
+from engine.step_metadata import AttentionMetadata
 
 # (query_len, seq_len) per sequence: whole prefills, chunked continuations, decodes.
 BATCHES = {

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from engine.protocol import SamplingParams
-from engine.sampler import Sampler, SamplingRow, _top_k_top_p_cutoff, make_generator, sample
+from engine.protocol import INT64_MAX, INT64_MIN, SamplingParams
+from engine.sampler import NO_FINITE_LOGITS, Sampler, SamplingRow, _top_k_top_p_cutoff, make_generator
 
 VOCAB = 1000  # not a multiple of the CDF block: exercises the padding
 
@@ -285,20 +285,16 @@ def test_logprobs_over_the_whole_vocab_normalize() -> None:
         assert torch.tensor([lp for _, lp in entry.top]).logsumexp(0).item() == pytest.approx(0.0, abs=1e-5)
 
 
-def test_single_row_sample_matches_the_batched_sampler() -> None:
-    logits = random_logits(1, seed=8)[0]
-    opts = options(top_p=0.9, top_k=50, seed=42)
-    g1, g2 = make_generator(42), make_generator(42)
-    singles = [sample(logits, opts, g1) for _ in range(10)]
-    batched = [Sampler()(logits.unsqueeze(0), [row(opts, g2, prompt=[])]).token_ids[0] for _ in range(10)]
-    assert singles == batched
-    assert sample(logits, options(temperature=0.0), g1) == int(logits.argmax())
-
-
-def test_unseeded_rows_use_a_shared_generator() -> None:
-    logits = random_logits(4, scale=0.5)
-    out = Sampler()(logits, [row(options()) for _ in range(4)])
-    assert all(0 <= t < VOCAB for t in out.token_ids)
+def test_unseeded_rows_share_one_stream_in_row_order() -> None:
+    """Four unseeded rows in one step draw the next four values of one shared stream, in row
+    order: exactly what one seeded row draws over four steps from a generator of that seed.
+    A generator per row (seeded alike) would give four equal tokens; fresh ones, other tokens."""
+    logits = random_logits(1, scale=0.5)
+    shared = Sampler(seed=99)(logits.expand(4, -1), [row(options()) for _ in range(4)]).token_ids
+    generator = make_generator(99)
+    one_by_one = [Sampler()(logits, [row(options(seed=99), generator)]).token_ids[0] for _ in range(4)]
+    assert shared == one_by_one
+    assert len(set(shared)) > 1
 
 
 def assert_logprobs_equal(top: list[tuple[int, float]], expected_logits: torch.Tensor) -> None:
@@ -318,7 +314,6 @@ def test_token_ids_past_the_vocab_are_ignored() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_matches_cpu_greedy_and_replays_seeds() -> None:
     logits = random_logits(32, vocab=49152, seed=21).cuda()
     greedy = [row(options(temperature=0.0, logprobs=2)) for _ in range(32)]
@@ -328,3 +323,51 @@ def test_cuda_matches_cpu_greedy_and_replays_seeds() -> None:
     rows = [row(options(seed=i), make_generator(i, "cuda")) for i in range(32)]
     rows[7] = row(opts, make_generator(5, "cuda"), output=[3, 4])
     assert Sampler()(logits, rows).token_ids[7] == alone
+
+
+def test_a_row_with_non_finite_logits_never_hurts_the_others() -> None:
+    """NaN/inf in one row: that row is greedy over its finite logits (or fails alone when it has
+    none); every other row gets what it gets without it."""
+    logits = random_logits(4, seed=30)
+    opts = [options(seed=1), options(seed=2, logprobs=2), options(seed=3), options(temperature=0.0)]
+    clean = Sampler()(logits, [row(o, make_generator(o.seed) if o.seed else None) for o in opts])
+    poisoned = logits.clone()
+    poisoned[1, :500] = float("nan")
+    poisoned[1, 500:510] = float("inf")
+    poisoned[2] = float("nan")
+    out = Sampler()(poisoned, [row(o, make_generator(o.seed) if o.seed else None) for o in opts])
+    assert out.token_ids[1] == 510 + int(logits[1, 510:].argmax())
+    assert out.logprobs[1].token_id == out.token_ids[1] and math.isfinite(out.logprobs[1].logprob)
+    assert out.errors == [None, None, NO_FINITE_LOGITS, None]
+    assert [out.token_ids[i] for i in (0, 3)] == [clean.token_ids[i] for i in (0, 3)]
+
+
+@pytest.mark.parametrize("config", [
+    dict(repetition_penalty=1e-300), dict(repetition_penalty=1e-300, temperature=0.0),
+    dict(temperature=1e-38), dict(temperature=1e-5, top_p=0.5), dict(repetition_penalty=1e-36, temperature=1e-4),
+], ids=["tiny-penalty", "tiny-penalty-greedy", "tiny-temperature", "floor-temperature", "overflow"])
+def test_degenerate_parameters_give_valid_tokens(config: dict[str, object]) -> None:
+    logits = random_logits(3, seed=31)
+    logits[:, 7] = 50.0  # a seen token with a large logit: the penalty pushes it to inf
+    rows = [row(options(seed=4, **config), make_generator(4), prompt=[7, 9], output=[11]),
+            row(options(temperature=0.0)), row(options(seed=5), make_generator(5))]
+    out = Sampler()(logits, rows)
+    assert out.errors == [None] * 3
+    assert all(0 <= t < VOCAB for t in out.token_ids)
+    assert out.token_ids[1] == int(logits[1].argmax())
+
+
+def test_tiny_temperatures_are_greedy() -> None:
+    assert options(temperature=0.0).greedy and options(temperature=1e-38).greedy
+    assert options(temperature=9.9e-6).greedy and not options(temperature=1e-5).greedy
+    logits = random_logits(2, seed=32)
+    out = Sampler()(logits, [row(options(temperature=1e-38, seed=1), make_generator(1)) for _ in range(2)])
+    assert out.token_ids == logits.argmax(-1).tolist()
+
+
+def test_every_int64_seed_makes_a_generator() -> None:
+    for seed in (INT64_MAX, INT64_MIN, -1, 0):
+        make_generator(seed)
+    # Seeds are taken modulo 2**64: the same stream, not an error.
+    assert torch.equal(torch.rand(4, generator=make_generator(2**64 + 3)), torch.rand(4, generator=make_generator(3)))
+    assert torch.equal(torch.rand(4, generator=make_generator(-1)), torch.rand(4, generator=make_generator(2**64 - 1)))

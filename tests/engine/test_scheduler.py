@@ -180,7 +180,7 @@ def test_the_newest_running_request_is_preempted_and_recomputed():
     assert (b.status, b.num_computed_tokens, b.block_ids) == (RequestStatus.WAITING, 0, [])
     assert b.all_token_ids == list(range(2000, 2007)) + [7]
     assert [r.request_id for r in scheduler.waiting] == ["b", "c"]
-    assert (scheduler.num_preemptions, b.num_preemptions) == (1, 1)
+    assert scheduler.num_preemptions == 1
 
     # b would hit its old block 2, but it and a new block do not fit beside a yet.
     output, _, finished = step(scheduler)
@@ -271,15 +271,51 @@ def test_a_request_that_can_never_run_is_rejected_at_add(num_prompt_tokens, erro
     assert not scheduler.has_unfinished()
 
 
-def test_duplicate_request_ids_are_refused():
+def test_a_duplicate_request_id_is_rejected_without_touching_the_live_request():
     scheduler = make_scheduler()
-    scheduler.add_request(make_request("a", 3))
-    with pytest.raises(ValueError):
-        scheduler.add_request(make_request("a", 3))
+    live = make_request("a", 3)
+    scheduler.add_request(live)
+    step(scheduler)
+    blocks, computed = list(live.block_ids), live.num_computed_tokens
+    duplicate = make_request("a", 5)
+    scheduler.add_request(duplicate)
+    assert duplicate.status == RequestStatus.FINISHED_ERROR and "duplicate" in duplicate.error
+    assert scheduler.requests["a"] is live
+    output, with_new_token, finished = step(scheduler)
+    assert finished == [duplicate] and with_new_token == [live]
+    assert [item.request for item in output.scheduled] == [live]
+    assert live.status == RequestStatus.RUNNING and live.block_ids == blocks
+    assert live.num_computed_tokens == computed + 1
+
+
+@pytest.mark.parametrize("prompt, sampling, error", [
+    ([], {}, "at least one prompt token"),
+    ([5, 6], {"max_tokens": None}, "max_tokens"),
+    ([5, 100, 6], {}, "outside the vocabulary"),
+    ([5, -1], {}, "outside the vocabulary"),
+], ids=["empty-prompt", "unresolved-max-tokens", "token-past-the-vocab", "negative-token"])
+def test_a_request_the_model_cannot_take_is_rejected_alone(prompt, sampling, error):
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, vocab_size=100)
+    scheduler = Scheduler(config, KVCacheManager(16, 4))
+    good = Request("good", [1, 2, 3], SamplingParams(max_tokens=4))
+    bad = Request("bad", prompt, SamplingParams(**{"max_tokens": 4, **sampling}))
+    scheduler.add_request(good)
+    scheduler.add_request(bad)
+    assert bad.status == RequestStatus.FINISHED_ERROR and error in bad.error
+    output, with_new_token, finished = step(scheduler)
+    assert finished == [bad] and with_new_token == [good]
+    assert [item.request for item in output.scheduled] == [good]
+
+
+def test_prompt_that_fills_max_model_len_is_rejected():
+    scheduler = make_scheduler(max_model_len=8)
+    request = make_request("a", 8)
+    scheduler.add_request(request)
+    assert request.status == RequestStatus.FINISHED_ERROR and "no room" in request.error
 
 
 @pytest.mark.parametrize(
-    "sampling, tokens, status, num_outputs, stop_reason",
+    "sampling, tokens, status, num_outputs, stop_token",
     [
         ({}, [5, 2, 5], RequestStatus.FINISHED_STOPPED, 2, 2),
         ({"ignore_eos": True, "max_tokens": 3}, [5, 2, 2, 5], RequestStatus.FINISHED_LENGTH, 3, None),
@@ -295,7 +331,7 @@ def test_duplicate_request_ids_are_refused():
         "min-tokens-delays-stop-token", "max-tokens", "eos-wins-over-length",
     ],
 )
-def test_stop_conditions(sampling, tokens, status, num_outputs, stop_reason):
+def test_stop_conditions(sampling, tokens, status, num_outputs, stop_token):
     scheduler = make_scheduler()
     sampling = {"max_tokens": 16, **sampling}
     request = make_request("a", 3, **sampling)
@@ -306,7 +342,8 @@ def test_stop_conditions(sampling, tokens, status, num_outputs, stop_reason):
     assert finished == [request]
     assert request.status == status
     assert request.output_token_ids == tokens[:num_outputs]
-    assert request.stop_reason == stop_reason
+    # A stop ends on the token that stopped it (its last output); a length finish on no stop token.
+    assert (request.output_token_ids[-1] if status == RequestStatus.FINISHED_STOPPED else None) == stop_token
     assert request.block_ids == [] and not scheduler.has_unfinished()
     assert scheduler.kv_cache.num_free_blocks == 64
 

@@ -9,6 +9,7 @@ it. With CUDA the same tests run compiled on the GPU.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -17,7 +18,17 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from engine import ops  # noqa: E402
+
 
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _kernel_choice_unset() -> Iterator[None]:
+    """Every test starts (and leaves) ops choosing per tensor device, whatever an engine core set."""
+    ops.use_backend("auto")
+    yield
+    ops.use_backend("auto")

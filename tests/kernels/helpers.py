@@ -1,19 +1,11 @@
-"""What the kernel tests share: the device they run on, error ratios, the gpu marker."""
+"""What the kernel tests share: the device they run on and error ratios (full-size shapes carry
+the `gpu` marker, which tests/conftest.py skips without CUDA)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-_needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-def gpu(test):
-    """Full-size shapes: compiled on a GPU only (the interpreter would take minutes)."""
-    return pytest.mark.gpu(_needs_cuda(test))
-
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """‖actual − expected‖ / ‖expected‖ in fp64 (the plain norm of the difference when expected is 0)."""

@@ -5,7 +5,7 @@ import torch
 
 from kernels.causal_conv1d import (causal_conv1d, causal_conv1d_update, naive_causal_conv1d,
                                    naive_causal_conv1d_update)
-from tests.kernels.helpers import DEVICE, assert_close, gpu, tol_for
+from tests.kernels.helpers import DEVICE, assert_close, tol_for
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 
@@ -86,7 +86,7 @@ def test_prefill_then_updates_equal_one_prefill() -> None:
     assert_close(torch.cat([head, *steps]), ref, 1e-5)
 
 
-@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_full_size(dtype: torch.dtype) -> None:
     lens, dim, width = [4000, 17, 1, 900], 8192, 4

@@ -1,6 +1,6 @@
-"""The engine's op dispatch: torch on CPU by default, and the Triton path (forced with
-HELEXA_KERNELS=triton, run by Triton's interpreter here) giving the same logits and greedy
-tokens as the torch path on tiny llama and qwen3 models."""
+"""The engine's op dispatch: torch on CPU by default, chosen once per engine from
+`EngineConfig.kernels` (the worker's HELEXA_KERNELS), and the Triton path (forced, run by Triton's
+interpreter here) giving the same logits and greedy tokens as the torch path on tiny models."""
 
 from __future__ import annotations
 
@@ -9,10 +9,16 @@ import sys
 
 import pytest
 import torch
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.models import WordLevel
 
 from engine import ops
 from engine.config import ModelConfig
+from engine.core import EngineCore
+from engine.engine_config import EngineConfig
+from engine.loader import Checkpoint
 from engine.models import build_model
+from engine.tokenizer import Tokenizer
 from tests.engine.helpers import PagedSequences, perturb_norms_and_biases
 from tests.kernels.helpers import DEVICE, assert_close
 
@@ -54,20 +60,51 @@ def _run(model: torch.nn.Module) -> tuple[torch.Tensor, list[list[int]]]:
     return torch.cat(logits), tokens
 
 
-def test_torch_on_cpu_triton_on_cuda_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(ops.ENV_VAR, raising=False)
+def test_torch_on_cpu_triton_on_cuda_by_default() -> None:
     assert ops.backend_for("cpu") == "torch"
     assert ops.backend_for(torch.device("cuda", 0)) == "triton"
-    monkeypatch.setenv(ops.ENV_VAR, "torch")
+    assert ops.use_backend("torch") == "torch"
     assert ops.backend_for("cuda") == "torch"
-    monkeypatch.setenv(ops.ENV_VAR, "Triton")
+    assert ops.use_backend("triton") == "triton"
     assert ops.backend_for("cpu") == "triton"
+    # An engine resolves auto once, for its own device.
+    assert ops.use_backend("auto", torch.device("cuda")) == "triton"
+    assert ops.backend_for("cpu") == "triton"
+    assert ops.use_backend("auto", "cpu") == "torch"
+    assert ops.backend_for("cuda") == "torch"
 
 
 def test_a_bad_setting_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(ops.ENV_VAR, "cuda")
-    with pytest.raises(ValueError, match="HELEXA_KERNELS='cuda'"):
-        ops.backend_for("cpu")
+    from apps.settings import WorkerSettings
+
+    with pytest.raises(ValueError, match="kernels must be one of auto, torch, triton, got 'cuda'"):
+        EngineConfig(model="m", kernels="cuda")
+    with pytest.raises(ValueError, match="got 'cuda'"):
+        ops.use_backend("cuda")
+    monkeypatch.setenv("HELEXA_KERNELS", "cuda")
+    with pytest.raises(ValueError, match="HELEXA_KERNELS must be one of auto, torch, triton"):
+        WorkerSettings()
+
+
+def test_the_worker_setting_reaches_the_engine_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    from apps.settings import WorkerSettings
+
+    assert WorkerSettings().engine_config("m").kernels == "auto"
+    monkeypatch.setenv("HELEXA_KERNELS", "Triton")
+    assert WorkerSettings().engine_config("m").kernels == "triton"
+
+
+def test_the_core_resolves_the_choice_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Building a core sets the ops' backend from its config; the environment is never read."""
+    model = _tiny_model("qwen3", "cpu")
+    checkpoint = Checkpoint(config=model.config, model=model, model_id="tiny",
+                            tokenizer=Tokenizer(HFTokenizer(WordLevel({"<unk>": 0}, unk_token="<unk>")),
+                                                bos_token_id=None, eos_token_id=None))
+    monkeypatch.setenv("HELEXA_KERNELS", "triton")
+    EngineCore(checkpoint, EngineConfig(model="in-memory", num_kv_blocks=8))
+    assert ops.backend_for("cpu") == "torch" and ops.backend_for("cuda") == "torch"
+    EngineCore(checkpoint, EngineConfig(model="in-memory", num_kv_blocks=8, kernels="triton"))
+    assert ops.backend_for("cpu") == "triton"
 
 
 def test_importing_the_engine_does_not_import_triton() -> None:
@@ -79,8 +116,7 @@ def test_importing_the_engine_does_not_import_triton() -> None:
     assert out.stdout.strip() == "False"
 
 
-def test_the_torch_path_never_touches_triton_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(ops.ENV_VAR, raising=False)
+def test_the_torch_path_never_touches_triton_on_cpu() -> None:
     ops._triton.cache_clear()
     model = _tiny_model("qwen3", "cpu")
     _run(model)
@@ -88,11 +124,11 @@ def test_the_torch_path_never_touches_triton_on_cpu(monkeypatch: pytest.MonkeyPa
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
-def test_triton_path_matches_torch_path(model_type: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_triton_path_matches_torch_path(model_type: str) -> None:
     model = _tiny_model(model_type)
-    monkeypatch.setenv(ops.ENV_VAR, "torch")
+    ops.use_backend("torch")
     torch_logits, torch_tokens = _run(model)
-    monkeypatch.setenv(ops.ENV_VAR, "triton")
+    ops.use_backend("triton")
     ops._triton.cache_clear()
     triton_logits, triton_tokens = _run(model)
     # The five ops the dense models route (norms, rotary, silu_and_mul, kv store, attention)
@@ -103,8 +139,7 @@ def test_triton_path_matches_torch_path(model_type: str, monkeypatch: pytest.Mon
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5"])
-def test_triton_path_matches_torch_path_for_hybrids(model_type: str, monkeypatch: pytest.MonkeyPatch,
-                                                    tmp_path) -> None:
+def test_triton_path_matches_torch_path_for_hybrids(model_type: str, tmp_path) -> None:
     """The hybrid models reach the GDN ops (conv, gating, delta rule), the gated and (1+w)
     norms and MoE through `engine.ops` too; both paths agree over chunked prefill and decode."""
     transformers = pytest.importorskip("transformers")
@@ -112,9 +147,9 @@ def test_triton_path_matches_torch_path_for_hybrids(model_type: str, monkeypatch
     from tests.engine.hybrid_models import save_hybrid_dir
 
     model = load_checkpoint(save_hybrid_dir(transformers, model_type, tmp_path / model_type)).model.to(DEVICE)
-    monkeypatch.setenv(ops.ENV_VAR, "torch")
+    ops.use_backend("torch")
     torch_logits, torch_tokens = _run(model)
-    monkeypatch.setenv(ops.ENV_VAR, "triton")
+    ops.use_backend("triton")
     ops._triton.cache_clear()
     triton_logits, triton_tokens = _run(model)
     loaded = ops._triton.cache_info().currsize

@@ -5,7 +5,7 @@ import torch
 
 from kernels.gated_delta_rule import (chunk_gated_delta_rule, naive_chunk_gated_delta_rule,
                                       naive_recurrent_gated_delta_rule, recurrent_gated_delta_rule)
-from tests.kernels.helpers import DEVICE, assert_close, gpu, tol_for
+from tests.kernels.helpers import DEVICE, assert_close, tol_for
 
 NUM_SLOTS = 6
 
@@ -135,7 +135,7 @@ def test_without_l2norm_and_custom_scale() -> None:
     _check(_run(recurrent_gated_delta_rule, inputs, **kwargs), ref, 1e-5)
 
 
-@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"),
                                    pytest.param(torch.bfloat16, id="bf16")])
 def test_full_size(dtype: torch.dtype) -> None:

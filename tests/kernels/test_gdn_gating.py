@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kernels.gdn_gating import gdn_gating, naive_gdn_gating
-from tests.kernels.helpers import DEVICE, assert_close, gpu
+from tests.kernels.helpers import DEVICE, assert_close
 
 
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"),
@@ -32,7 +32,7 @@ def test_softplus_beta_and_threshold() -> None:
     assert_close(g, ref_g, 1e-5)
 
 
-@gpu
+@pytest.mark.gpu
 def test_full_size() -> None:
     args = (torch.randn(64, device=DEVICE), torch.randn(8192, 64, device=DEVICE),
             torch.randn(8192, 64, device=DEVICE), torch.randn(64, device=DEVICE))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kernels.kv_store import kv_store, naive_kv_store
-from tests.kernels.helpers import DEVICE, gpu
+from tests.kernels.helpers import DEVICE
 
 
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"),
@@ -35,7 +35,7 @@ def test_strided_keys() -> None:
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
 
-@gpu
+@pytest.mark.gpu
 def test_full_size() -> None:
     k = torch.randn(4096, 8, 128, device=DEVICE, dtype=torch.bfloat16)
     v = torch.randn_like(k)

@@ -5,7 +5,7 @@ import torch
 
 from kernels.moe import (fused_moe, grouped_matmul, moe_routing, naive_fused_moe,
                          naive_grouped_matmul, naive_moe_routing)
-from tests.kernels.helpers import DEVICE, assert_close, gpu, tol_for
+from tests.kernels.helpers import DEVICE, assert_close, tol_for
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 TILES = {"block_m": 16, "block_n": 16, "block_k": 16}
@@ -45,7 +45,7 @@ def test_fused_moe(dtype: torch.dtype) -> None:
                  naive_fused_moe(x, w13, w2, weights, ids), 2 * tol_for(dtype))
 
 
-@gpu
+@pytest.mark.gpu
 def test_full_size() -> None:
     # Qwen3-30B-A3B: 128 experts, top 8, hidden 2048, expert intermediate 768.
     tokens, hidden, inter, experts, top_k = 512, 2048, 768, 128, 8

@@ -3,11 +3,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata
 from engine.attention import paged_attention as engine_paged_attention
+from engine.step_metadata import AttentionMetadata
 from kernels.kv_store import naive_kv_store
 from kernels.paged_attention import naive_paged_attention, paged_attention
-from tests.kernels.helpers import DEVICE, assert_close, gpu, tol_for
+from tests.kernels.helpers import DEVICE, assert_close, tol_for
 
 # (query_lens, seq_lens): what each sequence adds this step and its context after it.
 BATCHES = [
@@ -85,7 +85,7 @@ def test_nonpow2_head_dim_and_default_tiles() -> None:
     assert_close(paged_attention(q, k_cache, v_cache, *_args(meta), 0.2), ref, 1e-5)
 
 
-@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("query_lens,seq_lens", [
     pytest.param([1] * 64, [4096] * 64, id="decode-64x4096"),
     pytest.param([512] * 8, [512] * 8, id="prefill-8x512"),

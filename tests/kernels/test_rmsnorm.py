@@ -5,7 +5,7 @@ import torch
 
 from kernels.rmsnorm import (fused_add_rms_norm, gated_rms_norm, naive_fused_add_rms_norm,
                              naive_gated_rms_norm, naive_rms_norm, rms_norm)
-from tests.kernels.helpers import DEVICE, assert_close, gpu, tol_for
+from tests.kernels.helpers import DEVICE, assert_close, tol_for
 
 SHAPES = [pytest.param((3, 32), id="3x32"), pytest.param((2, 3, 48), id="2x3x48-nonpow2")]
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
@@ -59,7 +59,7 @@ def test_matches_the_engine_norm() -> None:
     assert_close(rms_norm(x, norm.weight.data, 1e-5), norm(x), 1e-6)
 
 
-@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("hidden", [4096, 5120], ids=["4096", "5120"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_full_size(dtype: torch.dtype, hidden: int) -> None:

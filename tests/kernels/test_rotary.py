@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kernels.rotary import build_cos_sin_cache, naive_rotary, rotary
-from tests.kernels.helpers import DEVICE, assert_close, gpu, tol_for
+from tests.kernels.helpers import DEVICE, assert_close, tol_for
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 
@@ -61,7 +61,7 @@ def test_matches_the_hf_formulation() -> None:
     assert_close(rotary(q, q[:, :1], positions, cache)[0], ref, 1e-6)
 
 
-@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_full_size(dtype: torch.dtype) -> None:
     q = torch.randn(2048, 32, 128, device=DEVICE).to(dtype)

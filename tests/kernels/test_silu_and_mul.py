@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kernels.silu_and_mul import naive_silu_and_mul, silu_and_mul
-from tests.kernels.helpers import DEVICE, assert_close, gpu, tol_for
+from tests.kernels.helpers import DEVICE, assert_close, tol_for
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 
@@ -19,7 +19,7 @@ def test_silu_and_mul(shape: tuple[int, ...], dtype: torch.dtype) -> None:
     assert_close(out, naive_silu_and_mul(x), tol_for(dtype))
 
 
-@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_full_size(dtype: torch.dtype) -> None:
     x = torch.randn(1024, 2 * 12288, device=DEVICE).to(dtype)
