@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import re
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import nats
 from nats.aio.client import Client as NatsClient
@@ -235,17 +237,25 @@ async def model_is_known(js: JetStreamContext, model: str) -> bool:
     return True
 
 
-async def connect(url: str, name: str) -> NatsClient:
-    """Connect with reconnects forever: the apps ride out a NATS restart instead of exiting.
+def server_urls(url: str) -> list[str]:
+    """The servers of a NATS_URL: one URL, or several of a cluster, comma-separated."""
+    return [u.strip() for u in url.split(",") if u.strip()]
+
+
+async def connect(url: str, name: str, *, max_reconnect_attempts: int = -1,
+                  error_cb: Callable[[Exception], Awaitable[None]] | None = None) -> NatsClient:
+    """Connect, by default with reconnects forever: the apps ride out a NATS restart instead of exiting.
 
     `url` may list several servers of a cluster, comma-separated; any of them will do.
     """
+    options: dict[str, Any] = {"error_cb": error_cb} if error_cb else {}
     return await nats.connect(
-        [u.strip() for u in url.split(",") if u.strip()],
+        server_urls(url),
         name=name,
-        max_reconnect_attempts=-1,
+        max_reconnect_attempts=max_reconnect_attempts,
         reconnect_time_wait=0.5,
         connect_timeout=5,
+        **options,
     )
 
 
