@@ -19,6 +19,7 @@ from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
     DeliverPolicy,
+    DiscardPolicy,
     KeyValueConfig,
     RetentionPolicy,
     StorageType,
@@ -98,6 +99,8 @@ class BusLimits:
             raise ValueError("request_ack_wait_s must be positive and max_deliver at least 1")
         if self.replicas not in (1, 3, 5):
             raise ValueError("replicas must be 1, 3 or 5")
+        if min(self.request_max_msgs, self.request_max_bytes, self.event_max_bytes) < 1 or self.event_max_age_s <= 0:
+            raise ValueError("stream limits must be positive")
 
 
 def requests_stream_config(limits: BusLimits) -> StreamConfig:
@@ -106,6 +109,9 @@ def requests_stream_config(limits: BusLimits) -> StreamConfig:
         description="Pending generate requests, one subject per model (work queue)",
         subjects=[f"{_REQUEST_PREFIX}.>"],
         retention=RetentionPolicy.WORK_QUEUE,
+        # Full means new requests are refused (the gateway answers 503 queue_full); the default
+        # discard-old would silently drop other users' oldest queued requests instead.
+        discard=DiscardPolicy.NEW,
         storage=StorageType.FILE,
         max_age=limits.request_max_age_s,
         max_msgs=limits.request_max_msgs,
