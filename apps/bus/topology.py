@@ -130,7 +130,7 @@ def events_stream_config(limits: BusLimits) -> StreamConfig:
         storage=StorageType.FILE,
         max_age=limits.event_max_age_s,
         max_bytes=limits.event_max_bytes,
-        duplicate_window=120.0,
+        duplicate_window=min(120.0, limits.event_max_age_s),
         num_replicas=limits.replicas,
     )
 
