@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import nats
 from nats.aio.client import Client as NatsClient
@@ -243,6 +244,18 @@ async def model_is_known(js: JetStreamContext, model: str) -> bool:
     return True
 
 
+def _credentials(servers: list[str]) -> dict[str, str]:
+    """The first credentials found in the server URLs, as connect options, so they also apply to
+    the servers a cluster announces later (whose URLs carry none)."""
+    for server in servers:
+        parsed = urlsplit(server if "://" in server else f"nats://{server}")
+        if parsed.username and parsed.password is not None:
+            return {"user": unquote(parsed.username), "password": unquote(parsed.password)}
+        if parsed.username:
+            return {"token": unquote(parsed.username)}
+    return {}
+
+
 def server_urls(url: str) -> list[str]:
     """The servers of a NATS_URL: one URL, or several of a cluster, comma-separated."""
     return [u.strip() for u in url.split(",") if u.strip()]
@@ -252,11 +265,14 @@ async def connect(url: str, name: str, *, max_reconnect_attempts: int = -1,
                   error_cb: Callable[[Exception], Awaitable[None]] | None = None) -> NatsClient:
     """Connect, by default with reconnects forever: the apps ride out a NATS restart instead of exiting.
 
-    `url` may list several servers of a cluster, comma-separated; any of them will do.
+    `url` may list several servers of a cluster, comma-separated; any of them will do. Credentials
+    come in the URL (`nats://user:password@host:port`, or `nats://token@host:port`).
     """
+    servers = server_urls(url)
     options: dict[str, Any] = {"error_cb": error_cb} if error_cb else {}
+    options.update(_credentials(servers))
     return await nats.connect(
-        server_urls(url),
+        servers,
         name=name,
         max_reconnect_attempts=max_reconnect_attempts,
         reconnect_time_wait=0.5,
