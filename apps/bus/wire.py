@@ -166,6 +166,10 @@ class RunFinished(Event, tag="run.finished", kw_only=True):
     e2e_ms: float
     error: str | None = None
     reasoning_tokens: int = 0
+    # Whether the client's answer came from this attempt (it ended the client's stream): True for
+    # the attempt that served, False for one that lost to another attempt, None when the publisher
+    # does not know. The ledger's `runs` row follows the served attempt.
+    served: bool | None = None
 
 
 

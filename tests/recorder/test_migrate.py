@@ -20,7 +20,7 @@ async def _ledger(url: str) -> list[tuple[int, str]]:
         await conn.close()
 
 
-SHIPPED = ["0001_events_and_runs", "0002_admission_nodes_bench", "0003_dead_letters"]
+SHIPPED = ["0001_events_and_runs", "0002_admission_nodes_bench", "0003_dead_letters", "0004_run_attempts"]
 
 
 async def test_applies_once_then_nothing(database_url: str) -> None:
@@ -32,7 +32,7 @@ async def test_applies_once_then_nothing(database_url: str) -> None:
         tables = {r["tablename"] for r in await conn.fetch("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")}
     finally:
         await conn.close()
-    assert {"events", "runs", "admission_events", "nodes", "bench_runs", "scores", "dead_letters",
+    assert {"events", "runs", "admission_events", "nodes", "bench_runs", "scores", "dead_letters", "run_attempts",
             "schema_migrations"} <= tables
 
 
