@@ -193,11 +193,11 @@ class Recorder:
         stored: list[bool] = []
 
         async def write() -> None:
-            async with self.connection() as conn:
+            async with self.connection() as conn, conn.transaction():
                 stored[:] = [await dead_letters.store(conn, letter) for _, letter in buried]
 
         kept = await self.until_done("dead letter", write, held=msgs if acks else ())
-        for (msg, letter), new in zip(buried, stored):
+        for (msg, letter), new in zip(buried, stored if kept else [False] * len(buried), strict=True):
             if new:
                 self.metrics.dead_letters.labels(letter.reason.value).inc()
             log.error("event dead-lettered", extra=_describe(msg, reason=letter.reason.value, error=letter.error,
