@@ -50,6 +50,11 @@ def bus_limits() -> BusLimits:
     from apps.bus.topology import BusLimits
 
     return BusLimits(
+        # Past this many queued requests REQUESTS refuses new ones (503 queue_full), dropping none.
+        request_max_msgs=_env_int("HELEXA_REQUESTS_MAX_MSGS", 100_000),
+        # EVENTS drops its oldest events past these; the recorder warns before unrecorded ones go.
+        event_max_age_s=_env_float("HELEXA_EVENTS_MAX_AGE_S", 7 * 24 * 3600.0),
+        event_max_bytes=_env_int("HELEXA_EVENTS_MAX_BYTES", 4 << 30),
         node_ttl_s=_env_float("HELEXA_NODE_TTL_S", 15.0),
         # 3 on a NATS cluster: streams and the node registry survive losing a server.
         replicas=_env_int("HELEXA_REPLICAS", 1),
@@ -173,12 +178,21 @@ class RecorderSettings:
     batch_size: int = field(default_factory=lambda: _env_int("HELEXA_RECORDER_BATCH", 256))
     # How long a batch fetched by a recorder that then died waits before another recorder gets it.
     ack_wait_s: float = field(default_factory=lambda: _env_float("HELEXA_RECORDER_ACK_WAIT_S", 60.0))
+    # Prometheus `/metrics` of this recorder (lag, dead letters, EVENTS limits); 0 serves none.
+    metrics_port: int = field(default_factory=lambda: _env_int("HELEXA_RECORDER_METRICS_PORT", 0))
+    metrics_host: str = field(default_factory=lambda: _env("HELEXA_RECORDER_METRICS_HOST", "127.0.0.1"))
+    # How often the lag and the EVENTS stream's fill are read (and warned about).
+    watch_interval_s: float = field(default_factory=lambda: _env_float("HELEXA_RECORDER_WATCH_S", 5.0))
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
             raise ValueError("HELEXA_RECORDER_BATCH must be at least 1")
         if self.ack_wait_s < 1:
             raise ValueError("HELEXA_RECORDER_ACK_WAIT_S must be at least 1")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError("HELEXA_RECORDER_METRICS_PORT must be a TCP port (0: no metrics endpoint)")
+        if self.watch_interval_s <= 0:
+            raise ValueError("HELEXA_RECORDER_WATCH_S must be positive")
 
 
 @dataclass(slots=True)

@@ -12,7 +12,6 @@ from types import TracebackType
 from typing import Any
 
 import msgspec
-import nats
 from nats.aio.client import Client as NatsClient
 
 from apps.bench.scenarios import Outcome
@@ -63,8 +62,8 @@ class EventPublisher:
         self._nc: NatsClient | None = None
 
     async def __aenter__(self) -> EventPublisher:
-        self._nc = await nats.connect(self.nats_url, name="helexa-bench", connect_timeout=5,
-                                      max_reconnect_attempts=3, reconnect_time_wait=0.5, error_cb=_reported_later)
+        self._nc = await topology.connect(self.nats_url, "helexa-bench", max_reconnect_attempts=3,
+                                          error_cb=_reported_later)
         # The fleet's own limits: declaring with defaults would reset a replicated fleet's streams.
         await topology.ensure_topology(self._nc.jetstream(), self.limits)
         return self

@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import nats
 from nats.aio.client import Client as NatsClient
@@ -19,6 +20,7 @@ from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
     DeliverPolicy,
+    DiscardPolicy,
     KeyValueConfig,
     RetentionPolicy,
     StorageType,
@@ -108,6 +110,8 @@ class BusLimits:
             raise ValueError("request_ack_wait_s must be positive and max_deliver at least 1")
         if self.replicas not in (1, 3, 5):
             raise ValueError("replicas must be 1, 3 or 5")
+        if min(self.request_max_msgs, self.request_max_bytes, self.event_max_bytes) < 1 or self.event_max_age_s <= 0:
+            raise ValueError("stream limits must be positive")
 
 
 def requests_stream_config(limits: BusLimits) -> StreamConfig:
@@ -116,6 +120,9 @@ def requests_stream_config(limits: BusLimits) -> StreamConfig:
         description="Pending generate requests, one subject per model (work queue)",
         subjects=[f"{_REQUEST_PREFIX}.>"],
         retention=RetentionPolicy.WORK_QUEUE,
+        # Full means new requests are refused (the gateway answers 503 queue_full); the default
+        # discard-old would silently drop other users' oldest queued requests instead.
+        discard=DiscardPolicy.NEW,
         storage=StorageType.FILE,
         max_age=limits.request_max_age_s,
         max_msgs=limits.request_max_msgs,
@@ -134,7 +141,7 @@ def events_stream_config(limits: BusLimits) -> StreamConfig:
         storage=StorageType.FILE,
         max_age=limits.event_max_age_s,
         max_bytes=limits.event_max_bytes,
-        duplicate_window=120.0,
+        duplicate_window=min(120.0, limits.event_max_age_s),
         num_replicas=limits.replicas,
     )
 
@@ -247,18 +254,42 @@ async def model_is_known(js: JetStreamContext, model: str) -> bool:
     return True
 
 
-async def connect(url: str, name: str, closed_cb: Callable[[], Awaitable[None]] | None = None) -> NatsClient:
-    """Connect with reconnects forever: the apps ride out a NATS restart instead of exiting.
+def _credentials(servers: list[str]) -> dict[str, str]:
+    """The first credentials found in the server URLs, as connect options, so they also apply to
+    the servers a cluster announces later (whose URLs carry none)."""
+    for server in servers:
+        parsed = urlsplit(server if "://" in server else f"nats://{server}")
+        if parsed.username and parsed.password is not None:
+            return {"user": unquote(parsed.username), "password": unquote(parsed.password)}
+        if parsed.username:
+            return {"token": unquote(parsed.username)}
+    return {}
 
-    `url` may list several servers of a cluster, comma-separated; any of them will do. The
-    connection is closed for good only by us or by a server's `-ERR` (nats-py never reconnects
-    then); `closed_cb` hears of both.
+
+def server_urls(url: str) -> list[str]:
+    """The servers of a NATS_URL: one URL, or several of a cluster, comma-separated."""
+    return [u.strip() for u in url.split(",") if u.strip()]
+
+
+async def connect(url: str, name: str, *, max_reconnect_attempts: int = -1,
+                  error_cb: Callable[[Exception], Awaitable[None]] | None = None,
+                  closed_cb: Callable[[], Awaitable[None]] | None = None) -> NatsClient:
+    """Connect, by default with reconnects forever: the apps ride out a NATS restart instead of exiting.
+
+    `url` may list several servers of a cluster, comma-separated; any of them will do. Credentials
+    come in the URL (`nats://user:password@host:port`, or `nats://token@host:port`). The connection
+    is closed for good only by us or by a server's `-ERR` (nats-py never reconnects then);
+    `closed_cb` hears of both.
     """
-    options: dict[str, Any] = {"closed_cb": closed_cb} if closed_cb is not None else {}
+    servers = server_urls(url)
+    options: dict[str, Any] = {"error_cb": error_cb} if error_cb else {}
+    if closed_cb is not None:
+        options["closed_cb"] = closed_cb
+    options.update(_credentials(servers))
     return await nats.connect(
-        [u.strip() for u in url.split(",") if u.strip()],
+        servers,
         name=name,
-        max_reconnect_attempts=-1,
+        max_reconnect_attempts=max_reconnect_attempts,
         reconnect_time_wait=0.5,
         connect_timeout=5,
         **options,

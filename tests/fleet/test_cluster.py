@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -10,10 +14,11 @@ from pathlib import Path
 import openai
 import pytest
 
+from apps.bus import topology
 from apps.embedded import free_port
 from apps.embedded.nats_server import NatsCluster
 from tests.fleet.conftest import FLEET_ENV
-from tests.support import AppProcess
+from tests.support import REPO, AppProcess
 
 REPLY = "replicated and still here"
 
@@ -73,3 +78,58 @@ def test_losing_one_of_three_servers_loses_no_request(tmp_path: Path) -> None:
         finally:
             for app in reversed(apps):
                 app.stop()
+
+
+BENCH_AGAINST_NOTHING = """
+models = ["m"]
+scenarios = ["chat:8"]
+[[targets]]
+name = "t"
+base_url = "http://127.0.0.1:{port}/v1"
+"""
+
+
+async def _replicas(nats_url: str) -> dict[str, int]:
+    nc = await topology.connect(nats_url, "replica-check")
+    try:
+        js = nc.jetstream()
+        names = (topology.REQUESTS_STREAM, topology.EVENTS_STREAM, f"KV_{topology.NODES_BUCKET}")
+        return {name: (await js.stream_info(name)).config.num_replicas for name in names}
+    finally:
+        await nc.close()
+
+
+async def _bench_runs_on_events(nats_url: str) -> int:
+    nc = await topology.connect(nats_url, "bench-check")
+    try:
+        info = await nc.jetstream().stream_info(topology.EVENTS_STREAM, subjects_filter="helexa.events.bench.run.>")
+        return sum((info.state.subjects or {}).values())
+    finally:
+        await nc.close()
+
+
+def test_a_bench_run_keeps_the_fleets_three_replicas(tmp_path: Path) -> None:
+    """`helexa bench run` declares the topology with the fleet's limits, never with defaults."""
+    with NatsCluster(tmp_path / "cluster", size=3) as cluster:
+        env = {**os.environ, "NATS_URL": cluster.url, "HELEXA_REPLICAS": "3"}
+
+        async def declare_as_the_fleet_does() -> None:
+            nc = await topology.connect(cluster.url, "fleet")
+            try:
+                await topology.ensure_topology(nc.jetstream(), topology.BusLimits(replicas=3))
+            finally:
+                await nc.close()
+
+        asyncio.run(declare_as_the_fleet_does())
+        assert set(asyncio.run(_replicas(cluster.url)).values()) == {3}
+
+        config = tmp_path / "bench.toml"
+        config.write_text(BENCH_AGAINST_NOTHING.format(port=free_port()), encoding="utf-8")
+        # The target refuses connections: the run fails fast and is still published as a failed run.
+        ran = subprocess.run([sys.executable, "-m", "apps.cli", "bench", "run", str(config)], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=180)
+        assert ran.returncode == 1, ran.stderr
+        assert "cannot publish" not in ran.stderr, ran.stderr
+        assert asyncio.run(_bench_runs_on_events(cluster.url)) == 1
+        assert asyncio.run(_replicas(cluster.url)) == {
+            topology.REQUESTS_STREAM: 3, topology.EVENTS_STREAM: 3, f"KV_{topology.NODES_BUCKET}": 3}

@@ -168,7 +168,7 @@ async def snapshot(url: str, tables: tuple[str, ...] = PROJECTIONS) -> dict[str,
     """Every row of `tables`, in a stable order, for comparing whole tables."""
     conn = await asyncpg.connect(url)
     try:
-        return {t: [tuple(r) for r in await conn.fetch(f"SELECT * FROM {t} ORDER BY 1")] for t in tables}
+        return {t: [tuple(r) for r in await conn.fetch(f"SELECT * FROM {t} ORDER BY 1, 2")] for t in tables}
     finally:
         await conn.close()
 

@@ -82,10 +82,20 @@ async def test_undecodable_and_rejected_events_do_not_block_the_stream(
         await eventually(lambda: _is(database_url, "SELECT count(*) FROM runs", 5), what="the good events")
         await wait_all_acked(js)
 
-    assert len(log_watch.matching("undecodable event terminated")) == 3
-    assert len(log_watch.matching("event rejected by postgres, terminated")) == 1
+    assert len(log_watch.matching("event dead-lettered", reason="undecodable")) == 3
+    assert len(log_watch.matching("event dead-lettered", reason="rejected")) == 1
     assert await fetchval(database_url, "SELECT count(*) FROM events") == 5
     assert await fetchval(database_url, "SELECT count(*) FROM runs WHERE request_id = 'req-poison'") == 0
+    conn = await asyncpg.connect(database_url)
+    try:
+        letters = await conn.fetch("SELECT * FROM dead_letters ORDER BY stream_seq")
+    finally:
+        await conn.close()
+    assert [(r["stream_seq"], r["reason"]) for r in letters] == [
+        (1, "undecodable"), (2, "undecodable"), (3, "undecodable"), (6, "rejected")]
+    assert letters[0]["payload"] == b"not json" and letters[0]["kind"] == "run.started"
+    assert letters[3]["event_id"] == poison.event_id and letters[3]["sqlstate"] is not None
+    assert msgspec.json.decode(letters[3]["payload"])["principal"] == "nul\x00byte"
 
 
 async def test_started_before_postgres_records_everything_once_it_is_up(

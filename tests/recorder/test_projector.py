@@ -144,11 +144,11 @@ async def test_rebuild_recomputes_every_projection_from_events(conn: asyncpg.Con
     run = [finished("r8", attempt=2, ts=9.0), started("r8", ts=1.0), started("r8", attempt=2, ts=5.0)]
     await project(conn, _batch(*run))
     await project(conn, _batch(admission("r8"), node_status("node-a"), bench_run("b3"), score("b3", "quality", 7.0)))
-    before = {t: [tuple(r) for r in await conn.fetch(f"SELECT * FROM {t} ORDER BY 1")] for t in PROJECTIONS}
+    before = {t: [tuple(r) for r in await conn.fetch(f"SELECT * FROM {t} ORDER BY 1, 2")] for t in PROJECTIONS}
     await conn.execute("UPDATE runs SET status = 'bogus'; DELETE FROM nodes; DELETE FROM scores")
 
-    assert await rebuild(conn) == {"runs": 1, "admission_events": 1, "nodes": 1, "bench_runs": 1, "scores": 1}
-    after = {t: [tuple(r) for r in await conn.fetch(f"SELECT * FROM {t} ORDER BY 1")] for t in PROJECTIONS}
+    assert await rebuild(conn) == {"runs": 1, "run_attempts": 2, "admission_events": 1, "nodes": 1, "bench_runs": 1, "scores": 1}
+    after = {t: [tuple(r) for r in await conn.fetch(f"SELECT * FROM {t} ORDER BY 1, 2")] for t in PROJECTIONS}
     assert after == before
     row = await conn.fetchrow("SELECT attempt, status, started_at, finished_at, last_event_at FROM runs")
     assert (row["attempt"], row["status"]) == (2, "ok")

@@ -177,7 +177,7 @@ async def test_prune_keeps_recent_rows_and_drops_old_ones(conn: asyncpg.Connecti
     old = [started("ancient", ts=time.time() - 100 * 86400), admission("ancient", ts=time.time() - 100 * 86400)]
     await project(conn, [(event_subject(event_kind(e), e.model), e) for e in old])
     counts = {r["table_name"]: r["deleted"] for r in await conn.fetch(PRUNE)}
-    assert counts == {"events": 2, "runs": 1, "admission_events": 1, "nodes": 0, "bench_runs": 0, "scores": 0}
+    assert counts == {"events": 2, "runs": 1, "run_attempts": 1, "admission_events": 1, "nodes": 0, "bench_runs": 0, "scores": 0}
     assert await conn.fetchval("SELECT count(*) FROM runs") == 42
 
 

@@ -57,6 +57,8 @@ class Workload:
     events: list[Event] = field(default_factory=list)
     # request_id → the `runs` row it must end up as (columns named as in the table).
     runs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # (request_id, attempt) → the `run_attempts` row.
+    attempts: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
 
     def with_duplicates(self, n: int, rng: random.Random) -> list[Event]:
@@ -66,17 +68,35 @@ class Workload:
         return sent
 
 
-def _run_row(request_id: str, finish: Any, first_start_ts: float | None, last_ts: float) -> dict:
-    row = dict(
-        request_id=request_id, model=finish.model, node=finish.node, principal=finish.principal, api=finish.api,
-        status=finish.status, finish_reason=finish.finish_reason, prompt_tokens=finish.prompt_tokens,
+def _outcome(finish: Any, first_start_ts: float | None, last_ts: float) -> dict:
+    return dict(
+        request_id=finish.request_id, model=finish.model, node=finish.node, principal=finish.principal,
+        api=finish.api, status=finish.status, finish_reason=finish.finish_reason, prompt_tokens=finish.prompt_tokens,
         completion_tokens=finish.completion_tokens, cached_tokens=finish.cached_tokens,
         reasoning_tokens=finish.reasoning_tokens, queue_ms=finish.queue_ms, ttft_ms=finish.ttft_ms,
         prefill_ms=finish.prefill_ms, decode_ms=finish.decode_ms, e2e_ms=finish.e2e_ms, attempt=finish.attempt,
         error=finish.error, started_at=at(first_start_ts) if first_start_ts is not None else None,
-        finished_at=at(finish.ts), last_event_at=at(last_ts),
+        finished_at=at(finish.ts), last_event_at=at(last_ts), decided_by=finish.event_id,
     )  # fmt: skip
-    return row
+
+
+def _run_row(request_id: str, finish: Any, first_start_ts: float | None, last_ts: float) -> dict:
+    assert finish.request_id == request_id
+    return {**_outcome(finish, first_start_ts, last_ts), "served_attempt": finish.attempt if finish.served else None}
+
+
+def _attempt_row(finish: Any, start_ts: float | None) -> dict:
+    return {**_outcome(finish, start_ts, finish.ts), "served": finish.served}
+
+
+def _running_row(start: Any) -> dict:
+    return dict(
+        request_id=start.request_id, model=start.model, node=start.node, principal=start.principal, api=start.api,
+        status="running", finish_reason=None, prompt_tokens=start.prompt_tokens, completion_tokens=None,
+        cached_tokens=None, reasoning_tokens=None, queue_ms=start.queue_ms, ttft_ms=None, prefill_ms=None,
+        decode_ms=None, e2e_ms=None, attempt=start.attempt, error=None, started_at=at(start.ts), finished_at=None,
+        last_event_at=at(start.ts), decided_by=start.event_id,
+    )  # fmt: skip
 
 
 def mixed(num_requests: int = 1500, seed: int = 7, base_ts: float = BASE_TS) -> Workload:
@@ -105,7 +125,9 @@ def mixed(num_requests: int = 1500, seed: int = 7, base_ts: float = BASE_TS) -> 
             )  # fmt: skip
             w.events += [s, f]
             w.runs[rid] = _run_row(rid, f, s.ts, f.ts)
-        elif i < n_plain + n_retried:
+            w.attempts[rid, 1] = _attempt_row(f, s.ts)
+        elif i < n_plain + n_retried and i % 2:
+            # Redelivered after its first worker was lost: the second attempt serves.
             s1 = started(rid, ts=ts, node="node-a", **common)
             f1 = finished(
                 rid, ts=ts + 0.5, node="node-a", status="error", finish_reason="error", error="lost", **common
@@ -114,15 +136,23 @@ def mixed(num_requests: int = 1500, seed: int = 7, base_ts: float = BASE_TS) -> 
             f2 = finished(rid, ts=ts + 2.0, node="node-b", attempt=2, completion_tokens=tokens, **common)
             w.events += [s1, f1, s2, f2]
             w.runs[rid] = _run_row(rid, f2, s1.ts, f2.ts)
+            w.attempts[rid, 1], w.attempts[rid, 2] = _attempt_row(f1, s1.ts), _attempt_row(f2, s2.ts)
+        elif i < n_plain + n_retried:
+            # The first worker went silent, a second attempt started, and the first one served the
+            # client after all; the redundant second attempt finishes last and is not the run's truth.
+            s1 = started(rid, ts=ts, node="node-a", **common)
+            s2 = started(rid, ts=ts + 0.5, node="node-b", attempt=2, **common)
+            f1 = finished(rid, ts=ts + 1.0, node="node-a", completion_tokens=tokens, served=True, **common)
+            f2 = finished(rid, ts=ts + 1.5, node="node-b", attempt=2, status="cancelled", finish_reason="abort",
+                          completion_tokens=0, served=False, **common)  # fmt: skip
+            w.events += [s1, s2, f1, f2]
+            w.runs[rid] = _run_row(rid, f1, s1.ts, f2.ts)
+            w.attempts[rid, 1], w.attempts[rid, 2] = _attempt_row(f1, s1.ts), _attempt_row(f2, s2.ts)
         elif i < n_plain + n_retried + n_running:
             s = started(rid, ts=ts, node="node-c", prompt_tokens=tokens, queue_ms=1.25, **common)
             w.events.append(s)
-            w.runs[rid] = dict(
-                request_id=rid, model=model, node="node-c", principal=principal, api=s.api, status="running",
-                finish_reason=None, prompt_tokens=tokens, completion_tokens=None, cached_tokens=None,
-                reasoning_tokens=None, queue_ms=1.25, ttft_ms=None, prefill_ms=None, decode_ms=None, e2e_ms=None,
-                attempt=1, error=None, started_at=at(s.ts), finished_at=None, last_event_at=at(s.ts),
-            )  # fmt: skip
+            w.runs[rid] = {**_running_row(s), "served_attempt": None}
+            w.attempts[rid, 1] = {**_running_row(s), "served": None}
         else:
             f = finished(
                 rid, ts=ts, node="node-a", status="rejected", finish_reason="error", error="context_length_exceeded",
@@ -130,6 +160,7 @@ def mixed(num_requests: int = 1500, seed: int = 7, base_ts: float = BASE_TS) -> 
             )  # fmt: skip
             w.events.append(f)
             w.runs[rid] = _run_row(rid, f, None, f.ts)
+            w.attempts[rid, 1] = _attempt_row(f, None)
     n_admission = num_requests * 2 // 3
     for i in range(n_admission):
         decision = DECISIONS[i % len(DECISIONS)] if i % 2 else "admitted"
@@ -164,7 +195,7 @@ def mixed(num_requests: int = 1500, seed: int = 7, base_ts: float = BASE_TS) -> 
                                   unit=unit, scorer="manual" if metric == "quality" else "helexa-bench"))  # fmt: skip
             n_scores += 1
     w.counts = dict(
-        events=len(w.events), runs=num_requests, admission_events=n_admission, nodes=n_nodes,
+        events=len(w.events), runs=num_requests, run_attempts=len(w.attempts), admission_events=n_admission, nodes=n_nodes,
         bench_runs=n_bench, scores=n_scores,
     )  # fmt: skip
     return w
@@ -187,6 +218,8 @@ async def assert_projections(url: str, workload: Workload) -> None:
             assert await conn.fetchval(f"SELECT count(*) FROM {table}") == count, table
         runs = {r["request_id"]: dict(r) for r in await conn.fetch("SELECT * FROM runs")}
         assert runs == workload.runs
+        attempts = {(r["request_id"], r["attempt"]): dict(r) for r in await conn.fetch("SELECT * FROM run_attempts")}
+        assert attempts == workload.attempts
         for table, expected in expected_rows(workload.events).items():
             assert await table_rows(conn, table) == expected, table
     finally:
