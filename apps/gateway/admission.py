@@ -9,18 +9,26 @@ or the caller cancelled while queued. Zero for a limit means "off".
 Where each check lives: this gateway enforces queue depth, the per-principal cap and its own share
 of in-flight requests; workers enforce their real capacity by pulling only what fits their slots.
 With several gateway replicas, give each `max_in_flight` ≈ fleet slots ÷ replicas.
+
+`Admission` is the algorithm for one model; `Admissions` holds one per model, answers a request
+with a `Ticket` or a `ServingError`, and publishes every decision as an event.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
 import tomllib
+from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from apps.bus import wire
+from apps.bus.codes import ErrorCode, ServingError
+from apps.bus.wire import AdmissionDecision
 from apps.gateway.errors import retry_after_s
+from apps.gateway.metrics import GatewayMetrics
 
 
 @dataclass(slots=True, frozen=True)
@@ -50,7 +58,7 @@ def load_per_model(path: str | Path, defaults: AdmissionLimits) -> dict[str, Adm
 
 
 class Rejected(Exception):
-    def __init__(self, decision: str, status: int, retry_after: int, pending: int, in_flight: int) -> None:
+    def __init__(self, decision: AdmissionDecision, status: int, retry_after: int, pending: int, in_flight: int) -> None:
         super().__init__(decision)
         self.decision, self.status, self.retry_after = decision, status, retry_after
         self.pending, self.in_flight = pending, in_flight
@@ -80,17 +88,17 @@ class Admission:
         self.by_principal: dict[str, int] = {}
         self._queue: deque[asyncio.Future[None]] = deque()
 
-    def _reject(self, decision: str, status: int) -> Rejected:
+    def _reject(self, decision: AdmissionDecision, status: int) -> Rejected:
         hint = retry_after_s(max(self.pending - self.limits.max_in_flight, 0))
         return Rejected(decision, status, hint, self.pending, self.in_flight)
 
     async def acquire(self, principal: str | None) -> Ticket:
         limits = self.limits
         if limits.max_in_flight and self.pending >= limits.max_in_flight + limits.max_queue_depth:
-            raise self._reject("queue_full", 503)
+            raise self._reject(AdmissionDecision.QUEUE_FULL, 503)
         if principal is not None and limits.max_per_principal and \
                 self.by_principal.get(principal, 0) >= limits.max_per_principal:
-            raise self._reject("principal_cap", 429)
+            raise self._reject(AdmissionDecision.PRINCIPAL_CAP, 429)
         self.pending += 1
         if principal is not None:
             self.by_principal[principal] = self.by_principal.get(principal, 0) + 1
@@ -117,7 +125,7 @@ class Admission:
             elif waiter in self._queue:
                 self._queue.remove(waiter)
             if isinstance(exc, TimeoutError):
-                raise self._reject("timeout", 503) from None
+                raise self._reject(AdmissionDecision.TIMEOUT, 503) from None
             raise
 
     def _unreserve(self, principal: str | None) -> None:
@@ -138,3 +146,61 @@ class Admission:
                 self.in_flight += 1
                 waiter.set_result(None)
                 return
+
+
+_REFUSALS = {
+    AdmissionDecision.QUEUE_FULL: ("The model's queue is full; retry later.", ErrorCode.QUEUE_FULL),
+    AdmissionDecision.PRINCIPAL_CAP: ("Too many concurrent requests for this API key; retry later.",
+                                      ErrorCode.RATE_LIMIT_EXCEEDED),
+    AdmissionDecision.TIMEOUT: ("The model is busy and the request waited too long; retry later.",
+                                ErrorCode.QUEUE_TIMEOUT),
+}
+
+
+class Admissions:
+    """This gateway's admission control: one `Admission` per model, with its own limits if
+    configured; every decision is published (`publish_event`) and refusals are counted."""
+
+    def __init__(self, defaults: AdmissionLimits, per_model: dict[str, AdmissionLimits] | None,
+                 metrics: GatewayMetrics, publish_event: Callable[[wire.AnyEvent], Awaitable[object]]) -> None:
+        self._defaults = defaults
+        self._per_model = per_model or {}
+        self._metrics = metrics
+        self._publish_event = publish_event
+        self.by_model: dict[str, Admission] = {}
+
+    def for_model(self, model: str) -> Admission:
+        if model not in self.by_model:
+            self.by_model[model] = Admission(self._per_model.get(model, self._defaults))
+        return self.by_model[model]
+
+    async def admit(self, request: wire.GenerateRequest) -> Ticket:
+        """Take an admission slot for the request, or refuse it (429/503 with Retry-After)."""
+        admission = self.for_model(request.model)
+
+        def decided(decision: AdmissionDecision, **fields: object) -> wire.AdmissionDecided:
+            return wire.AdmissionDecided(model=request.model, node="gateway", request_id=request.request_id,
+                                         principal=request.principal, decision=decision,
+                                         **fields)  # type: ignore[arg-type]
+
+        try:
+            ticket = await admission.acquire(request.principal)
+        except Rejected as exc:
+            self._metrics.rejections.labels(request.model, exc.decision).inc()
+            await self._publish_event(decided(exc.decision, pending=exc.pending, in_flight=exc.in_flight,
+                                              retry_after_s=exc.retry_after))
+            message, code = _REFUSALS[exc.decision]
+            raise ServingError(
+                exc.status,
+                code,
+                message,
+                retry_after_s=exc.retry_after,
+                context={"model": request.model, "request_id": request.request_id, "detail": exc.decision},
+            ) from None
+        except asyncio.CancelledError:
+            await asyncio.shield(self._publish_event(decided(AdmissionDecision.CANCELLED, pending=admission.pending,
+                                                             in_flight=admission.in_flight)))
+            raise
+        await self._publish_event(decided(AdmissionDecision.ADMITTED, pending=admission.pending,
+                                          in_flight=admission.in_flight, waited_ms=round(ticket.waited_ms, 3)))
+        return ticket

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from apps.bus.codes import ErrorCode, ServingError
+from apps.bus.codes import ErrorCode, FinishReason, ServingError
 from engine.protocol import SamplingParams, TokenCount, TopK, TopP
 
 
@@ -148,7 +148,8 @@ class MessageOut(msgspec.Struct, kw_only=True):
     usage: UsageOut
 
 
-STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
+STOP_REASONS = {FinishReason.STOP: "end_turn", FinishReason.LENGTH: "max_tokens", FinishReason.TOOL_CALLS: "tool_use",
+                FinishReason.ABORT: "end_turn"}
 
 _ERROR_TYPES = {
     400: "invalid_request_error",

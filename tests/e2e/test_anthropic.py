@@ -404,7 +404,7 @@ def test_conversation_translates_to_template_messages() -> None:
         ],
     }
     req = decode_request(json.dumps(body).encode(), an.MessagesRequest)
-    bus = to_bus_request(req, "msg_1", "inbox", 0.0, principal="alice")
+    bus = to_bus_request(req, "msg_1", principal="alice")
     assert bus.api == "messages" and bus.principal == "alice"
     assert (bus.sampling.max_tokens, bus.sampling.stop, bus.sampling.top_k) == (8, ["\n\n"], 5)
     assert bus.messages == [
@@ -421,7 +421,7 @@ def test_conversation_translates_to_template_messages() -> None:
 
     body["tool_choice"] = {"type": "none"}
     req = decode_request(json.dumps(body).encode(), an.MessagesRequest)
-    assert to_bus_request(req, "msg_2", "inbox", 0.0).tools is None
+    assert to_bus_request(req, "msg_2").tools is None
 
 
 def test_assistant_prefill_is_continued(system: System, scripted: str) -> None:
