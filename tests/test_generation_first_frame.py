@@ -13,6 +13,7 @@ from apps.embedded.nats_server import NatsServer
 from apps.gateway.admission import AdmissionLimits, Admissions
 from apps.gateway.bus_client import GatewayBus
 from apps.gateway.cold_start import ColdStarts
+from apps.gateway.events import EventPublisher
 from apps.gateway.generation import GenerationPipeline
 from apps.gateway.liveness import Canceller
 from apps.gateway.metrics import GatewayMetrics
@@ -22,11 +23,13 @@ from engine.protocol import SamplingParams
 
 
 async def test_a_reply_without_accepted_keeps_its_first_delta(own_nats: NatsServer) -> None:
-    bus = await GatewayBus.connect(own_nats.url, BusLimits())
     metrics = GatewayMetrics()
+    bus = await GatewayBus.connect(own_nats.url, BusLimits(), metrics)
     cold_starts = ColdStarts(bus, NodeRegistry(bus, BusLimits()), metrics)
-    admissions = Admissions(AdmissionLimits(), None, metrics, bus.publish_event)
-    pipeline = GenerationPipeline(bus, cold_starts, admissions, Canceller(lambda: bus.nc), metrics, GatewaySettings())
+    events = EventPublisher(bus, metrics)
+    admissions = Admissions(AdmissionLimits(), None, metrics, events.emit)
+    pipeline = GenerationPipeline(bus, cold_starts, admissions, Canceller(lambda: bus.nc), events, metrics,
+                                  GatewaySettings())
     worker = await nats.connect(own_nats.url)
 
     async def serve(msg: nats.aio.msg.Msg) -> None:

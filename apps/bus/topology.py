@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import nats
@@ -38,9 +39,22 @@ _CANCEL_PREFIX = "helexa.cancel"
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 
 
+# Longest subject token this module builds. nats-server refuses a control line over 4096 bytes by
+# closing the connection, and nats-py takes that -ERR as final: a subject must never get near it.
+MAX_TOKEN_BYTES = 1024
+
+
+class TokenTooLong(ValueError):
+    """A name whose subject token would exceed MAX_TOKEN_BYTES (refused, never sent)."""
+
+
 def model_token(model: str) -> str:
-    """A model id as one subject token: dots, slashes and spaces become `~hex`, reversibly."""
-    return _UNSAFE.sub(lambda m: "~" + m.group().encode().hex(), model)
+    """A model id as one subject token: dots, slashes and spaces become `~hex`, reversibly.
+    Raises TokenTooLong beyond MAX_TOKEN_BYTES (escaping can triple a name's length)."""
+    token = _UNSAFE.sub(lambda m: "~" + m.group().encode().hex(), model)
+    if len(token) > MAX_TOKEN_BYTES:
+        raise TokenTooLong(f"a subject token of {len(token)} bytes (at most {MAX_TOKEN_BYTES})")
+    return token
 
 
 def request_subject(model: str) -> str:
@@ -235,10 +249,12 @@ async def model_is_known(js: JetStreamContext, model: str) -> bool:
     return True
 
 
-async def connect(url: str, name: str) -> NatsClient:
+async def connect(url: str, name: str, closed_cb: Callable[[], Awaitable[None]] | None = None) -> NatsClient:
     """Connect with reconnects forever: the apps ride out a NATS restart instead of exiting.
 
-    `url` may list several servers of a cluster, comma-separated; any of them will do.
+    `url` may list several servers of a cluster, comma-separated; any of them will do. The client
+    still gives up for good when a server answers with an `-ERR` (nats-py treats every one as
+    final); `closed_cb` is called then, so the app can open a new connection or exit.
     """
     return await nats.connect(
         [u.strip() for u in url.split(",") if u.strip()],
@@ -246,6 +262,7 @@ async def connect(url: str, name: str) -> NatsClient:
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,
         connect_timeout=5,
+        closed_cb=closed_cb,
     )
 
 

@@ -20,7 +20,7 @@ from apps.bus import wire
 from apps.bus.codes import Api, ErrorCode, FinishReason, ServingError
 from apps.gateway import anthropic_schema as an
 from apps.gateway.errors import http_error_handler, internal_error_handler, serving_error_handler
-from apps.gateway.openai_schema import decode_request
+from apps.gateway.validate import decode_request
 from apps.gateway.openapi_docs import operation_for
 
 HANDLER = "messages"
@@ -248,7 +248,7 @@ def _anthropic_envelope(handler: Callable[[Request, Any], Response]) -> Callable
     },
 )
 async def messages(request: Request, state: State) -> Response | Stream:
-    req = decode_request(await request.body(), an.MessagesRequest)
+    req = await decode_request(request, an.MessagesRequest)
     bus_request = to_bus_request(req, f"msg_{uuid.uuid4().hex}", request.state.principal)
     return await state.generations.serve(request, bus_request, MessagesFormatter(bus_request), HANDLER)
 

@@ -20,6 +20,7 @@ from apps.gateway.chat import chat_completions
 from apps.gateway.cold_start import ColdStarts
 from apps.gateway.completions import completions
 from apps.gateway.errors import http_error_handler, internal_error_handler, serving_error_handler
+from apps.gateway.events import EventPublisher
 from apps.gateway.generation import GenerationPipeline
 from apps.gateway.health import health, metrics, ready
 from apps.gateway.liveness import Canceller
@@ -49,20 +50,23 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
         per_model = load_per_model(settings.admission_file, admission) if settings.admission_file else None
         limits = bus_limits()
         gateway_metrics = GatewayMetrics()
-        bus = await GatewayBus.connect(settings.nats_url, limits)
+        bus = await GatewayBus.connect(settings.nats_url, limits, gateway_metrics)
         registry = NodeRegistry(bus, limits)
         registry.start()
-        admissions = Admissions(admission, per_model, gateway_metrics, bus.publish_event)
+        events = EventPublisher(bus, gateway_metrics)
+        events.start()
+        admissions = Admissions(admission, per_model, gateway_metrics, events.emit)
         cold_starts = ColdStarts(bus, registry, gateway_metrics, load_catalogue(catalogue_file()),
                                  settings.cold_start_wait_s)
         app.state.bus, app.state.registry = bus, registry
         app.state.metrics, app.state.admissions = gateway_metrics, admissions
-        app.state.generations = GenerationPipeline(bus, cold_starts, admissions, Canceller(lambda: bus.nc),
+        app.state.generations = GenerationPipeline(bus, cold_starts, admissions, Canceller(lambda: bus.nc), events,
                                                    gateway_metrics, settings)
         try:
             yield
         finally:
             await registry.stop()
+            await events.stop()
             await bus.close()
 
     app = Litestar(

@@ -2,12 +2,20 @@
 
 `submit` returns the request's `ReplyStream`; a max-deliveries advisory (JetStream gave up on a
 request) is turned into an error frame on that stream, so its client is answered at once.
+
+The connection is watched. nats-py rides out a server restart by itself, but gives up for good
+when a server answers with an `-ERR` (e.g. a control line past 4096 bytes): then every open
+reply stream fails with `bus_unavailable`, `/health` reports the outage, and a new connection
+(with its own subscriptions; the node registry's watch restarts on it) replaces the old one.
+Everyone else reads `nc` and `js` here at the moment they use them, so they follow the swap.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+from collections.abc import Callable
 
 import msgspec
 import nats.errors
@@ -16,54 +24,129 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from apps.bus import topology, wire
-from apps.bus.codes import ErrorCode
-from apps.bus.publish import publish, publish_event
+from apps.bus.codes import ErrorCode, ServingError
+from apps.bus.publish import publish
 from apps.bus.topology import BusLimits
 from apps.gateway.liveness import answer_probes
-from apps.gateway.reply_stream import ReplyStream
+from apps.gateway.metrics import GatewayMetrics
+from apps.gateway.reply_stream import DEFAULT_MAX_FRAMES, ReplyStream
 
 log = logging.getLogger("helexa.gateway")
 
+# How long a health check waits for the server's answer to a ping.
+HEALTH_PING_S = 2.0
+
 
 class GatewayBus:
-    def __init__(self, nc: NatsClient, limits: BusLimits) -> None:
-        self.nc = nc
-        self.js: JetStreamContext = nc.jetstream()
+    def __init__(self, url: str, limits: BusLimits, metrics: GatewayMetrics) -> None:
+        self.url = url
         self.limits = limits
+        self._metrics = metrics
+        self.nc: NatsClient = NatsClient()
+        self.js: JetStreamContext = self.nc.jetstream()
+        # Which connection is current: a closed callback of an older one changes nothing.
+        self._generation = 0
+        self._replacing: asyncio.Task[None] | None = None
+        self._closing = False
+        self._streams: set[ReplyStream] = set()
         # Stream sequence of each request this gateway waits on -> its reply subject, so a
         # max-deliveries advisory (which names only the sequence) reaches the right client.
         self._waiting: dict[int, str] = {}
 
     @classmethod
-    async def connect(cls, url: str, limits: BusLimits) -> GatewayBus:
-        nc = await topology.connect(url, name="helexa-gateway")
-        await topology.ensure_topology(nc.jetstream(), limits)
-        bus = cls(nc, limits)
-        await nc.subscribe(topology.max_deliveries_advisories(), cb=bus._on_max_deliveries)
+    async def connect(cls, url: str, limits: BusLimits, metrics: GatewayMetrics) -> GatewayBus:
+        bus = cls(url, limits, metrics)
+        await bus._open()
         return bus
 
+    async def _open(self) -> None:
+        generation = self._generation + 1
+
+        async def closed() -> None:
+            await self._on_closed(generation)
+
+        nc = await topology.connect(self.url, name="helexa-gateway", closed_cb=closed)
+        try:
+            await topology.ensure_topology(nc.jetstream(), self.limits)
+            await nc.subscribe(topology.max_deliveries_advisories(), cb=self._on_max_deliveries)
+        except BaseException:
+            await nc.close()
+            raise
+        self.nc, self.js, self._generation = nc, nc.jetstream(), generation
+
+    async def _on_closed(self, generation: int) -> None:
+        if self._closing or generation != self._generation:
+            return
+        log.error("the NATS server closed the connection for good; opening a new one",
+                  extra={"error": repr(self.nc.last_error)})
+        self._metrics.bus_connections_lost.inc()
+        lost = ServingError(503, ErrorCode.BUS_UNAVAILABLE,
+                            "The gateway lost its connection to the message bus; retry shortly.", retry_after_s=2)
+        for stream in list(self._streams):
+            stream.fail(lost)
+        self._waiting.clear()
+        if self._replacing is None or self._replacing.done():
+            self._replacing = asyncio.create_task(self._replace())
+
+    async def _replace(self) -> None:
+        # A first pause: a server that just refused us is not asked again in a tight loop.
+        pause = 0.5
+        while not self._closing:
+            await asyncio.sleep(pause)
+            try:
+                await self._open()
+            except (nats.errors.Error, OSError, TimeoutError) as exc:
+                log.warning("no new NATS connection yet", extra={"error": repr(exc)})
+                pause = min(pause * 2, 5.0)
+                continue
+            log.info("NATS connection replaced")
+            return
+
     async def close(self) -> None:
-        await self.nc.drain()
+        self._closing = True
+        if self._replacing is not None:
+            self._replacing.cancel()
+        if not self.nc.is_closed:
+            await self.nc.drain()
 
     @property
     def is_connected(self) -> bool:
         return self.nc.is_connected
 
-    async def submit(self, request: wire.GenerateRequest) -> ReplyStream:
+    async def is_healthy(self) -> bool:
+        """Connected, and the server answers a ping (a hung server is an outage too)."""
+        if not self.nc.is_connected:
+            return False
+        try:
+            await self.nc.flush(timeout=HEALTH_PING_S)
+        except (nats.errors.Error, TimeoutError):
+            return False
+        return True
+
+    async def submit(self, request: wire.GenerateRequest, max_frames: int = DEFAULT_MAX_FRAMES,
+                     on_overflow: Callable[[], None] | None = None) -> ReplyStream:
         """Listen on the reply subject first, then publish, so no frame can be missed. While this
         process lives it answers the worker's liveness probes; when it dies, nobody does."""
-        sub = await self.nc.subscribe(request.reply_subject)
-        stream = ReplyStream(sub)
-        stream.alive = await answer_probes(self.nc, stream, request.reply_subject)
-        request = msgspec.structs.replace(request, liveness_probe=True)
+        nc = self.nc
+        stream = ReplyStream(max_frames, on_overflow)
+        stream.subscriptions.append(await nc.subscribe(request.reply_subject, cb=stream.on_message))
+        self._streams.add(stream)
+        stream.on_close = lambda: self._streams.discard(stream)
         try:
+            stream.subscriptions.append(await answer_probes(nc, stream, request.reply_subject))
+            request = msgspec.structs.replace(request, liveness_probe=True)
             ack = await publish(self.js, topology.request_subject(request.model), wire.encode(request),
                                 request.request_id)
         except BaseException:
             await stream.close()
             raise
         self._waiting[ack.seq] = request.reply_subject
-        stream.on_close = lambda: self._waiting.pop(ack.seq, None)
+
+        def forget() -> None:
+            self._streams.discard(stream)
+            self._waiting.pop(ack.seq, None)
+
+        stream.on_close = forget
         return stream
 
     async def _on_max_deliveries(self, msg: Msg) -> None:
@@ -88,9 +171,6 @@ class GatewayBus:
             await self.js.delete_msg(topology.REQUESTS_STREAM, seq)
         except (nats.errors.Error, TimeoutError) as exc:
             log.warning("could not drop an undeliverable request", extra={"seq": seq, "error": str(exc)})
-
-    async def publish_event(self, event: wire.AnyEvent) -> None:
-        await publish_event(self.js, event)
 
     def new_inbox(self) -> str:
         return self.nc.new_inbox()

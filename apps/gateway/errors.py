@@ -17,6 +17,7 @@ _TYPES = {
     401: "authentication_error",
     404: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable",
 }

@@ -1,13 +1,18 @@
-"""One generation's life: route → admit → publish → first frame → frames → release.
+"""One generation's life: route → check token ids → admit → publish → first frame → frames → release.
 
 Every generation endpoint builds its bus request and hands it, with a `Formatter` for its API, to
 `GenerationPipeline.serve`; the pipeline owns the sequence, the formatter only shapes what the
 client sees. The HTTP status is committed only after the worker's first frame, so errors before the
 first token are real statuses even for `stream: true`; a failure after it is an error event.
+
+The client is watched in every phase: until the first frame for a stream, until the whole answer
+otherwise. When it leaves, the phase it was in is cancelled, and cancelling any phase releases
+the admission slots and publishes the cancel, so the worker stops and frees the KV cache.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 import weakref
@@ -26,9 +31,11 @@ from apps.gateway.admission import Admissions, Ticket
 from apps.gateway.bus_client import GatewayBus
 from apps.gateway.cold_start import ColdStarts
 from apps.gateway.errors import log_failure, retry_after_s
+from apps.gateway.events import EventPublisher
 from apps.gateway.liveness import Canceller, ClientGone, next_live_frame, while_connected
 from apps.gateway.metrics import GatewayMetrics
 from apps.gateway.reply_stream import ReplyStream, ReplyTimeout
+from apps.gateway.validate import check_token_ids
 from apps.settings import GatewaySettings
 
 # Failures where the worker is gone and cannot report the run itself.
@@ -78,38 +85,43 @@ class Generation:
 
 class GenerationPipeline:
     def __init__(self, bus: GatewayBus, cold_starts: ColdStarts, admissions: Admissions, canceller: Canceller,
-                 metrics: GatewayMetrics, settings: GatewaySettings) -> None:
+                 events: EventPublisher, metrics: GatewayMetrics, settings: GatewaySettings) -> None:
         self._bus = bus
         self._cold_starts = cold_starts
         self._admissions = admissions
         self._canceller = canceller
+        self._events = events
         self._metrics = metrics
         self._settings = settings
 
-    async def serve(self, client: Request, request: wire.GenerateRequest, formatter: Formatter,
+    async def serve(self, client: Request | None, request: wire.GenerateRequest, formatter: Formatter,
                     handler: str) -> Response | Stream:
         """The whole answer to one API request, or its SSE stream once the worker has answered."""
-        await self._cold_starts.nodes_for(request.model)
-        generation = await self.start(request, handler, client)
         headers = {"X-Request-Id": request.request_id}
-        if request.stream:
-            return Stream(self._sse(generation, formatter), media_type="text/event-stream",
-                          headers={**headers, "Cache-Control": "no-cache"})
-        return await self._whole(generation, formatter, headers)
-
-    async def start(self, request: wire.GenerateRequest, handler: str, client: Request | None = None) -> Generation:
-        """Admit, publish and wait for the worker's first frame; any failure so far is a ServingError.
-        With `client`, a hang-up while queued for admission releases the reservation at once."""
         try:
-            ticket = await while_connected(client, self._admissions.admit(request))
+            if not request.stream:
+                return await while_connected(client, self._whole(request, formatter, handler, headers))
+            generation = await while_connected(client, self._routed_start(request, handler),
+                                               discard=lambda g: asyncio.ensure_future(self.close(g)))
         except ClientGone:
             raise ServingError(
                 499,
                 ErrorCode.CLIENT_CLOSED,
                 "The client closed the request.",
-                context={"model": request.model, "request_id": request.request_id,
-                         "detail": "client left while queued"},
+                context={"model": request.model, "request_id": request.request_id, "detail": "client left"},
             ) from None
+        return Stream(self._sse(generation, formatter), media_type="text/event-stream",
+                      headers={**headers, "Cache-Control": "no-cache"})
+
+    async def _routed_start(self, request: wire.GenerateRequest, handler: str) -> Generation:
+        nodes = await self._cold_starts.nodes_for(request.model)
+        check_token_ids(request, nodes)
+        return await self.start(request, handler)
+
+    async def start(self, request: wire.GenerateRequest, handler: str) -> Generation:
+        """Admit, publish and wait for the worker's first frame; any failure so far is a ServingError.
+        Cancelled at any await, it gives back what it holds (slots, subscriptions) and cancels."""
+        ticket = await self._admissions.admit(request)
         try:
             # The wait for a worker starts once admitted: the one place the deadline is set.
             request = msgspec.structs.replace(request, reply_subject=self._bus.new_inbox(),
@@ -127,8 +139,13 @@ class GenerationPipeline:
     async def first_frame(self, request: wire.GenerateRequest, handler: str) -> Generation:
         """Publish an addressed request and wait until a worker answers it (or refuses it)."""
         ctx = {"model": request.model, "request_id": request.request_id}
+
+        def overflow() -> None:
+            self._metrics.slow_readers.labels(request.model).inc()
+            self._canceller.cancel_soon(request.request_id)
+
         try:
-            reply = await self._bus.submit(request)
+            reply = await self._bus.submit(request, self._settings.stream_buffer_frames, overflow)
         except (nats.errors.Error, TimeoutError) as exc:
             # E.g. a NATS server of the cluster died and its streams are electing new leaders.
             self._metrics.rejections.labels(request.model, "bus_unavailable").inc()
@@ -160,7 +177,7 @@ class GenerationPipeline:
         if isinstance(frame, wire.ErrorFrame):
             self._metrics.errors.labels(request.model, str(frame.status)).inc()
             if frame.code in _LOST:
-                await self._record_failed_run(request, reply.node or "unknown", frame.attempt - 1, frame.code)
+                self._record_failed_run(request, reply.node or "unknown", frame.attempt - 1, frame.code)
             if frame.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED:
                 self._metrics.rejections.labels(request.model, frame.code).inc()
             await reply.close()
@@ -222,7 +239,7 @@ class GenerationPipeline:
             if exc.code in _LOST:
                 # Whatever attempt comes next must not serve a client that is already answered.
                 self._canceller.cancel_soon(request.request_id)
-                await self._record_failed_run(request, generation.node, attempts or reply.attempt, exc.code,
+                self._record_failed_run(request, generation.node, attempts or reply.attempt, exc.code,
                                               generation.accepted.prompt_tokens, completion_tokens)
             metrics.errors.labels(model, str(exc.status)).inc()
             log_failure(generation.handler, exc.status, exc.message, model=model, node=generation.node,
@@ -238,7 +255,9 @@ class GenerationPipeline:
             generation.ticket.release()
         await generation.reply.close()
 
-    async def _whole(self, generation: Generation, formatter: Formatter, headers: dict[str, str]) -> Response:
+    async def _whole(self, request: wire.GenerateRequest, formatter: Formatter, handler: str,
+                     headers: dict[str, str]) -> Response:
+        generation = await self._routed_start(request, handler)
         deltas: list[wire.Delta] = []
         try:
             async for frame in self.frames(generation):
@@ -268,10 +287,10 @@ class GenerationPipeline:
         for chunk in formatter.stream_end():
             yield chunk
 
-    async def _record_failed_run(self, request: wire.GenerateRequest, node: str, attempt: int, error: str,
+    def _record_failed_run(self, request: wire.GenerateRequest, node: str, attempt: int, error: str,
                                  prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
         """The ledger's RunFinished for a run no worker can report: it died serving it."""
-        await self._bus.publish_event(wire.RunFinished(
+        self._events.emit(wire.RunFinished(
             model=request.model, node=node, request_id=request.request_id, api=request.api,
             principal=request.principal, status=RunStatus.ERROR, finish_reason=FinishReason.ERROR,
             prompt_tokens=prompt_tokens,

@@ -10,8 +10,10 @@ _PROMETHEUS = "text/plain; version=0.0.4"
 
 
 @get("/health")
-async def health() -> dict[str, str]:
-    return {"status": "ok"}
+async def health(state: State) -> Response:
+    """200 while this process can reach the bus; 503 while its connection is down or replaced."""
+    ok = await state.bus.is_healthy()
+    return Response({"status": "ok" if ok else "bus unreachable", "nats": ok}, status_code=200 if ok else 503)
 
 
 @get("/ready")

@@ -16,7 +16,10 @@ The protocol, per request (the worker's half lives in `apps/worker/liveness.py`)
   is lost: the client gets `worker_lost` and later attempts are ignored.
 - **Cancel.** When the client leaves early, or the gateway ends a request no worker will finish,
   the gateway publishes `helexa.cancel.<request id>`; workers abort idempotently.
-- **Client hang-ups.** The HTTP client is watched too: a hang-up while waiting ends the wait.
+- **Client hang-ups.** The HTTP client is watched too: a hang-up while the gateway waits on its
+  behalf (queued, waiting for `Accepted`, or generating a non-streamed answer) ends the wait, and
+  ending it publishes the cancel. While an SSE response streams, Litestar watches for the hang-up
+  and stops the stream, which ends the generation the same way.
 """
 
 from __future__ import annotations
@@ -106,18 +109,27 @@ class ClientGone(Exception):
     """The HTTP client hung up while the gateway was waiting on its behalf."""
 
 
-async def while_connected(client: Request | None, work: Awaitable[T]) -> T:
-    """Await `work`, but cancel it and raise ClientGone if the client hangs up first."""
+async def while_connected(client: Request | None, work: Awaitable[T],
+                          discard: Callable[[T], object] | None = None) -> T:
+    """Await `work`, but cancel it (and wait for its cleanup) and raise ClientGone if the client
+    hangs up first. If this await is itself cancelled after `work` produced a result, nobody
+    will take that result: `discard` gets it (e.g. to release what it holds)."""
     if client is None:
         return await work
     task = asyncio.ensure_future(work)
     hangup = asyncio.create_task(_until_disconnected(client))
     try:
         await asyncio.wait({task, hangup}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        if discard is not None:
+            task.add_done_callback(lambda done: discard(done.result())
+                                   if not done.cancelled() and done.exception() is None else None)
+        raise
     finally:
         hangup.cancel()
-        if not task.done():
-            task.cancel()
+    if not task.done():
+        task.cancel()
     try:
         return await task
     except asyncio.CancelledError:

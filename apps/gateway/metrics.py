@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -43,6 +43,14 @@ class GatewayMetrics:
                               registry=r)
         self.rejections = Counter("helexa:admission_rejections", "Requests refused before running, by reason",
                                   ["model", "reason"], registry=r)
+        self.event_backlog = Gauge("helexa:gateway_event_backlog", "Events queued for publishing on EVENTS",
+                                   registry=r)
+        self.events_dropped = Counter("helexa:gateway_events_dropped", "Events dropped: the publish queue was full",
+                                      registry=r)
+        self.bus_connections_lost = Counter("helexa:gateway_bus_connections_lost",
+                                            "NATS connections the server closed for good (then replaced)", registry=r)
+        self.slow_readers = Counter("helexa:gateway_slow_reader_cancels",
+                                    "Streams cancelled because the client read too slowly", ["model"], registry=r)
         # What the scrape in progress reports: live nodes, and model → this gateway's admission.
         self._nodes: list[wire.NodeStatus] = []
         self._admissions: Mapping[str, Admission] = {}

@@ -1,7 +1,9 @@
 """The live workers as this gateway sees them: one watch on the `helexa_nodes` bucket, read by
 everyone who asks which nodes are live, who serves a model, or whether a model was ever served.
 
-Reading the registry has no side effects (metrics read it when they are scraped).
+Reading the registry has no side effects (metrics read it when they are scraped). Whether a model
+was ever served costs a JetStream lookup, so a name found unknown is remembered for a few seconds
+(and concurrent lookups of one name share one): a flood of made-up names does not reach JetStream.
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ from apps.gateway.bus_client import GatewayBus
 
 log = logging.getLogger("helexa.gateway")
 
+# How long a name found unknown stays unknown without asking again, and how many are remembered.
+UNKNOWN_MODEL_TTL_S = 5.0
+MAX_UNKNOWN_MODELS = 10_000
+
 
 def serving(nodes: list[wire.NodeStatus], model: str, state: ModelState | None = None) -> list[wire.NodeStatus]:
     """The nodes among `nodes` that have `model` (in `state`, if given)."""
@@ -35,6 +41,9 @@ class NodeRegistry:
         self._ready = asyncio.Event()
         self._changed = asyncio.Event()
         self._watch: asyncio.Task[None] | None = None
+        # Model → when it may be looked up again; insertion order is age order.
+        self._unknown: dict[str, float] = {}
+        self._lookups: dict[str, asyncio.Task[bool]] = {}
 
     def start(self) -> None:
         self._watch = asyncio.create_task(self._watch_forever())
@@ -66,7 +75,22 @@ class NodeRegistry:
 
     async def model_is_known(self, model: str) -> bool:
         """A model some worker has served on this bus (its durable consumer exists), live or not."""
-        return await topology.model_is_known(self._bus.js, model)
+        now = time.monotonic()
+        if self._unknown.get(model, 0.0) > now:
+            return False
+        lookup = self._lookups.get(model)
+        if lookup is None:
+            lookup = asyncio.create_task(topology.model_is_known(self._bus.js, model))
+            self._lookups[model] = lookup
+            lookup.add_done_callback(lambda _: self._lookups.pop(model, None))
+        # Shielded: one caller giving up must not fail the others sharing the lookup.
+        known = await asyncio.shield(lookup)
+        self._unknown.pop(model, None)
+        if not known:
+            while len(self._unknown) >= MAX_UNKNOWN_MODELS:
+                del self._unknown[next(iter(self._unknown))]
+            self._unknown[model] = time.monotonic() + UNKNOWN_MODEL_TTL_S
+        return known
 
     async def _watch_forever(self) -> None:
         """Keep `_nodes` current from one long-lived watch on the registry bucket, instead of
