@@ -32,7 +32,8 @@ from engine.protocol import MAX_STOP_STRING_BYTES
 MAX_MODEL_ID_BYTES = 256
 # ASCII only, so characters are bytes; no spaces, no control characters.
 MODEL_ID_PATTERN = r"^[A-Za-z0-9._:/@+-]+$"
-ModelId = Annotated[str, Meta(min_length=1, max_length=MAX_MODEL_ID_BYTES, pattern=MODEL_ID_PATTERN)]
+ModelId = Annotated[str, Meta(min_length=1, max_length=MAX_MODEL_ID_BYTES, pattern=MODEL_ID_PATTERN,
+                              description="The model id: 1-256 bytes of A-Z a-z 0-9 . _ : / @ + -")]
 MAX_MESSAGES = 2048
 MAX_TOOLS = 128
 MAX_JSON_DEPTH = 64
