@@ -127,10 +127,12 @@ def check_token_ids(request: wire.GenerateRequest, nodes: list[wire.NodeStatus])
     vocab = vocabulary_size(nodes, request.model)
     if not vocab:
         return
-    checks: list[tuple[str, list[int]]] = [("stop_token_ids", request.sampling.stop_token_ids),
-                                           ("prompt", request.prompt_token_ids or [])]
-    for param, ids in checks:
+    checks: list[tuple[str, list[int], ErrorCode]] = [
+        ("stop_token_ids", request.sampling.stop_token_ids, ErrorCode.INVALID_REQUEST),
+        ("prompt", request.prompt_token_ids or [], ErrorCode.INVALID_PROMPT),
+    ]
+    for param, ids, code in checks:
         if any(i >= vocab for i in ids):
             raise _refuse(f"'{param}' holds a token id outside the model's vocabulary (ids are 0 to {vocab - 1}).",
-                          param)
+                          param, code)
 
