@@ -108,8 +108,13 @@ class GatewaySettings:
     admission_file: str = field(default_factory=lambda: _env("HELEXA_ADMISSION_FILE", ""))
     # How long a request for a catalogued model no worker has loaded waits for a load (then 503).
     cold_start_wait_s: float = field(default_factory=lambda: _env_float("HELEXA_COLD_START_WAIT_S", 120.0))
+    # Reply frames held for one streaming client that reads slower than its worker writes; past
+    # this the request is cancelled (an error event, then [DONE]).
+    stream_buffer_frames: int = field(default_factory=lambda: _env_int("HELEXA_STREAM_BUFFER_FRAMES", 4096))
 
     def __post_init__(self) -> None:
+        if self.stream_buffer_frames < 1:
+            raise ValueError("HELEXA_STREAM_BUFFER_FRAMES must be at least 1")
         if not 0 < self.port < 65536:
             raise ValueError("HELEXA_PORT must be a TCP port")
         if self.accept_timeout_s <= 0 or self.stream_idle_timeout_s <= 0:

@@ -47,6 +47,17 @@ TokenCount = Annotated[int, Meta(ge=1)]
 Choices = Annotated[int, Meta(ge=1, le=MAX_CHOICES)]
 TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
 
+# Stop conditions are checked on every generated token (and a stop string holds back streamed
+# text as long as itself), so a request may set only a few, and short ones.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_BYTES = 256
+MAX_STOP_TOKEN_IDS = 64
+TokenId = Annotated[int, Meta(ge=0)]
+# The length here counts characters; the gateway also holds each one to MAX_STOP_STRING_BYTES of UTF-8.
+StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_STRING_BYTES)]
+StopStrings = Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)]
+StopTokenIds = Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)]
+
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """How to pick each token of each of `n` choices; stop *strings* are matched on text by the
@@ -65,8 +76,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     frequency_penalty: AdditivePenalty = 0.0
     repetition_penalty: RepetitionPenalty = 1.0
     seed: Seed | None = None
-    stop: list[str] = []
-    stop_token_ids: list[int] = []
+    stop: StopStrings = []
+    stop_token_ids: StopTokenIds = []
     ignore_eos: bool = False
     # None: no logprobs; k: the chosen token's logprob plus the k most likely alternatives.
     logprobs: TopLogprobs | None = None

@@ -1,7 +1,9 @@
-"""Test helpers: run helexa apps as real subprocesses and wait for their `ready` log line."""
+"""Test helpers: run helexa apps as real subprocesses and wait for their `ready` log line, and
+`eventually`, the one way a test polls for a condition."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import queue
@@ -10,10 +12,42 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
 REPO = Path(__file__).resolve().parent.parent
+
+T = TypeVar("T")
+
+
+def eventually(predicate: Callable[[], T], timeout_s: float, interval_s: float = 0.05,
+               message: str | Callable[[], str] = "") -> T:
+    """Poll `predicate` until it returns something truthy, and return that; fail after `timeout_s`
+    with `message` (or the last falsy value), so a wait never hangs and never passes silently."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            detail = message() if callable(message) else message
+            raise AssertionError(f"not true within {timeout_s} s: {detail or value!r}")
+        time.sleep(interval_s)
+
+
+async def eventually_async(predicate: Callable[[], Awaitable[T]], timeout_s: float, interval_s: float = 0.05,
+                           message: str | Callable[[], str] = "") -> T:
+    """`eventually` for a coroutine predicate, from async tests (sleeps without blocking the loop)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            detail = message() if callable(message) else message
+            raise AssertionError(f"not true within {timeout_s} s: {detail or value!r}")
+        await asyncio.sleep(interval_s)
 
 
 class AppProcess:

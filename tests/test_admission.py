@@ -4,10 +4,14 @@ reservations released however a wait ends (the permanent-429 regression)."""
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 
-from apps.gateway.admission import Admission, AdmissionLimits, Rejected
+from apps.bus import wire
+from apps.gateway.admission import Admission, AdmissionLimits, Admissions, Rejected
+from apps.gateway.metrics import GatewayMetrics
+from engine.protocol import SamplingParams
 
 
 async def settle() -> None:
@@ -121,3 +125,59 @@ def test_per_model_limits_from_toml(tmp_path) -> None:
     path.write_text("[models.x]\nmax_inflight = 1\n")
     with pytest.raises(ValueError, match="max_inflight"):
         load_per_model(path, defaults)
+
+
+async def test_a_request_with_n_choices_takes_n_slots() -> None:
+    admission = Admission(AdmissionLimits(max_in_flight=4, max_queue_depth=4, max_per_principal=3))
+    four = await admission.acquire(None, weight=4)
+    assert (admission.pending, admission.in_flight) == (4, 4)
+    queued = asyncio.create_task(admission.acquire(None, weight=2))
+    await settle()
+    assert not queued.done() and admission.pending == 6
+    with pytest.raises(Rejected) as full:
+        await admission.acquire(None, weight=3)  # 6 + 3 > 4 in flight + 4 queued
+    assert full.value.decision == "queue_full"
+    four.release()
+    two = await asyncio.wait_for(queued, 5)
+    assert (admission.pending, admission.in_flight) == (2, 2)
+    # More choices than a limit allows weigh that limit (here the principal's 3): such a request
+    # waits for room instead of never fitting.
+    big = asyncio.create_task(admission.acquire("p", weight=16))
+    await settle()
+    assert not big.done() and (admission.pending, admission.by_principal) == (5, {"p": 3})
+    two.release()
+    ticket = await asyncio.wait_for(big, 5)
+    assert (ticket.weight, admission.in_flight) == (3, 3)
+    ticket.release()
+    assert (admission.pending, admission.in_flight, admission.by_principal) == (0, 0, {})
+
+
+async def test_admission_is_released_whenever_the_caller_is_cancelled() -> None:
+    """Cancel admitted and queued requests at every await of their life (the permanent-429
+    regression): the counters return to zero and every decision is emitted without waiting."""
+    emitted: list[wire.AdmissionDecided] = []
+    admissions = Admissions(AdmissionLimits(max_in_flight=2, max_queue_depth=50, max_per_principal=40), None,
+                            GatewayMetrics(), emitted.append)
+    rng = random.Random(7)
+
+    async def one(i: int) -> None:
+        request = wire.GenerateRequest(request_id=f"r{i}", model="m", reply_subject="", principal="p",
+                                       sampling=SamplingParams(n=rng.choice([1, 1, 2])))
+        ticket = await admissions.admit(request)
+        try:
+            for _ in range(rng.randrange(3)):
+                await asyncio.sleep(0)  # the generation's awaits
+        finally:
+            ticket.release()
+
+    tasks = [asyncio.create_task(one(i)) for i in range(40)]
+    for _ in range(60):
+        await asyncio.sleep(0)
+        running = [t for t in tasks if not t.done()]
+        if running and rng.random() < 0.5:
+            rng.choice(running).cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    admission = admissions.for_model("m")
+    assert (admission.pending, admission.in_flight, admission.by_principal) == (0, 0, {})
+    assert {e.decision for e in emitted} <= {"admitted", "cancelled", "queue_full", "principal_cap"}
+    assert sum(e.decision == "cancelled" for e in emitted) > 0

@@ -59,6 +59,10 @@ class ErrorCode(enum.StrEnum):
     DEVICE_FAULT = "device_fault"
     CLIENT_CLOSED = "client_closed"
     INTERNAL_ERROR = "internal_error"
+    # The body is not JSON (415): what a web page can send cross-site without a preflight.
+    UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
+    # A streaming client read so slowly that its frames filled the gateway's bounded buffer.
+    CLIENT_TOO_SLOW = "client_too_slow"
 
 
 class NodeState(enum.StrEnum):

@@ -42,9 +42,22 @@ _CANCEL_PREFIX = "helexa.cancel"
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 
 
+# Longest subject token this module builds. nats-server refuses a control line over 4096 bytes by
+# closing the connection, and nats-py takes that -ERR as final: a subject must never get near it.
+MAX_TOKEN_BYTES = 1024
+
+
+class TokenTooLong(ValueError):
+    """A name whose subject token would exceed MAX_TOKEN_BYTES (refused, never sent)."""
+
+
 def model_token(model: str) -> str:
-    """A model id as one subject token: dots, slashes and spaces become `~hex`, reversibly."""
-    return _UNSAFE.sub(lambda m: "~" + m.group().encode().hex(), model)
+    """A model id as one subject token: dots, slashes and spaces become `~hex`, reversibly.
+    Raises TokenTooLong beyond MAX_TOKEN_BYTES (escaping can triple a name's length)."""
+    token = _UNSAFE.sub(lambda m: "~" + m.group().encode().hex(), model)
+    if len(token) > MAX_TOKEN_BYTES:
+        raise TokenTooLong(f"a subject token of {len(token)} bytes (at most {MAX_TOKEN_BYTES})")
+    return token
 
 
 def request_subject(model: str) -> str:

@@ -9,18 +9,28 @@ or the caller cancelled while queued. Zero for a limit means "off".
 Where each check lives: this gateway enforces queue depth, the per-principal cap and its own share
 of in-flight requests; workers enforce their real capacity by pulling only what fits their slots.
 With several gateway replicas, give each `max_in_flight` ≈ fleet slots ÷ replicas.
+
+`Admission` is the algorithm for one model; `Admissions` holds one per model, answers a request
+with a `Ticket` or a `ServingError`, and emits every decision as an event. Nothing is awaited
+between taking a reservation and handing its ticket over (events go out in the background), so
+no cancellation can fall in between and strand a slot.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
 import tomllib
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from apps.bus import wire
+from apps.bus.codes import ErrorCode, ServingError
+from apps.bus.wire import AdmissionDecision
 from apps.gateway.errors import retry_after_s
+from apps.gateway.metrics import GatewayMetrics
 
 
 @dataclass(slots=True, frozen=True)
@@ -50,91 +60,171 @@ def load_per_model(path: str | Path, defaults: AdmissionLimits) -> dict[str, Adm
 
 
 class Rejected(Exception):
-    def __init__(self, decision: str, status: int, retry_after: int, pending: int, in_flight: int) -> None:
+    def __init__(self, decision: AdmissionDecision, status: int, retry_after: int, pending: int, in_flight: int) -> None:
         super().__init__(decision)
         self.decision, self.status, self.retry_after = decision, status, retry_after
         self.pending, self.in_flight = pending, in_flight
 
 
 class Ticket:
-    """One admitted request's hold on a slot; `release` is idempotent."""
+    """One admitted request's hold on `weight` slots; `release` is idempotent."""
 
-    def __init__(self, admission: Admission, principal: str | None, waited_ms: float) -> None:
+    def __init__(self, admission: Admission, principal: str | None, waited_ms: float, weight: int = 1) -> None:
         self._admission = admission
         self.principal = principal
         self.waited_ms = waited_ms
+        self.weight = weight
         self._released = False
 
     def release(self) -> None:
         if not self._released:
             self._released = True
-            self._admission._finish_in_flight()
-            self._admission._unreserve(self.principal)
+            self._admission._finish_in_flight(self.weight)
+            self._admission._unreserve(self.principal, self.weight)
 
 
 class Admission:
+    """Slots for one model. A request weighs as many slots as it has choices (`n`): each choice is
+    a sequence in a worker's batch. A request heavier than a limit weighs that limit (it takes all
+    of it), so it waits for the model to be free rather than never being admitted."""
+
     def __init__(self, limits: AdmissionLimits) -> None:
         self.limits = limits
-        self.pending = 0  # in flight + queued
+        self.pending = 0  # in flight + queued, in slots
         self.in_flight = 0
         self.by_principal: dict[str, int] = {}
-        self._queue: deque[asyncio.Future[None]] = deque()
+        self._queue: deque[tuple[asyncio.Future[None], int]] = deque()
 
-    def _reject(self, decision: str, status: int) -> Rejected:
+    def _reject(self, decision: AdmissionDecision, status: int) -> Rejected:
         hint = retry_after_s(max(self.pending - self.limits.max_in_flight, 0))
         return Rejected(decision, status, hint, self.pending, self.in_flight)
 
-    async def acquire(self, principal: str | None) -> Ticket:
+    def _weigh(self, principal: str | None, weight: int) -> int:
         limits = self.limits
-        if limits.max_in_flight and self.pending >= limits.max_in_flight + limits.max_queue_depth:
-            raise self._reject("queue_full", 503)
+        caps = [limits.max_in_flight or weight, weight]
+        if principal is not None and limits.max_per_principal:
+            caps.append(limits.max_per_principal)
+        return max(min(caps), 1)
+
+    async def acquire(self, principal: str | None, weight: int = 1) -> Ticket:
+        limits = self.limits
+        weight = self._weigh(principal, weight)
+        if limits.max_in_flight and self.pending + weight > limits.max_in_flight + limits.max_queue_depth:
+            raise self._reject(AdmissionDecision.QUEUE_FULL, 503)
         if principal is not None and limits.max_per_principal and \
-                self.by_principal.get(principal, 0) >= limits.max_per_principal:
-            raise self._reject("principal_cap", 429)
-        self.pending += 1
+                self.by_principal.get(principal, 0) + weight > limits.max_per_principal:
+            raise self._reject(AdmissionDecision.PRINCIPAL_CAP, 429)
+        self.pending += weight
         if principal is not None:
-            self.by_principal[principal] = self.by_principal.get(principal, 0) + 1
+            self.by_principal[principal] = self.by_principal.get(principal, 0) + weight
         started = time.monotonic()
         try:
-            if not limits.max_in_flight or (self.in_flight < limits.max_in_flight and not self._queue):
-                self.in_flight += 1
+            if not limits.max_in_flight or (self.in_flight + weight <= limits.max_in_flight and not self._queue):
+                self.in_flight += weight
             else:
-                await self._wait_for_slot(limits.max_wait_s)
+                await self._wait_for_slot(weight, limits.max_wait_s)
         except BaseException:
-            self._unreserve(principal)
+            self._unreserve(principal, weight)
             raise
-        return Ticket(self, principal, (time.monotonic() - started) * 1000.0)
+        return Ticket(self, principal, (time.monotonic() - started) * 1000.0, weight)
 
-    async def _wait_for_slot(self, timeout_s: float) -> None:
+    async def _wait_for_slot(self, weight: int, timeout_s: float) -> None:
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._queue.append(waiter)
+        entry = (waiter, weight)
+        self._queue.append(entry)
         try:
             await asyncio.wait_for(waiter, timeout_s)
         except BaseException as exc:
             if waiter.done() and not waiter.cancelled():
-                # A slot was handed over just as we gave up: pass it on rather than leak it.
-                self._finish_in_flight()
-            elif waiter in self._queue:
-                self._queue.remove(waiter)
+                # Slots were handed over just as we gave up: pass them on rather than leak them.
+                self._finish_in_flight(weight)
+            elif entry in self._queue:
+                self._queue.remove(entry)
+                # The head may have been waiting behind us only: let what fits now go.
+                self._hand_over()
             if isinstance(exc, TimeoutError):
-                raise self._reject("timeout", 503) from None
+                raise self._reject(AdmissionDecision.TIMEOUT, 503) from None
             raise
 
-    def _unreserve(self, principal: str | None) -> None:
-        self.pending -= 1
+    def _unreserve(self, principal: str | None, weight: int) -> None:
+        self.pending -= weight
         if principal is not None:
-            left = self.by_principal.get(principal, 1) - 1
-            if left:
+            left = self.by_principal.get(principal, weight) - weight
+            if left > 0:
                 self.by_principal[principal] = left
             else:
                 self.by_principal.pop(principal, None)
 
-    def _finish_in_flight(self) -> None:
-        self.in_flight -= 1
+    def _finish_in_flight(self, weight: int) -> None:
+        self.in_flight -= weight
+        self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Give freed slots to the queue's head, in order (a newcomer cannot jump the queue)."""
         while self._queue:
-            waiter = self._queue.popleft()
-            if not waiter.done():
-                # Handed over now, so a newcomer cannot jump the queue.
-                self.in_flight += 1
-                waiter.set_result(None)
+            waiter, weight = self._queue[0]
+            if waiter.done():
+                self._queue.popleft()
+                continue
+            if self.limits.max_in_flight and self.in_flight + weight > self.limits.max_in_flight:
                 return
+            self._queue.popleft()
+            self.in_flight += weight
+            waiter.set_result(None)
+
+
+_REFUSALS = {
+    AdmissionDecision.QUEUE_FULL: ("The model's queue is full; retry later.", ErrorCode.QUEUE_FULL),
+    AdmissionDecision.PRINCIPAL_CAP: ("Too many concurrent requests for this API key; retry later.",
+                                      ErrorCode.RATE_LIMIT_EXCEEDED),
+    AdmissionDecision.TIMEOUT: ("The model is busy and the request waited too long; retry later.",
+                                ErrorCode.QUEUE_TIMEOUT),
+}
+
+
+class Admissions:
+    """This gateway's admission control: one `Admission` per model, with its own limits if
+    configured; every decision is emitted (`emit` never blocks) and refusals are counted."""
+
+    def __init__(self, defaults: AdmissionLimits, per_model: dict[str, AdmissionLimits] | None,
+                 metrics: GatewayMetrics, emit: Callable[[wire.AnyEvent], None]) -> None:
+        self._defaults = defaults
+        self._per_model = per_model or {}
+        self._metrics = metrics
+        self._emit = emit
+        self.by_model: dict[str, Admission] = {}
+
+    def for_model(self, model: str) -> Admission:
+        if model not in self.by_model:
+            self.by_model[model] = Admission(self._per_model.get(model, self._defaults))
+        return self.by_model[model]
+
+    async def admit(self, request: wire.GenerateRequest) -> Ticket:
+        """Take the request's admission slots (one per choice), or refuse it (429/503 with Retry-After)."""
+        admission = self.for_model(request.model)
+
+        def decided(decision: AdmissionDecision, **fields: object) -> wire.AdmissionDecided:
+            return wire.AdmissionDecided(model=request.model, node="gateway", request_id=request.request_id,
+                                         principal=request.principal, decision=decision,
+                                         **fields)  # type: ignore[arg-type]
+
+        try:
+            ticket = await admission.acquire(request.principal, request.sampling.n)
+        except Rejected as exc:
+            self._metrics.rejections.labels(request.model, exc.decision).inc()
+            self._emit(decided(exc.decision, pending=exc.pending, in_flight=exc.in_flight,
+                               retry_after_s=exc.retry_after))
+            message, code = _REFUSALS[exc.decision]
+            raise ServingError(
+                exc.status,
+                code,
+                message,
+                retry_after_s=exc.retry_after,
+                context={"model": request.model, "request_id": request.request_id, "detail": exc.decision},
+            ) from None
+        except asyncio.CancelledError:
+            self._emit(decided(AdmissionDecision.CANCELLED, pending=admission.pending, in_flight=admission.in_flight))
+            raise
+        self._emit(decided(AdmissionDecision.ADMITTED, pending=admission.pending, in_flight=admission.in_flight,
+                           waited_ms=round(ticket.waited_ms, 3)))
+        return ticket

@@ -6,9 +6,8 @@ unknown model, busy workers), are answered in Anthropic's envelope rather than O
 
 from __future__ import annotations
 
-import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -18,11 +17,10 @@ from litestar.exceptions import HTTPException
 from litestar.response import Response, Stream
 
 from apps.bus import wire
-from apps.bus.codes import Api, ErrorCode, ServingError
+from apps.bus.codes import Api, ErrorCode, FinishReason, ServingError
 from apps.gateway import anthropic_schema as an
-from apps.gateway.dispatch import Generation, resolve_model, start_generation
 from apps.gateway.errors import http_error_handler, internal_error_handler, serving_error_handler
-from apps.gateway.openai_schema import decode_request
+from apps.gateway.validate import decode_request
 from apps.gateway.openapi_docs import operation_for
 
 HANDLER = "messages"
@@ -122,14 +120,14 @@ def function_tools(req: an.MessagesRequest) -> list[dict[str, Any]] | None:
     return tools
 
 
-def to_bus_request(req: an.MessagesRequest, request_id: str, reply_subject: str, deadline: float,
-                   principal: str | None = None) -> wire.GenerateRequest:
+def to_bus_request(req: an.MessagesRequest, request_id: str, principal: str | None = None) -> wire.GenerateRequest:
+    """The bus request for a Messages call; the pipeline gives it its reply subject and deadline."""
     choice = req.tool_choice
     messages = chat_messages(req)
     return wire.GenerateRequest(
         request_id=request_id,
         model=req.model,
-        reply_subject=reply_subject,
+        reply_subject="",
         messages=messages,
         tools=function_tools(req),
         tool_required=isinstance(choice, an.ToolChoiceAny | an.ToolChoiceTool),
@@ -140,7 +138,6 @@ def to_bus_request(req: an.MessagesRequest, request_id: str, reply_subject: str,
         stream=req.stream,
         principal=principal,
         api=Api.MESSAGES,
-        deadline=deadline,
     )
 
 
@@ -219,10 +216,10 @@ class ContentBuilder:
         return {"type": "content_block_delta", "index": len(self.blocks) - 1, "delta": delta}
 
 
-def stop_reason(finish: str, content: ContentBuilder, stop_sequence: str | None = None) -> str:
-    if finish in ("stop", "tool_calls") and content.has_tool_use:
+def stop_reason(finish: FinishReason, content: ContentBuilder, stop_sequence: str | None = None) -> str:
+    if finish in (FinishReason.STOP, FinishReason.TOOL_CALLS) and content.has_tool_use:
         return "tool_use"
-    if finish == "stop" and stop_sequence:
+    if finish == FinishReason.STOP and stop_sequence:
         return "stop_sequence"
     return an.STOP_REASONS.get(finish, "end_turn")
 
@@ -251,82 +248,68 @@ def _anthropic_envelope(handler: Callable[[Request, Any], Response]) -> Callable
     },
 )
 async def messages(request: Request, state: State) -> Response | Stream:
-    req = decode_request(await request.body(), an.MessagesRequest)
-    bus, settings = state.bus, state.settings
-    request_id = f"msg_{uuid.uuid4().hex}"
-    bus_request = to_bus_request(req, request_id, bus.new_inbox(), time.time() + settings.accept_timeout_s,
-                                 request.state.principal)
-    await resolve_model(bus, req.model)
-    generation = await start_generation(bus, settings, bus_request, HANDLER, request)
-    headers = {"X-Request-Id": request_id}
-    if req.stream:
-        return Stream(_sse(generation), media_type="text/event-stream",
-                      headers={**headers, "Cache-Control": "no-cache"})
-    return await _complete(generation, headers)
-
-
-async def _complete(generation: Generation, headers: dict[str, str]) -> Response:
-    content = ContentBuilder()
-    finish: str | None = None
-    stop_sequence: str | None = None
-    try:
-        async for frame in generation.frames():
-            if isinstance(frame, wire.Delta):
-                content.feed(frame)
-                finish = frame.finish_reason or finish
-                stop_sequence = frame.stop_sequence or stop_sequence
-                continue
-            body = an.MessageOut(
-                id=generation.request.request_id,
-                model=generation.request.model,
-                content=content.blocks,
-                stop_reason=stop_reason(finish or frame.finish_reason, content, stop_sequence),
-                stop_sequence=stop_sequence,
-                usage=an.UsageOut(input_tokens=frame.usage.prompt_tokens, output_tokens=frame.usage.completion_tokens),
-            )
-            return Response(_encode(body), media_type="application/json", headers=headers)
-    except ServingError as exc:
-        return Response(an.error_body(exc.status, exc.message), status_code=exc.status)
-    finally:
-        await generation.close()
-    raise AssertionError("frames() ended without a final frame")
+    req = await decode_request(request, an.MessagesRequest)
+    bus_request = to_bus_request(req, f"msg_{uuid.uuid4().hex}", request.state.principal)
+    return await state.generations.serve(request, bus_request, MessagesFormatter(bus_request), HANDLER)
 
 
 def _event(payload: dict[str, Any]) -> bytes:
     return b"event: " + payload["type"].encode() + b"\ndata: " + _encode(payload) + b"\n\n"
 
 
-async def _sse(generation: Generation) -> AsyncIterator[bytes]:
-    start = an.MessageOut(
-        id=generation.request.request_id,
-        model=generation.request.model,
-        content=[],
-        stop_reason=None,
-        usage=an.UsageOut(input_tokens=generation.accepted.prompt_tokens, output_tokens=0),
-    )
-    content = ContentBuilder()
-    finish: str | None = None
-    stop_sequence: str | None = None
-    try:
-        yield _event({"type": "message_start", "message": start})
-        yield _event({"type": "ping"})
-        async for frame in generation.frames():
-            if isinstance(frame, wire.Delta):
-                for event in content.feed(frame):
-                    yield _event(event)
-                finish = frame.finish_reason or finish
-                stop_sequence = frame.stop_sequence or stop_sequence
-                continue
-            for event in content.close():
-                yield _event(event)
-            yield _event({
-                "type": "message_delta",
-                "delta": {"stop_reason": stop_reason(finish or frame.finish_reason, content, stop_sequence),
-                          "stop_sequence": stop_sequence},
-                "usage": {"input_tokens": frame.usage.prompt_tokens, "output_tokens": frame.usage.completion_tokens},
-            })
-            yield _event({"type": "message_stop"})
-    except ServingError as exc:
-        yield _event(an.error_body(exc.status, exc.message))
-    finally:
-        await generation.close()
+class MessagesFormatter:
+    """A Messages answer, whole (`message`) or as Anthropic's stream of events."""
+
+    def __init__(self, request: wire.GenerateRequest) -> None:
+        self.id = request.request_id
+        self.model = request.model
+        self._content = ContentBuilder()
+        self._finish: FinishReason | None = None
+        self._stop_sequence: str | None = None
+
+    def _feed(self, delta: wire.Delta) -> list[dict[str, Any]]:
+        self._finish = delta.finish_reason or self._finish
+        self._stop_sequence = delta.stop_sequence or self._stop_sequence
+        return self._content.feed(delta)
+
+    def _stop_reason(self, final: wire.Final) -> str:
+        return stop_reason(self._finish or final.finish_reason, self._content, self._stop_sequence)
+
+    def whole(self, deltas: list[wire.Delta], final: wire.Final) -> an.MessageOut:
+        for delta in deltas:
+            self._feed(delta)
+        return an.MessageOut(
+            id=self.id,
+            model=self.model,
+            content=self._content.blocks,
+            stop_reason=self._stop_reason(final),
+            stop_sequence=self._stop_sequence,
+            usage=an.UsageOut(input_tokens=final.usage.prompt_tokens, output_tokens=final.usage.completion_tokens),
+        )
+
+    def error_body(self, error: ServingError) -> dict[str, Any]:
+        return an.error_body(error.status, error.message)
+
+    def stream_start(self, accepted: wire.Accepted) -> list[bytes]:
+        start = an.MessageOut(id=self.id, model=self.model, content=[], stop_reason=None,
+                              usage=an.UsageOut(input_tokens=accepted.prompt_tokens, output_tokens=0))
+        return [_event({"type": "message_start", "message": start}), _event({"type": "ping"})]
+
+    def stream_delta(self, delta: wire.Delta) -> list[bytes]:
+        return [_event(event) for event in self._feed(delta)]
+
+    def stream_final(self, final: wire.Final) -> list[bytes]:
+        events = self._content.close()
+        events.append({
+            "type": "message_delta",
+            "delta": {"stop_reason": self._stop_reason(final), "stop_sequence": self._stop_sequence},
+            "usage": {"input_tokens": final.usage.prompt_tokens, "output_tokens": final.usage.completion_tokens},
+        })
+        events.append({"type": "message_stop"})
+        return [_event(event) for event in events]
+
+    def stream_error(self, error: ServingError) -> bytes:
+        return _event(self.error_body(error))
+
+    def stream_end(self) -> list[bytes]:
+        return []

@@ -7,8 +7,9 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from apps.bus.codes import ErrorCode, ServingError
-from engine.protocol import SamplingParams, TokenCount, TopK, TopP
+from apps.bus.codes import FinishReason
+from apps.gateway.validate import MAX_MESSAGES, MAX_TOOLS, ModelId, check_stop_strings
+from engine.protocol import SamplingParams, StopStrings, TokenCount, TopK, TopP
 
 
 class TextBlock(msgspec.Struct, kw_only=True, tag_field="type", tag="text"):
@@ -89,25 +90,22 @@ class Metadata(msgspec.Struct, kw_only=True):
 class MessagesRequest(msgspec.Struct, kw_only=True):
     """The parameters we act on; unknown fields are accepted and ignored, as Anthropic clients expect."""
 
-    model: Annotated[str, Meta(min_length=1)]
+    model: ModelId
     max_tokens: TokenCount
-    messages: Annotated[list[MessageIn], Meta(min_length=1)]
+    messages: Annotated[list[MessageIn], Meta(min_length=1, max_length=MAX_MESSAGES)]
     system: str | list[TextBlock] | None = None
-    stop_sequences: list[str] | None = None
+    stop_sequences: StopStrings | None = None
     stream: bool = False
     temperature: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     top_p: TopP | None = None
     top_k: TopK | None = None
-    tools: list[ToolIn] | None = None
+    tools: Annotated[list[ToolIn], Meta(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
     metadata: Metadata | None = None
 
     def sampling_params(self) -> SamplingParams:
         """Anthropic's sampling fields under their `SamplingParams` names; null means the default."""
-        stops = self.stop_sequences or []
-        if any(not stop for stop in stops):
-            raise ServingError(400, ErrorCode.INVALID_REQUEST, "'stop_sequences' must be non-empty strings.",
-                               param="stop_sequences")
+        stops = check_stop_strings(self.stop_sequences or [], "stop_sequences")
         given = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
         return SamplingParams(max_tokens=self.max_tokens, stop=list(stops),
                               **{name: value for name, value in given.items() if value is not None})
@@ -148,7 +146,8 @@ class MessageOut(msgspec.Struct, kw_only=True):
     usage: UsageOut
 
 
-STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
+STOP_REASONS = {FinishReason.STOP: "end_turn", FinishReason.LENGTH: "max_tokens", FinishReason.TOOL_CALLS: "tool_use",
+                FinishReason.ABORT: "end_turn"}
 
 _ERROR_TYPES = {
     400: "invalid_request_error",

@@ -1,4 +1,5 @@
-"""The gateway's Litestar app: routes, error handlers and the NATS connection's lifetime."""
+"""The gateway's Litestar app: routes, error handlers, and the parts a request passes through,
+built once per process and wired together here (nothing else constructs them)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,21 @@ from litestar.openapi import OpenAPIConfig
 
 from apps.bus.codes import ServingError
 from apps.fleet.catalogue import load_catalogue
-from apps.gateway.admission import AdmissionLimits, load_per_model
+from apps.gateway.admission import AdmissionLimits, Admissions, load_per_model
 from apps.gateway.anthropic import messages
 from apps.gateway.auth import ApiKeys
 from apps.gateway.bus_client import GatewayBus
 from apps.gateway.chat import chat_completions
+from apps.gateway.cold_start import ColdStarts
 from apps.gateway.completions import completions
 from apps.gateway.errors import http_error_handler, internal_error_handler, serving_error_handler
-from apps.gateway.models import health, list_models, metrics, ready
+from apps.gateway.events import EventPublisher
+from apps.gateway.generation import GenerationPipeline
+from apps.gateway.health import health, metrics, ready
+from apps.gateway.liveness import Canceller
+from apps.gateway.metrics import GatewayMetrics
+from apps.gateway.models import list_models
+from apps.gateway.node_registry import NodeRegistry
 from apps.gateway.openapi_docs import add_components
 from apps.settings import GatewaySettings, bus_limits, catalogue_file
 
@@ -40,13 +48,26 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
             max_per_principal=settings.max_per_principal,
         )
         per_model = load_per_model(settings.admission_file, admission) if settings.admission_file else None
-        app.state.bus = await GatewayBus.connect(settings.nats_url, limits=bus_limits(), admission=admission,
-                                                 per_model=per_model, catalogue=load_catalogue(catalogue_file()),
-                                                 cold_start_wait_s=settings.cold_start_wait_s)
+        limits = bus_limits()
+        gateway_metrics = GatewayMetrics()
+        bus = await GatewayBus.connect(settings.nats_url, limits, gateway_metrics)
+        registry = NodeRegistry(bus, limits)
+        registry.start()
+        events = EventPublisher(bus, gateway_metrics)
+        events.start()
+        admissions = Admissions(admission, per_model, gateway_metrics, events.emit)
+        cold_starts = ColdStarts(bus, registry, gateway_metrics, load_catalogue(catalogue_file()),
+                                 settings.cold_start_wait_s)
+        app.state.bus, app.state.registry = bus, registry
+        app.state.metrics, app.state.admissions = gateway_metrics, admissions
+        app.state.generations = GenerationPipeline(bus, cold_starts, admissions, Canceller(lambda: bus.nc), events,
+                                                   gateway_metrics, settings)
         try:
             yield
         finally:
-            await app.state.bus.close()
+            await registry.stop()
+            await events.stop()
+            await bus.close()
 
     app = Litestar(
         route_handlers=[chat_completions, completions, messages, list_models, health, ready, metrics],

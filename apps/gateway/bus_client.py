@@ -1,175 +1,152 @@
-"""The gateway's side of the bus: publish a request, follow its reply frames, read live nodes."""
+"""The gateway's NATS connection, and putting a request on the bus: listen, then publish.
+
+`submit` returns the request's `ReplyStream`; a max-deliveries advisory (JetStream gave up on a
+request) is turned into an error frame on that stream, so its client is answered at once.
+
+The connection is watched. nats-py rides out a server restart by itself, but gives up for good
+when a server answers with an `-ERR` (e.g. a control line past 4096 bytes): then every open
+reply stream fails with `bus_unavailable`, `/health` reports the outage, and a new connection
+(with its own subscriptions; the node registry's watch restarts on it) replaces the old one.
+Everyone else reads `nc` and `js` here at the moment they use them, so they follow the swap.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
-import time
 from collections.abc import Callable
 
 import msgspec
 import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
-from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
+from nats.js import JetStreamContext
 
 from apps.bus import topology, wire
-from apps.bus.codes import ModelState, NodeState
-from apps.bus.publish import publish, publish_event
+from apps.bus.codes import ErrorCode, ServingError
+from apps.bus.publish import publish
 from apps.bus.topology import BusLimits
-from apps.fleet import control_client
-from apps.fleet.catalogue import CatalogueEntry
-from apps.gateway.admission import Admission, AdmissionLimits
+from apps.gateway.liveness import answer_probes
 from apps.gateway.metrics import GatewayMetrics
+from apps.gateway.reply_stream import DEFAULT_MAX_FRAMES, ReplyStream
 
 log = logging.getLogger("helexa.gateway")
 
-
-class ReplyTimeout(Exception):
-    """No frame arrived within the allowed silence."""
-
-
-class ReplyStream:
-    """Frames of one request's reply subject, in order, duplicates and stale attempts dropped.
-
-    Once the client has been sent text, `lock()` pins the attempt that sent it: a later attempt
-    (JetStream redelivered the request) would start the text again, so its frames are dropped.
-    """
-
-    def __init__(self, subscription: Subscription) -> None:
-        self._sub = subscription
-        # The requester's answer to liveness probes, and what to do on close; set by its owner.
-        self.alive: Subscription | None = None
-        self.on_close: Callable[[], None] | None = None
-        self._next_seq = 0
-        self._attempt = 0
-        self._locked = False
-        self.node: str | None = None
-
-    @property
-    def attempt(self) -> int:
-        return self._attempt
-
-    @property
-    def locked_attempt(self) -> int | None:
-        return self._attempt if self._locked else None
-
-    def lock(self) -> None:
-        self._locked = True
-
-    async def next(self, timeout_s: float) -> wire.ReplyFrame:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise ReplyTimeout
-            try:
-                msg = await self._sub.next_msg(timeout=remaining)
-            except TimeoutError:  # nats-py raises its own or asyncio's; both are TimeoutError
-                raise ReplyTimeout from None
-            try:
-                frame = wire.frame_decoder.decode(msg.data)
-            except msgspec.DecodeError:
-                log.warning("undecodable reply frame dropped", extra={"subject": msg.subject})
-                continue
-            if frame.attempt != self._attempt:
-                # A redelivered request restarts the sequence; only a fresh attempt may do so.
-                if frame.attempt < self._attempt or self._locked:
-                    continue
-                self._attempt, self._next_seq = frame.attempt, 0
-            if frame.seq < self._next_seq:
-                continue
-            self._next_seq = frame.seq + 1
-            if isinstance(frame, wire.Accepted):
-                self.node = frame.node
-            return frame
-
-    async def close(self) -> None:
-        if self.on_close is not None:
-            self.on_close()
-            self.on_close = None
-        for sub in (self._sub, self.alive):
-            if sub is None:
-                continue
-            try:
-                await sub.unsubscribe()
-            except nats.errors.Error:
-                pass
+# How long a health check waits for the server's answer to a ping.
+HEALTH_PING_S = 2.0
 
 
 class GatewayBus:
-    def __init__(self, nc: NatsClient, kv: KeyValue, limits: BusLimits,
-                 admission: AdmissionLimits | None = None,
-                 per_model: dict[str, AdmissionLimits] | None = None,
-                 catalogue: dict[str, CatalogueEntry] | None = None, cold_start_wait_s: float = 120.0) -> None:
-        self.metrics = GatewayMetrics()
-        self.catalogue = catalogue or {}
-        self.cold_start_wait_s = cold_start_wait_s
-        self._loads: dict[str, asyncio.Task[dict]] = {}
-        self._nodes_changed = asyncio.Event()
+    def __init__(self, url: str, limits: BusLimits, metrics: GatewayMetrics) -> None:
+        self.url = url
+        self.limits = limits
+        self._metrics = metrics
+        self.nc: NatsClient = NatsClient()
+        self.js: JetStreamContext = self.nc.jetstream()
+        # Which connection is current: a closed callback of an older one changes nothing.
+        self._generation = 0
+        self._replacing: asyncio.Task[None] | None = None
+        self._closing = False
+        self._streams: set[ReplyStream] = set()
         # Stream sequence of each request this gateway waits on -> its reply subject, so a
         # max-deliveries advisory (which names only the sequence) reaches the right client.
         self._waiting: dict[int, str] = {}
-        self.admission_limits = admission or AdmissionLimits()
-        self.per_model_admission = per_model or {}
-        self._admissions: dict[str, Admission] = {}
-        self.metrics.admissions = self._admissions
-        self._nodes: dict[str, wire.NodeStatus] = {}
-        self._nodes_ready = asyncio.Event()
-        self._node_watch: asyncio.Task[None] | None = None
-        self.nc = nc
-        self.js = nc.jetstream()
-        self.kv = kv
-        self.limits = limits
-        self._background: set[asyncio.Task[None]] = set()
 
     @classmethod
-    async def connect(cls, url: str, limits: BusLimits, admission: AdmissionLimits | None = None,
-                      per_model: dict[str, AdmissionLimits] | None = None,
-                      catalogue: dict[str, CatalogueEntry] | None = None,
-                      cold_start_wait_s: float = 120.0) -> GatewayBus:
-        nc = await topology.connect(url, name="helexa-gateway")
-        js = nc.jetstream()
-        await topology.ensure_topology(js, limits)
-        kv = await topology.node_registry(js, limits)
-        bus = cls(nc, kv, limits, admission, per_model, catalogue, cold_start_wait_s)
-        bus._node_watch = asyncio.create_task(bus.watch_nodes())
-        await nc.subscribe(topology.max_deliveries_advisories(), cb=bus._on_max_deliveries)
+    async def connect(cls, url: str, limits: BusLimits, metrics: GatewayMetrics) -> GatewayBus:
+        bus = cls(url, limits, metrics)
+        await bus._open()
         return bus
 
-    async def close(self) -> None:
-        if self._node_watch is not None:
-            self._node_watch.cancel()
-        await self.nc.drain()
+    async def _open(self) -> None:
+        generation = self._generation + 1
 
-    async def submit(self, request: wire.GenerateRequest) -> ReplyStream:
+        async def closed() -> None:
+            await self._on_closed(generation)
+
+        nc = await topology.connect(self.url, name="helexa-gateway", closed_cb=closed)
+        try:
+            await topology.ensure_topology(nc.jetstream(), self.limits)
+            await nc.subscribe(topology.max_deliveries_advisories(), cb=self._on_max_deliveries)
+        except BaseException:
+            await nc.close()
+            raise
+        self.nc, self.js, self._generation = nc, nc.jetstream(), generation
+
+    async def _on_closed(self, generation: int) -> None:
+        if self._closing or generation != self._generation:
+            return
+        log.error("the NATS server closed the connection for good; opening a new one",
+                  extra={"error": repr(self.nc.last_error)})
+        self._metrics.bus_connections_lost.inc()
+        lost = ServingError(503, ErrorCode.BUS_UNAVAILABLE,
+                            "The gateway lost its connection to the message bus; retry shortly.", retry_after_s=2)
+        for stream in list(self._streams):
+            stream.fail(lost)
+        self._waiting.clear()
+        if self._replacing is None or self._replacing.done():
+            self._replacing = asyncio.create_task(self._replace())
+
+    async def _replace(self) -> None:
+        # A first pause: a server that just refused us is not asked again in a tight loop.
+        pause = 0.5
+        while not self._closing:
+            await asyncio.sleep(pause)
+            try:
+                await self._open()
+            except (nats.errors.Error, OSError, TimeoutError) as exc:
+                log.warning("no new NATS connection yet", extra={"error": repr(exc)})
+                pause = min(pause * 2, 5.0)
+                continue
+            log.info("NATS connection replaced")
+            return
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._replacing is not None:
+            self._replacing.cancel()
+        if not self.nc.is_closed:
+            await self.nc.drain()
+
+    @property
+    def is_connected(self) -> bool:
+        return self.nc.is_connected
+
+    async def is_healthy(self) -> bool:
+        """Connected, and the server answers a ping (a hung server is an outage too)."""
+        if not self.nc.is_connected:
+            return False
+        try:
+            await self.nc.flush(timeout=HEALTH_PING_S)
+        except (nats.errors.Error, TimeoutError):
+            return False
+        return True
+
+    async def submit(self, request: wire.GenerateRequest, max_frames: int = DEFAULT_MAX_FRAMES,
+                     on_overflow: Callable[[], None] | None = None) -> ReplyStream:
         """Listen on the reply subject first, then publish, so no frame can be missed. While this
         process lives it answers the worker's liveness probes; when it dies, nobody does."""
-        sub = await self.nc.subscribe(request.reply_subject)
-        stream = ReplyStream(sub)
-
-        async def still_listening(msg: Msg) -> None:
-            # A worker about to serve a redelivered attempt asks with its attempt number: once
-            # another attempt has sent the client text, this one must not run at all.
-            try:
-                asking = int(msg.data) if msg.data else None
-            except ValueError:
-                asking = None
-            taken = asking is not None and stream.locked_attempt not in (None, asking)
-            await msg.respond(topology.ATTEMPT_TAKEN if taken else b"")
-
-        stream.alive = await self.nc.subscribe(topology.alive_subject(request.reply_subject), cb=still_listening)
-        request = msgspec.structs.replace(request, liveness_probe=True)
+        nc = self.nc
+        stream = ReplyStream(max_frames, on_overflow)
+        stream.subscriptions.append(await nc.subscribe(request.reply_subject, cb=stream.on_message))
+        self._streams.add(stream)
+        stream.on_close = lambda: self._streams.discard(stream)
         try:
+            stream.subscriptions.append(await answer_probes(nc, stream, request.reply_subject))
+            request = msgspec.structs.replace(request, liveness_probe=True)
             ack = await publish(self.js, topology.request_subject(request.model), wire.encode(request),
                                 request.request_id)
         except BaseException:
             await stream.close()
             raise
         self._waiting[ack.seq] = request.reply_subject
-        stream.on_close = lambda: self._waiting.pop(ack.seq, None)
+
+        def forget() -> None:
+            self._streams.discard(stream)
+            self._waiting.pop(ack.seq, None)
+
+        stream.on_close = forget
         return stream
 
     async def _on_max_deliveries(self, msg: Msg) -> None:
@@ -185,7 +162,7 @@ class GatewayBus:
             return  # another gateway's request
         deliveries = int(advisory.get("deliveries") or self.limits.max_deliver)
         frame = wire.ErrorFrame(
-            seq=0, attempt=deliveries + 1, status=500, code="delivery_failed",
+            seq=0, attempt=deliveries + 1, status=500, code=ErrorCode.DELIVERY_FAILED,
             message=f"The request was tried {deliveries} times and every worker serving it stopped; "
                     "it will not be tried again.",
         )
@@ -195,104 +172,5 @@ class GatewayBus:
         except (nats.errors.Error, TimeoutError) as exc:
             log.warning("could not drop an undeliverable request", extra={"seq": seq, "error": str(exc)})
 
-    def admission(self, model: str) -> Admission:
-        """This gateway's admission control for `model`, with its own limits if configured."""
-        if model not in self._admissions:
-            self._admissions[model] = Admission(self.per_model_admission.get(model, self.admission_limits))
-        return self._admissions[model]
-
-    async def publish_event(self, event: wire.AnyEvent) -> None:
-        await publish_event(self.js, event)
-
     def new_inbox(self) -> str:
         return self.nc.new_inbox()
-
-    def cancel_soon(self, request_id: str) -> None:
-        """Publish a cancellation even from code that is itself being cancelled."""
-        task = asyncio.get_running_loop().create_task(self._cancel(request_id))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _cancel(self, request_id: str) -> None:
-        try:
-            await self.nc.publish(topology.cancel_subject(request_id), b"")
-        except nats.errors.Error as exc:
-            log.warning("cancel publish failed", extra={"request_id": request_id, "error": str(exc)})
-
-    async def watch_nodes(self) -> None:
-        """Keep `_nodes` current from one long-lived watch on the registry bucket, instead of
-        listing keys per request (slow, and racy while workers rewrite their entries).
-
-        Live workers rewrite their entries every few seconds, so a watch silent for half the TTL
-        has most likely lost its consumer (e.g. the NATS server holding it died): start a new one
-        before every entry looks expired.
-        """
-        while True:
-            try:
-                await self._watch_once(self.limits.node_ttl_s / 2)
-            except (nats.errors.Error, TimeoutError) as exc:
-                log.warning("node registry watch failed; restarting it", extra={"error": repr(exc)})
-                await asyncio.sleep(0.5)
-
-    async def _watch_once(self, silence_s: float) -> None:
-        watcher = await self.kv.watchall()
-        try:
-            while True:
-                try:
-                    entry = await watcher.updates(timeout=silence_s)
-                except TimeoutError:  # nats-py's TimeoutError is one too
-                    return
-                if entry is None:  # the end of the initial values
-                    self._nodes_ready.set()
-                    continue
-                if not hasattr(entry, "operation"):  # the watcher was stopped under us
-                    return
-                if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
-                    self._nodes.pop(entry.key, None)
-                else:
-                    try:
-                        self._nodes[entry.key] = wire.node_decoder.decode(entry.value)
-                    except msgspec.DecodeError:
-                        log.warning("undecodable node entry ignored", extra={"node": entry.key})
-                self._nodes_changed.set()
-                self._nodes_changed = asyncio.Event()
-        finally:
-            try:
-                await watcher.stop()
-            except (nats.errors.Error, TimeoutError):
-                pass
-
-    async def live_nodes(self) -> list[wire.NodeStatus]:
-        """Nodes whose last refresh is younger than the bucket's TTL (expiry leaves no marker)."""
-        await self._nodes_ready.wait()
-        horizon = time.time() - self.limits.node_ttl_s
-        nodes = [n for n in self._nodes.values() if n.updated_at >= horizon and n.status != NodeState.STOPPING]
-        self.metrics.set_nodes(nodes)
-        return nodes
-
-    async def wait_for_model(self, model: str, timeout_s: float) -> list[wire.NodeStatus]:
-        """Live nodes serving `model` ready, waiting for the registry to show one (TimeoutError)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            changed = self._nodes_changed
-            nodes = [n for n in await self.live_nodes()
-                     if any(m.model == model and m.state == ModelState.READY for m in n.models)]
-            if nodes:
-                return nodes
-            await asyncio.wait_for(changed.wait(), max(deadline - time.monotonic(), 0.001))
-
-    def load_once(self, model: str) -> asyncio.Task[dict]:
-        """One load of `model` through the control endpoint, shared by every request waiting on it."""
-        task = self._loads.get(model)
-        if task is None:
-            task = asyncio.create_task(control_client.load_model(
-                self.nc, model, timeout_s=max(self.cold_start_wait_s, 600.0), catalogue=self.catalogue))
-            self._loads[model] = task
-            task.add_done_callback(lambda _: self._loads.pop(model, None))
-        return task
-
-    async def model_is_known(self, model: str) -> bool:
-        return await topology.model_is_known(self.js, model)
-
-    async def is_ready(self) -> bool:
-        return self.nc.is_connected

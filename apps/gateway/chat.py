@@ -4,7 +4,6 @@ tool calls and logprobs."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,18 +13,20 @@ from litestar.datastructures import State
 from litestar.response import Response, Stream
 
 from apps.bus import wire
-from apps.bus.codes import Api, ServingError
+from apps.bus.codes import Api, FinishReason, ServingError
 from apps.gateway import openai_schema as oa
-from apps.gateway.dispatch import Generation, new_request_id, resolve_model, start_generation
 from apps.gateway.errors import error_body
+from apps.gateway.generation import new_request_id
 from apps.gateway.openapi_docs import operation_for
+from apps.gateway.validate import decode_request
 
 HANDLER = "chat_completions"
 _encode = msgspec.json.encode
 
 
-def to_bus_request(req: oa.ChatCompletionRequest, request_id: str, reply_subject: str, deadline: float,
+def to_bus_request(req: oa.ChatCompletionRequest, request_id: str,
                    principal: str | None = None) -> wire.GenerateRequest:
+    """The bus request for a chat completion; the pipeline gives it its reply subject and deadline."""
     messages = [
         wire.ChatMessage(role=m.role, content=m.text(), tool_calls=m.template_tool_calls(),
                          tool_call_id=m.tool_call_id, name=m.name)
@@ -35,7 +36,7 @@ def to_bus_request(req: oa.ChatCompletionRequest, request_id: str, reply_subject
     return wire.GenerateRequest(
         request_id=request_id,
         model=req.model,
-        reply_subject=reply_subject,
+        reply_subject="",
         messages=messages,
         tool_required=tool_required,
         tool_name=tool_name,
@@ -44,7 +45,6 @@ def to_bus_request(req: oa.ChatCompletionRequest, request_id: str, reply_subject
         stream=req.stream,
         principal=principal,
         api=Api.CHAT_COMPLETIONS,
-        deadline=deadline,
         tools=req.tool_dicts(),
     )
 
@@ -85,20 +85,10 @@ def tool_calls_out(calls: list[wire.ToolCallDelta]) -> list[oa.ToolCallOut]:
 
 @post("/v1/chat/completions", status_code=200, operation_class=operation_for("chat"))
 async def chat_completions(request: Request, state: State) -> Response | Stream:
-    req = oa.decode_request(await request.body(), oa.ChatCompletionRequest)
-    bus, settings = state.bus, state.settings
-    bus_request = to_bus_request(req, new_request_id("chatcmpl"), bus.new_inbox(),
-                                 time.time() + settings.accept_timeout_s, request.state.principal)
-    await resolve_model(bus, req.model)
-    generation = await start_generation(bus, settings, bus_request, HANDLER, request)
-    created = int(time.time())
-    if req.stream:
-        return Stream(
-            _sse(generation, created, req.include_usage()),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Request-Id": bus_request.request_id},
-        )
-    return await _complete(generation, created)
+    req = await decode_request(request, oa.ChatCompletionRequest)
+    bus_request = to_bus_request(req, new_request_id("chatcmpl"), request.state.principal)
+    return await state.generations.serve(request, bus_request, ChatFormatter(bus_request, req.include_usage()),
+                                         HANDLER)
 
 
 @dataclass(slots=True)
@@ -109,7 +99,7 @@ class ChoiceState:
     reasoning: list[str] = field(default_factory=list)
     tool_calls: list[wire.ToolCallDelta] = field(default_factory=list)
     logprobs: list[wire.TokenLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
 
     def add(self, delta: wire.Delta) -> None:
         self.content.append(delta.text)
@@ -118,7 +108,7 @@ class ChoiceState:
         self.logprobs += delta.logprobs or []
         self.finish_reason = delta.finish_reason or self.finish_reason
 
-    def choice(self, index: int, default_finish: str, with_logprobs: bool) -> oa.ChoiceOut:
+    def choice(self, index: int, default_finish: FinishReason, with_logprobs: bool) -> oa.ChoiceOut:
         content = "".join(self.content)
         reasoning = "".join(self.reasoning)
         message = oa.ChatMessageOut(
@@ -135,70 +125,70 @@ class ChoiceState:
         )
 
 
-async def _complete(generation: Generation, created: int) -> Response:
-    sampling = generation.request.sampling
-    choices = [ChoiceState() for _ in range(sampling.n)]
-    try:
-        async for frame in generation.frames():
-            if isinstance(frame, wire.Delta):
-                choices[frame.index].add(frame)
-                continue
-            body = oa.ChatCompletion(
-                id=generation.request.request_id,
-                created=created,
-                model=generation.request.model,
-                choices=[c.choice(i, frame.finish_reason, sampling.logprobs is not None) for i, c in enumerate(choices)],
-                usage=usage_out(frame.usage),
-            )
-            return Response(_encode(body), media_type="application/json",
-                            headers={"X-Request-Id": generation.request.request_id})
-    except ServingError as exc:
-        return Response(error_body(exc.status, exc.message, exc.code), status_code=exc.status)
-    finally:
-        await generation.close()
-    raise AssertionError("frames() ended without a final frame")
-
-
-def _sse_data(payload: msgspec.Struct | dict[str, Any]) -> bytes:
+def sse_data(payload: msgspec.Struct | dict[str, Any]) -> bytes:
     return b"data: " + _encode(payload) + b"\n\n"
 
 
-def _chunk(generation: Generation, created: int, choice: oa.ChunkChoice) -> bytes:
-    return _sse_data(oa.ChatCompletionChunk(
-        id=generation.request.request_id, created=created, model=generation.request.model, choices=[choice]
-    ))
+class OpenAIFormatting:
+    """What OpenAI's APIs share: the error envelope, `data:` chunks and the `[DONE]` marker."""
+
+    def error_body(self, error: ServingError) -> dict[str, Any]:
+        return error_body(error.status, error.message, error.code)
+
+    def stream_error(self, error: ServingError) -> bytes:
+        return sse_data(self.error_body(error))
+
+    def stream_end(self) -> list[bytes]:
+        return [b"data: [DONE]\n\n"]
 
 
-def _delta_chunks(generation: Generation, created: int, frame: wire.Delta) -> list[bytes]:
-    chunks = []
-    tool_calls = [oa.ToolCallChunk(index=c.index, id=c.id, function=oa.FunctionCallOut(name=c.name, arguments=c.arguments))
-                  for c in frame.tool_calls]
-    if frame.text or frame.reasoning or tool_calls or frame.logprobs:
-        delta = oa.DeltaOut(content=frame.text or None, reasoning_content=frame.reasoning or None,
-                            tool_calls=tool_calls or None)
-        logprobs = logprobs_out(frame.logprobs) if frame.logprobs else None
-        chunks.append(_chunk(generation, created, oa.ChunkChoice(index=frame.index, delta=delta, logprobs=logprobs)))
-    if frame.finish_reason:
-        chunks.append(_chunk(generation, created,
-                             oa.ChunkChoice(index=frame.index, delta=oa.DeltaOut(), finish_reason=frame.finish_reason)))
-    return chunks
+class ChatFormatter(OpenAIFormatting):
+    """A chat completion, whole (`chat.completion`) or as `chat.completion.chunk` events."""
 
+    def __init__(self, request: wire.GenerateRequest, include_usage: bool) -> None:
+        self.id = request.request_id
+        self.model = request.model
+        self.n = request.sampling.n
+        self.with_logprobs = request.sampling.logprobs is not None
+        self.include_usage = include_usage
+        self.created = int(time.time())
 
-async def _sse(generation: Generation, created: int, include_usage: bool) -> AsyncIterator[bytes]:
-    try:
-        for index in range(generation.request.sampling.n):
-            yield _chunk(generation, created, oa.ChunkChoice(index=index, delta=oa.DeltaOut(role="assistant", content="")))
-        async for frame in generation.frames():
-            if isinstance(frame, wire.Delta):
-                for chunk in _delta_chunks(generation, created, frame):
-                    yield chunk
-            elif include_usage:
-                yield _sse_data(oa.ChatCompletionChunk(
-                    id=generation.request.request_id, created=created, model=generation.request.model,
-                    choices=[], usage=usage_out(frame.usage),
-                ))
-    except ServingError as exc:
-        yield _sse_data(error_body(exc.status, exc.message, exc.code))
-    finally:
-        await generation.close()
-    yield b"data: [DONE]\n\n"
+    def whole(self, deltas: list[wire.Delta], final: wire.Final) -> oa.ChatCompletion:
+        choices = [ChoiceState() for _ in range(self.n)]
+        for delta in deltas:
+            choices[delta.index].add(delta)
+        return oa.ChatCompletion(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=[c.choice(i, final.finish_reason, self.with_logprobs) for i, c in enumerate(choices)],
+            usage=usage_out(final.usage),
+        )
+
+    def _chunk(self, choice: oa.ChunkChoice) -> bytes:
+        return sse_data(oa.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice]))
+
+    def stream_start(self, accepted: wire.Accepted) -> list[bytes]:
+        return [self._chunk(oa.ChunkChoice(index=index, delta=oa.DeltaOut(role="assistant", content="")))
+                for index in range(self.n)]
+
+    def stream_delta(self, delta: wire.Delta) -> list[bytes]:
+        chunks = []
+        tool_calls = [oa.ToolCallChunk(index=c.index, id=c.id,
+                                       function=oa.FunctionCallOut(name=c.name, arguments=c.arguments))
+                      for c in delta.tool_calls]
+        if delta.text or delta.reasoning or tool_calls or delta.logprobs:
+            shown = oa.DeltaOut(content=delta.text or None, reasoning_content=delta.reasoning or None,
+                                tool_calls=tool_calls or None)
+            logprobs = logprobs_out(delta.logprobs) if delta.logprobs else None
+            chunks.append(self._chunk(oa.ChunkChoice(index=delta.index, delta=shown, logprobs=logprobs)))
+        if delta.finish_reason:
+            chunks.append(self._chunk(oa.ChunkChoice(index=delta.index, delta=oa.DeltaOut(),
+                                                     finish_reason=delta.finish_reason)))
+        return chunks
+
+    def stream_final(self, final: wire.Final) -> list[bytes]:
+        if not self.include_usage:
+            return []
+        return [sse_data(oa.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
+                                                usage=usage_out(final.usage)))]

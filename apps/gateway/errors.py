@@ -17,6 +17,7 @@ _TYPES = {
     401: "authentication_error",
     404: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable",
 }
@@ -70,7 +71,10 @@ def serving_error_handler(request: Request, exc: ServingError) -> Response:
         node=ctx.get("node"),
         request_id=ctx.get("request_id"),
     )
-    headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else None
+    headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else {}
+    if ctx.get("request_id"):
+        # Refused after it had an id (admission, a worker's refusal): the client can name it to the ledger.
+        headers["X-Request-Id"] = ctx["request_id"]
     return Response(error_body(exc.status, exc.message, exc.code, exc.param), status_code=exc.status, headers=headers)
 
 

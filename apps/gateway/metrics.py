@@ -2,19 +2,23 @@
 
 Latencies are observed where the client sees them (the gateway); engine-side state (running and
 waiting sequences, KV-cache usage, prefix-cache hits) comes from the workers' `helexa_nodes`
-entries, read when Prometheus scrapes.
+entries, read when Prometheus scrapes: `render` takes them, and this gateway's admission state,
+as they are at that moment.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from apps.bus import wire
+
+if TYPE_CHECKING:
+    from apps.gateway.admission import Admission
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -39,15 +43,22 @@ class GatewayMetrics:
                               registry=r)
         self.rejections = Counter("helexa:admission_rejections", "Requests refused before running, by reason",
                                   ["model", "reason"], registry=r)
+        self.event_backlog = Gauge("helexa:gateway_event_backlog", "Events queued for publishing on EVENTS",
+                                   registry=r)
+        self.events_dropped = Counter("helexa:gateway_events_dropped", "Events dropped: the publish queue was full",
+                                      registry=r)
+        self.bus_connections_lost = Counter("helexa:gateway_bus_connections_lost",
+                                            "NATS connections the server closed for good (then replaced)", registry=r)
+        self.slow_readers = Counter("helexa:gateway_slow_reader_cancels",
+                                    "Streams cancelled because the client read too slowly", ["model"], registry=r)
+        # What the scrape in progress reports: live nodes, and model → this gateway's admission.
         self._nodes: list[wire.NodeStatus] = []
-        # Model → this gateway's admission control (shared with the bus client), read at scrape time.
-        self.admissions: dict[str, Any] = {}
+        self._admissions: Mapping[str, Admission] = {}
         r.register(_NodeCollector(self))
 
-    def set_nodes(self, nodes: list[wire.NodeStatus]) -> None:
-        self._nodes = nodes
-
-    def render(self) -> bytes:
+    def render(self, nodes: list[wire.NodeStatus], admissions: Mapping[str, Admission]) -> bytes:
+        """The Prometheus text, with engine and admission gauges taken from `nodes` and `admissions`."""
+        self._nodes, self._admissions = nodes, admissions
         return generate_latest(self.registry)
 
 
@@ -85,7 +96,7 @@ class _NodeCollector(Collector):
                                     labels=["model"])
         in_flight = GaugeMetricFamily("helexa:admission_in_flight", "Requests holding a slot at this gateway",
                                       labels=["model"])
-        for model, admission in self.metrics.admissions.items():
+        for model, admission in self.metrics._admissions.items():
             pending.add_metric([model], admission.pending)
             in_flight.add_metric([model], admission.in_flight)
         yield from (pending, in_flight)

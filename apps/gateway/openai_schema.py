@@ -1,15 +1,16 @@
-"""OpenAI request and response shapes as msgspec Structs; validation errors name the parameter."""
+"""OpenAI request and response shapes as msgspec Structs, carrying the bounds of the input
+contract (`apps.gateway.validate`), so decoding checks them and the OpenAPI schema shows them."""
 
 from __future__ import annotations
 
 import json
-import re
 from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
 
 from apps.bus.codes import ErrorCode, ServingError
+from apps.gateway.validate import MAX_MESSAGES, MAX_TOOLS, ModelId, check_json_depth, check_stop_strings
 from engine import protocol as p
 
 
@@ -42,10 +43,11 @@ class MessageIn(msgspec.Struct, kw_only=True):
             return None
         calls = []
         for call in self.tool_calls:
+            check_json_depth(call.function.arguments or "{}", "messages")
             try:
                 arguments = json.loads(call.function.arguments or "{}")
             except ValueError:
-                raise ServingError(400, None, "Tool call arguments must be a JSON object.", param="messages") from None
+                raise ServingError(400, ErrorCode.INVALID_REQUEST, "Tool call arguments must be a JSON object.", param="messages") from None
             calls.append({"id": call.id, "type": "function",
                           "function": {"name": call.function.name, "arguments": arguments}})
         return calls
@@ -60,7 +62,7 @@ class MessageIn(msgspec.Struct, kw_only=True):
             if part.type != "text" or part.text is None:
                 raise ServingError(
                     400,
-                    None,
+                    ErrorCode.INVALID_REQUEST,
                     f"Content parts of type '{part.type}' are not supported.",
                     param="messages",
                 )
@@ -95,7 +97,7 @@ class GenerationParams(msgspec.Struct, kw_only=True):
     Sampling fields carry the bounds of `engine.protocol` and are spelled as `SamplingParams`
     spells them, so `sampling_params` copies them over by name; null means the default."""
 
-    model: Annotated[str, Meta(min_length=1)]
+    model: ModelId
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: p.TokenCount | None = None
@@ -109,8 +111,8 @@ class GenerationParams(msgspec.Struct, kw_only=True):
     repetition_penalty: p.RepetitionPenalty | None = None
     min_tokens: Annotated[int, Meta(ge=0)] | None = None
     seed: p.Seed | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: p.StopString | p.StopStrings | None = None
+    stop_token_ids: p.StopTokenIds | None = None
     ignore_eos: bool | None = None
     n: p.Choices | None = None
     user: str | None = None
@@ -118,11 +120,7 @@ class GenerationParams(msgspec.Struct, kw_only=True):
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
-        stops = [self.stop] if isinstance(self.stop, str) else self.stop
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ServingError(400, ErrorCode.INVALID_REQUEST, "'stop' takes up to 4 non-empty strings.",
-                               param="stop")
-        return stops
+        return check_stop_strings([self.stop] if isinstance(self.stop, str) else self.stop, "stop")
 
     def logprobs_count(self) -> int | None:
         return None
@@ -144,9 +142,9 @@ class GenerationParams(msgspec.Struct, kw_only=True):
 
 
 class ChatCompletionRequest(GenerationParams, kw_only=True):
-    messages: Annotated[list[MessageIn], Meta(min_length=1)]
+    messages: Annotated[list[MessageIn], Meta(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: p.TokenCount | None = None
-    tools: list[ToolDef] | None = None
+    tools: Annotated[list[ToolDef], Meta(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     logprobs: bool = False
     top_logprobs: p.TopLogprobs | None = None
@@ -158,7 +156,7 @@ class ChatCompletionRequest(GenerationParams, kw_only=True):
 
     def logprobs_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
-            raise ServingError(400, None, "'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
+            raise ServingError(400, ErrorCode.INVALID_REQUEST, "'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def tool_dicts(self) -> list[dict[str, Any]] | None:
@@ -173,14 +171,14 @@ class ChatCompletionRequest(GenerationParams, kw_only=True):
         if choice in (None, "none", "auto"):
             return False, None
         if not self.tools:
-            raise ServingError(400, None, "'tool_choice' requires 'tools'.", param="tool_choice")
+            raise ServingError(400, ErrorCode.INVALID_REQUEST, "'tool_choice' requires 'tools'.", param="tool_choice")
         if choice == "required":
             return True, None
         name = choice.function.get("name") if isinstance(choice, NamedToolChoice) else None
         if name not in {t.function.name for t in self.tools}:
             raise ServingError(
                 400,
-                None,
+                ErrorCode.INVALID_REQUEST,
                 f"'tool_choice' names the function '{name}', which is not in 'tools'.",
                 param="tool_choice",
             )
@@ -190,7 +188,7 @@ class ChatCompletionRequest(GenerationParams, kw_only=True):
         if self.continue_final_message and self.messages[-1].role != "assistant":
             raise ServingError(
                 400,
-                None,
+                ErrorCode.INVALID_REQUEST,
                 "'continue_final_message' needs the last message to be from the assistant.",
                 param="continue_final_message",
             )
@@ -199,7 +197,7 @@ class ChatCompletionRequest(GenerationParams, kw_only=True):
 
 class CompletionRequest(GenerationParams, kw_only=True):
     # Text, or token ids (a list of one text is accepted too).
-    prompt: str | Annotated[list[int | str], Meta(min_length=1)]
+    prompt: str | Annotated[list[p.TokenId | str], Meta(min_length=1)]
     logprobs: p.TopLogprobs | None = None
     echo: bool = False
 
@@ -211,7 +209,7 @@ class CompletionRequest(GenerationParams, kw_only=True):
 
     def prompt_text_or_ids(self) -> tuple[str | None, list[int] | None]:
         if self.echo:
-            raise ServingError(400, None, "'echo' is not supported.", param="echo")
+            raise ServingError(400, ErrorCode.INVALID_REQUEST, "'echo' is not supported.", param="echo")
         if isinstance(self.prompt, str):
             return self.prompt, None
         if len(self.prompt) == 1 and isinstance(self.prompt[0], str):
@@ -220,33 +218,10 @@ class CompletionRequest(GenerationParams, kw_only=True):
             return None, list(self.prompt)  # type: ignore[arg-type]
         raise ServingError(
             400,
-            None,
+            ErrorCode.INVALID_REQUEST,
             "'prompt' must be a string, a list of token ids, or a list of one string.",
             param="prompt",
         )
-
-
-_PATH = re.compile(r"at `\$\.([A-Za-z_]+)")
-_MISSING = re.compile(r"missing required field `([A-Za-z_]+)`")
-
-
-def decode_request(body: bytes, kind: type[msgspec.Struct]) -> Any:
-    """Decode a JSON body into `kind`, turning msgspec's errors into 400s that name the parameter."""
-    if not body.strip():
-        raise ServingError(400, None, "The request body is empty; expected a JSON object.")
-    try:
-        return msgspec.json.decode(body, type=kind)
-    except msgspec.ValidationError as exc:
-        text = str(exc)
-        found = _MISSING.search(text) or _PATH.search(text)
-        param = found.group(1) if found else None
-        if _MISSING.search(text):
-            message = f"Missing required parameter: '{param}'."
-        else:
-            message = f"Invalid value for '{param}': {text.split(' - at ')[0]}." if param else f"Invalid request: {text}."
-        raise ServingError(400, ErrorCode.INVALID_REQUEST, message, param=param) from None
-    except msgspec.DecodeError:
-        raise ServingError(400, ErrorCode.INVALID_JSON, "The request body is not valid JSON.") from None
 
 
 class UsageOut(msgspec.Struct, kw_only=True):

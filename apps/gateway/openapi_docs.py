@@ -28,7 +28,7 @@ class RouteDoc:
     statuses: tuple[int, ...]
 
 
-_OPENAI_STATUSES = (400, 401, 404, 413, 429, 500, 503)
+_OPENAI_STATUSES = (400, 401, 404, 413, 415, 429, 500, 503)
 ROUTES: dict[str, RouteDoc] = {
     "chat": RouteDoc(oa.ChatCompletionRequest, oa.ChatCompletion, oa.ChatCompletionChunk, oa.ErrorEnvelope,
                      _OPENAI_STATUSES),
@@ -43,10 +43,12 @@ _REFS, _COMPONENTS = msgspec.json.schema_components(_TYPES, ref_template=_REF)
 _REF_OF = dict(zip(_TYPES, _REFS))
 
 _STATUS_TEXT = {
-    400: "Invalid request: malformed JSON or a bad parameter (the message names it).",
+    400: "Invalid request: malformed JSON, JSON nested deeper than 64 levels, or a parameter outside its bound "
+         "(`param` names it). The bounds are in the request schema; see also the README's API section.",
     401: "Missing or unknown API key (only when keys are configured).",
     404: "Unknown model.",
     413: "Request body too large.",
+    415: "The body is not sent as JSON (`Content-Type: application/json` is required).",
     429: "Admission refused: queue full or per-principal cap; see Retry-After.",
     500: "Internal error.",
     503: "No live worker for the model, or it timed out; see Retry-After.",

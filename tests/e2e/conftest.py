@@ -18,6 +18,9 @@ from apps.embedded.postgres import PostgresServer
 from apps.recorder.migrate import migrate
 from tests.support import AppProcess
 
+# Workers rewrite their node entries this often, so tests read fresh engine stats from /metrics.
+STATUS_INTERVAL_S = 1.0
+
 
 @dataclass
 class System:
@@ -39,7 +42,8 @@ def system(nats_server: NatsServer, postgres: PostgresServer) -> Iterator[System
     try:
         recorder = AppProcess(["recorder"], env)
         apps.append(recorder)
-        worker = AppProcess(["worker"], {**env, "HELEXA_NODE_ID": "e2e-worker"})
+        worker = AppProcess(["worker"], {**env, "HELEXA_NODE_ID": "e2e-worker",
+                                         "HELEXA_STATUS_INTERVAL_S": str(STATUS_INTERVAL_S)})
         apps.append(worker)
         gateway = AppProcess(["gateway"], env)
         apps.append(gateway)
@@ -69,7 +73,7 @@ def scripted_worker(system: System, folder: Path, name: str, script: dict) -> It
     path.write_text(json.dumps(script), encoding="utf-8")
     worker = AppProcess(["worker", "--script", str(path), "--served-model-name", name],
                         {"NATS_URL": system.nats_url, "HELEXA_NODE_ID": f"e2e-{name}",
-                         "HELEXA_REASONING_PARSER": "on"})
+                         "HELEXA_REASONING_PARSER": "on", "HELEXA_STATUS_INTERVAL_S": str(STATUS_INTERVAL_S)})
     try:
         worker.wait_ready()
         yield worker

@@ -19,7 +19,7 @@ from apps.bus import topology, wire
 from apps.embedded import free_port
 from apps.gateway import anthropic_schema as an
 from apps.gateway.anthropic import to_bus_request
-from apps.gateway.openai_schema import decode_request
+from apps.gateway.validate import decode_body
 from tests.e2e.conftest import System, scripted_worker
 from tests.e2e.test_chat import finished_run
 from tests.support import AppProcess
@@ -403,8 +403,8 @@ def test_conversation_translates_to_template_messages() -> None:
             ]},
         ],
     }
-    req = decode_request(json.dumps(body).encode(), an.MessagesRequest)
-    bus = to_bus_request(req, "msg_1", "inbox", 0.0, principal="alice")
+    req = decode_body(json.dumps(body).encode(), an.MessagesRequest)
+    bus = to_bus_request(req, "msg_1", principal="alice")
     assert bus.api == "messages" and bus.principal == "alice"
     assert (bus.sampling.max_tokens, bus.sampling.stop, bus.sampling.top_k) == (8, ["\n\n"], 5)
     assert bus.messages == [
@@ -420,8 +420,8 @@ def test_conversation_translates_to_template_messages() -> None:
         "name": "get_weather", "description": WEATHER_TOOL["description"], "parameters": WEATHER_TOOL["input_schema"]}}]
 
     body["tool_choice"] = {"type": "none"}
-    req = decode_request(json.dumps(body).encode(), an.MessagesRequest)
-    assert to_bus_request(req, "msg_2", "inbox", 0.0).tools is None
+    req = decode_body(json.dumps(body).encode(), an.MessagesRequest)
+    assert to_bus_request(req, "msg_2").tools is None
 
 
 def test_assistant_prefill_is_continued(system: System, scripted: str) -> None:

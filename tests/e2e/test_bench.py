@@ -7,7 +7,6 @@ import asyncio
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import asyncpg
@@ -15,7 +14,7 @@ import asyncpg
 from apps.bench.client import StreamResult, chat_body, http_client, stream_chat
 from apps.bench.publish import MEASURED_BY, ResultsFile
 from tests.e2e.conftest import System, scripted_worker
-from tests.support import REPO
+from tests.support import REPO, eventually_async
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -49,15 +48,15 @@ max_tokens = 8
 async def recorded_scores(system: System, run_ids: list[str], count: int, timeout_s: float = 30.0) -> list[asyncpg.Record]:
     """The `scores` rows of these runs once the recorder has projected `count` of them."""
     conn = await asyncpg.connect(system.database_url)
+
+    async def enough() -> list[asyncpg.Record] | None:
+        rows = await conn.fetch("SELECT * FROM scores WHERE run_id = ANY($1::text[])", run_ids)
+        return rows if len(rows) >= count else None
+
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            rows = await conn.fetch("SELECT * FROM scores WHERE run_id = ANY($1::text[])", run_ids)
-            if len(rows) >= count:
-                return rows
-            assert time.monotonic() < deadline, (
-                f"{len(rows)} of {count} scores recorded; recorder said:\n{system.recorder.output()}")
-            await asyncio.sleep(0.1)
+        return await eventually_async(
+            enough, timeout_s, message=lambda: f"fewer than {count} scores recorded; recorder said:\n"
+                                               f"{system.recorder.output()}")
     finally:
         await conn.close()
 

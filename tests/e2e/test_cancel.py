@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Callable
 
 import httpx
@@ -13,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from apps.embedded import free_port
 from tests.e2e.conftest import System
 from tests.e2e.test_chat import finished_run
-from tests.support import AppProcess
+from tests.support import AppProcess, eventually
 
 LONG = 2000
 
@@ -63,10 +62,8 @@ def engine_state(system: System) -> dict[str, float]:
 
 def assert_engine_idle(system: System, timeout_s: float = 20.0) -> None:
     """The worker's next status refresh shows no running sequence and every KV block free."""
-    deadline = time.monotonic() + timeout_s
-    while (state := engine_state(system)) != {"helexa:num_requests_running": 0, "helexa:kv_cache_usage_perc": 0}:
-        assert time.monotonic() < deadline, state
-        time.sleep(0.2)
+    idle = {"helexa:num_requests_running": 0, "helexa:kv_cache_usage_perc": 0}
+    eventually(lambda: engine_state(system) == idle, timeout_s, message=lambda: repr(engine_state(system)))
 
 
 def test_a_gateway_killed_mid_stream_leaves_no_generation_running(system: System) -> None:

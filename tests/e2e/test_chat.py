@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import asyncpg
 import pytest
@@ -11,6 +10,7 @@ import torch
 from openai import OpenAI
 
 from tests.e2e.conftest import System
+from tests.support import eventually_async
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 MAX_TOKENS = 32
@@ -55,16 +55,15 @@ def client(system: System) -> OpenAI:
 async def finished_run(system: System, request_id: str, timeout_s: float = 30.0) -> asyncpg.Record:
     """The run's ledger row once the recorder has projected its run.finished event."""
     conn = await asyncpg.connect(system.database_url)
+
+    async def finished() -> asyncpg.Record | None:
+        row = await conn.fetchrow("SELECT * FROM runs WHERE request_id = $1", request_id)
+        return row if row is not None and row["finished_at"] is not None else None
+
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            row = await conn.fetchrow("SELECT * FROM runs WHERE request_id = $1", request_id)
-            if row is not None and row["finished_at"] is not None:
-                return row
-            assert time.monotonic() < deadline, (
-                f"no finished run row for {request_id}; recorder said:\n{system.recorder.output()}"
-            )
-            await asyncio.sleep(0.1)
+        return await eventually_async(
+            finished, timeout_s,
+            message=lambda: f"no finished run row for {request_id}; recorder said:\n{system.recorder.output()}")
     finally:
         await conn.close()
 

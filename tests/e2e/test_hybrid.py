@@ -6,7 +6,6 @@ as the node registry reports through the gateway's metrics."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from tests.e2e.conftest import System
 from tests.e2e.test_cancel import stream_until_first_text
 from tests.e2e.test_chat import finished_run
 from tests.engine.hybrid_models import save_hybrid_dir
-from tests.support import AppProcess
+from tests.support import AppProcess, eventually
 
 transformers = pytest.importorskip("transformers")
 
@@ -48,10 +47,8 @@ def engine_gauges(system: System, model: str) -> dict[str, float]:
 
 def wait_for_gauges(system: System, model: str, expected: dict[str, float], timeout_s: float = 30.0) -> None:
     """Until the worker's next status refreshes reach the gateway with the expected values."""
-    deadline = time.monotonic() + timeout_s
-    while (state := engine_gauges(system, model)) != expected:
-        assert time.monotonic() < deadline, state
-        time.sleep(0.1)
+    eventually(lambda: engine_gauges(system, model) == expected, timeout_s,
+               message=lambda: repr(engine_gauges(system, model)))
 
 
 # Random weights emit byte tokens often, so some answers end inside a character: each of these

@@ -93,3 +93,27 @@ def test_stream_chunks_validate_against_the_document(system: System, document: d
                 validator.validate(json.loads(line.removeprefix("data: ")))
                 chunks += 1
     assert chunks >= 2
+
+
+def _body_schema(document: dict[str, Any], path: str) -> dict[str, Any]:
+    ref = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    return document["components"]["schemas"][ref.rsplit("/", 1)[-1]]
+
+
+def _max_items(prop: dict[str, Any]) -> int:
+    arrays = [prop] if prop.get("type") == "array" else [s for s in prop.get("anyOf", []) if s.get("type") == "array"]
+    return arrays[0]["maxItems"]
+
+
+@pytest.mark.parametrize("path", list(ROUTES), ids=lambda p: p.rsplit("/", 1)[-1])
+def test_the_input_contract_is_in_the_schema(document: dict[str, Any], path: str) -> None:
+    properties = _body_schema(document, path)["properties"]
+    assert properties["model"]["maxLength"] == 256 and properties["model"]["pattern"]
+    stops = "stop_sequences" if path == "/v1/messages" else "stop"
+    assert _max_items(properties[stops]) == 16
+    if path != "/v1/completions":
+        assert _max_items(properties["messages"]) == 2048
+        assert _max_items(properties["tools"]) == 128
+    if path != "/v1/messages":
+        assert _max_items(properties["stop_token_ids"]) == 64
+    assert "415" in document["paths"][path]["post"]["responses"]

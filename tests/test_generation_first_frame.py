@@ -10,14 +10,26 @@ import nats
 from apps.bus import topology, wire
 from apps.bus.topology import BusLimits
 from apps.embedded.nats_server import NatsServer
+from apps.gateway.admission import AdmissionLimits, Admissions
 from apps.gateway.bus_client import GatewayBus
-from apps.gateway.dispatch import _publish_and_wait
+from apps.gateway.cold_start import ColdStarts
+from apps.gateway.events import EventPublisher
+from apps.gateway.generation import GenerationPipeline
+from apps.gateway.liveness import Canceller
+from apps.gateway.metrics import GatewayMetrics
+from apps.gateway.node_registry import NodeRegistry
 from apps.settings import GatewaySettings
 from engine.protocol import SamplingParams
 
 
 async def test_a_reply_without_accepted_keeps_its_first_delta(own_nats: NatsServer) -> None:
-    bus = await GatewayBus.connect(own_nats.url, BusLimits())
+    metrics = GatewayMetrics()
+    bus = await GatewayBus.connect(own_nats.url, BusLimits(), metrics)
+    cold_starts = ColdStarts(bus, NodeRegistry(bus, BusLimits()), metrics)
+    events = EventPublisher(bus, metrics)
+    admissions = Admissions(AdmissionLimits(), None, metrics, events.emit)
+    pipeline = GenerationPipeline(bus, cold_starts, admissions, Canceller(lambda: bus.nc), events, metrics,
+                                  GatewaySettings())
     worker = await nats.connect(own_nats.url)
 
     async def serve(msg: nats.aio.msg.Msg) -> None:
@@ -33,10 +45,10 @@ async def test_a_reply_without_accepted_keeps_its_first_delta(own_nats: NatsServ
     try:
         request = wire.GenerateRequest(request_id="bare-1", model="bare", reply_subject=bus.new_inbox(),
                                        sampling=SamplingParams(), prompt="hi", deadline=time.time() + 30)
-        generation = await _publish_and_wait(bus, GatewaySettings(), request, "test")
-        texts = [f.text async for f in generation.frames() if isinstance(f, wire.Delta)]
+        generation = await pipeline.first_frame(request, "test")
+        texts = [f.text async for f in pipeline.frames(generation) if isinstance(f, wire.Delta)]
         assert "".join(texts) == "Hello there"
-        await generation.close()
+        await pipeline.close(generation)
     finally:
         await worker.close()
         await bus.close()

@@ -1,0 +1,101 @@
+"""Which nodes will serve a request's model: the serving check, and a cold start for a catalogued
+model no worker has loaded (one load per model, shared by every request waiting for it)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from apps.bus import wire
+from apps.bus.codes import ErrorCode, ModelState, ServingError
+from apps.fleet import control_client
+from apps.fleet.catalogue import CatalogueEntry
+from apps.fleet.control_client import ControlFailed
+from apps.gateway.bus_client import GatewayBus
+from apps.gateway.errors import retry_after_s
+from apps.gateway.metrics import GatewayMetrics
+from apps.gateway.node_registry import NodeRegistry, serving
+
+
+class ColdStarts:
+    def __init__(self, bus: GatewayBus, registry: NodeRegistry, metrics: GatewayMetrics,
+                 catalogue: dict[str, CatalogueEntry] | None = None, wait_s: float = 120.0) -> None:
+        self._bus = bus
+        self._registry = registry
+        self._metrics = metrics
+        self.catalogue = catalogue or {}
+        self.wait_s = wait_s
+        self._loads: dict[str, asyncio.Task[dict]] = {}
+
+    async def nodes_for(self, model: str) -> list[wire.NodeStatus]:
+        """The live nodes serving `model`. A model poisoned everywhere is a 503 at once; a catalogued
+        model no worker has loaded is loaded now (cold start); 404 if no worker ever served it, 503
+        if none does now."""
+        live = await self._registry.live_nodes()
+        nodes = serving(live, model, ModelState.READY)
+        if nodes:
+            return nodes
+        if serving(live, model):
+            self._metrics.rejections.labels(model, "poisoned").inc()
+            raise ServingError(
+                503,
+                ErrorCode.MODEL_POISONED,
+                f"The model '{model}' is out of service after a device fault on every worker serving it; "
+                f"it answers again once reloaded (helexa models load {model}).",
+                retry_after_s=retry_after_s(),
+                context={"model": model, "detail": "poisoned"},
+            )
+        if model in self.catalogue:
+            return await self._cold_start(model)
+        if await self._registry.model_is_known(model):
+            self._metrics.rejections.labels(model, "no_worker").inc()
+            raise ServingError(
+                503,
+                ErrorCode.MODEL_UNAVAILABLE,
+                f"No worker is serving the model '{model}' right now; retry later.",
+                retry_after_s=retry_after_s(),
+                context={"model": model, "detail": "no live node"},
+            )
+        raise ServingError(
+            404,
+            ErrorCode.MODEL_NOT_FOUND,
+            f"The model '{model}' does not exist.",
+            param="model",
+            context={"model": model},
+        )
+
+    def load_once(self, model: str) -> asyncio.Task[dict]:
+        """One load of `model` through the control endpoint, shared by every request waiting on it."""
+        task = self._loads.get(model)
+        if task is None:
+            task = asyncio.create_task(control_client.load_model(
+                self._bus.nc, model, timeout_s=max(self.wait_s, 600.0), catalogue=self.catalogue))
+            self._loads[model] = task
+            task.add_done_callback(lambda _: self._loads.pop(model, None))
+        return task
+
+    async def _cold_start(self, model: str) -> list[wire.NodeStatus]:
+        """Have a capable worker load a catalogued model and wait for it, up to the cold-start bound."""
+        deadline = time.monotonic() + self.wait_s
+        try:
+            # Shielded: a client giving up must not abort a load other requests share.
+            await asyncio.wait_for(asyncio.shield(self.load_once(model)), self.wait_s)
+            return await self._registry.wait_for_model(model, max(deadline - time.monotonic(), 0.001))
+        except TimeoutError:
+            self._metrics.rejections.labels(model, "loading").inc()
+            raise ServingError(
+                503,
+                ErrorCode.MODEL_LOADING,
+                f"The model '{model}' is being loaded; retry shortly.",
+                retry_after_s=retry_after_s(),
+                context={"model": model, "detail": "cold start outlasted its wait"},
+            ) from None
+        except ControlFailed as exc:
+            self._metrics.rejections.labels(model, "no_worker").inc()
+            raise ServingError(
+                503,
+                ErrorCode.MODEL_UNAVAILABLE,
+                f"The model '{model}' could not be loaded: {exc}",
+                retry_after_s=retry_after_s(),
+                context={"model": model, "detail": "cold start failed"},
+            ) from None

@@ -1,0 +1,300 @@
+"""One generation's life: route → check token ids → admit → publish → first frame → frames → release.
+
+Every generation endpoint builds its bus request and hands it, with a `Formatter` for its API, to
+`GenerationPipeline.serve`; the pipeline owns the sequence, the formatter only shapes what the
+client sees. The HTTP status is committed only after the worker's first frame, so errors before the
+first token are real statuses even for `stream: true`; a failure after it is an error event.
+
+The client is watched in every phase: until the first frame for a stream, until the whole answer
+otherwise. When it leaves, the phase it was in is cancelled, and cancelling any phase releases
+the admission slots and publishes the cancel, so the worker stops and frees the KV cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+import weakref
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import msgspec
+import nats.errors
+from litestar import Request
+from litestar.response import Response, Stream
+
+from apps.bus import wire
+from apps.bus.codes import ErrorCode, FinishReason, RunStatus, ServingError
+from apps.gateway.admission import Admissions, Ticket
+from apps.gateway.bus_client import GatewayBus
+from apps.gateway.cold_start import ColdStarts
+from apps.gateway.errors import log_failure, retry_after_s
+from apps.gateway.events import EventPublisher
+from apps.gateway.liveness import Canceller, ClientGone, next_live_frame, while_connected
+from apps.gateway.metrics import GatewayMetrics
+from apps.gateway.reply_stream import ReplyStream, ReplyTimeout
+from apps.gateway.validate import check_token_ids
+from apps.settings import GatewaySettings
+
+# Failures where the worker is gone and cannot report the run itself.
+_LOST = (ErrorCode.WORKER_LOST, ErrorCode.DELIVERY_FAILED)
+_encode = msgspec.json.encode
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class Formatter(Protocol):
+    """How one API shows a generation to its client, whole or as a stream of SSE chunks."""
+
+    def whole(self, deltas: list[wire.Delta], final: wire.Final) -> Any: ...
+
+    def error_body(self, error: ServingError) -> dict[str, Any]: ...
+
+    def stream_start(self, accepted: wire.Accepted) -> list[bytes]: ...
+
+    def stream_delta(self, delta: wire.Delta) -> list[bytes]: ...
+
+    def stream_final(self, final: wire.Final) -> list[bytes]: ...
+
+    def stream_error(self, error: ServingError) -> bytes: ...
+
+    def stream_end(self) -> list[bytes]: ...
+
+
+@dataclass(slots=True, weakref_slot=True)
+class Generation:
+    """A published request the worker has answered: its reply stream and how far it got."""
+
+    request: wire.GenerateRequest
+    reply: ReplyStream
+    accepted: wire.Accepted
+    handler: str
+    # A first frame that was not `Accepted` (a worker that skipped it): read before the stream.
+    held: wire.ReplyFrame | None = None
+    ticket: Ticket | None = None
+    finished: bool = False
+
+    @property
+    def node(self) -> str:
+        return self.accepted.node
+
+
+class GenerationPipeline:
+    def __init__(self, bus: GatewayBus, cold_starts: ColdStarts, admissions: Admissions, canceller: Canceller,
+                 events: EventPublisher, metrics: GatewayMetrics, settings: GatewaySettings) -> None:
+        self._bus = bus
+        self._cold_starts = cold_starts
+        self._admissions = admissions
+        self._canceller = canceller
+        self._events = events
+        self._metrics = metrics
+        self._settings = settings
+
+    async def serve(self, client: Request | None, request: wire.GenerateRequest, formatter: Formatter,
+                    handler: str) -> Response | Stream:
+        """The whole answer to one API request, or its SSE stream once the worker has answered."""
+        headers = {"X-Request-Id": request.request_id}
+        try:
+            if not request.stream:
+                return await while_connected(client, self._whole(request, formatter, handler, headers))
+            generation = await while_connected(client, self._routed_start(request, handler),
+                                               discard=lambda g: asyncio.ensure_future(self.close(g)))
+        except ClientGone:
+            raise ServingError(
+                499,
+                ErrorCode.CLIENT_CLOSED,
+                "The client closed the request.",
+                context={"model": request.model, "request_id": request.request_id, "detail": "client left"},
+            ) from None
+        return Stream(self._sse(generation, formatter), media_type="text/event-stream",
+                      headers={**headers, "Cache-Control": "no-cache"})
+
+    async def _routed_start(self, request: wire.GenerateRequest, handler: str) -> Generation:
+        nodes = await self._cold_starts.nodes_for(request.model)
+        check_token_ids(request, nodes)
+        return await self.start(request, handler)
+
+    async def start(self, request: wire.GenerateRequest, handler: str) -> Generation:
+        """Admit, publish and wait for the worker's first frame; any failure so far is a ServingError.
+        Cancelled at any await, it gives back what it holds (slots, subscriptions) and cancels."""
+        ticket = await self._admissions.admit(request)
+        try:
+            # The wait for a worker starts once admitted: the one place the deadline is set.
+            request = msgspec.structs.replace(request, reply_subject=self._bus.new_inbox(),
+                                              deadline=time.time() + self._settings.accept_timeout_s)
+            generation = await self.first_frame(request, handler)
+        except BaseException:
+            ticket.release()
+            raise
+        generation.ticket = ticket
+        # A streamed response whose body is never iterated (the client left first) never runs its
+        # cleanup; the slot must come back all the same.
+        weakref.finalize(generation, ticket.release)
+        return generation
+
+    async def first_frame(self, request: wire.GenerateRequest, handler: str) -> Generation:
+        """Publish an addressed request and wait until a worker answers it (or refuses it)."""
+        ctx = {"model": request.model, "request_id": request.request_id}
+
+        def overflow() -> None:
+            self._metrics.slow_readers.labels(request.model).inc()
+            self._canceller.cancel_soon(request.request_id)
+
+        try:
+            reply = await self._bus.submit(request, self._settings.stream_buffer_frames, overflow)
+        except (nats.errors.Error, TimeoutError) as exc:
+            # E.g. a NATS server of the cluster died and its streams are electing new leaders.
+            self._metrics.rejections.labels(request.model, "bus_unavailable").inc()
+            raise ServingError(
+                503,
+                ErrorCode.BUS_UNAVAILABLE,
+                "The request could not be queued (the message bus is unavailable); retry shortly.",
+                retry_after_s=retry_after_s(),
+                context={**ctx, "detail": f"publish failed: {exc!r}"},
+            ) from None
+        try:
+            frame = await reply.next(max(request.deadline - time.time(), 0.001))
+        except ReplyTimeout:
+            self._canceller.cancel_soon(request.request_id)
+            self._metrics.rejections.labels(request.model, "timeout").inc()
+            await reply.close()
+            raise ServingError(
+                503,
+                ErrorCode.QUEUE_TIMEOUT,
+                "The model is busy and the request was not started in time; retry later.",
+                retry_after_s=retry_after_s(),
+                context={**ctx, "detail": "no worker accepted before the deadline"},
+            ) from None
+        except BaseException:
+            self._canceller.cancel_soon(request.request_id)
+            await reply.close()
+            raise
+        self._metrics.queue.labels(request.model).observe(max(time.time() - request.created_at, 0.0))
+        if isinstance(frame, wire.ErrorFrame):
+            self._metrics.errors.labels(request.model, str(frame.status)).inc()
+            if frame.code in _LOST:
+                self._record_failed_run(request, reply.node or "unknown", frame.attempt - 1, frame.code)
+            if frame.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED:
+                self._metrics.rejections.labels(request.model, frame.code).inc()
+            await reply.close()
+            raise ServingError(frame.status, frame.code, frame.message, context={**ctx, "node": reply.node})
+        accepted = frame if isinstance(frame, wire.Accepted) else wire.Accepted(
+            seq=0, node=reply.node or "unknown", prompt_tokens=0)
+        return Generation(request=request, reply=reply, accepted=accepted, handler=handler,
+                          held=None if frame is accepted else frame)
+
+    async def frames(self, generation: Generation) -> AsyncIterator[wire.Delta | wire.Final]:
+        """Deltas then one Final; raises ServingError on an error frame or a lost worker.
+
+        Silence before any text means the worker may have died holding the request: JetStream
+        hands it to another worker after its ack wait, so we keep waiting as a queued request
+        would, up to its deadline (workers drop it after that; the max-deliveries advisory ends
+        it sooner when every delivery's worker died). Silence after text is final:
+        the text cannot be taken back, so the client gets an error and later attempts are ignored.
+        """
+        metrics, request, reply = self._metrics, generation.request, generation.reply
+        model = request.model
+        last_text_at: float | None = None
+        completion_tokens = 0
+        attempts: int | None = None
+        try:
+            while True:
+                frame = generation.held or await next_live_frame(reply, self._settings.stream_idle_timeout_s,
+                                                                 request.deadline)
+                generation.held = None
+                if isinstance(frame, wire.Accepted):
+                    generation.accepted = frame
+                    continue
+                if isinstance(frame, wire.Heartbeat):
+                    continue
+                if isinstance(frame, wire.ErrorFrame):
+                    if frame.code == ErrorCode.DELIVERY_FAILED:
+                        attempts = frame.attempt - 1  # the gateway's own frame comes after the last attempt
+                    raise ServingError(frame.status, frame.code, frame.message)
+                now = time.time()
+                if isinstance(frame, wire.Delta):
+                    completion_tokens += frame.num_tokens
+                if isinstance(frame, wire.Delta) and (frame.text or frame.reasoning or frame.tool_calls):
+                    reply.lock()
+                    if last_text_at is None:
+                        metrics.ttft.labels(model).observe(max(now - request.created_at, 0.0))
+                    else:
+                        metrics.itl.labels(model).observe(now - last_text_at)
+                    last_text_at = now
+                if isinstance(frame, wire.Final):
+                    generation.finished = True
+                    metrics.e2e.labels(model).observe(max(now - request.created_at, 0.0))
+                    metrics.prompt_tokens.labels(model).inc(frame.usage.prompt_tokens)
+                    metrics.generation_tokens.labels(model).inc(frame.usage.completion_tokens)
+                    metrics.outcomes.labels(model, frame.finish_reason).inc()
+                yield frame
+                if generation.finished:
+                    return
+        except ServingError as exc:
+            generation.finished = True
+            if exc.code in _LOST:
+                # Whatever attempt comes next must not serve a client that is already answered.
+                self._canceller.cancel_soon(request.request_id)
+                self._record_failed_run(request, generation.node, attempts or reply.attempt, exc.code,
+                                              generation.accepted.prompt_tokens, completion_tokens)
+            metrics.errors.labels(model, str(exc.status)).inc()
+            log_failure(generation.handler, exc.status, exc.message, model=model, node=generation.node,
+                        request_id=request.request_id)
+            raise
+
+    async def close(self, generation: Generation) -> None:
+        """Stop the work if the client left early, give back the admission slot, stop listening."""
+        if not generation.finished:
+            self._canceller.cancel_soon(generation.request.request_id)
+            generation.finished = True
+        if generation.ticket is not None:
+            generation.ticket.release()
+        await generation.reply.close()
+
+    async def _whole(self, request: wire.GenerateRequest, formatter: Formatter, handler: str,
+                     headers: dict[str, str]) -> Response:
+        generation = await self._routed_start(request, handler)
+        deltas: list[wire.Delta] = []
+        try:
+            async for frame in self.frames(generation):
+                if isinstance(frame, wire.Delta):
+                    deltas.append(frame)
+                    continue
+                return Response(_encode(formatter.whole(deltas, frame)), media_type="application/json",
+                                headers=headers)
+        except ServingError as exc:
+            return Response(formatter.error_body(exc), status_code=exc.status)
+        finally:
+            await self.close(generation)
+        raise AssertionError("frames() ended without a final frame")
+
+    async def _sse(self, generation: Generation, formatter: Formatter) -> AsyncIterator[bytes]:
+        try:
+            for chunk in formatter.stream_start(generation.accepted):
+                yield chunk
+            async for frame in self.frames(generation):
+                chunks = formatter.stream_delta(frame) if isinstance(frame, wire.Delta) else formatter.stream_final(frame)
+                for chunk in chunks:
+                    yield chunk
+        except ServingError as exc:
+            yield formatter.stream_error(exc)
+        finally:
+            await self.close(generation)
+        for chunk in formatter.stream_end():
+            yield chunk
+
+    def _record_failed_run(self, request: wire.GenerateRequest, node: str, attempt: int, error: str,
+                                 prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
+        """The ledger's RunFinished for a run no worker can report: it died serving it."""
+        self._events.emit(wire.RunFinished(
+            model=request.model, node=node, request_id=request.request_id, api=request.api,
+            principal=request.principal, status=RunStatus.ERROR, finish_reason=FinishReason.ERROR,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens, cached_tokens=0, attempt=max(attempt, 1), queue_ms=0.0,
+            ttft_ms=None, prefill_ms=0.0, decode_ms=0.0,
+            e2e_ms=round((time.time() - request.created_at) * 1000.0, 3), error=error,
+        ))

@@ -1,0 +1,137 @@
+"""The live workers as this gateway sees them: one watch on the `helexa_nodes` bucket, read by
+everyone who asks which nodes are live, who serves a model, or whether a model was ever served.
+
+Reading the registry has no side effects (metrics read it when they are scraped). Whether a model
+was ever served costs a JetStream lookup, so a name found unknown is remembered for a few seconds
+(and concurrent lookups of one name share one): a flood of made-up names does not reach JetStream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import msgspec
+import nats.errors
+from nats.js.kv import KV_DEL, KV_PURGE
+
+from apps.bus import topology, wire
+from apps.bus.codes import ModelState, NodeState
+from apps.bus.topology import BusLimits
+from apps.gateway.bus_client import GatewayBus
+
+log = logging.getLogger("helexa.gateway")
+
+# How long a name found unknown stays unknown without asking again, and how many are remembered.
+UNKNOWN_MODEL_TTL_S = 5.0
+MAX_UNKNOWN_MODELS = 10_000
+
+
+def serving(nodes: list[wire.NodeStatus], model: str, state: ModelState | None = None) -> list[wire.NodeStatus]:
+    """The nodes among `nodes` that have `model` (in `state`, if given)."""
+    return [n for n in nodes if any(m.model == model and (state is None or m.state == state) for m in n.models)]
+
+
+class NodeRegistry:
+    def __init__(self, bus: GatewayBus, limits: BusLimits) -> None:
+        self._bus = bus
+        self._limits = limits
+        self._nodes: dict[str, wire.NodeStatus] = {}
+        self._ready = asyncio.Event()
+        self._changed = asyncio.Event()
+        self._watch: asyncio.Task[None] | None = None
+        # Model → when it may be looked up again; insertion order is age order.
+        self._unknown: dict[str, float] = {}
+        self._lookups: dict[str, asyncio.Task[bool]] = {}
+
+    def start(self) -> None:
+        self._watch = asyncio.create_task(self._watch_forever())
+
+    async def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            await asyncio.gather(self._watch, return_exceptions=True)
+
+    async def live_nodes(self) -> list[wire.NodeStatus]:
+        """Nodes whose last refresh is younger than the bucket's TTL (expiry leaves no marker)."""
+        await self._ready.wait()
+        horizon = time.time() - self._limits.node_ttl_s
+        return [n for n in self._nodes.values() if n.updated_at >= horizon and n.status != NodeState.STOPPING]
+
+    async def serving(self, model: str, state: ModelState | None = None) -> list[wire.NodeStatus]:
+        """Live nodes that have `model` (in `state`, if given)."""
+        return serving(await self.live_nodes(), model, state)
+
+    async def wait_for_model(self, model: str, timeout_s: float) -> list[wire.NodeStatus]:
+        """Live nodes serving `model` ready, waiting for the registry to show one (TimeoutError)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            changed = self._changed
+            nodes = await self.serving(model, ModelState.READY)
+            if nodes:
+                return nodes
+            await asyncio.wait_for(changed.wait(), max(deadline - time.monotonic(), 0.001))
+
+    async def model_is_known(self, model: str) -> bool:
+        """A model some worker has served on this bus (its durable consumer exists), live or not."""
+        now = time.monotonic()
+        if self._unknown.get(model, 0.0) > now:
+            return False
+        lookup = self._lookups.get(model)
+        if lookup is None:
+            lookup = asyncio.create_task(topology.model_is_known(self._bus.js, model))
+            self._lookups[model] = lookup
+            lookup.add_done_callback(lambda _: self._lookups.pop(model, None))
+        # Shielded: one caller giving up must not fail the others sharing the lookup.
+        known = await asyncio.shield(lookup)
+        self._unknown.pop(model, None)
+        if not known:
+            while len(self._unknown) >= MAX_UNKNOWN_MODELS:
+                del self._unknown[next(iter(self._unknown))]
+            self._unknown[model] = time.monotonic() + UNKNOWN_MODEL_TTL_S
+        return known
+
+    async def _watch_forever(self) -> None:
+        """Keep `_nodes` current from one long-lived watch on the registry bucket, instead of
+        listing keys per request (slow, and racy while workers rewrite their entries).
+
+        Live workers rewrite their entries every few seconds, so a watch silent for half the TTL
+        has most likely lost its consumer (e.g. the NATS server holding it died): start a new one
+        before every entry looks expired.
+        """
+        while True:
+            try:
+                await self._watch_once(self._limits.node_ttl_s / 2)
+            except (nats.errors.Error, TimeoutError) as exc:
+                log.warning("node registry watch failed; restarting it", extra={"error": repr(exc)})
+                await asyncio.sleep(0.5)
+
+    async def _watch_once(self, silence_s: float) -> None:
+        kv = await topology.node_registry(self._bus.js, self._limits)
+        watcher = await kv.watchall()
+        try:
+            while True:
+                try:
+                    entry = await watcher.updates(timeout=silence_s)
+                except TimeoutError:  # nats-py's TimeoutError is one too
+                    return
+                if entry is None:  # the end of the initial values
+                    self._ready.set()
+                    continue
+                if not hasattr(entry, "operation"):  # the watcher was stopped under us
+                    return
+                if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
+                    self._nodes.pop(entry.key, None)
+                else:
+                    try:
+                        self._nodes[entry.key] = wire.node_decoder.decode(entry.value)
+                    except msgspec.DecodeError:
+                        log.warning("undecodable node entry ignored", extra={"node": entry.key})
+                self._changed.set()
+                self._changed = asyncio.Event()
+        finally:
+            try:
+                await watcher.stop()
+            except (nats.errors.Error, TimeoutError):
+                pass

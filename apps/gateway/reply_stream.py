@@ -1,0 +1,136 @@
+"""One request's reply subject, read as frames: in order per attempt, duplicates and stale attempts
+dropped, pinned to the attempt that first sent the client text, and held in a bounded buffer.
+
+Frames arrive as fast as the worker makes them and leave as fast as the client reads. A client
+that reads too slowly would make the gateway hold every frame in between, so the buffer is
+bounded (frames and bytes): when it overflows, `on_overflow` runs at once (the request is
+cancelled) and the reader gets a `client_too_slow` error instead of the rest of the frames.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+
+import msgspec
+import nats.errors
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from apps.bus import wire
+from apps.bus.codes import ErrorCode, ServingError
+
+log = logging.getLogger("helexa.gateway")
+
+DEFAULT_MAX_FRAMES = 4096
+MAX_BUFFERED_BYTES = 16 << 20
+
+
+class ReplyTimeout(Exception):
+    """No frame arrived within the allowed silence."""
+
+
+class ReplyStream:
+    """Frames of one request's reply subject, in order, duplicates and stale attempts dropped.
+
+    Once the client has been sent text, `lock()` pins the attempt that sent it: a later attempt
+    (JetStream redelivered the request) would start the text again, so its frames are dropped.
+    The owner subscribes `on_message` to the reply subject and sets `subscriptions` and `on_close`.
+    """
+
+    def __init__(self, max_frames: int = DEFAULT_MAX_FRAMES, on_overflow: Callable[[], None] | None = None) -> None:
+        self.subscriptions: list[Subscription] = []
+        self.on_close: Callable[[], None] | None = None
+        self.node: str | None = None
+        self._max_frames = max_frames
+        self._on_overflow = on_overflow
+        self._buffer: deque[bytes] = deque()
+        self._buffered_bytes = 0
+        self._arrived = asyncio.Event()
+        # Raised by `next` once the buffer is drained (or at once, for an overflow).
+        self._failure: ServingError | None = None
+        self._next_seq = 0
+        self._attempt = 0
+        self._locked = False
+
+    @property
+    def attempt(self) -> int:
+        return self._attempt
+
+    @property
+    def locked_attempt(self) -> int | None:
+        return self._attempt if self._locked else None
+
+    def lock(self) -> None:
+        self._locked = True
+
+    async def on_message(self, msg: Msg) -> None:
+        if self._failure is not None:
+            return
+        self._buffer.append(msg.data)
+        self._buffered_bytes += len(msg.data)
+        self._arrived.set()
+        if len(self._buffer) > self._max_frames or self._buffered_bytes > MAX_BUFFERED_BYTES:
+            self._buffer.clear()
+            self._buffered_bytes = 0
+            self._failure = ServingError(408, ErrorCode.CLIENT_TOO_SLOW,
+                                         "The client read the stream too slowly; the request was cancelled.")
+            if self._on_overflow is not None:
+                self._on_overflow()
+
+    def fail(self, error: ServingError) -> None:
+        """No more frames will come (e.g. the bus connection is gone): `next` raises `error`."""
+        if self._failure is None:
+            self._failure = error
+            self._arrived.set()
+
+    async def _next_data(self, deadline: float) -> bytes:
+        while not self._buffer:
+            if self._failure is not None:
+                raise self._failure
+            self._arrived.clear()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ReplyTimeout
+            try:
+                await asyncio.wait_for(self._arrived.wait(), remaining)
+            except TimeoutError:
+                raise ReplyTimeout from None
+        data = self._buffer.popleft()
+        self._buffered_bytes -= len(data)
+        return data
+
+    async def next(self, timeout_s: float) -> wire.ReplyFrame:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            data = await self._next_data(deadline)
+            try:
+                frame = wire.frame_decoder.decode(data)
+            except msgspec.DecodeError:
+                log.warning("undecodable reply frame dropped")
+                continue
+            if frame.attempt != self._attempt:
+                # A redelivered request restarts the sequence; only a fresh attempt may do so.
+                if frame.attempt < self._attempt or self._locked:
+                    continue
+                self._attempt, self._next_seq = frame.attempt, 0
+            if frame.seq < self._next_seq:
+                continue
+            self._next_seq = frame.seq + 1
+            if isinstance(frame, wire.Accepted):
+                self.node = frame.node
+            return frame
+
+    async def close(self) -> None:
+        if self.on_close is not None:
+            self.on_close()
+            self.on_close = None
+        for sub in self.subscriptions:
+            try:
+                await sub.unsubscribe()
+            except nats.errors.Error:
+                pass
+        self.subscriptions = []

@@ -1,0 +1,138 @@
+"""The input contract: what a generation request may hold, checked once, here, at the edge.
+
+Beyond any bound the answer is a 400 naming the parameter (a 415 for a body that is not JSON), and
+nothing is sent on the bus. The bounds:
+
+- `Content-Type` is `application/json` (or `application/<x>+json`). What a web page may send
+  cross-site without a CORS preflight (`text/plain`, forms, no type at all) is refused with 415.
+- JSON nesting: at most MAX_JSON_DEPTH (64) levels, in the body and in tool-call `arguments`
+  strings; tool schemas (`parameters`, `input_schema`) are bounded by the body's nesting.
+- `model`: 1–256 bytes of `A-Z a-z 0-9 . _ : / @ + -`.
+- `messages`: 1–MAX_MESSAGES (2048); `tools`: at most MAX_TOOLS (128).
+- Sampling: the bounds of `engine.protocol` (`SamplingParams`' field types), among them at most
+  16 stop strings of at most 256 bytes each (`stop`, Anthropic's `stop_sequences`) and at most
+  64 `stop_token_ids`.
+- Token ids (`stop_token_ids`, a `/v1/completions` prompt given as ids) inside the model's
+  vocabulary, once the workers serving it report its size (`ModelStatus.vocab_size`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, TypeVar
+
+import msgspec
+from litestar import Request
+from msgspec import Meta
+
+from apps.bus import wire
+from apps.bus.codes import ErrorCode, ServingError
+from engine.protocol import MAX_STOP_STRING_BYTES
+
+MAX_MODEL_ID_BYTES = 256
+# ASCII only, so characters are bytes; no spaces, no control characters.
+MODEL_ID_PATTERN = r"^[A-Za-z0-9._:/@+-]+$"
+ModelId = Annotated[str, Meta(min_length=1, max_length=MAX_MODEL_ID_BYTES, pattern=MODEL_ID_PATTERN,
+                              description="The model id: 1-256 bytes of A-Z a-z 0-9 . _ : / @ + -")]
+MAX_MESSAGES = 2048
+MAX_TOOLS = 128
+MAX_JSON_DEPTH = 64
+
+T = TypeVar("T")
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_BRACKET = re.compile(rb"[\[\]{}]")
+_PATH = re.compile(r"at `\$\.([A-Za-z_]+)")
+_MISSING = re.compile(r"missing required field `([A-Za-z_]+)`")
+
+
+def _refuse(message: str, param: str | None = None, code: ErrorCode = ErrorCode.INVALID_REQUEST) -> ServingError:
+    return ServingError(400, code, message, param=param)
+
+
+def json_too_deep(data: bytes | str, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether JSON text nests arrays and objects deeper than `limit` (brackets inside strings
+    do not count). Decoders recurse per level, so this is checked before any of them runs."""
+    raw = data.encode() if isinstance(data, str) else data
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False  # too few brackets to be too deep: the common case, at C speed
+    depth = 0
+    for bracket in _BRACKET.finditer(_JSON_STRING.sub(b'""', raw)):
+        if bracket.group() in (b"[", b"{"):
+            depth += 1
+            if depth > limit:
+                return True
+        else:
+            depth -= 1
+    return False
+
+
+def check_json_depth(data: bytes | str, param: str | None) -> None:
+    if json_too_deep(data):
+        where = f"'{param}'" if param else "The request body"
+        raise _refuse(f"{where} nests JSON deeper than {MAX_JSON_DEPTH} levels.", param)
+
+
+def _check_content_type(request: Request) -> None:
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type == "application/json" or (media_type.startswith("application/") and media_type.endswith("+json")):
+        return
+    raise ServingError(415, ErrorCode.UNSUPPORTED_MEDIA_TYPE,
+                       "The request body must be JSON, sent with 'Content-Type: application/json'.",
+                       context={"detail": f"content type {media_type or 'missing'}"})
+
+
+async def decode_request(request: Request, kind: type[T]) -> T:
+    """The request's JSON body as `kind`, after the media type and nesting checks."""
+    _check_content_type(request)
+    return decode_body(await request.body(), kind)
+
+
+def decode_body(body: bytes, kind: type[T]) -> T:
+    """Decode a JSON body into `kind`, turning msgspec's errors into 400s that name the parameter."""
+    if not body.strip():
+        raise _refuse("The request body is empty; expected a JSON object.")
+    check_json_depth(body, None)
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        found = _MISSING.search(text) or _PATH.search(text)
+        param = found.group(1) if found else None
+        if _MISSING.search(text):
+            message = f"Missing required parameter: '{param}'."
+        else:
+            message = f"Invalid value for '{param}': {text.split(' - at ')[0]}." if param else f"Invalid request: {text}."
+        raise _refuse(message, param) from None
+    except msgspec.DecodeError:
+        raise _refuse("The request body is not valid JSON.", code=ErrorCode.INVALID_JSON) from None
+
+
+def check_stop_strings(stops: list[str], param: str) -> list[str]:
+    """Stop strings are bounded in bytes too (the schema counts characters)."""
+    if any(len(stop.encode()) > MAX_STOP_STRING_BYTES for stop in stops):
+        raise _refuse(f"Each entry of '{param}' may be at most {MAX_STOP_STRING_BYTES} bytes long.", param)
+    return stops
+
+
+def vocabulary_size(nodes: list[wire.NodeStatus], model: str) -> int:
+    """The smallest vocabulary the nodes serving `model` report (0: none of them says)."""
+    sizes = [m.vocab_size for n in nodes for m in n.models if m.model == model and m.vocab_size]
+    return min(sizes) if sizes else 0
+
+
+def check_token_ids(request: wire.GenerateRequest, nodes: list[wire.NodeStatus]) -> None:
+    """Token ids must name tokens of the model: an id past its vocabulary would index past the
+    embedding table (or the logits) of every sequence in the worker's batch."""
+    vocab = vocabulary_size(nodes, request.model)
+    if not vocab:
+        return
+    checks: list[tuple[str, list[int], ErrorCode]] = [
+        ("stop_token_ids", request.sampling.stop_token_ids, ErrorCode.INVALID_REQUEST),
+        ("prompt", request.prompt_token_ids or [], ErrorCode.INVALID_PROMPT),
+    ]
+    for param, ids, code in checks:
+        if any(i >= vocab for i in ids):
+            raise _refuse(f"'{param}' holds a token id outside the model's vocabulary (ids are 0 to {vocab - 1}).",
+                          param, code)
+

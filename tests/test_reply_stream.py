@@ -1,0 +1,68 @@
+"""The reply stream on a real NATS server: frames in order per attempt, and a bounded buffer that
+cancels the request instead of holding frames for a client that reads too slowly."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from apps.bus import topology, wire
+from apps.bus.codes import ErrorCode, ServingError
+from apps.embedded.nats_server import NatsServer
+from apps.gateway.reply_stream import ReplyStream, ReplyTimeout
+
+
+def delta(seq: int, text: str, attempt: int = 1) -> bytes:
+    return wire.encode(wire.Delta(seq=seq, attempt=attempt, text=text, num_tokens=1))
+
+
+async def test_frames_come_in_order_and_a_later_attempt_is_ignored_once_locked(own_nats: NatsServer) -> None:
+    nc = await topology.connect(own_nats.url, "test")
+    try:
+        reply = ReplyStream()
+        inbox = nc.new_inbox()
+        reply.subscriptions.append(await nc.subscribe(inbox, cb=reply.on_message))
+        for data in (delta(0, "a"), delta(0, "a"), delta(1, "b")):  # a repeat is dropped
+            await nc.publish(inbox, data)
+        assert [(await reply.next(5)).text for _ in range(2)] == ["a", "b"]
+        reply.lock()
+        await nc.publish(inbox, delta(0, "again", attempt=2))
+        await nc.publish(inbox, delta(2, "c"))
+        assert (await reply.next(5)).text == "c"
+        with pytest.raises(ReplyTimeout):
+            await reply.next(0.2)
+        await reply.close()
+    finally:
+        await nc.close()
+
+
+async def test_a_reader_too_slow_for_the_buffer_cancels_the_request(own_nats: NatsServer) -> None:
+    nc = await topology.connect(own_nats.url, "test")
+    try:
+        overflowed = asyncio.Event()
+        reply = ReplyStream(max_frames=8, on_overflow=overflowed.set)
+        inbox = nc.new_inbox()
+        reply.subscriptions.append(await nc.subscribe(inbox, cb=reply.on_message))
+        await nc.publish(inbox, delta(0, "read"))
+        assert (await reply.next(5)).text == "read"
+        for seq in range(1, 40):  # the reader is not reading now
+            await nc.publish(inbox, delta(seq, "x"))
+        await asyncio.wait_for(overflowed.wait(), 5)
+        with pytest.raises(ServingError) as failed:
+            await reply.next(5)
+        assert failed.value.code == ErrorCode.CLIENT_TOO_SLOW
+        await reply.close()
+    finally:
+        await nc.close()
+
+
+async def test_failing_a_stream_wakes_its_waiting_reader() -> None:
+    """What every open stream gets when the bus connection is lost: the wait ends at once."""
+    reply = ReplyStream()
+    waiting = asyncio.create_task(reply.next(60))
+    await asyncio.sleep(0)
+    reply.fail(ServingError(503, ErrorCode.BUS_UNAVAILABLE, "gone"))
+    with pytest.raises(ServingError) as failed:
+        await asyncio.wait_for(waiting, 5)
+    assert failed.value.code == ErrorCode.BUS_UNAVAILABLE

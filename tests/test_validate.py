@@ -1,0 +1,74 @@
+"""The input contract's own checks: nesting depth, stop-string bytes, token ids against the
+vocabulary, and unknown model names that do not reach JetStream again and again."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from apps.bus import wire
+from apps.bus.codes import ServingError
+from apps.bus.topology import BusLimits
+from apps.embedded.nats_server import NatsServer
+from apps.gateway.bus_client import GatewayBus
+from apps.gateway.metrics import GatewayMetrics
+from apps.gateway.node_registry import NodeRegistry
+from apps.gateway.validate import MAX_JSON_DEPTH, check_stop_strings, check_token_ids, json_too_deep
+from engine.protocol import SamplingParams
+
+
+@pytest.mark.parametrize("text, deep", [
+    ("[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH, False),
+    ("[" * (MAX_JSON_DEPTH + 1) + "]" * (MAX_JSON_DEPTH + 1), True),
+    ('{"a": "' + "[" * 500 + '"}', False),  # brackets inside a string do not nest
+    ('{"a": "\\"' + "{" * 500 + '"}', False),  # nor after an escaped quote
+    ('[' * 30 + '{"a": ' * 35 + "1" + "}" * 35 + "]" * 30, True),
+    ("[" + "[]," * 10_000 + "[]]", False),  # many brackets, shallow
+], ids=["at-the-bound", "past-the-bound", "in-a-string", "after-an-escape", "mixed", "wide"])
+def test_nesting_depth(text: str, deep: bool) -> None:
+    assert json_too_deep(text) is deep
+    assert json_too_deep(text.encode()) is deep
+
+
+def test_stop_strings_are_bounded_in_bytes() -> None:
+    assert check_stop_strings(["x" * 256, "é" * 128], "stop") == ["x" * 256, "é" * 128]
+    with pytest.raises(ServingError) as refused:
+        check_stop_strings(["é" * 129], "stop_sequences")
+    assert (refused.value.status, refused.value.param) == (400, "stop_sequences")
+
+
+def _node(vocab_size: int) -> wire.NodeStatus:
+    return wire.NodeStatus(node="n", version="v", models=[wire.ModelStatus(model="m", vocab_size=vocab_size)])
+
+
+def test_token_ids_must_be_inside_the_vocabulary() -> None:
+    def request(**fields: object) -> wire.GenerateRequest:
+        return wire.GenerateRequest(request_id="r", model="m", reply_subject="", **fields)  # type: ignore[arg-type]
+
+    check_token_ids(request(sampling=SamplingParams(stop_token_ids=[99]), prompt_token_ids=[0, 99]), [_node(100)])
+    for bad, param in ((request(sampling=SamplingParams(stop_token_ids=[100])), "stop_token_ids"),
+                       (request(sampling=SamplingParams(), prompt_token_ids=[5, 100]), "prompt")):
+        with pytest.raises(ServingError) as refused:
+            check_token_ids(bad, [_node(100)])
+        assert refused.value.param == param
+    # Unknown vocabulary (0): only the count bounds apply.
+    check_token_ids(request(sampling=SamplingParams(stop_token_ids=[10**6])), [_node(0)])
+
+
+async def test_unknown_model_names_are_looked_up_once_per_ttl(own_nats: NatsServer) -> None:
+    bus = await GatewayBus.connect(own_nats.url, BusLimits(), GatewayMetrics())
+    registry = NodeRegistry(bus, BusLimits())
+    try:
+        async def api_calls() -> int:
+            return (await bus.js.account_info()).api.total
+
+        before = await api_calls()
+        # A flood, concurrent and then one after another, of one made-up name.
+        assert not any(await asyncio.gather(*(registry.model_is_known("made-up") for _ in range(50))))
+        for _ in range(50):
+            assert not await registry.model_is_known("made-up")
+        # One lookup for the name, plus the account_info call that measured it.
+        assert await api_calls() - before == 2
+    finally:
+        await bus.close()
