@@ -229,7 +229,28 @@ class ScoreRecorded(Event, tag="bench.score", kw_only=True):
     scorer: str
 
 
-AnyEvent = RunStarted | RunFinished | AdmissionDecided | NodeStatusChanged | BenchRunRecorded | ScoreRecorded
+class ResponseStored(Event, tag="response.stored", kw_only=True):
+    """A Responses API answer kept for later (`store`): the ledger serves it back to
+    `previous_response_id` and `GET /v1/responses/{id}`, to its principal only."""
+
+    response_id: str
+    principal: str | None
+    previous_response_id: str | None = None
+    # This request's own input items; the earlier turns are in the responses it follows.
+    input_items: list[dict[str, Any]] = []
+    # The response object as its client got it (its `output` holds the output items).
+    response: dict[str, Any] = {}
+
+
+class ResponseDeleted(Event, tag="response.deleted", kw_only=True):
+    """`DELETE /v1/responses/{id}`: the stored response is no longer served (it stays in `events`)."""
+
+    response_id: str
+    principal: str | None
+
+
+AnyEvent = (RunStarted | RunFinished | AdmissionDecided | NodeStatusChanged | BenchRunRecorded | ScoreRecorded
+            | ResponseStored | ResponseDeleted)
 
 
 def event_kind(event: Event) -> str:
