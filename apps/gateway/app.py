@@ -28,6 +28,8 @@ from apps.gateway.metrics import GatewayMetrics
 from apps.gateway.models import list_models
 from apps.gateway.node_registry import NodeRegistry
 from apps.gateway.openapi_docs import add_components
+from apps.gateway.response_store import ResponseStore
+from apps.gateway.responses import create_response, delete_response, retrieve_response
 from apps.gateway.tokens import TokenCounter, count_tokens, detokenize, tokenize
 from apps.settings import GatewaySettings, bus_limits, catalogue_file
 
@@ -69,16 +71,18 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
         app.state.generations = GenerationPipeline(bus, cold_starts, admissions, Canceller(lambda: bus.nc), events,
                                                    gateway_metrics, settings)
         app.state.token_counter = TokenCounter(bus, registry, cold_starts)
+        app.state.responses = ResponseStore(settings.database_url, events, settings.response_wait_s)
         try:
             yield
         finally:
             await registry.stop()
             await events.stop()
+            await app.state.responses.close()
             await bus.close()
 
     app = Litestar(
-        route_handlers=[chat_completions, completions, messages, list_models, tokenize, detokenize, count_tokens,
-                        health, ready, metrics],
+        route_handlers=[chat_completions, completions, messages, create_response, retrieve_response, delete_response,
+                        list_models, tokenize, detokenize, count_tokens, health, ready, metrics],
         lifespan=[bus_lifespan],
         before_request=authenticate,
         exception_handlers={

@@ -15,6 +15,7 @@ from litestar.openapi.spec import OpenAPI, OpenAPIMediaType, OpenAPIResponse, Op
 
 from apps.gateway import anthropic_schema as an
 from apps.gateway import openai_schema as oa
+from apps.gateway import responses_schema as rs
 from apps.gateway import token_schema as ts
 
 _REF = "#/components/schemas/{name}"
@@ -40,6 +41,8 @@ ROUTES: dict[str, RouteDoc] = {
     "completions": RouteDoc(oa.CompletionRequest, oa.TextCompletion, oa.TextCompletion, oa.ErrorEnvelope,
                             _OPENAI_STATUSES),
     "messages": RouteDoc(an.MessagesRequest, an.MessageOut, None, an.ErrorEnvelope, _OPENAI_STATUSES),
+    "responses": RouteDoc(rs.ResponsesRequest, rs.ResponseObject, None, oa.ErrorEnvelope, _OPENAI_STATUSES,
+                          answer="The response (an SSE stream of its semantic events when `stream` is true)."),
     "tokenize": RouteDoc(ts.TokenizeChatRequest, ts.TokenizeResponse, None, oa.ErrorEnvelope, _OPENAI_STATUSES,
                          alternative=ts.TokenizeCompletionRequest, answer=_COUNTED),
     "detokenize": RouteDoc(ts.DetokenizeRequest, ts.DetokenizeResponse, None, oa.ErrorEnvelope, _OPENAI_STATUSES,
