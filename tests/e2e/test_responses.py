@@ -31,6 +31,7 @@ SCRIPT = {
         {"match": "weather in Paris",
          "reply": 'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'},
         {"match": "think it over", "reply": "<think>\nTwo plus two is four.\n</think>\n\nThe answer is 4."},
+        {"match": "fail now", "reply": "", "fault": "error"},
     ],
     "default": "ok",
 }
@@ -214,3 +215,24 @@ def test_an_unstored_response_cannot_be_retrieved(system: System) -> None:
         sdk.responses.retrieve(response.id)
     with pytest.raises(openai.NotFoundError):
         sdk.responses.create(model=system.model, input="And?", previous_response_id=response.id, max_output_tokens=2)
+
+
+def test_logprobs_come_with_the_output_text(system: System) -> None:
+    data = create_raw(system, model=system.model, input=QUESTION, max_output_tokens=6, temperature=0, top_logprobs=2,
+                      include=["message.output_text.logprobs"])
+    part = data["output"][0]["content"][0]
+    assert len(part["logprobs"]) == data["usage"]["output_tokens"] == 6
+    assert "".join(e["token"] for e in part["logprobs"]) == part["text"]
+    for entry in part["logprobs"]:
+        assert entry["logprob"] <= 0 and len(entry["top_logprobs"]) == 2
+        assert entry["token"] == entry["top_logprobs"][0]["token"]  # greedy
+
+
+def test_a_generation_that_fails_mid_stream_ends_with_response_failed(system: System, scripted: str) -> None:
+    events = stream_events(system, model=scripted, input="Please fail now.")
+    assert [e.type for e in events] == ["response.created", "response.in_progress", "error", "response.failed"]
+    assert events[2].code == "generation_failed" and events[2].message
+    failed = events[3].response
+    assert failed.status == "failed" and failed.error.code == "server_error"
+    with pytest.raises(openai.InternalServerError):
+        client(system).responses.create(model=scripted, input="Please fail now.")
