@@ -73,7 +73,9 @@ def _template_call(item: rs.FunctionCallItem, param: str) -> dict[str, Any]:
     try:
         arguments = json.loads(item.arguments or "{}")
     except ValueError:
-        raise _refuse("Function call arguments must be a JSON object.", param) from None
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise _refuse("Function call arguments must be a JSON object.", param)
     return {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": arguments}}
 
 
