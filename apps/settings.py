@@ -111,8 +111,15 @@ class GatewaySettings:
     # Reply frames held for one streaming client that reads slower than its worker writes; past
     # this the request is cancelled (an error event, then [DONE]).
     stream_buffer_frames: int = field(default_factory=lambda: _env_int("HELEXA_STREAM_BUFFER_FRAMES", 4096))
+    # PostgreSQL, where stored responses (`previous_response_id`, GET /v1/responses/{id}) are read.
+    database_url: str = field(default_factory=lambda: _env("DATABASE_URL", DEFAULT_DATABASE_URL))
+    # How long a response made moments ago (maybe by another gateway) is waited for while the
+    # recorder has not projected it yet; an unknown older id is a 404 at once.
+    response_wait_s: float = field(default_factory=lambda: _env_float("HELEXA_RESPONSE_WAIT_S", 5.0))
 
     def __post_init__(self) -> None:
+        if self.response_wait_s < 0:
+            raise ValueError("HELEXA_RESPONSE_WAIT_S must be >= 0")
         if self.stream_buffer_frames < 1:
             raise ValueError("HELEXA_STREAM_BUFFER_FRAMES must be at least 1")
         if not 0 < self.port < 65536:

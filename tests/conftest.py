@@ -12,6 +12,7 @@ import pytest
 
 from apps.embedded.nats_server import NatsServer
 from apps.embedded.postgres import PostgresServer
+from tests.system import system  # noqa: F401  (the whole system, one per session for e2e and compat tests)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -21,6 +21,7 @@ class Api(enum.StrEnum):
     CHAT_COMPLETIONS = "chat.completions"
     COMPLETIONS = "completions"
     MESSAGES = "messages"
+    RESPONSES = "responses"
 
 
 class RunStatus(enum.StrEnum):
@@ -63,6 +64,10 @@ class ErrorCode(enum.StrEnum):
     UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
     # A streaming client read so slowly that its frames filled the gateway's bounded buffer.
     CLIENT_TOO_SLOW = "client_too_slow"
+    # A stored response (`previous_response_id`, GET /v1/responses/{id}) that does not exist here.
+    RESPONSE_NOT_FOUND = "response_not_found"
+    # PostgreSQL, where stored responses are read back from, cannot be reached.
+    LEDGER_UNAVAILABLE = "ledger_unavailable"
 
 
 class NodeState(enum.StrEnum):

@@ -229,7 +229,28 @@ class ScoreRecorded(Event, tag="bench.score", kw_only=True):
     scorer: str
 
 
-AnyEvent = RunStarted | RunFinished | AdmissionDecided | NodeStatusChanged | BenchRunRecorded | ScoreRecorded
+class ResponseStored(Event, tag="response.stored", kw_only=True):
+    """A Responses API answer kept for later (`store`): the ledger serves it back to
+    `previous_response_id` and `GET /v1/responses/{id}`, to its principal only."""
+
+    response_id: str
+    principal: str | None
+    previous_response_id: str | None = None
+    # This request's own input items; the earlier turns are in the responses it follows.
+    input_items: list[dict[str, Any]] = []
+    # The response object as its client got it (its `output` holds the output items).
+    response: dict[str, Any] = {}
+
+
+class ResponseDeleted(Event, tag="response.deleted", kw_only=True):
+    """`DELETE /v1/responses/{id}`: the stored response is no longer served (it stays in `events`)."""
+
+    response_id: str
+    principal: str | None
+
+
+AnyEvent = (RunStarted | RunFinished | AdmissionDecided | NodeStatusChanged | BenchRunRecorded | ScoreRecorded
+            | ResponseStored | ResponseDeleted)
 
 
 def event_kind(event: Event) -> str:
@@ -277,9 +298,43 @@ class NodeStatus(Wire, kw_only=True):
     loading: list[str] = []
 
 
+class TokenizeRequest(Wire, kw_only=True):
+    """A question for a worker's `tokenize` endpoint about `model`: the prompt tokens a generation
+    of `request` would feed the model (rendered and tokenized exactly as a generation does), or,
+    with `token_ids`, the text of those tokens."""
+
+    model: str
+    request: GenerateRequest | None = None
+    token_ids: list[int] | None = None
+    # None: as generation does (chat: the template places special tokens; a prompt: added).
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeError(Wire, kw_only=True):
+    status: int
+    code: ErrorCode
+    message: str
+
+
+class TokenizeReply(Wire, kw_only=True):
+    """What a worker's `tokenize` endpoint answers: ids (tokenize) or text (detokenize), or an error."""
+
+    model: str
+    token_ids: list[int] = []
+    text: str = ""
+    token_strs: list[str] | None = None
+    # The context the worker serves for the model (0: unknown).
+    max_model_len: int = 0
+    error: TokenizeError | None = None
+
+
 _encoder = msgspec.json.Encoder()
 encode = _encoder.encode
 request_decoder = msgspec.json.Decoder(GenerateRequest)
 frame_decoder = msgspec.json.Decoder(ReplyFrame)
 event_decoder = msgspec.json.Decoder(AnyEvent)
 node_decoder = msgspec.json.Decoder(NodeStatus)
+tokenize_request_decoder = msgspec.json.Decoder(TokenizeRequest)
+tokenize_reply_decoder = msgspec.json.Decoder(TokenizeReply)

@@ -237,16 +237,15 @@ def _anthropic_envelope(handler: Callable[[Request, Any], Response]) -> Callable
     return handle
 
 
-@post(
-    "/v1/messages",
-    status_code=200,
-    operation_class=operation_for("messages"),
-    exception_handlers={
-        ServingError: _anthropic_envelope(serving_error_handler),
-        HTTPException: _anthropic_envelope(http_error_handler),
-        Exception: _anthropic_envelope(internal_error_handler),
-    },
-)
+# The exception handlers of every Anthropic route.
+ANTHROPIC_ERRORS = {
+    ServingError: _anthropic_envelope(serving_error_handler),
+    HTTPException: _anthropic_envelope(http_error_handler),
+    Exception: _anthropic_envelope(internal_error_handler),
+}
+
+
+@post("/v1/messages", status_code=200, operation_class=operation_for("messages"), exception_handlers=ANTHROPIC_ERRORS)
 async def messages(request: Request, state: State) -> Response | Stream:
     req = await decode_request(request, an.MessagesRequest)
     bus_request = to_bus_request(req, f"msg_{uuid.uuid4().hex}", request.state.principal)

@@ -149,14 +149,16 @@ class MessageOut(msgspec.Struct, kw_only=True):
 STOP_REASONS = {FinishReason.STOP: "end_turn", FinishReason.LENGTH: "max_tokens", FinishReason.TOOL_CALLS: "tool_use",
                 FinishReason.ABORT: "end_turn"}
 
+# Only the types the anthropic SDK's `ErrorObject` union knows (a body too large is an invalid request).
 _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    402: "billing_error",
     403: "permission_error",
     404: "not_found_error",
-    413: "request_too_large",
     429: "rate_limit_error",
     503: "overloaded_error",
+    504: "timeout_error",
     529: "overloaded_error",
 }
 

@@ -28,7 +28,14 @@ from apps.gateway.metrics import GatewayMetrics
 from apps.gateway.models import list_models
 from apps.gateway.node_registry import NodeRegistry
 from apps.gateway.openapi_docs import add_components
+from apps.gateway.response_store import ResponseStore
+from apps.gateway.responses import create_response, delete_response, retrieve_response
+from apps.gateway.tokens import TokenCounter, count_tokens, detokenize, tokenize
 from apps.settings import GatewaySettings, bus_limits, catalogue_file
+
+
+# Routes that need an API key when keys are configured (vLLM's token routes live outside /v1).
+_GUARDED = ("/v1/", "/tokenize", "/detokenize")
 
 
 def create_app(settings: GatewaySettings | None = None) -> Litestar:
@@ -37,7 +44,8 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
 
     async def authenticate(request: Request) -> None:
         # Principals exist only when keys are configured; anonymous callers are None.
-        request.state.principal = keys.principal(request) if keys and request.url.path.startswith("/v1/") else None
+        guarded = keys is not None and request.url.path.startswith(_GUARDED)
+        request.state.principal = keys.principal(request) if guarded else None
 
     @asynccontextmanager
     async def bus_lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -62,15 +70,19 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
         app.state.metrics, app.state.admissions = gateway_metrics, admissions
         app.state.generations = GenerationPipeline(bus, cold_starts, admissions, Canceller(lambda: bus.nc), events,
                                                    gateway_metrics, settings)
+        app.state.token_counter = TokenCounter(bus, registry, cold_starts)
+        app.state.responses = ResponseStore(settings.database_url, events, settings.response_wait_s)
         try:
             yield
         finally:
             await registry.stop()
             await events.stop()
+            await app.state.responses.close()
             await bus.close()
 
     app = Litestar(
-        route_handlers=[chat_completions, completions, messages, list_models, health, ready, metrics],
+        route_handlers=[chat_completions, completions, messages, create_response, retrieve_response, delete_response,
+                        list_models, tokenize, detokenize, count_tokens, health, ready, metrics],
         lifespan=[bus_lifespan],
         before_request=authenticate,
         exception_handlers={

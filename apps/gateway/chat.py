@@ -66,7 +66,9 @@ def usage_out(usage: wire.Usage) -> oa.UsageOut:
 
 
 def logprobs_out(entries: list[wire.TokenLogprobs]) -> dict[str, Any]:
+    """OpenAI's chat logprobs: per token its text, logprob, UTF-8 bytes and top alternatives."""
     return {
+        "refusal": None,
         "content": [
             {
                 "token": e.token,
@@ -115,14 +117,31 @@ class ChoiceState:
             role="assistant",
             content=content if content or not self.tool_calls else None,
             reasoning_content=reasoning or None,
+            reasoning=reasoning or None,
             tool_calls=tool_calls_out(self.tool_calls) or None,
         )
         return oa.ChoiceOut(
             index=index,
             message=message,
-            finish_reason=self.finish_reason or default_finish,
+            finish_reason=finish_reason(self.finish_reason or default_finish, bool(self.tool_calls)),
             logprobs=logprobs_out(self.logprobs) if with_logprobs else None,
         )
+
+
+def finish_reason(reason: FinishReason, called_tools: bool) -> FinishReason:
+    """`tool_calls` for a choice that made a tool call and ended normally; a choice cut short
+    (`length`) keeps saying so, as it must never read as a normal finish."""
+    return FinishReason.TOOL_CALLS if called_tools and reason == FinishReason.STOP else reason
+
+
+def tool_call_chunks(call: wire.ToolCallDelta) -> list[oa.ToolCallChunk]:
+    """A tool call as OpenAI streams one: opened with its index, id, type and name (arguments
+    empty), then its arguments as a string fragment."""
+    return [
+        oa.ToolCallChunk(index=call.index, id=call.id, type="function",
+                         function=oa.FunctionCallChunk(name=call.name, arguments="")),
+        oa.ToolCallChunk(index=call.index, function=oa.FunctionCallChunk(arguments=call.arguments)),
+    ]
 
 
 def sse_data(payload: msgspec.Struct | dict[str, Any]) -> bytes:
@@ -152,6 +171,7 @@ class ChatFormatter(OpenAIFormatting):
         self.with_logprobs = request.sampling.logprobs is not None
         self.include_usage = include_usage
         self.created = int(time.time())
+        self._called_tools = [False] * self.n
 
     def whole(self, deltas: list[wire.Delta], final: wire.Final) -> oa.ChatCompletion:
         choices = [ChoiceState() for _ in range(self.n)]
@@ -174,17 +194,18 @@ class ChatFormatter(OpenAIFormatting):
 
     def stream_delta(self, delta: wire.Delta) -> list[bytes]:
         chunks = []
-        tool_calls = [oa.ToolCallChunk(index=c.index, id=c.id,
-                                       function=oa.FunctionCallOut(name=c.name, arguments=c.arguments))
-                      for c in delta.tool_calls]
-        if delta.text or delta.reasoning or tool_calls or delta.logprobs:
+        if delta.text or delta.reasoning or delta.logprobs:
             shown = oa.DeltaOut(content=delta.text or None, reasoning_content=delta.reasoning or None,
-                                tool_calls=tool_calls or None)
+                                reasoning=delta.reasoning or None)
             logprobs = logprobs_out(delta.logprobs) if delta.logprobs else None
             chunks.append(self._chunk(oa.ChunkChoice(index=delta.index, delta=shown, logprobs=logprobs)))
+        for call in delta.tool_calls:
+            self._called_tools[delta.index] = True
+            chunks += [self._chunk(oa.ChunkChoice(index=delta.index, delta=oa.DeltaOut(tool_calls=[part])))
+                       for part in tool_call_chunks(call)]
         if delta.finish_reason:
-            chunks.append(self._chunk(oa.ChunkChoice(index=delta.index, delta=oa.DeltaOut(),
-                                                     finish_reason=delta.finish_reason)))
+            reason = finish_reason(delta.finish_reason, self._called_tools[delta.index])
+            chunks.append(self._chunk(oa.ChunkChoice(index=delta.index, delta=oa.DeltaOut(), finish_reason=reason)))
         return chunks
 
     def stream_final(self, final: wire.Final) -> list[bytes]:

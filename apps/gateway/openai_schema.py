@@ -244,18 +244,28 @@ class ToolCallOut(msgspec.Struct, kw_only=True):
     type: str = "function"
 
 
-class ToolCallChunk(msgspec.Struct, kw_only=True):
+class FunctionCallChunk(msgspec.Struct, kw_only=True, omit_defaults=True):
+    arguments: str
+    name: str | None = None
+
+
+class ToolCallChunk(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A streamed tool call: its first chunk has `id`, `type` and the name, the next ones only
+    `index` and a fragment of `arguments` (always a string, as OpenAI streams it)."""
+
     index: int
-    id: str
-    function: FunctionCallOut
-    type: str = "function"
+    function: FunctionCallChunk
+    id: str | None = None
+    type: str | None = None
 
 
 class ChatMessageOut(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Required fields are always encoded; the optional ones only when present.
     role: str
     content: str | None
+    # The same text under both names clients read: vLLM's `reasoning_content`, and `reasoning`.
     reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCallOut] | None = None
 
 
@@ -280,6 +290,7 @@ class DeltaOut(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCallChunk] | None = None
 
 

@@ -1,4 +1,4 @@
-"""OpenAPI documentation for the generation routes.
+"""OpenAPI documentation for the generation and token routes.
 
 Those routes decode their raw body with msgspec themselves (so a bad field gets a 400 that names it),
 which hides the body types from Litestar's schema generator. This module documents them from the
@@ -15,6 +15,8 @@ from litestar.openapi.spec import OpenAPI, OpenAPIMediaType, OpenAPIResponse, Op
 
 from apps.gateway import anthropic_schema as an
 from apps.gateway import openai_schema as oa
+from apps.gateway import responses_schema as rs
+from apps.gateway import token_schema as ts
 
 _REF = "#/components/schemas/{name}"
 
@@ -26,18 +28,31 @@ class RouteDoc:
     chunk: type[msgspec.Struct] | None
     error: type[msgspec.Struct]
     statuses: tuple[int, ...]
+    # Another body the route accepts instead of `request` (documented as `oneOf` the two).
+    alternative: type[msgspec.Struct] | None = None
+    answer: str = "The generation (an SSE stream when `stream` is true)."
 
 
 _OPENAI_STATUSES = (400, 401, 404, 413, 415, 429, 500, 503)
+_COUNTED = "The prompt tokens a generation of the same request would get (its usage counts the same)."
 ROUTES: dict[str, RouteDoc] = {
     "chat": RouteDoc(oa.ChatCompletionRequest, oa.ChatCompletion, oa.ChatCompletionChunk, oa.ErrorEnvelope,
                      _OPENAI_STATUSES),
     "completions": RouteDoc(oa.CompletionRequest, oa.TextCompletion, oa.TextCompletion, oa.ErrorEnvelope,
                             _OPENAI_STATUSES),
     "messages": RouteDoc(an.MessagesRequest, an.MessageOut, None, an.ErrorEnvelope, _OPENAI_STATUSES),
+    "responses": RouteDoc(rs.ResponsesRequest, rs.ResponseObject, None, oa.ErrorEnvelope, _OPENAI_STATUSES,
+                          answer="The response (an SSE stream of its semantic events when `stream` is true)."),
+    "tokenize": RouteDoc(ts.TokenizeChatRequest, ts.TokenizeResponse, None, oa.ErrorEnvelope, _OPENAI_STATUSES,
+                         alternative=ts.TokenizeCompletionRequest, answer=_COUNTED),
+    "detokenize": RouteDoc(ts.DetokenizeRequest, ts.DetokenizeResponse, None, oa.ErrorEnvelope, _OPENAI_STATUSES,
+                           answer="The text of the token ids (special tokens kept)."),
+    "count_tokens": RouteDoc(ts.CountTokensRequest, ts.CountTokensResponse, None, an.ErrorEnvelope,
+                             _OPENAI_STATUSES, answer=_COUNTED),
 }
 
-_TYPES = sorted({t for doc in ROUTES.values() for t in (doc.request, doc.response, doc.chunk, doc.error) if t},
+_TYPES = sorted({t for doc in ROUTES.values()
+                 for t in (doc.request, doc.response, doc.chunk, doc.error, doc.alternative) if t},
                 key=lambda t: t.__name__)
 _REFS, _COMPONENTS = msgspec.json.schema_components(_TYPES, ref_template=_REF)
 _REF_OF = dict(zip(_TYPES, _REFS))
@@ -81,9 +96,11 @@ def operation_for(route: str) -> type[Operation]:
     @dataclass
     class DocumentedOperation(Operation):
         def __post_init__(self) -> None:
-            self.request_body = RequestBody(content={"application/json": _media(doc.request)}, required=True)
-            responses = {"200": OpenAPIResponse(description="The generation (an SSE stream when `stream` is true).",
-                                         content=success)}
+            body = _media(doc.request)
+            if doc.alternative is not None:
+                body = OpenAPIMediaType(schema={"oneOf": [_REF_OF[doc.request], _REF_OF[doc.alternative]]})
+            self.request_body = RequestBody(content={"application/json": body}, required=True)
+            responses = {"200": OpenAPIResponse(description=doc.answer, content=success)}
             for status in doc.statuses:
                 responses[str(status)] = OpenAPIResponse(description=_STATUS_TEXT[status],
                                                   content={"application/json": _media(doc.error)})

@@ -18,6 +18,9 @@ result does not depend on arrival order, batch boundaries or concurrent recorder
 `started_at` is the earliest start seen and `last_event_at` the latest event. Events for one
 request inside one batch are applied in rounds, one event per request per round, in (ts, event_id)
 order.
+
+`responses` merges response.stored (the latest wins) and response.deleted (the earliest wins) per
+response id, in either order, so a deletion projected before its response still hides it.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from apps.bus.wire import (
     BenchRunRecorded,
     Event,
     NodeStatusChanged,
+    ResponseDeleted,
+    ResponseStored,
     RunFinished,
     RunStarted,
     ScoreRecorded,
@@ -44,7 +49,7 @@ from apps.bus.wire import (
 __all__ = ["PROJECTIONS", "Recorded", "event_kind", "project", "rebuild"]
 
 RUNNING = "running"
-PROJECTIONS = ("runs", "run_attempts", "admission_events", "nodes", "bench_runs", "scores")
+PROJECTIONS = ("runs", "run_attempts", "admission_events", "nodes", "bench_runs", "scores", "responses")
 
 _STARTED = RunStarted.__struct_config__.tag
 _FINISHED = RunFinished.__struct_config__.tag
@@ -52,6 +57,8 @@ _ADMISSION = AdmissionDecided.__struct_config__.tag
 _NODE = NodeStatusChanged.__struct_config__.tag
 _BENCH_RUN = BenchRunRecorded.__struct_config__.tag
 _SCORE = ScoreRecorded.__struct_config__.tag
+_RESPONSE_STORED = ResponseStored.__struct_config__.tag
+_RESPONSE_DELETED = ResponseDeleted.__struct_config__.tag
 
 _EVENT_COLUMNS = ("event_id", "kind", "subject", "model", "node", "ts", "payload", "stream_seq")
 _STAGING = "incoming_events"
@@ -211,6 +218,37 @@ ON CONFLICT (event_id) DO NOTHING
 """
 
 
+def _responses_stored(source: str) -> str:
+    # The latest (ts, event_id) stored event wins; a deletion already projected is kept.
+    return f"""
+INSERT INTO responses AS r (
+    response_id, event_id, ts, model, principal, previous_response_id, status, input_items, response
+)
+SELECT DISTINCT ON (p->>'response_id')
+       p->>'response_id', event_id, ts, model, p->>'principal', p->>'previous_response_id',
+       p->'response'->>'status', p->'input_items', p->'response'
+FROM (SELECT *, payload AS p FROM {source} WHERE kind = '{_RESPONSE_STORED}') AS e
+ORDER BY p->>'response_id', ts DESC, event_id DESC
+ON CONFLICT (response_id) DO UPDATE SET
+    event_id = EXCLUDED.event_id, ts = EXCLUDED.ts, model = EXCLUDED.model, principal = EXCLUDED.principal,
+    previous_response_id = EXCLUDED.previous_response_id, status = EXCLUDED.status,
+    input_items = EXCLUDED.input_items, response = EXCLUDED.response
+WHERE r.event_id IS NULL OR (EXCLUDED.ts, EXCLUDED.event_id) > (r.ts, r.event_id)
+"""
+
+
+def _responses_deleted(source: str) -> str:
+    # The earliest (ts, event_id) deletion wins, whether or not the stored event came first.
+    return f"""
+INSERT INTO responses AS r (response_id, deleted_at, deleted_by)
+SELECT DISTINCT ON (p->>'response_id') p->>'response_id', ts, event_id
+FROM (SELECT *, payload AS p FROM {source} WHERE kind = '{_RESPONSE_DELETED}') AS e
+ORDER BY p->>'response_id', ts, event_id
+ON CONFLICT (response_id) DO UPDATE SET deleted_at = EXCLUDED.deleted_at, deleted_by = EXCLUDED.deleted_by
+WHERE r.deleted_at IS NULL OR (EXCLUDED.deleted_at, EXCLUDED.deleted_by) < (r.deleted_at, r.deleted_by)
+"""
+
+
 class _Statements:
     """The projection statements reading one source table."""
 
@@ -221,6 +259,8 @@ class _Statements:
             _NODE: _nodes(source),
             _BENCH_RUN: _bench_runs(source),
             _SCORE: _scores(source),
+            _RESPONSE_STORED: _responses_stored(source),
+            _RESPONSE_DELETED: _responses_deleted(source),
         }
         self.max_rounds = f"""
 SELECT coalesce(max(n), 0) FROM (

@@ -3,9 +3,9 @@
 It owns the NATS connection and what hangs off it for the whole node: the node's `helexa_nodes`
 entry (refreshed every few seconds, and at once when a model changes state), the cancellation
 listener (`liveness.Cancellations`), the NATS micro service `helexa-worker` (so `nats micro
-ls/info/stats` find it) whose endpoints answer a one-shot `generate` and `control` (list, load,
-unload), and one `ModelLoop` per loaded model, which gets what it needs of all this handed down
-in a `NodeBus` when it starts.
+ls/info/stats` find it) whose endpoints answer a one-shot `generate`, `control` (list, load,
+unload) and `tokenize` (`token_service`), and one `ModelLoop` per loaded model, which gets what
+it needs of all this handed down in a `NodeBus` when it starts.
 
 When the server closes the connection for good (a server `-ERR`; nats-py reconnects after anything
 else), `run` stops the models and raises `BusConnectionLost`: `helexa worker` exits non-zero
@@ -36,9 +36,11 @@ from apps.bus.topology import BusLimits
 from apps.fleet.catalogue import CatalogueEntry
 from apps.logs import announce_ready
 from apps.settings import WorkerSettings
+from apps.worker import token_service
 from apps.worker.liveness import Cancellations
 from apps.worker.model_loop import ModelLoop, NodeBus
 from apps.worker.replies import CollectingReplier
+from apps.worker.run import ServedModel
 
 log = logging.getLogger("helexa.worker")
 
@@ -141,6 +143,8 @@ class WorkerProcess:
                                    handler=self._on_generate, metadata={"body": "GenerateRequest JSON"})
         await service.add_endpoint(name="control", subject=topology.node_endpoint(self.node, "control"),
                                    handler=self._on_control, metadata={"ops": "list, load, unload"})
+        await service.add_endpoint(name="tokenize", subject=topology.node_endpoint(self.node, "tokenize"),
+                                   handler=self._on_tokenize, metadata={"body": "TokenizeRequest JSON"})
         return service
 
     async def _add(self, loop: ModelLoop) -> None:
@@ -195,6 +199,18 @@ class WorkerProcess:
         await req.respond(json.dumps({"model": request.model, "node": self.node, "text": text,
                                       "finish_reason": final.finish_reason,
                                       "usage": msgspec.to_builtins(final.usage)}).encode())
+
+    async def _on_tokenize(self, req: ServiceRequest) -> None:
+        self._in_background(self._tokenize(req))
+
+    async def _tokenize(self, req: ServiceRequest) -> None:
+        """Prompt token ids as a generation would have them (`token_service`), or text from ids."""
+
+        def served(model: str) -> ServedModel | None:
+            loop = self.models.get(model)
+            return loop.model if loop is not None else None
+
+        await req.respond(await token_service.answer(served, req.data))
 
     async def _on_control(self, req: ServiceRequest) -> None:
         self._in_background(self._control(req))

@@ -46,16 +46,20 @@ def _template_message(message: wire.ChatMessage) -> dict[str, Any]:
     return entry
 
 
-def build_prompt(tokenizer: Tokenizer, request: wire.GenerateRequest, reasoning_parser: str = "auto") -> Prompt:
+def build_prompt(tokenizer: Tokenizer, request: wire.GenerateRequest, reasoning_parser: str = "auto", *,
+                 add_generation_prompt: bool = True, add_special_tokens: bool | None = None) -> Prompt:
+    """The prompt a generation of `request` feeds the model. The keyword arguments are for token
+    counting (`/tokenize`), which may ask for other than what generation does: no generation
+    prompt, or special tokens added (None: as generation adds them)."""
     template = tokenizer.chat_template or ""
     parse_reasoning = THINK_OPEN in template if reasoning_parser == "auto" else reasoning_parser == "on"
     if request.messages is not None:
-        text = _render_chat(tokenizer, request)
+        text = _render_chat(tokenizer, request, add_generation_prompt)
         opens_reasoning = parse_reasoning and text.rstrip().endswith(THINK_OPEN)
         forced = _forced_tool_start(request, opens_reasoning)
         return Prompt(
             # The template already places any BOS the model expects.
-            token_ids=tokenizer.encode(text + forced, add_special_tokens=False),
+            token_ids=tokenizer.encode(text + forced, add_special_tokens=bool(add_special_tokens)),
             opens_reasoning=opens_reasoning,
             parse_reasoning=parse_reasoning,
             parse_tools=bool(request.tools) or TOOL_OPEN in template,
@@ -67,14 +71,14 @@ def build_prompt(tokenizer: Tokenizer, request: wire.GenerateRequest, reasoning_
             raise ServingError(400, ErrorCode.INVALID_PROMPT, f"Prompt token ids must be in [0, {vocab}).")
         return Prompt(token_ids=list(request.prompt_token_ids), parse_reasoning=reasoning_parser == "on")
     if request.prompt is not None:
-        ids = tokenizer.encode(request.prompt, add_special_tokens=True)
+        ids = tokenizer.encode(request.prompt, add_special_tokens=add_special_tokens is not False)
         if not ids:
             raise ServingError(400, ErrorCode.INVALID_PROMPT, "The prompt is empty.")
         return Prompt(token_ids=ids, parse_reasoning=reasoning_parser == "on")
     raise ServingError(400, ErrorCode.INVALID_REQUEST, "The request has neither messages nor a prompt.")
 
 
-def _render_chat(tokenizer: Tokenizer, request: wire.GenerateRequest) -> str:
+def _render_chat(tokenizer: Tokenizer, request: wire.GenerateRequest, add_generation_prompt: bool = True) -> str:
     messages = [_template_message(m) for m in request.messages or []]
     extra = {"tools": request.tools} if request.tools else {}
     final = messages[-1] if request.continue_final_message else None
@@ -96,7 +100,7 @@ def _render_chat(tokenizer: Tokenizer, request: wire.GenerateRequest) -> str:
             messages.pop()  # nothing to continue: an ordinary new turn
     try:
         if not prefill:
-            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=False, **extra)
     except TemplateError as exc:
         raise ServingError(400, ErrorCode.INVALID_MESSAGES, f"The messages do not fit the model's chat template: {exc}")

@@ -23,6 +23,7 @@ from tests.support import AppProcess, eventually
 TARGET = "hostile-target"
 KEY = "sk-hostile-0123456789"
 CHAT, COMPLETIONS, MESSAGES = "/v1/chat/completions", "/v1/completions", "/v1/messages"
+RESPONSES, TOKENIZE = "/v1/responses", "/tokenize"
 # SmolLM2's vocabulary (the scripted worker uses its tokenizer and reports the size).
 VOCAB = 49152
 LEAKS = ("Traceback", 'File "', "nats", "msgspec", "asyncpg", "Exception", "Recursion", "apps.", "engine.",
@@ -42,6 +43,10 @@ def chat(**fields: Any) -> dict:
 
 def completion(**fields: Any) -> dict:
     return {"model": TARGET, "prompt": "hi", "max_tokens": 4, **fields}
+
+
+def response(**fields: Any) -> dict:
+    return {"model": TARGET, "input": "hi", "max_output_tokens": 4, **fields}
 
 
 def message(**fields: Any) -> dict:
@@ -129,6 +134,28 @@ CASES: dict[str, Case] = {
     "messages-zero-max-tokens": Case(MESSAGES, message(max_tokens=0)),
     "messages-temperature-1.5": Case(MESSAGES, message(temperature=1.5)),
     "messages-malformed-json": Case(MESSAGES, b'{"model": '),
+    # the Responses API
+    "responses-text-plain": Case(RESPONSES, json.dumps(response()).encode(), 415, headers=TEXT),
+    "responses-model-4kb": Case(RESPONSES, response(model="x" * 4096), param="model"),
+    "responses-deep-body": Case(RESPONSES, response(input=[{"role": "user", "content": "hi", "x": nested(100)}])),
+    "responses-2049-items": Case(RESPONSES, response(input=[{"role": "user", "content": "hi"}] * 2049), param="input"),
+    "responses-129-tools": Case(RESPONSES, response(tools=[{"type": "function", "name": f"f{i}"} for i in range(129)]),
+                                param="tools"),
+    "responses-deep-function-arguments": Case(RESPONSES, response(input=[
+        {"role": "user", "content": "hi"},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "[" * 200 + "]" * 200},
+        {"type": "function_call_output", "call_id": "c1", "output": "x"}]), param="input"),
+    "responses-unknown-item": Case(RESPONSES, response(input=[{"type": "computer_call", "id": "x"}]), param="input"),
+    "responses-zero-max-output-tokens": Case(RESPONSES, response(max_output_tokens=0), param="max_output_tokens"),
+    "responses-temperature-3": Case(RESPONSES, response(temperature=3), param="temperature"),
+    "responses-previous-id-4kb": Case(RESPONSES, response(previous_response_id="r" * 4096),
+                                      param="previous_response_id"),
+    "responses-malformed-json": Case(RESPONSES, b'{"model": "hostile-target", "input": ['),
+    # token counting
+    "tokenize-text-plain": Case(TOKENIZE, json.dumps({"model": TARGET, "prompt": "hi"}).encode(), 415, headers=TEXT),
+    "tokenize-2049-messages": Case(TOKENIZE, {"model": TARGET, "messages": [{"role": "user", "content": "hi"}] * 2049},
+                                   param="messages"),
+    "tokenize-deep-body": Case(TOKENIZE, {"model": TARGET, "prompt": "hi", "x": nested(100)}),
 }
 
 
@@ -193,7 +220,7 @@ def assert_envelope(case: Case, response: httpx.Response, status: int) -> None:
 
 def test_the_suite_is_big_enough() -> None:
     assert len(CASES) >= 40
-    assert {c.path for c in CASES.values()} == {CHAT, COMPLETIONS, MESSAGES}
+    assert {c.path for c in CASES.values()} == {CHAT, COMPLETIONS, MESSAGES, RESPONSES, TOKENIZE}
 
 
 @pytest.mark.parametrize("keyed", [False, True], ids=["no-keys", "with-key"])

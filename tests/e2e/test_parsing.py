@@ -62,14 +62,27 @@ def ask(system: System, content: str, stream: bool = False, **kw: object):
 
 
 def collect_stream(chunks) -> dict:
+    """Accumulate a stream as OpenAI clients do: a tool call opens with its index, id, type and
+    name, and its arguments arrive as string fragments after that."""
     out = {"content": "", "reasoning": "", "tool_calls": [], "finish": None}
+    calls: dict[int, list] = {}
     for chunk in chunks:
         for choice in chunk.choices:
             delta = choice.delta
             out["content"] += delta.content or ""
-            out["reasoning"] += getattr(delta, "reasoning_content", None) or ""
-            out["tool_calls"] += [(c.index, c.id, c.function.name, c.function.arguments) for c in delta.tool_calls or []]
+            reasoning = getattr(delta, "reasoning_content", None) or ""
+            assert (getattr(delta, "reasoning", None) or "") == reasoning
+            out["reasoning"] += reasoning
+            for c in delta.tool_calls or []:
+                if c.index not in calls:
+                    assert c.id and c.type == "function" and c.function.name, "a tool call opens with id, type, name"
+                    calls[c.index] = [c.index, c.id, c.function.name, ""]
+                else:
+                    assert c.id is None and c.function.name is None
+                assert isinstance(c.function.arguments, str)
+                calls[c.index][3] += c.function.arguments
             out["finish"] = choice.finish_reason or out["finish"]
+    out["tool_calls"] = [tuple(call) for _, call in sorted(calls.items())]
     return out
 
 
@@ -112,6 +125,7 @@ def test_reasoning_is_split_from_content(system: System, scripted: str, stream: 
         response = ask(system, "Please think it over.")
         message = response.choices[0].message
         content, reasoning, finish = message.content, message.reasoning_content, response.choices[0].finish_reason
+        assert message.reasoning == reasoning
         assert response.usage.completion_tokens_details.reasoning_tokens > 0
     assert reasoning == "\nTwo plus two is four.\n"
     assert content == "The answer is 4."

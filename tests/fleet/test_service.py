@@ -49,7 +49,8 @@ def test_worker_is_a_discoverable_micro_service(fleet: Fleet) -> None:
         info = asyncio.run(_service_replies(fleet.nats_url, "INFO", "svc-a"))
         endpoints = {e["name"]: e["subject"] for e in info["endpoints"]}
         assert endpoints == {"generate": topology.node_endpoint("svc-a", "generate"),
-                             "control": topology.node_endpoint("svc-a", "control")}
+                             "control": topology.node_endpoint("svc-a", "control"),
+                             "tokenize": topology.node_endpoint("svc-a", "tokenize")}
         request = wire.GenerateRequest(request_id="micro-1", model="svc-model", reply_subject="",
                                        sampling=SamplingParams(),
                                        messages=[wire.ChatMessage(role="user", content="hi")])

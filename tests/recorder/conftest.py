@@ -21,6 +21,8 @@ from apps.bus.wire import (
     BenchRunRecorded,
     Event,
     NodeStatusChanged,
+    ResponseDeleted,
+    ResponseStored,
     RunFinished,
     RunStarted,
     ScoreRecorded,
@@ -103,6 +105,22 @@ def bench_run(run_id: str, **fields: Any) -> BenchRunRecorded:
 def score(run_id: str, metric: str, value: float, **fields: Any) -> ScoreRecorded:
     defaults: dict[str, Any] = dict(model="tiny", node="bench", scenario="chat:128", unit="ms", scorer="helexa-bench")
     return ScoreRecorded(run_id=run_id, metric=metric, value=value, **{**defaults, **fields})
+
+
+def response_stored(response_id: str, **fields: Any) -> ResponseStored:
+    defaults: dict[str, Any] = dict(
+        model="tiny", node="gateway", principal="alice",
+        input_items=[{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
+        response={"id": response_id, "object": "response", "status": "completed",
+                  "output": [{"type": "message", "role": "assistant", "content": [{"type": "output_text",
+                                                                                 "text": "hello"}]}]},
+    )  # fmt: skip
+    return ResponseStored(response_id=response_id, **{**defaults, **fields})
+
+
+def response_deleted(response_id: str, **fields: Any) -> ResponseDeleted:
+    defaults: dict[str, Any] = dict(model="tiny", node="gateway", principal="alice")
+    return ResponseDeleted(response_id=response_id, **{**defaults, **fields})
 
 
 @pytest.fixture

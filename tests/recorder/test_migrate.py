@@ -20,7 +20,8 @@ async def _ledger(url: str) -> list[tuple[int, str]]:
         await conn.close()
 
 
-SHIPPED = ["0001_events_and_runs", "0002_admission_nodes_bench", "0003_dead_letters", "0004_run_attempts"]
+SHIPPED = ["0001_events_and_runs", "0002_admission_nodes_bench", "0003_dead_letters", "0004_run_attempts",
+           "0005_responses"]
 
 
 async def test_applies_once_then_nothing(database_url: str) -> None:

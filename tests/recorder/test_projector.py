@@ -11,7 +11,16 @@ from apps.bus.topology import event_subject
 from apps.bus.wire import Event
 from apps.recorder.migrate import migrate
 from apps.recorder.projector import PROJECTIONS, Recorded, event_kind, project, rebuild
-from tests.recorder.conftest import admission, bench_run, finished, node_status, score, started
+from tests.recorder.conftest import (
+    admission,
+    bench_run,
+    finished,
+    node_status,
+    response_deleted,
+    response_stored,
+    score,
+    started,
+)
 from tests.recorder.workload import expected_rows, table_rows
 
 
@@ -144,12 +153,38 @@ async def test_rebuild_recomputes_every_projection_from_events(conn: asyncpg.Con
     run = [finished("r8", attempt=2, ts=9.0), started("r8", ts=1.0), started("r8", attempt=2, ts=5.0)]
     await project(conn, _batch(*run))
     await project(conn, _batch(admission("r8"), node_status("node-a"), bench_run("b3"), score("b3", "quality", 7.0)))
+    await project(conn, _batch(response_stored("resp_1"), response_deleted("resp_1"), response_stored("resp_2")))
     before = {t: [tuple(r) for r in await conn.fetch(f"SELECT * FROM {t} ORDER BY 1, 2")] for t in PROJECTIONS}
-    await conn.execute("UPDATE runs SET status = 'bogus'; DELETE FROM nodes; DELETE FROM scores")
+    await conn.execute("UPDATE runs SET status = 'bogus'; DELETE FROM nodes; DELETE FROM scores; DELETE FROM responses")
 
-    assert await rebuild(conn) == {"runs": 1, "run_attempts": 2, "admission_events": 1, "nodes": 1, "bench_runs": 1, "scores": 1}
+    assert await rebuild(conn) == {"runs": 1, "run_attempts": 2, "admission_events": 1, "nodes": 1, "bench_runs": 1,
+                                   "scores": 1, "responses": 2}
     after = {t: [tuple(r) for r in await conn.fetch(f"SELECT * FROM {t} ORDER BY 1, 2")] for t in PROJECTIONS}
     assert after == before
     row = await conn.fetchrow("SELECT attempt, status, started_at, finished_at, last_event_at FROM runs")
     assert (row["attempt"], row["status"]) == (2, "ok")
     assert [row[c].timestamp() for c in ("started_at", "finished_at", "last_event_at")] == [1.0, 9.0, 9.0]
+
+
+@pytest.mark.parametrize("order", ["stored_first", "deleted_first", "same_batch"])
+async def test_a_deleted_response_stays_deleted_whatever_the_order(conn: asyncpg.Connection, order: str) -> None:
+    stored = response_stored("resp_9", ts=10.0, previous_response_id="resp_8")
+    early, late = response_deleted("resp_9", ts=20.0), response_deleted("resp_9", ts=30.0)
+    if order == "same_batch":
+        await project(conn, _batch(late, stored, early))
+    else:
+        first = [stored] if order == "stored_first" else [late, early]
+        for event in first + ([early, late] if order == "stored_first" else [stored]):
+            await project(conn, _batch(event))
+    row = await conn.fetchrow("SELECT * FROM responses")
+    assert (row["event_id"], row["previous_response_id"], row["status"], row["principal"]) == (
+        stored.event_id, "resp_8", "completed", "alice")
+    assert (row["deleted_at"].timestamp(), row["deleted_by"]) == (20.0, early.event_id)
+
+
+async def test_a_response_stored_again_keeps_its_latest_copy(conn: asyncpg.Connection) -> None:
+    newer = response_stored("resp_7", ts=200.0, response={"id": "resp_7", "status": "incomplete"})
+    await project(conn, _batch(newer))
+    await project(conn, _batch(response_stored("resp_7", ts=100.0)))
+    row = await conn.fetchrow("SELECT event_id, status, deleted_at FROM responses")
+    assert (row["event_id"], row["status"], row["deleted_at"]) == (newer.event_id, "incomplete", None)

@@ -18,7 +18,7 @@ from apps.bus.topology import event_subject
 from apps.bus.wire import Event, event_kind
 from apps.recorder.migrate import migrate
 from apps.recorder.projector import project
-from tests.recorder.conftest import admission, bench_run, finished, node_status, score, started
+from tests.recorder.conftest import admission, bench_run, finished, node_status, response_stored, score, started
 from tests.support import REPO
 
 LATENCY = """
@@ -174,11 +174,15 @@ async def test_failures_per_model_and_node(conn: asyncpg.Connection, ledger: dic
 
 
 async def test_prune_keeps_recent_rows_and_drops_old_ones(conn: asyncpg.Connection, ledger: dict) -> None:
-    old = [started("ancient", ts=time.time() - 100 * 86400), admission("ancient", ts=time.time() - 100 * 86400)]
+    ancient = time.time() - 100 * 86400
+    old = [started("ancient", ts=ancient), admission("ancient", ts=ancient), response_stored("resp_ancient", ts=ancient),
+           response_stored("resp_recent", ts=time.time())]
     await project(conn, [(event_subject(event_kind(e), e.model), e) for e in old])
     counts = {r["table_name"]: r["deleted"] for r in await conn.fetch(PRUNE)}
-    assert counts == {"events": 2, "runs": 1, "run_attempts": 1, "admission_events": 1, "nodes": 0, "bench_runs": 0, "scores": 0}
+    assert counts == {"events": 3, "runs": 1, "run_attempts": 1, "admission_events": 1, "nodes": 0, "bench_runs": 0,
+                      "scores": 0, "responses": 1}
     assert await conn.fetchval("SELECT count(*) FROM runs") == 42
+    assert await conn.fetchval("SELECT array_agg(response_id) FROM responses") == ["resp_recent"]
 
 
 def _readme_statements() -> list[str]:

@@ -14,8 +14,25 @@ from typing import Any
 
 import asyncpg
 
-from apps.bus.wire import AdmissionDecided, BenchRunRecorded, Event, NodeStatusChanged, ScoreRecorded
-from tests.recorder.conftest import admission, bench_run, finished, node_status, score, started
+from apps.bus.wire import (
+    AdmissionDecided,
+    BenchRunRecorded,
+    Event,
+    NodeStatusChanged,
+    ResponseDeleted,
+    ResponseStored,
+    ScoreRecorded,
+)
+from tests.recorder.conftest import (
+    admission,
+    bench_run,
+    finished,
+    node_status,
+    response_deleted,
+    response_stored,
+    score,
+    started,
+)
 
 BASE_TS = 1_700_000_000.0
 DECISIONS = ("admitted", "queue_full", "principal_cap", "timeout", "context_exceeded", "cancelled")
@@ -29,7 +46,25 @@ def at(ts: float) -> datetime:
 def expected_rows(events: list[Event]) -> dict[str, dict[str, tuple]]:
     """The rows of the append-only projections and `bench_runs`, by primary key, from distinct events
     (jsonb columns as Python values)."""
-    rows: dict[str, dict[str, tuple]] = {"admission_events": {}, "nodes": {}, "bench_runs": {}, "scores": {}}
+    rows: dict[str, dict[str, tuple]] = {"admission_events": {}, "nodes": {}, "bench_runs": {}, "scores": {},
+                                         "responses": {}}
+    stored: dict[str, ResponseStored] = {}
+    deleted: dict[str, ResponseDeleted] = {}
+    for e in events:
+        # responses: the latest stored event and the earliest deletion of each id, by (ts, event_id).
+        if isinstance(e, ResponseStored):
+            held = stored.get(e.response_id)
+            if held is None or (e.ts, e.event_id) > (held.ts, held.event_id):
+                stored[e.response_id] = e
+        elif isinstance(e, ResponseDeleted):
+            held = deleted.get(e.response_id)
+            if held is None or (e.ts, e.event_id) < (held.ts, held.event_id):
+                deleted[e.response_id] = e
+    for response_id in stored.keys() | deleted.keys():
+        s, d = stored.get(response_id), deleted.get(response_id)
+        kept = (s.event_id, at(s.ts), s.model, s.principal, s.previous_response_id, s.response.get("status"),
+                s.input_items, s.response) if s else (None,) * 8
+        rows["responses"][response_id] = (response_id, *kept, at(d.ts) if d else None, d.event_id if d else None)
     for e in events:
         if isinstance(e, AdmissionDecided):
             rows["admission_events"][e.event_id] = (
@@ -100,7 +135,8 @@ def _running_row(start: Any) -> dict:
 
 
 def mixed(num_requests: int = 1500, seed: int = 7, base_ts: float = BASE_TS) -> Workload:
-    """Runs (plain, retried, still running, rejected), admission decisions, node changes and bench results.
+    """Runs (plain, retried, still running, rejected), admission decisions, node changes, bench results
+    and stored responses.
 
     With the defaults: 4,500 distinct events.
     """
@@ -172,7 +208,10 @@ def mixed(num_requests: int = 1500, seed: int = 7, base_ts: float = BASE_TS) -> 
                 retry_after_s=retry, waited_ms=float(i % 100), detail=None if decision == "admitted" else "full",
             )  # fmt: skip
         )
-    n_nodes = num_requests // 7 - 14
+    # Stored responses (below) take the place of some node events, so the defaults stay at 4,500 events.
+    n_responses = max(num_requests // 20, 6)
+    n_response_events = n_responses + 2 * len(range(0, n_responses, 5)) + 1
+    n_nodes = num_requests // 7 - 14 - n_response_events
     for i in range(n_nodes):
         w.events.append(
             node_status(f"node-{'abc'[i % 3]}", ts=base_ts + i, free_slots=i % 17, kv_usage=(i % 8) / 8,
@@ -194,9 +233,22 @@ def mixed(num_requests: int = 1500, seed: int = 7, base_ts: float = BASE_TS) -> 
             w.events.append(score(run_id, metric, value, ts=base_ts + 10 * i + 1, model=model, scenario=scenario,
                                   unit=unit, scorer="manual" if metric == "quality" else "helexa-bench"))  # fmt: skip
             n_scores += 1
+    # Stored responses, some following another; some deleted (twice, the second deletion sent
+    # first), one of them by a deletion older than its stored event, and one known only by its deletion.
+    for i in range(n_responses):
+        response_id = f"resp_{seed}_{i:04d}"
+        ts = base_ts + 3 * i
+        w.events.append(response_stored(
+            response_id, ts=ts, model=("tiny", "small")[i % 2], principal=PRINCIPALS[i % 3],
+            previous_response_id=f"resp_{seed}_{i - 1:04d}" if i % 4 else None,
+        ))  # fmt: skip
+        if i % 5 == 0:
+            first = ts - 1.0 if i == 0 else ts + 1.0
+            w.events += [response_deleted(response_id, ts=first + 0.5), response_deleted(response_id, ts=first)]
+    w.events.append(response_deleted(f"resp_{seed}_gone", ts=base_ts))
     w.counts = dict(
         events=len(w.events), runs=num_requests, run_attempts=len(w.attempts), admission_events=n_admission, nodes=n_nodes,
-        bench_runs=n_bench, scores=n_scores,
+        bench_runs=n_bench, scores=n_scores, responses=n_responses + 1,
     )  # fmt: skip
     return w
 
@@ -205,7 +257,8 @@ async def table_rows(conn: Any, table: str) -> dict[str, tuple]:
     """A table's rows by primary key (its first column), jsonb columns decoded."""
     rows = {}
     for record in await conn.fetch(f"SELECT * FROM {table}"):
-        values = tuple(json.loads(v) if k in ("config", "results") else v for k, v in record.items())
+        values = tuple(json.loads(v) if k in ("config", "results", "input_items", "response") and v is not None
+                       else v for k, v in record.items())
         rows[values[0]] = values
     return rows
 

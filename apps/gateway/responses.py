@@ -1,0 +1,211 @@
+"""POST /v1/responses, GET and DELETE /v1/responses/{id}: the OpenAI Responses API.
+
+A request's `instructions`, the conversation its `previous_response_id` continues (read back from
+the ledger, `response_store`), and its own input (text, or items: messages, function calls and
+their outputs, reasoning) become one chat conversation, published like any chat completion
+through the generation pipeline; `responses_output` shapes the answer. With `store` (the
+default, as at OpenAI) the finished response is kept for its principal.
+
+What cannot be honoured is refused by name: tools other than functions, image and file inputs,
+item references, background runs, conversation objects, prompt templates, `truncation: auto`,
+and (until structured outputs are wired here) a JSON `text.format`. Reasoning items sent back as
+input are not shown to the model again; `reasoning.effort` is echoed, not enforced.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import msgspec
+from litestar import Request, delete, get, post
+from litestar.datastructures import State
+from litestar.response import Response, Stream
+
+from apps.bus import wire
+from apps.bus.codes import Api, ErrorCode, ServingError
+from apps.gateway import responses_schema as rs
+from apps.gateway.openapi_docs import operation_for
+from apps.gateway.response_store import ResponseStore, StoredResponse, new_response_id
+from apps.gateway.responses_output import ResponsesFormatter
+from apps.gateway.validate import check_json_depth, decode_request
+from engine.protocol import SamplingParams
+
+HANDLER = "responses"
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+def _refuse(message: str, param: str | None) -> ServingError:
+    return ServingError(400, ErrorCode.INVALID_REQUEST, message, param=param)
+
+
+def parse_items(raw: str | list[dict[str, Any]], param: str) -> list[rs.InputItem]:
+    """Input as typed items; a plain string is one user message."""
+    if isinstance(raw, str):
+        return [rs.MessageItem(role="user", content=[rs.InputText(text=raw)])]
+    items = []
+    for index, item in enumerate(raw):
+        try:
+            items.append(msgspec.convert({"type": "message", **item}, rs.InputItem))
+        except msgspec.ValidationError as exc:
+            raise _refuse(f"Invalid input item {index} in '{param}': {exc}.", param) from None
+    return items
+
+
+def _text(content: str | list[rs.ContentPart], param: str) -> str:
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        if isinstance(part, rs.InputText | rs.OutputText):
+            texts.append(part.text)
+        elif isinstance(part, rs.Refusal):
+            texts.append(part.refusal)
+        else:
+            raise _refuse(f"Content parts of type '{type(part).__struct_config__.tag}' are not supported.", param)
+    return "".join(texts)
+
+
+def _template_call(item: rs.FunctionCallItem, param: str) -> dict[str, Any]:
+    """A function call as chat templates expect it: arguments as an object, not a JSON string."""
+    check_json_depth(item.arguments or "{}", param)
+    try:
+        arguments = json.loads(item.arguments or "{}")
+    except ValueError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise _refuse("Function call arguments must be a JSON object.", param)
+    return {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": arguments}}
+
+
+def chat_messages(items: list[rs.InputItem], instructions: str | None, param: str = "input") -> list[wire.ChatMessage]:
+    """The conversation as the chat messages a template renders: system and developer messages
+    as `system`, function calls joined to the assistant turn they belong to, outputs as `tool`."""
+    out: list[wire.ChatMessage] = [wire.ChatMessage(role="system", content=instructions)] if instructions else []
+    names: dict[str, str] = {}
+    for item in items:
+        if isinstance(item, rs.MessageItem):
+            role = "system" if item.role in ("system", "developer") else item.role
+            out.append(wire.ChatMessage(role=role, content=_text(item.content, param)))
+        elif isinstance(item, rs.FunctionCallItem):
+            names[item.call_id] = item.name
+            call = _template_call(item, param)
+            if out and out[-1].role == "assistant":
+                out[-1] = msgspec.structs.replace(out[-1], tool_calls=[*(out[-1].tool_calls or []), call])
+            else:
+                out.append(wire.ChatMessage(role="assistant", content="", tool_calls=[call]))
+        elif isinstance(item, rs.FunctionCallOutputItem):
+            out.append(wire.ChatMessage(role="tool", content=_text(item.output, param), tool_call_id=item.call_id,
+                                        name=names.get(item.call_id)))
+        elif isinstance(item, rs.ItemReference):
+            raise _refuse("Input items of type 'item_reference' are not supported; send the item itself.", param)
+        # Reasoning items: earlier reasoning is not shown to the model again.
+    return out
+
+
+def _tools(req: rs.ResponsesRequest) -> tuple[list[dict[str, Any]] | None, bool, str | None]:
+    """(tools for the template, a call is required, the function it must call), from tools and tool_choice."""
+    choice, names = req.tool_choice, {tool.name for tool in req.tools or []}
+    if choice not in (None, "none", "auto") and not names:
+        raise _refuse("'tool_choice' requires 'tools'.", "tool_choice")
+    if isinstance(choice, rs.NamedFunction) and choice.name not in names:
+        raise _refuse(f"'tool_choice' names the function '{choice.name}', which is not in 'tools'.", "tool_choice")
+    if not req.tools or choice == "none":
+        return None, False, None
+    tools = []
+    for tool in req.tools:
+        function = {k: v for k, v in msgspec.to_builtins(tool).items() if k != "type" and v is not None}
+        tools.append({"type": "function", "function": function})
+    return tools, choice == "required" or isinstance(choice, rs.NamedFunction), getattr(choice, "name", None)
+
+
+def _check_supported(req: rs.ResponsesRequest) -> None:
+    if req.background:
+        raise _refuse("Background responses are not supported.", "background")
+    if req.conversation is not None:
+        raise _refuse("Conversation objects are not supported; use 'previous_response_id'.", "conversation")
+    if req.prompt is not None:
+        raise _refuse("Stored prompt templates are not supported.", "prompt")
+    if req.truncation == "auto":
+        raise _refuse("'truncation: auto' is not supported; an input past the context is a 400.", "truncation")
+    text_format = req.text.format if req.text else None
+    if text_format is not None and text_format.type != "text":
+        # Structured outputs (llguidance) are not wired into this route yet: never silently ignored.
+        raise _refuse(f"'text.format' of type '{text_format.type}' is not supported yet.", "text.format")
+
+
+def wants_logprobs(req: rs.ResponsesRequest) -> bool:
+    return req.top_logprobs is not None or LOGPROBS_INCLUDE in (req.include or [])
+
+
+def sampling_params(req: rs.ResponsesRequest) -> SamplingParams:
+    given = {"max_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
+             "logprobs": (req.top_logprobs or 0) if wants_logprobs(req) else None}
+    return SamplingParams(**{name: value for name, value in given.items() if value is not None})
+
+
+def to_bus_request(req: rs.ResponsesRequest, response_id: str, principal: str | None,
+                   history: list[rs.InputItem], items: list[rs.InputItem]) -> wire.GenerateRequest:
+    """The bus request for a response: `history` (the turns it continues) then its own `items`."""
+    _check_supported(req)
+    messages = chat_messages(history + items, req.instructions)
+    if not any(m.role != "system" for m in messages):
+        raise _refuse("'input' holds no message to answer.", "input")
+    tools, tool_required, tool_name = _tools(req)
+    return wire.GenerateRequest(
+        request_id=response_id, model=req.model, reply_subject="", messages=messages, tools=tools,
+        tool_required=tool_required, tool_name=tool_name, sampling=sampling_params(req), stream=req.stream,
+        principal=principal, api=Api.RESPONSES,
+    )
+
+
+def response_template(req: rs.ResponsesRequest, response_id: str) -> rs.ResponseObject:
+    """The response before any output: the request's settings echoed, as OpenAI does."""
+    choice = req.tool_choice or "auto"
+    return rs.ResponseObject(
+        id=response_id, created_at=int(time.time()), status="in_progress", model=req.model,
+        instructions=req.instructions, max_output_tokens=req.max_output_tokens,
+        parallel_tool_calls=req.parallel_tool_calls, previous_response_id=req.previous_response_id,
+        reasoning=req.reasoning, store=req.store,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p, top_logprobs=req.top_logprobs,
+        text=req.text or rs.TextConfig(format=rs.TextFormat()),
+        tool_choice=choice if isinstance(choice, str) else msgspec.to_builtins(choice),
+        tools=req.tools or [], user=req.user, metadata=req.metadata or {},
+    )
+
+
+@post("/v1/responses", status_code=200, operation_class=operation_for("responses"))
+async def create_response(request: Request, state: State) -> Response | Stream:
+    req = await decode_request(request, rs.ResponsesRequest)
+    store: ResponseStore = state.responses
+    principal = request.state.principal
+    response_id = new_response_id()
+    items = parse_items(req.input, "input")
+    history = []
+    if req.previous_response_id is not None:
+        stored_items = await store.conversation(req.previous_response_id, principal)
+        history = parse_items(stored_items, "previous_response_id")
+    bus_request = to_bus_request(req, response_id, principal, history, items)
+
+    def keep(response: rs.ResponseObject) -> None:
+        store.keep(StoredResponse(response_id, principal, req.previous_response_id,
+                                  [msgspec.to_builtins(item) for item in items], msgspec.to_builtins(response)),
+                   req.model)
+
+    formatter = ResponsesFormatter(response_template(req, response_id), wants_logprobs(req),
+                                   on_complete=keep if req.store else None)
+    return await state.generations.serve(request, bus_request, formatter, HANDLER)
+
+
+@get("/v1/responses/{response_id:str}")
+async def retrieve_response(request: Request, state: State, response_id: str) -> Response:
+    stored = await state.responses.get(response_id, request.state.principal)
+    return Response(stored.response, media_type="application/json")
+
+
+@delete("/v1/responses/{response_id:str}", status_code=200)
+async def delete_response(request: Request, state: State, response_id: str) -> rs.DeletedResponse:
+    await state.responses.delete(response_id, request.state.principal)
+    return rs.DeletedResponse(id=response_id)

@@ -1,0 +1,71 @@
+"""The worker's `tokenize` endpoint: the prompt token ids a generation of a request would feed the
+model, and token ids back to text.
+
+A count is only worth having if it is the count the model is actually sent, so tokenizing goes
+through the very function a run uses (`prompt.build_prompt`: the chat template, tools, a forced
+tool call's opening, a continued assistant turn) on the model's own tokenizer. The gateway's
+`/tokenize`, `/detokenize` and `/v1/messages/count_tokens` are answered from here, and a count
+equals the `prompt_tokens` that a generation of the same request reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import msgspec
+
+from apps.bus import wire
+from apps.bus.codes import ErrorCode, ServingError
+from apps.worker.prompt import build_prompt
+from apps.worker.run import ServedModel
+
+log = logging.getLogger("helexa.worker")
+
+
+def _refusal(model: str, status: int, code: ErrorCode, message: str) -> wire.TokenizeReply:
+    return wire.TokenizeReply(model=model, error=wire.TokenizeError(status=status, code=code, message=message))
+
+
+def tokenize(model: ServedModel, ask: wire.TokenizeRequest) -> wire.TokenizeReply:
+    """Answer one question about `model`'s tokens; a request's own fault raises ServingError."""
+    tokenizer = model.tokenizer
+    max_model_len = model.context.derive().context
+    if ask.token_ids is not None:
+        vocab = tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in ask.token_ids):
+            raise ServingError(400, ErrorCode.INVALID_PROMPT, f"Token ids must be in [0, {vocab}).")
+        # Special tokens are kept: the text of a rendered prompt shows its template's markers.
+        text = tokenizer.decode(ask.token_ids, skip_special_tokens=False)
+        return wire.TokenizeReply(model=ask.model, token_ids=list(ask.token_ids), text=text,
+                                  max_model_len=max_model_len)
+    if ask.request is None:
+        raise ServingError(400, ErrorCode.INVALID_REQUEST, "Nothing to tokenize: give a request or token ids.")
+    prompt = build_prompt(tokenizer, ask.request, model.reasoning_parser,
+                          add_generation_prompt=ask.add_generation_prompt,
+                          add_special_tokens=ask.add_special_tokens)
+    token_strs = [tokenizer.hf.id_to_token(i) for i in prompt.token_ids] if ask.return_token_strs else None
+    return wire.TokenizeReply(model=ask.model, token_ids=prompt.token_ids, token_strs=token_strs,
+                              max_model_len=max_model_len)
+
+
+async def answer(served: Callable[[str], ServedModel | None], data: bytes) -> bytes:
+    """The endpoint's reply to one message: a `TokenizeReply`, carrying the error when refused."""
+    try:
+        ask = wire.tokenize_request_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        return wire.encode(_refusal("", 400, ErrorCode.INVALID_REQUEST, f"The body is not a TokenizeRequest: {exc}"))
+    model = served(ask.model)
+    if model is None:
+        return wire.encode(_refusal(ask.model, 404, ErrorCode.MODEL_NOT_FOUND,
+                                    f"This worker does not serve the model '{ask.model}'."))
+    try:
+        # Off the event loop: a long prompt must not delay the heartbeats of running requests.
+        reply = await asyncio.to_thread(tokenize, model, ask)
+    except ServingError as exc:
+        reply = _refusal(ask.model, exc.status, exc.code or ErrorCode.INVALID_REQUEST, exc.message)
+    except Exception:  # a template or tokenizer that breaks on this request: its own failure
+        log.exception("tokenizing failed", extra={"model": ask.model})
+        reply = _refusal(ask.model, 500, ErrorCode.INTERNAL_ERROR, "The worker could not tokenize this request.")
+    return wire.encode(reply)
