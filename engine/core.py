@@ -41,6 +41,7 @@ from engine.protocol import (
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.state_slots import StateSlotPool
+from engine.structured_output import GrammarEnd, StructuredOutputs
 
 log = logging.getLogger("helexa.engine")
 
@@ -104,6 +105,10 @@ class EngineCore:
             eos_token_ids=checkpoint.tokenizer.all_stop_token_ids,
             max_position_embeddings=model_config.max_position_embeddings,
         )
+        # Grammar-constrained requests (engine.structured_output): masks before sampling.
+        self.structured = StructuredOutputs(checkpoint.tokenizer, model_config.vocab_size,
+                                            self.info.eos_token_ids, config.max_num_seqs, device)
+        self.runner.mask_logits = self.structured.mask_logits
         self.stats = CoreStats(num_blocks=num_blocks)
         self._refresh_stats()
         self._first_scheduled: dict[str, float] = {}
@@ -118,6 +123,12 @@ class EngineCore:
         if len(request.prompt_token_ids) + 1 > self.info.max_model_len:
             self._rejected.append(self._final(request.request_id, FinishReason.ERROR, len(request.prompt_token_ids),
                                               error="prompt exceeds max_model_len"))
+            return
+        structured = request.sampling.structured
+        error = self.structured.add(request.request_id, structured) if structured is not None else None
+        if error is not None:
+            self._rejected.append(self._final(request.request_id, FinishReason.ERROR, len(request.prompt_token_ids),
+                                              error=f"structured output does not compile: {error}"))
             return
         engine_request = Request(request.request_id, request.prompt_token_ids, request.sampling,
                                  eos_token_ids=self.info.eos_token_ids)
@@ -158,7 +169,9 @@ class EngineCore:
                     scheduled.num_new_tokens, request.num_prompt_tokens - request.num_computed_tokens
                 )
         sampled = self.runner.execute(step)
-        got_token, finished = self.scheduler.update_from_output(step, {k: v[0] for k, v in sampled.items()})
+        sampled_tokens = {request_id: token for request_id, (token, _) in sampled.items()}
+        grammar_ends = self.structured.consume(sampled_tokens)
+        got_token, finished = self.scheduler.update_from_output(step, sampled_tokens)
         done = time.monotonic()
         for request in got_token:
             _, logprob = sampled[request.request_id]
@@ -168,7 +181,22 @@ class EngineCore:
                 outputs.append(self._final(request.request_id, request.status.finish_reason or FinishReason.ERROR,
                                            request.num_prompt_tokens))
             self._forget(request.request_id)
+        outputs.extend(self._end_by_grammar(grammar_ends))
         self._update_stats(len(got_token))
+        return outputs
+
+    def _end_by_grammar(self, ends: list[GrammarEnd]) -> list[EngineOutput]:
+        """Stop the requests whose grammar is complete, fail those whose grammar failed; a request
+        the scheduler already finished this step (an EOS the grammar accepted) needs nothing."""
+        outputs = []
+        for end in ends:
+            request = self._requests.get(end.request_id)
+            if request is None or request.is_finished:
+                continue
+            self.scheduler.abort_requests([end.request_id])  # frees its blocks; the reason is ours
+            reason = FinishReason.STOP if end.error is None else FinishReason.ERROR
+            outputs.append(self._final(end.request_id, reason, request.num_prompt_tokens, end.error))
+            self._forget(end.request_id)
         return outputs
 
     def _output(self, request: Request, logprob: TokenLogprob | None, now: float) -> EngineOutput:
@@ -196,6 +224,7 @@ class EngineCore:
         self._requests.pop(request_id, None)
         self._first_scheduled.pop(request_id, None)
         self.runner.release(request_id)
+        self.structured.release(request_id)
 
     def _update_stats(self, generated: int) -> None:
         self.stats.steps += 1

@@ -7,6 +7,7 @@ The scheduler decides which tokens of which requests run; this module turns that
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,9 @@ class ModelRunner:
         self.sampler = Sampler()
         # Set by EngineCore on CUDA (engine.cuda_graphs); pure decode steps replay from it.
         self.decode_graphs: DecodeGraphs | None = None
+        # Set by EngineCore: masks the logits rows of grammar-constrained requests in place
+        # (engine.structured_output), given each row's request id.
+        self.mask_logits: Callable[[torch.Tensor, list[str]], None] | None = None
         self._generators: dict[str, torch.Generator] = {}
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         # One (k_cache, v_cache) pair per full-attention layer:
@@ -129,6 +133,8 @@ class ModelRunner:
         if not inputs.sample_indices:
             return {}
         logits = self.model.compute_logits(hidden[inputs.sample_indices])
+        if self.mask_logits is not None:
+            self.mask_logits(logits, inputs.sample_request_ids)
         by_id = {s.request.request_id: s.request for s in step.scheduled}
         rows = []
         for request_id in inputs.sample_request_ids:
