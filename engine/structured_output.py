@@ -57,6 +57,8 @@ class StructuredOutputs:
         self._matchers: dict[str, llguidance.LLMatcher] = {}
         # Failures noticed while masking; `consume` reports them after the step.
         self._failed: dict[str, str] = {}
+        # Seconds spent in llguidance computing masks, all steps together (bench/structured_outputs.py).
+        self.fill_s = 0.0
 
     @property
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
@@ -108,8 +110,11 @@ class StructuredOutputs:
                                                   pin_memory=bitmask.is_pinned())
         row_bytes = bitmask.shape[1] * bitmask.element_size()
         base = bitmask.data_ptr()
+        # On a GPU the forward is still running here: these masks are computed meanwhile.
+        start = time.perf_counter()
         for k, (_, matcher) in enumerate(rows):
             matcher.unsafe_compute_mask_ptr(base + k * row_bytes, row_bytes)
+        self.fill_s += time.perf_counter() - start
         masks = bitmask[:len(rows)]
         # A matcher in error (a lexer or parser limit hit at run time) or one that allows no
         # token ends its own request after this step; its row is left free meanwhile, so the
