@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 import llguidance
+import numpy as np
 import torch
 
 from engine.grammars import to_llguidance
@@ -119,7 +120,7 @@ class StructuredOutputs:
         # A matcher in error (a lexer or parser limit hit at run time) or one that allows no
         # token ends its own request after this step; its row is left free meanwhile, so the
         # sampler still has a distribution to draw from.
-        live = masks.ne(0).any(-1).tolist()
+        live = masks.numpy().any(axis=1).tolist()
         kept = []
         for k, ((i, matcher), has_token) in enumerate(zip(rows, live)):
             request_id = request_ids[i]
@@ -127,18 +128,9 @@ class StructuredOutputs:
                 self._failed[request_id] = matcher.get_error() or "the grammar allows no further token"
             else:
                 kept.append(k)
-        if not kept:
-            return
-        index = torch.tensor([rows[k][0] for k in kept], device=logits.device)
-        masks = masks[kept] if len(kept) < len(rows) else masks
-        masks = masks.to(logits.device, non_blocking=True)
-        # [kept, words, 32] bits → [kept, words * 32] booleans, one per token id
-        allowed = ((masks.unsqueeze(-1) >> self._bit_shifts) & 1).view(len(kept), -1).bool()
-        vocab = logits.shape[1]
-        if allowed.shape[1] < vocab:
-            allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
-        masked = logits.index_select(0, index).masked_fill(~allowed[:, :vocab], -math.inf)
-        logits.index_copy_(0, index, masked)
+        if kept:
+            apply_masks(logits, [rows[k][0] for k in kept], masks[kept] if len(kept) < len(rows) else masks,
+                        self._bit_shifts)
 
     def consume(self, sampled: dict[str, int]) -> list[GrammarEnd]:
         """Feed each constrained request its sampled token; the requests that must end now."""
@@ -156,3 +148,35 @@ class StructuredOutputs:
             elif matcher.is_stopped():
                 ends.append(GrammarEnd(request_id))
         return ends
+
+
+def unpack_numpy(masks: torch.Tensor) -> torch.Tensor:
+    """[rows, words] int32 bitmask (bit j of word w: token 32w + j) → [rows, words * 32] bool.
+    On a CPU numpy unpacks in one single-threaded pass: torch's parallel ops cost more on a busy
+    machine than the work they split."""
+    bits = np.unpackbits(masks.numpy().view(np.uint8), axis=1, bitorder="little")
+    return torch.from_numpy(bits.view(np.bool_))
+
+
+def unpack_torch(masks: torch.Tensor, bit_shifts: torch.Tensor) -> torch.Tensor:
+    """The same unpacking with tensor ops, on the masks' device (a GPU: 4 bytes per 32 tokens cross)."""
+    # [rows, words, 32] bits → [rows, words * 32]
+    return ((masks.unsqueeze(-1) >> bit_shifts) & 1).view(masks.shape[0], -1).bool()
+
+
+def apply_masks(logits: torch.Tensor, row_indices: list[int], masks: torch.Tensor, bit_shifts: torch.Tensor) -> None:
+    """Set logits[row_indices[k], t] to -inf for every token t that masks[k] does not allow."""
+    vocab = logits.shape[1]
+    if logits.device.type == "cpu":
+        allowed = unpack_numpy(masks)
+    else:
+        allowed = unpack_torch(masks.to(logits.device, non_blocking=True), bit_shifts.to(logits.device))
+    if allowed.shape[1] < vocab:  # logits wider than the tokenizer: the extra ids are never allowed
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    forbidden = ~allowed[:, :vocab]
+    if logits.device.type == "cpu":
+        for k, row in enumerate(row_indices):
+            logits[row].masked_fill_(forbidden[k], -math.inf)
+    else:
+        index = torch.tensor(row_indices, device=logits.device)
+        logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(forbidden, -math.inf))

@@ -10,12 +10,14 @@ import re
 
 import jsonschema
 import pytest
+import torch
 
 from engine.core import EngineCore
 from engine.engine_config import EngineConfig
 from engine.loader import Checkpoint
 from engine.protocol import EngineOutput, EngineRequest, FinishReason, SamplingParams, StructuredOutput
 from engine.protocol import StructuredOutputKind as Kind
+from engine.structured_output import apply_masks, unpack_numpy, unpack_torch
 
 PERSON = {
     "type": "object",
@@ -162,3 +164,18 @@ def test_grammar_failing_mid_generation_ends_only_its_request(smollm2: Checkpoin
     assert finals["fine"].finish_reason is FinishReason.STOP
     assert finals["free"].finish_reason is FinishReason.LENGTH
     assert core.kv_cache.num_free_blocks == core.info.num_blocks
+
+
+def test_bitmask_unpacking_agrees_with_the_bit_layout() -> None:
+    generator = torch.Generator().manual_seed(0)
+    masks = torch.randint(-(1 << 31), (1 << 31) - 1, (3, 4), dtype=torch.int32, generator=generator)
+    expected = torch.tensor([[(int(masks[r, t // 32]) >> (t % 32)) & 1 == 1 for t in range(128)] for r in range(3)])
+    shifts = torch.arange(32, dtype=torch.int32)
+    assert torch.equal(unpack_numpy(masks), expected)
+    assert torch.equal(unpack_torch(masks, shifts), expected)
+    # Logits one token wider than the mask: the extra id is never allowed.
+    logits = torch.zeros(5, 129)
+    apply_masks(logits, [0, 2, 4], masks, shifts)
+    for k, row in enumerate([0, 2, 4]):
+        assert torch.equal(logits[row, :128] == 0, expected[k]) and logits[row, 128] == float("-inf")
+    assert torch.equal(logits[[1, 3]], torch.zeros(2, 129))
