@@ -55,6 +55,7 @@ from engine.scheduler import (
     SchedulerOutput,
 )
 from engine.state_slots import StateSlotPool
+from engine.structured_output import GrammarEnd, StructuredOutputs
 
 log = logging.getLogger("helexa.engine")
 
@@ -95,14 +96,26 @@ class EngineCore:
             eos_token_ids=checkpoint.tokenizer.all_stop_token_ids,
             max_position_embeddings=model_config.max_position_embeddings,
         )
+        # Grammar-constrained requests (engine.structured_output): masks before sampling.
+        self.structured = StructuredOutputs(checkpoint.tokenizer, model_config.vocab_size,
+                                            self.info.eos_token_ids, config.max_num_seqs, self.runner.device)
+        self.runner.mask_logits = self.structured.mask_logits
         self.stats = CoreStats(num_blocks=self.runner.num_blocks)
         self._refresh_stats()
         self._first_scheduled: dict[str, float] = {}
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request; one that can never run comes back as an error output of the next step."""
-        self.scheduler.add_request(Request(request.request_id, request.prompt_token_ids, request.sampling,
-                                           eos_token_ids=self.info.eos_token_ids))
+        engine_request = Request(request.request_id, request.prompt_token_ids, request.sampling,
+                                 eos_token_ids=self.info.eos_token_ids)
+        structured = request.sampling.structured
+        # A duplicate id is the scheduler's to refuse; its grammar must not replace the live one's.
+        if structured is not None and request.request_id not in self.scheduler.requests:
+            error = self.structured.add(request.request_id, structured)
+            if error is not None:
+                self.scheduler.reject(engine_request, f"structured output does not compile: {error}")
+                return
+        self.scheduler.add_request(engine_request)
 
     def abort(self, request_ids: list[str]) -> list[EngineOutput]:
         return self._end(self.scheduler.abort_requests(request_ids))
@@ -134,9 +147,10 @@ class EngineCore:
             log.warning("request %s failed alone: %s", request_id, error)
             failed = self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ERROR, error)
             outputs += [self._end_one(request) for request in failed]
+        sampled_tokens = {request_id: token for request_id, (token, _) in result.sampled.items()}
+        grammar_ends = self.structured.consume(sampled_tokens)
         # Always: it also hands back the requests the scheduler rejected at add.
-        got_token, finished = self.scheduler.update_from_output(
-            step, {request_id: token for request_id, (token, _) in result.sampled.items()})
+        got_token, finished = self.scheduler.update_from_output(step, sampled_tokens)
         done = time.monotonic()
         for request in got_token:
             _, logprob = result.sampled[request.request_id]
@@ -147,10 +161,21 @@ class EngineCore:
                 self._forget(request)
             else:  # rejected at add: a request of its own, even when it repeats a live id
                 outputs.append(self._end_one(request))
+        outputs += self._end_by_grammar(grammar_ends)
         if step.scheduled:
             self._update_stats(len(got_token))
         else:
             self._refresh_stats()
+        return outputs
+
+    def _end_by_grammar(self, ends: list[GrammarEnd]) -> list[EngineOutput]:
+        """Stop the requests whose grammar is complete, fail those whose grammar failed; a request
+        the scheduler already finished this step (an EOS the grammar accepted) needs nothing."""
+        outputs = []
+        for end in ends:
+            status = RequestStatus.FINISHED_STOPPED if end.error is None else RequestStatus.FINISHED_ERROR
+            for request in self.scheduler.finish_requests([end.request_id], status, end.error):
+                outputs.append(self._end_one(request))
         return outputs
 
     def _execute(self, step: SchedulerOutput) -> StepResult:
@@ -230,6 +255,7 @@ class EngineCore:
             return
         self._first_scheduled.pop(request.request_id, None)
         self.runner.release(request.request_id)
+        self.structured.release(request.request_id)
 
     def _update_stats(self, generated: int) -> None:
         self.stats.steps += 1

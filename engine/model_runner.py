@@ -11,6 +11,7 @@ tokens from that request's own generator.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -90,6 +91,9 @@ class ModelRunner:
                                                           self.max_model_len, self.block_size,
                                                           self.device)
         self.sampler = Sampler()
+        # Set by EngineCore: masks the logits rows of grammar-constrained requests in place
+        # (engine.structured_output), given each row's request id.
+        self.mask_logits: Callable[[torch.Tensor, list[str]], None] | None = None
         self._generators: dict[str, torch.Generator] = {}
 
     def prepare(self, step: SchedulerOutput) -> StepInputs:
@@ -121,6 +125,8 @@ class ModelRunner:
         if not inputs.sample_indices:
             return result
         logits = self.model.compute_logits(hidden[inputs.sample_indices])
+        if self.mask_logits is not None:
+            self.mask_logits(logits, inputs.sample_request_ids)
         by_id = {s.request.request_id: s.request for s in step.scheduled}
         rows = []
         for request_id in inputs.sample_request_ids:

@@ -46,6 +46,29 @@ Seed = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
 TokenCount = Annotated[int, Meta(ge=1)]
 Choices = Annotated[int, Meta(ge=1, le=MAX_CHOICES)]
 TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
+# Longest grammar text (characters) a request may carry: a JSON schema, regex, Lark grammar, ...
+MAX_GRAMMAR_CHARS = 1 << 20
+
+
+class StructuredOutputKind(enum.StrEnum):
+    """What `StructuredOutput.spec` holds; `engine.grammars` turns each into an llguidance grammar."""
+
+    # A JSON schema as JSON text (`{"type": "object"}` for any JSON object).
+    JSON_SCHEMA = "json_schema"
+    REGEX = "regex"
+    # A JSON list of the strings the whole output may be.
+    CHOICE = "choice"
+    # A Lark grammar (llguidance's dialect) or a GBNF one.
+    GRAMMAR = "grammar"
+    # llguidance's own grammar JSON ({"grammars": [...]}): constraints composed by the worker.
+    LLGUIDANCE = "llguidance"
+
+
+class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
+    """The constraint every token of the output must keep: the whole output matches it."""
+
+    kind: StructuredOutputKind
+    spec: Annotated[str, Meta(min_length=1, max_length=MAX_GRAMMAR_CHARS)]
 
 # Stop conditions are checked on every generated token (and a stop string holds back streamed
 # text as long as itself), so a request may set only a few, and short ones.
@@ -81,6 +104,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False
     # None: no logprobs; k: the chosen token's logprob plus the k most likely alternatives.
     logprobs: TopLogprobs | None = None
+    # None: free text; else the grammar the output must match (engine.structured_output).
+    structured: StructuredOutput | None = None
 
     @property
     def greedy(self) -> bool:

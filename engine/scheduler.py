@@ -100,14 +100,19 @@ class Scheduler:
         prompt longer than max_model_len or than the KV pool, a prompt token outside the vocabulary."""
         error = self._never_runs(request)
         if error is not None:
-            request.status = RequestStatus.FINISHED_ERROR
-            request.error = error
-            self._rejected.append(request)
+            self.reject(request, error)
             return
         self.requests[request.request_id] = request
         self._arrival[request.request_id] = self._next_arrival
         self._next_arrival += 1
         self.waiting.append(request)
+
+    def reject(self, request: Request, error: str) -> None:
+        """Refuse a request that never entered the engine; it comes back, FINISHED_ERROR with
+        `error`, in the finished list of the next `update_from_output`."""
+        request.status = RequestStatus.FINISHED_ERROR
+        request.error = error
+        self._rejected.append(request)
 
     def _never_runs(self, request: Request) -> str | None:
         if request.request_id in self.requests:

@@ -11,6 +11,7 @@ from msgspec import Meta
 
 from apps.bus.codes import ErrorCode, ServingError
 from apps.gateway.validate import MAX_MESSAGES, MAX_TOOLS, ModelId, check_json_depth, check_stop_strings
+from apps.gateway.structured import StructuredOutputFields
 from engine import protocol as p
 
 
@@ -78,6 +79,8 @@ class FunctionDef(msgspec.Struct, kw_only=True):
     name: Annotated[str, Meta(min_length=1, max_length=64)]
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    # Calls of a strict tool are constrained to `parameters` (apps/gateway/structured.py).
+    strict: bool | None = None
 
 
 class ToolDef(msgspec.Struct, kw_only=True):
@@ -90,7 +93,7 @@ class NamedToolChoice(msgspec.Struct, kw_only=True):
     function: dict[str, str]
 
 
-class GenerationParams(msgspec.Struct, kw_only=True):
+class GenerationParams(StructuredOutputFields, kw_only=True):
     """What chat and text completions share; unknown fields are accepted and ignored, as OpenAI
     clients expect. vLLM's extensions (top_k, min_p, repetition_penalty, ...) are honoured too.
 
@@ -132,7 +135,8 @@ class GenerationParams(msgspec.Struct, kw_only=True):
         """The request's sampling, built once; the worker only resolves a missing max_tokens."""
         given = {name: getattr(self, name) for name in p.SamplingParams.__struct_fields__
                  if getattr(self, name, None) is not None}
-        given.update(max_tokens=self.completion_limit(), stop=self.stop_strings(), logprobs=self.logprobs_count())
+        given.update(max_tokens=self.completion_limit(), stop=self.stop_strings(), logprobs=self.logprobs_count(),
+                     structured=self.structured_output())
         if given.get("top_k") == -1:
             del given["top_k"]
         return p.SamplingParams(**given)
@@ -163,7 +167,11 @@ class ChatCompletionRequest(GenerationParams, kw_only=True):
         """Tools for the chat template; none when the client said tool_choice "none"."""
         if not self.tools or self.tool_choice == "none":
             return None
-        return [{"type": "function", "function": msgspec.to_builtins(t.function)} for t in self.tools]
+        tools = [{"type": "function", "function": msgspec.to_builtins(t.function)} for t in self.tools]
+        for tool in tools:  # the template sees `strict` only when the client set it
+            if tool["function"].get("strict") is None:
+                tool["function"].pop("strict", None)
+        return tools
 
     def forced_tool(self) -> tuple[bool, str | None]:
         """(a tool call is required, the name it must have): what `tool_choice` demands of the reply."""

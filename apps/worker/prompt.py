@@ -4,7 +4,6 @@ before any work."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +13,7 @@ from jinja2 import TemplateError
 from apps.bus import wire
 from apps.bus.codes import ErrorCode, ServingError
 from apps.worker.parsers import THINK_CLOSE, THINK_OPEN, TOOL_OPEN, OutputParser
+from apps.worker.tool_grammar import call_opening, reply_constraint
 from engine.protocol import SamplingParams
 from engine.tokenizer import Tokenizer
 
@@ -121,7 +121,7 @@ def _forced_tool_start(request: wire.GenerateRequest, in_reasoning: bool) -> str
         return ""
     start = (THINK_CLOSE + "\n\n" if in_reasoning else "") + TOOL_OPEN + "\n"
     if request.tool_name:
-        start += '{"name": ' + json.dumps(request.tool_name) + ', "arguments": '
+        start += call_opening(request.tool_name)
     return start
 
 
@@ -141,4 +141,5 @@ def resolve_sampling(request: wire.GenerateRequest, num_prompt_tokens: int, max_
         )
     max_tokens = wanted if wanted is not None else room
     return msgspec.structs.replace(request.sampling, max_tokens=max_tokens,
-                                   min_tokens=min(request.sampling.min_tokens, max_tokens))
+                                   min_tokens=min(request.sampling.min_tokens, max_tokens),
+                                   structured=reply_constraint(request))
