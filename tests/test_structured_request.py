@@ -11,6 +11,7 @@ import pytest
 
 from apps.bus.codes import ServingError
 from apps.gateway import openai_schema as oa
+from apps.gateway.validate import decode_body
 from engine.protocol import StructuredOutput
 from engine.protocol import StructuredOutputKind as Kind
 
@@ -19,7 +20,7 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string"}}, "require
 
 def chat(**fields: Any) -> oa.ChatCompletionRequest:
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
-    return oa.decode_request(msgspec.json.encode(body), oa.ChatCompletionRequest)
+    return decode_body(msgspec.json.encode(body), oa.ChatCompletionRequest)
 
 
 def structured(**fields: Any) -> StructuredOutput | None:
@@ -64,7 +65,7 @@ def test_text_format_and_no_fields_mean_no_constraint() -> None:
 
 def test_completions_take_the_same_fields() -> None:
     body = {"model": "m", "prompt": "x", "structured_outputs": {"regex": "[0-9]"}}
-    req = oa.decode_request(msgspec.json.encode(body), oa.CompletionRequest)
+    req = decode_body(msgspec.json.encode(body), oa.CompletionRequest)
     assert req.sampling_params().structured == StructuredOutput(kind=Kind.REGEX, spec="[0-9]")
 
 
