@@ -113,20 +113,22 @@ def kv_store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Causal attention of the step's queries over the cache (keys already stored)."""
+                    meta: AttentionMetadata, scale: float, k: torch.Tensor | None = None,
+                    v: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of the step's queries over the cache (keys already stored; the step's
+    own `k`/`v`, when given, spare the PyTorch path gathering them back for whole prefills)."""
     if _use_triton(q):
         return _triton("paged_attention").paged_attention(
             q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
             meta.max_query_len, scale)
-    return sdpa_paged_attention(q, k_cache, v_cache, meta, scale)
+    return sdpa_paged_attention(q, k_cache, v_cache, meta, scale, k, v)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
               v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Store this step's k/v, then attend with q: what a model's attention layer calls."""
     kv_store(k, v, k_cache, v_cache, meta.slot_mapping)
-    return paged_attention(q, k_cache, v_cache, meta, scale)
+    return paged_attention(q, k_cache, v_cache, meta, scale, k, v)
 
 
 # --- MLP -------------------------------------------------------------------------------------
