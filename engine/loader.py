@@ -44,6 +44,14 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
     raise FileNotFoundError(f"{path} is neither a .gguf file nor a model directory")
 
 
+def read_model_config(path: str | Path) -> ModelConfig:
+    """The architecture alone (no weights): what the dtype measurement needs before loading."""
+    path = Path(path)
+    if is_gguf(path):
+        return read_config(GGUFFile(path))
+    return ModelConfig.from_hf_config(json.loads((path / "config.json").read_text(encoding="utf-8")))
+
+
 def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str) -> Checkpoint:
     gguf = GGUFFile(path)
     config = read_config(gguf)
