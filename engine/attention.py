@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from engine import torch_ops
 from engine.attention_plan import AttentionPlan, DecodeBucket, PrefillSeq, build_plan
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -92,6 +93,22 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
              torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
 
 
+def plan_for(meta: AttentionMetadata, block_size: int, device: torch.device) -> AttentionPlan:
+    """The step's split, built on its first layer and kept on the metadata for the others."""
+    if meta._plan is None:
+        meta._plan = build_plan(meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                meta.slot_mapping, block_size, device)
+    return meta._plan
+
+
+def store_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The PyTorch path of a model's attention call: store this step's k/v, then attend."""
+    plan = plan_for(meta, k_cache.shape[1], q.device)
+    torch_ops.kv_store(k, v, k_cache, v_cache, meta.slot_mapping, plan.slots_valid)
+    return paged_attention(q, k_cache, v_cache, meta, scale, k, v)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, k: torch.Tensor | None = None,
                     v: torch.Tensor | None = None) -> torch.Tensor:
@@ -101,10 +118,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     reads kv head h // (num_heads // num_kv_heads). `k`/`v` [num_tokens, num_kv_heads, head_dim],
     this step's keys as stored, let a whole prefill attend without gathering them back.
     """
-    if meta._plan is None:
-        meta._plan = build_plan(meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                                k_cache.shape[1], q.device)
-    plan = meta._plan
+    plan = plan_for(meta, k_cache.shape[1], q.device)
     num_tokens, num_heads, head_dim = q.shape
     decode = plan.decode
     if len(decode) == 1 and decode[0].token_rows is None:  # a pure decode step, in batch order

@@ -55,6 +55,7 @@ class AttentionPlan:
     num_tokens: int
     decode: list[DecodeBucket]
     prefill: list[PrefillSeq]
+    slots_valid: bool  # no token of the step has slot -1 (padding), so KV stores need no mask
 
 
 def decode_buckets(lengths: list[int], cost_keys: int = BUCKET_COST_KEYS) -> list[list[int]]:
@@ -80,7 +81,7 @@ def decode_buckets(lengths: list[int], cost_keys: int = BUCKET_COST_KEYS) -> lis
 
 
 def build_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-               block_size: int, device: torch.device) -> AttentionPlan:
+               slot_mapping: torch.Tensor, block_size: int, device: torch.device) -> AttentionPlan:
     """Split a step's sequences into decode buckets and per-sequence prefills (see module doc)."""
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -106,7 +107,8 @@ def build_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tabl
             mask = torch.arange(seq_len, device=device)[None, :] <= query_pos[:, None]
         block_ids = block_tables[i, :-(-seq_len // block_size)]
         prefill.append(PrefillSeq(start, end, seq_len, block_ids, mask))
-    return AttentionPlan(num_tokens=starts[-1], decode=decode, prefill=prefill)
+    slots_valid = bool((slot_mapping >= 0).all()) if slot_mapping.numel() else True
+    return AttentionPlan(num_tokens=starts[-1], decode=decode, prefill=prefill, slots_valid=slots_valid)
 
 
 def _decode_bucket(seqs: list[int], starts: list[int], lens: list[int], block_tables: torch.Tensor,

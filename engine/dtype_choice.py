@@ -26,7 +26,6 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
 from pathlib import Path
 
 import torch
@@ -83,7 +82,7 @@ def scenarios(config: EngineConfig) -> list[Scenario]:
 def linear_shapes(model_config: ModelConfig) -> tuple[list[tuple[int, int]], tuple[int, int]]:
     """(in, out) of every linear layer of the model as it runs (packed projections packed), in
     order, and the LM head's; built on the meta device, so nothing is allocated."""
-    from engine.models import get_model_class  # noqa: PLC0415 - the registry imports torch models
+    from engine.models import get_model_class
 
     with torch.device("meta"):
         model = get_model_class(model_config.model_type)(model_config)
@@ -189,10 +188,14 @@ def _worth_measuring(dtype: str, shapes: list[tuple[int, int]], rows: int) -> bo
     for name in ("float32", dtype):
         weights = [_weight(o, i, getattr(torch, name)) for i, o in layer]
         inputs = [torch.randn(rows, w.shape[1]).to(w.dtype) for w in weights]
-        run = lambda: [F.linear(x, w) for x, w in zip(inputs, weights)]  # noqa: E731
-        run()
-        times[name] = min(_clock(run) for _ in range(3))
+        _linears(inputs, weights)
+        times[name] = min(_clock(lambda: _linears(inputs, weights)) for _ in range(3))  # noqa: B023
     return times[dtype] < times["float32"]
+
+
+def _linears(inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> None:
+    for x, w in zip(inputs, weights, strict=True):
+        F.linear(x, w)
 
 
 def _prefix(shapes: list[tuple[int, int]], budget: int) -> tuple[list[tuple[int, int]], float]:

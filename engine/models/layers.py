@@ -69,6 +69,8 @@ class RotaryEmbedding(nn.Module):
         # Built lazily: the model is constructed on the meta device and weights fill it later.
         # fp32 [max_position_embeddings, head_dim]: cos of each position's angles, then sin.
         self._cos_sin: torch.Tensor | None = None
+        # (positions, their cos/sin) for the current forward (`begin_step`); every layer reuses it.
+        self._step: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None] | None = None
 
     def cos_sin_cache(self, device: torch.device) -> torch.Tensor:
         if self._cos_sin is None or self._cos_sin.device != device:
@@ -76,10 +78,17 @@ class RotaryEmbedding(nn.Module):
             self._cos_sin = build_cos_sin_cache(inv_freq, self.config.max_position_embeddings)
         return self._cos_sin
 
+    def begin_step(self, positions: torch.Tensor) -> None:
+        """Called by the model at the top of each forward: gather cos/sin at this step's
+        positions once, not once per layer."""
+        self._step = (positions, ops.rotary_step_tables(positions, self.cos_sin_cache(positions.device)))
+
     def forward(self, q: torch.Tensor, k: torch.Tensor,
                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [num_tokens, num_heads, head_dim], k [num_tokens, num_kv_heads, head_dim]."""
-        return ops.rotary(q, k, positions, self.cos_sin_cache(positions.device))
+        step = self._step
+        tables = step[1] if step is not None and step[0] is positions else None
+        return ops.rotary(q, k, positions, self.cos_sin_cache(positions.device), tables)
 
 
 class PackedLinear(nn.Linear):

@@ -155,6 +155,7 @@ class HybridModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: HybridCaches,
                 meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        self.rotary_emb.begin_step(positions)
         slots = caches.slot_indices
         kv_index = linear_index = 0
         for layer in self.layers:

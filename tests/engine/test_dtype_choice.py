@@ -10,7 +10,14 @@ from bench.core_timing import run_greedy
 from engine.config import ModelConfig
 from engine.core import EngineCore
 from engine.default_model import default_model_path
-from engine.dtype_choice import Scenario, choose_dtype, linear_shapes, measure, pick, scenarios
+from engine.dtype_choice import (
+    Scenario,
+    choose_dtype,
+    linear_shapes,
+    measure,
+    pick,
+    scenarios,
+)
 from engine.engine_config import EngineConfig
 from engine.greedy_agreement import Agreement, argmax_gaps
 from engine.loader import Checkpoint, load_checkpoint, read_model_config

@@ -19,9 +19,9 @@ SEPARATE = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "in_proj_qkv",
 
 
 def _hf_config(model_type: str):
-    sizes = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                 max_position_embeddings=128)
+    sizes = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+             "max_position_embeddings": 128}
     if model_type == "llama":
         return transformers.LlamaConfig(**sizes, attention_bias=True)
     if model_type == "qwen3":
