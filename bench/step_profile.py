@@ -26,12 +26,12 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.machine import machine_info  # noqa: E402
-from engine.core import EngineCore  # noqa: E402
-from engine.default_model import default_model_path  # noqa: E402
-from engine.engine_config import EngineConfig  # noqa: E402
-from engine.loader import Checkpoint, load_checkpoint  # noqa: E402
-from engine.protocol import EngineRequest, SamplingParams  # noqa: E402
+from bench.machine import machine_info
+from engine.core import EngineCore
+from engine.default_model import default_model_path
+from engine.engine_config import EngineConfig
+from engine.loader import Checkpoint, load_checkpoint
+from engine.protocol import EngineRequest, SamplingParams
 
 CHUNK = 512
 NUM_SEQS = 16

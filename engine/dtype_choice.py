@@ -46,7 +46,7 @@ STREAM_BUDGET = 32_000_000
 # A prefill chunk is compute-bound: fewer weights suffice (and keep start-up short).
 COMPUTE_BUDGET = 2_000_000
 PREFILL_ROWS = 512
-REPEATS = 3
+REPEATS = 4
 # A candidate this many times slower than fp32 on a pass is not timed again for that scenario.
 HOPELESS = 4.0
 
@@ -134,29 +134,31 @@ def measure(model_config: ModelConfig, cases: list[Scenario],
             candidates: tuple[str, ...] = CANDIDATES) -> dict[str, dict[str, float]]:
     """Estimated ms of the model's projections per scenario and dtype. A candidate slower than
     fp32 at a decode batch on one layer's shapes is not measured further (fp16 without fp16
-    arithmetic takes seconds where fp32 takes milliseconds). One dtype's weights at a time."""
+    arithmetic takes seconds where fp32 takes milliseconds)."""
     shapes, lm_head = linear_shapes(model_config)
     candidates = tuple(d for d in candidates if d == "float32" or _worth_measuring(d, shapes, cases[1].rows))
     budget = max(case.budget for case in cases)
     stack, _ = _prefix(shapes, budget)
     head_rows = min(lm_head[1], max(budget // lm_head[0], 1))
-    timings: dict[str, dict[str, float]] = {}
-    for dtype in candidates:
-        weights = _Weights(stack, lm_head[0], head_rows, getattr(torch, dtype))
-        timings[dtype] = {}
-        for case in cases:
-            used, scale = _prefix(shapes, case.budget)
-            weights.time_ms(case, len(used), scale, 1.0)  # picks kernels, faults in pages
-            passes: list[float] = []
-            fp32 = timings.get("float32", {}).get(case.name)
-            for _ in range(REPEATS):
-                passes.append(weights.time_ms(case, len(used), scale, lm_head[1] / head_rows))
-                if fp32 is not None and passes[-1] > HOPELESS * fp32:
-                    break
-            # The fastest pass: on a shared machine a descheduled OpenMP thread makes single
-            # passes 10-50x slower, never faster, so the minimum is the machine's own speed.
-            timings[dtype][case.name] = round(min(passes), 3)
-        del weights
+    weights = {d: _Weights(stack, lm_head[0], head_rows, getattr(torch, d)) for d in candidates}
+    timings: dict[str, dict[str, float]] = {d: {} for d in candidates}
+    for case in cases:
+        used, scale = _prefix(shapes, case.budget)
+        passes: dict[str, list[float]] = {}
+        for dtype, w in weights.items():
+            w.time_ms(case, len(used), scale, 1.0)  # picks kernels, faults in pages
+            passes[dtype] = []
+        for _ in range(REPEATS):
+            # Interleaved, so a busy moment on a shared machine hits every dtype alike.
+            for dtype, w in weights.items():
+                fp32 = min(passes["float32"], default=None) if dtype != "float32" else None
+                if fp32 is not None and passes[dtype] and min(passes[dtype]) > HOPELESS * fp32:
+                    continue
+                passes[dtype].append(w.time_ms(case, len(used), scale, lm_head[1] / head_rows))
+        for dtype in candidates:
+            # The fastest pass: a descheduled OpenMP thread makes single passes 10-50x slower,
+            # never faster, so the minimum is the machine's own speed.
+            timings[dtype][case.name] = round(min(passes[dtype]), 3)
     return timings
 
 
