@@ -140,6 +140,9 @@ class WorkerSettings:
     max_model_len: int = field(default_factory=lambda: _env_int("HELEXA_MAX_MODEL_LEN", 0))
     status_interval_s: float = field(default_factory=lambda: _env_float("HELEXA_STATUS_INTERVAL_S", 5.0))
     device: str = field(default_factory=lambda: _env("HELEXA_DEVICE", "auto"))
+    # auto: measured at start on CPU (the faster of float32 / bfloat16 / float16 for the model's
+    # own shapes), bfloat16 on CUDA; or float32, bfloat16, float16.
+    dtype: str = field(default_factory=lambda: _env("HELEXA_DTYPE", "auto"))
     max_num_seqs: int = field(default_factory=lambda: _env_int("HELEXA_MAX_NUM_SEQS", 16))
     max_num_batched_tokens: int = field(default_factory=lambda: _env_int("HELEXA_MAX_NUM_BATCHED_TOKENS", 2048))
     kv_cache_mb: int = field(default_factory=lambda: _env_int("HELEXA_KV_CACHE_MB", 1024))
@@ -168,11 +171,14 @@ class WorkerSettings:
             raise ValueError("HELEXA_KV_CACHE_MB must be at least 1")
         if self.reasoning_parser not in ("auto", "on", "off"):
             raise ValueError("HELEXA_REASONING_PARSER must be auto, on or off")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError("HELEXA_DTYPE must be auto, float32, bfloat16 or float16")
 
     def engine_config(self, model_path: str) -> EngineConfig:
         return EngineConfig(
             model=model_path,
             device=self.device,
+            dtype=self.dtype,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             kv_cache_bytes=self.kv_cache_mb << 20,

@@ -11,8 +11,9 @@ kernels/paged_attention/naive.py). A cache is
 
 One batch mixes whole prefills, chunked-prefill continuations (queries start mid-sequence and
 see earlier keys through the cache) and decodes (one query each). `paged_attention` is the
-PyTorch path: gather every sequence's keys into a padded batch, pad the queries, and make
-one `scaled_dot_product_attention` call under one causal+padding mask.
+PyTorch path; it does the batch's work and not its padding: decodes in length buckets, each
+through one folded-GQA SDPA call over its own gather, and every prefill or chunk through its own
+SDPA call over its own keys (how the step is split: `engine.attention_plan`).
 """
 
 from __future__ import annotations
@@ -20,76 +21,87 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine import torch_ops
+from engine.attention_plan import AttentionPlan, DecodeBucket, PrefillSeq, build_plan
 # Model files import the metadata and cache types from here, beside the computation that reads them.
 from engine.step_metadata import AttentionMetadata, KVCache  # noqa: F401
 
 
-def _build_mask(meta: AttentionMetadata, device: torch.device) -> torch.Tensor:
-    """[num_seqs, 1, max_query_len, max_seq_len] bool, True where query i may see key j.
-
-    Query i of a sequence sits at position seq_len - query_len + i. Padding queries (i past the
-    sequence's query_len) get a bound of at least seq_len - 1, so no row is fully masked (SDPA
-    would return NaN for it); their outputs are dropped anyway.
-    """
-    seq_lens = meta.seq_lens.to(device=device, dtype=torch.int64)
-    query_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).to(device, torch.int64)
-    query_idx = torch.arange(meta.max_query_len, device=device)
-    key_pos = torch.arange(meta.max_seq_len, device=device)
-    last_visible = (seq_lens - query_lens)[:, None] + query_idx[None, :]  # [num_seqs, max_q]
-    mask = ((key_pos[None, None, :] <= last_visible[:, :, None])
-            & (key_pos[None, None, :] < seq_lens[:, None, None]))
-    return mask[:, None]
+def plan_for(meta: AttentionMetadata, block_size: int, device: torch.device) -> AttentionPlan:
+    """The step's split, built on its first layer and kept on the metadata for the others."""
+    if meta._plan is None:
+        meta._plan = build_plan(meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                meta.slot_mapping, block_size, device)
+    return meta._plan
 
 
-def _build_query_pad_index(meta: AttentionMetadata, num_tokens: int,
-                           device: torch.device) -> torch.Tensor:
-    """[num_tokens] int64: row of each flat token in the padded [num_seqs * max_query_len]."""
-    starts = meta.query_start_loc.to(device=device, dtype=torch.int64)
-    query_lens = starts[1:] - starts[:-1]
-    seq_idx = torch.repeat_interleave(torch.arange(meta.num_seqs, device=device), query_lens,
-                                      output_size=num_tokens)
-    idx_in_seq = torch.arange(num_tokens, device=device) - starts[seq_idx]
-    return seq_idx * meta.max_query_len + idx_in_seq
+def store_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The PyTorch path of a model's attention call: store this step's k/v, then attend."""
+    plan = plan_for(meta, k_cache.shape[1], q.device)
+    torch_ops.kv_store(k, v, k_cache, v_cache, meta.slot_mapping, plan.slots_valid)
+    return paged_attention(q, k_cache, v_cache, meta, scale, k, v)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, k: torch.Tensor | None = None,
+                    v: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its cached keys (stored already).
 
     q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]. GQA: query head h
-    reads kv head h // (num_heads // num_kv_heads).
+    reads kv head h // (num_heads // num_kv_heads). `k`/`v` [num_tokens, num_kv_heads, head_dim],
+    this step's keys as stored, let a whole prefill attend without gathering them back.
     """
+    plan = plan_for(meta, k_cache.shape[1], q.device)
     num_tokens, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    num_seqs, max_q, max_len = meta.num_seqs, meta.max_query_len, meta.max_seq_len
-    if meta._mask is None:
-        meta._mask = _build_mask(meta, q.device)
+    decode = plan.decode
+    if len(decode) == 1 and decode[0].token_rows is None:  # a pure decode step, in batch order
+        return _decode(q, k_cache, v_cache, decode[0], scale).view(num_tokens, num_heads, head_dim)
+    out = q.new_empty(num_tokens, num_heads, head_dim)
+    for bucket in decode:
+        rows = bucket.token_rows
+        assert rows is not None
+        result = _decode(q.index_select(0, rows), k_cache, v_cache, bucket, scale)
+        out.index_copy_(0, rows, result.view(bucket.num_seqs, num_heads, head_dim))
+    for seq in plan.prefill:
+        out[seq.start:seq.end] = _prefill(q, k_cache, v_cache, seq, scale, k, v)
+    return out
 
-    num_blocks = -(-max_len // block_size)
-    # index_select on the flattened table: faster on CPU than advanced indexing k_cache[block_ids].
-    block_ids = meta.block_tables[:, :num_blocks].reshape(-1)
-    gathered_shape = (num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
-    # [num_seqs * num_blocks, block_size, ...] -> [num_seqs, kv_heads, max_len, head_dim]
-    keys = k_cache.index_select(0, block_ids).view(gathered_shape)[:, :max_len].transpose(1, 2)
-    values = v_cache.index_select(0, block_ids).view(gathered_shape)[:, :max_len].transpose(1, 2)
 
-    if meta.is_pure_decode:
-        # One query per sequence: fold each kv head's query group into the query axis, so the
-        # keys are read once per kv head instead of being repeated per query head.
-        q = q.view(num_seqs, num_kv_heads, group, head_dim)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta._mask, scale=scale)
-        return out.reshape(num_tokens, num_heads, head_dim)
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bucket: DecodeBucket,
+            scale: float) -> torch.Tensor:
+    """One query per row over the bucket's gathered keys -> [n, kv_heads, group, head_dim]."""
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    n, length = bucket.num_seqs, bucket.max_len
+    gathered = (n, bucket.num_blocks * block_size, num_kv_heads, head_dim)
+    # index_select on the flat table: faster on CPU than advanced indexing k_cache[block_ids].
+    # [n * num_blocks, block_size, ...] -> [n, kv_heads, length, head_dim]
+    keys = k_cache.index_select(0, bucket.block_ids).view(gathered)[:, :length].transpose(1, 2)
+    values = v_cache.index_select(0, bucket.block_ids).view(gathered)[:, :length].transpose(1, 2)
+    # Fold each kv head's query group into the query axis: keys are read once per kv head.
+    q = q.view(n, num_kv_heads, -1, head_dim)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=bucket.mask, scale=scale)
 
-    if meta._query_pad_index is None:
-        meta._query_pad_index = _build_query_pad_index(meta, num_tokens, q.device)
-    pad_index = meta._query_pad_index
-    padded = q.new_zeros(num_seqs * max_q, num_heads, head_dim)
-    padded[pad_index] = q
-    padded = padded.view(num_seqs, max_q, num_heads, head_dim).transpose(1, 2)
-    out = F.scaled_dot_product_attention(padded, keys, values, attn_mask=meta._mask, scale=scale,
-                                         enable_gqa=group > 1)
-    # [num_seqs, num_heads, max_q, head_dim] -> [num_seqs * max_q, num_heads, head_dim]
-    out = out.transpose(1, 2).reshape(num_seqs * max_q, num_heads, head_dim)
-    return out[pad_index]
 
+def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq: PrefillSeq,
+             scale: float, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
+    """One sequence's queries over its own keys -> [q_len, num_heads, head_dim]."""
+    num_kv_heads, head_dim = k_cache.shape[2:]
+    queries = q[seq.start:seq.end].transpose(0, 1)[None]  # [1, num_heads, q_len, head_dim]
+    group = q.shape[1] // num_kv_heads
+    if seq.mask is None and k is not None and v is not None:
+        keys = k[seq.start:seq.end].transpose(0, 1)[None]
+        values = v[seq.start:seq.end].transpose(0, 1)[None]
+        out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale,
+                                             enable_gqa=group > 1)
+        return out[0].transpose(0, 1)
+    shape = (1, -1, num_kv_heads, head_dim)
+    keys = k_cache.index_select(0, seq.block_ids).view(shape)[:, :seq.seq_len].transpose(1, 2)
+    values = v_cache.index_select(0, seq.block_ids).view(shape)[:, :seq.seq_len].transpose(1, 2)
+    if seq.mask is None:
+        out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale,
+                                             enable_gqa=group > 1)
+    else:
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=seq.mask,
+                                             scale=scale, enable_gqa=group > 1)
+    return out[0].transpose(0, 1)

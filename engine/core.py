@@ -95,6 +95,7 @@ class EngineCore:
             block_size=config.block_size,
             eos_token_ids=checkpoint.tokenizer.all_stop_token_ids,
             max_position_embeddings=model_config.max_position_embeddings,
+            dtype=str(dtype).removeprefix("torch."),
         )
         # Grammar-constrained requests (engine.structured_output): masks before sampling.
         self.structured = StructuredOutputs(checkpoint.tokenizer, model_config.vocab_size,
@@ -276,13 +277,19 @@ class EngineCore:
 
 
 def build_core(config: EngineConfig) -> EngineCore:
-    from engine.loader import load_checkpoint
+    from engine.dtype_cache import default_cache_path
+    from engine.dtype_choice import choose_dtype
+    from engine.loader import load_checkpoint, read_model_config
 
     if config.device == "auto":
         config = dataclasses.replace(config, device="cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, config.torch_dtype_name)
-    checkpoint = load_checkpoint(config.model, dtype=dtype, device=config.device)
-    return EngineCore(checkpoint, config)
+    choice = choose_dtype(config, read_model_config(config.model), torch.device(config.device).type,
+                          default_cache_path())
+    checkpoint = load_checkpoint(config.model, dtype=choice.torch_dtype, device=config.device)
+    core = EngineCore(checkpoint, config)
+    core.info = msgspec.structs.replace(core.info, dtype=choice.dtype, dtype_reason=choice.reason,
+                                        dtype_timings_ms=choice.timings_ms)
+    return core
 
 
 def _handle(core: EngineCore, data: bytes) -> list[EngineOutput] | None:

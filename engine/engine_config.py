@@ -14,7 +14,8 @@ class EngineConfig:
     model: str
     # "auto": CUDA when the core process finds a GPU, else the CPU (resolved there, with torch).
     device: str = "cpu"
-    # "auto": float32 on CPU (bf16 matmuls are slow there), bfloat16 on CUDA.
+    # "auto": measured on CPU (engine.dtype_choice: the faster of fp32 / bf16 / fp16 for this
+    # model's shapes on this CPU), bfloat16 on CUDA.
     dtype: str = "auto"
     block_size: int = 16
     # 0 sizes the pool from kv_cache_bytes.
@@ -44,8 +45,3 @@ class EngineConfig:
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
 
-    @property
-    def torch_dtype_name(self) -> str:
-        if self.dtype != "auto":
-            return self.dtype
-        return "float32" if self.device == "cpu" else "bfloat16"

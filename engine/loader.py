@@ -21,6 +21,7 @@ from engine.config import ModelConfig
 from engine.gguf_file import GGUFFile, read_config, read_tokenizer
 from engine.model_source import is_gguf, model_id
 from engine.models import get_model_class
+from engine.models.layers import PackedLinear
 from engine.tokenizer import Tokenizer
 
 
@@ -41,6 +42,14 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
     if path.is_dir():
         return _load_hf_dir(path, dtype, device)
     raise FileNotFoundError(f"{path} is neither a .gguf file nor a model directory")
+
+
+def read_model_config(path: str | Path) -> ModelConfig:
+    """The architecture alone (no weights): what the dtype measurement needs before loading."""
+    path = Path(path)
+    if is_gguf(path):
+        return read_config(GGUFFile(path))
+    return ModelConfig.from_hf_config(json.loads((path / "config.json").read_text(encoding="utf-8")))
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str) -> Checkpoint:
@@ -91,19 +100,39 @@ def _iter_safetensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, tor
                 yield name, f.get_tensor(name).to(dtype)
 
 
+def packed_targets(model: nn.Module) -> dict[str, tuple[str, slice]]:
+    """Where each packed shard's checkpoint tensors go: every `PackedLinear` maps its shards'
+    names (`...self_attn.q_proj.weight`, `.bias`) to its own parameter and the shard's rows."""
+    mapping: dict[str, tuple[str, slice]] = {}
+    for module_name, module in model.named_modules():
+        if not isinstance(module, PackedLinear):
+            continue
+        parent = module_name.rpartition(".")[0]
+        prefix = f"{parent}." if parent else ""
+        offset = 0
+        for shard, rows in module.shards.items():
+            for kind in ("weight", "bias"):
+                mapping[f"{prefix}{shard}.{kind}"] = (f"{module_name}.{kind}", slice(offset, offset + rows))
+            offset += rows
+    return mapping
+
+
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy named tensors into the model's parameters; error on unknown, misshapen or missing.
 
     A model whose checkpoints name or cut tensors differently from its parameters (per-expert
     tensors stacked into one, fused projections split, a nested prefix) provides
     `checkpoint_targets(name, tensor) -> [(param_name, index, tensor), ...]`: each piece is
-    copied into `param[index]` (an empty list skips the tensor). A parameter counts as filled
-    once pieces covering all of its elements have arrived, and never more than that.
+    copied into `param[index]` (an empty list skips the tensor). Then the packed-module mapping
+    (`packed_targets`) sends the pieces of packed projections (q/k/v, gate/up, ...) to their rows
+    of the packed parameter. A parameter counts as filled once pieces covering all of its
+    elements have arrived, and never more than that.
     """
     params = dict(model.named_parameters())  # tied parameters appear once, under their first name
     all_names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     tied_aliases = all_names - set(params)
     targets = getattr(model, "checkpoint_targets", None)
+    packed = packed_targets(model)
     filled: dict[str, int] = {}
     with torch.no_grad():
         for name, tensor in weights:
@@ -111,6 +140,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
                 continue  # a tied copy some checkpoints save anyway; RoPE tables we compute
             pieces = targets(name, tensor) if targets is not None else [(name, (), tensor)]
             for param_name, index, piece in pieces:
+                if param_name in packed and param_name not in params:
+                    param_name, rows = packed[param_name]
+                    if index != ():
+                        raise ValueError(f"checkpoint tensor {name!r}: a packed shard takes whole tensors")
+                    index = (rows,)
                 if param_name in tied_aliases:
                     continue
                 if param_name not in params:

@@ -1,7 +1,9 @@
 """The one place that decides which implementation of a hot op the engine runs.
 
-Each op has a PyTorch reference (`kernels/<op>/naive.py`, or the batched SDPA form in
-`engine.attention` for paged attention) and a Triton kernel (`kernels/<op>/triton.py`). Model
+Each op has a PyTorch reference (`kernels/<op>/naive.py`) and a Triton kernel
+(`kernels/<op>/triton.py`); the PyTorch path runs the references, except where a form with
+fewer ATen calls computes the same thing (`engine.torch_ops` for norms, rotary, SiLU-and-mul
+and the KV store; the unpadded SDPA form in `engine.attention` for paged attention). Model
 code calls the functions here and never picks one itself. The engine core picks once, at build,
 from `EngineConfig.kernels` (the worker's `HELEXA_KERNELS`, read in apps/settings.py):
 
@@ -24,6 +26,8 @@ from types import ModuleType
 
 import torch
 
+from engine import torch_ops
+from engine.attention import store_and_attend
 from engine.attention import paged_attention as sdpa_paged_attention
 from engine.engine_config import KERNEL_CHOICES
 from engine.step_metadata import AttentionMetadata
@@ -33,8 +37,6 @@ from kernels.gdn_gating import naive as gating_naive
 from kernels.kv_store import naive as kv_store_naive
 from kernels.moe import naive as moe_naive
 from kernels.rmsnorm import naive as rmsnorm_naive
-from kernels.rotary import naive as rotary_naive
-from kernels.silu_and_mul import naive as silu_naive
 
 # "torch" or "triton" once an engine has picked; None: auto, per tensor device.
 _backend: str | None = None
@@ -83,7 +85,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
     """x / rms(x) * w over the last dim in fp32 (`unit_offset`: (1 + w), Qwen3-Next/3.5)."""
     if _use_triton(x):
         return _triton("rmsnorm").rms_norm(x, weight, eps, unit_offset=unit_offset)
-    return rmsnorm_naive.naive_rms_norm(x, weight, eps, unit_offset=unit_offset)
+    return torch_ops.rms_norm(x, weight, eps, unit_offset=unit_offset)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -92,7 +94,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     if _use_triton(x):
         return _triton("rmsnorm").fused_add_rms_norm(x, residual, weight, eps,
                                                      unit_offset=unit_offset)
-    return rmsnorm_naive.naive_fused_add_rms_norm(x, residual, weight, eps, unit_offset=unit_offset)
+    return torch_ops.fused_add_rms_norm(x, residual, weight, eps, unit_offset=unit_offset)
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
@@ -106,14 +108,25 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
 # --- attention -------------------------------------------------------------------------------
 
 def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-           cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+           cos_sin_cache: torch.Tensor,
+           step_tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half RoPE of q [T, H, D] and k [T, HK, D]; cos_sin_cache [max_pos, rotary_dim].
+    `step_tables`: this step's `rotary_step_tables`, shared by its layers.
 
     The Triton path rotates in place: callers pass fresh projections they own.
     """
     if _use_triton(q):
         return _triton("rotary").rotary(q, k, positions, cos_sin_cache, inplace=True)
-    return rotary_naive.naive_rotary(q, k, positions, cos_sin_cache)
+    return torch_ops.rotary(q, k, step_tables or torch_ops.rotary_tables(positions, cos_sin_cache))
+
+
+def rotary_step_tables(positions: torch.Tensor,
+                       cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The PyTorch path's cos/sin at a step's positions, gathered once for all its layers; None
+    where the Triton kernel reads the table itself."""
+    if _use_triton(positions):
+        return None
+    return torch_ops.rotary_tables(positions, cos_sin_cache)
 
 
 def kv_store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -127,18 +140,22 @@ def kv_store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Causal attention of the step's queries over the cache (keys already stored)."""
+                    meta: AttentionMetadata, scale: float, k: torch.Tensor | None = None,
+                    v: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of the step's queries over the cache (keys already stored; the step's
+    own `k`/`v`, when given, spare the PyTorch path gathering them back for whole prefills)."""
     if _use_triton(q):
         return _triton("paged_attention").paged_attention(
             q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
             meta.max_query_len, scale)
-    return sdpa_paged_attention(q, k_cache, v_cache, meta, scale)
+    return sdpa_paged_attention(q, k_cache, v_cache, meta, scale, k, v)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
               v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Store this step's k/v, then attend with q: what a model's attention layer calls."""
+    if not _use_triton(q):
+        return store_and_attend(q, k, v, k_cache, v_cache, meta, scale)
     kv_store(k, v, k_cache, v_cache, meta.slot_mapping)
     return paged_attention(q, k_cache, v_cache, meta, scale)
 
@@ -149,7 +166,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[..., 2d] -> [..., d]: silu(gate) * up."""
     if _use_triton(x):
         return _triton("silu_and_mul").silu_and_mul(x)
-    return silu_naive.naive_silu_and_mul(x)
+    return torch_ops.silu_and_mul(x)
 
 
 def moe_routing(router_logits: torch.Tensor, top_k: int,

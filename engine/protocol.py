@@ -179,6 +179,11 @@ class CoreInfo(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int
     eos_token_ids: list[int] = []
     max_position_embeddings: int = 0
+    # The weights' and activations' dtype, why ("measured", "configured", "cuda"), and the
+    # measurement: dtype -> scenario ("rows_1", "rows_16", ...) -> ms (engine.dtype_choice).
+    dtype: str = ""
+    dtype_reason: str = ""
+    dtype_timings_ms: dict[str, dict[str, float]] = {}
 
 
 class CoreStats(msgspec.Struct, kw_only=True):

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.attention_plan import AttentionPlan
+
 # One (k_cache, v_cache) pair per full-attention layer, each [num_blocks, block_size, num_kv_heads, head_dim].
 KVCache = tuple[torch.Tensor, torch.Tensor]
 KVCaches = list[KVCache]
@@ -34,9 +36,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, padded with 0
     max_query_len: int
     max_seq_len: int
-    # Built on the first layer's call and shared by the rest of the step (same for every layer).
-    _mask: torch.Tensor | None = field(default=None, init=False, repr=False)
-    _query_pad_index: torch.Tensor | None = field(default=None, init=False, repr=False)
+    # The torch path's split of the step (engine.attention_plan), built on the first layer's
+    # call and shared by the rest of the step (same for every layer).
+    _plan: AttentionPlan | None = field(default=None, init=False, repr=False)
 
     @property
     def num_seqs(self) -> int:

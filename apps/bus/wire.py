@@ -281,6 +281,8 @@ class ModelStatus(Wire, kw_only=True):
     memory_mb: int = 0
     # Token ids the model's tokenizer knows (0: unknown), so the gateway can refuse others.
     vocab_size: int = 0
+    # The engine's weight/activation dtype ("" unknown), measured at start on CPU.
+    dtype: str = ""
 
 
 class NodeStatus(Wire, kw_only=True):

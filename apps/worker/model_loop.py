@@ -288,4 +288,5 @@ class ModelLoop:
             prefill_tok_per_s=round(self.context.prefill_tok_per_s, 1),
             memory_mb=self.memory_mb,
             vocab_size=self.tokenizer.vocab_size,
+            dtype=self.engine.info.dtype,
         )

@@ -8,7 +8,7 @@ Every model class takes a `ModelConfig` and provides:
   over a flat batch of any mix of prefills, prefill chunks and decodes (see `engine.attention`);
 - `compute_logits(hidden [n, hidden]) -> [n, vocab]`;
 - `num_layers`, `num_kv_heads`, `head_dim`: the paged KV cache it expects, `num_layers`
-  (k_cache, v_cache) pairs from `engine.attention.allocate_kv_caches`;
+  (k_cache, v_cache) pairs from `engine.model_runner.allocate_kv_caches`;
 - `tie_weights()`, called again by the loader after it allocates the weights.
 
 Hybrid families (linear-attention layers beside full attention) also set `linear_state_shape`

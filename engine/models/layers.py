@@ -1,7 +1,10 @@
-"""Building blocks the model families share: RMSNorm, rotary embeddings, the SiLU-gated MLP.
+"""Building blocks the model families share: RMSNorm, rotary embeddings, packed projections,
+the SiLU-gated MLP.
 
-Parameter names match HF (`weight`, `gate_proj`, ...) so checkpoints load by name. The math
-itself runs through `engine.ops`, which picks the Triton kernel or the PyTorch reference.
+Parameter names match HF (`weight`, `down_proj`, ...) so checkpoints load by name, except where
+projections of one input are packed into one GEMM (`PackedLinear`: `qkv_proj`, `gate_up_proj`);
+the loader fills each packed weight from the checkpoint's separate tensors. The math itself runs
+through `engine.ops`, which picks the Triton kernel or the PyTorch reference.
 """
 
 from __future__ import annotations
@@ -66,6 +69,8 @@ class RotaryEmbedding(nn.Module):
         # Built lazily: the model is constructed on the meta device and weights fill it later.
         # fp32 [max_position_embeddings, head_dim]: cos of each position's angles, then sin.
         self._cos_sin: torch.Tensor | None = None
+        # (positions, their cos/sin) for the current forward (`begin_step`); every layer reuses it.
+        self._step: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None] | None = None
 
     def cos_sin_cache(self, device: torch.device) -> torch.Tensor:
         if self._cos_sin is None or self._cos_sin.device != device:
@@ -73,22 +78,45 @@ class RotaryEmbedding(nn.Module):
             self._cos_sin = build_cos_sin_cache(inv_freq, self.config.max_position_embeddings)
         return self._cos_sin
 
+    def begin_step(self, positions: torch.Tensor) -> None:
+        """Called by the model at the top of each forward: gather cos/sin at this step's
+        positions once, not once per layer."""
+        self._step = (positions, ops.rotary_step_tables(positions, self.cos_sin_cache(positions.device)))
+
     def forward(self, q: torch.Tensor, k: torch.Tensor,
                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [num_tokens, num_heads, head_dim], k [num_tokens, num_kv_heads, head_dim]."""
-        return ops.rotary(q, k, positions, self.cos_sin_cache(positions.device))
+        step = self._step
+        tables = step[1] if step is not None and step[0] is positions else None
+        return ops.rotary(q, k, positions, self.cos_sin_cache(positions.device), tables)
+
+
+class PackedLinear(nn.Linear):
+    """Projections of the same input in one GEMM: output features are the shards side by side.
+
+    `shards` names the checkpoint's separate projections (siblings of this module, e.g. q_proj,
+    k_proj, v_proj) and their output sizes, in order; `engine.loader.load_weights` copies each
+    one's weight (and bias) into its rows. One weight read and one call instead of three
+    (reading the weights is most of a small-batch step on CPU).
+    """
+
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False) -> None:
+        super().__init__(in_features, sum(shards.values()), bias=bias)
+        self.shards = dict(shards)
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This projection of x, cut back into its shards (views, no copy)."""
+        return self(x).split(tuple(self.shards.values()), dim=-1)
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x))."""
+    """down(silu(gate(x)) * up(x)), gate and up packed into one GEMM."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.gate_up_proj = PackedLinear(
+            hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Separate gate/up weights keep HF's names; their outputs side by side feed the fused op.
-        gate_up = torch.cat((self.gate_proj(x), self.up_proj(x)), dim=-1)
-        return self.down_proj(ops.silu_and_mul(gate_up))
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))

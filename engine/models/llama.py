@@ -1,7 +1,8 @@
 """The Llama family: RMSNorm, rotary embeddings, grouped-query attention and a SiLU-gated MLP.
 
 Module and parameter names follow HF's `LlamaForCausalLM`, so HF checkpoints (and GGUF files once
-renamed) load by name. `forward` takes a flat batch of tokens from any number of sequences and
+renamed) load by name; q/k/v and gate/up are packed (`qkv_proj`, `gate_up_proj`), filled from
+the separate tensors by the loader. `forward` takes a flat batch of tokens from any number of sequences and
 keeps keys/values in the paged cache through `engine.ops.attention`.
 
 The residual stream travels beside the hidden states: each norm adds the previous sublayer's
@@ -17,7 +18,7 @@ from torch import nn
 from engine import ops
 from engine.attention import AttentionMetadata, KVCache
 from engine.config import ModelConfig
-from engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from engine.models.layers import GatedMLP, PackedLinear, RMSNorm, RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
@@ -28,9 +29,9 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = self.head_dim ** -0.5
         bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = PackedLinear(config.hidden_size, {
+            "q_proj": self.num_heads * self.head_dim, "k_proj": kv_size, "v_proj": kv_size}, bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
         # Qwen3 normalizes each query and key head before RoPE.
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
@@ -39,9 +40,10 @@ class LlamaAttention(nn.Module):
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rotary_emb: RotaryEmbedding,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj.split(hidden)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # over head_dim, each head on its own
         q, k = rotary_emb(q, k, positions)
@@ -82,6 +84,7 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        self.rotary_emb.begin_step(positions)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, positions, self.rotary_emb, kv_cache, meta)

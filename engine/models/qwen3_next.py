@@ -11,7 +11,9 @@ layers, `config.layer_types` saying which is which.
 - Every other norm scales by (1 + w).
 
 Qwen3-Next checkpoints fuse q,k,v,z and b,a per key-head group (`in_proj_qkvz`, `in_proj_ba`);
-`checkpoint_targets` de-interleaves them into Qwen3.5's separate layout, which this module uses.
+`checkpoint_targets` de-interleaves them into Qwen3.5's separate layout, and the loader packs
+those (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`) into this module's one `in_proj`,
+as it packs q/k/v into `qkv_proj` and gate/up into `gate_up_proj`.
 Qwen3.5 checkpoints nest the language model under `model.language_model.`.
 """
 
@@ -23,7 +25,7 @@ from torch import nn
 from engine import ops
 from engine.attention import AttentionMetadata, KVCache
 from engine.config import ModelConfig
-from engine.models.layers import GatedMLP, RotaryEmbedding
+from engine.models.layers import GatedMLP, PackedLinear, RotaryEmbedding
 from engine.models.moe import CheckpointTarget, SparseMoeBlock, expert_checkpoint_targets, is_sparse_layer
 from engine.state_cache import HybridCaches, LinearStateShape
 
@@ -48,9 +50,10 @@ class GatedAttention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = self.head_dim ** -0.5
         hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim * 2, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        kv_size = self.num_kv_heads * self.head_dim
+        # q_proj is twice as wide: per head [query | gate].
+        self.qkv_proj = PackedLinear(hidden, {
+            "q_proj": self.num_heads * self.head_dim * 2, "k_proj": kv_size, "v_proj": kv_size}, bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         self.q_norm = UnitOffsetRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = UnitOffsetRMSNorm(self.head_dim, config.rms_norm_eps)
@@ -58,9 +61,10 @@ class GatedAttention(nn.Module):
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rotary_emb: RotaryEmbedding,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, gate = self.q_proj(hidden).view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, -1)
-        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q_gate, k, v = self.qkv_proj.split(hidden)
+        q, gate = q_gate.view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, -1)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary_emb(q, k, positions)
         out = ops.attention(q, k, v, *kv_cache, meta, self.scale) * torch.sigmoid(gate)
@@ -80,10 +84,10 @@ class GatedDeltaNet(nn.Module):
         key_size, value_size = self.num_k_heads * self.k_dim, self.num_v_heads * self.v_dim
         self.conv_dim = 2 * key_size + value_size
         hidden = config.hidden_size
-        self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(hidden, value_size, bias=False)
-        self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
+        # Every input projection in one GEMM: q|k|v (the conv's channels), z, b, a.
+        self.in_proj = PackedLinear(hidden, {
+            "in_proj_qkv": self.conv_dim, "in_proj_z": value_size,
+            "in_proj_b": self.num_v_heads, "in_proj_a": self.num_v_heads})
         # Depthwise conv weight [conv_dim, 1, kernel]; named as in the checkpoints.
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_kernel, groups=self.conv_dim,
                                 bias=False)
@@ -96,7 +100,7 @@ class GatedDeltaNet(nn.Module):
     def forward(self, hidden: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor,
                 slot_indices: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        mixed = self.in_proj_qkv(hidden)  # [num_tokens, conv_dim]
+        mixed, z, b, a = self.in_proj.split(hidden)  # mixed: [num_tokens, conv_dim]
         if meta.is_pure_decode:
             mixed = ops.causal_conv1d_update(mixed, self.conv1d.weight, None, conv_state, slot_indices)
         else:
@@ -107,13 +111,13 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(num_tokens, self.num_k_heads, self.k_dim)
         k = k.reshape(num_tokens, self.num_k_heads, self.k_dim)
         v = v.reshape(num_tokens, self.num_v_heads, self.v_dim)
-        g, beta = ops.gdn_gating(self.A_log, self.in_proj_a(hidden), self.in_proj_b(hidden), self.dt_bias)
+        g, beta = ops.gdn_gating(self.A_log, a, b, self.dt_bias)
         if meta.is_pure_decode:
             out = ops.recurrent_gated_delta_rule(q, k, v, g, beta, recurrent_state, slot_indices)
         else:
             out = ops.chunk_gated_delta_rule(q, k, v, g, beta, recurrent_state, slot_indices,
                                              meta.query_start_loc, has_initial_state=_has_initial_state(meta))
-        z = self.in_proj_z(hidden).reshape(num_tokens * self.num_v_heads, self.v_dim)
+        z = z.reshape(num_tokens * self.num_v_heads, self.v_dim)
         out = ops.gated_rms_norm(out.reshape(-1, self.v_dim), z, self.norm.weight, self.eps)
         return self.out_proj(out.reshape(num_tokens, self.num_v_heads * self.v_dim))
 
@@ -151,6 +155,7 @@ class HybridModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: HybridCaches,
                 meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        self.rotary_emb.begin_step(positions)
         slots = caches.slot_indices
         kv_index = linear_index = 0
         for layer in self.layers:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.ops import attention
+from engine.ops import attention, paged_attention
 from engine.ops import kv_store as store_kv
 from engine.step_metadata import AttentionMetadata
 
@@ -15,6 +15,8 @@ BATCHES = {
     "decode-only": [(1, 5), (1, 17), (1, 1), (1, 40)],
     "prefill-only": [(9, 9), (2, 2), (16, 16)],
     "one-chunk": [(6, 30)],
+    # Decode contexts far apart: more than one length bucket (engine.attention_plan).
+    "spread-decodes": [(1, 3), (1, 300), (4, 9), (1, 5), (1, 290), (1, 1), (1, 310)],
 }
 HEADS = {"gqa-4-2": (4, 2), "mha-3-3": (3, 3), "mqa-4-1": (4, 1)}
 HEAD_DIM = 8
@@ -49,12 +51,13 @@ def random_block_tables(seq_lens: list[int], block_size: int, num_blocks: int,
     return tables
 
 
+@pytest.mark.parametrize("new_keys", [True, False], ids=["new-keys", "cache-only"])
 @pytest.mark.parametrize("block_size", [4, 16], ids=lambda b: f"block{b}")
 @pytest.mark.parametrize("heads", list(HEADS.values()), ids=list(HEADS))
 @pytest.mark.parametrize("batch", list(BATCHES.values()), ids=list(BATCHES))
 def test_paged_attention_matches_per_sequence_loop(batch: list[tuple[int, int]],
                                                    heads: tuple[int, int],
-                                                   block_size: int) -> None:
+                                                   block_size: int, new_keys: bool) -> None:
     num_heads, num_kv_heads = heads
     generator = torch.Generator().manual_seed(0)
     query_lens, seq_lens = [q for q, _ in batch], [s for _, s in batch]
@@ -81,7 +84,11 @@ def test_paged_attention_matches_per_sequence_loop(batch: list[tuple[int, int]],
     q = torch.cat([x[-n:] for x, n in zip(full_q, query_lens, strict=True)])
     k = torch.cat([x[-n:] for x, n in zip(full_k, query_lens, strict=True)])
     v = torch.cat([x[-n:] for x, n in zip(full_v, query_lens, strict=True)])
-    out = attention(q, k, v, k_cache, v_cache, meta, scale)
+    if new_keys:  # what model layers call: store, then attend with the step's keys at hand
+        out = attention(q, k, v, k_cache, v_cache, meta, scale)
+    else:
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, meta, scale)
 
     assert out.shape == (sum(query_lens), num_heads, HEAD_DIM)
     outputs = out.split(query_lens)

@@ -1,0 +1,106 @@
+"""Client-side load for the CPU peer benchmark: streamed greedy completions through the OpenAI SDK.
+
+One request: `/v1/completions` with the prompt as token ids (so every server sees exactly the same
+128 tokens), `max_tokens`, temperature 0, `ignore_eos`, streamed with a usage chunk. Timing is the
+client's: time to the first chunk with text, gaps between chunks with text, the end. The same code
+drives vLLM and helexa, so neither gets a different clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from openai import AsyncOpenAI
+
+
+@dataclass(slots=True)
+class StreamTiming:
+    prompt_index: int
+    start: float = 0.0
+    first: float | None = None
+    end: float = 0.0
+    gaps: list[float] = field(default_factory=list)
+    text: str = ""
+    completion_tokens: int = 0
+
+    @property
+    def ttft(self) -> float:
+        return (self.first if self.first is not None else self.end) - self.start
+
+
+@dataclass(slots=True)
+class LoadResult:
+    streams: list[StreamTiming]
+    wall_s: float
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.completion_tokens for s in self.streams)
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def ttft_ms_median(self) -> float:
+        return statistics.median(s.ttft for s in self.streams) * 1000
+
+    @property
+    def itl_ms_median(self) -> float:
+        gaps = [g for s in self.streams for g in s.gaps]
+        return statistics.median(gaps) * 1000 if gaps else 0.0
+
+
+async def one_stream(client: AsyncOpenAI, model: str, index: int, prompt: list[int],
+                     max_tokens: int) -> StreamTiming:
+    timing = StreamTiming(prompt_index=index, start=time.perf_counter())
+    stream = await client.completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    last = None
+    parts = []
+    async for chunk in stream:
+        now = time.perf_counter()
+        if chunk.usage is not None:
+            timing.completion_tokens = chunk.usage.completion_tokens
+        text = "".join(choice.text or "" for choice in chunk.choices)
+        if not text:
+            continue
+        parts.append(text)
+        if last is None:
+            timing.first = now
+        else:
+            timing.gaps.append(now - last)
+        last = now
+    timing.end = time.perf_counter()
+    timing.text = "".join(parts)
+    return timing
+
+
+async def _sequential(client: AsyncOpenAI, model: str, prompts: list[list[int]],
+                      max_tokens: int) -> LoadResult:
+    start = time.perf_counter()
+    streams = [await one_stream(client, model, i, p, max_tokens) for i, p in enumerate(prompts)]
+    return LoadResult(streams, time.perf_counter() - start)
+
+
+async def _concurrent(client: AsyncOpenAI, model: str, prompts: list[list[int]],
+                      max_tokens: int) -> LoadResult:
+    start = time.perf_counter()
+    streams = await asyncio.gather(*(one_stream(client, model, i, p, max_tokens)
+                                     for i, p in enumerate(prompts)))
+    return LoadResult(list(streams), max(s.end for s in streams) - start)
+
+
+def run_load(base_url: str, model: str, prompts: list[list[int]], max_tokens: int,
+             concurrent: bool) -> LoadResult:
+    """All prompts at once (`concurrent`: one streaming client each) or one after another."""
+    async def main() -> LoadResult:
+        async with AsyncOpenAI(base_url=base_url, api_key="unused", timeout=600.0, max_retries=0) as client:
+            runner = _concurrent if concurrent else _sequential
+            return await runner(client, model, prompts, max_tokens)
+
+    return asyncio.run(main())

@@ -1,0 +1,111 @@
+"""dtype by measurement: the rule that picks, what is measured, HELEXA_DTYPE, and bf16's accuracy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from apps.settings import WorkerSettings
+from bench.core_timing import run_greedy
+from engine.config import ModelConfig
+from engine.core import EngineCore
+from engine.default_model import default_model_path
+from engine.dtype_choice import (
+    Scenario,
+    choose_dtype,
+    linear_shapes,
+    measure,
+    pick,
+    scenarios,
+)
+from engine.engine_config import EngineConfig
+from engine.greedy_agreement import Agreement, argmax_gaps
+from engine.loader import Checkpoint, load_checkpoint, read_model_config
+
+TINY = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
+                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+
+def timings(**by_dtype: tuple[float, float, float]) -> dict[str, dict[str, float]]:
+    names = ("rows_1", "rows_16", "rows_512")
+    return {dtype: dict(zip(names, values, strict=True)) for dtype, values in by_dtype.items()}
+
+
+def test_pick_takes_the_best_geometric_mean_and_prefers_fp32_on_near_ties() -> None:
+    # bf16 1.5x slower for one row but 2.5x / 3x faster for batches: geomean 0.56 -> bf16.
+    assert pick(timings(float32=(10, 40, 300), bfloat16=(15, 16, 100))) == "bfloat16"
+    # AVX2-only part: bf16 3x slower everywhere.
+    assert pick(timings(float32=(10, 40, 300), bfloat16=(30, 120, 900))) == "float32"
+    # 5 % faster is not worth fp32's accuracy.
+    assert pick(timings(float32=(10, 40, 300), bfloat16=(9.5, 38, 285))) == "float32"
+    assert pick(timings(float32=(10, 40, 300), bfloat16=(8, 20, 150), float16=(6, 10, 90))) == "float16"
+
+
+def test_configured_and_cuda_dtypes_are_not_measured() -> None:
+    assert choose_dtype(EngineConfig(model="m", dtype="bfloat16"), TINY, "cpu").reason == "configured"
+    choice = choose_dtype(EngineConfig(model="m", dtype="auto"), TINY, "cuda")
+    assert (choice.dtype, choice.reason, choice.timings_ms) == ("bfloat16", "cuda", {})
+
+
+def test_the_measured_shapes_are_the_models_own_packed_projections() -> None:
+    config = read_model_config(default_model_path())
+    shapes, lm_head = linear_shapes(config)
+    # Per layer: qkv (9 + 2 * 3 heads of 64), o, gate|up, down.
+    assert shapes[:4] == [(576, 960), (576, 576), (576, 3072), (1536, 576)]
+    assert len(shapes) == 4 * config.num_hidden_layers and lm_head == (576, config.vocab_size)
+    assert [s.rows for s in scenarios(EngineConfig(model="m", max_num_seqs=16))] == [1, 16, 512]
+
+
+def test_measure_times_every_scenario_of_fp32_and_each_worthwhile_candidate() -> None:
+    cases = [Scenario("rows_1", 1, True, 20_000), Scenario("rows_4", 4, True, 20_000),
+             Scenario("rows_32", 32, False, 10_000)]
+    result = measure(TINY, cases)
+    assert "float32" in result
+    for by_case in result.values():
+        assert set(by_case) == {"rows_1", "rows_4", "rows_32"} and all(ms > 0 for ms in by_case.values())
+    choice = choose_dtype(EngineConfig(model="m"), TINY, "cpu")
+    assert choice.reason == "measured" and choice.dtype in choice.timings_ms
+
+
+def test_a_measurement_is_remembered_per_machine_and_shapes(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = tmp_path / "dtype-choice.json"
+    first = choose_dtype(EngineConfig(model="m"), TINY, "cpu", cache)
+
+    def no_measuring(*args: object) -> None:
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr("engine.dtype_choice.measure", no_measuring)
+    again = choose_dtype(EngineConfig(model="m"), TINY, "cpu", cache)
+    assert (again.dtype, again.timings_ms) == (first.dtype, first.timings_ms)
+    # Other batch shapes are another measurement.
+    with pytest.raises(AssertionError, match="measured again"):
+        choose_dtype(EngineConfig(model="m", max_num_seqs=8), TINY, "cpu", cache)
+
+
+def test_helexa_dtype_reaches_the_engine_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HELEXA_DTYPE", "bfloat16")
+    assert WorkerSettings().engine_config("model.gguf").dtype == "bfloat16"
+    monkeypatch.setenv("HELEXA_DTYPE", "bf16")
+    with pytest.raises(ValueError, match="HELEXA_DTYPE"):
+        WorkerSettings()
+
+
+def test_bf16_greedy_output_stays_within_the_fp32_agreement_bound(smollm2: Checkpoint) -> None:
+    """bf16 flips near ties (so texts may part), but every token it picks must be (nearly) what
+    the fp32 model would pick after the same prefix: see engine.greedy_agreement."""
+    bf16 = load_checkpoint(default_model_path(), dtype=torch.bfloat16)
+    questions = ["What is the capital of France?", "Explain how a compass works.",
+                 "List three uses of copper.", "Write a haiku about rain."]
+    requests = []
+    for i, question in enumerate(questions):
+        text = bf16.tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                                  add_generation_prompt=True)
+        requests.append((f"q{i}", bf16.tokenizer.encode(text, add_special_tokens=False), 32))
+    core = EngineCore(bf16, EngineConfig(model="in-memory", enable_prefix_caching=False))
+    assert core.info.dtype == "bfloat16"
+    outputs = run_greedy(core, requests).tokens
+    agreement = Agreement()
+    for request_id, prompt, _ in requests:
+        agreement.add(argmax_gaps(smollm2.model, prompt, outputs[request_id]))
+    assert agreement.tokens == 4 * 32
+    assert agreement.ok, agreement.summary()
