@@ -3,6 +3,7 @@ and the `gpu` marker's auto-skip (`pytest -m gpu` selects every test that needs 
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -13,6 +14,10 @@ import pytest
 from apps.embedded.nats_server import NatsServer
 from apps.embedded.postgres import PostgresServer
 from tests.system import system  # noqa: F401  (the whole system, one per session for e2e and compat tests)
+
+# Workers the tests start compare their text with fp32 references (transformers, earlier runs):
+# they run fp32 unless a test asks otherwise. The measured choice has its own tests.
+os.environ.setdefault("HELEXA_DTYPE", "float32")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
