@@ -95,7 +95,7 @@ class EngineCore:
             block_size=config.block_size,
             eos_token_ids=checkpoint.tokenizer.all_stop_token_ids,
             max_position_embeddings=model_config.max_position_embeddings,
-            dtype=str(dtype).removeprefix("torch."),
+            dtype=str(self.runner.dtype).removeprefix("torch."),
         )
         # Grammar-constrained requests (engine.structured_output): masks before sampling.
         self.structured = StructuredOutputs(checkpoint.tokenizer, model_config.vocab_size,
