@@ -7,9 +7,10 @@ through the generation pipeline; `responses_output` shapes the answer. With `sto
 default, as at OpenAI) the finished response is kept for its principal.
 
 What cannot be honoured is refused by name: tools other than functions, image and file inputs,
-item references, background runs, conversation objects, prompt templates, `truncation: auto`,
-and (until structured outputs are wired here) a JSON `text.format`. Reasoning items sent back as
-input are not shown to the model again; `reasoning.effort` is echoed, not enforced.
+item references, background runs, conversation objects, prompt templates, `truncation: auto`.
+A JSON `text.format` (json_object, json_schema) is enforced with the same grammar as chat's
+`response_format` (`apps/gateway/structured.py`). Reasoning items sent back as input are not shown
+to the model again; `reasoning.effort` is echoed, not enforced.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from apps.gateway.openapi_docs import operation_for
 from apps.gateway.response_store import ResponseStore, StoredResponse, new_response_id
 from apps.gateway.responses_output import ResponsesFormatter
 from apps.gateway.validate import check_json_depth, decode_request
-from engine.protocol import SamplingParams
+from apps.gateway.structured import json_constraint
+from engine.protocol import SamplingParams, StructuredOutput
 
 HANDLER = "responses"
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -129,19 +131,24 @@ def _check_supported(req: rs.ResponsesRequest) -> None:
         raise _refuse("Stored prompt templates are not supported.", "prompt")
     if req.truncation == "auto":
         raise _refuse("'truncation: auto' is not supported; an input past the context is a 400.", "truncation")
-    text_format = req.text.format if req.text else None
-    if text_format is not None and text_format.type != "text":
-        # Structured outputs (llguidance) are not wired into this route yet: never silently ignored.
-        raise _refuse(f"'text.format' of type '{text_format.type}' is not supported yet.", "text.format")
 
 
 def wants_logprobs(req: rs.ResponsesRequest) -> bool:
     return req.top_logprobs is not None or LOGPROBS_INCLUDE in (req.include or [])
 
 
+def text_constraint(req: rs.ResponsesRequest) -> StructuredOutput | None:
+    """`text.format` json_object / json_schema as the one structured-output constraint."""
+    text_format = req.text.format if req.text else None
+    if text_format is None or text_format.type == "text":
+        return None
+    return json_constraint(text_format.schema if text_format.type == "json_schema" else None, "text.format")
+
+
 def sampling_params(req: rs.ResponsesRequest) -> SamplingParams:
     given = {"max_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
-             "logprobs": (req.top_logprobs or 0) if wants_logprobs(req) else None}
+             "logprobs": (req.top_logprobs or 0) if wants_logprobs(req) else None,
+             "structured": text_constraint(req)}
     return SamplingParams(**{name: value for name, value in given.items() if value is not None})
 
 

@@ -101,6 +101,16 @@ class StructuredOutputFields(msgspec.Struct, kw_only=True):
         return constraint
 
 
+def json_constraint(schema: str | dict[str, Any] | None, param: str) -> StructuredOutput:
+    """A JSON constraint from one schema (any JSON object when None), checked to compile: what the
+    Responses API's `text.format` asks for."""
+    constraint = _json(JSON_OBJECT_SCHEMA if schema is None else _schema_text(schema, None, param))
+    error = grammar_error(constraint)
+    if error is not None:
+        raise _refuse(param, f"The JSON schema in '{param}' cannot be enforced: {error}")
+    return constraint
+
+
 def _refuse(param: str, message: str) -> ServingError:
     return ServingError(400, ErrorCode.INVALID_REQUEST, message, param=param)
 

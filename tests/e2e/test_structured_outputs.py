@@ -172,3 +172,15 @@ def test_what_cannot_be_enforced_is_a_400(system: System, kwargs: dict, param: s
             model=system.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=8, **kwargs)
     assert caught.value.status_code == 400
     assert caught.value.param == param
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("model, prompt", SCHEMAS, ids=[model.__name__ for model, _ in SCHEMAS])
+def test_responses_parse_returns_the_parsed_object(system: System, model: type[BaseModel], prompt: str,
+                                                   temperature: float) -> None:
+    # The Responses API's `text.format` takes the same grammar as chat's `response_format`.
+    response = client(system).responses.parse(
+        model=system.model, input=prompt, text_format=model, temperature=temperature,
+        max_output_tokens=MAX_TOKENS)
+    assert response.status == "completed", response
+    assert isinstance(response.output_parsed, model), response.output_text
