@@ -100,9 +100,12 @@ class EngineCore:
         self._first_scheduled: dict[str, float] = {}
 
     def add_request(self, request: EngineRequest) -> None:
-        """Queue a request; one that can never run comes back as an error output of the next step."""
+        """Queue a request; one that can never run comes back as an error output of the next step,
+        and a resumed one that had already ended (its last token a stop, or no tokens left) as a
+        token-less finish."""
         self.scheduler.add_request(Request(request.request_id, request.prompt_token_ids, request.sampling,
-                                           eos_token_ids=self.info.eos_token_ids))
+                                           eos_token_ids=self.info.eos_token_ids,
+                                           resumed_token_ids=request.resumed_token_ids))
 
     def abort(self, request_ids: list[str]) -> list[EngineOutput]:
         return self._end(self.scheduler.abort_requests(request_ids))
@@ -145,7 +148,7 @@ class EngineCore:
         for request in finished:
             if id(request) in with_token:
                 self._forget(request)
-            else:  # rejected at add: a request of its own, even when it repeats a live id
+            else:  # ended at add: a request of its own, even when it repeats a live id
                 outputs.append(self._end_one(request))
         if step.scheduled:
             self._update_stats(len(got_token))
@@ -197,7 +200,7 @@ class EngineCore:
             request.num_computed_tokens = computed
 
     def _output(self, request: Request, logprob: TokenLogprob | None, now: float) -> EngineOutput:
-        first = request.num_output_tokens == 1
+        first = request.num_output_tokens == request.num_resumed_tokens + 1
         prefill_ms = None
         if first:
             prefill_ms = (now - self._first_scheduled.get(request.request_id, now)) * 1000.0

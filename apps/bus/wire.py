@@ -31,6 +31,15 @@ class ChatMessage(Wire, kw_only=True):
     name: str | None = None
 
 
+class ResumedChoice(Wire, kw_only=True):
+    """One choice of a migrated request as its client already has it: the token ids of every
+    delta it was sent (`Delta.token_ids`, concatenated in order), and the choice's finish reason
+    if a delta already finished it (such a choice is not run again)."""
+
+    token_ids: list[int] = []
+    finish_reason: FinishReason | None = None
+
+
 class GenerateRequest(Wire, kw_only=True):
     """One client request as published on `helexa.req.<model>`; the bus speaks text (token ids
     only when a /v1/completions client sent a prompt as token ids)."""
@@ -58,6 +67,10 @@ class GenerateRequest(Wire, kw_only=True):
     tool_name: str | None = None
     # The conversation ends on an assistant turn that the model continues (Anthropic prefill).
     continue_final_message: bool = False
+    # A migrated attempt (its first worker died mid-stream): one entry per choice, what the client
+    # was already sent. The worker continues after it without sending any of it again; it counts
+    # as generated (max_tokens, min_tokens, usage).
+    resume: list[ResumedChoice] | None = None
 
 
 class Usage(Wire, kw_only=True):
@@ -110,6 +123,10 @@ class Delta(Frame, tag="delta", kw_only=True):
     logprobs: list[TokenLogprobs] | None = None
     # Which of the request's stop strings ended this choice (with its last delta).
     stop_sequence: str | None = None
+    # The token ids generated for this choice since its previous delta (text held back, e.g. a
+    # possible stop string, may still be to come from them): a requester keeping them knows
+    # exactly what its client was sent, and resumes a migrated request from them.
+    token_ids: list[int] = []
 
 
 class Heartbeat(Frame, tag="heartbeat", kw_only=True):

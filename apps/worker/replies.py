@@ -40,12 +40,14 @@ class Replier:
         tool_calls: list[wire.ToolCallDelta] | None = None,
         logprobs: list[wire.TokenLogprobs] | None = None,
         stop_sequence: str | None = None,
+        token_ids: list[int] | None = None,
     ) -> None:
         self.sent_tokens = self.sent_tokens or bool(text or reasoning or tool_calls)
         await self._send(
             wire.Delta(
                 **self._next(), text=text, num_tokens=num_tokens, index=index, finish_reason=finish_reason,
                 reasoning=reasoning, tool_calls=tool_calls or [], logprobs=logprobs, stop_sequence=stop_sequence,
+                token_ids=token_ids or [],
             )
         )
 

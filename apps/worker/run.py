@@ -5,11 +5,16 @@ refuses at once; the prompt is rendered and tokenized and max_tokens resolved ag
 (a refusal is the request's own 4xx; any other failure there is an error frame and the message is
 terminated, never left to be redelivered); then the `Accepted` frame and the `run.started` event, the
 generation of every choice with its text streamed as it comes, and the final (or error) frame.
-It returns a `RunOutcome`: the `run.finished` event, which the model loop publishes once it has
-settled the message, and whether to terminate the message rather than ack it.
+It returns a `RunOutcome`: the `run.finished` event, which the model loop publishes before it
+settles the message, and whether to terminate the message rather than ack it.
+
+A migrated request (`GenerateRequest.resume`) continues each choice after the tokens its client
+already has: the engine recomputes them after the prompt, and the text pipeline (`ChoiceText`) is
+fed them first without sending anything, so the client gets no text twice and none is missing.
 
 This is the worker's asyncio side: the engine does the torch work elsewhere and hands back token
-ids; here they become text (incrementally, stop strings held back) and frames. A device fault is
+ids; here they become text (incrementally, stop strings held back) and frames, each delta naming
+the token ids it accounts for (`Delta.token_ids`), so a requester can resume from them. A device fault is
 the only failure that changes shared state: it poisons the model through its `ModelHealth`.
 """
 
@@ -30,7 +35,7 @@ from apps.bus.publish import publish_event
 from apps.worker import liveness
 from apps.worker.context_limit import ContextLimit
 from apps.worker.parsers import Parsed
-from apps.worker.prompt import Prompt, build_prompt, resolve_sampling
+from apps.worker.prompt import Prompt, build_prompt, check_resume, resolve_sampling
 from apps.worker.replies import Replier
 from apps.worker.stop_strings import StopStringMatcher
 from engine.protocol import (
@@ -187,6 +192,7 @@ async def run_request(model: ServedModel, request: wire.GenerateRequest, replier
         prompt = build_prompt(model.tokenizer, request, model.reasoning_parser)
         record.prompt_tokens = len(prompt.token_ids)
         sampling = resolve_sampling(request, len(prompt.token_ids), model.context.derive().context)
+        check_resume(request, model.tokenizer.vocab_size)
     except ServingError as exc:
         await replier.error(exc.status, exc.code or ErrorCode.INVALID_REQUEST, exc.message)
         return RunOutcome(record.finished_event(RunStatus.REJECTED, FinishReason.ERROR, exc.code))
@@ -241,10 +247,13 @@ async def generate(
     sampling: SamplingParams,
 ) -> tuple[list[FinishReason], str | None]:
     """Run every choice and stream its text; returns (finish reason per choice, error)."""
-    ids = engine_request_ids(record.request.request_id, record.request.sampling.n)
+    request = record.request
+    ids = engine_request_ids(request.request_id, request.sampling.n)
+    resume = request.resume or [wire.ResumedChoice() for _ in ids]
     choices = [
         generate_choice(engine, tokenizer, replier, record, prompt,
-                        EngineRequest(rid, prompt.token_ids, sampling.for_choice(i)), i)
+                        EngineRequest(rid, prompt.token_ids, sampling.for_choice(i), resume[i].token_ids),
+                        i, resume[i].finish_reason)
         for i, rid in enumerate(ids)
     ]
     results = await asyncio.gather(*choices)
@@ -265,6 +274,40 @@ def wire_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob]) -> list[wir
     return out
 
 
+class ChoiceText:
+    """One choice's token ids becoming what its client is sent: incremental detokenizing, stop
+    strings held back, reasoning and tool calls split out. Each stage's output is a function of
+    the tokens fed so far, however they were chunked, so feeding a migrated answer's tokens
+    (`prime`) puts a new worker exactly where the first one was."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt: Prompt, stop: list[str]) -> None:
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt.token_ids)
+        self.stops = StopStringMatcher(stop)
+        self.parser = prompt.output_parser()
+
+    def feed(self, token_ids: list[int]) -> tuple[Parsed, bool]:
+        """New tokens in; (what may be sent now, whether a stop string ended the choice) out."""
+        text, hit_stop = self.stops.feed(self.detokenizer.step(token_ids))
+        return self.parser.feed(text), hit_stop
+
+    def end(self) -> tuple[Parsed, bool]:
+        """The generation ended: the detokenizer's held-back tail (a stop string may end inside
+        it), then whatever stop strings held back when none matched."""
+        text, hit_stop = self.stops.feed(self.detokenizer.flush())
+        return self.parser.feed(text if hit_stop else text + self.stops.flush()), hit_stop
+
+    def prime(self, token_ids: list[int]) -> tuple[int, bool]:
+        """Feed tokens the client already has, one at a time as a generation would, sending
+        nothing; returns (how many were reasoning, whether they had hit a stop string)."""
+        reasoning = 0
+        for token_id in token_ids:
+            reasoning += self.parser.in_reasoning
+            _, hit_stop = self.feed([token_id])
+            if hit_stop:
+                return reasoning, True
+        return reasoning, False
+
+
 async def generate_choice(
     engine: Engine,
     tokenizer: Tokenizer,
@@ -273,55 +316,66 @@ async def generate_choice(
     prompt: Prompt,
     engine_request: EngineRequest,
     index: int,
+    resumed_finish: FinishReason | None = None,
 ) -> tuple[FinishReason, str | None]:
-    """One choice: detokenize, hold back stop strings, split reasoning and tool calls, close it."""
-    detokenizer = IncrementalDetokenizer(tokenizer, engine_request.prompt_token_ids)
-    stops = StopStringMatcher(record.request.sampling.stop)
-    parser = prompt.output_parser()
-    reason = FinishReason.ABORT
+    """One choice: stream its text as it comes and close it. A migrated choice (its
+    `resumed_token_ids` already sent) goes on after them; one already finished is not run again."""
+    choice = ChoiceText(tokenizer, prompt, record.request.sampling.stop)
     pending_logprobs: list[wire.TokenLogprobs] = []
+    # Tokens fed since the last delta: the next delta names them, so the requester knows what it has.
+    pending_ids: list[int] = []
 
-    async def send(parsed: Parsed, num_tokens: int, finish_reason: FinishReason | None = None) -> None:
-        nonlocal pending_logprobs
+    async def send(parsed: Parsed, finish_reason: FinishReason | None = None) -> None:
+        nonlocal pending_logprobs, pending_ids
         if not (parsed or finish_reason or pending_logprobs):
             return
-        await replier.delta(parsed.content, num_tokens, index=index, finish_reason=finish_reason,
+        await replier.delta(parsed.content, len(pending_ids), index=index, finish_reason=finish_reason,
                             reasoning=parsed.reasoning, tool_calls=parsed.tool_calls,
                             logprobs=pending_logprobs or None,
-                            stop_sequence=stops.matched if finish_reason else None)
-        pending_logprobs = []
+                            stop_sequence=choice.stops.matched if finish_reason else None,
+                            token_ids=pending_ids)
+        pending_logprobs, pending_ids = [], []
 
-    async with contextlib.aclosing(engine.generate(engine_request)) as outputs:
-        async for out in outputs:
-            if out.prefill_ms is not None and index == 0:
-                record.prefill_ms = out.prefill_ms
-                record.cached_tokens = out.num_cached_tokens
-            if out.new_token_ids:
-                record.first_token_at = record.first_token_at or time.time()
-                record.completion_tokens += len(out.new_token_ids)
-                if parser.in_reasoning:
-                    record.reasoning_tokens += len(out.new_token_ids)
-                if out.logprobs:
-                    pending_logprobs += wire_logprobs(tokenizer, out.logprobs)
-                text, hit_stop = stops.feed(detokenizer.step(out.new_token_ids))
-                await send(parser.feed(text), len(out.new_token_ids))
-                if hit_stop:
-                    reason = FinishReason.STOP
-                    break
-            if out.finished:
-                if out.finish_reason is FinishReason.ERROR:
-                    return FinishReason.ERROR, out.error or "engine error"
-                reason = out.finish_reason or FinishReason.STOP
-                # The detokenizer may still hold the tail back (a character cut off by the end,
-                # or text it could not yet tell apart); it belongs to the answer, and a stop
-                # string may even end inside it.
-                text, hit_stop = stops.feed(detokenizer.flush())
-                if hit_stop:
-                    reason = FinishReason.STOP
-                    await send(parser.feed(text), 0)
-                else:
-                    await send(parser.feed(text + stops.flush()), 0)
-    if parser.num_tool_calls and reason == FinishReason.STOP:
+    resumed = engine_request.resumed_token_ids
+    record.completion_tokens += len(resumed)
+    resumed_reasoning, hit_stop = choice.prime(resumed)
+    record.reasoning_tokens += resumed_reasoning
+    if resumed_finish is not None:
+        return resumed_finish, None  # its client has its whole text and its finish already
+    # Its first worker may have died right after a stop string came: then it is over.
+    reason = FinishReason.STOP if hit_stop else FinishReason.ABORT
+    if not hit_stop:
+        async with contextlib.aclosing(engine.generate(engine_request)) as outputs:
+            async for out in outputs:
+                if out.prefill_ms is not None and index == 0:
+                    record.prefill_ms = out.prefill_ms
+                    # What the prefix cache held beyond the prompt (a resumed answer's tokens) is not prompt.
+                    record.cached_tokens = min(out.num_cached_tokens, record.prompt_tokens)
+                if out.new_token_ids:
+                    record.first_token_at = record.first_token_at or time.time()
+                    record.completion_tokens += len(out.new_token_ids)
+                    if choice.parser.in_reasoning:
+                        record.reasoning_tokens += len(out.new_token_ids)
+                    if out.logprobs:
+                        pending_logprobs += wire_logprobs(tokenizer, out.logprobs)
+                    pending_ids += out.new_token_ids
+                    parsed, hit_stop = choice.feed(out.new_token_ids)
+                    await send(parsed)
+                    if hit_stop:
+                        reason = FinishReason.STOP
+                        break
+                if out.finished:
+                    if out.finish_reason is FinishReason.ERROR:
+                        return FinishReason.ERROR, out.error or "engine error"
+                    reason = out.finish_reason or FinishReason.STOP
+                    # The detokenizer may still hold the tail back (a character cut off by the
+                    # end, or text it could not yet tell apart); it belongs to the answer, and a
+                    # stop string may even end inside it.
+                    parsed, hit_stop = choice.end()
+                    if hit_stop:
+                        reason = FinishReason.STOP
+                    await send(parsed)
+    if choice.parser.num_tool_calls and reason == FinishReason.STOP:
         reason = FinishReason.TOOL_CALLS
-    await send(parser.finish(), 0, finish_reason=reason)
+    await send(choice.parser.finish(), finish_reason=reason)
     return reason, None
