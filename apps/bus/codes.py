@@ -56,6 +56,8 @@ class ErrorCode(enum.StrEnum):
     # Every delivery's worker died holding the request: it will not be tried again.
     DELIVERY_FAILED = "delivery_failed"
     GENERATION_FAILED = "generation_failed"
+    # Another attempt of the request serves its client; this one stopped (the ledger's `error`).
+    ATTEMPT_TAKEN = "attempt_taken"
     DEVICE_FAULT = "device_fault"
     CLIENT_CLOSED = "client_closed"
     INTERNAL_ERROR = "internal_error"

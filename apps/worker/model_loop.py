@@ -5,10 +5,12 @@ workers of a model by capacity with no router of our own. Each pulled message be
 (`run.run_request`); while it runs, `liveness.keep_alive` touches it (heartbeat frame +
 in-progress ack) every heartbeat, so a dead worker's requests go to another worker after the
 consumer's short ack wait, and at most max_deliver times. Once the run is over the message is
-acked (terminated, when no worker could prepare it) and the run's `run.finished` event published.
+acked (terminated, when no worker could prepare it; left alone, when the run lost its request to
+another attempt, which holds the message now) and the run's `run.finished` event published.
 
 The engine never sees a request id twice: a redelivery of a message still running here is left to
-its run, and another message reusing a running id is refused alone (409, terminated). A request
+its run, a newer attempt of a request running here (its requester migrated it) takes over from the
+run here, which lost, and any other message reusing a running id is refused alone (409, terminated). A request
 whose reply subject the server would refuse is terminated unanswered, since publishing on it would
 cost this worker its connection.
 
@@ -51,6 +53,20 @@ from engine.tokenizer import Tokenizer
 log = logging.getLogger("helexa.worker")
 
 
+@dataclass(slots=True)
+class Held:
+    """A request this loop holds: its message (None for the one-shot `generate` endpoint), and its
+    run's replier once the run has one."""
+
+    request: wire.GenerateRequest
+    msg: Msg | None = None
+    replier: Replier | None = None
+
+    @property
+    def stream_seq(self) -> int | None:
+        return self.msg.metadata.sequence.stream if self.msg is not None else None
+
+
 @dataclass(slots=True, frozen=True)
 class NodeBus:
     """What a model loop uses of its worker, handed down when the loop starts."""
@@ -76,8 +92,9 @@ class ModelLoop:
         self.memory_mb = memory_mb
         self.active: dict[str, asyncio.Task[None]] = {}
         self.requests: dict[str, wire.GenerateRequest] = {}
-        # The stream sequence of each held request's message, to tell a redelivery from a reused id.
-        self._stream_seqs: dict[str, int] = {}
+        # What is known of each held request's message and run (a redelivery is told from a reused
+        # id by the message's stream sequence).
+        self._held: dict[str, Held] = {}
         self._slot_freed = asyncio.Event()
         self._stop = asyncio.Event()
         self._pulling: asyncio.Task[None] | None = None
@@ -159,7 +176,7 @@ class ModelLoop:
         if self._holds(request):
             asyncio.create_task(self._refuse_duplicate(msg, request))
             return
-        self._claim(request, msg.metadata.sequence.stream)
+        self._claim(Held(request, msg))
         task = asyncio.create_task(self._serve(msg, request))
         self.active[request.request_id] = task
         task.add_done_callback(lambda _: self._finished(request.request_id))
@@ -171,20 +188,20 @@ class ModelLoop:
                    for rid in engine_request_ids(held.request_id, held.sampling.n)}
         return any(rid in running for rid in engine_request_ids(request.request_id, request.sampling.n))
 
-    def _claim(self, request: wire.GenerateRequest, stream_seq: int | None) -> None:
-        self.requests[request.request_id] = request
-        if stream_seq is not None:
-            self._stream_seqs[request.request_id] = stream_seq
+    def _claim(self, held: Held) -> None:
+        self.requests[held.request.request_id] = held.request
+        self._held[held.request.request_id] = held
 
     def _finished(self, request_id: str) -> None:
         self.active.pop(request_id, None)
         self.requests.pop(request_id, None)
-        self._stream_seqs.pop(request_id, None)
+        self._held.pop(request_id, None)
         self._slot_freed.set()
 
     async def _refuse_duplicate(self, msg: Msg, request: wire.GenerateRequest) -> None:
-        held = self.requests.get(request.request_id)
-        if held is not None and self._stream_seqs.get(request.request_id) == msg.metadata.sequence.stream:
+        running = self._held.get(request.request_id)
+        held = running.request if running is not None else None
+        if running is not None and running.stream_seq == msg.metadata.sequence.stream:
             # JetStream redelivered the message this worker is still running (its in-progress acks
             # came late). Acks name a message by its stream sequence, whichever delivery they came
             # with, so the running attempt still holds this one: it goes on touching it and acks it
@@ -194,12 +211,24 @@ class ModelLoop:
                         extra={"request_id": request.request_id, "attempt": msg.metadata.num_delivered})
             await msg.in_progress()
             return
+        if running is not None and running.msg is not None and request.attempt > running.request.attempt:
+            # Its requester migrated the request to a newer attempt: the one running here lost.
+            # It stops now; the new message comes back once the engine is free of the id.
+            log.info("a newer attempt of a request running here; the run here stops",
+                     extra={"request_id": request.request_id, "attempt": request.attempt})
+            if running.replier is not None:
+                running.replier.silence(ErrorCode.ATTEMPT_TAKEN)
+            await self.abort(running.request)
+            await running.msg.term()  # its requester gave that message up
+            await msg.nak(delay=liveness.PROBE_S)
+            return
         # Another message whose id is already running here: refused, so the running one is untouched.
         log.warning("request id already running here; refused",
                     extra={"request_id": request.request_id, "attempt": msg.metadata.num_delivered})
         if held is None or held.reply_subject != request.reply_subject:
             # Its own requester is told; on the running one's reply subject a frame would only confuse.
-            replier = Replier(self.bus.nc, request.reply_subject, msg.metadata.num_delivered or 1, self.bus.node)
+            replier = Replier(self.bus.nc, request.reply_subject,
+                              liveness.attempt_of(request, msg.metadata.num_delivered), self.bus.node)
             await replier.error(409, ErrorCode.INVALID_REQUEST, "A request with this id is already running.")
         await msg.term()
 
@@ -223,22 +252,30 @@ class ModelLoop:
                 in_flight=len(self.active),
             ))
             return
-        attempt = msg.metadata.num_delivered or 1
+        attempt = liveness.attempt_of(request, msg.metadata.num_delivered)
+        held = self._held[request.request_id]
+        replier = held.replier = Replier(self.bus.nc, request.reply_subject, attempt, self.bus.node)
         if attempt > 1 and request.liveness_probe and not await liveness.still_wanted(
                 self.bus.nc, request.reply_subject, attempt):
-            # Its worker died after sending text: the client has had an error, this must not run.
+            # Another attempt serves its client (or nobody waits any more): this one must not run.
             log.info("redelivered request no longer wanted", extra={"request_id": request.request_id,
                                                                     "attempt": attempt})
             await msg.term()
             return
-        replier = Replier(self.bus.nc, request.reply_subject, attempt, self.bus.node)
+        probe = None
+        if request.liveness_probe:
+            probe = liveness.RequesterProbe(self.bus.nc, request.reply_subject, attempt,
+                                            grace_s=self.settings.requester_grace_s)
         keep_alive = asyncio.create_task(liveness.keep_alive(replier, self.settings.heartbeat_s, msg.in_progress))
         try:
             outcome = await run_request(self.model, request, replier, attempt=attempt, node=self.bus.node,
-                                        js=self.bus.js, probe=self.bus.nc if request.liveness_probe else None)
+                                        js=self.bus.js, probe=probe)
         finally:
             keep_alive.cancel()
-        await (msg.term() if outcome.terminate else msg.ack())
+        if replier.silenced != ErrorCode.ATTEMPT_TAKEN:
+            # Else it is held now by the attempt that serves the client: an ack from here would
+            # settle the message under that attempt (acks name it by its stream sequence).
+            await (msg.term() if outcome.terminate else msg.ack())
         await publish_event(self.bus.js, outcome.finished)
 
     async def serve_once(self, request: wire.GenerateRequest, replier: Replier) -> wire.RunFinished:
@@ -246,7 +283,7 @@ class ModelLoop:
         it takes its slots like any other. Raises ServingError (409) for an id already running here."""
         if self._holds(request):
             raise ServingError(409, ErrorCode.INVALID_REQUEST, "A request with this id is already running.")
-        self._claim(request, None)
+        self._claim(Held(request, replier=replier))
         try:
             outcome = await run_request(self.model, request, replier, attempt=1, node=self.bus.node, js=self.bus.js)
         finally:

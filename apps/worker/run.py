@@ -26,7 +26,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
 from apps.bus import wire
@@ -88,8 +87,10 @@ class ServedModel:
 
 @dataclass(slots=True, frozen=True)
 class RunOutcome:
-    """How a run ended: the ledger's event, and whether the message must be terminated rather
-    than acked (a request no worker could prepare: it must not come back, nor wait for it)."""
+    """How a run ended: the ledger's event (`finished.served` False: this attempt lost its
+    request to another, whose message it must leave alone), and whether the message must be
+    terminated rather than acked (a request no worker could prepare: it must not come back, nor
+    wait for it)."""
 
     finished: wire.RunFinished
     terminate: bool = False
@@ -140,7 +141,7 @@ class RunRecord:
         )
 
     def finished_event(self, status: RunStatus, finish_reason: FinishReason,
-                       error: str | None = None) -> wire.RunFinished:
+                       error: str | None = None, served: bool = True) -> wire.RunFinished:
         end = self.finished_at or time.time()
         usage = self.usage()
         ttft = (self.first_token_at - self.request.created_at) * 1000.0 if self.first_token_at else None
@@ -163,6 +164,7 @@ class RunRecord:
             e2e_ms=round((end - self.request.created_at) * 1000.0, 3),
             error=error,
             reasoning_tokens=self.reasoning_tokens,
+            served=served,
         )
 
 
@@ -178,11 +180,12 @@ async def abort_request(engine: Engine, request: wire.GenerateRequest) -> None:
 
 
 async def run_request(model: ServedModel, request: wire.GenerateRequest, replier: Replier, *, attempt: int,
-                      node: str, js: JetStreamContext, probe: NatsClient | None = None) -> RunOutcome:
+                      node: str, js: JetStreamContext, probe: liveness.RequesterProbe | None = None) -> RunOutcome:
     """Serve one request through `replier` and say how it ended, for the ledger and the message.
 
-    With `probe` (the bus connection), the requester is probed while the run goes, and the run
-    is aborted when it is gone.
+    With `probe`, the requester is probed while the run goes: the run is aborted when it is gone,
+    and stopped and silenced when another attempt serves its client. A run whose replier was
+    silenced (that, or the worker handed it back) records that it did not serve (`served=False`).
     """
     record = RunRecord(request=request, node=node, attempt=attempt, received_at=time.time())
     if model.health.poisoned is not None:
@@ -205,8 +208,7 @@ async def run_request(model: ServedModel, request: wire.GenerateRequest, replier
     await publish_event(js, record.started_event())
     watcher = None
     if probe is not None:
-        watcher = asyncio.create_task(liveness.watch_requester(
-            probe, request.reply_subject, liveness.PROBE_S, lambda: abort_request(model.engine, request)))
+        watcher = asyncio.create_task(_follow_requester(probe, model.engine, request, replier))
     error: str | None
     try:
         reasons, error = await generate(model.engine, model.tokenizer, replier, record, prompt, sampling)
@@ -227,6 +229,10 @@ async def run_request(model: ServedModel, request: wire.GenerateRequest, replier
             watcher.cancel()
     record.finished_at = time.time()
     model.context.observe_prefill(record.prompt_tokens - record.cached_tokens, record.prefill_ms)
+    if replier.silenced is not None:
+        # Another attempt serves the client: this one was cancelled.
+        return RunOutcome(record.finished_event(RunStatus.CANCELLED, finish_reason, error or replier.silenced,
+                                                served=False))
     if error == ErrorCode.DEVICE_FAULT:
         await replier.error(503, ErrorCode.MODEL_POISONED, poisoned_message(model.model_id))
         return RunOutcome(record.finished_event(RunStatus.ERROR, finish_reason, error))
@@ -236,6 +242,18 @@ async def run_request(model: ServedModel, request: wire.GenerateRequest, replier
     await replier.final(finish_reason, record.usage())
     status = RunStatus.CANCELLED if finish_reason == FinishReason.ABORT else RunStatus.OK
     return RunOutcome(record.finished_event(status, finish_reason))
+
+
+async def _follow_requester(probe: liveness.RequesterProbe, engine: Engine, request: wire.GenerateRequest,
+                            replier: Replier) -> None:
+    verdict = await probe.watch()
+    if verdict is liveness.Verdict.TAKEN:
+        log.info("another attempt serves this request; this one stops",
+                 extra={"request_id": request.request_id, "attempt": probe.attempt})
+        replier.silence(ErrorCode.ATTEMPT_TAKEN)
+    else:
+        log.info("requester gone; aborting", extra={"request_id": request.request_id})
+    await abort_request(engine, request)
 
 
 async def generate(
