@@ -1,5 +1,6 @@
 """The worker's delivery rules against a requester on a real NATS server (issue 14): an attempt
-that lost stops and says so, and a requester briefly unreachable is waited for.
+that lost stops and says so, a requester briefly unreachable is waited for, and `run.finished`
+comes before the ack.
 
 The requester is a raw NATS client, as any may be: it publishes `GenerateRequest`s onto REQUESTS,
 reads the reply frames and answers the alive probes itself (`Requester`), so each test decides what
@@ -27,6 +28,7 @@ from apps.bus.codes import ErrorCode, RunStatus
 from apps.bus.topology import BusLimits
 from apps.embedded.nats_server import NatsServer
 from apps.settings import WorkerSettings
+from apps.worker import model_loop
 from apps.worker.model_loop import ModelLoop
 from apps.worker.process import WorkerProcess
 from engine.default_model import default_model_path
@@ -234,3 +236,33 @@ async def test_a_requester_gone_past_the_grace_ends_the_run(
 
 async def _no_requests(process: WorkerProcess) -> bool:
     return not process.models[MODEL].requests
+
+
+async def test_run_finished_is_published_before_the_ack_so_a_failed_ack_loses_no_event(
+        own_nats: NatsServer, tok: Tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    order: list[str] = []
+    publish_event = model_loop.publish_event
+
+    async def recorded_publish(js: object, event: wire.AnyEvent, **kw: object) -> bool:
+        order.append(wire.event_kind(event))
+        return await publish_event(js, event, **kw)  # type: ignore[arg-type]
+
+    async def failing_ack(self: Msg) -> None:
+        order.append("ack")
+        raise nats.errors.Error("the ack did not get through")
+
+    monkeypatch.setattr(model_loop, "publish_event", recorded_publish)
+    monkeypatch.setattr(Msg, "ack", failing_ack)
+    async with worker(own_nats.url, tok, tmp_path, BusLimits()), client(own_nats.url) as nc:
+        events = await run_events(nc)
+        requester = await Requester(nc, "order-1").start()
+        await requester.publish("hello")
+        await requester.wait_for(ended)
+        (finished,) = await events.wait_for(1)
+        assert finished.status == RunStatus.OK
+        await eventually(lambda: _asyncify("ack" in order), what="the ack")
+        assert order == ["run.finished", "ack"]
+
+
+async def _asyncify(value: bool) -> bool:
+    return value

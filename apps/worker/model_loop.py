@@ -4,9 +4,10 @@ It fetches only as many requests as it has free slots, so JetStream spreads work
 workers of a model by capacity with no router of our own. Each pulled message becomes one run
 (`run.run_request`); while it runs, `liveness.keep_alive` touches it (heartbeat frame +
 in-progress ack) every heartbeat, so a dead worker's requests go to another worker after the
-consumer's short ack wait, and at most max_deliver times. Once the run is over the message is
-acked (terminated, when no worker could prepare it; left alone, when the run lost its request to
-another attempt, which holds the message now) and the run's `run.finished` event published.
+consumer's short ack wait, and at most max_deliver times. Once the run is over its `run.finished`
+event is published, then the message is acked (terminated, when no worker could prepare it; left
+alone, when the run lost its request to another attempt, which holds the message now). Publishing
+first means a failed ack leaves a redelivery, never a ledger row "running" forever.
 
 The engine never sees a request id twice: a redelivery of a message still running here is left to
 its run, a newer attempt of a request running here (its requester migrated it) takes over from the
@@ -272,11 +273,13 @@ class ModelLoop:
                                         js=self.bus.js, probe=probe)
         finally:
             keep_alive.cancel()
-        if replier.silenced != ErrorCode.ATTEMPT_TAKEN:
-            # Else it is held now by the attempt that serves the client: an ack from here would
-            # settle the message under that attempt (acks name it by its stream sequence).
-            await (msg.term() if outcome.terminate else msg.ack())
+        # The ledger first: an ack that fails then leaves a redelivery, not a run "running" forever.
         await publish_event(self.bus.js, outcome.finished)
+        if replier.silenced == ErrorCode.ATTEMPT_TAKEN:
+            # Held now by the attempt that serves the client: an ack from here would settle the
+            # message under that attempt (acks name it by its stream sequence).
+            return
+        await (msg.term() if outcome.terminate else msg.ack())
 
     async def serve_once(self, request: wire.GenerateRequest, replier: Replier) -> wire.RunFinished:
         """One request not pulled from the consumer (the `generate` endpoint), served the same way;
