@@ -1,11 +1,11 @@
 """The worker's delivery rules against a requester on a real NATS server (issue 14): an attempt
-that lost stops and says so, a requester briefly unreachable is waited for, and `run.finished`
-comes before the ack.
+that lost stops and says so, a requester briefly unreachable is waited for, `run.finished` comes
+before the ack, and a stopping worker hands back what it has not started answering.
 
 The requester is a raw NATS client, as any may be: it publishes `GenerateRequest`s onto REQUESTS,
 reads the reply frames and answers the alive probes itself (`Requester`), so each test decides what
 the worker hears. Workers run in this process (their real `WorkerProcess` and `ModelLoop` with the
-scripted engine).
+scripted engine) or, for SIGTERM, as real `helexa worker` processes.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -37,6 +38,7 @@ from engine.protocol import FinishReason, SamplingParams
 from engine.scripted import ScriptedEngine
 from engine.tokenizer import Tokenizer
 from tests.recorder.conftest import LogWatch, eventually
+from tests.support import AppProcess
 
 MODEL = "delivery-model"
 LONG_REPLY = " ".join(f"word{i}" for i in range(60))
@@ -266,3 +268,69 @@ async def test_run_finished_is_published_before_the_ack_so_a_failed_ack_loses_no
 
 async def _asyncify(value: bool) -> bool:
     return value
+
+
+def test_sigterm_hands_unstarted_requests_to_another_worker_and_cuts_streams_with_an_error(
+        own_nats: NatsServer, tmp_path: Path) -> None:
+    """A worker holding 4 requests that have had no text yet and one stream mid-answer is told to
+    stop: the 4 are nak'ed at once and answered by another worker (the ack wait is far longer than
+    the test waits), the stream ends with a `worker_stopping` error after the stop grace, and the
+    stopping worker's events say none of them was served by it."""
+    holding = {"default": "never", "rules": [
+        {"match": "hold", "reply": "held forever", "first_token_delay_s": 600},
+        {"match": "LONG", "reply": LONG_REPLY, "token_delay_s": 0.3}]}
+    env = {"NATS_URL": own_nats.url, "HELEXA_REQUEST_ACK_WAIT_S": "120", "HELEXA_HEARTBEAT_S": "0.5",
+           "HELEXA_STATUS_INTERVAL_S": "0.5", "HELEXA_STOP_GRACE_S": "1", "HELEXA_MAX_NUM_SEQS": "8"}
+
+    def start(node: str, script: dict) -> AppProcess:
+        path = tmp_path / f"{node}.json"
+        path.write_text(json.dumps(script), encoding="utf-8")
+        return AppProcess(["worker", "--script", str(path), "--served-model-name", MODEL],
+                          {**env, "HELEXA_NODE_ID": node})
+
+    async def scenario() -> None:
+        stopping = start("stopping", holding)
+        taker: AppProcess | None = None
+        try:
+            stopping.wait_ready()
+            async with client(own_nats.url) as nc:
+                events = await run_events(nc)
+                held = [await Requester(nc, f"held-{i}").start() for i in range(4)]
+                stream = await Requester(nc, "stream-1").start()
+                for requester in held:
+                    await requester.publish("hold on")
+                await stream.publish("LONG please")
+                for requester in held:
+                    await requester.wait_for(lambda fs: any(isinstance(f, wire.Accepted) for f in fs))
+                await stream.wait_for(deltas(2))
+                taker = start("taker", {"default": "taken over"})
+                await asyncio.to_thread(taker.wait_ready)
+                stopping.process.send_signal(signal.SIGTERM)
+                for requester in held:
+                    await requester.wait_for(ended, timeout_s=60)
+                    final = requester.frames[-1]
+                    assert isinstance(final, wire.Final) and final.finish_reason == FinishReason.STOP, final
+                    assert final.attempt == 2 and requester.text(2) == "taken over"
+                    assert not [f for f in requester.of_attempt(1) if isinstance(f, (wire.Delta, wire.Final))]
+                await stream.wait_for(ended, timeout_s=60)
+                error = stream.frames[-1]
+                assert isinstance(error, wire.ErrorFrame) and error.code == ErrorCode.WORKER_STOPPING
+                assert error.status == 503 and error.attempt == 1
+                assert stream.text(1) and LONG_REPLY.startswith(stream.text(1)) and stream.text(1) != LONG_REPLY
+                finished = await events.wait_for(9)
+                by_node = {(e.node, e.request_id): e for e in finished}
+                for requester in held:
+                    handed = by_node[("stopping", requester.request_id)]
+                    assert handed.served is False and handed.error == ErrorCode.WORKER_STOPPING
+                    assert handed.status == RunStatus.CANCELLED
+                    taken = by_node[("taker", requester.request_id)]
+                    assert taken.served is True and taken.status == RunStatus.OK and taken.attempt == 2
+                cut = by_node[("stopping", "stream-1")]
+                assert cut.status == RunStatus.ERROR and cut.served is False
+                assert await asyncio.to_thread(stopping.process.wait, 60) == 0
+        finally:
+            stopping.stop()
+            if taker is not None:
+                taker.stop()
+
+    asyncio.run(scenario())

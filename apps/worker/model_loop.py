@@ -9,6 +9,11 @@ event is published, then the message is acked (terminated, when no worker could 
 alone, when the run lost its request to another attempt, which holds the message now). Publishing
 first means a failed ack leaves a redelivery, never a ledger row "running" forever.
 
+Stopping (SIGTERM) hands work back: every held request whose client has had no text yet is nak'ed
+at once, so another worker takes it without waiting out the ack wait, and its engine request
+aborted, its replier silenced; the streams with text get `stop_grace_s` to finish, then end with a
+`worker_stopping` error frame (a requester may migrate them), never with a normal finish.
+
 The engine never sees a request id twice: a redelivery of a message still running here is left to
 its run, a newer attempt of a request running here (its requester migrated it) takes over from the
 run here, which lost, and any other message reusing a running id is refused alone (409, terminated). A request
@@ -22,6 +27,7 @@ say the node entry changed) is handed down in a `NodeBus` when it starts.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Container
@@ -62,10 +68,17 @@ class Held:
     request: wire.GenerateRequest
     msg: Msg | None = None
     replier: Replier | None = None
+    # Nak'ed by a stopping worker before any text: another worker serves it; this run must not
+    # touch the message again.
+    handed_back: bool = False
 
     @property
     def stream_seq(self) -> int | None:
         return self.msg.metadata.sequence.stream if self.msg is not None else None
+
+    @property
+    def sent_text(self) -> bool:
+        return self.replier is not None and self.replier.sent_tokens
 
 
 @dataclass(slots=True, frozen=True)
@@ -120,18 +133,45 @@ class ModelLoop:
         subscription = await topology.worker_subscription(bus.js, self.model_id, bus.limits)
         self._pulling = asyncio.create_task(self._pull_loop(subscription))
 
-    async def stop(self, grace_s: float = 10.0) -> None:
-        """Pull nothing more, let running requests finish briefly, abort the rest, free the engine."""
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Pull nothing more; hand back what has sent no text; give the streams with text
+        `grace_s` (the settings' stop grace by default) to finish, then end them with a
+        `worker_stopping` error; free the engine."""
         self._stop.set()
         if self._pulling is not None:
             await self._pulling
+        for held in list(self._held.values()):
+            if held.msg is not None and not held.sent_text:
+                await self._hand_back(held)
         if self.active:
-            await asyncio.wait(set(self.active.values()), timeout=grace_s)
-        for request in list(self.requests.values()):
-            await self.abort(request)
+            await asyncio.wait(set(self.active.values()),
+                               timeout=self.settings.stop_grace_s if grace_s is None else grace_s)
+        for held in list(self._held.values()):
+            if held.handed_back:
+                continue
+            if held.replier is not None:
+                with contextlib.suppress(nats.errors.Error):  # a closed connection reaches nobody anyway
+                    await held.replier.error(503, ErrorCode.WORKER_STOPPING,
+                                             "The worker serving this request stopped before the answer was complete.")
+                held.replier.silence(ErrorCode.WORKER_STOPPING)
+            await self.abort(held.request)
         if self.active:
             await asyncio.wait(set(self.active.values()), timeout=5.0)
         await self.engine.shutdown()
+
+    async def _hand_back(self, held: Held) -> None:
+        """A request whose client has had no text goes back to JetStream now, for another worker;
+        nothing more from here reaches its client."""
+        assert held.msg is not None
+        held.handed_back = True
+        if held.replier is not None:
+            held.replier.silence(ErrorCode.WORKER_STOPPING)
+        log.info("handed back: the worker is stopping", extra={"request_id": held.request.request_id})
+        try:
+            await held.msg.nak()
+        except nats.errors.Error as exc:  # the connection is gone: the ack wait hands it on instead
+            log.warning("nak failed", extra={"request_id": held.request.request_id, "error": repr(exc)})
+        await self.abort(held.request)
 
     async def _pull_loop(self, subscription: Any) -> None:
         stopping = asyncio.create_task(self._stop.wait())
@@ -263,6 +303,8 @@ class ModelLoop:
                                                                     "attempt": attempt})
             await msg.term()
             return
+        if held.handed_back:
+            return  # the worker stopped meanwhile and gave it back
         probe = None
         if request.liveness_probe:
             probe = liveness.RequesterProbe(self.bus.nc, request.reply_subject, attempt,
@@ -275,9 +317,9 @@ class ModelLoop:
             keep_alive.cancel()
         # The ledger first: an ack that fails then leaves a redelivery, not a run "running" forever.
         await publish_event(self.bus.js, outcome.finished)
-        if replier.silenced == ErrorCode.ATTEMPT_TAKEN:
-            # Held now by the attempt that serves the client: an ack from here would settle the
-            # message under that attempt (acks name it by its stream sequence).
+        if held.handed_back or replier.silenced == ErrorCode.ATTEMPT_TAKEN:
+            # Nak'ed already, or held now by the attempt that serves the client: an ack from here
+            # would settle the message under that attempt (acks name it by its stream sequence).
             return
         await (msg.term() if outcome.terminate else msg.ack())
 

@@ -12,8 +12,8 @@ from apps.bus.codes import ErrorCode, FinishReason
 class Replier:
     """Numbers frames per attempt, so the gateway can drop repeats and spot a fresh attempt.
 
-    An attempt that no longer speaks for its request (another attempt serves the client) is
-    `silence`d: nothing more reaches the reply subject, and
+    An attempt that no longer speaks for its request (another attempt serves the client, or the
+    worker handed the request back) is `silence`d: nothing more reaches the reply subject, and
     the run records that it did not serve.
     """
 

@@ -230,9 +230,11 @@ async def run_request(model: ServedModel, request: wire.GenerateRequest, replier
     record.finished_at = time.time()
     model.context.observe_prefill(record.prompt_tokens - record.cached_tokens, record.prefill_ms)
     if replier.silenced is not None:
-        # Another attempt serves the client: this one was cancelled.
-        return RunOutcome(record.finished_event(RunStatus.CANCELLED, finish_reason, error or replier.silenced,
-                                                served=False))
+        # Another attempt serves the client, or the worker handed the request back before any text
+        # (a cancellation); a stream the stopping worker cut short is a failed one.
+        cut_short = replier.silenced == ErrorCode.WORKER_STOPPING and replier.sent_tokens
+        status = RunStatus.ERROR if cut_short else RunStatus.CANCELLED
+        return RunOutcome(record.finished_event(status, finish_reason, error or replier.silenced, served=False))
     if error == ErrorCode.DEVICE_FAULT:
         await replier.error(503, ErrorCode.MODEL_POISONED, poisoned_message(model.model_id))
         return RunOutcome(record.finished_event(RunStatus.ERROR, finish_reason, error))
