@@ -73,6 +73,17 @@ class GenerateRequest(Wire, kw_only=True):
     resume: list[ResumedChoice] | None = None
 
 
+class RequestRef(Wire, kw_only=True):
+    """Published on `helexa.req.<model>` instead of a `GenerateRequest` too large for one bus
+    message: the encoded request is the object `object` of the Object Store bucket
+    `helexa_requests` (`size` bytes). See `apps.bus.large_requests`."""
+
+    request_id: str
+    model: str
+    object: str
+    size: int
+
+
 class Usage(Wire, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
@@ -297,6 +308,19 @@ class NodeStatus(Wire, kw_only=True):
 _encoder = msgspec.json.Encoder()
 encode = _encoder.encode
 request_decoder = msgspec.json.Decoder(GenerateRequest)
+_request_ref_decoder = msgspec.json.Decoder(RequestRef)
+
+
+def decode_request(data: bytes) -> GenerateRequest | RequestRef:
+    """A message of REQUESTS: a request, or a reference to one in the Object Store. Raises
+    msgspec.DecodeError for anything else (the request's error, which names what it lacks)."""
+    try:
+        return request_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        try:
+            return _request_ref_decoder.decode(data)
+        except msgspec.DecodeError:
+            raise exc from None
 frame_decoder = msgspec.json.Decoder(ReplyFrame)
 event_decoder = msgspec.json.Decoder(AnyEvent)
 node_decoder = msgspec.json.Decoder(NodeStatus)

@@ -40,7 +40,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from apps.bus import topology, wire
+from apps.bus import large_requests, topology, wire
 from apps.bus.codes import ErrorCode, ModelState, ServingError
 from apps.bus.publish import publish_event
 from apps.settings import WorkerSettings
@@ -68,6 +68,8 @@ class Held:
     request: wire.GenerateRequest
     msg: Msg | None = None
     replier: Replier | None = None
+    # Where the request came from when it was too large for its message (deleted once settled).
+    ref: wire.RequestRef | None = None
     # Nak'ed by a stopping worker before any text: another worker serves it; this run must not
     # touch the message again.
     handed_back: bool = False
@@ -109,6 +111,8 @@ class ModelLoop:
         # What is known of each held request's message and run (a redelivery is told from a reused
         # id by the message's stream sequence).
         self._held: dict[str, Held] = {}
+        # Large requests whose body is being fetched from the Object Store (each takes a slot).
+        self._fetching = 0
         self._slot_freed = asyncio.Event()
         self._stop = asyncio.Event()
         self._pulling: asyncio.Task[None] | None = None
@@ -203,21 +207,49 @@ class ModelLoop:
 
     def _start(self, msg: Msg) -> None:
         try:
-            request = wire.request_decoder.decode(msg.data)
+            body = wire.decode_request(msg.data)
         except msgspec.DecodeError as exc:
             log.warning("undecodable request terminated", extra={"error": str(exc)})
             asyncio.create_task(msg.term())
             return
+        if isinstance(body, wire.RequestRef):
+            self._fetching += 1  # it takes its slot while its body comes
+            asyncio.create_task(self._start_large(msg, body))
+            return
+        self._begin(msg, body)
+
+    async def _start_large(self, msg: Msg, ref: wire.RequestRef) -> None:
+        """A request too large for its message: fetched from the Object Store, then as any other."""
+        try:
+            request = await large_requests.fetch(self.bus.js, ref)
+        except (large_requests.RequestGone, msgspec.DecodeError) as exc:
+            log.warning("large request unreadable; terminated", extra={"request_id": ref.request_id,
+                                                                       "error": str(exc)})
+            await self._settle(msg, ref, terminate=True)
+            return
+        except (nats.errors.Error, TimeoutError) as exc:
+            # The bus is unwell: another delivery (here or elsewhere) tries again.
+            log.warning("large request not fetched; left for redelivery",
+                        extra={"request_id": ref.request_id, "error": repr(exc)})
+            with contextlib.suppress(nats.errors.Error):
+                await msg.nak(delay=1.0)
+            return
+        finally:
+            self._fetching -= 1
+            self._slot_freed.set()
+        self._begin(msg, request, ref)
+
+    def _begin(self, msg: Msg, request: wire.GenerateRequest, ref: wire.RequestRef | None = None) -> None:
         if not topology.valid_reply_subject(request.reply_subject):
             # Publishing on it could make the server close this worker's connection for good.
             log.warning("request with an unusable reply subject terminated",
                         extra={"request_id": request.request_id, "bytes": len(request.reply_subject.encode())})
-            asyncio.create_task(msg.term())
+            asyncio.create_task(self._settle(msg, ref, terminate=True))
             return
         if self._holds(request):
-            asyncio.create_task(self._refuse_duplicate(msg, request))
+            asyncio.create_task(self._refuse_duplicate(msg, request, ref))
             return
-        self._claim(Held(request, msg))
+        self._claim(Held(request, msg, ref=ref))
         task = asyncio.create_task(self._serve(msg, request))
         self.active[request.request_id] = task
         task.add_done_callback(lambda _: self._finished(request.request_id))
@@ -239,7 +271,14 @@ class ModelLoop:
         self._held.pop(request_id, None)
         self._slot_freed.set()
 
-    async def _refuse_duplicate(self, msg: Msg, request: wire.GenerateRequest) -> None:
+    async def _settle(self, msg: Msg, ref: wire.RequestRef | None, *, terminate: bool) -> None:
+        """Ack (or terminate) a message for good; a large request's object goes with it."""
+        await (msg.term() if terminate else msg.ack())
+        if ref is not None:
+            await large_requests.delete(self.bus.js, ref)
+
+    async def _refuse_duplicate(self, msg: Msg, request: wire.GenerateRequest,
+                                ref: wire.RequestRef | None = None) -> None:
         running = self._held.get(request.request_id)
         held = running.request if running is not None else None
         if running is not None and running.stream_seq == msg.metadata.sequence.stream:
@@ -260,7 +299,7 @@ class ModelLoop:
             if running.replier is not None:
                 running.replier.silence(ErrorCode.ATTEMPT_TAKEN)
             await self.abort(running.request)
-            await running.msg.term()  # its requester gave that message up
+            await self._settle(running.msg, running.ref, terminate=True)  # its requester gave that message up
             await msg.nak(delay=liveness.PROBE_S)
             return
         # Another message whose id is already running here: refused, so the running one is untouched.
@@ -271,7 +310,7 @@ class ModelLoop:
             replier = Replier(self.bus.nc, request.reply_subject,
                               liveness.attempt_of(request, msg.metadata.num_delivered), self.bus.node)
             await replier.error(409, ErrorCode.INVALID_REQUEST, "A request with this id is already running.")
-        await msg.term()
+        await self._settle(msg, ref, terminate=True)
 
     async def _serve(self, msg: Msg, request: wire.GenerateRequest) -> None:
         try:
@@ -280,11 +319,12 @@ class ModelLoop:
             log.exception("serving a request failed", extra={"request_id": request.request_id})
 
     async def _serve_message(self, msg: Msg, request: wire.GenerateRequest) -> None:
+        held = self._held[request.request_id]
         cancelled = request.request_id in self.bus.cancelled
         if cancelled or (request.deadline and time.time() > request.deadline):
             # Its client has already been answered (a 503 or a hang-up): nobody waits for it.
             log.info("dropped request nobody waits for", extra={"request_id": request.request_id})
-            await msg.term()
+            await self._settle(msg, held.ref, terminate=True)
             await publish_event(self.bus.js, wire.AdmissionDecided(
                 model=request.model, node=self.bus.node, request_id=request.request_id,
                 principal=request.principal,
@@ -294,14 +334,13 @@ class ModelLoop:
             ))
             return
         attempt = liveness.attempt_of(request, msg.metadata.num_delivered)
-        held = self._held[request.request_id]
         replier = held.replier = Replier(self.bus.nc, request.reply_subject, attempt, self.bus.node)
         if attempt > 1 and request.liveness_probe and not await liveness.still_wanted(
                 self.bus.nc, request.reply_subject, attempt):
             # Another attempt serves its client (or nobody waits any more): this one must not run.
             log.info("redelivered request no longer wanted", extra={"request_id": request.request_id,
                                                                     "attempt": attempt})
-            await msg.term()
+            await self._settle(msg, held.ref, terminate=True)
             return
         if held.handed_back:
             return  # the worker stopped meanwhile and gave it back
@@ -321,7 +360,7 @@ class ModelLoop:
             # Nak'ed already, or held now by the attempt that serves the client: an ack from here
             # would settle the message under that attempt (acks name it by its stream sequence).
             return
-        await (msg.term() if outcome.terminate else msg.ack())
+        await self._settle(msg, held.ref, terminate=outcome.terminate)
 
     async def serve_once(self, request: wire.GenerateRequest, replier: Replier) -> wire.RunFinished:
         """One request not pulled from the consumer (the `generate` endpoint), served the same way;
@@ -346,7 +385,8 @@ class ModelLoop:
             # The engine already holds work it has no KV blocks (or batch room) for: more would
             # only wait here, where another worker might have served it at once.
             return 0
-        return max(self.engine.max_num_seqs - sum(r.sampling.n for r in self.requests.values()), 0)
+        promised = sum(r.sampling.n for r in self.requests.values()) + self._fetching
+        return max(self.engine.max_num_seqs - promised, 0)
 
     def status(self) -> wire.ModelStatus:
         limits = self.context.derive()

@@ -168,6 +168,14 @@ class RunRecord:
         )
 
 
+# Prompts longer than this (in characters) are prepared in a thread.
+LARGE_PROMPT_CHARS = 1 << 18
+
+
+def _prompt_chars(request: wire.GenerateRequest) -> int:
+    return len(request.prompt or "") + sum(len(m.content) for m in request.messages or [])
+
+
 def engine_request_ids(request_id: str, n: int) -> list[str]:
     """One engine request per choice; a single choice keeps the bus request's id."""
     return [request_id] if n == 1 else [f"{request_id}/{i}" for i in range(n)]
@@ -192,7 +200,12 @@ async def run_request(model: ServedModel, request: wire.GenerateRequest, replier
         await replier.error(503, ErrorCode.MODEL_POISONED, poisoned_message(model.model_id))
         return RunOutcome(record.finished_event(RunStatus.REJECTED, FinishReason.ERROR, ErrorCode.MODEL_POISONED))
     try:
-        prompt = build_prompt(model.tokenizer, request, model.reasoning_parser)
+        if _prompt_chars(request) > LARGE_PROMPT_CHARS:
+            # Templating and tokenizing megabytes takes seconds: off the loop, so the other
+            # streams' frames and every request's heartbeats keep going meanwhile.
+            prompt = await asyncio.to_thread(build_prompt, model.tokenizer, request, model.reasoning_parser)
+        else:
+            prompt = build_prompt(model.tokenizer, request, model.reasoning_parser)
         record.prompt_tokens = len(prompt.token_ids)
         sampling = resolve_sampling(request, len(prompt.token_ids), model.context.derive().context)
         check_resume(request, model.tokenizer.vocab_size)
