@@ -45,15 +45,10 @@ from apps.bus.codes import ErrorCode, ModelState, ServingError
 from apps.bus.publish import publish_event
 from apps.settings import WorkerSettings
 from apps.worker import liveness
+from apps.worker.choices import engine_request_ids
 from apps.worker.context_limit import ContextLimit
 from apps.worker.replies import Replier
-from apps.worker.run import (
-    ModelHealth,
-    ServedModel,
-    abort_request,
-    engine_request_ids,
-    run_request,
-)
+from apps.worker.run import ModelHealth, ServedModel, abort_request, run_request
 from engine.protocol import Engine
 from engine.tokenizer import Tokenizer
 
