@@ -20,13 +20,14 @@ from __future__ import annotations
 import logging
 
 import nats.errors
+import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 from nats.js.errors import ObjectNotFoundError
 
 from apps.bus import topology, wire
-from apps.bus.publish import publish
+from apps.bus.publish import StreamFull, is_stream_full, publish
 
 log = logging.getLogger("helexa.bus")
 
@@ -58,14 +59,20 @@ async def publish_request(js: JetStreamContext, nc: NatsClient, request: wire.Ge
     """Publish `request` on its model's subject, through the Object Store when it is too large for
     one message. `msg_id` (default: the request id) is its dedupe id and, for a large one, its
     object's name: a retried publish replaces the object and is stored once. Raises what
-    `apps.bus.publish.publish` raises (StreamFull among them), having removed the object then."""
+    `apps.bus.publish.publish` raises (StreamFull among them, also when the bucket is full),
+    having removed the object then."""
     msg_id = msg_id or request.request_id
     subject = topology.request_subject(request.model)
     body = wire.encode(request)
     if fits(nc, body, {"Nats-Msg-Id": msg_id}):
         return await publish(js, subject, body, msg_id)
     store = await js.object_store(topology.LARGE_REQUESTS_BUCKET)
-    await store.put(msg_id, body)
+    try:
+        await store.put(msg_id, body)
+    except nats.js.errors.APIError as exc:
+        if is_stream_full(exc):  # the bucket is at its max_bytes: as full as REQUESTS would be
+            raise StreamFull(topology.LARGE_REQUESTS_BUCKET, exc.description or "") from exc
+        raise
     ref = wire.RequestRef(request_id=request.request_id, model=request.model, object=msg_id, size=len(body))
     try:
         return await publish(js, subject, wire.encode(ref), msg_id)

@@ -23,6 +23,7 @@ from nats.aio.msg import Msg
 from nats.js.errors import ObjectNotFoundError
 
 from apps.bus import large_requests, topology, wire
+from apps.bus.publish import StreamFull
 from apps.bus.topology import BusLimits
 from apps.embedded.nats_server import EMBEDDED_MAX_PAYLOAD, NatsServer
 from apps.settings import WorkerSettings
@@ -238,3 +239,15 @@ async def test_a_worker_serves_a_3_mib_prompt_through_a_1_mib_server_and_deletes
         await nc.close()
         stop.set()
         await running
+
+
+async def test_a_full_bucket_is_a_full_queue(small_server: NatsServer) -> None:
+    nc = await connected(small_server.url)
+    try:
+        js = nc.jetstream()
+        await topology.ensure_topology(js, BusLimits(request_max_bytes=3 << 20))
+        await large_requests.publish_request(js, nc, request_of_size(2 << 20, request_id="fits"))
+        with pytest.raises(StreamFull):
+            await large_requests.publish_request(js, nc, request_of_size(2 << 20, request_id="over"))
+    finally:
+        await nc.close()
