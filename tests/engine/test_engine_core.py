@@ -204,10 +204,11 @@ def test_a_resumed_request_that_had_already_ended_finishes_at_once(smollm2: Chec
     core.add_request(EngineRequest("ignored", prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
                                    resumed_token_ids=[5, eos]))
     outputs = core.step()
-    ended = {o.request_id: (o.finish_reason, o.new_token_ids) for o in outputs if o.finished}
+    ended = {o.request_id: (o.finish_reason, o.new_token_ids) for o in outputs if o.request_id != "ignored"}
     assert ended == {"full": (FinishReason.LENGTH, []), "stopped": (FinishReason.STOP, [])}
-    generated = []
     while core.has_work():
-        generated += [t for o in core.step() for t in o.new_token_ids]
+        outputs += core.step()
+    generated = [t for o in outputs if o.request_id == "ignored" for t in o.new_token_ids]
     assert len(generated) == 2  # "ignored" had 2 of its 4
+    assert outputs[-1].request_id == "ignored" and outputs[-1].finish_reason is FinishReason.LENGTH
     assert core.kv_cache.num_free_blocks == 64
