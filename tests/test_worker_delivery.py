@@ -87,12 +87,12 @@ class Requester:
         self.frames.append(wire.frame_decoder.decode(msg.data))
         self.changed.set()
 
-    async def publish(self, content: str, max_tokens: int = 200) -> None:
+    async def publish(self, content: str, max_tokens: int = 200, attempt: int = 1) -> None:
         request = wire.GenerateRequest(request_id=self.request_id, model=MODEL, reply_subject=self.reply_subject,
                                        sampling=SamplingParams(max_tokens=max_tokens), liveness_probe=True,
-                                       messages=[wire.ChatMessage(role="user", content=content)])
+                                       messages=[wire.ChatMessage(role="user", content=content)], attempt=attempt)
         await self.nc.jetstream().publish(topology.request_subject(MODEL), wire.encode(request),
-                                          headers={"Nats-Msg-Id": self.request_id})
+                                          headers={"Nats-Msg-Id": f"{self.request_id}.{attempt}"})
 
     async def wait_for(self, predicate: object, timeout_s: float = 30.0) -> None:
         async def holds() -> None:
@@ -194,6 +194,35 @@ async def test_an_attempt_told_it_lost_stops_sends_nothing_more_and_leaves_the_m
         info = await nc.jetstream().consumer_info(topology.REQUESTS_STREAM, topology.worker_consumer(MODEL))
         assert info.num_ack_pending == 1
         assert not process.models[MODEL].requests
+
+
+async def test_a_newer_attempt_of_a_request_running_here_takes_over(
+        own_nats: NatsServer, tok: Tokenizer, tmp_path: Path) -> None:
+    """A requester that migrates a request publishes a new message numbered past the old one's
+    attempts; reaching the worker still running the old one, it takes over: the old run stops
+    unserved, its message is terminated, and the new attempt answers."""
+    limits = BusLimits(request_ack_wait_s=30.0, max_deliver=3)
+    async with worker(own_nats.url, tok, tmp_path, limits), client(own_nats.url) as nc:
+        events = await run_events(nc)
+        requester = await Requester(nc, "moved-1").start()
+        await requester.publish("LONG please")
+        await requester.wait_for(deltas(2))
+        requester.taken_below = 4  # the old message's attempts (1..3) are abandoned
+        await requester.publish("LONG please", attempt=4)
+        await requester.wait_for(lambda fs: any(isinstance(f, wire.Final) for f in fs), timeout_s=60)
+        final = requester.frames[-1]
+        assert isinstance(final, wire.Final) and final.attempt >= 4
+        assert requester.text(final.attempt) == LONG_REPLY
+        assert not [f for f in requester.of_attempt(1) if isinstance(f, wire.Final)]
+        old, new = sorted(await events.wait_for(2), key=lambda e: e.attempt)
+        assert (old.attempt, old.served, old.error) == (1, False, ErrorCode.ATTEMPT_TAKEN)
+        assert new.attempt == final.attempt and new.served is True and new.status == RunStatus.OK
+        await eventually(lambda: _settled(nc), what="both messages settled")
+
+
+async def _settled(nc: NatsClient) -> bool:
+    info = await nc.jetstream().consumer_info(topology.REQUESTS_STREAM, topology.worker_consumer(MODEL))
+    return info.num_ack_pending == 0 and info.num_pending == 0
 
 
 async def test_a_requester_unreachable_for_less_than_the_grace_is_waited_for(
