@@ -157,6 +157,11 @@ class WorkerSettings:
     memory_mb: int = field(default_factory=lambda: _env_int("HELEXA_WORKER_MEMORY_MB", 0))
     # Hot-op implementation: auto (Triton on CUDA, PyTorch on CPU), torch or triton.
     kernels: str = field(default_factory=lambda: _env("HELEXA_KERNELS", "auto").lower())
+    # How long a requester may not listen (no responders to the alive probe) before its run is
+    # aborted as abandoned: long enough for a gateway to reconnect through a NATS outage.
+    requester_grace_s: float = field(default_factory=lambda: _env_float("HELEXA_REQUESTER_GRACE_S", 10.0))
+    # On SIGTERM, how long streams that have sent text get to finish (then a worker_stopping error).
+    stop_grace_s: float = field(default_factory=lambda: _env_float("HELEXA_STOP_GRACE_S", 10.0))
 
     def __post_init__(self) -> None:
         if self.kernels not in KERNEL_CHOICES:
@@ -173,6 +178,8 @@ class WorkerSettings:
             raise ValueError("HELEXA_REASONING_PARSER must be auto, on or off")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError("HELEXA_DTYPE must be auto, float32, bfloat16 or float16")
+        if self.requester_grace_s < 0 or self.stop_grace_s < 0:
+            raise ValueError("HELEXA_REQUESTER_GRACE_S and HELEXA_STOP_GRACE_S must be >= 0")
 
     def engine_config(self, model_path: str) -> EngineConfig:
         return EngineConfig(

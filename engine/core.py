@@ -106,14 +106,22 @@ class EngineCore:
         self._first_scheduled: dict[str, float] = {}
 
     def add_request(self, request: EngineRequest) -> None:
-        """Queue a request; one that can never run comes back as an error output of the next step."""
+        """Queue a request; one that can never run comes back as an error output of the next step,
+        and a resumed one that had already ended (its last token a stop, or no tokens left) as a
+        token-less finish."""
         engine_request = Request(request.request_id, request.prompt_token_ids, request.sampling,
-                                 eos_token_ids=self.info.eos_token_ids)
+                                 eos_token_ids=self.info.eos_token_ids,
+                                 resumed_token_ids=request.resumed_token_ids)
         structured = request.sampling.structured
         # A duplicate id is the scheduler's to refuse; its grammar must not replace the live one's.
         if structured is not None and request.request_id not in self.scheduler.requests:
             error = self.structured.add(request.request_id, structured)
+            # A migrated request's grammar resumes where the client's text ends.
+            for token_id in request.resumed_token_ids:
+                ends = self.structured.consume({request.request_id: token_id})
+                error = error or next((end.error for end in ends if end.error), None)
             if error is not None:
+                self.structured.release(request.request_id)
                 self.scheduler.reject(engine_request, f"structured output does not compile: {error}")
                 return
         self.scheduler.add_request(engine_request)
@@ -160,7 +168,7 @@ class EngineCore:
         for request in finished:
             if id(request) in with_token:
                 self._forget(request)
-            else:  # rejected at add: a request of its own, even when it repeats a live id
+            else:  # ended at add: a request of its own, even when it repeats a live id
                 outputs.append(self._end_one(request))
         outputs += self._end_by_grammar(grammar_ends)
         if step.scheduled:
@@ -223,7 +231,7 @@ class EngineCore:
             request.num_computed_tokens = computed
 
     def _output(self, request: Request, logprob: TokenLogprob | None, now: float) -> EngineOutput:
-        first = request.num_output_tokens == 1
+        first = request.num_output_tokens == request.num_resumed_tokens + 1
         prefill_ms = None
         if first:
             prefill_ms = (now - self._first_scheduled.get(request.request_id, now)) * 1000.0

@@ -4,8 +4,8 @@ The runner sizes and allocates the paged KV cache (one (k_cache, v_cache) pair p
 layer), decides whether the model is hybrid (linear-attention layers keep a state slot per sequence,
 `engine.state_cache`) and captures decode CUDA graphs where they apply (`engine.cuda_graphs`: CUDA,
 Triton ops, not hybrid). Each step it lays the scheduler's decision out with the one step builder
-(`engine.step_metadata.build_step_inputs`), runs the model and samples, drawing each seeded request's
-tokens from that request's own generator.
+(`engine.step_metadata.build_step_inputs`), runs the model and samples (a seeded request's draw is
+a function of its seed and the token's position, `engine.sampler.seeded_uniform`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeGraphs, graphs_wanted
 from engine.engine_config import EngineConfig
 from engine.protocol import TokenLogprob
-from engine.sampler import Sampler, SamplingRow, make_generator
+from engine.sampler import Sampler, SamplingRow
 from engine.scheduler import SchedulerOutput
 from engine.state_cache import HybridCaches, LinearStateCache
 from engine.step_metadata import KVCaches, SequenceChunk, StepInputs, build_step_inputs
@@ -94,7 +94,6 @@ class ModelRunner:
         # Set by EngineCore: masks the logits rows of grammar-constrained requests in place
         # (engine.structured_output), given each row's request id.
         self.mask_logits: Callable[[torch.Tensor, list[str]], None] | None = None
-        self._generators: dict[str, torch.Generator] = {}
 
     def prepare(self, step: SchedulerOutput) -> StepInputs:
         chunks = []
@@ -133,7 +132,6 @@ class ModelRunner:
             request = by_id[request_id]
             rows.append(SamplingRow(
                 options=request.sampling,
-                generator=self._generator(request_id, request.sampling.seed),
                 prompt_token_ids=request.prompt_token_ids,
                 output_token_ids=request.output_token_ids,
                 eos_token_ids=request.eos_token_ids,
@@ -146,17 +144,3 @@ class ModelRunner:
             else:
                 result.failed[request_id] = error
         return result
-
-    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
-        # A seeded request draws only from its own generator, so its text never depends on
-        # which other requests share the batch.
-        if seed is None:
-            return None
-        generator = self._generators.get(request_id)
-        if generator is None:
-            generator = make_generator(seed, self.device)
-            self._generators[request_id] = generator
-        return generator
-
-    def release(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)

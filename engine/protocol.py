@@ -129,11 +129,18 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
 
 
 class EngineRequest(msgspec.Struct, frozen=True, array_like=True):
-    """One sequence to generate; `sampling.max_tokens` is resolved (never None) by now."""
+    """One sequence to generate; `sampling.max_tokens` is resolved (never None) by now.
+
+    `resumed_token_ids` are tokens of this answer generated before (a request migrated from a
+    worker that died mid-stream): the engine computes them after the prompt and goes on from
+    there, never emitting them again. They count as generated tokens, exactly as if this engine
+    had sampled them: for max_tokens, min_tokens, the penalties and a seeded draw's position.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
+    resumed_token_ids: list[int] = []
 
 
 class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -41,11 +41,14 @@ class Request:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         eos_token_ids: list[int] | None = None,
+        resumed_token_ids: list[int] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
-        self.output_token_ids: list[int] = []
-        self.all_token_ids: list[int] = list(prompt_token_ids)
+        # A resumed request starts with the outputs it had elsewhere, recomputed like a preempted one's.
+        self.output_token_ids: list[int] = list(resumed_token_ids or [])
+        self.all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
+        self.num_resumed_tokens = len(self.output_token_ids)
         self.sampling = sampling
         self.eos_token_ids = list(eos_token_ids or [])
         self.status = RequestStatus.WAITING

@@ -8,10 +8,11 @@ Logprobs are the log-softmax of the logits after penalties and the min_tokens ma
 and truncation: the model's distribution as this request's penalties shape it, the same whatever the
 temperature or top-p, and finite for every token the request can be given.
 
-A seeded request gets the same tokens whichever other requests share the batch and at any row: each
-random row draws exactly one float64 uniform per step from its own generator and inverts the CDF of
-its own distribution, and no step mixes values across rows. Unseeded rows share one stream, drawn in
-row order. Truncation cut-offs are values, not positions (tokens tied with the last kept one stay),
+A seeded request's draw is a function of (seed, token position) alone: the uniform that picks its
+token at output position p is `seeded_uniform(seed, p)`, a hash, not the next value of a stream. So
+its tokens are the same whichever other requests share the batch and at any row (no step mixes values
+across rows), after a preemption, and when a migrated request resumes at position p on another worker.
+Unseeded rows share one stream, drawn in row order. Truncation cut-offs are values, not positions (tokens tied with the last kept one stay),
 so the kept set never depends on how a sort orders ties.
 
 One row never hurts the others, and every token id is inside the vocabulary: a row whose logits are
@@ -42,9 +43,9 @@ class SamplingRow:
     """One request's row in this step's logits."""
 
     options: SamplingParams
-    # Per request, created once from its seed; None draws from the sampler's shared generator.
-    generator: torch.Generator | None
     prompt_token_ids: list[int]
+    # Everything generated so far (a resumed request's earlier tokens included): its length is the
+    # position of the token drawn now.
     output_token_ids: list[int]
     # Masked (with options.stop_token_ids) until min_tokens tokens have been generated.
     eos_token_ids: list[int]
@@ -103,9 +104,9 @@ class Sampler:
             token_ids[greedy_rows] = _take_rows(logits, greedy_rows).argmax(-1)
         random_rows = [i for i, row in enumerate(rows) if not row.options.greedy and i not in fallback]
         if random_rows:
-            generators = [rows[i].generator or self._shared_generator(logits.device) for i in random_rows]
             options = [rows[i].options for i in random_rows]
-            drawn, overflowed = _sample_random(_take_rows(logits, random_rows), options, generators)
+            uniforms = self._uniforms([rows[i] for i in random_rows], logits.device)
+            drawn, overflowed = _sample_random(_take_rows(logits, random_rows), options, uniforms)
             token_ids[random_rows] = drawn
             if overflowed:
                 overflow_rows = [random_rows[j] for j in overflowed]
@@ -125,6 +126,16 @@ class Sampler:
                 logprobs[i] = entry
         return SamplerOutput(token_ids=ids, logprobs=logprobs, errors=errors)
 
+    def _uniforms(self, rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
+        """[rows] float64 in [0, 1): a seeded row's from its (seed, position); the unseeded rows take
+        the next values of the shared stream, in row order."""
+        unseeded = sum(row.options.seed is None for row in rows)
+        shared = iter(torch.rand(unseeded, generator=self._shared_generator(device), device=device,
+                                 dtype=torch.float64).tolist() if unseeded else [])
+        values = [next(shared) if row.options.seed is None
+                  else seeded_uniform(row.options.seed, len(row.output_token_ids)) for row in rows]
+        return torch.tensor(values, dtype=torch.float64, device=device)
+
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         generator = self._shared_generators.get(device)
         if generator is None:
@@ -134,6 +145,24 @@ class Sampler:
 
 # torch.Generator seeds are 64-bit; any int (a request's int64 seed) maps onto that range.
 _GENERATOR_SEEDS = 1 << 64
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(value: int) -> int:
+    """One round of SplitMix64's finalizer: a bijection of 64-bit ints that scatters every input bit."""
+    value = (value + 0x9E3779B97F4A7C15) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
+def seeded_uniform(seed: int, position: int) -> float:
+    """The uniform in [0, 1) that picks a seeded request's token at output `position`: the same on
+    any machine, in any batch, and after any interruption (any int64 seed; taken modulo 2**64)."""
+    bits = _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64))
+    return (bits >> 11) * 2.0 ** -53  # the top 53 bits: every float64 of [0, 1) this fine is reachable
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
@@ -210,9 +239,10 @@ def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 
 
 def _sample_random(logits: torch.Tensor, options: list[SamplingParams],
-                   generators: list[torch.Generator]) -> tuple[torch.Tensor, list[int]]:
-    """logits: [rows, vocab] penalized, finite or -inf. Returns ([rows] token ids drawn after
-    temperature and truncation, the rows whose scaled logits overflowed: their draw is void)."""
+                   uniforms: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """logits: [rows, vocab] penalized, finite or -inf; uniforms: [rows] float64. Returns ([rows]
+    token ids drawn after temperature and truncation, the rows whose scaled logits overflowed:
+    their draw is void)."""
     device = logits.device
     overflowed: list[int] = []
     if any(o.temperature != 1.0 for o in options):
@@ -233,9 +263,6 @@ def _sample_random(logits: torch.Tensor, options: list[SamplingParams],
         cutoff[min_p_rows] = torch.maximum(cutoff[min_p_rows], min_p * _take_rows(probs, min_p_rows).amax(-1))
     if min_p_rows or any(o.top_k or o.top_p < 1.0 for o in options):
         probs = torch.where(probs >= cutoff.unsqueeze(1), probs, torch.zeros((), device=device))
-    uniforms = torch.cat([
-        torch.rand(1, generator=g, device=g.device, dtype=torch.float64).to(device) for g in generators
-    ])
     return _inverse_cdf(probs, uniforms), overflowed
 
 

@@ -10,9 +10,11 @@ For hybrid models a running request also holds one linear-attention state slot (
 taken on admission, so free slots cap the running set, and given back on finish, abort and
 preemption (a recomputed request starts its state from zeros).
 
-The scheduler owns the request table: every live request by id, and the rejections of requests that
-can never run (refused at add, without touching any live request's state, and handed back by the next
-`update_from_output`). It never advances a request at schedule time; `update_from_output` does, once
+The scheduler owns the request table: every live request by id, and the requests that end at add
+(refused because they can never run, without touching any live request's state; or resumed ones whose
+answer was already complete), handed back by the next `update_from_output`. A resumed request (its
+earlier outputs given at add) is scheduled like a preempted one: prompt and outputs recomputed, then
+decoding goes on. It never advances a request at schedule time; `update_from_output` does, once
 the step's tokens are computed. No torch here.
 """
 
@@ -77,8 +79,9 @@ class Scheduler:
         self.num_preemptions = 0
         self._arrival: dict[str, int] = {}
         self._next_arrival = 0
-        # Rejected at add time; handed back in the next update_from_output's finished list.
-        self._rejected: list[Request] = []
+        # Ended at add time (refused, or resumed complete); handed back in the next
+        # update_from_output's finished list.
+        self._ended_at_add: list[Request] = []
         # One sequence can never outgrow the whole pool.
         self.max_seq_len = min(config.max_model_len, kv_cache.num_blocks * kv_cache.block_size)
 
@@ -91,16 +94,21 @@ class Scheduler:
         return len(self.waiting)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self._rejected)
+        return bool(self.waiting or self.running or self._ended_at_add)
 
     def add_request(self, request: Request) -> None:
         """Queue a request. One that can never run is marked FINISHED_ERROR with `request.error` set
         at once and comes back in the finished list of the next `update_from_output`: a duplicate of
         a live request's id (the live one is left alone), no prompt or no resolved max_tokens, a
-        prompt longer than max_model_len or than the KV pool, a prompt token outside the vocabulary."""
+        prompt longer than max_model_len or than the KV pool, a prompt token outside the vocabulary.
+        A resumed request whose outputs already end it (a stop token last, max_tokens reached) is
+        finished the same way with that reason and no new token."""
         error = self._never_runs(request)
-        if error is not None:
-            self.reject(request, error)
+        ended = RequestStatus.FINISHED_ERROR if error is not None else self._resumed_complete(request)
+        if ended is not None:
+            request.status = ended
+            request.error = error
+            self._ended_at_add.append(request)
             return
         self.requests[request.request_id] = request
         self._arrival[request.request_id] = self._next_arrival
@@ -112,7 +120,7 @@ class Scheduler:
         `error`, in the finished list of the next `update_from_output`."""
         request.status = RequestStatus.FINISHED_ERROR
         request.error = error
-        self._rejected.append(request)
+        self._ended_at_add.append(request)
 
     def _never_runs(self, request: Request) -> str | None:
         if request.request_id in self.requests:
@@ -123,6 +131,12 @@ class Scheduler:
             return "a request needs at least one prompt token"
         if request.sampling.max_tokens is None:
             return "max_tokens must be resolved before the engine"
+        vocab = self.config.vocab_size
+        if vocab and not all(0 <= token < vocab for token in request.all_token_ids):
+            bad = next(token for token in request.all_token_ids if not 0 <= token < vocab)
+            return f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})"
+        if self._resumed_complete(request) is not None:
+            return None  # it ends at once: it needs no room
         capacity = self.kv_cache.num_blocks * self.kv_cache.block_size
         # The prompt plus one generated token must fit: a prompt that fills the window can say nothing.
         if request.num_tokens >= self.config.max_model_len:
@@ -130,11 +144,14 @@ class Scheduler:
                     "leaves no room for a completion")
         if request.num_tokens > capacity:
             return f"prompt has {request.num_tokens} tokens, more than the KV cache holds ({capacity})"
-        vocab = self.config.vocab_size
-        if vocab and not all(0 <= token < vocab for token in request.prompt_token_ids):
-            bad = next(token for token in request.prompt_token_ids if not 0 <= token < vocab)
-            return f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})"
         return None
+
+    def _resumed_complete(self, request: Request) -> RequestStatus | None:
+        """How a resumed request ends before generating anything: what the engine that sampled its
+        last output token would have decided right after it (None: it goes on)."""
+        if not request.output_token_ids:
+            return None
+        return self._check_stop(request, request.output_token_ids[-1])
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
         """Finish the given requests as aborted and free their blocks now; unknown ids are ignored."""
@@ -208,10 +225,10 @@ class Scheduler:
     ) -> tuple[list[Request], list[Request]]:
         """Advance the step's requests; `sampled` maps request id to the token sampled for every
         scheduled request with `sample` set. Returns (requests that got a new token, requests that
-        finished this step, including ones rejected at add time)."""
+        finished this step, including ones that ended at add time)."""
         with_new_token: list[Request] = []
-        finished: list[Request] = self._rejected
-        self._rejected = []
+        finished: list[Request] = self._ended_at_add
+        self._ended_at_add = []
         for item in output.scheduled:
             request = item.request
             if request.status != RequestStatus.RUNNING:

@@ -2,7 +2,8 @@
 
 The script is a JSON file: `{"rules": [{"match": "text in the prompt", "reply": "..."}],
 "default": "..."}`. The first rule whose `match` occurs in the decoded prompt gives the reply,
-which is tokenized with the model's real tokenizer and emitted one token per step, then EOS.
+which is tokenized with the model's real tokenizer and emitted one token per step, then EOS; a
+resumed request (`resumed_token_ids`) goes on from where those tokens leave the reply.
 
 A rule may also set `first_token_delay_s` and `token_delay_s` (a slow model, so tests can act
 mid-request) and `fault`: fault injection for delivery tests, `"exit"` kills the worker process
@@ -44,8 +45,8 @@ class ScriptedEngine:
         self.model_id = model_id
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
-        self._running: set[str] = set()
-        self._aborted: set[str] = set()
+        # Each running request's abort signal: an abort ends it at once, even mid-delay.
+        self._running: dict[str, asyncio.Event] = {}
         # No KV pool: no blocks, and stats that only count what runs.
         self.info = CoreInfo(model_id=model_id, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                              num_blocks=0, block_size=0, eos_token_ids=tokenizer.all_stop_token_ids,
@@ -82,12 +83,21 @@ class ScriptedEngine:
             return
         tokens = self.tokenizer.encode(rule.reply, add_special_tokens=False)
         tokens.append(self.tokenizer.eos_token_id)
-        self._running.add(request.request_id)
+        # A resumed request goes on after the tokens it already had (they count towards max_tokens).
+        start = len(request.resumed_token_ids)
+        limit = min(len(tokens), request.sampling.max_tokens or len(tokens))
+        if start >= limit:
+            yield EngineOutput(request.request_id, [], finished=True,
+                               finish_reason=FinishReason.STOP if start >= len(tokens) else FinishReason.LENGTH,
+                               num_prompt_tokens=len(request.prompt_token_ids))
+            return
+        aborted = self._running[request.request_id] = asyncio.Event()
         try:
-            for i, token in enumerate(tokens[: request.sampling.max_tokens]):
+            for i in range(start, limit):
+                token = tokens[i]
                 # one "step": let others run, as a real engine would
-                await asyncio.sleep(rule.first_token_delay_s if i == 0 else rule.token_delay_s)
-                if request.request_id in self._aborted:
+                await _pause(aborted, rule.first_token_delay_s if i == start else rule.token_delay_s)
+                if aborted.is_set():
                     yield EngineOutput(request.request_id, [], finished=True, finish_reason=FinishReason.ABORT,
                                        num_prompt_tokens=len(request.prompt_token_ids))
                     return
@@ -97,14 +107,24 @@ class ScriptedEngine:
                     reason = FinishReason.STOP if i + 1 == len(tokens) else FinishReason.LENGTH
                 yield EngineOutput(request.request_id, [token], finished=last, finish_reason=reason,
                                    num_prompt_tokens=len(request.prompt_token_ids),
-                                   prefill_ms=0.0 if i == 0 else None)
+                                   prefill_ms=0.0 if i == start else None)
         finally:
-            self._running.discard(request.request_id)
-            self._aborted.discard(request.request_id)
+            self._running.pop(request.request_id, None)
 
     async def abort(self, request_id: str) -> None:
         if request_id in self._running:
-            self._aborted.add(request_id)
+            self._running[request_id].set()
 
     async def shutdown(self) -> None:
         self._running.clear()
+
+
+async def _pause(aborted: asyncio.Event, delay_s: float) -> None:
+    """A step's delay, cut short by an abort."""
+    if delay_s <= 0:
+        await asyncio.sleep(0)
+        return
+    try:
+        await asyncio.wait_for(aborted.wait(), delay_s)
+    except TimeoutError:
+        pass

@@ -194,8 +194,16 @@ class IncrementalDetokenizer:
                                      skip_special_tokens=self.skip_special_tokens)
 
     def step(self, new_token_ids: list[int]) -> str:
-        """Add generated ids; return the text they complete (possibly empty)."""
-        self.token_ids.extend(new_token_ids)
+        """Add generated ids; return the text they complete (possibly empty).
+
+        The ids are taken one at a time, so what has been emitted after any prefix of the tokens
+        is a function of that prefix alone, however the ids came in chunks: a worker that resumes
+        a migrated answer from its token ids is at exactly the point the first worker reached.
+        """
+        return "".join([self._step_one(token_id) for token_id in new_token_ids])
+
+    def _step_one(self, token_id: int) -> str:
+        self.token_ids.append(token_id)
         prefix_text = self._decode(self.prefix_offset, self.read_offset)
         new_text = self._decode(self.prefix_offset)
         if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):

@@ -15,7 +15,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from apps.bus import wire
-from apps.worker import run
+from apps.worker import choices
+from apps.worker.run_record import RunRecord
 from apps.worker.prompt import Prompt
 from apps.worker.replies import CollectingReplier
 from engine.default_model import default_model_path
@@ -55,10 +56,10 @@ def _stream(tok: Tokenizer, groups: list[list[int]], stop: list[str], reason: Fi
     prompt_ids = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
     request = wire.GenerateRequest(request_id="r", model="m", reply_subject="-",
                                    sampling=SamplingParams(max_tokens=64, stop=stop))
-    record = run.RunRecord(request=request, node="n", attempt=1, received_at=time.time())
+    record = RunRecord(request=request, node="n", attempt=1, received_at=time.time())
     replier = CollectingReplier(attempt=1, node="n")
     engine_request = EngineRequest("r", prompt_ids, SamplingParams(max_tokens=64))
-    finish, error = asyncio.run(run.generate_choice(
+    finish, error = asyncio.run(choices.generate_choice(
         GroupedEngine(groups, reason), tok, replier, record, Prompt(token_ids=prompt_ids), engine_request, 0))
     assert error is None
     return "".join(f.text for f in replier.frames if isinstance(f, wire.Delta)), finish

@@ -57,6 +57,11 @@ class ErrorCode(enum.StrEnum):
     # Every delivery's worker died holding the request: it will not be tried again.
     DELIVERY_FAILED = "delivery_failed"
     GENERATION_FAILED = "generation_failed"
+    # The worker was stopped (SIGTERM) while this stream ran past its grace: the answer is cut
+    # short; a requester may migrate it.
+    WORKER_STOPPING = "worker_stopping"
+    # Another attempt of the request serves its client; this one stopped (the ledger's `error`).
+    ATTEMPT_TAKEN = "attempt_taken"
     DEVICE_FAULT = "device_fault"
     CLIENT_CLOSED = "client_closed"
     INTERNAL_ERROR = "internal_error"

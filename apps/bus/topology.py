@@ -22,18 +22,22 @@ from nats.js.api import (
     DeliverPolicy,
     DiscardPolicy,
     KeyValueConfig,
+    ObjectStoreConfig,
     RetentionPolicy,
     StorageType,
     StreamConfig,
 )
 from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
+from nats.js.object_store import OBJ_STREAM_TEMPLATE, ObjectStore
 
 from apps.bus.pull import BatchPuller
 
 REQUESTS_STREAM = "REQUESTS"
 EVENTS_STREAM = "EVENTS"
 NODES_BUCKET = "helexa_nodes"
+# JetStream Object Store bucket of requests too large for one message (`apps.bus.large_requests`).
+LARGE_REQUESTS_BUCKET = "helexa_requests"
 RECORDER_CONSUMER = "recorder"
 
 _REQUEST_PREFIX = "helexa.req"
@@ -208,11 +212,39 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
 
 
 async def ensure_topology(js: JetStreamContext, limits: BusLimits) -> None:
-    """Declare (or converge) both streams and the node registry. `limits` is the fleet's own
-    (`apps.settings.bus_limits`): declaring with other limits would reset the fleet's streams."""
+    """Declare (or converge) both streams, the node registry and the large-request bucket.
+    `limits` is the fleet's own (`apps.settings.bus_limits`): declaring with other limits would
+    reset the fleet's streams."""
     await _ensure_stream(js, requests_stream_config(limits))
     await _ensure_stream(js, events_stream_config(limits))
     await node_registry(js, limits)
+    await large_request_store(js, limits)
+
+
+def large_requests_config(limits: BusLimits) -> ObjectStoreConfig:
+    """Objects live as long as a queued request may (REQUESTS' max_age), so one nobody deletes
+    (its gateway died between storing it and publishing the reference) goes with its message."""
+    return ObjectStoreConfig(
+        description="Requests too large for one bus message, referenced from REQUESTS",
+        ttl=limits.request_max_age_s,
+        max_bytes=limits.request_max_bytes,
+        storage=StorageType.FILE,
+        replicas=limits.replicas,
+    )
+
+
+async def large_request_store(js: JetStreamContext, limits: BusLimits) -> ObjectStore:
+    """The large-request bucket, declared (or its limits converged on ours)."""
+    config = large_requests_config(limits)
+    try:
+        return await js.create_object_store(LARGE_REQUESTS_BUCKET, config=config)
+    except BadRequestError:
+        # It exists with other limits: converge the stream under it, as `_ensure_stream` does.
+        info = await js.stream_info(OBJ_STREAM_TEMPLATE.format(bucket=LARGE_REQUESTS_BUCKET))
+        stream = info.config
+        stream.max_age, stream.max_bytes, stream.num_replicas = config.ttl, config.max_bytes, config.replicas
+        await js.update_stream(stream)
+        return await js.object_store(LARGE_REQUESTS_BUCKET)
 
 
 async def node_registry(js: JetStreamContext, limits: BusLimits) -> KeyValue:

@@ -31,6 +31,15 @@ class ChatMessage(Wire, kw_only=True):
     name: str | None = None
 
 
+class ResumedChoice(Wire, kw_only=True):
+    """One choice of a migrated request as its client already has it: the token ids of every
+    delta it was sent (`Delta.token_ids`, concatenated in order), and the choice's finish reason
+    if a delta already finished it (such a choice is not run again)."""
+
+    token_ids: list[int] = []
+    finish_reason: FinishReason | None = None
+
+
 class GenerateRequest(Wire, kw_only=True):
     """One client request as published on `helexa.req.<model>`; the bus speaks text (token ids
     only when a /v1/completions client sent a prompt as token ids)."""
@@ -58,6 +67,21 @@ class GenerateRequest(Wire, kw_only=True):
     tool_name: str | None = None
     # The conversation ends on an assistant turn that the model continues (Anthropic prefill).
     continue_final_message: bool = False
+    # A migrated attempt (its first worker died mid-stream): one entry per choice, what the client
+    # was already sent. The worker continues after it without sending any of it again; it counts
+    # as generated (max_tokens, min_tokens, usage).
+    resume: list[ResumedChoice] | None = None
+
+
+class RequestRef(Wire, kw_only=True):
+    """Published on `helexa.req.<model>` instead of a `GenerateRequest` too large for one bus
+    message: the encoded request is the object `object` of the Object Store bucket
+    `helexa_requests` (`size` bytes). See `apps.bus.large_requests`."""
+
+    request_id: str
+    model: str
+    object: str
+    size: int
 
 
 class Usage(Wire, kw_only=True):
@@ -110,6 +134,10 @@ class Delta(Frame, tag="delta", kw_only=True):
     logprobs: list[TokenLogprobs] | None = None
     # Which of the request's stop strings ended this choice (with its last delta).
     stop_sequence: str | None = None
+    # The token ids generated for this choice since its previous delta (text held back, e.g. a
+    # possible stop string, may still be to come from them): a requester keeping them knows
+    # exactly what its client was sent, and resumes a migrated request from them.
+    token_ids: list[int] = []
 
 
 class Heartbeat(Frame, tag="heartbeat", kw_only=True):
@@ -335,6 +363,19 @@ class TokenizeReply(Wire, kw_only=True):
 _encoder = msgspec.json.Encoder()
 encode = _encoder.encode
 request_decoder = msgspec.json.Decoder(GenerateRequest)
+_request_ref_decoder = msgspec.json.Decoder(RequestRef)
+
+
+def decode_request(data: bytes) -> GenerateRequest | RequestRef:
+    """A message of REQUESTS: a request, or a reference to one in the Object Store. Raises
+    msgspec.DecodeError for anything else (the request's error, which names what it lacks)."""
+    try:
+        return request_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        try:
+            return _request_ref_decoder.decode(data)
+        except msgspec.DecodeError:
+            raise exc from None
 frame_decoder = msgspec.json.Decoder(ReplyFrame)
 event_decoder = msgspec.json.Decoder(AnyEvent)
 node_decoder = msgspec.json.Decoder(NodeStatus)

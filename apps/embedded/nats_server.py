@@ -5,6 +5,10 @@ Locked: the server listens on 127.0.0.1 only and takes clients (and cluster rout
 password generated on first start and kept in `credentials.json` in its data directory (0600). Its
 whole configuration, password included, is written to `nats-server.conf` (0600) at each start, so
 no secret shows in the process list. `url` carries the credentials, as NATS_URL does.
+
+Messages may be up to `max_payload` (8 MiB, `EMBEDDED_MAX_PAYLOAD`, instead of nats-server's 1 MiB
+default), so an ordinary long prompt travels as one message; a larger one goes through the
+Object Store (`apps.bus.large_requests`), as it does on any server.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ from apps.embedded import free_port
 from apps.embedded.credentials import FILE_MODE, Credentials, load_or_create
 
 USER = "helexa"
+# What the embedded server accepts in one message (headers included); nats-server's own default
+# is 1 MiB, and it warns above 8 MiB.
+EMBEDDED_MAX_PAYLOAD = 8 << 20
 
 
 def nats_server_binary() -> str:
@@ -47,7 +54,7 @@ class NatsServer:
 
     def __init__(self, data_dir: Path, port: int | None = None, cluster_port: int | None = None,
                  routes: list[str] | None = None, cluster_name: str = "helexa",
-                 credentials: Credentials | None = None) -> None:
+                 credentials: Credentials | None = None, max_payload: int | None = EMBEDDED_MAX_PAYLOAD) -> None:
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.cluster_port = cluster_port
@@ -58,6 +65,8 @@ class NatsServer:
         self.process: subprocess.Popen[bytes] | None = None
         self.credentials_file = self.data_dir / "credentials.json"
         self._credentials = credentials
+        # None: nats-server's default (1 MiB).
+        self.max_payload = max_payload
 
     @property
     def credentials(self) -> Credentials:
@@ -79,6 +88,8 @@ class NatsServer:
             f"jetstream {{ store_dir: {_quoted(str(self.data_dir / 'jetstream'))} }}",
             auth,
         ]
+        if self.max_payload is not None:
+            lines.append(f"max_payload: {self.max_payload}")
         if self.cluster_port:
             self.http_port = self.http_port or free_port()
             routes = ", ".join(_quoted(f"nats://{c.user}:{c.password}@{r}") for r in self.routes)

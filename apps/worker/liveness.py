@@ -7,13 +7,24 @@ The protocol (the gateway's side answers it; any NATS client may):
   reply subject and an in-progress ack to JetStream every `HELEXA_HEARTBEAT_S` (`keep_alive`).
   The requester's idle timeout and the consumer's ack wait both watch this: a worker that stops
   touching its request is taken for dead, and JetStream delivers the request to another worker.
+- **Attempts.** A request's attempt number is `GenerateRequest.attempt - 1 + delivery number`
+  (`attempt_of`): JetStream's redeliveries of one message count up from the attempt its requester
+  gave it, and a requester that migrates a request publishes a new message whose `attempt` is
+  past every attempt the old message can reach (old `attempt` + max_deliver). Frames, events and
+  probes carry it.
 - **Alive probe.** A requester that sets `liveness_probe` answers every request on
-  `<reply subject>.alive` while it listens. During a run the worker asks every `PROBE_S`
-  (`watch_requester`): *no responders* means the requester is gone (its gateway died) and the
-  generation is aborted, so its KV is freed; a timeout or a reconnect is only slowness.
-- **Attempt taken.** Before running a redelivered attempt (delivery number > 1) the worker asks the
-  same subject with its attempt number (`still_wanted`). The requester answers `ATTEMPT_TAKEN` once
-  another attempt has sent the client text: then this attempt must not run (its text would be
+  `<reply subject>.alive` while it listens. During a run the worker asks every `PROBE_S` with its
+  attempt number (`RequesterProbe.watch`). `ATTEMPT_TAKEN` means another attempt serves the client
+  (this one lost, e.g. it was silent past the ack wait and another worker took over, or the
+  request was migrated): the run stops at once, sends nothing more, leaves the message to the
+  attempt that holds it now (an ack from here would settle it under that attempt: acks name a
+  message by its stream sequence) and records `served=False`. *No responders* means nobody
+  listens: only when that lasts `HELEXA_REQUESTER_GRACE_S` is the requester gone (its gateway
+  died) and the generation aborted, so its KV is freed; a shorter spell is a requester
+  reconnecting through a NATS outage, and a timeout or our own reconnect is only slowness.
+- **Attempt taken.** Before running a redelivered or migrated attempt (attempt > 1) the worker asks
+  the same subject with its attempt number (`still_wanted`). The requester answers `ATTEMPT_TAKEN`
+  when another attempt serves the client: then this attempt must not run (its text would be
   repeated) and the message is terminated. No responders there too means nobody waits for it.
   A redelivery that reaches the worker still running the first attempt (its in-progress acks came
   late) is not an attempt at all: the model loop leaves the message to the running one, whose acks
@@ -27,15 +38,18 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import enum
 import logging
+import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from apps.bus import topology
+from apps.bus import topology, wire
 from apps.worker.replies import Replier
 
 log = logging.getLogger("helexa.worker")
@@ -56,20 +70,53 @@ async def keep_alive(replier: Replier, interval_s: float, touch: Callable[[], Aw
         await touch()
 
 
-async def watch_requester(nc: NatsClient, reply_subject: str, interval_s: float,
-                          gone: Callable[[], Awaitable[None]]) -> None:
-    """Probe the requester; when nobody answers any more (its gateway died), call `gone`."""
-    subject = topology.alive_subject(reply_subject)
-    while True:
-        await asyncio.sleep(interval_s)
-        try:
-            await nc.request(subject, b"", timeout=max(interval_s, 1.0))
-        except nats.errors.NoRespondersError:
-            log.info("requester gone; aborting", extra={"reply_subject": reply_subject})
-            await gone()
-            return
-        except (TimeoutError, nats.errors.Error):
-            continue  # slow or reconnecting is not gone
+def attempt_of(request: wire.GenerateRequest, num_delivered: int | None) -> int:
+    """The attempt a delivery of `request`'s message is (see the module docstring)."""
+    return max(request.attempt, 1) - 1 + (num_delivered or 1)
+
+
+class Verdict(enum.Enum):
+    """Why a requester probe ended."""
+
+    # Nobody has listened on the alive subject for the whole grace period.
+    GONE = "gone"
+    # The requester serves its client from another attempt.
+    TAKEN = "taken"
+
+
+@dataclass(slots=True, frozen=True)
+class RequesterProbe:
+    """The periodic alive probe of one running attempt's requester."""
+
+    nc: NatsClient
+    reply_subject: str
+    attempt: int
+    grace_s: float
+    interval_s: float = PROBE_S
+
+    async def watch(self) -> Verdict:
+        """Probe until the requester says this attempt lost, or has not listened for `grace_s`."""
+        subject = topology.alive_subject(self.reply_subject)
+        unanswered_since: float | None = None
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                answer = await self.nc.request(subject, str(self.attempt).encode(),
+                                               timeout=max(self.interval_s, 1.0))
+            except nats.errors.NoRespondersError:
+                now = time.monotonic()
+                if unanswered_since is None:
+                    unanswered_since = now
+                    log.info("requester not listening; waiting for it",
+                             extra={"reply_subject": self.reply_subject, "grace_s": self.grace_s})
+                if now - unanswered_since >= self.grace_s:
+                    return Verdict.GONE
+                continue  # its gateway may be reconnecting through a NATS outage
+            except (TimeoutError, nats.errors.Error):
+                continue  # slow, or our own connection reconnecting: it says nothing of the requester
+            unanswered_since = None
+            if answer.data == topology.ATTEMPT_TAKEN:
+                return Verdict.TAKEN
 
 
 async def still_wanted(nc: NatsClient, reply_subject: str, attempt: int) -> bool:

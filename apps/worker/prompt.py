@@ -1,6 +1,6 @@
 """From a bus request to what the engine needs: prompt token ids, the sampling with its max_tokens
-resolved, and what the output parser should expect (reasoning, tool calls). Refusals here happen
-before any work."""
+resolved, what the output parser should expect (reasoning, tool calls), and a migrated request's
+resumed tokens checked. Refusals here happen before any work."""
 
 from __future__ import annotations
 
@@ -143,3 +143,16 @@ def resolve_sampling(request: wire.GenerateRequest, num_prompt_tokens: int, max_
     return msgspec.structs.replace(request.sampling, max_tokens=max_tokens,
                                    min_tokens=min(request.sampling.min_tokens, max_tokens),
                                    structured=reply_constraint(request))
+
+
+def check_resume(request: wire.GenerateRequest, vocab_size: int) -> None:
+    """A migrated request names what each of its n choices was sent, in token ids of this model."""
+    if request.resume is None:
+        return
+    if len(request.resume) != request.sampling.n:
+        raise ServingError(400, ErrorCode.INVALID_REQUEST,
+                           f"resume has {len(request.resume)} choices; the request has n={request.sampling.n}.",
+                           param="resume")
+    if vocab_size and any(not 0 <= t < vocab_size for choice in request.resume for t in choice.token_ids):
+        raise ServingError(400, ErrorCode.INVALID_REQUEST, f"Resumed token ids must be in [0, {vocab_size}).",
+                           param="resume")

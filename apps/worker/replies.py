@@ -10,7 +10,12 @@ from apps.bus.codes import ErrorCode, FinishReason
 
 
 class Replier:
-    """Numbers frames per attempt, so the gateway can drop repeats and spot a fresh attempt."""
+    """Numbers frames per attempt, so the gateway can drop repeats and spot a fresh attempt.
+
+    An attempt that no longer speaks for its request (another attempt serves the client, or the
+    worker handed the request back) is `silence`d: nothing more reaches the reply subject, and
+    the run records that it did not serve.
+    """
 
     def __init__(self, nc: NatsClient, subject: str, attempt: int, node: str) -> None:
         self.nc = nc
@@ -18,9 +23,18 @@ class Replier:
         self.attempt = attempt
         self.node = node
         self._seq = 0
+        # Whether the client has had text (content, reasoning or a tool call) from this attempt.
         self.sent_tokens = False
+        # Why this attempt went silent (None: it still speaks to the client).
+        self.silenced: ErrorCode | None = None
+
+    def silence(self, reason: ErrorCode) -> None:
+        if self.silenced is None:
+            self.silenced = reason
 
     async def _send(self, frame: wire.ReplyFrame) -> None:
+        if self.silenced is not None:
+            return
         self._seq += 1
         await self.nc.publish(self.subject, wire.encode(frame))
 
@@ -40,12 +54,14 @@ class Replier:
         tool_calls: list[wire.ToolCallDelta] | None = None,
         logprobs: list[wire.TokenLogprobs] | None = None,
         stop_sequence: str | None = None,
+        token_ids: list[int] | None = None,
     ) -> None:
         self.sent_tokens = self.sent_tokens or bool(text or reasoning or tool_calls)
         await self._send(
             wire.Delta(
                 **self._next(), text=text, num_tokens=num_tokens, index=index, finish_reason=finish_reason,
                 reasoning=reasoning, tool_calls=tool_calls or [], logprobs=logprobs, stop_sequence=stop_sequence,
+                token_ids=token_ids or [],
             )
         )
 
@@ -67,5 +83,7 @@ class CollectingReplier(Replier):
         self.frames: list[wire.ReplyFrame] = []
 
     async def _send(self, frame: wire.ReplyFrame) -> None:
+        if self.silenced is not None:
+            return
         self._seq += 1
         self.frames.append(frame)

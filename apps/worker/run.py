@@ -5,44 +5,34 @@ refuses at once; the prompt is rendered and tokenized and max_tokens resolved ag
 (a refusal is the request's own 4xx; any other failure there is an error frame and the message is
 terminated, never left to be redelivered); then the `Accepted` frame and the `run.started` event, the
 generation of every choice with its text streamed as it comes, and the final (or error) frame.
-It returns a `RunOutcome`: the `run.finished` event, which the model loop publishes once it has
-settled the message, and whether to terminate the message rather than ack it.
+It returns a `RunOutcome`: the `run.finished` event, which the model loop publishes before it
+settles the message, and whether to terminate the message rather than ack it.
 
 This is the worker's asyncio side: the engine does the torch work elsewhere and hands back token
-ids; here they become text (incrementally, stop strings held back) and frames. A device fault is
-the only failure that changes shared state: it poisons the model through its `ModelHealth`.
+ids; `choices` turns them into text and frames, `run_record` into the ledger's numbers. A device
+fault is the only failure that changes shared state: it poisons the model through its `ModelHealth`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
 
-from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
 from apps.bus import wire
 from apps.bus.codes import ErrorCode, RunStatus, ServingError
 from apps.bus.publish import publish_event
 from apps.worker import liveness
+from apps.worker.choices import engine_request_ids, generate
 from apps.worker.context_limit import ContextLimit
-from apps.worker.parsers import Parsed
-from apps.worker.prompt import Prompt, build_prompt, resolve_sampling
+from apps.worker.prompt import build_prompt, check_resume, resolve_sampling
 from apps.worker.replies import Replier
-from apps.worker.stop_strings import StopStringMatcher
-from engine.protocol import (
-    DeviceFault,
-    Engine,
-    EngineRequest,
-    FinishReason,
-    SamplingParams,
-    TokenLogprob,
-    is_device_fault,
-)
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from apps.worker.run_record import RunRecord
+from engine.protocol import DeviceFault, Engine, FinishReason, is_device_fault
+from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("helexa.worker")
 
@@ -83,87 +73,21 @@ class ServedModel:
 
 @dataclass(slots=True, frozen=True)
 class RunOutcome:
-    """How a run ended: the ledger's event, and whether the message must be terminated rather
-    than acked (a request no worker could prepare: it must not come back, nor wait for it)."""
+    """How a run ended: the ledger's event (`finished.served` False: this attempt lost its
+    request to another, whose message it must leave alone), and whether the message must be
+    terminated rather than acked (a request no worker could prepare: it must not come back, nor
+    wait for it)."""
 
     finished: wire.RunFinished
     terminate: bool = False
 
 
-@dataclass(slots=True)
-class RunRecord:
-    """What the ledger learns about one run, filled in as it goes."""
-
-    request: wire.GenerateRequest
-    node: str
-    attempt: int
-    received_at: float
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    prefill_ms: float = 0.0
-    reasoning_tokens: int = 0
-    first_token_at: float | None = None
-    finished_at: float | None = None
-
-    @property
-    def queue_ms(self) -> float:
-        return max(self.received_at - self.request.created_at, 0.0) * 1000.0
-
-    def usage(self) -> wire.Usage:
-        decode_ms = ((self.finished_at or time.time()) - self.first_token_at) * 1000.0 if self.first_token_at else 0.0
-        return wire.Usage(
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=self.completion_tokens,
-            cached_tokens=self.cached_tokens,
-            queue_ms=round(self.queue_ms, 3),
-            prefill_ms=round(self.prefill_ms, 3),
-            decode_ms=round(decode_ms, 3),
-            reasoning_tokens=self.reasoning_tokens,
-        )
-
-    def started_event(self) -> wire.RunStarted:
-        return wire.RunStarted(
-            model=self.request.model,
-            node=self.node,
-            request_id=self.request.request_id,
-            api=self.request.api,
-            principal=self.request.principal,
-            prompt_tokens=self.prompt_tokens,
-            attempt=self.attempt,
-            queue_ms=round(self.queue_ms, 3),
-        )
-
-    def finished_event(self, status: RunStatus, finish_reason: FinishReason,
-                       error: str | None = None) -> wire.RunFinished:
-        end = self.finished_at or time.time()
-        usage = self.usage()
-        ttft = (self.first_token_at - self.request.created_at) * 1000.0 if self.first_token_at else None
-        return wire.RunFinished(
-            model=self.request.model,
-            node=self.node,
-            request_id=self.request.request_id,
-            api=self.request.api,
-            principal=self.request.principal,
-            status=status,
-            finish_reason=finish_reason,
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=self.completion_tokens,
-            cached_tokens=self.cached_tokens,
-            attempt=self.attempt,
-            queue_ms=usage.queue_ms,
-            ttft_ms=round(ttft, 3) if ttft is not None else None,
-            prefill_ms=usage.prefill_ms,
-            decode_ms=usage.decode_ms,
-            e2e_ms=round((end - self.request.created_at) * 1000.0, 3),
-            error=error,
-            reasoning_tokens=self.reasoning_tokens,
-        )
+# Prompts longer than this (in characters) are prepared in a thread.
+LARGE_PROMPT_CHARS = 1 << 18
 
 
-def engine_request_ids(request_id: str, n: int) -> list[str]:
-    """One engine request per choice; a single choice keeps the bus request's id."""
-    return [request_id] if n == 1 else [f"{request_id}/{i}" for i in range(n)]
+def _prompt_chars(request: wire.GenerateRequest) -> int:
+    return len(request.prompt or "") + sum(len(m.content) for m in request.messages or [])
 
 
 async def abort_request(engine: Engine, request: wire.GenerateRequest) -> None:
@@ -173,20 +97,27 @@ async def abort_request(engine: Engine, request: wire.GenerateRequest) -> None:
 
 
 async def run_request(model: ServedModel, request: wire.GenerateRequest, replier: Replier, *, attempt: int,
-                      node: str, js: JetStreamContext, probe: NatsClient | None = None) -> RunOutcome:
+                      node: str, js: JetStreamContext, probe: liveness.RequesterProbe | None = None) -> RunOutcome:
     """Serve one request through `replier` and say how it ended, for the ledger and the message.
 
-    With `probe` (the bus connection), the requester is probed while the run goes, and the run
-    is aborted when it is gone.
+    With `probe`, the requester is probed while the run goes: the run is aborted when it is gone,
+    and stopped and silenced when another attempt serves its client. A run whose replier was
+    silenced (that, or the worker handed it back) records that it did not serve (`served=False`).
     """
     record = RunRecord(request=request, node=node, attempt=attempt, received_at=time.time())
     if model.health.poisoned is not None:
         await replier.error(503, ErrorCode.MODEL_POISONED, poisoned_message(model.model_id))
         return RunOutcome(record.finished_event(RunStatus.REJECTED, FinishReason.ERROR, ErrorCode.MODEL_POISONED))
     try:
-        prompt = build_prompt(model.tokenizer, request, model.reasoning_parser)
+        if _prompt_chars(request) > LARGE_PROMPT_CHARS:
+            # Templating and tokenizing megabytes takes seconds: off the loop, so the other
+            # streams' frames and every request's heartbeats keep going meanwhile.
+            prompt = await asyncio.to_thread(build_prompt, model.tokenizer, request, model.reasoning_parser)
+        else:
+            prompt = build_prompt(model.tokenizer, request, model.reasoning_parser)
         record.prompt_tokens = len(prompt.token_ids)
         sampling = resolve_sampling(request, len(prompt.token_ids), model.context.derive().context)
+        check_resume(request, model.tokenizer.vocab_size)
     except ServingError as exc:
         await replier.error(exc.status, exc.code or ErrorCode.INVALID_REQUEST, exc.message)
         return RunOutcome(record.finished_event(RunStatus.REJECTED, FinishReason.ERROR, exc.code))
@@ -199,8 +130,7 @@ async def run_request(model: ServedModel, request: wire.GenerateRequest, replier
     await publish_event(js, record.started_event())
     watcher = None
     if probe is not None:
-        watcher = asyncio.create_task(liveness.watch_requester(
-            probe, request.reply_subject, liveness.PROBE_S, lambda: abort_request(model.engine, request)))
+        watcher = asyncio.create_task(_follow_requester(probe, model.engine, request, replier))
     error: str | None
     try:
         reasons, error = await generate(model.engine, model.tokenizer, replier, record, prompt, sampling)
@@ -221,6 +151,12 @@ async def run_request(model: ServedModel, request: wire.GenerateRequest, replier
             watcher.cancel()
     record.finished_at = time.time()
     model.context.observe_prefill(record.prompt_tokens - record.cached_tokens, record.prefill_ms)
+    if replier.silenced is not None:
+        # Another attempt serves the client, or the worker handed the request back before any text
+        # (a cancellation); a stream the stopping worker cut short is a failed one.
+        cut_short = replier.silenced == ErrorCode.WORKER_STOPPING and replier.sent_tokens
+        status = RunStatus.ERROR if cut_short else RunStatus.CANCELLED
+        return RunOutcome(record.finished_event(status, finish_reason, error or replier.silenced, served=False))
     if error == ErrorCode.DEVICE_FAULT:
         await replier.error(503, ErrorCode.MODEL_POISONED, poisoned_message(model.model_id))
         return RunOutcome(record.finished_event(RunStatus.ERROR, finish_reason, error))
@@ -232,96 +168,13 @@ async def run_request(model: ServedModel, request: wire.GenerateRequest, replier
     return RunOutcome(record.finished_event(status, finish_reason))
 
 
-async def generate(
-    engine: Engine,
-    tokenizer: Tokenizer,
-    replier: Replier,
-    record: RunRecord,
-    prompt: Prompt,
-    sampling: SamplingParams,
-) -> tuple[list[FinishReason], str | None]:
-    """Run every choice and stream its text; returns (finish reason per choice, error)."""
-    ids = engine_request_ids(record.request.request_id, record.request.sampling.n)
-    choices = [
-        generate_choice(engine, tokenizer, replier, record, prompt,
-                        EngineRequest(rid, prompt.token_ids, sampling.for_choice(i)), i)
-        for i, rid in enumerate(ids)
-    ]
-    results = await asyncio.gather(*choices)
-    errors = [error for _, error in results if error]
-    return [reason for reason, _ in results], (errors[0] if errors else None)
-
-
-def wire_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob]) -> list[wire.TokenLogprobs]:
-    def described(token_id: int) -> tuple[str, list[int]]:
-        text = tokenizer.decode([token_id], skip_special_tokens=False)
-        return text, list(text.encode("utf-8"))
-
-    out = []
-    for entry in entries:
-        token, raw = described(entry.token_id)
-        top = [(t, round(lp, 6), b) for t, b, lp in ((*described(i), lp) for i, lp in entry.top)]
-        out.append(wire.TokenLogprobs(token=token, logprob=round(entry.logprob, 6), bytes=raw, top=top))
-    return out
-
-
-async def generate_choice(
-    engine: Engine,
-    tokenizer: Tokenizer,
-    replier: Replier,
-    record: RunRecord,
-    prompt: Prompt,
-    engine_request: EngineRequest,
-    index: int,
-) -> tuple[FinishReason, str | None]:
-    """One choice: detokenize, hold back stop strings, split reasoning and tool calls, close it."""
-    detokenizer = IncrementalDetokenizer(tokenizer, engine_request.prompt_token_ids)
-    stops = StopStringMatcher(record.request.sampling.stop)
-    parser = prompt.output_parser()
-    reason = FinishReason.ABORT
-    pending_logprobs: list[wire.TokenLogprobs] = []
-
-    async def send(parsed: Parsed, num_tokens: int, finish_reason: FinishReason | None = None) -> None:
-        nonlocal pending_logprobs
-        if not (parsed or finish_reason or pending_logprobs):
-            return
-        await replier.delta(parsed.content, num_tokens, index=index, finish_reason=finish_reason,
-                            reasoning=parsed.reasoning, tool_calls=parsed.tool_calls,
-                            logprobs=pending_logprobs or None,
-                            stop_sequence=stops.matched if finish_reason else None)
-        pending_logprobs = []
-
-    async with contextlib.aclosing(engine.generate(engine_request)) as outputs:
-        async for out in outputs:
-            if out.prefill_ms is not None and index == 0:
-                record.prefill_ms = out.prefill_ms
-                record.cached_tokens = out.num_cached_tokens
-            if out.new_token_ids:
-                record.first_token_at = record.first_token_at or time.time()
-                record.completion_tokens += len(out.new_token_ids)
-                if parser.in_reasoning:
-                    record.reasoning_tokens += len(out.new_token_ids)
-                if out.logprobs:
-                    pending_logprobs += wire_logprobs(tokenizer, out.logprobs)
-                text, hit_stop = stops.feed(detokenizer.step(out.new_token_ids))
-                await send(parser.feed(text), len(out.new_token_ids))
-                if hit_stop:
-                    reason = FinishReason.STOP
-                    break
-            if out.finished:
-                if out.finish_reason is FinishReason.ERROR:
-                    return FinishReason.ERROR, out.error or "engine error"
-                reason = out.finish_reason or FinishReason.STOP
-                # The detokenizer may still hold the tail back (a character cut off by the end,
-                # or text it could not yet tell apart); it belongs to the answer, and a stop
-                # string may even end inside it.
-                text, hit_stop = stops.feed(detokenizer.flush())
-                if hit_stop:
-                    reason = FinishReason.STOP
-                    await send(parser.feed(text), 0)
-                else:
-                    await send(parser.feed(text + stops.flush()), 0)
-    if parser.num_tool_calls and reason == FinishReason.STOP:
-        reason = FinishReason.TOOL_CALLS
-    await send(parser.finish(), 0, finish_reason=reason)
-    return reason, None
+async def _follow_requester(probe: liveness.RequesterProbe, engine: Engine, request: wire.GenerateRequest,
+                            replier: Replier) -> None:
+    verdict = await probe.watch()
+    if verdict is liveness.Verdict.TAKEN:
+        log.info("another attempt serves this request; this one stops",
+                 extra={"request_id": request.request_id, "attempt": probe.attempt})
+        replier.silence(ErrorCode.ATTEMPT_TAKEN)
+    else:
+        log.info("requester gone; aborting", extra={"request_id": request.request_id})
+    await abort_request(engine, request)

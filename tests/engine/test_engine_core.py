@@ -152,3 +152,63 @@ def test_prompt_longer_than_the_model_fails_cleanly(smollm2: Checkpoint) -> None
     outputs = core.step()
     assert [(o.request_id, o.finish_reason, o.finished) for o in outputs] == [("big", FinishReason.ERROR, True)]
     assert not core.has_work()
+
+
+RESUMABLE = {
+    "greedy": dict(temperature=0.0),
+    "seeded": dict(temperature=1.0, top_p=0.95, seed=11),
+    "seeded-penalties": dict(temperature=0.9, top_k=40, seed=-5, frequency_penalty=0.5, presence_penalty=0.3,
+                             repetition_penalty=1.2, min_tokens=30),
+}
+
+
+@pytest.mark.parametrize("config", list(RESUMABLE.values()), ids=list(RESUMABLE))
+def test_a_resumed_request_continues_exactly_as_an_uninterrupted_one(
+        smollm2: Checkpoint, config: dict[str, object]) -> None:
+    """The first k tokens on one engine, the rest on another engine from those k: the same answer
+    as one uninterrupted run, also when the resumed part shares its batch with another request.
+    The resumed tokens count as generated: for max_tokens, min_tokens, penalties and the seed."""
+    prompt = prompts(smollm2)[1]
+
+    def options(max_tokens: int) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **config)  # type: ignore[arg-type]
+
+    whole = run(make_core(smollm2), [EngineRequest("r", prompt, options(40))])["r"]
+    first = run(make_core(smollm2), [EngineRequest("r", prompt, options(15))])["r"]
+    assert first == whole[:15]
+    core = make_core(smollm2)
+    core.add_request(EngineRequest("r", prompt, options(40), resumed_token_ids=first))
+    core.add_request(EngineRequest("other", prompts(smollm2)[3], greedy(max_tokens=30)))
+    rest: list[int] = []
+    prefill = []
+    while core.has_work():
+        for out in core.step():
+            if out.request_id == "r":
+                rest.extend(out.new_token_ids)
+                prefill.append(out.prefill_ms)
+                if out.finished:
+                    assert out.finish_reason is FinishReason.LENGTH
+    assert first + rest == whole
+    assert len(rest) == 25
+    assert prefill[0] is not None and all(p is None for p in prefill[1:])
+
+
+def test_a_resumed_request_that_had_already_ended_finishes_at_once(smollm2: Checkpoint) -> None:
+    prompt = prompts(smollm2)[0]
+    eos = smollm2.tokenizer.eos_token_id
+    core = make_core(smollm2, num_kv_blocks=64)
+    # Every token it may have was already sent; its last token was a stop token; or not (it goes on).
+    core.add_request(EngineRequest("full", prompt, greedy(max_tokens=3), resumed_token_ids=[5, 6, 7]))
+    core.add_request(EngineRequest("stopped", prompt, SamplingParams(max_tokens=9, temperature=0.0),
+                                   resumed_token_ids=[5, eos]))
+    core.add_request(EngineRequest("ignored", prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                                   resumed_token_ids=[5, eos]))
+    outputs = core.step()
+    ended = {o.request_id: (o.finish_reason, o.new_token_ids) for o in outputs if o.request_id != "ignored"}
+    assert ended == {"full": (FinishReason.LENGTH, []), "stopped": (FinishReason.STOP, [])}
+    while core.has_work():
+        outputs += core.step()
+    generated = [t for o in outputs if o.request_id == "ignored" for t in o.new_token_ids]
+    assert len(generated) == 2  # "ignored" had 2 of its 4
+    assert outputs[-1].request_id == "ignored" and outputs[-1].finish_reason is FinishReason.LENGTH
+    assert core.kv_cache.num_free_blocks == 64

@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import pytest
 import torch
 
 from engine.protocol import INT64_MAX, INT64_MIN, SamplingParams
-from engine.sampler import NO_FINITE_LOGITS, Sampler, SamplingRow, _top_k_top_p_cutoff, make_generator
+from engine.sampler import (
+    NO_FINITE_LOGITS,
+    Sampler,
+    SamplingRow,
+    _top_k_top_p_cutoff,
+    make_generator,
+    seeded_uniform,
+)
 
 VOCAB = 1000  # not a multiple of the CDF block: exercises the padding
 
@@ -18,10 +26,10 @@ def options(**kwargs: object) -> SamplingParams:
     return SamplingParams(**kwargs)
 
 
-def row(opts: SamplingParams, generator: torch.Generator | None = None, prompt: list[int] | None = None,
-        output: list[int] | None = None, eos: list[int] | None = None) -> SamplingRow:
-    return SamplingRow(options=opts, generator=generator, prompt_token_ids=prompt or [0],
-                       output_token_ids=output or [], eos_token_ids=eos or [])
+def row(opts: SamplingParams, prompt: list[int] | None = None, output: list[int] | None = None,
+        eos: list[int] | None = None) -> SamplingRow:
+    return SamplingRow(options=opts, prompt_token_ids=prompt or [0], output_token_ids=output or [],
+                       eos_token_ids=eos or [])
 
 
 def random_logits(num_rows: int, vocab: int = VOCAB, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
@@ -82,7 +90,7 @@ def test_greedy_ties_go_to_the_lowest_id() -> None:
 
 def test_top_k_one_is_greedy() -> None:
     logits = random_logits(16)
-    rows = [row(options(temperature=1.0, top_k=1), make_generator(i)) for i in range(16)]
+    rows = [row(options(temperature=1.0, top_k=1, seed=i)) for i in range(16)]
     assert Sampler()(logits, rows).token_ids == logits.argmax(-1).tolist()
 
 
@@ -94,13 +102,12 @@ def test_seeded_request_replays_alone_and_batched(config: dict[str, object]) -> 
 
     def run(batched: bool) -> tuple[list[int], list[object]]:
         sampler = Sampler()
-        generator = make_generator(opts.seed)
         output: list[int] = []
         logprobs: list[object] = []
         for step in range(20):
             own = history_logits(prompt + output)
             if not batched:
-                result = sampler(own.unsqueeze(0), [row(opts, generator, prompt, output, eos)])
+                result = sampler(own.unsqueeze(0), [row(opts, prompt, output, eos)])
                 output.append(result.token_ids[0])
                 logprobs.append(result.logprobs[0])
                 continue
@@ -114,11 +121,10 @@ def test_seeded_request_replays_alone_and_batched(config: dict[str, object]) -> 
             rows = []
             for i in range(num_rows):
                 if i == position:
-                    rows.append(row(opts, generator, prompt, output, eos))
+                    rows.append(row(opts, prompt, output, eos))
                 else:
                     other = neighbour_opts[i % len(neighbour_opts)]
-                    other_generator = make_generator(other.seed) if other.seed is not None else None
-                    rows.append(row(other, other_generator, [1, 2, 3], [i, i + 1], eos))
+                    rows.append(row(other, [1, 2, 3], [i, i + 1], eos))
             result = sampler(logits, rows)
             output.append(result.token_ids[position])
             logprobs.append(result.logprobs[position])
@@ -129,22 +135,47 @@ def test_seeded_request_replays_alone_and_batched(config: dict[str, object]) -> 
     assert len(set(alone)) > 1
 
 
+def seeded_run(sampler: Sampler, logits: torch.Tensor, opts: SamplingParams, num_tokens: int,
+               output: list[int] | None = None) -> list[int]:
+    """`num_tokens` draws of one seeded row over fixed logits, each at the next output position."""
+    output = list(output or [])
+    drawn = []
+    for _ in range(num_tokens):
+        drawn.append(sampler(logits, [row(opts, output=output)]).token_ids[0])
+        output.append(drawn[-1])
+    return drawn
+
+
 def test_different_seeds_give_different_tokens() -> None:
     logits = random_logits(1, scale=1.0)
-    sequences = []
-    for seed in (1, 2, 3):
-        sampler, generator = Sampler(), make_generator(seed)
-        sequences.append([sampler(logits, [row(options(), generator)]).token_ids[0] for _ in range(50)])
+    sequences = [seeded_run(Sampler(), logits, options(seed=seed), 50) for seed in (1, 2, 3)]
     assert len({tuple(s) for s in sequences}) == 3
 
 
-def test_seeded_generator_replays_across_samplers() -> None:
+def test_a_seeded_draw_is_a_function_of_seed_and_position() -> None:
+    """Replayed by another sampler, and resumed at position k after k tokens drawn elsewhere:
+    the same tokens, so a seeded answer survives a migration. Only the position counts, not
+    which tokens came before (the logits carry those)."""
     logits = random_logits(1, scale=1.0)
-    runs = []
-    for _ in range(2):
-        generator = make_generator(77)
-        runs.append([Sampler()(logits, [row(options(seed=77), generator)]).token_ids[0] for _ in range(30)])
-    assert runs[0] == runs[1]
+    opts = options(seed=77)
+    whole = seeded_run(Sampler(), logits, opts, 30)
+    assert seeded_run(Sampler(), logits, opts, 30) == whole
+    assert whole[:12] + seeded_run(Sampler(), logits, opts, 18, output=whole[:12]) == whole
+    assert seeded_run(Sampler(), logits, opts, 18, output=[0] * 12) == whole[12:]
+    assert len(set(whole)) > 1
+
+
+def test_seeded_uniforms_are_uniform_over_positions_and_seeds() -> None:
+    by_position = torch.tensor([seeded_uniform(5, p) for p in range(20_000)], dtype=torch.float64)
+    by_seed = torch.tensor([seeded_uniform(s, 3) for s in range(-10_000, 10_000)], dtype=torch.float64)
+    for values in (by_position, by_seed):
+        assert 0.0 <= float(values.min()) and float(values.max()) < 1.0
+        counts = torch.histc(values, bins=10, min=0.0, max=1.0)
+        assert (counts - 2000).abs().max() < 200  # about 4.7 standard deviations
+        assert len(set(values.tolist())) == values.numel()
+    # Every int64 seed is taken modulo 2**64, like a generator seed.
+    assert seeded_uniform(-1, 9) == seeded_uniform(2**64 - 1, 9)
+    assert seeded_uniform(INT64_MAX, 0) != seeded_uniform(INT64_MIN, 0)
 
 
 def test_samples_follow_the_distribution() -> None:
@@ -153,7 +184,7 @@ def test_samples_follow_the_distribution() -> None:
     logits[[3, 255, 256, 300, 511, 512, 599]] = torch.tensor([1.0, 0.5, 0.0, 1.5, -0.5, 0.7, 0.2])
     expected = logits.softmax(-1)
     num_draws = 4000
-    rows = [row(options(), make_generator(i)) for i in range(num_draws)]
+    rows = [row(options(seed=i)) for i in range(num_draws)]
     tokens = Sampler()(logits.expand(num_draws, -1), rows).token_ids
     frequency = torch.bincount(torch.tensor(tokens), minlength=600).double() / num_draws
     assert set(tokens) <= {3, 255, 256, 300, 511, 512, 599}
@@ -177,7 +208,7 @@ def test_truncation_never_samples_excluded_tokens(config: dict[str, object]) -> 
     logits = random_logits(1, scale=1.5, seed=5)[0]
     allowed = allowed_mask(logits, opts)
     num_draws = 2000
-    rows = [row(opts, make_generator(i)) for i in range(num_draws)]
+    rows = [row(msgspec.structs.replace(opts, seed=i)) for i in range(num_draws)]
     tokens = torch.tensor(Sampler()(logits.expand(num_draws, -1), rows).token_ids)
     assert allowed[tokens].all()
     # Not a degenerate pick: most of a small kept set shows up, and the kept set has several tokens.
@@ -258,7 +289,7 @@ def test_min_tokens_masks_eos_and_stop_ids(ignore_eos: bool) -> None:
 def test_logprobs_are_the_models_log_softmax(config: dict[str, object]) -> None:
     logits = random_logits(6, seed=3)
     ks = [0, 1, 5, 20, 20, None]
-    rows = [row(options(logprobs=k, **config), make_generator(i)) for i, k in enumerate(ks)]
+    rows = [row(options(logprobs=k, seed=i, **config)) for i, k in enumerate(ks)]
     out = Sampler()(logits, rows)
     reference = logits.log_softmax(-1)  # before temperature and truncation
     for i, k in enumerate(ks):
@@ -279,7 +310,7 @@ def test_logprobs_are_the_models_log_softmax(config: dict[str, object]) -> None:
 
 def test_logprobs_over_the_whole_vocab_normalize() -> None:
     logits = random_logits(2, vocab=16, seed=4)
-    out = Sampler()(logits, [row(options(logprobs=16), make_generator(i)) for i in range(2)])
+    out = Sampler()(logits, [row(options(logprobs=16, seed=i)) for i in range(2)])
     for entry in out.logprobs:
         assert {t for t, _ in entry.top} == set(range(16))
         assert torch.tensor([lp for _, lp in entry.top]).logsumexp(0).item() == pytest.approx(0.0, abs=1e-5)
@@ -287,12 +318,12 @@ def test_logprobs_over_the_whole_vocab_normalize() -> None:
 
 def test_unseeded_rows_share_one_stream_in_row_order() -> None:
     """Four unseeded rows in one step draw the next four values of one shared stream, in row
-    order: exactly what one seeded row draws over four steps from a generator of that seed.
+    order: exactly what one unseeded row draws over four steps from a sampler of that stream.
     A generator per row (seeded alike) would give four equal tokens; fresh ones, other tokens."""
     logits = random_logits(1, scale=0.5)
     shared = Sampler(seed=99)(logits.expand(4, -1), [row(options()) for _ in range(4)]).token_ids
-    generator = make_generator(99)
-    one_by_one = [Sampler()(logits, [row(options(seed=99), generator)]).token_ids[0] for _ in range(4)]
+    sampler = Sampler(seed=99)
+    one_by_one = [sampler(logits, [row(options())]).token_ids[0] for _ in range(4)]
     assert shared == one_by_one
     assert len(set(shared)) > 1
 
@@ -319,9 +350,9 @@ def test_cuda_matches_cpu_greedy_and_replays_seeds() -> None:
     greedy = [row(options(temperature=0.0, logprobs=2)) for _ in range(32)]
     assert Sampler()(logits, greedy).token_ids == logits.cpu().argmax(-1).tolist()
     opts = options(top_p=0.9, top_k=100, min_p=0.01, repetition_penalty=1.2, seed=5)
-    alone = Sampler()(logits[7:8], [row(opts, make_generator(5, "cuda"), output=[3, 4])]).token_ids[0]
-    rows = [row(options(seed=i), make_generator(i, "cuda")) for i in range(32)]
-    rows[7] = row(opts, make_generator(5, "cuda"), output=[3, 4])
+    alone = Sampler()(logits[7:8], [row(opts, output=[3, 4])]).token_ids[0]
+    rows = [row(options(seed=i)) for i in range(32)]
+    rows[7] = row(opts, output=[3, 4])
     assert Sampler()(logits, rows).token_ids[7] == alone
 
 
@@ -330,12 +361,12 @@ def test_a_row_with_non_finite_logits_never_hurts_the_others() -> None:
     none); every other row gets what it gets without it."""
     logits = random_logits(4, seed=30)
     opts = [options(seed=1), options(seed=2, logprobs=2), options(seed=3), options(temperature=0.0)]
-    clean = Sampler()(logits, [row(o, make_generator(o.seed) if o.seed else None) for o in opts])
+    clean = Sampler()(logits, [row(o) for o in opts])
     poisoned = logits.clone()
     poisoned[1, :500] = float("nan")
     poisoned[1, 500:510] = float("inf")
     poisoned[2] = float("nan")
-    out = Sampler()(poisoned, [row(o, make_generator(o.seed) if o.seed else None) for o in opts])
+    out = Sampler()(poisoned, [row(o) for o in opts])
     assert out.token_ids[1] == 510 + int(logits[1, 510:].argmax())
     assert out.logprobs[1].token_id == out.token_ids[1] and math.isfinite(out.logprobs[1].logprob)
     assert out.errors == [None, None, NO_FINITE_LOGITS, None]
@@ -349,8 +380,8 @@ def test_a_row_with_non_finite_logits_never_hurts_the_others() -> None:
 def test_degenerate_parameters_give_valid_tokens(config: dict[str, object]) -> None:
     logits = random_logits(3, seed=31)
     logits[:, 7] = 50.0  # a seen token with a large logit: the penalty pushes it to inf
-    rows = [row(options(seed=4, **config), make_generator(4), prompt=[7, 9], output=[11]),
-            row(options(temperature=0.0)), row(options(seed=5), make_generator(5))]
+    rows = [row(options(seed=4, **config), prompt=[7, 9], output=[11]),
+            row(options(temperature=0.0)), row(options(seed=5))]
     out = Sampler()(logits, rows)
     assert out.errors == [None] * 3
     assert all(0 <= t < VOCAB for t in out.token_ids)
@@ -361,11 +392,11 @@ def test_tiny_temperatures_are_greedy() -> None:
     assert options(temperature=0.0).greedy and options(temperature=1e-38).greedy
     assert options(temperature=9.9e-6).greedy and not options(temperature=1e-5).greedy
     logits = random_logits(2, seed=32)
-    out = Sampler()(logits, [row(options(temperature=1e-38, seed=1), make_generator(1)) for _ in range(2)])
+    out = Sampler()(logits, [row(options(temperature=1e-38, seed=1)) for _ in range(2)])
     assert out.token_ids == logits.argmax(-1).tolist()
 
 
-def test_every_int64_seed_makes_a_generator() -> None:
+def test_every_int64_seed_makes_a_shared_stream_generator() -> None:
     for seed in (INT64_MAX, INT64_MIN, -1, 0):
         make_generator(seed)
     # Seeds are taken modulo 2**64: the same stream, not an error.

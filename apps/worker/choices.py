@@ -1,0 +1,179 @@
+"""Generating the choices of one run and streaming their text: for each choice, an engine request
+whose token ids become text (incremental detokenizing, stop strings held back and never sent,
+reasoning and tool calls split out, `ChoiceText`) and delta frames, each naming the token ids it
+accounts for (`Delta.token_ids`).
+
+A migrated choice (its client already has some of it, `GenerateRequest.resume`) continues after
+those tokens: the engine recomputes them after the prompt, and `ChoiceText` is fed them first
+without sending anything, so the client gets no text twice and none is missing; a choice that had
+already finished is not run again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+from apps.bus import wire
+from apps.worker.parsers import Parsed
+from apps.worker.prompt import Prompt
+from apps.worker.replies import Replier
+from apps.worker.run_record import RunRecord
+from apps.worker.stop_strings import StopStringMatcher
+from engine.protocol import (
+    Engine,
+    EngineRequest,
+    FinishReason,
+    SamplingParams,
+    TokenLogprob,
+)
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+def engine_request_ids(request_id: str, n: int) -> list[str]:
+    """One engine request per choice; a single choice keeps the bus request's id."""
+    return [request_id] if n == 1 else [f"{request_id}/{i}" for i in range(n)]
+
+
+async def generate(
+    engine: Engine,
+    tokenizer: Tokenizer,
+    replier: Replier,
+    record: RunRecord,
+    prompt: Prompt,
+    sampling: SamplingParams,
+) -> tuple[list[FinishReason], str | None]:
+    """Run every choice and stream its text; returns (finish reason per choice, error)."""
+    request = record.request
+    ids = engine_request_ids(request.request_id, request.sampling.n)
+    resume = request.resume or [wire.ResumedChoice() for _ in ids]
+    choices = [
+        generate_choice(engine, tokenizer, replier, record, prompt,
+                        EngineRequest(rid, prompt.token_ids, sampling.for_choice(i), resume[i].token_ids),
+                        i, resume[i].finish_reason)
+        for i, rid in enumerate(ids)
+    ]
+    results = await asyncio.gather(*choices)
+    errors = [error for _, error in results if error]
+    return [reason for reason, _ in results], (errors[0] if errors else None)
+
+
+def wire_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob]) -> list[wire.TokenLogprobs]:
+    def described(token_id: int) -> tuple[str, list[int]]:
+        text = tokenizer.decode([token_id], skip_special_tokens=False)
+        return text, list(text.encode("utf-8"))
+
+    out = []
+    for entry in entries:
+        token, raw = described(entry.token_id)
+        top = [(t, round(lp, 6), b) for t, b, lp in ((*described(i), lp) for i, lp in entry.top)]
+        out.append(wire.TokenLogprobs(token=token, logprob=round(entry.logprob, 6), bytes=raw, top=top))
+    return out
+
+
+class ChoiceText:
+    """One choice's token ids becoming what its client is sent: incremental detokenizing, stop
+    strings held back, reasoning and tool calls split out. Each stage's output is a function of
+    the tokens fed so far, however they were chunked, so feeding a migrated answer's tokens
+    (`prime`) puts a new worker exactly where the first one was."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt: Prompt, stop: list[str]) -> None:
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt.token_ids)
+        self.stops = StopStringMatcher(stop)
+        self.parser = prompt.output_parser()
+
+    def feed(self, token_ids: list[int]) -> tuple[Parsed, bool]:
+        """New tokens in; (what may be sent now, whether a stop string ended the choice) out."""
+        text, hit_stop = self.stops.feed(self.detokenizer.step(token_ids))
+        return self.parser.feed(text), hit_stop
+
+    def end(self) -> tuple[Parsed, bool]:
+        """The generation ended: the detokenizer's held-back tail (a stop string may end inside
+        it), then whatever stop strings held back when none matched."""
+        text, hit_stop = self.stops.feed(self.detokenizer.flush())
+        return self.parser.feed(text if hit_stop else text + self.stops.flush()), hit_stop
+
+    def prime(self, token_ids: list[int]) -> tuple[int, bool]:
+        """Feed tokens the client already has, one at a time as a generation would, sending
+        nothing; returns (how many were reasoning, whether they had hit a stop string)."""
+        reasoning = 0
+        for token_id in token_ids:
+            reasoning += self.parser.in_reasoning
+            _, hit_stop = self.feed([token_id])
+            if hit_stop:
+                return reasoning, True
+        return reasoning, False
+
+
+async def generate_choice(
+    engine: Engine,
+    tokenizer: Tokenizer,
+    replier: Replier,
+    record: RunRecord,
+    prompt: Prompt,
+    engine_request: EngineRequest,
+    index: int,
+    resumed_finish: FinishReason | None = None,
+) -> tuple[FinishReason, str | None]:
+    """One choice: stream its text as it comes and close it. A migrated choice (its
+    `resumed_token_ids` already sent) goes on after them; one already finished is not run again."""
+    choice = ChoiceText(tokenizer, prompt, record.request.sampling.stop)
+    pending_logprobs: list[wire.TokenLogprobs] = []
+    # Tokens fed since the last delta: the next delta names them, so the requester knows what it has.
+    pending_ids: list[int] = []
+
+    async def send(parsed: Parsed, finish_reason: FinishReason | None = None) -> None:
+        nonlocal pending_logprobs, pending_ids
+        if not (parsed or finish_reason or pending_logprobs):
+            return
+        await replier.delta(parsed.content, len(pending_ids), index=index, finish_reason=finish_reason,
+                            reasoning=parsed.reasoning, tool_calls=parsed.tool_calls,
+                            logprobs=pending_logprobs or None,
+                            stop_sequence=choice.stops.matched if finish_reason else None,
+                            token_ids=pending_ids)
+        pending_logprobs, pending_ids = [], []
+
+    resumed = engine_request.resumed_token_ids
+    record.completion_tokens += len(resumed)
+    resumed_reasoning, hit_stop = choice.prime(resumed)
+    record.reasoning_tokens += resumed_reasoning
+    if resumed_finish is not None:
+        return resumed_finish, None  # its client has its whole text and its finish already
+    # Its first worker may have died right after a stop string came: then it is over.
+    reason = FinishReason.STOP if hit_stop else FinishReason.ABORT
+    if not hit_stop:
+        async with contextlib.aclosing(engine.generate(engine_request)) as outputs:
+            async for out in outputs:
+                if out.prefill_ms is not None and index == 0:
+                    record.prefill_ms = out.prefill_ms
+                    # What the prefix cache held beyond the prompt (a resumed answer's tokens) is not prompt.
+                    record.cached_tokens = min(out.num_cached_tokens, record.prompt_tokens)
+                if out.new_token_ids:
+                    record.first_token_at = record.first_token_at or time.time()
+                    record.completion_tokens += len(out.new_token_ids)
+                    if choice.parser.in_reasoning:
+                        record.reasoning_tokens += len(out.new_token_ids)
+                    if out.logprobs:
+                        pending_logprobs += wire_logprobs(tokenizer, out.logprobs)
+                    pending_ids += out.new_token_ids
+                    parsed, hit_stop = choice.feed(out.new_token_ids)
+                    await send(parsed)
+                    if hit_stop:
+                        reason = FinishReason.STOP
+                        break
+                if out.finished:
+                    if out.finish_reason is FinishReason.ERROR:
+                        return FinishReason.ERROR, out.error or "engine error"
+                    reason = out.finish_reason or FinishReason.STOP
+                    # The detokenizer may still hold the tail back (a character cut off by the
+                    # end, or text it could not yet tell apart); it belongs to the answer, and a
+                    # stop string may even end inside it.
+                    parsed, hit_stop = choice.end()
+                    if hit_stop:
+                        reason = FinishReason.STOP
+                    await send(parsed)
+    if choice.parser.num_tool_calls and reason == FinishReason.STOP:
+        reason = FinishReason.TOOL_CALLS
+    await send(choice.parser.finish(), finish_reason=reason)
+    return reason, None

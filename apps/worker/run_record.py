@@ -1,0 +1,83 @@
+"""What one run tells its client and the ledger at the end: token counts and timings, filled in
+as the run goes, and the `Usage`, `run.started` and `run.finished` made of them."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from apps.bus import wire
+from apps.bus.codes import RunStatus
+from engine.protocol import FinishReason
+
+
+@dataclass(slots=True)
+class RunRecord:
+    """What the ledger learns about one run, filled in as it goes."""
+
+    request: wire.GenerateRequest
+    node: str
+    attempt: int
+    received_at: float
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    prefill_ms: float = 0.0
+    reasoning_tokens: int = 0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def queue_ms(self) -> float:
+        return max(self.received_at - self.request.created_at, 0.0) * 1000.0
+
+    def usage(self) -> wire.Usage:
+        decode_ms = ((self.finished_at or time.time()) - self.first_token_at) * 1000.0 if self.first_token_at else 0.0
+        return wire.Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            cached_tokens=self.cached_tokens,
+            queue_ms=round(self.queue_ms, 3),
+            prefill_ms=round(self.prefill_ms, 3),
+            decode_ms=round(decode_ms, 3),
+            reasoning_tokens=self.reasoning_tokens,
+        )
+
+    def started_event(self) -> wire.RunStarted:
+        return wire.RunStarted(
+            model=self.request.model,
+            node=self.node,
+            request_id=self.request.request_id,
+            api=self.request.api,
+            principal=self.request.principal,
+            prompt_tokens=self.prompt_tokens,
+            attempt=self.attempt,
+            queue_ms=round(self.queue_ms, 3),
+        )
+
+    def finished_event(self, status: RunStatus, finish_reason: FinishReason,
+                       error: str | None = None, served: bool = True) -> wire.RunFinished:
+        end = self.finished_at or time.time()
+        usage = self.usage()
+        ttft = (self.first_token_at - self.request.created_at) * 1000.0 if self.first_token_at else None
+        return wire.RunFinished(
+            model=self.request.model,
+            node=self.node,
+            request_id=self.request.request_id,
+            api=self.request.api,
+            principal=self.request.principal,
+            status=status,
+            finish_reason=finish_reason,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            cached_tokens=self.cached_tokens,
+            attempt=self.attempt,
+            queue_ms=usage.queue_ms,
+            ttft_ms=round(ttft, 3) if ttft is not None else None,
+            prefill_ms=usage.prefill_ms,
+            decode_ms=usage.decode_ms,
+            e2e_ms=round((end - self.request.created_at) * 1000.0, 3),
+            error=error,
+            reasoning_tokens=self.reasoning_tokens,
+            served=served,
+        )
