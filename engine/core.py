@@ -263,7 +263,6 @@ class EngineCore:
         if request.request_id in self.scheduler.requests:
             return
         self._first_scheduled.pop(request.request_id, None)
-        self.runner.release(request.request_id)
         self.structured.release(request.request_id)
 
     def _update_stats(self, generated: int) -> None:
