@@ -97,6 +97,9 @@ class GatewaySettings:
     # Silence longer than this from the worker serving a request means it is gone.
     stream_idle_timeout_s: float = field(default_factory=lambda: _env_float("HELEXA_STREAM_IDLE_TIMEOUT_S", 30.0))
     max_request_bytes: int = field(default_factory=lambda: _env_int("HELEXA_MAX_REQUEST_BYTES", 8 << 20))
+    # How many times one request may move to another worker after the worker serving its
+    # answer was lost mid-stream (0: the client gets a `worker_lost` error instead).
+    max_migrations: int = field(default_factory=lambda: _env_int("HELEXA_MAX_MIGRATIONS", 2))
     # A file of `KEY PRINCIPAL` lines; empty means no authentication.
     api_keys_file: str = field(default_factory=lambda: _env("HELEXA_API_KEYS", ""))
     # Admission per model (SPEC §5); 0 turns a limit off.
@@ -120,6 +123,8 @@ class GatewaySettings:
     def __post_init__(self) -> None:
         if self.response_wait_s < 0:
             raise ValueError("HELEXA_RESPONSE_WAIT_S must be >= 0")
+        if self.max_migrations < 0:
+            raise ValueError("HELEXA_MAX_MIGRATIONS must be >= 0")
         if self.stream_buffer_frames < 1:
             raise ValueError("HELEXA_STREAM_BUFFER_FRAMES must be at least 1")
         if not 0 < self.port < 65536:

@@ -1,5 +1,6 @@
-"""The reply stream on a real NATS server: frames in order per attempt, and a bounded buffer that
-cancels the request instead of holding frames for a client that reads too slowly."""
+"""The reply stream on a real NATS server: frames in order per attempt, a gap or a repeat in an
+attempt's sequence is an error, a migrated request drops the attempts before it, and a bounded
+buffer cancels the request instead of holding frames for a client that reads too slowly."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ async def test_frames_come_in_order_and_a_later_attempt_is_ignored_once_locked(o
         reply = ReplyStream()
         inbox = nc.new_inbox()
         reply.subscriptions.append(await nc.subscribe(inbox, cb=reply.on_message))
-        for data in (delta(0, "a"), delta(0, "a"), delta(1, "b")):  # a repeat is dropped
+        for data in (delta(0, "a"), delta(1, "b")):
             await nc.publish(inbox, data)
         assert [(await reply.next(5)).text for _ in range(2)] == ["a", "b"]
         reply.lock()
@@ -32,6 +33,46 @@ async def test_frames_come_in_order_and_a_later_attempt_is_ignored_once_locked(o
         assert (await reply.next(5)).text == "c"
         with pytest.raises(ReplyTimeout):
             await reply.next(0.2)
+        await reply.close()
+    finally:
+        await nc.close()
+
+
+@pytest.mark.parametrize("sequence", [[0, 2], [0, 1, 1]], ids=["missing", "repeated"])
+async def test_a_gap_in_an_attempts_sequence_is_lost_frames(own_nats: NatsServer, sequence: list[int]) -> None:
+    nc = await topology.connect(own_nats.url, "test")
+    try:
+        reply = ReplyStream()
+        inbox = nc.new_inbox()
+        reply.subscriptions.append(await nc.subscribe(inbox, cb=reply.on_message))
+        for seq in sequence:
+            await nc.publish(inbox, delta(seq, f"t{seq}"))
+        for _ in sequence[:-1]:
+            await reply.next(5)
+        with pytest.raises(ServingError) as failed:
+            await reply.next(5)
+        assert failed.value.code == ErrorCode.FRAMES_LOST and failed.value.status == 502
+        await reply.close()
+    finally:
+        await nc.close()
+
+
+async def test_a_migrated_stream_reads_the_new_attempt_only(own_nats: NatsServer) -> None:
+    nc = await topology.connect(own_nats.url, "test")
+    try:
+        reply = ReplyStream()
+        inbox = nc.new_inbox()
+        reply.subscriptions.append(await nc.subscribe(inbox, cb=reply.on_message))
+        await nc.publish(inbox, delta(0, "a"))
+        assert (await reply.next(5)).text == "a"
+        reply.lock()
+        reply.migrate(4)
+        assert (reply.attempt, reply.base_attempt, reply.locked_attempt) == (4, 4, None)
+        # The old attempt speaks on (it was only slow): dropped, and no gap of the new one.
+        await nc.publish(inbox, delta(1, "old"))
+        await nc.publish(inbox, delta(0, "new", attempt=4))
+        await nc.publish(inbox, delta(1, "er", attempt=4))
+        assert [(await reply.next(5)).text for _ in range(2)] == ["new", "er"]
         await reply.close()
     finally:
         await nc.close()

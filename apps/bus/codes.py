@@ -54,6 +54,9 @@ class ErrorCode(enum.StrEnum):
     BUS_UNAVAILABLE = "bus_unavailable"
     # The worker serving a request went silent mid-answer.
     WORKER_LOST = "worker_lost"
+    # Reply frames of the attempt serving a stream went missing or came twice (sequence gap):
+    # text may be lost, so the stream ends with this error unless it could be migrated.
+    FRAMES_LOST = "frames_lost"
     # Every delivery's worker died holding the request: it will not be tried again.
     DELIVERY_FAILED = "delivery_failed"
     GENERATION_FAILED = "generation_failed"

@@ -23,9 +23,8 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from apps.bus import topology, wire
+from apps.bus import large_requests, topology, wire
 from apps.bus.codes import ErrorCode, ServingError
-from apps.bus.publish import publish
 from apps.bus.topology import BusLimits
 from apps.gateway.liveness import answer_probes
 from apps.gateway.metrics import GatewayMetrics
@@ -49,9 +48,11 @@ class GatewayBus:
         self._replacing: asyncio.Task[None] | None = None
         self._closing = False
         self._streams: set[ReplyStream] = set()
-        # Stream sequence of each request this gateway waits on -> its reply subject, so a
+        # Stream sequence of each request message this gateway waits on -> the request, so a
         # max-deliveries advisory (which names only the sequence) reaches the right client.
-        self._waiting: dict[int, str] = {}
+        self._waiting: dict[int, wire.GenerateRequest] = {}
+        # The newest message published for each open reply subject (its stream sequence).
+        self._message_of: dict[str, int] = {}
 
     @classmethod
     async def connect(cls, url: str, limits: BusLimits, metrics: GatewayMetrics) -> GatewayBus:
@@ -85,6 +86,7 @@ class GatewayBus:
         for stream in list(self._streams):
             stream.fail(lost)
         self._waiting.clear()
+        self._message_of.clear()
         if self._replacing is None or self._replacing.done():
             self._replacing = asyncio.create_task(self._replace())
 
@@ -126,7 +128,8 @@ class GatewayBus:
     async def submit(self, request: wire.GenerateRequest, max_frames: int = DEFAULT_MAX_FRAMES,
                      on_overflow: Callable[[], None] | None = None) -> ReplyStream:
         """Listen on the reply subject first, then publish, so no frame can be missed. While this
-        process lives it answers the worker's liveness probes; when it dies, nobody does."""
+        process lives it answers the worker's liveness probes; when it dies, nobody does.
+        Raises what `large_requests.publish_request` raises (`StreamFull` among them)."""
         nc = self.nc
         stream = ReplyStream(max_frames, on_overflow)
         stream.subscriptions.append(await nc.subscribe(request.reply_subject, cb=stream.on_message))
@@ -135,19 +138,38 @@ class GatewayBus:
         try:
             stream.subscriptions.append(await answer_probes(nc, stream, request.reply_subject))
             request = msgspec.structs.replace(request, liveness_probe=True)
-            ack = await publish(self.js, topology.request_subject(request.model), wire.encode(request),
-                                request.request_id)
+            await self._publish(stream, request, request.request_id)
         except BaseException:
             await stream.close()
             raise
-        self._waiting[ack.seq] = request.reply_subject
+        return stream
+
+    async def resubmit(self, stream: ReplyStream, request: wire.GenerateRequest) -> None:
+        """Publish a migrated attempt of a request whose `stream` is open (a new message, with its
+        own dedupe id): frames of the attempts before `request.attempt` are dropped from now."""
+        stream.migrate(request.attempt)
+        previous = self._message_of.get(request.reply_subject)
+        await self._publish(stream, request, f"{request.request_id}.{request.attempt}")
+        if previous is not None:
+            # Nobody is to serve the old message again (a redelivery would only be refused).
+            try:
+                await self.js.delete_msg(topology.REQUESTS_STREAM, previous)
+            except (nats.errors.Error, TimeoutError) as exc:
+                log.info("the migrated request's old message stays until refused", extra={"error": repr(exc)})
+
+    async def _publish(self, stream: ReplyStream, request: wire.GenerateRequest, msg_id: str) -> None:
+        ack = await large_requests.publish_request(self.js, self.nc, request, msg_id)
+        # Advisories are watched for the newest message only: an older one lost the request.
+        self._waiting.pop(self._message_of.get(request.reply_subject, -1), None)
+        self._waiting[ack.seq] = request
+        self._message_of[request.reply_subject] = ack.seq
 
         def forget() -> None:
             self._streams.discard(stream)
             self._waiting.pop(ack.seq, None)
+            self._message_of.pop(request.reply_subject, None)
 
         stream.on_close = forget
-        return stream
 
     async def _on_max_deliveries(self, msg: Msg) -> None:
         """JetStream gave up on a request (every delivery's worker died holding it): tell its client
@@ -157,16 +179,17 @@ class GatewayBus:
             seq = int(advisory["stream_seq"])
         except (ValueError, KeyError, TypeError):
             return
-        reply_subject = self._waiting.pop(seq, None)
-        if reply_subject is None:
-            return  # another gateway's request
+        request = self._waiting.pop(seq, None)
+        if request is None:
+            return  # another gateway's request, or one of ours that went on as a newer message
         deliveries = int(advisory.get("deliveries") or self.limits.max_deliver)
+        # Numbered as the attempt after the message's last one: no worker speaks for it.
         frame = wire.ErrorFrame(
-            seq=0, attempt=deliveries + 1, status=500, code=ErrorCode.DELIVERY_FAILED,
+            seq=0, attempt=request.attempt + deliveries, status=500, code=ErrorCode.DELIVERY_FAILED,
             message=f"The request was tried {deliveries} times and every worker serving it stopped; "
                     "it will not be tried again.",
         )
-        await self.nc.publish(reply_subject, wire.encode(frame))
+        await self.nc.publish(request.reply_subject, wire.encode(frame))
         try:
             await self.js.delete_msg(topology.REQUESTS_STREAM, seq)
         except (nats.errors.Error, TimeoutError) as exc:

@@ -13,6 +13,7 @@ the admission slots and publishes the cancel, so the worker stops and frees the 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 import weakref
@@ -27,13 +28,20 @@ from litestar.response import Response, Stream
 
 from apps.bus import wire
 from apps.bus.codes import ErrorCode, FinishReason, RunStatus, ServingError
+from apps.bus.publish import StreamFull
 from apps.gateway.admission import Admissions, Ticket
 from apps.gateway.bus_client import GatewayBus
 from apps.gateway.cold_start import ColdStarts
 from apps.gateway.errors import log_failure, retry_after_s
 from apps.gateway.events import EventPublisher
-from apps.gateway.liveness import Canceller, ClientGone, next_live_frame, while_connected
+from apps.gateway.liveness import (
+    Canceller,
+    ClientGone,
+    next_live_frame,
+    while_connected,
+)
 from apps.gateway.metrics import GatewayMetrics
+from apps.gateway.migration import MIGRATABLE, Delivered, migrated
 from apps.gateway.reply_stream import ReplyStream, ReplyTimeout
 from apps.gateway.validate import check_token_ids
 from apps.settings import GatewaySettings
@@ -41,6 +49,8 @@ from apps.settings import GatewaySettings
 # Failures where the worker is gone and cannot report the run itself.
 _LOST = (ErrorCode.WORKER_LOST, ErrorCode.DELIVERY_FAILED)
 _encode = msgspec.json.encode
+
+log = logging.getLogger("helexa.gateway")
 
 
 def new_request_id(prefix: str) -> str:
@@ -146,6 +156,16 @@ class GenerationPipeline:
 
         try:
             reply = await self._bus.submit(request, self._settings.stream_buffer_frames, overflow)
+        except StreamFull as exc:
+            # REQUESTS refuses new messages when full (it never drops queued ones to make room).
+            self._metrics.rejections.labels(request.model, ErrorCode.QUEUE_FULL).inc()
+            raise ServingError(
+                503,
+                ErrorCode.QUEUE_FULL,
+                "The request queue is full; retry shortly.",
+                retry_after_s=retry_after_s(),
+                context={**ctx, "detail": str(exc)},
+            ) from None
         except (nats.errors.Error, TimeoutError) as exc:
             # E.g. a NATS server of the cluster died and its streams are electing new leaders.
             self._metrics.rejections.labels(request.model, "bus_unavailable").inc()
@@ -193,19 +213,28 @@ class GenerationPipeline:
         Silence before any text means the worker may have died holding the request: JetStream
         hands it to another worker after its ack wait, so we keep waiting as a queued request
         would, up to its deadline (workers drop it after that; the max-deliveries advisory ends
-        it sooner when every delivery's worker died). Silence after text is final:
-        the text cannot be taken back, so the client gets an error and later attempts are ignored.
+        it sooner when every delivery's worker died). Silence after text means the worker is
+        lost: the request migrates to another worker from what the client has
+        (`apps.gateway.migration`), up to `max_migrations` times; then the client gets the error.
         """
-        metrics, request, reply = self._metrics, generation.request, generation.reply
-        model = request.model
+        metrics, reply = self._metrics, generation.reply
+        model = generation.request.model
+        delivered = Delivered(generation.request.sampling.n)
         last_text_at: float | None = None
-        completion_tokens = 0
+        completion_tokens = 0  # of the current attempt
         attempts: int | None = None
+        migrations = 0
         try:
             while True:
-                frame = generation.held or await next_live_frame(reply, self._settings.stream_idle_timeout_s,
-                                                                 request.deadline)
-                generation.held = None
+                try:
+                    frame = await self._next_frame(generation)
+                except ServingError as exc:
+                    if not self._may_migrate(exc, reply, migrations):
+                        raise
+                    await self._migrate(generation, delivered, exc, completion_tokens)
+                    migrations += 1
+                    completion_tokens = 0
+                    continue
                 if isinstance(frame, wire.Accepted):
                     generation.accepted = frame
                     continue
@@ -218,16 +247,17 @@ class GenerationPipeline:
                 now = time.time()
                 if isinstance(frame, wire.Delta):
                     completion_tokens += frame.num_tokens
+                    delivered.add(frame)
                 if isinstance(frame, wire.Delta) and (frame.text or frame.reasoning or frame.tool_calls):
                     reply.lock()
                     if last_text_at is None:
-                        metrics.ttft.labels(model).observe(max(now - request.created_at, 0.0))
+                        metrics.ttft.labels(model).observe(max(now - generation.request.created_at, 0.0))
                     else:
                         metrics.itl.labels(model).observe(now - last_text_at)
                     last_text_at = now
                 if isinstance(frame, wire.Final):
                     generation.finished = True
-                    metrics.e2e.labels(model).observe(max(now - request.created_at, 0.0))
+                    metrics.e2e.labels(model).observe(max(now - generation.request.created_at, 0.0))
                     metrics.prompt_tokens.labels(model).inc(frame.usage.prompt_tokens)
                     metrics.generation_tokens.labels(model).inc(frame.usage.completion_tokens)
                     metrics.outcomes.labels(model, frame.finish_reason).inc()
@@ -236,15 +266,58 @@ class GenerationPipeline:
                     return
         except ServingError as exc:
             generation.finished = True
-            if exc.code in _LOST:
+            request = generation.request
+            if exc.code in _LOST or exc.code == ErrorCode.FRAMES_LOST:
                 # Whatever attempt comes next must not serve a client that is already answered.
                 self._canceller.cancel_soon(request.request_id)
                 self._record_failed_run(request, generation.node, attempts or reply.attempt, exc.code,
-                                              generation.accepted.prompt_tokens, completion_tokens)
+                                        generation.accepted.prompt_tokens, completion_tokens)
             metrics.errors.labels(model, str(exc.status)).inc()
             log_failure(generation.handler, exc.status, exc.message, model=model, node=generation.node,
                         request_id=request.request_id)
             raise
+
+    async def _next_frame(self, generation: Generation) -> wire.ReplyFrame:
+        """The next frame that matters; an error frame of a migratable kind, or an answer the
+        worker ended on its own (`abort`: the gateway did not ask for it), as a ServingError."""
+        frame = generation.held or await next_live_frame(generation.reply, self._settings.stream_idle_timeout_s,
+                                                         generation.request.deadline)
+        generation.held = None
+        if isinstance(frame, wire.ErrorFrame) and frame.code in MIGRATABLE:
+            raise ServingError(frame.status, frame.code, frame.message)
+        if isinstance(frame, wire.Final) and frame.finish_reason == FinishReason.ABORT:
+            # E.g. the worker could not reach this gateway for a while: the answer is not complete.
+            raise ServingError(503, ErrorCode.WORKER_LOST,
+                               "The worker serving this request stopped before the answer was complete.")
+        return frame
+
+    def _may_migrate(self, error: ServingError, reply: ReplyStream, migrations: int) -> bool:
+        if error.code not in MIGRATABLE or migrations >= self._settings.max_migrations:
+            return False
+        # Silence before any text past the deadline is a request nobody took, not a lost worker.
+        return error.code != ErrorCode.WORKER_LOST or reply.locked_attempt is not None
+
+    async def _migrate(self, generation: Generation, delivered: Delivered, error: ServingError,
+                       completion_tokens: int) -> None:
+        """Publish the request's next attempt from what the client has; re-raise `error` if it
+        cannot be published."""
+        lost, reply = generation.request, generation.reply
+        lost_attempt = reply.attempt
+        request = msgspec.structs.replace(migrated(lost, delivered, self._bus.limits.max_deliver),
+                                          deadline=time.time() + self._settings.accept_timeout_s)
+        log.warning("migrating a request: its worker was lost mid-answer",
+                    extra={"request_id": lost.request_id, "node": generation.node, "error": error.code,
+                           "attempt": lost_attempt, "next_attempt": request.attempt})
+        try:
+            await self._bus.resubmit(reply, request)
+        except (nats.errors.Error, TimeoutError) as exc:
+            log.warning("migration failed", extra={"request_id": lost.request_id, "error": repr(exc)})
+            raise error from None
+        self._metrics.migrations.labels(lost.model, error.code).inc()
+        if error.code == ErrorCode.WORKER_LOST:  # a silent worker cannot report the run itself
+            self._record_failed_run(lost, generation.node, lost_attempt, error.code,
+                                    generation.accepted.prompt_tokens, completion_tokens, served=False)
+        generation.request = request
 
     async def close(self, generation: Generation) -> None:
         """Stop the work if the client left early, give back the admission slot, stop listening."""
@@ -288,7 +361,7 @@ class GenerationPipeline:
             yield chunk
 
     def _record_failed_run(self, request: wire.GenerateRequest, node: str, attempt: int, error: str,
-                                 prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
+                           prompt_tokens: int = 0, completion_tokens: int = 0, served: bool | None = None) -> None:
         """The ledger's RunFinished for a run no worker can report: it died serving it."""
         self._events.emit(wire.RunFinished(
             model=request.model, node=node, request_id=request.request_id, api=request.api,
@@ -296,5 +369,5 @@ class GenerationPipeline:
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens, cached_tokens=0, attempt=max(attempt, 1), queue_ms=0.0,
             ttft_ms=None, prefill_ms=0.0, decode_ms=0.0,
-            e2e_ms=round((time.time() - request.created_at) * 1000.0, 3), error=error,
+            e2e_ms=round((time.time() - request.created_at) * 1000.0, 3), error=error, served=served,
         ))

@@ -45,20 +45,21 @@ log = logging.getLogger("helexa.gateway")
 T = TypeVar("T")
 
 
-def attempt_taken(probe: bytes, locked_attempt: int | None) -> bool:
-    """Whether a probe asking for attempt `probe` must be refused: another attempt sent text."""
+def attempt_taken(probe: bytes, locked_attempt: int | None, base_attempt: int = 0) -> bool:
+    """Whether a probe asking for attempt `probe` must be refused: another attempt sent text, or
+    the request was migrated past it."""
     try:
         asking = int(probe) if probe else None
     except ValueError:
         asking = None
-    return asking is not None and locked_attempt not in (None, asking)
+    return asking is not None and (asking < base_attempt or locked_attempt not in (None, asking))
 
 
 async def answer_probes(nc: NatsClient, reply: ReplyStream, reply_subject: str) -> Subscription:
     """Answer the workers' alive probes for one request while this process lives."""
 
     async def still_listening(msg: Msg) -> None:
-        await msg.respond(topology.ATTEMPT_TAKEN if attempt_taken(msg.data, reply.locked_attempt) else b"")
+        await msg.respond(topology.ATTEMPT_TAKEN if attempt_taken(msg.data, reply.locked_attempt, reply.base_attempt) else b"")
 
     return await nc.subscribe(topology.alive_subject(reply_subject), cb=still_listening)
 

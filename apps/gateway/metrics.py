@@ -51,6 +51,9 @@ class GatewayMetrics:
                                             "NATS connections the server closed for good (then replaced)", registry=r)
         self.slow_readers = Counter("helexa:gateway_slow_reader_cancels",
                                     "Streams cancelled because the client read too slowly", ["model"], registry=r)
+        self.migrations = Counter("helexa:gateway_migrations",
+                                  "Requests moved to another worker mid-answer, by why the old one was lost",
+                                  ["model", "reason"], registry=r)
         # What the scrape in progress reports: live nodes, and model → this gateway's admission.
         self._nodes: list[wire.NodeStatus] = []
         self._admissions: Mapping[str, Admission] = {}

@@ -1,5 +1,10 @@
-"""One request's reply subject, read as frames: in order per attempt, duplicates and stale attempts
-dropped, pinned to the attempt that first sent the client text, and held in a bounded buffer.
+"""One request's reply subject, read as frames: in order per attempt, stale attempts dropped,
+pinned to the attempt that first sent the client text, and held in a bounded buffer.
+
+Each attempt numbers its frames from 0. A missing or repeated number inside the attempt being
+read means frames were lost (e.g. published while the bus was down): `next` raises
+`frames_lost` rather than hand on an answer with a hole in it. A migrated request goes on as a
+newer attempt (`migrate`): from then on, frames of the attempts before it are dropped.
 
 Frames arrive as fast as the worker makes them and leave as fast as the client reads. A client
 that reads too slowly would make the gateway hold every frame in between, so the buffer is
@@ -55,10 +60,16 @@ class ReplyStream:
         self._next_seq = 0
         self._attempt = 0
         self._locked = False
+        # Attempts below this one lost the request to a migration.
+        self._base_attempt = 0
 
     @property
     def attempt(self) -> int:
         return self._attempt
+
+    @property
+    def base_attempt(self) -> int:
+        return self._base_attempt
 
     @property
     def locked_attempt(self) -> int | None:
@@ -66,6 +77,13 @@ class ReplyStream:
 
     def lock(self) -> None:
         self._locked = True
+
+    def migrate(self, base_attempt: int) -> None:
+        """The request goes on as attempt `base_attempt` (or a redelivery of it): frames of the
+        attempts before it are dropped from now, and the next attempt to send text is pinned."""
+        self._base_attempt = self._attempt = base_attempt
+        self._next_seq = 0
+        self._locked = False
 
     async def on_message(self, msg: Msg) -> None:
         if self._failure is not None:
@@ -116,9 +134,11 @@ class ReplyStream:
                 # A redelivered request restarts the sequence; only a fresh attempt may do so.
                 if frame.attempt < self._attempt or self._locked:
                     continue
-                self._attempt, self._next_seq = frame.attempt, 0
-            if frame.seq < self._next_seq:
-                continue
+                self._attempt = frame.attempt
+            elif frame.seq != self._next_seq:
+                raise ServingError(502, ErrorCode.FRAMES_LOST,
+                                   f"Part of the answer was lost on the way (reply frame {self._next_seq} of "
+                                   f"attempt {self._attempt} never arrived; frame {frame.seq} did).")
             self._next_seq = frame.seq + 1
             if isinstance(frame, wire.Accepted):
                 self.node = frame.node

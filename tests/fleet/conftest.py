@@ -52,7 +52,7 @@ class Fleet:
             yield worker
 
     @contextmanager
-    def workers_of(self, specs: list[tuple[str, str, dict]], **env: str) -> Iterator[list[AppProcess]]:
+    def workers_of(self, specs: list[tuple[str, str, dict | None]], **env: str) -> Iterator[list[AppProcess]]:
         """Several scripted workers started together (they load in parallel)."""
         started = [self.start_worker(node, model, script, **env) for node, model, script in specs]
         try:
@@ -63,11 +63,25 @@ class Fleet:
             for worker in started:
                 worker.stop()
 
-    def start_worker(self, node: str, model: str, script: dict, **env: str) -> AppProcess:
-        path = self.folder / f"{node}.json"
-        path.write_text(json.dumps(script), encoding="utf-8")
-        return AppProcess(["worker", "--script", str(path), "--served-model-name", model],
-                          {**self.env, "HELEXA_NODE_ID": node, **env})
+    def start_worker(self, node: str, model: str, script: dict | None, **env: str) -> AppProcess:
+        """A scripted worker, or (script None) one running the default model itself."""
+        args = ["worker", "--served-model-name", model]
+        if script is not None:
+            path = self.folder / f"{node}.json"
+            path.write_text(json.dumps(script), encoding="utf-8")
+            args += ["--script", str(path)]
+        return AppProcess(args, {**self.env, "HELEXA_NODE_ID": node, **env})
+
+    @contextmanager
+    def gateway_with(self, **env: str) -> Iterator[str]:
+        """Another gateway on the fleet's bus, with settings of its own; yields its base URL."""
+        port = free_port()
+        gateway = AppProcess(["gateway"], {**self.env, "HELEXA_PORT": str(port), **env})
+        try:
+            gateway.wait_ready()
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            gateway.stop()
 
     def cli(self, *args: str) -> AppProcess:
         return AppProcess(list(args), self.env)

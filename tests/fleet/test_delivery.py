@@ -65,43 +65,6 @@ def test_unstarted_requests_move_to_another_worker(fleet: Fleet) -> None:
     assert {(e.node, e.status, e.attempt) for e in outcomes} == {("handover-b", "ok", 2)}
 
 
-def test_worker_death_mid_stream_ends_the_stream_without_repeating_text(fleet: Fleet) -> None:
-    model = "midstream-model"
-    slow = {"default": REPLY, "rules": [{"match": "slow", "reply": REPLY, "token_delay_s": 0.3}]}
-    with fleet.workers_of([("mid-a", model, slow), ("mid-b", model, slow)]) as workers:
-        by_node = {"mid-a": workers[0], "mid-b": workers[1]}
-        body = {"model": model, "messages": [{"role": "user", "content": "slow please"}], "stream": True}
-        text, errors, done, request_id = "", [], False, None
-        with httpx.Client(base_url=fleet.base_url, timeout=60) as http:
-            with http.stream("POST", "/v1/chat/completions", json=body) as response:
-                assert response.status_code == 200
-                for line in response.iter_lines():
-                    if line == "data: [DONE]":
-                        done = True
-                        continue
-                    if not line.startswith("data: "):
-                        continue
-                    chunk = json.loads(line[len("data: "):])
-                    if "error" in chunk:
-                        errors.append(chunk["error"])
-                        continue
-                    request_id = chunk["id"]
-                    content = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
-                    if content and not text:
-                        started = wait_events(fleet.nats_url, f"helexa.events.run.started.{model}",
-                                              lambda es: any(e.request_id == request_id for e in es))
-                        node = next(e.node for e in started if e.request_id == request_id)
-                        by_node[node].kill()
-                    text += content or ""
-        assert done
-        assert len(errors) == 1 and errors[0]["code"] == "worker_lost", errors
-        assert text and REPLY.startswith(text) and text != REPLY
-        events = wait_events(fleet.nats_url, f"helexa.events.run.finished.{model}",
-                             lambda es: any(e.request_id == request_id for e in finished(es)))
-    outcomes = finished(events, {request_id})
-    assert [(e.node, e.status, e.error, e.attempt) for e in outcomes] == [(node, "error", "worker_lost", 1)]
-
-
 def test_a_request_that_kills_its_workers_is_tried_a_bounded_number_of_times(fleet: Fleet) -> None:
     model = "poison-model"
     script = {"default": "still serving", "rules": [{"match": "POISON", "reply": "", "fault": "exit"}]}
