@@ -1,0 +1,96 @@
+"""Faults that are not a dead worker: a NATS outage in the middle of streams, and a worker that
+freezes past the ack wait and then wakes up while another worker serves its request."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from apps.embedded import free_port
+from apps.embedded.nats_server import NatsServer
+from tests.fleet.conftest import FLEET_ENV, Fleet, wait_events
+from tests.fleet.test_migration import MIGRATED_ATTEMPT, finished, stream_chat
+from tests.support import AppProcess
+
+LONG = " ".join(f"w{i}" for i in range(48))
+SLOW_LONG = {"default": LONG, "rules": [{"match": "slow", "reply": LONG, "token_delay_s": 0.25}]}
+# How long the bus is away: longer than the gateway's idle timeout and the workers' probe grace.
+OUTAGE_S = 5.0
+
+
+def test_a_nats_outage_mid_stream_loses_no_stream_silently(tmp_path: Path) -> None:
+    """Eight streams, then the NATS server stops for 5 s and comes back on its port and store:
+    every stream either has its whole text or ends with an explicit error event."""
+    model = "outage-streams"
+    server = NatsServer(tmp_path / "nats").start()
+    port = free_port()
+    env = {**FLEET_ENV, "NATS_URL": server.url, "HELEXA_PORT": str(port)}
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps(SLOW_LONG), encoding="utf-8")
+    apps = [AppProcess(["gateway"], env)] + [
+        AppProcess(["worker", "--script", str(script), "--served-model-name", model],
+                   {**env, "HELEXA_NODE_ID": f"outage-{n}"}) for n in "ab"]
+    try:
+        for app in apps:
+            app.wait_ready()
+        base_url = f"http://127.0.0.1:{port}"
+        body = {"model": model, "messages": [{"role": "user", "content": "slow please"}]}
+        texts = [threading.Event() for _ in range(8)]
+        with ThreadPoolExecutor(8) as pool:
+            answers = [pool.submit(stream_chat, base_url, body, has_text, 2) for has_text in texts]
+            for has_text in texts:
+                assert has_text.wait(60)
+            server.stop()
+            time.sleep(OUTAGE_S)  # the outage itself: its length is the scenario, not a wait for an event
+            server.start()
+            got = [answer.result(timeout=180) for answer in answers]
+    finally:
+        for app in reversed(apps):
+            app.stop()
+        server.stop()
+    for streamed in got:
+        assert streamed.done
+        if streamed.errors:
+            assert streamed.finish_reason is None and LONG.startswith(streamed.text)
+            assert all(e["code"] for e in streamed.errors)
+        else:
+            assert streamed.text == LONG and streamed.finish_reason == "stop"
+
+
+def test_a_frozen_worker_that_wakes_up_stops_and_the_ledger_names_the_served_attempt(fleet: Fleet) -> None:
+    """SIGSTOP past the idle timeout: the stream migrates to the other worker; on SIGCONT the
+    frozen attempt learns from its alive probe that it lost, stops, and says it did not serve."""
+    model = "frozen-model"
+    with fleet.workers_of([("frozen-a", model, SLOW_LONG), ("frozen-b", model, SLOW_LONG)]) as workers:
+        by_node = {"frozen-a": workers[0], "frozen-b": workers[1]}
+        has_text = threading.Event()
+        body = {"model": model, "messages": [{"role": "user", "content": "slow please"}]}
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(stream_chat, fleet.base_url, body, has_text, 3)
+            assert has_text.wait(60)
+            running = wait_events(fleet.nats_url, f"helexa.events.run.started.{model}", lambda es: len(es) >= 1)[-1]
+            frozen = by_node[running.node]
+            frozen.process.send_signal(signal.SIGSTOP)
+            try:
+                # The other worker has taken over once the migrated attempt has started there.
+                wait_events(fleet.nats_url, f"helexa.events.run.started.{model}",
+                            lambda es: any(e.request_id == running.request_id and e.attempt == MIGRATED_ATTEMPT
+                                           for e in es))
+            finally:
+                frozen.process.send_signal(signal.SIGCONT)
+            got = answer.result(timeout=120)
+        events = wait_events(fleet.nats_url, f"helexa.events.run.finished.{model}",
+                             lambda es: any(e.error == "attempt_taken" for e in finished(es, running.request_id))
+                             and any(e.attempt == MIGRATED_ATTEMPT for e in finished(es, running.request_id)))
+    assert got.errors == [] and got.text == LONG and got.finish_reason == "stop"
+    outcomes = finished(events, running.request_id)
+    served = [(e.node, e.attempt) for e in outcomes if e.served]
+    survivor = next(node for node in by_node if node != running.node)
+    assert served == [(survivor, MIGRATED_ATTEMPT)]
+    # The frozen attempt's own word, once awake: it lost, and served nothing more.
+    woke = [e for e in outcomes if e.error == "attempt_taken"]
+    assert [(e.node, e.attempt, e.served) for e in woke] == [(running.node, 1, False)]
