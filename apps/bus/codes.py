@@ -70,6 +70,8 @@ class ErrorCode(enum.StrEnum):
     INTERNAL_ERROR = "internal_error"
     # The body is not JSON (415): what a web page can send cross-site without a preflight.
     UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
+    # The HTTP body is over the gateway's limit (HELEXA_MAX_REQUEST_BYTES): a 413.
+    REQUEST_TOO_LARGE = "request_too_large"
     # A streaming client read so slowly that its frames filled the gateway's bounded buffer.
     CLIENT_TOO_SLOW = "client_too_slow"
     # A stored response (`previous_response_id`, GET /v1/responses/{id}) that does not exist here.

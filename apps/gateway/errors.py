@@ -80,11 +80,17 @@ def serving_error_handler(request: Request, exc: ServingError) -> Response:
 
 def http_error_handler(request: Request, exc: HTTPException) -> Response:
     status = exc.status_code
-    message = {404: "Not found.", 405: "Method not allowed.", 413: "Request body too large."}.get(
+    message = {404: "Not found.", 405: "Method not allowed."}.get(
         status, exc.detail if status < 500 else "Internal server error."
     )
+    code = None
+    if status == 413:
+        # Never servable as sent, so no retry hint: name the limit the body broke.
+        limit = request.app.request_max_body_size
+        message = f"The request body is larger than this gateway's limit of {limit} bytes (HELEXA_MAX_REQUEST_BYTES)."
+        code = ErrorCode.REQUEST_TOO_LARGE
     log_failure(_handler_name(request), status, str(exc.detail))
-    return Response(error_body(status, message, code=None), status_code=status, headers=exc.headers)
+    return Response(error_body(status, message, code=code), status_code=status, headers=exc.headers)
 
 
 def internal_error_handler(request: Request, exc: Exception) -> Response:

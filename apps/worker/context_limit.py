@@ -37,6 +37,8 @@ class ContextLimit:
     ema_alpha: float = 0.3
     min_sample_tokens: int = 512
     max_output_reserve: int = 8192
+    # False for an engine that does no prefill work (the scripted one): no throughput ceiling.
+    prefill_bound: bool = True
 
     def __post_init__(self) -> None:
         if self.max_position_embeddings < 1:
@@ -54,7 +56,9 @@ class ContextLimit:
 
     def derive(self) -> Limits:
         throughput_ceiling = int(self.target_prefill_s * self.prefill_tok_per_s)
-        ceilings = [self.max_position_embeddings, throughput_ceiling]
+        ceilings = [self.max_position_embeddings]
+        if self.prefill_bound:
+            ceilings.append(throughput_ceiling)
         if self.kv_pool_tokens is not None:
             ceilings.append(self.kv_pool_tokens)
         if self.hard_cap:

@@ -35,7 +35,8 @@ async def open_model(settings: WorkerSettings, source: str, served_name: str = "
     tokenizer, model_id = await asyncio.to_thread(load_tokenizer, path)
     engine: Engine
     if script:
-        engine = ScriptedEngine(script, tokenizer, model_id, max_num_seqs=settings.max_num_seqs)
+        engine = ScriptedEngine(script, tokenizer, model_id, max_model_len=settings.max_model_len or 8192,
+                                max_num_seqs=settings.max_num_seqs)
     else:
         engine = await AsyncEngine.start(settings.engine_config(path))
     return ModelLoop(settings, engine, tokenizer, served_name or model_id, source=source or DEFAULT_SOURCE,

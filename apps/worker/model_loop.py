@@ -117,6 +117,7 @@ class ModelLoop:
             # Engines without a paged pool (the scripted one) report no blocks: no KV ceiling.
             kv_pool_tokens=info.num_blocks * info.block_size or None,
             hard_cap=settings.max_model_len or None,
+            prefill_bound=info.num_blocks > 0,
         )
         self.health = ModelHealth(model_id)
         self.model = ServedModel(model_id, engine, tokenizer, self.context, self.health,

@@ -1,0 +1,82 @@
+"""Any prompt that fits the model's context travels, whatever the server's max_payload: a 3 MiB
+prompt through a NATS server left at its default 1 MiB goes through the Object Store, end to end,
+and leaves no object behind; a body over the HTTP limit is a 413 naming the limit at once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from apps.bus import topology
+from apps.embedded import free_port
+from apps.embedded.nats_server import NatsServer
+from tests.fleet.conftest import FLEET_ENV
+from tests.support import AppProcess, eventually
+
+MODEL = "large-prompt-model"
+SENTENCE = "The quick brown fox jumps over the lazy dog. "
+
+
+@pytest.fixture(scope="module")
+def small_bus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """A NATS server with the default max_payload, a gateway and a scripted worker whose context
+    holds the whole prompt (this is about the bus, not the context); yields (base URL, NATS URL)."""
+    folder = tmp_path_factory.mktemp("large")
+    script = folder / "script.json"
+    script.write_text(json.dumps({"default": "read it all"}), encoding="utf-8")
+    with NatsServer(folder / "nats", max_payload=None) as server:
+        port = free_port()
+        env = {**FLEET_ENV, "NATS_URL": server.url, "HELEXA_PORT": str(port), "HELEXA_REQUEST_ACK_WAIT_S": "30"}
+        apps = [AppProcess(["gateway"], env),
+                AppProcess(["worker", "--script", str(script), "--served-model-name", MODEL],
+                           {**env, "HELEXA_NODE_ID": "large-a", "HELEXA_MAX_MODEL_LEN": "4000000"})]
+        try:
+            for app in apps:
+                app.wait_ready()
+            yield f"http://127.0.0.1:{port}", server.url
+        finally:
+            for app in reversed(apps):
+                app.stop()
+
+
+async def _objects(nats_url: str) -> list[str]:
+    nc = await topology.connect(nats_url, "test-objects")
+    try:
+        store = await nc.jetstream().object_store(topology.LARGE_REQUESTS_BUCKET)
+        try:
+            return [info.name for info in await store.list() if not info.deleted]
+        except Exception as exc:  # nats-py raises NotFoundError for an empty bucket
+            if type(exc).__name__ == "NotFoundError":
+                return []
+            raise
+    finally:
+        await nc.close()
+
+
+def test_a_3_mib_prompt_is_served_through_a_1_mib_server(small_bus: tuple[str, str]) -> None:
+    base_url, nats_url = small_bus
+    content = SENTENCE * ((3 << 20) // len(SENTENCE))
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 8}
+    answer = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=300)
+    assert answer.status_code == 200, answer.text
+    completion = answer.json()
+    assert completion["choices"][0]["message"]["content"] == "read it all"
+    assert completion["usage"]["prompt_tokens"] > 500_000
+    # The worker deletes the object once it has settled the message (just after the answer).
+    eventually(lambda: asyncio.run(_objects(nats_url)) == [], timeout_s=30, message="the request's object is left")
+
+
+def test_a_body_over_the_http_limit_is_a_413_naming_it(small_bus: tuple[str, str]) -> None:
+    base_url, _ = small_bus
+    content = "x" * (9 << 20)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}]}
+    answer = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60)
+    assert answer.status_code == 413 and "Retry-After" not in answer.headers
+    error = answer.json()["error"]
+    assert error["code"] == "request_too_large" and "HELEXA_MAX_REQUEST_BYTES" in error["message"]
+    assert str(8 << 20) in error["message"]
