@@ -81,11 +81,13 @@ class Sampler:
         errors: list[str | None] = [None] * len(rows)
         # Rows forced greedy because their logits or probabilities are not usable.
         fallback: set[int] = set()
-        finite = torch.isfinite(logits).all(-1)
-        if not bool(finite.all()):
+        # -inf is a token ruled out (a grammar's mask): fine. NaN or +inf is a broken row, and a
+        # row with no finite logit at all has nothing to sample.
+        broken_rows = (torch.isnan(logits) | torch.isposinf(logits)).any(-1) | ~torch.isfinite(logits).any(-1)
+        if bool(broken_rows.any()):
             if not adjusts:
                 logits = logits.clone()
-            broken = (~finite).nonzero().squeeze(1).tolist()
+            broken = broken_rows.nonzero().squeeze(1).tolist()
             fallback.update(broken)
             # Only the finite logits take part; a row with none left cannot be sampled at all.
             logits[broken] = torch.where(torch.isfinite(logits[broken]), logits[broken], -math.inf)

@@ -20,6 +20,20 @@ from tests.system import system  # noqa: F401  (the whole system, one per sessio
 os.environ.setdefault("HELEXA_DTYPE", "float32")
 
 
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# Without CUDA the Triton kernels run in Triton's interpreter, which must be chosen before triton
+# is first imported: here, because test modules of other folders (engine ops, attention) import
+# the kernels at collection, before tests/kernels is reached. Nothing launches a Triton kernel on
+# CPU unless a test asks for it, so the other tests behave the same with or without it.
+if "TRITON_INTERPRET" not in os.environ and not _has_cuda():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     gpu_tests = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_tests:

@@ -76,11 +76,10 @@ def test_tools_and_sampling_are_translated() -> None:
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input"),
     ({"input": [{"role": "system", "content": "only a system prompt"}]}, "input"),
     ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}}, "tool_choice"),
-    ({"text": {"format": {"type": "json_object"}}}, "text.format"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
-], ids=["arguments-not-an-object", "file", "nothing-to-answer", "unknown-function", "json-object",
-        "conversation", "prompt"])
+], ids=["arguments-not-an-object", "file", "nothing-to-answer", "unknown-function", "conversation",
+        "prompt"])
 def test_what_cannot_be_honoured_is_refused(fields: dict, param: str) -> None:
     with pytest.raises(ServingError) as caught:
         bus(request(**fields))

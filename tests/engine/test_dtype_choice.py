@@ -63,23 +63,23 @@ def test_measure_times_every_scenario_of_fp32_and_each_worthwhile_candidate() ->
     assert "float32" in result
     for by_case in result.values():
         assert set(by_case) == {"rows_1", "rows_4", "rows_32"} and all(ms > 0 for ms in by_case.values())
-    choice = choose_dtype(EngineConfig(model="m"), TINY, "cpu")
+    choice = choose_dtype(EngineConfig(model="m", dtype="auto"), TINY, "cpu")
     assert choice.reason == "measured" and choice.dtype in choice.timings_ms
 
 
 def test_a_measurement_is_remembered_per_machine_and_shapes(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     cache = tmp_path / "dtype-choice.json"
-    first = choose_dtype(EngineConfig(model="m"), TINY, "cpu", cache)
+    first = choose_dtype(EngineConfig(model="m", dtype="auto"), TINY, "cpu", cache)
 
     def no_measuring(*args: object) -> None:
         raise AssertionError("measured again")
 
     monkeypatch.setattr("engine.dtype_choice.measure", no_measuring)
-    again = choose_dtype(EngineConfig(model="m"), TINY, "cpu", cache)
+    again = choose_dtype(EngineConfig(model="m", dtype="auto"), TINY, "cpu", cache)
     assert (again.dtype, again.timings_ms) == (first.dtype, first.timings_ms)
     # Other batch shapes are another measurement.
     with pytest.raises(AssertionError, match="measured again"):
-        choose_dtype(EngineConfig(model="m", max_num_seqs=8), TINY, "cpu", cache)
+        choose_dtype(EngineConfig(model="m", dtype="auto", max_num_seqs=8), TINY, "cpu", cache)
 
 
 def test_helexa_dtype_reaches_the_engine_config(monkeypatch: pytest.MonkeyPatch) -> None:
