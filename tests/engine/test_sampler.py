@@ -152,6 +152,16 @@ def test_different_seeds_give_different_tokens() -> None:
     assert len({tuple(s) for s in sequences}) == 3
 
 
+def test_tokens_masked_to_minus_inf_are_ruled_out_not_a_broken_row() -> None:
+    """A grammar's mask: the row still samples (seeds differ), and only among the allowed tokens."""
+    logits = random_logits(1, scale=1.0)
+    allowed = torch.arange(logits.shape[1]) % 3 == 0
+    masked = torch.where(allowed, logits, torch.tensor(-math.inf))
+    sequences = [seeded_run(Sampler(), masked, options(seed=seed), 30) for seed in (1, 2, 3)]
+    assert len({tuple(s) for s in sequences}) == 3
+    assert all(token % 3 == 0 for s in sequences for token in s)
+
+
 def test_a_seeded_draw_is_a_function_of_seed_and_position() -> None:
     """Replayed by another sampler, and resumed at position k after k tokens drawn elsewhere:
     the same tokens, so a seeded answer survives a migration. Only the position counts, not
