@@ -3,6 +3,7 @@ freezes past the ack wait and then wakes up while another worker serves its requ
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import threading
@@ -10,11 +11,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import asyncpg
+
 from apps.embedded import free_port
 from apps.embedded.nats_server import NatsServer
+from apps.embedded.postgres import PostgresServer
+from apps.recorder.migrate import migrate
 from tests.fleet.conftest import FLEET_ENV, Fleet, wait_events
 from tests.fleet.test_migration import MIGRATED_ATTEMPT, finished, stream_chat
-from tests.support import AppProcess
+from tests.support import AppProcess, eventually
 
 LONG = " ".join(f"w{i}" for i in range(48))
 SLOW_LONG = {"default": LONG, "rules": [{"match": "slow", "reply": LONG, "token_delay_s": 0.25}]}
@@ -61,10 +66,26 @@ def test_a_nats_outage_mid_stream_loses_no_stream_silently(tmp_path: Path) -> No
             assert streamed.text == LONG and streamed.finish_reason == "stop"
 
 
-def test_a_frozen_worker_that_wakes_up_stops_and_the_ledger_names_the_served_attempt(fleet: Fleet) -> None:
+async def _served_row(database_url: str, request_id: str) -> tuple | None:
+    conn = await asyncpg.connect(database_url)
+    try:
+        row = await conn.fetchrow("SELECT node, attempt, served_attempt, status FROM runs WHERE request_id = $1",
+                                  request_id)
+        return tuple(row) if row is not None else None
+    finally:
+        await conn.close()
+
+
+def test_a_frozen_worker_that_wakes_up_stops_and_the_ledger_names_the_served_attempt(
+        fleet: Fleet, own_postgres: PostgresServer) -> None:
     """SIGSTOP past the idle timeout: the stream migrates to the other worker; on SIGCONT the
-    frozen attempt learns from its alive probe that it lost, stops, and says it did not serve."""
+    frozen attempt learns from its alive probe that it lost, stops, and says it did not serve.
+    `runs` names the served attempt, live and after `helexa recorder --rebuild`."""
     model = "frozen-model"
+    asyncio.run(migrate(own_postgres.url))
+    ledger = {"NATS_URL": fleet.nats_url, "DATABASE_URL": own_postgres.url}
+    recorder = AppProcess(["recorder"], ledger)
+    recorder.wait_ready()
     with fleet.workers_of([("frozen-a", model, SLOW_LONG), ("frozen-b", model, SLOW_LONG)]) as workers:
         by_node = {"frozen-a": workers[0], "frozen-b": workers[1]}
         has_text = threading.Event()
@@ -94,3 +115,15 @@ def test_a_frozen_worker_that_wakes_up_stops_and_the_ledger_names_the_served_att
     # The frozen attempt's own word, once awake: it lost, and served nothing more.
     woke = [e for e in outcomes if e.error == "attempt_taken"]
     assert [(e.node, e.attempt, e.served) for e in woke] == [(running.node, 1, False)]
+    expected = (survivor, MIGRATED_ATTEMPT, MIGRATED_ATTEMPT, "ok")
+    try:
+        eventually(lambda: asyncio.run(_served_row(own_postgres.url, running.request_id)) == expected,
+                   timeout_s=60, message="runs never named the served attempt")
+    finally:
+        recorder.stop()
+    rebuilt = AppProcess(["recorder", "--rebuild"], ledger)
+    try:
+        rebuilt.wait_for(lambda e: e.get("event") == "rebuild finished", 120)
+        assert asyncio.run(_served_row(own_postgres.url, running.request_id)) == expected
+    finally:
+        rebuilt.stop()
