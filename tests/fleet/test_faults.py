@@ -4,6 +4,7 @@ freezes past the ack wait and then wakes up while another worker serves its requ
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import threading
@@ -12,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import asyncpg
+import httpx
 
 from apps.embedded import free_port
 from apps.embedded.nats_server import NatsServer
@@ -82,6 +84,7 @@ def test_a_frozen_worker_that_wakes_up_stops_and_the_ledger_names_the_served_att
     frozen attempt learns from its alive probe that it lost, stops, and says it did not serve.
     `runs` names the served attempt, live and after `helexa recorder --rebuild`."""
     model = "frozen-model"
+    own_postgres.start()
     asyncio.run(migrate(own_postgres.url))
     ledger = {"NATS_URL": fleet.nats_url, "DATABASE_URL": own_postgres.url}
     recorder = AppProcess(["recorder"], ledger)
@@ -127,3 +130,44 @@ def test_a_frozen_worker_that_wakes_up_stops_and_the_ledger_names_the_served_att
         assert asyncio.run(_served_row(own_postgres.url, running.request_id)) == expected
     finally:
         rebuilt.stop()
+
+
+def test_a_full_request_queue_answers_503_queue_full_and_drops_nothing_queued(tmp_path: Path) -> None:
+    """REQUESTS holds three messages: of eight requests at once, those it refuses get 503
+    `queue_full` with Retry-After, and every one it took is answered."""
+    model = "full-queue"
+    with NatsServer(tmp_path / "nats") as server:
+        port = free_port()
+        env = {**FLEET_ENV, "NATS_URL": server.url, "HELEXA_PORT": str(port), "HELEXA_REQUESTS_MAX_MSGS": "3",
+               "HELEXA_REQUEST_ACK_WAIT_S": "30"}
+        script = tmp_path / "script.json"
+        script.write_text(json.dumps({"default": "served", "rules": []}), encoding="utf-8")
+        apps = [AppProcess(["gateway"], env),
+                AppProcess(["worker", "--script", str(script), "--served-model-name", model],
+                           {**env, "HELEXA_NODE_ID": "full-a", "HELEXA_MAX_NUM_SEQS": "1"})]
+        try:
+            for app in apps:
+                app.wait_ready()
+            apps[1].process.send_signal(signal.SIGSTOP)  # nothing leaves the queue meanwhile
+            body = {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+
+            def ask(_: int) -> httpx.Response:
+                return httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120)
+
+            with ThreadPoolExecutor(8) as pool:
+                pending = [pool.submit(ask, i) for i in range(8)]
+                # The refusals come at once (the queue is full); the rest wait for the worker.
+                eventually(lambda: sum(f.done() for f in pending) >= 5, timeout_s=60,
+                           message="the queue never refused the requests past its limit")
+                apps[1].process.send_signal(signal.SIGCONT)
+                answers = [f.result(timeout=120) for f in pending]
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                apps[1].process.send_signal(signal.SIGCONT)
+            for app in reversed(apps):
+                app.stop()
+    full = [a for a in answers if a.status_code == 503]
+    served = [a for a in answers if a.status_code == 200]
+    assert len(full) == 5 and len(served) == 3, [(a.status_code, a.text) for a in answers]
+    assert all(a.json()["error"]["code"] == "queue_full" and "Retry-After" in a.headers for a in full)
+    assert all(a.json()["choices"][0]["message"]["content"] == "served" for a in served)
