@@ -59,7 +59,8 @@ async def answer_probes(nc: NatsClient, reply: ReplyStream, reply_subject: str) 
     """Answer the workers' alive probes for one request while this process lives."""
 
     async def still_listening(msg: Msg) -> None:
-        await msg.respond(topology.ATTEMPT_TAKEN if attempt_taken(msg.data, reply.locked_attempt, reply.base_attempt) else b"")
+        taken = attempt_taken(msg.data, reply.locked_attempt, reply.base_attempt)
+        await msg.respond(topology.ATTEMPT_TAKEN if taken else b"")
 
     return await nc.subscribe(topology.alive_subject(reply_subject), cb=still_listening)
 

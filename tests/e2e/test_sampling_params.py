@@ -97,7 +97,8 @@ def messages(system: System) -> object:
     client = anthropic.Anthropic(base_url=system.base_url, api_key="unused", max_retries=0, timeout=120)
     return client.messages.create(model=system.model, max_tokens=4, stop_sequences=["zz"],
                                   # This SDK version no longer names them; the API still takes them.
-                                  extra_body={"temperature": 0.5, "top_p": 0.9, "top_k": 20}, messages=[{"role": "user", "content": "Say hi."}])
+                                  extra_body={"temperature": 0.5, "top_p": 0.9, "top_k": 20},
+                                  messages=[{"role": "user", "content": "Say hi."}])
 
 
 @pytest.mark.parametrize(("ask", "api"), [(chat, Api.CHAT_COMPLETIONS), (completions, Api.COMPLETIONS)],

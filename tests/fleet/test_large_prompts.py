@@ -1,6 +1,7 @@
 """Any prompt that fits the model's context travels, whatever the server's max_payload: a 3 MiB
 prompt through a NATS server left at its default 1 MiB goes through the Object Store, end to end,
-and leaves no object behind; a body over the HTTP limit is a 413 naming the limit at once."""
+and leaves no object behind; through the embedded server (8 MiB) it is one message; a body over
+the HTTP limit is a 413 naming the limit at once."""
 
 from __future__ import annotations
 
@@ -22,14 +23,17 @@ MODEL = "large-prompt-model"
 SENTENCE = "The quick brown fox jumps over the lazy dog. "
 
 
-@pytest.fixture(scope="module")
-def small_bus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
-    """A NATS server with the default max_payload, a gateway and a scripted worker whose context
-    holds the whole prompt (this is about the bus, not the context); yields (base URL, NATS URL)."""
+@pytest.fixture(scope="module", params=["default-1-MiB", "embedded-8-MiB"])
+def small_bus(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """A NATS server with nats-server's default max_payload (the Object Store path) or the embedded
+    one's, a gateway and a scripted worker whose context holds the whole prompt (this is about the
+    bus, not the context); yields (base URL, NATS URL)."""
     folder = tmp_path_factory.mktemp("large")
     script = folder / "script.json"
     script.write_text(json.dumps({"default": "read it all"}), encoding="utf-8")
-    with NatsServer(folder / "nats", max_payload=None) as server:
+    default_payload = request.param == "default-1-MiB"
+    server = NatsServer(folder / "nats", max_payload=None) if default_payload else NatsServer(folder / "nats")
+    with server:
         port = free_port()
         env = {**FLEET_ENV, "NATS_URL": server.url, "HELEXA_PORT": str(port), "HELEXA_REQUEST_ACK_WAIT_S": "30"}
         apps = [AppProcess(["gateway"], env),
@@ -58,7 +62,7 @@ async def _objects(nats_url: str) -> list[str]:
         await nc.close()
 
 
-def test_a_3_mib_prompt_is_served_through_a_1_mib_server(small_bus: tuple[str, str]) -> None:
+def test_a_3_mib_prompt_is_served_end_to_end(small_bus: tuple[str, str]) -> None:
     base_url, nats_url = small_bus
     content = SENTENCE * ((3 << 20) // len(SENTENCE))
     body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 8}
