@@ -7,15 +7,18 @@ The protocol, per request (the worker's half lives in `apps/worker/liveness.py`)
 - **Alive probes.** While generating, a worker asks `<reply subject>.alive` every second. An empty
   probe is answered with an empty body ("still listening"); when nobody answers (no responders)
   the gateway is gone and the worker aborts. A worker about to serve a *redelivered* attempt asks
-  with its attempt number; once another attempt has sent the client text, the answer is
-  `topology.ATTEMPT_TAKEN` and that attempt must not run (text cannot be taken back).
+  with its attempt number; once another attempt has sent the client text, or the request was
+  migrated past that attempt, the answer is `topology.ATTEMPT_TAKEN` and that attempt must not run
+  (text cannot be taken back).
 - **Heartbeats.** A worker holding a request sends a `Heartbeat` frame every few seconds (and
   in-progress acks to JetStream). Silence longer than the stream idle timeout means: before any
   text, the worker may have died holding the request (JetStream redelivers it after its ack wait),
   so keep waiting as a queued request would, up to the request's deadline; after text, the worker
-  is lost: the client gets `worker_lost` and later attempts are ignored.
+  is lost: the request migrates to another worker (`apps/gateway/migration.py`), or past the
+  migration limit the client gets `worker_lost` and later attempts are ignored.
 - **Cancel.** When the client leaves early, or the gateway ends a request no worker will finish,
-  the gateway publishes `helexa.cancel.<request id>`; workers abort idempotently.
+  the gateway publishes `helexa.cancel.<request id>`; workers abort idempotently. A migration
+  never cancels: the cancel would reach the new attempt too.
 - **Client hang-ups.** The HTTP client is watched too: a hang-up while the gateway waits on its
   behalf (queued, waiting for `Accepted`, or generating a non-streamed answer) ends the wait, and
   ending it publishes the cancel. While an SSE response streams, Litestar watches for the hang-up
