@@ -5,25 +5,38 @@ buffer cancels the request instead of holding frames for a client that reads too
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
 
 import pytest
+from nats.aio.client import Client as NatsClient
 
 from apps.bus import topology, wire
 from apps.bus.codes import ErrorCode, ServingError
 from apps.embedded.nats_server import NatsServer
-from apps.gateway.reply_stream import ReplyStream, ReplyTimeout
+from apps.gateway.reply_stream import DEFAULT_MAX_FRAMES, ReplyStream, ReplyTimeout
 
 
 def delta(seq: int, text: str, attempt: int = 1) -> bytes:
     return wire.encode(wire.Delta(seq=seq, attempt=attempt, text=text, num_tokens=1))
 
 
-async def test_frames_come_in_order_and_a_later_attempt_is_ignored_once_locked(own_nats: NatsServer) -> None:
-    nc = await topology.connect(own_nats.url, "test")
+@contextlib.asynccontextmanager
+async def subscribed(nats: NatsServer, max_frames: int = DEFAULT_MAX_FRAMES, on_overflow: Callable[[], None] | None = None
+                     ) -> AsyncIterator[tuple[NatsClient, str, ReplyStream]]:
+    """A connection, an inbox and a ReplyStream listening on it."""
+    nc = await topology.connect(nats.url, "test")
     try:
-        reply = ReplyStream()
+        reply = ReplyStream(max_frames, on_overflow)
         inbox = nc.new_inbox()
         reply.subscriptions.append(await nc.subscribe(inbox, cb=reply.on_message))
+        yield nc, inbox, reply
+    finally:
+        await nc.close()
+
+
+async def test_frames_come_in_order_and_a_later_attempt_is_ignored_once_locked(own_nats: NatsServer) -> None:
+    async with subscribed(own_nats) as (nc, inbox, reply):
         for data in (delta(0, "a"), delta(1, "b")):
             await nc.publish(inbox, data)
         assert [(await reply.next(5)).text for _ in range(2)] == ["a", "b"]
@@ -34,17 +47,11 @@ async def test_frames_come_in_order_and_a_later_attempt_is_ignored_once_locked(o
         with pytest.raises(ReplyTimeout):
             await reply.next(0.2)
         await reply.close()
-    finally:
-        await nc.close()
 
 
 @pytest.mark.parametrize("sequence", [[0, 2], [0, 1, 1]], ids=["missing", "repeated"])
 async def test_a_gap_in_an_attempts_sequence_is_lost_frames(own_nats: NatsServer, sequence: list[int]) -> None:
-    nc = await topology.connect(own_nats.url, "test")
-    try:
-        reply = ReplyStream()
-        inbox = nc.new_inbox()
-        reply.subscriptions.append(await nc.subscribe(inbox, cb=reply.on_message))
+    async with subscribed(own_nats) as (nc, inbox, reply):
         for seq in sequence:
             await nc.publish(inbox, delta(seq, f"t{seq}"))
         for _ in sequence[:-1]:
@@ -53,16 +60,10 @@ async def test_a_gap_in_an_attempts_sequence_is_lost_frames(own_nats: NatsServer
             await reply.next(5)
         assert failed.value.code == ErrorCode.FRAMES_LOST and failed.value.status == 502
         await reply.close()
-    finally:
-        await nc.close()
 
 
 async def test_a_migrated_stream_reads_the_new_attempt_only(own_nats: NatsServer) -> None:
-    nc = await topology.connect(own_nats.url, "test")
-    try:
-        reply = ReplyStream()
-        inbox = nc.new_inbox()
-        reply.subscriptions.append(await nc.subscribe(inbox, cb=reply.on_message))
+    async with subscribed(own_nats) as (nc, inbox, reply):
         await nc.publish(inbox, delta(0, "a"))
         assert (await reply.next(5)).text == "a"
         reply.lock()
@@ -74,17 +75,11 @@ async def test_a_migrated_stream_reads_the_new_attempt_only(own_nats: NatsServer
         await nc.publish(inbox, delta(1, "er", attempt=4))
         assert [(await reply.next(5)).text for _ in range(2)] == ["new", "er"]
         await reply.close()
-    finally:
-        await nc.close()
 
 
 async def test_a_reader_too_slow_for_the_buffer_cancels_the_request(own_nats: NatsServer) -> None:
-    nc = await topology.connect(own_nats.url, "test")
-    try:
-        overflowed = asyncio.Event()
-        reply = ReplyStream(max_frames=8, on_overflow=overflowed.set)
-        inbox = nc.new_inbox()
-        reply.subscriptions.append(await nc.subscribe(inbox, cb=reply.on_message))
+    overflowed = asyncio.Event()
+    async with subscribed(own_nats, max_frames=8, on_overflow=overflowed.set) as (nc, inbox, reply):
         await nc.publish(inbox, delta(0, "read"))
         assert (await reply.next(5)).text == "read"
         for seq in range(1, 40):  # the reader is not reading now
@@ -94,8 +89,6 @@ async def test_a_reader_too_slow_for_the_buffer_cancels_the_request(own_nats: Na
             await reply.next(5)
         assert failed.value.code == ErrorCode.CLIENT_TOO_SLOW
         await reply.close()
-    finally:
-        await nc.close()
 
 
 async def test_failing_a_stream_wakes_its_waiting_reader() -> None:

@@ -87,6 +87,27 @@ class Fleet:
         return AppProcess(list(args), self.env)
 
 
+@contextmanager
+def own_fleet(server: NatsServer, folder: Path, model: str, script: dict, nodes: list[str],
+              **env: str) -> Iterator[tuple[str, list[AppProcess]]]:
+    """A gateway and scripted workers of `model` (one per node name) on a NATS server of the
+    test's own, every app with the fleet's timings and `env`; yields (base URL, the workers)."""
+    port = free_port()
+    app_env = {**FLEET_ENV, "NATS_URL": server.url, "HELEXA_PORT": str(port), **env}
+    path = folder / f"{model}.json"
+    path.write_text(json.dumps(script), encoding="utf-8")
+    gateway = AppProcess(["gateway"], app_env)
+    workers = [AppProcess(["worker", "--script", str(path), "--served-model-name", model],
+                          {**app_env, "HELEXA_NODE_ID": node}) for node in nodes]
+    try:
+        for app in (gateway, *workers):
+            app.wait_ready()
+        yield f"http://127.0.0.1:{port}", workers
+    finally:
+        for app in (*reversed(workers), gateway):
+            app.stop()
+
+
 @pytest.fixture(scope="session")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     folder = tmp_path_factory.mktemp("fleet")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import signal
 import threading
 import time
@@ -15,11 +14,10 @@ from pathlib import Path
 import asyncpg
 import httpx
 
-from apps.embedded import free_port
 from apps.embedded.nats_server import NatsServer
 from apps.embedded.postgres import PostgresServer
 from apps.recorder.migrate import migrate
-from tests.fleet.conftest import FLEET_ENV, Fleet, wait_events
+from tests.fleet.conftest import Fleet, own_fleet, wait_events
 from tests.fleet.test_migration import MIGRATED_ATTEMPT, finished, stream_chat
 from tests.support import AppProcess, eventually
 
@@ -34,30 +32,19 @@ def test_a_nats_outage_mid_stream_loses_no_stream_silently(tmp_path: Path) -> No
     every stream either has its whole text or ends with an explicit error event."""
     model = "outage-streams"
     server = NatsServer(tmp_path / "nats").start()
-    port = free_port()
-    env = {**FLEET_ENV, "NATS_URL": server.url, "HELEXA_PORT": str(port)}
-    script = tmp_path / "script.json"
-    script.write_text(json.dumps(SLOW_LONG), encoding="utf-8")
-    apps = [AppProcess(["gateway"], env)] + [
-        AppProcess(["worker", "--script", str(script), "--served-model-name", model],
-                   {**env, "HELEXA_NODE_ID": f"outage-{n}"}) for n in "ab"]
     try:
-        for app in apps:
-            app.wait_ready()
-        base_url = f"http://127.0.0.1:{port}"
-        body = {"model": model, "messages": [{"role": "user", "content": "slow please"}]}
-        texts = [threading.Event() for _ in range(8)]
-        with ThreadPoolExecutor(8) as pool:
-            answers = [pool.submit(stream_chat, base_url, body, has_text, 2) for has_text in texts]
-            for has_text in texts:
-                assert has_text.wait(60)
-            server.stop()
-            time.sleep(OUTAGE_S)  # the outage itself: its length is the scenario, not a wait for an event
-            server.start()
-            got = [answer.result(timeout=180) for answer in answers]
+        with own_fleet(server, tmp_path, model, SLOW_LONG, ["outage-a", "outage-b"]) as (base_url, _):
+            body = {"model": model, "messages": [{"role": "user", "content": "slow please"}]}
+            texts = [threading.Event() for _ in range(8)]
+            with ThreadPoolExecutor(8) as pool:
+                answers = [pool.submit(stream_chat, base_url, body, has_text, 2) for has_text in texts]
+                for has_text in texts:
+                    assert has_text.wait(60)
+                server.stop()
+                time.sleep(OUTAGE_S)  # the outage itself: its length is the scenario, not a wait for an event
+                server.start()
+                got = [answer.result(timeout=180) for answer in answers]
     finally:
-        for app in reversed(apps):
-            app.stop()
         server.stop()
     for streamed in got:
         assert streamed.done
@@ -136,36 +123,27 @@ def test_a_full_request_queue_answers_503_queue_full_and_drops_nothing_queued(tm
     """REQUESTS holds three messages: of eight requests at once, those it refuses get 503
     `queue_full` with Retry-After, and every one it took is answered."""
     model = "full-queue"
-    with NatsServer(tmp_path / "nats") as server:
-        port = free_port()
-        env = {**FLEET_ENV, "NATS_URL": server.url, "HELEXA_PORT": str(port), "HELEXA_REQUESTS_MAX_MSGS": "3",
-               "HELEXA_REQUEST_ACK_WAIT_S": "30"}
-        script = tmp_path / "script.json"
-        script.write_text(json.dumps({"default": "served", "rules": []}), encoding="utf-8")
-        apps = [AppProcess(["gateway"], env),
-                AppProcess(["worker", "--script", str(script), "--served-model-name", model],
-                           {**env, "HELEXA_NODE_ID": "full-a", "HELEXA_MAX_NUM_SEQS": "1"})]
+    with (NatsServer(tmp_path / "nats") as server,
+          own_fleet(server, tmp_path, model, {"default": "served", "rules": []}, ["full-a"],
+                    HELEXA_REQUESTS_MAX_MSGS="3", HELEXA_REQUEST_ACK_WAIT_S="30",
+                    HELEXA_MAX_NUM_SEQS="1") as (base_url, (worker,))):
+        worker.process.send_signal(signal.SIGSTOP)  # nothing leaves the queue meanwhile
         try:
-            for app in apps:
-                app.wait_ready()
-            apps[1].process.send_signal(signal.SIGSTOP)  # nothing leaves the queue meanwhile
             body = {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 
             def ask(_: int) -> httpx.Response:
-                return httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120)
+                return httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120)
 
             with ThreadPoolExecutor(8) as pool:
                 pending = [pool.submit(ask, i) for i in range(8)]
                 # The refusals come at once (the queue is full); the rest wait for the worker.
                 eventually(lambda: sum(f.done() for f in pending) >= 5, timeout_s=60,
                            message="the queue never refused the requests past its limit")
-                apps[1].process.send_signal(signal.SIGCONT)
+                worker.process.send_signal(signal.SIGCONT)
                 answers = [f.result(timeout=120) for f in pending]
         finally:
             with contextlib.suppress(ProcessLookupError):
-                apps[1].process.send_signal(signal.SIGCONT)
-            for app in reversed(apps):
-                app.stop()
+                worker.process.send_signal(signal.SIGCONT)
     full = [a for a in answers if a.status_code == 503]
     served = [a for a in answers if a.status_code == 200]
     assert len(full) == 5 and len(served) == 3, [(a.status_code, a.text) for a in answers]

@@ -6,18 +6,15 @@ the HTTP limit is a 413 naming the limit at once."""
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
 from apps.bus import topology
-from apps.embedded import free_port
 from apps.embedded.nats_server import NatsServer
-from tests.fleet.conftest import FLEET_ENV
-from tests.support import AppProcess, eventually
+from tests.fleet.conftest import own_fleet
+from tests.support import eventually
 
 MODEL = "large-prompt-model"
 SENTENCE = "The quick brown fox jumps over the lazy dog. "
@@ -29,23 +26,11 @@ def small_bus(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     one's, a gateway and a scripted worker whose context holds the whole prompt (this is about the
     bus, not the context); yields (base URL, NATS URL)."""
     folder = tmp_path_factory.mktemp("large")
-    script = folder / "script.json"
-    script.write_text(json.dumps({"default": "read it all"}), encoding="utf-8")
     default_payload = request.param == "default-1-MiB"
     server = NatsServer(folder / "nats", max_payload=None) if default_payload else NatsServer(folder / "nats")
-    with server:
-        port = free_port()
-        env = {**FLEET_ENV, "NATS_URL": server.url, "HELEXA_PORT": str(port), "HELEXA_REQUEST_ACK_WAIT_S": "30"}
-        apps = [AppProcess(["gateway"], env),
-                AppProcess(["worker", "--script", str(script), "--served-model-name", MODEL],
-                           {**env, "HELEXA_NODE_ID": "large-a", "HELEXA_MAX_MODEL_LEN": "4000000"})]
-        try:
-            for app in apps:
-                app.wait_ready()
-            yield f"http://127.0.0.1:{port}", server.url
-        finally:
-            for app in reversed(apps):
-                app.stop()
+    with server, own_fleet(server, folder, MODEL, {"default": "read it all"}, ["large-a"],
+                           HELEXA_REQUEST_ACK_WAIT_S="30", HELEXA_MAX_MODEL_LEN="4000000") as (base_url, _):
+        yield base_url, server.url
 
 
 async def _objects(nats_url: str) -> list[str]:
