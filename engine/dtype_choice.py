@@ -16,7 +16,8 @@ statistics, softmax, sampling (logits are upcast) and the hybrid models' recurre
 Weights are random: only their shapes and bytes matter to the clock. Memory-bound shapes are
 timed over enough distinct weights to stream from memory as the real model does (a budget of
 `STREAM_BUDGET` elements), compute-bound ones over fewer; each time is scaled up to the whole
-model. Each figure is the fastest of `REPEATS` passes (see `measure`).
+model. Each figure is the fastest of `REPEATS` passes (see `measure`). Each linear is timed as the
+engine runs it (`engine.cpu_linear.linear_op`: prepacked for oneDNN in fp32 and bf16).
 """
 
 from __future__ import annotations
@@ -29,10 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from engine import dtype_cache
+from engine import cpu_linear, dtype_cache
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
 
@@ -101,7 +101,8 @@ def choose_dtype(config: EngineConfig, model_config: ModelConfig, device: str,
         return DtypeChoice("bfloat16", device)
     cases = scenarios(config)
     key = dtype_cache.cache_key(torch.__version__, torch.get_num_threads(), linear_shapes(model_config),
-                                [(c.rows, c.with_lm_head, c.budget) for c in cases], CANDIDATES, MIN_GAIN)
+                                [(c.rows, c.with_lm_head, c.budget) for c in cases], CANDIDATES, MIN_GAIN,
+                                cpu_linear.METHOD)
     entry = dtype_cache.load(cache, key) if cache is not None else None
     if entry is not None:
         result = DtypeChoice(entry["dtype"], "measured", entry["timings_ms"], entry["measure_s"])
@@ -170,17 +171,20 @@ class _Weights:
         self.dtype = dtype
         self.stack = [_weight(o, i, dtype) for i, o in stack]
         self.head = _weight(head_rows, hidden, dtype)
+        # Timed as the engine runs them: prepacked for oneDNN where they can be.
+        self.stack_ops = [cpu_linear.linear_op(w) for w in self.stack]
+        self.head_op = cpu_linear.linear_op(self.head)
 
     def time_ms(self, case: Scenario, num_used: int, stack_scale: float, head_scale: float) -> float:
         """One pass over the first `num_used` weights (and the head for decodes), scaled up."""
         inputs = {w.shape[1]: torch.randn(case.rows, w.shape[1]).to(self.dtype)
                   for w in self.stack[:num_used]}
-        used = self.stack[:num_used]
-        stack = _clock(lambda: [F.linear(inputs[w.shape[1]], w) for w in used])
+        used = list(zip(self.stack[:num_used], self.stack_ops[:num_used], strict=True))
+        stack = _clock(lambda: [op(inputs[w.shape[1]]) for w, op in used])
         head = 0.0
         if case.with_lm_head:
             x = torch.randn(case.rows, self.head.shape[1]).to(self.dtype)
-            head = _clock(lambda: F.linear(x, self.head))
+            head = _clock(lambda: self.head_op(x))
         return (stack * stack_scale + head * head_scale) * 1000
 
 
@@ -190,14 +194,15 @@ def _worth_measuring(dtype: str, shapes: list[tuple[int, int]], rows: int) -> bo
     for name in ("float32", dtype):
         weights = [_weight(o, i, getattr(torch, name)) for i, o in layer]
         inputs = [torch.randn(rows, w.shape[1]).to(w.dtype) for w in weights]
-        _linears(inputs, weights)
-        times[name] = min(_clock(lambda: _linears(inputs, weights)) for _ in range(3))  # noqa: B023
+        ops = [cpu_linear.linear_op(w) for w in weights]
+        _linears(inputs, ops)
+        times[name] = min(_clock(lambda: _linears(inputs, ops)) for _ in range(3))  # noqa: B023
     return times[dtype] < times["float32"]
 
 
-def _linears(inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> None:
-    for x, w in zip(inputs, weights, strict=True):
-        F.linear(x, w)
+def _linears(inputs: list[torch.Tensor], ops: list[Callable[[torch.Tensor], torch.Tensor]]) -> None:
+    for x, op in zip(inputs, ops, strict=True):
+        op(x)
 
 
 def _prefix(shapes: list[tuple[int, int]], budget: int) -> tuple[list[tuple[int, int]], float]:

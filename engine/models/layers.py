@@ -1,5 +1,5 @@
-"""Building blocks the model families share: RMSNorm, rotary embeddings, packed projections,
-the SiLU-gated MLP.
+"""Building blocks the model families share: RMSNorm, rotary embeddings, linear layers (`Linear`,
+prepacked on CPU by `engine.cpu_linear`) and packed projections, the SiLU-gated MLP.
 
 Parameter names match HF (`weight`, `down_proj`, ...) so checkpoints load by name, except where
 projections of one input are packed into one GEMM (`PackedLinear`: `qkv_proj`, `gate_up_proj`);
@@ -16,6 +16,7 @@ from torch import nn
 
 from engine import ops
 from engine.config import ModelConfig
+from engine.cpu_linear import Linear
 from kernels.rotary.naive import build_cos_sin_cache
 
 
@@ -91,7 +92,7 @@ class RotaryEmbedding(nn.Module):
         return ops.rotary(q, k, positions, self.cos_sin_cache(positions.device), tables)
 
 
-class PackedLinear(nn.Linear):
+class PackedLinear(Linear):
     """Projections of the same input in one GEMM: output features are the shards side by side.
 
     `shards` names the checkpoint's separate projections (siblings of this module, e.g. q_proj,
@@ -116,7 +117,7 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = PackedLinear(
             hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))

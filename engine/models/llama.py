@@ -18,7 +18,7 @@ from torch import nn
 from engine import ops
 from engine.attention import AttentionMetadata, KVCache
 from engine.config import ModelConfig
-from engine.models.layers import GatedMLP, PackedLinear, RMSNorm, RotaryEmbedding
+from engine.models.layers import GatedMLP, Linear, PackedLinear, RMSNorm, RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
@@ -32,7 +32,7 @@ class LlamaAttention(nn.Module):
         kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = PackedLinear(config.hidden_size, {
             "q_proj": self.num_heads * self.head_dim, "k_proj": kv_size, "v_proj": kv_size}, bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
         # Qwen3 normalizes each query and key head before RoPE.
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
@@ -107,7 +107,7 @@ class LlamaForCausalLM(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.model = LlamaModel(config, self.qk_norm)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:

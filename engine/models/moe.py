@@ -15,7 +15,7 @@ from torch import nn
 
 from engine import ops
 from engine.config import ModelConfig
-from engine.models.layers import GatedMLP
+from engine.models.layers import GatedMLP, Linear
 
 # A per-expert checkpoint tensor: (prefix ending in "experts."), expert index, projection.
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -58,7 +58,7 @@ class SparseMoeBlock(nn.Module):
         self.experts = Experts(count, hidden, int(extra["moe_intermediate_size"]))
         shared = int(extra.get("shared_expert_intermediate_size") or 0)
         self.shared_expert = GatedMLP(hidden, shared) if shared else None
-        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared else None
+        self.shared_expert_gate = Linear(hidden, 1, bias=False) if shared else None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         router_logits = hidden @ self.gate.weight.T

@@ -25,7 +25,7 @@ from torch import nn
 from engine import ops
 from engine.attention import AttentionMetadata, KVCache
 from engine.config import ModelConfig
-from engine.models.layers import GatedMLP, PackedLinear, RotaryEmbedding
+from engine.models.layers import GatedMLP, Linear, PackedLinear, RotaryEmbedding
 from engine.models.moe import CheckpointTarget, SparseMoeBlock, expert_checkpoint_targets, is_sparse_layer
 from engine.state_cache import HybridCaches, LinearStateShape
 
@@ -54,7 +54,7 @@ class GatedAttention(nn.Module):
         # q_proj is twice as wide: per head [query | gate].
         self.qkv_proj = PackedLinear(hidden, {
             "q_proj": self.num_heads * self.head_dim * 2, "k_proj": kv_size, "v_proj": kv_size}, bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         self.q_norm = UnitOffsetRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = UnitOffsetRMSNorm(self.head_dim, config.rms_norm_eps)
 
@@ -95,7 +95,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.ones(self.v_dim))  # plain w: the gated norm
-        self.out_proj = nn.Linear(value_size, hidden, bias=False)
+        self.out_proj = Linear(value_size, hidden, bias=False)
 
     def forward(self, hidden: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor,
                 slot_indices: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -186,7 +186,7 @@ class Qwen3NextForCausalLM(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.model = HybridModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         linear = [layer.linear_attn for layer in self.model.layers if layer.is_linear]
         # Per-sequence state the engine keeps in slots (zero layers still takes HybridCaches).
         self.linear_state_shape = LinearStateShape(
