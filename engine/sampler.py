@@ -76,6 +76,10 @@ class Sampler:
             return SamplerOutput(token_ids=[], logprobs=[], errors=[])
         # Penalties and the min_tokens mask write in place: never into the caller's tensor.
         adjusts = any(_adjusts_logits(row) for row in rows)
+        if not adjusts:
+            plain = _plain_greedy(logits, rows)
+            if plain is not None:
+                return plain
         logits = logits.to(torch.float32, copy=adjusts)
         _apply_penalties(logits, rows)
         errors: list[str | None] = [None] * len(rows)
@@ -192,6 +196,19 @@ def _distinct_tokens(rows: list[int], token_lists: list[list[int]], vocab: int,
     in_vocab = token_index < vocab
     keys, counts = torch.unique(row_index[in_vocab] * vocab + token_index[in_vocab], return_counts=True)
     return keys // vocab, keys % vocab, counts
+
+
+def _plain_greedy(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput | None:
+    """Every row greedy, no logprobs, nothing adjusting the logits (the common decode step): one
+    max over the logits as they are (a max is exact in any dtype), no fp32 copy. None when a row
+    needs the full path, or has a NaN, a +inf or no finite logit (its row max is then not finite)."""
+    if not all(row.options.greedy and row.options.logprobs is None for row in rows):
+        return None
+    values, token_ids = logits.max(-1)  # the first maximal id: ties go to the lowest
+    if not bool(torch.isfinite(values).all()):
+        return None
+    return SamplerOutput(token_ids=token_ids.tolist(), logprobs=[None] * len(rows),
+                         errors=[None] * len(rows))
 
 
 def _adjusts_logits(row: SamplingRow) -> bool:

@@ -383,6 +383,25 @@ def test_a_row_with_non_finite_logits_never_hurts_the_others() -> None:
     assert [out.token_ids[i] for i in (0, 3)] == [clean.token_ids[i] for i in (0, 3)]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_an_all_greedy_batch_with_broken_rows_leaves_its_fast_path(dtype: torch.dtype) -> None:
+    """A plain greedy batch skips the fp32 copy, but a NaN, a +inf or a row with no finite logit
+    still takes the full path: greedy over the finite logits, or an error for that row alone."""
+    logits = random_logits(5, seed=31)
+    poisoned = logits.clone()
+    poisoned[1, :300] = float("nan")
+    poisoned[2, 40] = float("inf")
+    poisoned[3] = -math.inf
+    poisoned = poisoned.to(dtype)
+    out = Sampler()(poisoned, [row(options(temperature=0.0)) for _ in range(5)])
+    expected = logits.to(dtype).float()
+    assert out.token_ids[1] == 300 + int(expected[1, 300:].argmax())
+    expected[2, 40] = -math.inf  # the +inf is not a token to pick: the rest of the row is
+    assert out.token_ids[2] == int(expected[2].argmax())
+    assert out.errors == [None, None, None, NO_FINITE_LOGITS, None]
+    assert [out.token_ids[i] for i in (0, 4)] == [int(expected[i].argmax()) for i in (0, 4)]
+
+
 @pytest.mark.parametrize("config", [
     dict(repetition_penalty=1e-300), dict(repetition_penalty=1e-300, temperature=0.0),
     dict(temperature=1e-38), dict(temperature=1e-5, top_p=0.5), dict(repetition_penalty=1e-36, temperature=1e-4),
