@@ -1,10 +1,10 @@
 """The model's device side: its KV pool and state slots, its decode graphs, and one step's forward + sample.
 
 The runner sizes and allocates the paged KV cache (one (k_cache, v_cache) pair per full-attention
-layer), packs the linear weights for oneDNN on CPU (`engine.cpu_linear`), decides whether the
-model is hybrid (linear-attention layers keep a state slot per sequence, `engine.state_cache`)
-and captures decode CUDA graphs where they apply (`engine.cuda_graphs`: CUDA,
-Triton ops, not hybrid). Each step it lays the scheduler's decision out with the one step builder
+layer), on CPU packs the linear weights for oneDNN (`engine.cpu_linear`) and keeps freed memory
+for the next step (`engine.cpu_memory`), decides whether the model is hybrid (linear-attention
+layers keep a state slot per sequence, `engine.state_cache`) and captures decode CUDA graphs
+where they apply (`engine.cuda_graphs`: CUDA, Triton ops, not hybrid). Each step it lays the scheduler's decision out with the one step builder
 (`engine.step_metadata.build_step_inputs`), runs the model and samples (a seeded request's draw is
 a function of its seed and the token's position, `engine.sampler.seeded_uniform`).
 """
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine import cpu_linear
+from engine import cpu_linear, cpu_memory
 from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeGraphs, graphs_wanted
 from engine.engine_config import EngineConfig
@@ -65,6 +65,7 @@ class ModelRunner:
         self.device, self.dtype = weight.device, weight.dtype
         if self.device.type == "cpu":
             cpu_linear.prepack_model(model)  # weights are final: pack once for oneDNN
+            cpu_memory.keep_freed_memory()  # no page faults for each step's activations
         self.block_size = engine.block_size
         self.num_blocks = engine.num_kv_blocks or max(
             engine.kv_cache_bytes // (kv_bytes_per_token(config, self.dtype) * self.block_size), 1)
