@@ -3,8 +3,9 @@
 `F.linear` on CPU reorders the weight into the matmul kernel's blocked layout on every call
 (bf16 through oneDNN) or runs a plain sgemm (fp32). For a decode step, which streams every weight
 once for a handful of rows, that reorder is most of the work: on a 2-core AVX-512 machine the
-default model's projections at 16 rows take ~36 ms a step through `F.linear` and ~20 ms from
-prepacked weights, in bf16 and fp32 alike (bench/results/cpu_linear-*.json). So the model runner
+default model's projections at 16 rows run 1.65× faster from prepacked weights in bf16 and 2.2×
+in fp32, 1.5-1.6× at one row, about the same at 512 (`bench/cpu_linear.py`,
+bench/results/cpu_linear-cpu-epyc.json). So the model runner
 packs every linear layer's weight once, at build (`prepack_model`), and `engine.models.layers.Linear`
 runs from the packed copy. The checkpoint's own weight stays as it is (the loader, tied
 embeddings and the parity tests read it); the packed copy costs one more copy of the linear
