@@ -12,7 +12,6 @@ withheld if its outputs differ from `F.linear`'s beyond the dtype's rounding.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.machine import machine_info
+from bench.report import emit
 from engine import cpu_linear
 from engine.default_model import default_model_path
 from engine.dtype_choice import linear_shapes
@@ -76,11 +76,7 @@ def main() -> None:
     results = [measure(dtype, rows, args.runs) for dtype in (torch.float32, torch.bfloat16) for rows in ROWS]
     report = {"benchmark": "cpu_linear", "model_shapes": "SmolLM2-135M-Instruct (all projections + LM head)",
               "runs": args.runs, "machine": machine_info(), "results": results}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

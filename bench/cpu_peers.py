@@ -21,7 +21,6 @@ no speed printed.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -36,6 +35,7 @@ from apps.settings import WorkerSettings
 from bench.core_timing import run_greedy
 from bench.export_hf import export_hf_dir
 from bench.machine import machine_info
+from bench.report import emit
 from bench.openai_load import LoadResult, run_load
 from bench.servers import Server, free_port, helexa_up, vllm_server
 from engine.core import EngineCore
@@ -205,11 +205,7 @@ def main() -> None:
         "machine": machine_info(), "runs": args.runs, "systems": systems, **compare(systems),
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ A contender whose outputs disagree on a request's first CHECK_TOKENS tokens gets
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -33,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.core_timing import RunResult, StepClock, run_greedy  # noqa: E402
+from bench.report import emit  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
 from engine.default_model import default_model_path  # noqa: E402
 from engine.engine_config import EngineConfig  # noqa: E402
@@ -201,11 +201,7 @@ def main() -> None:
     ss = report["single_stream_decode_tok_per_s"]
     if ss["ours"]:
         report["ratios"]["ours_vs_hf_single_stream_decode"] = round(ss["ours"] / ss["hf_batch1"], 2)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ layers (16 key / 32 value heads of 128, conv width 4) and Qwen3-30B-A3B's expert
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -38,6 +37,8 @@ if not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton  # noqa: E402
+
+from bench.report import emit  # noqa: E402
 
 from engine.attention import AttentionMetadata  # noqa: E402
 from engine.attention import paged_attention as engine_paged_attention  # noqa: E402
@@ -368,11 +369,7 @@ def main() -> None:
         "sizes": sizes, "results": results,
         "all_passed": all(r["passed"] for r in results),
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit(report, args.out)
     sys.exit(0 if report["all_passed"] else 1)
 
 

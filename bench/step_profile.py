@@ -15,7 +15,6 @@ time outside any ATen op: Python and dispatch ("host").
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -27,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.machine import machine_info
+from bench.report import emit
 from engine.core import EngineCore
 from engine.default_model import default_model_path
 from engine.engine_config import EngineConfig
@@ -161,11 +161,7 @@ def main() -> None:
                   measure(f"mixed_{CHUNK}_chunk_plus_{NUM_SEQS - 1}_decodes", MixedStep(mixed, checkpoint),
                           args.repeats)],
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":
