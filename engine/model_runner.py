@@ -4,9 +4,10 @@ The runner sizes and allocates the paged KV cache (one (k_cache, v_cache) pair p
 layer), on CPU packs the linear weights for oneDNN (`engine.cpu_linear`) and keeps freed memory
 for the next step (`engine.cpu_memory`), decides whether the model is hybrid (linear-attention
 layers keep a state slot per sequence, `engine.state_cache`) and captures decode CUDA graphs
-where they apply (`engine.cuda_graphs`: CUDA, Triton ops, not hybrid). Each step it lays the scheduler's decision out with the one step builder
-(`engine.step_metadata.build_step_inputs`), runs the model and samples (a seeded request's draw is
-a function of its seed and the token's position, `engine.sampler.seeded_uniform`).
+where they apply (`engine.cuda_graphs`: CUDA, Triton ops, not hybrid). Each step it lays the
+scheduler's decision out with the one step builder (`engine.step_metadata.build_step_inputs`),
+runs the model and samples (a seeded request's draw is a function of its seed and the token's
+position, `engine.sampler.seeded_uniform`).
 """
 
 from __future__ import annotations
