@@ -1,5 +1,6 @@
-"""Building blocks the model families share: RMSNorm, rotary embeddings, linear layers (`Linear`,
-prepacked on CPU by `engine.cpu_linear`) and packed projections, the SiLU-gated MLP.
+"""Building blocks the model families share: the residual stream, RMSNorm, rotary embeddings,
+linear layers (`Linear`, prepacked on CPU by `engine.cpu_linear`) and packed projections, the
+SiLU-gated MLP.
 
 Parameter names match HF (`weight`, `down_proj`, ...) so checkpoints load by name, except where
 projections of one input are packed into one GEMM (`PackedLinear`: `qkv_proj`, `gate_up_proj`);
@@ -18,6 +19,21 @@ from engine import ops
 from engine.config import ModelConfig
 from engine.cpu_linear import Linear
 from kernels.rotary.naive import build_cos_sin_cache
+
+RESIDUAL_DTYPE = torch.float32
+
+
+def residual_stream(embeddings: torch.Tensor) -> torch.Tensor:
+    """The residual stream a forward pass starts from its embeddings: fp32 in every model dtype.
+
+    The stream is the running sum of every sublayer's output; in bf16 each layer's add rounds it
+    to 8 bits of mantissa. Measured on SmolLM2-135M (bf16 weights, 4 chat prompts, every
+    position): fp32 keeps the mean |logit - fp32 model's logit| at 0.095 against 0.15 for a bf16
+    stream, and "What is the capital of France?" then starts "The capital of France is Paris."
+    as in fp32 (a bf16 stream starts "L'Étoile"). It costs one cast per layer's norm: the
+    sublayers still read and write the model dtype (`RMSNorm.add_and_norm` returns the norm in x's
+    dtype)."""
+    return embeddings.to(RESIDUAL_DTYPE)
 
 
 class RMSNorm(nn.Module):

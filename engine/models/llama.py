@@ -7,7 +7,9 @@ keeps keys/values in the paged cache through `engine.ops.attention`.
 
 The residual stream travels beside the hidden states: each norm adds the previous sublayer's
 output into it in place and normalizes in one pass (`RMSNorm.add_and_norm`), as the fused
-kernel does on CUDA.
+kernel does on CUDA. The stream is kept in fp32 whatever the model dtype (`residual_stream`):
+a bf16 stream rounds every layer's sum, and on SmolLM2 that is enough to flip the first token
+of a plain chat answer (see `engine.models.layers.residual_stream`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from torch import nn
 from engine import ops
 from engine.attention import AttentionMetadata, KVCache
 from engine.config import ModelConfig
-from engine.models.layers import GatedMLP, Linear, PackedLinear, RMSNorm, RotaryEmbedding
+from engine.models.layers import (GatedMLP, Linear, PackedLinear, RMSNorm, RotaryEmbedding,
+                                  residual_stream)
 
 
 class LlamaAttention(nn.Module):
@@ -63,8 +66,8 @@ class LlamaDecoderLayer(nn.Module):
                 rotary_emb: RotaryEmbedding, kv_cache: KVCache,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (this layer's MLP output, the residual stream before it is added)."""
-        if residual is None:  # first layer: the embeddings are the residual stream
-            residual, hidden = hidden, self.input_layernorm(hidden)
+        if residual is None:  # first layer: the embeddings start the residual stream
+            residual, hidden = residual_stream(hidden), self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
         hidden = self.self_attn(hidden, positions, rotary_emb, kv_cache, meta)

@@ -25,7 +25,7 @@ from torch import nn
 from engine import ops
 from engine.attention import AttentionMetadata, KVCache
 from engine.config import ModelConfig
-from engine.models.layers import GatedMLP, Linear, PackedLinear, RotaryEmbedding
+from engine.models.layers import GatedMLP, Linear, PackedLinear, RotaryEmbedding, residual_stream
 from engine.models.moe import CheckpointTarget, SparseMoeBlock, expert_checkpoint_targets, is_sparse_layer
 from engine.state_cache import HybridCaches, LinearStateShape
 
@@ -40,6 +40,10 @@ class UnitOffsetRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps, unit_offset=True)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual += x (in place), then norm it in x's dtype: see RMSNorm.add_and_norm."""
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps, unit_offset=True)
 
 
 class GatedAttention(nn.Module):
@@ -158,8 +162,12 @@ class HybridModel(nn.Module):
         self.rotary_emb.begin_step(positions)
         slots = caches.slot_indices
         kv_index = linear_index = 0
+        residual = None  # fp32 whatever the model dtype, as in Llama (layers.residual_stream)
         for layer in self.layers:
-            normed = layer.input_layernorm(hidden)
+            if residual is None:
+                residual, normed = residual_stream(hidden), layer.input_layernorm(hidden)
+            else:
+                normed, residual = layer.input_layernorm.add_and_norm(hidden, residual)
             if layer.is_linear:
                 states = caches.states
                 mixed = layer.linear_attn(normed, states.conv[linear_index],
@@ -168,9 +176,11 @@ class HybridModel(nn.Module):
             else:
                 mixed = layer.self_attn(normed, positions, self.rotary_emb, caches.kv[kv_index], meta)
                 kv_index += 1
-            hidden = hidden + mixed
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return self.norm(hidden)
+            normed, residual = layer.post_attention_layernorm.add_and_norm(mixed, residual)
+            hidden = layer.mlp(normed)
+        if residual is None:
+            return self.norm(hidden)
+        return self.norm.add_and_norm(hidden, residual)[0]
 
 
 class Qwen3NextForCausalLM(nn.Module):

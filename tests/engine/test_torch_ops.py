@@ -35,6 +35,19 @@ def test_norms_match_the_references(dtype: str, unit_offset: bool) -> None:
     assert rel_error(normed, normed_ref) < tolerance
 
 
+@pytest.mark.parametrize("unit_offset", [False, True], ids=["w", "1+w"])
+def test_an_fp32_residual_stream_of_a_bf16_model_is_normed_as_the_reference(unit_offset: bool) -> None:
+    x = torch.randn(7, 64).to(torch.bfloat16)
+    weight = (torch.randn(64) * 0.1 + (0 if unit_offset else 1)).to(torch.bfloat16)
+    residual = torch.randn(7, 64)
+    residual_ref = residual.clone()
+    normed, summed = torch_ops.fused_add_rms_norm(x, residual, weight, 1e-6, unit_offset=unit_offset)
+    normed_ref, summed_ref = naive_fused_add_rms_norm(x, residual_ref, weight, 1e-6, unit_offset=unit_offset)
+    assert summed is residual and summed.dtype == torch.float32 and normed.dtype == torch.bfloat16
+    assert torch.equal(summed, summed_ref)
+    assert rel_error(normed, normed_ref) < 1e-2
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
 def test_silu_and_mul_matches_the_reference(dtype: str) -> None:
     torch_dtype, tolerance = DTYPES[dtype]

@@ -42,6 +42,20 @@ def test_fused_add_rms_norm(shape: tuple[int, ...], dtype: torch.dtype, unit_off
     assert_close(out, ref_out, tol_for(dtype), "out")
 
 
+@pytest.mark.parametrize("unit_offset", [False, True], ids=["w", "1+w"])
+def test_fused_add_into_an_fp32_residual_stream(unit_offset: bool) -> None:
+    """A bf16 model's residual stream is fp32 (engine.models.layers.residual_stream): the sum is
+    kept unrounded, the norm comes out in x's dtype."""
+    x, w = _inputs((3, 48), torch.bfloat16)
+    residual = torch.randn((3, 48), device=DEVICE)
+    expected_sum = residual + x.float()
+    ref_out, _ = naive_fused_add_rms_norm(x, residual.clone(), w, 1e-6, unit_offset=unit_offset)
+    out, new_residual = fused_add_rms_norm(x, residual, w, 1e-6, unit_offset=unit_offset)
+    assert new_residual is residual and residual.dtype == torch.float32 and out.dtype == torch.bfloat16
+    assert_close(new_residual, expected_sum, tol_for(torch.float32), "residual")
+    assert_close(out, ref_out, tol_for(torch.bfloat16), "out")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_gated_rms_norm(shape: tuple[int, ...], dtype: torch.dtype) -> None:
