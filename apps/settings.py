@@ -151,6 +151,8 @@ class WorkerSettings:
     max_num_seqs: int = field(default_factory=lambda: _env_int("HELEXA_MAX_NUM_SEQS", 16))
     max_num_batched_tokens: int = field(default_factory=lambda: _env_int("HELEXA_MAX_NUM_BATCHED_TOKENS", 2048))
     kv_cache_mb: int = field(default_factory=lambda: _env_int("HELEXA_KV_CACHE_MB", 1024))
+    # How long an idle engine gathers a burst of requests before its first step (0: not at all).
+    batch_window_ms: float = field(default_factory=lambda: _env_float("HELEXA_BATCH_WINDOW_MS", 30.0))
     enable_prefix_caching: bool = field(default_factory=lambda: _env("HELEXA_PREFIX_CACHING", "on") != "off")
     # Decode steps replay CUDA graphs on a GPU; "off" runs every step eagerly.
     cuda_graphs: bool = field(default_factory=lambda: _env("HELEXA_CUDA_GRAPHS", "on") != "off")
@@ -183,6 +185,8 @@ class WorkerSettings:
             raise ValueError("HELEXA_REASONING_PARSER must be auto, on or off")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError("HELEXA_DTYPE must be auto, float32, bfloat16 or float16")
+        if not 0 <= self.batch_window_ms <= 1000:
+            raise ValueError("HELEXA_BATCH_WINDOW_MS must be between 0 and 1000")
         if self.requester_grace_s < 0 or self.stop_grace_s < 0:
             raise ValueError("HELEXA_REQUESTER_GRACE_S and HELEXA_STOP_GRACE_S must be >= 0")
 
@@ -198,6 +202,7 @@ class WorkerSettings:
             enable_prefix_caching=self.enable_prefix_caching,
             cuda_graphs=self.cuda_graphs,
             kernels=self.kernels,
+            batch_window_ms=self.batch_window_ms,
         )
 
 

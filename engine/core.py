@@ -24,6 +24,7 @@ import msgspec
 import torch
 
 from engine import ops
+from engine.batch_window import gather_burst
 from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCacheManager
 from engine.loader import Checkpoint
@@ -299,6 +300,15 @@ def build_core(config: EngineConfig) -> EngineCore:
     return core
 
 
+def _take(core: EngineCore, conn: Connection, outputs: list[EngineOutput]) -> bool:
+    """Apply the next message from the client, its outputs into `outputs`; False: shut down."""
+    handled = _handle(core, conn.recv_bytes())
+    if handled is None:
+        return False
+    outputs.extend(handled)
+    return True
+
+
 def _handle(core: EngineCore, data: bytes) -> list[EngineOutput] | None:
     """Apply one message from the client; None means shut down. A message that cannot be
     applied fails the request it carries, never the process."""
@@ -345,17 +355,21 @@ def run_core_process(conn: Connection, config: EngineConfig) -> None:
         send(CoreFailed(error=f"{type(exc).__name__}: {exc}"))
         return
     send(CoreReady(info=core.info))
+    window_s = config.batch_window_ms / 1000.0
     while True:
         outputs: list[EngineOutput] = []
         try:
             # Block for commands only when idle; otherwise just take what has arrived.
-            if not core.has_work():
+            idle = not core.has_work()
+            if idle:
                 conn.poll(None)
             while conn.poll():
-                handled = _handle(core, conn.recv_bytes())
-                if handled is None:
+                if not _take(core, conn, outputs):
                     return
-                outputs.extend(handled)
+            if idle and window_s and core.has_work() and not gather_burst(
+                    conn.poll, lambda: _take(core, conn, outputs), core.scheduler.next_step_is_full,
+                    window_s):
+                return
         except (EOFError, OSError):
             return  # the worker is gone; so is our reason to run
         try:

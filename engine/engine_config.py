@@ -31,6 +31,9 @@ class EngineConfig:
     cuda_graphs: bool = True
     # Which implementation of the hot ops runs (KERNEL_CHOICES); the core resolves it once at build.
     kernels: str = "auto"
+    # An idle engine that receives a request waits up to this long for the rest of a burst before
+    # its first step (engine.batch_window); 0 steps at once.
+    batch_window_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -39,6 +42,8 @@ class EngineConfig:
             raise ValueError("num_kv_blocks and kv_cache_bytes must be >= 0")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if not 0 <= self.batch_window_ms <= 1000:
+            raise ValueError("batch_window_ms must be between 0 and 1000")
         if self.max_model_len < 0:
             raise ValueError("max_model_len must be >= 0")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

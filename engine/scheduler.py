@@ -93,6 +93,13 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    def next_step_is_full(self) -> bool:
+        """The waiting requests alone would fill the next step (its token budget or its seats)."""
+        if len(self.waiting) >= self.config.max_num_seqs:
+            return True
+        tokens = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        return tokens >= self.config.max_num_batched_tokens
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self._ended_at_add)
 
