@@ -9,7 +9,8 @@ concurrent clients. Systems, each started, measured over --runs runs and stopped
     correct one is "vLLM's best dtype";
   - helexa, `helexa up` (gateway + NATS + worker + recorder), its dtype chosen at start by
     measurement (HELEXA_DTYPE=auto, a fresh dtype cache) unless --helexa-dtype says otherwise;
-  - the helexa engine in process with that dtype, for what the pipeline adds.
+  - the helexa engine in process with that dtype, for what the pipeline adds; where the pipeline's
+    TTFT goes at 16 streams is read from helexa's own ledger (bench/ledger_timing.py).
 Every figure is a median over runs. Correctness gate (engine.greedy_agreement): every generated
 token is scored by our fp32 model after the system's own prefix; a system outside the bound gets
 no speed printed.
@@ -34,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from apps.settings import WorkerSettings
 from bench.core_timing import run_greedy
 from bench.export_hf import export_hf_dir
+from bench.ledger_timing import breakdown, database_url
 from bench.machine import machine_info
 from bench.report import emit
 from bench.openai_load import LoadResult, run_load
@@ -88,6 +90,9 @@ def measure_server(server: Server, work: list[list[int]], single: list[list[int]
             singles.append(run_load(url, server.model, single, MAX_TOKENS, concurrent=False))
             bursts.append(run_load(url, server.model, work, MAX_TOKENS, concurrent=True))
         entry = {"startup_s": round(server.startup_s, 1), **server.details()}
+        ledger = database_url(server.log_path) if server.name == "helexa-up" else None
+        if ledger:
+            entry["ttft_breakdown_16_streams"] = breakdown(ledger, bursts)
     check = agreement(reference, work, bursts[0])
     entry["agreement_with_fp32"] = check.summary()
     entry["correct"] = check.ok

@@ -25,6 +25,7 @@ class StreamTiming:
     gaps: list[float] = field(default_factory=list)
     text: str = ""
     completion_tokens: int = 0
+    response_id: str = ""  # the server's id of the completion (helexa's ledger keys runs by it)
 
     @property
     def ttft(self) -> float:
@@ -64,6 +65,7 @@ async def one_stream(client: AsyncOpenAI, model: str, index: int, prompt: list[i
     parts = []
     async for chunk in stream:
         now = time.perf_counter()
+        timing.response_id = timing.response_id or chunk.id
         if chunk.usage is not None:
             timing.completion_tokens = chunk.usage.completion_tokens
         text = "".join(choice.text or "" for choice in chunk.choices)
