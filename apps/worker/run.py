@@ -127,7 +127,10 @@ async def run_request(model: ServedModel, request: wire.GenerateRequest, replier
         return RunOutcome(record.finished_event(RunStatus.REJECTED, FinishReason.ERROR, type(exc).__name__),
                           terminate=True)
     await replier.accepted(len(prompt.token_ids))
-    await publish_event(js, record.started_event())
+    # run.started goes to the ledger beside the generation: the engine need not wait out its
+    # PubAck (a round trip per request, which spread a burst's arrivals at the engine). It is
+    # awaited below, so it is on the stream before the run.finished the caller publishes.
+    started = asyncio.create_task(publish_event(js, record.started_event()))
     watcher = None
     if probe is not None:
         watcher = asyncio.create_task(_follow_requester(probe, model.engine, request, replier))
@@ -150,6 +153,7 @@ async def run_request(model: ServedModel, request: wire.GenerateRequest, replier
         if watcher is not None:
             watcher.cancel()
     record.finished_at = time.time()
+    await started
     model.context.observe_prefill(record.prompt_tokens - record.cached_tokens, record.prefill_ms)
     if replier.silenced is not None:
         # Another attempt serves the client, or the worker handed the request back before any text
