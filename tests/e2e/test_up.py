@@ -114,16 +114,24 @@ def test_the_banner_urls_work_as_printed_and_nothing_else_gets_in(up: Up) -> Non
 
 
 def _child(up: Up, app: str) -> psutil.Process:
-    (found,) = [p for p in psutil.Process(up.process.process.pid).children()
-                if p.cmdline()[-2:] == ["apps.cli", app]]
-    return found
+    found = []
+    for child in psutil.Process(up.process.process.pid).children():
+        try:
+            if child.cmdline()[-2:] == ["apps.cli", app]:
+                found.append(child)
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):
+            continue  # a child that has just exited and is not reaped yet has no command line
+    (only,) = found
+    return only
 
 
 def test_a_child_killed_with_sigkill_comes_back_and_the_system_serves_again(up: Up) -> None:
     before = {app: [e for e in up.process.lines if e.get("event") == "ready" and e.get("app") == app]
               for app in ("gateway", "recorder")}
-    for app in ("gateway", "recorder"):
-        _child(up, app).kill()
+    # Both found before either is killed: a killed child is a zombie until `helexa up` reaps it.
+    children = [_child(up, app) for app in ("gateway", "recorder")]
+    for child in children:
+        child.kill()
     for app in ("gateway", "recorder"):
         exited = up.process.wait_for(lambda e, a=app: e.get("event") == "child exited, restarting" and e.get("app") == a)
         assert exited["returncode"] == -signal.SIGKILL and exited["restart_in_s"] > 0
