@@ -7,9 +7,8 @@ keeps keys/values in the paged cache through `engine.ops.attention`.
 
 The residual stream travels beside the hidden states: each norm adds the previous sublayer's
 output into it in place and normalizes in one pass (`RMSNorm.add_and_norm`), as the fused
-kernel does on CUDA. The stream is kept in fp32 whatever the model dtype (`residual_stream`):
-a bf16 stream rounds every layer's sum, and on SmolLM2 that is enough to flip the first token
-of a plain chat answer (see `engine.models.layers.residual_stream`).
+kernel does on CUDA. The stream is kept in fp32 whatever the model dtype (why and what it
+measured: `engine.models.layers.residual_stream`).
 """
 
 from __future__ import annotations
