@@ -13,7 +13,9 @@ One batch mixes whole prefills, chunked-prefill continuations (queries start mid
 see earlier keys through the cache) and decodes (one query each). `paged_attention` is the
 PyTorch path; it does the batch's work and not its padding: decodes in length buckets, each
 through one folded-GQA SDPA call over its own gather, and every prefill or chunk through its own
-SDPA call over its own keys (how the step is split: `engine.attention_plan`).
+SDPA call over its own keys (how the step is split: `engine.attention_plan`). On CPU, where the
+decode kernel builds (kernels/paged_attention/cpu.py), every decode row goes through it instead:
+one call that reads keys and values through the block tables, nothing gathered or padded.
 """
 
 from __future__ import annotations
@@ -25,13 +27,20 @@ from engine import torch_ops
 from engine.attention_plan import AttentionPlan, DecodeBucket, PrefillSeq, build_plan
 # Model files import the metadata and cache types from here, beside the computation that reads them.
 from engine.step_metadata import AttentionMetadata, KVCache  # noqa: F401
+from kernels.paged_attention import cpu as cpu_decode
+
+
+def decode_kernel_available(device: torch.device) -> bool:
+    """Whether decode rows on `device` go through the CPU decode kernel (built once per machine)."""
+    return device.type == "cpu" and cpu_decode.load()
 
 
 def plan_for(meta: AttentionMetadata, block_size: int, device: torch.device) -> AttentionPlan:
     """The step's split, built on its first layer and kept on the metadata for the others."""
     if meta._plan is None:
         meta._plan = build_plan(meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                                meta.slot_mapping, block_size, device)
+                                meta.slot_mapping, block_size, device,
+                                decode_kernel=decode_kernel_available(device))
     return meta._plan
 
 
@@ -54,6 +63,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     plan = plan_for(meta, k_cache.shape[1], q.device)
     num_tokens, num_heads, head_dim = q.shape
+    if plan.decode_rows is not None:
+        out = q.new_empty(num_tokens, num_heads, head_dim)
+        rows = plan.decode_rows
+        cpu_decode.paged_decode_attention(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                          rows.token_rows, rows.seq_rows, scale)
+        for seq in plan.prefill:
+            out[seq.start:seq.end] = _prefill(q, k_cache, v_cache, seq, scale, k, v)
+        return out
     decode = plan.decode
     if len(decode) == 1 and decode[0].token_rows is None:  # a pure decode step, in batch order
         return _decode(q, k_cache, v_cache, decode[0], scale).view(num_tokens, num_heads, head_dim)

@@ -13,6 +13,9 @@ layer reuses the split:
 - each prefill or chunk row gets its own SDPA call: a whole prefill over the step's own keys
   (contiguous, nothing gathered, `is_causal`), a chunk continuation over its own gathered blocks
   with a bottom-right causal mask.
+
+Where the CPU decode kernel is built (kernels/paged_attention/cpu.py) there are no buckets: the
+kernel reads every decode row's keys through its block table in one call (`DecodeRows`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,14 @@ class DecodeBucket:
 
 
 @dataclass(slots=True)
+class DecodeRows:
+    """Every decode row of the step, for the CPU decode kernel: one query each."""
+
+    token_rows: torch.Tensor  # [n] int64, rows of q/out
+    seq_rows: torch.Tensor  # [n] int64, the rows' sequences (rows of seq_lens, block_tables)
+
+
+@dataclass(slots=True)
 class PrefillSeq:
     """One sequence with several new queries: rows start:end of q, its last (end - start)
     positions of seq_len."""
@@ -53,7 +64,8 @@ class PrefillSeq:
 @dataclass(slots=True)
 class AttentionPlan:
     num_tokens: int
-    decode: list[DecodeBucket]
+    decode: list[DecodeBucket]  # empty when `decode_rows` is set
+    decode_rows: DecodeRows | None  # set when the CPU decode kernel takes every decode row
     prefill: list[PrefillSeq]
     slots_valid: bool  # no token of the step has slot -1 (padding), so KV stores need no mask
 
@@ -81,13 +93,20 @@ def decode_buckets(lengths: list[int], cost_keys: int = BUCKET_COST_KEYS) -> lis
 
 
 def build_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-               slot_mapping: torch.Tensor, block_size: int, device: torch.device) -> AttentionPlan:
-    """Split a step's sequences into decode buckets and per-sequence prefills (see module doc)."""
+               slot_mapping: torch.Tensor, block_size: int, device: torch.device,
+               decode_kernel: bool = False) -> AttentionPlan:
+    """Split a step's sequences into decode buckets (or, with `decode_kernel`, one `DecodeRows`)
+    and per-sequence prefills (see module doc)."""
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     decode_seqs = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
     decode = []
-    if decode_seqs:
+    decode_rows = None
+    if decode_seqs and decode_kernel:
+        decode_rows = DecodeRows(
+            token_rows=torch.tensor([starts[i] for i in decode_seqs], dtype=torch.int64, device=device),
+            seq_rows=torch.tensor(decode_seqs, dtype=torch.int64, device=device))
+    elif decode_seqs:
         groups = decode_buckets([lens[i] for i in decode_seqs])
         if len(groups) == 1:  # keep batch order: a pure decode step then needs no scatter
             groups = [list(range(len(decode_seqs)))]
@@ -108,7 +127,8 @@ def build_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tabl
         block_ids = block_tables[i, :-(-seq_len // block_size)]
         prefill.append(PrefillSeq(start, end, seq_len, block_ids, mask))
     slots_valid = bool((slot_mapping >= 0).all()) if slot_mapping.numel() else True
-    return AttentionPlan(num_tokens=starts[-1], decode=decode, prefill=prefill, slots_valid=slots_valid)
+    return AttentionPlan(num_tokens=starts[-1], decode=decode, decode_rows=decode_rows, prefill=prefill,
+                         slots_valid=slots_valid)
 
 
 def _decode_bucket(seqs: list[int], starts: list[int], lens: list[int], block_tables: torch.Tensor,

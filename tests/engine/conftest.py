@@ -6,7 +6,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import torch
 
+import engine.attention
 from engine import ops
 from engine.default_model import default_model_path
 from engine.loader import Checkpoint, load_checkpoint
@@ -17,6 +19,17 @@ def _kernel_choice_unset() -> Iterator[None]:
     ops.use_backend("auto")
     yield
     ops.use_backend("auto")
+
+
+@pytest.fixture(params=["decode-kernel", "sdpa-buckets"])
+def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test on each CPU decode path: the C++ decode kernel (which must build here: CI has
+    a compiler) and the SDPA length buckets the engine keeps for machines where it does not."""
+    if request.param == "decode-kernel":
+        assert engine.attention.decode_kernel_available(torch.device("cpu"))
+    else:
+        monkeypatch.setattr(engine.attention, "decode_kernel_available", lambda device: False)
+    return request.param
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,11 @@
-"""The PyTorch paged attention does the batch's work, not its padding (counted FLOPs, no timing).
+"""The CPU paged attention does the batch's work, not its padding (counted FLOPs, no timing).
 
 Unpadded work of a sequence with q new queries over s keys is the q × s rectangle of scores and
 of weighted values: 4·heads·q·s·head_dim FLOPs, what one SDPA call over exactly its own keys
 costs (the counter does not discount a causal mask, so a whole prefill counts its full square).
+Both decode paths are counted: the CPU decode kernel (its loops run over each row's own
+seq_len keys, read from its arguments) and the SDPA length buckets it replaces where it cannot
+be built.
 """
 
 from __future__ import annotations
@@ -22,8 +25,26 @@ def _cpu_flash_flops(query_shape, key_shape, value_shape, *args, out_shape=None,
     return sdpa_flop_count(query_shape, key_shape, value_shape)
 
 
-# FlopCounterMode knows the CUDA SDPA kernels; the CPU flash kernel counts the same way.
-COUNTED = {aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_flops}
+def _decode_kernel_flops(out, q, k_cache, v_cache, block_tables, seq_lens, token_rows, seq_rows,
+                         scale, out_val=None) -> int:
+    """What the kernel's loops do: each row scores and sums its own seq_len keys, every head."""
+    keys = int(seq_lens.long()[seq_rows].sum())
+    return 4 * q.shape[1] * keys * q.shape[2]
+
+
+_decode_kernel_flops._get_raw = True  # FlopCounterMode hands it the tensors, not their shapes
+
+
+def counted_ops() -> dict:
+    """FlopCounterMode knows the CUDA SDPA kernels; the CPU flash kernel counts the same way, and
+    the decode kernel (registered once it is loaded) by its loops."""
+    ops = {aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_flops}
+    if hasattr(torch.ops.helexa_cpu, "paged_decode_attention"):
+        ops[torch.ops.helexa_cpu.paged_decode_attention] = _decode_kernel_flops
+    return ops
+
+
+pytestmark = pytest.mark.usefixtures("decode_path")
 
 
 def unpadded_flops(batch: list[tuple[int, int]]) -> int:
@@ -42,7 +63,7 @@ def attention_flops(batch: list[tuple[int, int]], pass_new_keys: bool) -> int:
     num_tokens = sum(query_lens)
     q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM)
     k = v = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM) if pass_new_keys else None
-    with FlopCounterMode(display=False, custom_mapping=COUNTED) as counter:
+    with FlopCounterMode(display=False, custom_mapping=counted_ops()) as counter:
         out = paged_attention(q, cache, cache, meta, HEAD_DIM ** -0.5, k, v)
     assert out.shape == q.shape and torch.isfinite(out).all()
     return counter.get_total_flops()

@@ -18,6 +18,8 @@ BATCHES = {
     # Decode contexts far apart: more than one length bucket (engine.attention_plan).
     "spread-decodes": [(1, 3), (1, 300), (4, 9), (1, 5), (1, 290), (1, 1), (1, 310)],
 }
+pytestmark = pytest.mark.usefixtures("decode_path")
+
 HEADS = {"gqa-4-2": (4, 2), "mha-3-3": (3, 3), "mqa-4-1": (4, 1)}
 HEAD_DIM = 8
 

@@ -1,0 +1,116 @@
+"""The CPU decode attention kernel (kernels/paged_attention/cpu_decode.cpp) against the naive loop.
+
+It must build wherever the suite runs (CI has a compiler): a machine where it cannot is served by
+the SDPA path, but then these tests fail rather than pass on the fallback.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.paged_attention import cpu as cpu_decode
+from kernels.paged_attention import naive_paged_attention
+
+DTYPES = [pytest.param(torch.float32, 1e-5, id="fp32"), pytest.param(torch.bfloat16, 1e-2, id="bf16"),
+          pytest.param(torch.float16, 2e-3, id="fp16")]
+# (num_heads, num_kv_heads, head_dim): the default model's shape, MHA, odd head_dim (vector tail).
+SHAPES = [pytest.param((9, 3, 64), id="smollm2"), pytest.param((4, 4, 32), id="mha"),
+          pytest.param((6, 2, 20), id="gqa3-tail")]
+SEQ_LENS = [1, 15, 16, 17, 150, 64]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    assert cpu_decode.load(), "the CPU decode kernel did not build on this machine"
+
+
+def decode_case(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                block_size: int = 16) -> tuple:
+    generator = torch.Generator().manual_seed(0)
+    num_blocks = sum(-(-s // block_size) for s in SEQ_LENS) + 4
+    free = torch.randperm(num_blocks, generator=generator).tolist()
+    tables = []
+    for seq_len in SEQ_LENS:
+        n = -(-seq_len // block_size)
+        tables.append(free[:n])
+        free = free[n:]
+    width = max(map(len, tables))
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=generator).to(dtype)
+    v_cache = torch.randn(shape, generator=generator).to(dtype)
+    q = torch.randn(len(SEQ_LENS), num_heads, head_dim, generator=generator).to(dtype)
+    return q, k_cache, v_cache, block_tables, torch.tensor(SEQ_LENS, dtype=torch.int32)
+
+
+def reference(q, k_cache, v_cache, block_tables, seq_lens, scale) -> torch.Tensor:
+    starts = torch.arange(len(SEQ_LENS) + 1, dtype=torch.int32)
+    return naive_paged_attention(q, k_cache, v_cache, starts, seq_lens, block_tables, 1, scale)
+
+
+def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize(("dtype", "tolerance"), DTYPES)
+def test_decode_kernel_matches_the_naive_loop(shape: tuple[int, int, int], dtype: torch.dtype,
+                                              tolerance: float) -> None:
+    q, k_cache, v_cache, tables, lens = decode_case(*shape, dtype)
+    scale = shape[2] ** -0.5
+    out = torch.full_like(q, float("nan"))
+    rows = torch.arange(len(SEQ_LENS))
+    cpu_decode.paged_decode_attention(out, q, k_cache, v_cache, tables, lens, rows, rows, scale)
+    assert rel_error(out, reference(q, k_cache, v_cache, tables, lens, scale)) < tolerance
+
+
+def test_decode_kernel_writes_only_its_rows_and_reads_strided_queries() -> None:
+    """Rows of a mixed step: q is a view into a wider projection, two rows in another order."""
+    q, k_cache, v_cache, tables, lens = decode_case(9, 3, 64, torch.float32)
+    wide = torch.randn(len(SEQ_LENS), 9 * 64 + 7)
+    wide[:, :9 * 64] = q.view(len(SEQ_LENS), -1)
+    strided_q = wide[:, :9 * 64].view(len(SEQ_LENS), 9, 64)
+    assert not strided_q.is_contiguous()
+    out = torch.zeros(len(SEQ_LENS) + 2, 9, 64)
+    token_rows, seq_rows = torch.tensor([7, 1]), torch.tensor([4, 2])
+    padded_q = torch.zeros(len(SEQ_LENS) + 2, 9, 64)
+    padded_q[7], padded_q[1] = strided_q[4], strided_q[2]
+    cpu_decode.paged_decode_attention(out, padded_q, k_cache, v_cache, tables, lens, token_rows,
+                                      seq_rows, 0.125)
+    expected = reference(q, k_cache, v_cache, tables, lens, 0.125)
+    assert rel_error(out[7], expected[4]) < 1e-5 and rel_error(out[1], expected[2]) < 1e-5
+    untouched = [r for r in range(out.shape[0]) if r not in (7, 1)]
+    assert (out[untouched] == 0).all()
+    # A strided q straight from a projection, rows in order.
+    out = torch.empty_like(q)
+    rows = torch.arange(len(SEQ_LENS))
+    cpu_decode.paged_decode_attention(out, strided_q, k_cache, v_cache, tables, lens, rows, rows, 0.125)
+    assert rel_error(out, expected) < 1e-5
+
+
+@pytest.mark.parametrize("damage", ["block-id", "seq-len", "token-row", "seq-row"])
+def test_decode_kernel_refuses_reads_outside_the_cache(damage: str) -> None:
+    """It reads through raw pointers: bad metadata is an error, never a read out of bounds."""
+    q, k_cache, v_cache, tables, lens = decode_case(9, 3, 64, torch.float32)
+    token_rows = seq_rows = torch.arange(len(SEQ_LENS))
+    if damage == "block-id":
+        tables[4, 3] = k_cache.shape[0]
+    elif damage == "seq-len":
+        lens[0] = tables.shape[1] * k_cache.shape[1] + 1
+    elif damage == "token-row":
+        token_rows = torch.tensor([0, len(SEQ_LENS)])
+        seq_rows = torch.tensor([0, 1])
+    else:
+        token_rows = torch.tensor([0, 1])
+        seq_rows = torch.tensor([0, len(SEQ_LENS)])
+    with pytest.raises(RuntimeError):
+        cpu_decode.paged_decode_attention(torch.empty_like(q), q, k_cache, v_cache, tables, lens,
+                                          token_rows, seq_rows, 0.125)
+
+
+def test_build_is_cached_per_cpu_and_source() -> None:
+    """The build folder names the CPU (its flags pick the instruction set) and the source."""
+    directory = cpu_decode.build_directory()
+    assert directory.name.startswith("cpu_decode-")
+    assert any(directory.glob("*.so"))
