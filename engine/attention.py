@@ -14,7 +14,7 @@ see earlier keys through the cache) and decodes (one query each). `paged_attenti
 PyTorch path; it does the batch's work and not its padding: decodes in length buckets, each
 through one folded-GQA SDPA call over its own gather, and every prefill or chunk through its own
 SDPA call over its own keys (how the step is split: `engine.attention_plan`). On CPU, where the
-decode kernel builds (kernels/paged_attention/cpu.py), every decode row goes through it instead:
+decode kernel builds (kernels/cpu.py), every decode row goes through it instead:
 one call that reads keys and values through the block tables, nothing gathered or padded.
 """
 
@@ -27,12 +27,12 @@ from engine import torch_ops
 from engine.attention_plan import AttentionPlan, DecodeBucket, PrefillSeq, build_plan
 # Model files import the metadata and cache types from here, beside the computation that reads them.
 from engine.step_metadata import AttentionMetadata, KVCache  # noqa: F401
-from kernels.paged_attention import cpu as cpu_decode
+from kernels import cpu as cpu_kernels
 
 
 def decode_kernel_available(device: torch.device) -> bool:
     """Whether decode rows on `device` go through the CPU decode kernel (built once per machine)."""
-    return device.type == "cpu" and cpu_decode.load()
+    return device.type == "cpu" and cpu_kernels.load()
 
 
 def plan_for(meta: AttentionMetadata, block_size: int, device: torch.device) -> AttentionPlan:
@@ -66,7 +66,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if plan.decode_rows is not None:
         out = q.new_empty(num_tokens, num_heads, head_dim)
         rows = plan.decode_rows
-        cpu_decode.paged_decode_attention(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+        cpu_kernels.paged_decode_attention(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                           rows.token_rows, rows.seq_rows, scale)
         for seq in plan.prefill:
             out[seq.start:seq.end] = _prefill(q, k_cache, v_cache, seq, scale, k, v)

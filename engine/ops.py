@@ -16,6 +16,9 @@ Until an engine has picked (kernel tests, benches calling ops directly), `auto` 
 tensor: Triton for CUDA tensors, PyTorch for the rest.
 
 Triton modules are imported on first use, so a CPU engine never loads Triton.
+
+On CPU the PyTorch path runs the C++ kernels of `kernels.cpu` (norms, rotary, decode attention)
+wherever they built on this machine, and the PyTorch forms where they did not.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from engine.attention import store_and_attend
 from engine.attention import paged_attention as sdpa_paged_attention
 from engine.engine_config import KERNEL_CHOICES
 from engine.step_metadata import AttentionMetadata
+from kernels import cpu as cpu_kernels
 from kernels.causal_conv1d import naive as conv_naive
 from kernels.gated_delta_rule import naive as gdr_naive
 from kernels.gdn_gating import naive as gating_naive
@@ -73,6 +77,11 @@ def _use_triton(x: torch.Tensor) -> bool:
     return _backend == "triton"
 
 
+def _use_cpu_kernels(x: torch.Tensor) -> bool:
+    """The C++ CPU kernels, on CPU tensors, where they built (once per machine)."""
+    return x.device.type == "cpu" and cpu_kernels.load()
+
+
 @cache
 def _triton(op: str) -> ModuleType:
     return importlib.import_module(f"kernels.{op}.triton")
@@ -85,6 +94,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
     """x / rms(x) * w over the last dim in fp32 (`unit_offset`: (1 + w), Qwen3-Next/3.5)."""
     if _use_triton(x):
         return _triton("rmsnorm").rms_norm(x, weight, eps, unit_offset=unit_offset)
+    if _use_cpu_kernels(x):
+        return cpu_kernels.rms_norm(x, weight, eps, unit_offset)
     return torch_ops.rms_norm(x, weight, eps, unit_offset=unit_offset)
 
 
@@ -94,6 +105,8 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     if _use_triton(x):
         return _triton("rmsnorm").fused_add_rms_norm(x, residual, weight, eps,
                                                      unit_offset=unit_offset)
+    if _use_cpu_kernels(x):
+        return cpu_kernels.fused_add_rms_norm(x, residual, weight, eps, unit_offset)
     return torch_ops.fused_add_rms_norm(x, residual, weight, eps, unit_offset=unit_offset)
 
 
@@ -113,18 +126,20 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     """Rotate-half RoPE of q [T, H, D] and k [T, HK, D]; cos_sin_cache [max_pos, rotary_dim].
     `step_tables`: this step's `rotary_step_tables`, shared by its layers.
 
-    The Triton path rotates in place: callers pass fresh projections they own.
+    The Triton path and the CPU kernel rotate in place: callers pass fresh projections they own.
     """
     if _use_triton(q):
         return _triton("rotary").rotary(q, k, positions, cos_sin_cache, inplace=True)
+    if _use_cpu_kernels(q) and cos_sin_cache.dtype == torch.float32:
+        return cpu_kernels.rotary_(q, k, positions, cos_sin_cache)
     return torch_ops.rotary(q, k, step_tables or torch_ops.rotary_tables(positions, cos_sin_cache))
 
 
 def rotary_step_tables(positions: torch.Tensor,
                        cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The PyTorch path's cos/sin at a step's positions, gathered once for all its layers; None
-    where the Triton kernel reads the table itself."""
-    if _use_triton(positions):
+    where a kernel (Triton, or the C++ one on CPU) reads the table itself."""
+    if _use_triton(positions) or _use_cpu_kernels(positions):
         return None
     return torch_ops.rotary_tables(positions, cos_sin_cache)
 

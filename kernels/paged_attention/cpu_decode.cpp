@@ -5,7 +5,7 @@
 // scored against each key row as that row is read (GQA: a kv head's group shares it), so each
 // key and value is read once. Scores, softmax and the weighted sum of values are fp32
 // whatever the cache dtype. Registered as torch.ops.helexa_cpu.paged_decode_attention; the
-// Python side (kernels/paged_attention/cpu.py) builds and loads it.
+// Python side (kernels/cpu.py) builds and loads it.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -258,7 +258,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
 
 }  // namespace
 
-TORCH_LIBRARY(helexa_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(helexa_cpu, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor seq_lens, Tensor token_rows, Tensor seq_rows, float scale) -> ()");
 }

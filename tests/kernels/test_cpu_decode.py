@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.paged_attention import cpu as cpu_decode
+from kernels import cpu as cpu_kernels
 from kernels.paged_attention import naive_paged_attention
 
 DTYPES = [pytest.param(torch.float32, 1e-5, id="fp32"), pytest.param(torch.bfloat16, 1e-2, id="bf16"),
@@ -22,7 +22,7 @@ SEQ_LENS = [1, 15, 16, 17, 150, 64]
 
 @pytest.fixture(scope="module", autouse=True)
 def built() -> None:
-    assert cpu_decode.load(), "the CPU decode kernel did not build on this machine"
+    assert cpu_kernels.load(), "the CPU decode kernel did not build on this machine"
 
 
 def decode_case(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -61,7 +61,7 @@ def test_decode_kernel_matches_the_naive_loop(shape: tuple[int, int, int], dtype
     scale = shape[2] ** -0.5
     out = torch.full_like(q, float("nan"))
     rows = torch.arange(len(SEQ_LENS))
-    cpu_decode.paged_decode_attention(out, q, k_cache, v_cache, tables, lens, rows, rows, scale)
+    cpu_kernels.paged_decode_attention(out, q, k_cache, v_cache, tables, lens, rows, rows, scale)
     assert rel_error(out, reference(q, k_cache, v_cache, tables, lens, scale)) < tolerance
 
 
@@ -76,7 +76,7 @@ def test_decode_kernel_writes_only_its_rows_and_reads_strided_queries() -> None:
     token_rows, seq_rows = torch.tensor([7, 1]), torch.tensor([4, 2])
     padded_q = torch.zeros(len(SEQ_LENS) + 2, 9, 64)
     padded_q[7], padded_q[1] = strided_q[4], strided_q[2]
-    cpu_decode.paged_decode_attention(out, padded_q, k_cache, v_cache, tables, lens, token_rows,
+    cpu_kernels.paged_decode_attention(out, padded_q, k_cache, v_cache, tables, lens, token_rows,
                                       seq_rows, 0.125)
     expected = reference(q, k_cache, v_cache, tables, lens, 0.125)
     assert rel_error(out[7], expected[4]) < 1e-5 and rel_error(out[1], expected[2]) < 1e-5
@@ -85,7 +85,7 @@ def test_decode_kernel_writes_only_its_rows_and_reads_strided_queries() -> None:
     # A strided q straight from a projection, rows in order.
     out = torch.empty_like(q)
     rows = torch.arange(len(SEQ_LENS))
-    cpu_decode.paged_decode_attention(out, strided_q, k_cache, v_cache, tables, lens, rows, rows, 0.125)
+    cpu_kernels.paged_decode_attention(out, strided_q, k_cache, v_cache, tables, lens, rows, rows, 0.125)
     assert rel_error(out, expected) < 1e-5
 
 
@@ -105,12 +105,12 @@ def test_decode_kernel_refuses_reads_outside_the_cache(damage: str) -> None:
         token_rows = torch.tensor([0, 1])
         seq_rows = torch.tensor([0, len(SEQ_LENS)])
     with pytest.raises(RuntimeError):
-        cpu_decode.paged_decode_attention(torch.empty_like(q), q, k_cache, v_cache, tables, lens,
+        cpu_kernels.paged_decode_attention(torch.empty_like(q), q, k_cache, v_cache, tables, lens,
                                           token_rows, seq_rows, 0.125)
 
 
 def test_build_is_cached_per_cpu_and_source() -> None:
     """The build folder names the CPU (its flags pick the instruction set) and the source."""
-    directory = cpu_decode.build_directory()
-    assert directory.name.startswith("cpu_decode-")
+    directory = cpu_kernels.build_directory()
+    assert directory.name.startswith("cpu-")
     assert any(directory.glob("*.so"))

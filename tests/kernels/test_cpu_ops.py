@@ -1,0 +1,83 @@
+"""The C++ CPU norms and rotary (kernels/rmsnorm/cpu_rms_norm.cpp, kernels/rotary/cpu_rotary.cpp)
+against their naive references. They must build wherever the suite runs (CI has a compiler)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu as cpu_kernels
+from kernels.rmsnorm.naive import naive_fused_add_rms_norm, naive_rms_norm
+from kernels.rotary.naive import build_cos_sin_cache, naive_rotary
+
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16"),
+          pytest.param(torch.float16, id="fp16")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    assert cpu_kernels.load(), "the CPU kernels did not build on this machine"
+
+
+def assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Both compute in fp32 and round once: equal up to one rounding step of the dtype."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}[actual.dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("unit_offset", [False, True], ids=["w", "1+w"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_matches_reference(dtype: torch.dtype, unit_offset: bool) -> None:
+    x = torch.randn(5, 3, 40).to(dtype)  # 3-D: the norm is over the last dim of every row
+    weight = torch.randn(40).to(dtype)
+    assert_same(cpu_kernels.rms_norm(x, weight, 1e-6, unit_offset),
+                naive_rms_norm(x, weight, 1e-6, unit_offset=unit_offset))
+
+
+def test_rms_norm_reads_strided_rows() -> None:
+    wide = torch.randn(7, 50)
+    x = wide[:, 3:43]  # rows 50 apart
+    weight = torch.randn(40)
+    assert_same(cpu_kernels.rms_norm(x, weight, 1e-5), naive_rms_norm(x, weight, 1e-5))
+
+
+@pytest.mark.parametrize("residual_dtype", [torch.float32, None], ids=["fp32-stream", "same-dtype"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm_matches_reference(dtype: torch.dtype,
+                                              residual_dtype: torch.dtype | None) -> None:
+    x = torch.randn(9, 64).to(dtype)
+    residual = torch.randn(9, 64).to(residual_dtype or dtype)
+    weight = torch.randn(64).to(dtype)
+    expected_residual = residual.clone()
+    expected, _ = naive_fused_add_rms_norm(x, expected_residual, weight, 1e-6)
+    out, stream = cpu_kernels.fused_add_rms_norm(x, residual, weight, 1e-6)
+    assert stream is residual  # updated in place, as the model's residual stream expects
+    assert_same(residual, expected_residual)
+    assert_same(out, expected)
+
+
+@pytest.mark.parametrize("rotary_dim", [64, 32], ids=["full", "partial"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_matches_reference_in_place(dtype: torch.dtype, rotary_dim: int) -> None:
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    table = build_cos_sin_cache(inv_freq, 300)
+    # q and k side by side in one packed projection output, as a model's qkv split gives them
+    qkv = torch.randn(6, (4 + 2 + 2) * 64).to(dtype)
+    q = qkv[:, :4 * 64].view(6, 4, 64)
+    k = qkv[:, 4 * 64:6 * 64].view(6, 2, 64)
+    v_before = qkv[:, 6 * 64:].clone()
+    positions = torch.tensor([0, 1, 7, 299, 150, 3])
+    expected_q, expected_k = naive_rotary(q.clone(), k.clone(), positions, table)
+    rotated_q, rotated_k = cpu_kernels.rotary_(q, k, positions, table)
+    assert rotated_q is q and rotated_k is k
+    assert_same(q, expected_q)
+    assert_same(k, expected_k)
+    assert torch.equal(qkv[:, 6 * 64:], v_before)  # v is not touched
+
+
+def test_rotary_refuses_a_position_outside_its_table() -> None:
+    table = build_cos_sin_cache(torch.ones(8), 10)
+    q, k = torch.randn(2, 1, 16), torch.randn(2, 1, 16)
+    with pytest.raises(RuntimeError, match="outside the rotary table"):
+        cpu_kernels.rotary_(q, k, torch.tensor([3, 10]), table)
