@@ -162,7 +162,7 @@ class WorkerSettings:
     heartbeat_s: float = field(default_factory=lambda: _env_float("HELEXA_HEARTBEAT_S", 2.0))
     # Memory this worker offers for models loaded on request (0: what the machine has).
     memory_mb: int = field(default_factory=lambda: _env_int("HELEXA_WORKER_MEMORY_MB", 0))
-    # Hot-op implementation: auto (Triton on CUDA, PyTorch on CPU), torch or triton.
+    # Hot-op implementation: auto (Triton on CUDA, the C++ CPU kernels on CPU), torch, triton or cpu.
     kernels: str = field(default_factory=lambda: _env("HELEXA_KERNELS", "auto").lower())
     # How long a requester may not listen (no responders to the alive probe) before its run is
     # aborted as abandoned: long enough for a gateway to reconnect through a NATS outage.

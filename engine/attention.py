@@ -13,9 +13,10 @@ One batch mixes whole prefills, chunked-prefill continuations (queries start mid
 see earlier keys through the cache) and decodes (one query each). `paged_attention` is the
 PyTorch path; it does the batch's work and not its padding: decodes in length buckets, each
 through one folded-GQA SDPA call over its own gather, and every prefill or chunk through its own
-SDPA call over its own keys (how the step is split: `engine.attention_plan`). On CPU, where the
-decode kernel builds (kernels/cpu.py), every decode row goes through it instead:
-one call that reads keys and values through the block tables, nothing gathered or padded.
+SDPA call over its own keys (how the step is split: `engine.attention_plan`). With
+`decode_kernel` (engine.ops decides: the C++ CPU kernels of kernels/cpu.py, built), every decode
+row goes through the CPU decode kernel instead: one call that reads keys and values through the
+block tables, nothing gathered or padded.
 """
 
 from __future__ import annotations
@@ -30,38 +31,35 @@ from engine.step_metadata import AttentionMetadata, KVCache  # noqa: F401
 from kernels import cpu as cpu_kernels
 
 
-def decode_kernel_available(device: torch.device) -> bool:
-    """Whether decode rows on `device` go through the CPU decode kernel (built once per machine)."""
-    return device.type == "cpu" and cpu_kernels.load()
-
-
-def plan_for(meta: AttentionMetadata, block_size: int, device: torch.device) -> AttentionPlan:
+def plan_for(meta: AttentionMetadata, block_size: int, device: torch.device,
+             decode_kernel: bool = False) -> AttentionPlan:
     """The step's split, built on its first layer and kept on the metadata for the others."""
     if meta._plan is None:
         meta._plan = build_plan(meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                                meta.slot_mapping, block_size, device,
-                                decode_kernel=decode_kernel_available(device))
+                                meta.slot_mapping, block_size, device, decode_kernel)
     return meta._plan
 
 
 def store_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                     decode_kernel: bool = False) -> torch.Tensor:
     """The PyTorch path of a model's attention call: store this step's k/v, then attend."""
-    plan = plan_for(meta, k_cache.shape[1], q.device)
+    plan = plan_for(meta, k_cache.shape[1], q.device, decode_kernel)
     torch_ops.kv_store(k, v, k_cache, v_cache, meta.slot_mapping, plan.slots_valid)
-    return paged_attention(q, k_cache, v_cache, meta, scale, k, v)
+    return paged_attention(q, k_cache, v_cache, meta, scale, k, v, decode_kernel)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, k: torch.Tensor | None = None,
-                    v: torch.Tensor | None = None) -> torch.Tensor:
+                    v: torch.Tensor | None = None, decode_kernel: bool = False) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its cached keys (stored already).
 
     q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]. GQA: query head h
     reads kv head h // (num_heads // num_kv_heads). `k`/`v` [num_tokens, num_kv_heads, head_dim],
     this step's keys as stored, let a whole prefill attend without gathering them back.
+    `decode_kernel`: decode rows through the CPU decode kernel (it must be built).
     """
-    plan = plan_for(meta, k_cache.shape[1], q.device)
+    plan = plan_for(meta, k_cache.shape[1], q.device, decode_kernel)
     num_tokens, num_heads, head_dim = q.shape
     if plan.decode_rows is not None:
         out = q.new_empty(num_tokens, num_heads, head_dim)

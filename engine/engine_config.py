@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# auto: Triton kernels on CUDA, the PyTorch references elsewhere; torch / triton force one (engine.ops).
-KERNEL_CHOICES = ("auto", "torch", "triton")
+# auto: Triton kernels on CUDA, the C++ CPU kernels on CPU; torch (the PyTorch forms), triton or
+# cpu force one (engine.ops).
+KERNEL_CHOICES = ("auto", "torch", "triton", "cpu")
 
 
 @dataclass(slots=True)

@@ -1,8 +1,8 @@
 """The model's device side: its KV pool and state slots, its decode graphs, and one step's forward + sample.
 
 The runner sizes and allocates the paged KV cache (one (k_cache, v_cache) pair per full-attention
-layer), on CPU packs the linear weights for oneDNN (`engine.cpu_linear`), keeps freed memory
-for the next step (`engine.cpu_memory`) and loads the decode attention kernel, decides whether the model is hybrid (linear-attention
+layer), on CPU packs the linear weights for oneDNN (`engine.cpu_linear`) and keeps freed memory
+for the next step (`engine.cpu_memory`), decides whether the model is hybrid (linear-attention
 layers keep a state slot per sequence, `engine.state_cache`) and captures decode CUDA graphs
 where they apply (`engine.cuda_graphs`: CUDA, Triton ops, not hybrid). Each step it lays the
 scheduler's decision out with the one step builder (`engine.step_metadata.build_step_inputs`),
@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 import torch
 
 from engine import cpu_linear, cpu_memory
-from engine.attention import decode_kernel_available
 from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeGraphs, graphs_wanted
 from engine.engine_config import EngineConfig
@@ -68,7 +67,6 @@ class ModelRunner:
         if self.device.type == "cpu":
             cpu_linear.prepack_model(model)  # weights are final: pack once for oneDNN
             cpu_memory.keep_freed_memory()  # no page faults for each step's activations
-            decode_kernel_available(self.device)  # built (once per machine) before the first step
         self.block_size = engine.block_size
         self.num_blocks = engine.num_kv_blocks or max(
             engine.kv_cache_bytes // (kv_bytes_per_token(config, self.dtype) * self.block_size), 1)

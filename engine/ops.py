@@ -7,18 +7,19 @@ and the KV store; the unpadded SDPA form in `engine.attention` for paged attenti
 code calls the functions here and never picks one itself. The engine core picks once, at build,
 from `EngineConfig.kernels` (the worker's `HELEXA_KERNELS`, read in apps/settings.py):
 
-- `auto` (default): Triton on CUDA, PyTorch elsewhere, resolved against the engine's device;
-- `torch`: the references everywhere (e.g. to bisect a numerical problem on a GPU);
+- `auto` (default): Triton on CUDA, the C++ CPU kernels on CPU, resolved against the engine's
+  device;
+- `cpu`: the C++ kernels of `kernels.cpu` (norms, rotary, decode attention), built once per
+  machine, and the PyTorch path for every other op; where they cannot be built (no compiler),
+  the PyTorch path for everything;
+- `torch`: the PyTorch path everywhere (e.g. to bisect a numerical problem);
 - `triton`: the Triton kernels everywhere; on CPU they run only under `TRITON_INTERPRET=1`,
   which is how the CPU tests check the engine's Triton path.
 
 Until an engine has picked (kernel tests, benches calling ops directly), `auto` holds per
-tensor: Triton for CUDA tensors, PyTorch for the rest.
+tensor: Triton for CUDA tensors, the C++ kernels for CPU ones.
 
 Triton modules are imported on first use, so a CPU engine never loads Triton.
-
-On CPU the PyTorch path runs the C++ kernels of `kernels.cpu` (norms, rotary, decode attention)
-wherever they built on this machine, and the PyTorch forms where they did not.
 """
 
 from __future__ import annotations
@@ -42,32 +43,35 @@ from kernels.kv_store import naive as kv_store_naive
 from kernels.moe import naive as moe_naive
 from kernels.rmsnorm import naive as rmsnorm_naive
 
-# "torch" or "triton" once an engine has picked; None: auto, per tensor device.
+# "torch", "triton" or "cpu" once an engine has picked; None: auto, per tensor device.
 _backend: str | None = None
 
 
 def resolve_backend(choice: str, device: torch.device | str) -> str:
-    """'torch' or 'triton': what `choice` (one of KERNEL_CHOICES) means on `device`."""
+    """'torch', 'triton' or 'cpu': what `choice` (one of KERNEL_CHOICES) means on `device`."""
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {choice!r}")
     if choice != "auto":
         return choice
-    return "triton" if torch.device(device).type == "cuda" else "torch"
+    return "triton" if torch.device(device).type == "cuda" else "cpu"
 
 
 def use_backend(choice: str, device: torch.device | str | None = None) -> str:
     """Pick the ops' implementation from now on: `choice` resolved for `device`; `auto` without
-    a device goes back to per-tensor auto. Returns what is in use ('auto' for the latter)."""
+    a device goes back to per-tensor auto. Returns what is in use ('auto' for the latter). The C++
+    CPU kernels are built (once per machine) when they are picked, not on the first step."""
     global _backend
     if device is None and choice == "auto":
         _backend = None
         return "auto"
     _backend = resolve_backend(choice, device if device is not None else "cpu")
+    if _backend == "cpu":
+        cpu_kernels.load()
     return _backend
 
 
 def backend_for(device: torch.device | str) -> str:
-    """'triton' or 'torch': what ops run for tensors on `device`."""
+    """'triton', 'torch' or 'cpu': what ops run for tensors on `device`."""
     return _backend or resolve_backend("auto", device)
 
 
@@ -78,8 +82,10 @@ def _use_triton(x: torch.Tensor) -> bool:
 
 
 def _use_cpu_kernels(x: torch.Tensor) -> bool:
-    """The C++ CPU kernels, on CPU tensors, where they built (once per machine)."""
-    return x.device.type == "cpu" and cpu_kernels.load()
+    """The C++ CPU kernels: picked (or auto) for a CPU tensor, and built on this machine."""
+    if x.device.type != "cpu" or _backend not in (None, "cpu"):
+        return False
+    return cpu_kernels.load()
 
 
 @cache
@@ -163,14 +169,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return _triton("paged_attention").paged_attention(
             q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
             meta.max_query_len, scale)
-    return sdpa_paged_attention(q, k_cache, v_cache, meta, scale, k, v)
+    return sdpa_paged_attention(q, k_cache, v_cache, meta, scale, k, v, decode_kernel=_use_cpu_kernels(q))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
               v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Store this step's k/v, then attend with q: what a model's attention layer calls."""
     if not _use_triton(q):
-        return store_and_attend(q, k, v, k_cache, v_cache, meta, scale)
+        return store_and_attend(q, k, v, k_cache, v_cache, meta, scale, decode_kernel=_use_cpu_kernels(q))
     kv_store(k, v, k_cache, v_cache, meta.slot_mapping)
     return paged_attention(q, k_cache, v_cache, meta, scale)
 

@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from functools import cache
 from pathlib import Path
 
@@ -65,15 +66,18 @@ def load() -> bool:
     from torch.utils import cpp_extension
 
     directory = build_directory()
-    directory.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
     try:
+        directory.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(name="helexa_cpu", sources=[str(source) for source in SOURCES], extra_cflags=FLAGS,
                            extra_ldflags=["-fopenmp"], build_directory=str(directory),
                            is_python_module=False, verbose=False)
     except Exception as exc:  # no compiler, no headers: the PyTorch path still serves
-        log.warning("CPU kernels not built (%s: %s); using the PyTorch forms",
-                    type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        log.warning("CPU kernels not built (%s: %s); using the PyTorch forms", type(exc).__name__,
+                    " | ".join(lines[-3:]))
         return False
+    log.info("CPU kernels ready in %.1f s (%s)", time.perf_counter() - start, directory)
     return True
 
 
@@ -112,3 +116,8 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     """Rotate-half RoPE of q [T, H, D] and k [T, HK, D] in place; returns (q, k)."""
     torch.ops.helexa_cpu.rotary_(q, k, positions, cos_sin_cache)
     return q, k
+
+
+if __name__ == "__main__":  # `python -m kernels.cpu`: build now (make setup does), not at first use
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    load()

@@ -6,12 +6,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-import torch
 
-import engine.attention
 from engine import ops
 from engine.default_model import default_model_path
 from engine.loader import Checkpoint, load_checkpoint
+from kernels import cpu as cpu_kernels
 
 
 @pytest.fixture(autouse=True)
@@ -22,14 +21,15 @@ def _kernel_choice_unset() -> Iterator[None]:
 
 
 @pytest.fixture(params=["decode-kernel", "sdpa-buckets"])
-def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run a test on each CPU decode path: the C++ decode kernel (which must build here: CI has
-    a compiler) and the SDPA length buckets the engine keeps for machines where it does not."""
-    if request.param == "decode-kernel":
-        assert engine.attention.decode_kernel_available(torch.device("cpu"))
-    else:
-        monkeypatch.setattr(engine.attention, "decode_kernel_available", lambda device: False)
-    return request.param
+def decode_path(request: pytest.FixtureRequest) -> bool:
+    """Run a test on each CPU decode path: the C++ decode kernel (`HELEXA_KERNELS` cpu, which must
+    build here: CI has a compiler) and the SDPA length buckets of the PyTorch path (`torch`, and
+    machines where the kernels do not build). True for the kernel."""
+    kernel = request.param == "decode-kernel"
+    ops.use_backend("cpu" if kernel else "torch", "cpu")
+    if kernel:
+        assert cpu_kernels.load()
+    return kernel
 
 
 @pytest.fixture(scope="session")

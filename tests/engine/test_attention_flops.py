@@ -44,14 +44,12 @@ def counted_ops() -> dict:
     return ops
 
 
-pytestmark = pytest.mark.usefixtures("decode_path")
-
 
 def unpadded_flops(batch: list[tuple[int, int]]) -> int:
     return sum(4 * NUM_HEADS * q * s * HEAD_DIM for q, s in batch)
 
 
-def attention_flops(batch: list[tuple[int, int]], pass_new_keys: bool) -> int:
+def attention_flops(batch: list[tuple[int, int]], pass_new_keys: bool, decode_kernel: bool) -> int:
     query_lens, seq_lens = [q for q, _ in batch], [s for _, s in batch]
     tables, next_block = [], 0
     for s in seq_lens:
@@ -64,7 +62,7 @@ def attention_flops(batch: list[tuple[int, int]], pass_new_keys: bool) -> int:
     q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM)
     k = v = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM) if pass_new_keys else None
     with FlopCounterMode(display=False, custom_mapping=counted_ops()) as counter:
-        out = paged_attention(q, cache, cache, meta, HEAD_DIM ** -0.5, k, v)
+        out = paged_attention(q, cache, cache, meta, HEAD_DIM ** -0.5, k, v, decode_kernel)
     assert out.shape == q.shape and torch.isfinite(out).all()
     return counter.get_total_flops()
 
@@ -81,15 +79,15 @@ MIXED = {
 @pytest.mark.parametrize("pass_new_keys", [True, False], ids=["new-keys", "cache-only"])
 @pytest.mark.parametrize("batch", list(MIXED.values()), ids=list(MIXED))
 def test_mixed_step_does_at_most_1_2x_the_unpadded_attention_flops(
-        batch: list[tuple[int, int]], pass_new_keys: bool) -> None:
-    counted, unpadded = attention_flops(batch, pass_new_keys), unpadded_flops(batch)
+        batch: list[tuple[int, int]], pass_new_keys: bool, decode_path: bool) -> None:
+    counted, unpadded = attention_flops(batch, pass_new_keys, decode_path), unpadded_flops(batch)
     # The lower bound proves the counter saw the attention at all.
     assert unpadded * 0.99 <= counted <= unpadded * 1.2, f"{counted / unpadded:.2f}x the unpadded FLOPs"
 
 
-def test_decode_only_step_of_spread_lengths_pads_little() -> None:
+def test_decode_only_step_of_spread_lengths_pads_little(decode_path: bool) -> None:
     batch = [(1, 30 + 97 * i) for i in range(16)]
-    counted, unpadded = attention_flops(batch, True), unpadded_flops(batch)
+    counted, unpadded = attention_flops(batch, True, decode_path), unpadded_flops(batch)
     assert unpadded * 0.99 <= counted <= unpadded * 1.35
 
 

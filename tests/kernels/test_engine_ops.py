@@ -19,6 +19,7 @@ from engine.engine_config import EngineConfig
 from engine.loader import Checkpoint
 from engine.models import build_model
 from engine.tokenizer import Tokenizer
+from kernels import cpu as cpu_kernels
 from tests.engine.helpers import PagedSequences, perturb_norms_and_biases
 from tests.kernels.helpers import DEVICE, assert_close
 
@@ -60,8 +61,8 @@ def _run(model: torch.nn.Module) -> tuple[torch.Tensor, list[list[int]]]:
     return torch.cat(logits), tokens
 
 
-def test_torch_on_cpu_triton_on_cuda_by_default() -> None:
-    assert ops.backend_for("cpu") == "torch"
+def test_cpu_kernels_on_cpu_triton_on_cuda_by_default() -> None:
+    assert ops.backend_for("cpu") == "cpu"
     assert ops.backend_for(torch.device("cuda", 0)) == "triton"
     assert ops.use_backend("torch") == "torch"
     assert ops.backend_for("cuda") == "torch"
@@ -70,19 +71,19 @@ def test_torch_on_cpu_triton_on_cuda_by_default() -> None:
     # An engine resolves auto once, for its own device.
     assert ops.use_backend("auto", torch.device("cuda")) == "triton"
     assert ops.backend_for("cpu") == "triton"
-    assert ops.use_backend("auto", "cpu") == "torch"
-    assert ops.backend_for("cuda") == "torch"
+    assert ops.use_backend("auto", "cpu") == "cpu"
+    assert ops.backend_for("cuda") == "cpu"
 
 
 def test_a_bad_setting_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     from apps.settings import WorkerSettings
 
-    with pytest.raises(ValueError, match="kernels must be one of auto, torch, triton, got 'cuda'"):
+    with pytest.raises(ValueError, match="kernels must be one of auto, torch, triton, cpu, got 'cuda'"):
         EngineConfig(model="m", kernels="cuda")
     with pytest.raises(ValueError, match="got 'cuda'"):
         ops.use_backend("cuda")
     monkeypatch.setenv("HELEXA_KERNELS", "cuda")
-    with pytest.raises(ValueError, match="HELEXA_KERNELS must be one of auto, torch, triton"):
+    with pytest.raises(ValueError, match="HELEXA_KERNELS must be one of auto, torch, triton, cpu"):
         WorkerSettings()
 
 
@@ -102,7 +103,9 @@ def test_the_core_resolves_the_choice_once(monkeypatch: pytest.MonkeyPatch) -> N
                                                 bos_token_id=None, eos_token_id=None))
     monkeypatch.setenv("HELEXA_KERNELS", "triton")
     EngineCore(checkpoint, EngineConfig(model="in-memory", num_kv_blocks=8))
-    assert ops.backend_for("cpu") == "torch" and ops.backend_for("cuda") == "torch"
+    assert ops.backend_for("cpu") == "cpu" and ops.backend_for("cuda") == "cpu"
+    EngineCore(checkpoint, EngineConfig(model="in-memory", num_kv_blocks=8, kernels="torch"))
+    assert ops.backend_for("cpu") == "torch"
     EngineCore(checkpoint, EngineConfig(model="in-memory", num_kv_blocks=8, kernels="triton"))
     assert ops.backend_for("cpu") == "triton"
 
@@ -124,6 +127,24 @@ def test_the_torch_path_never_touches_triton_on_cpu() -> None:
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_cpu_kernels_match_torch_path(model_type: str) -> None:
+    """The C++ CPU kernels (norms, rotary, decode attention) against the PyTorch forms, over
+    chunked prefill and decode; and `torch` really leaves them out."""
+    model = _tiny_model(model_type, "cpu")
+    ops.use_backend("torch")
+    torch_logits, torch_tokens = _run(model)
+    ops.use_backend("cpu")
+    calls = []
+    real = cpu_kernels.paged_decode_attention
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_kernels, "paged_decode_attention", lambda *a: calls.append(1) or real(*a))
+        cpu_logits, cpu_tokens = _run(model)
+    assert calls, "the decode kernel never ran"
+    assert_close(cpu_logits, torch_logits, 1e-4, "logits")
+    assert cpu_tokens == torch_tokens
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
 def test_triton_path_matches_torch_path(model_type: str) -> None:
     model = _tiny_model(model_type)
     ops.use_backend("torch")
@@ -136,6 +157,22 @@ def test_triton_path_matches_torch_path(model_type: str) -> None:
     assert ops._triton.cache_info().currsize == 5
     assert_close(triton_logits, torch_logits, 1e-4, "logits")
     assert triton_tokens == torch_tokens
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5"])
+def test_cpu_kernels_match_torch_path_for_hybrids(model_type: str, tmp_path) -> None:
+    """The hybrids' gated attention and (1 + w) norms through the C++ CPU kernels."""
+    transformers = pytest.importorskip("transformers")
+    from engine.loader import load_checkpoint
+    from tests.engine.hybrid_models import save_hybrid_dir
+
+    model = load_checkpoint(save_hybrid_dir(transformers, model_type, tmp_path / model_type)).model
+    ops.use_backend("torch")
+    torch_logits, torch_tokens = _run(model)
+    ops.use_backend("cpu")
+    cpu_logits, cpu_tokens = _run(model)
+    assert_close(cpu_logits, torch_logits, 1e-4, "logits")
+    assert cpu_tokens == torch_tokens
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5"])
