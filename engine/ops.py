@@ -9,9 +9,9 @@ from `EngineConfig.kernels` (the worker's `HELEXA_KERNELS`, read in apps/setting
 
 - `auto` (default): Triton on CUDA, the C++ CPU kernels on CPU, resolved against the engine's
   device;
-- `cpu`: the C++ kernels of `kernels.cpu` (norms, rotary, decode attention), built once per
-  machine, and the PyTorch path for every other op; where they cannot be built (no compiler),
-  the PyTorch path for everything;
+- `cpu`: the C++ kernels of `kernels.cpu` (norms, rotary, SiLU-and-mul, decode attention),
+  built once per machine, and the PyTorch path for every other op; where they cannot be built
+  (no compiler), the PyTorch path for everything;
 - `torch`: the PyTorch path everywhere (e.g. to bisect a numerical problem);
 - `triton`: the Triton kernels everywhere; on CPU they run only under `TRITON_INTERPRET=1`,
   which is how the CPU tests check the engine's Triton path.
@@ -187,6 +187,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[..., 2d] -> [..., d]: silu(gate) * up."""
     if _use_triton(x):
         return _triton("silu_and_mul").silu_and_mul(x)
+    if _use_cpu_kernels(x):
+        return cpu_kernels.silu_and_mul(x)
     return torch_ops.silu_and_mul(x)
 
 

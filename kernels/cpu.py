@@ -7,7 +7,8 @@ much of the step. These kernels do in one call what the PyTorch forms do in seve
   straight through the block tables (the PyTorch form gathers each row's keys into a padded copy
   and runs SDPA over it: ~0.4 ms a layer for 16 sequences of ~150 keys, nearly all fixed cost);
 - `kernels/rmsnorm/cpu_rms_norm.cpp`: RMSNorm and the residual add before it;
-- `kernels/rotary/cpu_rotary.cpp`: rotate-half RoPE of q and k, in place.
+- `kernels/rotary/cpu_rotary.cpp`: rotate-half RoPE of q and k, in place;
+- `kernels/silu_and_mul/cpu_silu_and_mul.cpp`: the gated MLP's silu(gate) * up, rounded once.
 
 They run on torch's own thread pool (at::parallel_for). The extension is compiled with the
 machine's own instruction set (`-march=native`), so the build is cached per CPU (model and
@@ -34,7 +35,7 @@ log = logging.getLogger("helexa.engine")
 
 HERE = Path(__file__).resolve().parent
 SOURCES = [HERE / "paged_attention" / "cpu_decode.cpp", HERE / "rmsnorm" / "cpu_rms_norm.cpp",
-           HERE / "rotary" / "cpu_rotary.cpp"]
+           HERE / "rotary" / "cpu_rotary.cpp", HERE / "silu_and_mul" / "cpu_silu_and_mul.cpp"]
 
 
 def _capability() -> list[str]:
@@ -60,6 +61,22 @@ def build_directory() -> Path:
     return Path(base) / "helexa" / "kernels" / f"cpu-{digest}"
 
 
+# A build takes well under a minute; a lock older than this was left by a process killed mid-build.
+STALE_LOCK_S = 600.0
+
+
+def _clear_stale_lock(directory: Path) -> None:
+    """torch's builder waits, without a deadline, for the lock file of whoever builds; a process
+    killed mid-build leaves it behind, and every later start would wait on it forever."""
+    lock = directory / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            log.warning("removing a stale CPU kernel build lock (%s)", lock)
+            lock.unlink(missing_ok=True)
+    except FileNotFoundError:
+        pass
+
+
 @cache
 def load() -> bool:
     """Build (once per machine) and load the kernels; False, with one warning, where they can't be."""
@@ -69,6 +86,7 @@ def load() -> bool:
     start = time.perf_counter()
     try:
         directory.mkdir(parents=True, exist_ok=True)
+        _clear_stale_lock(directory)
         cpp_extension.load(name="helexa_cpu", sources=[str(source) for source in SOURCES], extra_cflags=FLAGS,
                            extra_ldflags=["-fopenmp"], build_directory=str(directory),
                            is_python_module=False, verbose=False)
@@ -109,6 +127,14 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     torch.ops.helexa_cpu.fused_add_rms_norm(out, rows, residual.view(-1, x.shape[-1]), weight, eps,
                                             unit_offset)
     return out.view(x.shape), residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2d] -> [..., d]: silu(gate) * up in fp32, in x's dtype."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.empty(rows.shape[0], rows.shape[1] // 2, dtype=x.dtype, device=x.device)
+    torch.ops.helexa_cpu.silu_and_mul(out, rows)
+    return out.view(*x.shape[:-1], x.shape[-1] // 2)
 
 
 def rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,

@@ -6,6 +6,10 @@ the SDPA path, but then these tests fail rather than pass on the fallback.
 
 from __future__ import annotations
 
+import os
+import time
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -114,3 +118,17 @@ def test_build_is_cached_per_cpu_and_source() -> None:
     directory = cpu_kernels.build_directory()
     assert directory.name.startswith("cpu-")
     assert any(directory.glob("*.so"))
+
+
+def test_a_lock_left_by_a_killed_build_is_cleared(tmp_path: Path) -> None:
+    """torch's builder waits forever on another builder's lock file: one older than any build
+    (its builder was killed) is removed; a fresh one (a build under way) is left alone."""
+    lock = tmp_path / "lock"
+    lock.touch()
+    cpu_kernels._clear_stale_lock(tmp_path)
+    assert lock.exists()
+    old = time.time() - cpu_kernels.STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    cpu_kernels._clear_stale_lock(tmp_path)
+    assert not lock.exists()
+    cpu_kernels._clear_stale_lock(tmp_path)  # nothing there: nothing to do

@@ -1,5 +1,5 @@
-"""The C++ CPU norms and rotary (kernels/rmsnorm/cpu_rms_norm.cpp, kernels/rotary/cpu_rotary.cpp)
-against their naive references. They must build wherever the suite runs (CI has a compiler)."""
+"""The C++ CPU norms, rotary and SiLU-and-mul (kernels/<op>/cpu_*.cpp) against their naive
+references. They must build wherever the suite runs (CI has a compiler)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 from kernels import cpu as cpu_kernels
 from kernels.rmsnorm.naive import naive_fused_add_rms_norm, naive_rms_norm
 from kernels.rotary.naive import build_cos_sin_cache, naive_rotary
+from kernels.silu_and_mul.naive import naive_silu_and_mul
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16"),
           pytest.param(torch.float16, id="fp16")]
@@ -81,3 +82,16 @@ def test_rotary_refuses_a_position_outside_its_table() -> None:
     q, k = torch.randn(2, 1, 16), torch.randn(2, 1, 16)
     with pytest.raises(RuntimeError, match="outside the rotary table"):
         cpu_kernels.rotary_(q, k, torch.tensor([3, 10]), table)
+
+
+@pytest.mark.parametrize("width", [1536, 37], ids=["smollm2", "odd-tail"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_reference(dtype: torch.dtype, width: int) -> None:
+    x = (torch.randn(3, 5, 2 * width) * 4).to(dtype)  # large |gate| too: exp's range matters
+    assert_same(cpu_kernels.silu_and_mul(x), naive_silu_and_mul(x))
+
+
+def test_silu_and_mul_reads_a_strided_projection() -> None:
+    wide = torch.randn(4, 2 * 64 + 9)
+    x = wide[:, :128]
+    assert_same(cpu_kernels.silu_and_mul(x), naive_silu_and_mul(x))
