@@ -36,6 +36,7 @@ log = logging.getLogger("helexa.engine")
 HERE = Path(__file__).resolve().parent
 SOURCES = [HERE / "paged_attention" / "cpu_decode.cpp", HERE / "rmsnorm" / "cpu_rms_norm.cpp",
            HERE / "rotary" / "cpu_rotary.cpp", HERE / "silu_and_mul" / "cpu_silu_and_mul.cpp"]
+HEADER = HERE / "cpu_vec.h"  # what they share: fp32 widening and narrowing, a dot product
 
 
 def _capability() -> list[str]:
@@ -55,7 +56,8 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", *_capability()]
 def build_directory() -> Path:
     """Where this CPU's build lives: one folder per (sources, flags, CPU, torch)."""
     identity = json.dumps({"cpu": cpu_identity(), "torch": torch.__version__, "flags": FLAGS,
-                           "sources": [source.read_text() for source in SOURCES]}, sort_keys=True)
+                           "sources": [source.read_text() for source in (*SOURCES, HEADER)]},
+                          sort_keys=True)
     digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "helexa" / "kernels" / f"cpu-{digest}"

@@ -22,33 +22,13 @@
 #include <limits>
 #include <vector>
 
+#include "../cpu_vec.h"
+
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-
-inline void widen(const float* __restrict src, float* __restrict dst, int64_t n) {
-  std::memcpy(dst, src, n * sizeof(float));
-}
-
-inline void widen(const c10::BFloat16* __restrict src, float* __restrict dst, int64_t n) {
-  // bf16 is the top half of an fp32: a shift, which the compiler vectorizes.
-  const uint16_t* __restrict bits = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* __restrict out = reinterpret_cast<uint32_t*>(dst);
-  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
-}
-
-inline void widen(const c10::Half* __restrict src, float* __restrict dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  Vec acc(0.f);
-  int64_t i = 0;
-  for (; i + Vec::size() <= n; i += Vec::size()) acc = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), acc);
-  float total = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
-  for (; i < n; ++i) total += a[i] * b[i];
-  return total;
-}
+using helexa_cpu::Vec;
+using helexa_cpu::dot;
+using helexa_cpu::widen;
 
 inline void axpy(float alpha, const float* x, float* y, int64_t n) {
   const Vec a(alpha);

@@ -11,104 +11,99 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
+#include "../cpu_vec.h"
+
 namespace {
 
-void to_float(const at::Tensor& t, int64_t row, float* dst) {
-  const int64_t n = t.size(-1);
-  switch (t.scalar_type()) {
-    case at::kFloat: {
-      const float* src = t.data_ptr<float>() + row * t.stride(0);
-      for (int64_t i = 0; i < n; ++i) dst[i] = src[i];
-      return;
-    }
-    case at::kBFloat16: {
-      const c10::BFloat16* src = t.data_ptr<c10::BFloat16>() + row * t.stride(0);
-      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-      return;
-    }
-    case at::kHalf: {
-      const c10::Half* src = t.data_ptr<c10::Half>() + row * t.stride(0);
-      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-      return;
-    }
-    default:
-      TORCH_CHECK(false, "rms_norm: float32, bfloat16 or float16, got ", t.scalar_type());
-  }
-}
-
-void from_float(const float* src, at::Tensor& t, int64_t row) {
-  const int64_t n = t.size(-1);
-  switch (t.scalar_type()) {
-    case at::kFloat: {
-      float* dst = t.data_ptr<float>() + row * t.stride(0);
-      for (int64_t i = 0; i < n; ++i) dst[i] = src[i];
-      return;
-    }
-    case at::kBFloat16: {
-      c10::BFloat16* dst = t.data_ptr<c10::BFloat16>() + row * t.stride(0);
-      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<c10::BFloat16>(src[i]);
-      return;
-    }
-    case at::kHalf: {
-      c10::Half* dst = t.data_ptr<c10::Half>() + row * t.stride(0);
-      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<c10::Half>(src[i]);
-      return;
-    }
-    default:
-      TORCH_CHECK(false, "rms_norm: float32, bfloat16 or float16, got ", t.scalar_type());
-  }
-}
+using helexa_cpu::Vec;
 
 void check_rows(const at::Tensor& t, const at::Tensor& like, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.stride(1) == 1, name, ": 2-D CPU rows, contiguous within a row");
   TORCH_CHECK(t.sizes() == like.sizes(), name, ": shape ", t.sizes(), " differs from ", like.sizes());
 }
 
-// out = norm(src) * (w [+ 1]) per row; with `residual`, residual += src first and the norm is of it.
-void norm_rows(at::Tensor out, const at::Tensor& src, const c10::optional<at::Tensor>& residual,
-               const at::Tensor& weight, double eps, bool unit_offset) {
-  check_rows(out, src, "out");
-  check_rows(src, src, "x");
-  if (residual.has_value()) check_rows(*residual, src, "residual");
-  const int64_t rows = src.size(0), hidden = src.size(1);
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == hidden, "weight: [", hidden, "]");
-  std::vector<float> w(hidden);
-  to_float(weight.view({1, hidden}).contiguous(), 0, w.data());
-  if (unit_offset) {
-    for (float& value : w) value += 1.f;
-  }
-  const float feps = static_cast<float>(eps);
+// out = norm(x) * w per row (w already fp32, with any unit offset); with `stream`, stream += x
+// first (rounded to the stream's dtype) and the norm is of the stream as stored.
+template <typename x_t, typename r_t>
+void norm_rows(at::Tensor& out, const at::Tensor& x, at::Tensor* stream, const std::vector<float>& w, float eps) {
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  const x_t* x_ptr = x.data_ptr<x_t>();
+  x_t* out_ptr = out.data_ptr<x_t>();
+  r_t* r_ptr = stream != nullptr ? stream->data_ptr<r_t>() : nullptr;
+  const int64_t x_row = x.stride(0), out_row = out.stride(0), r_row = stream != nullptr ? stream->stride(0) : 0;
   // Small batches run inline: a fork of the thread pool costs more than a few rows.
   at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / std::max<int64_t>(hidden, 1)), [&](int64_t begin, int64_t end) {
     std::vector<float> row(hidden), add(hidden);
     for (int64_t r = begin; r < end; ++r) {
-      to_float(src, r, row.data());
-      if (residual.has_value()) {
-        at::Tensor stream = *residual;
-        to_float(stream, r, add.data());
-        for (int64_t i = 0; i < hidden; ++i) add[i] += row[i];
-        from_float(add.data(), stream, r);
-        to_float(stream, r, row.data());  // the norm reads the stream as stored (rounded)
+      helexa_cpu::widen(x_ptr + r * x_row, row.data(), hidden);
+      if (r_ptr != nullptr) {
+        r_t* stream_row = r_ptr + r * r_row;
+        helexa_cpu::widen(stream_row, add.data(), hidden);
+        int64_t i = 0;
+        for (; i + Vec::size() <= hidden; i += Vec::size()) {
+          (Vec::loadu(add.data() + i) + Vec::loadu(row.data() + i)).store(add.data() + i);
+        }
+        for (; i < hidden; ++i) add[i] += row[i];
+        helexa_cpu::narrow(add.data(), stream_row, hidden);
+        helexa_cpu::widen(stream_row, row.data(), hidden);  // the norm reads the stream as stored
       }
-      float squares = 0.f;
-      for (int64_t i = 0; i < hidden; ++i) squares += row[i] * row[i];
-      const float scale = 1.f / std::sqrt(squares / static_cast<float>(hidden) + feps);
-      for (int64_t i = 0; i < hidden; ++i) row[i] = (row[i] * scale) * w[i];
-      from_float(row.data(), out, r);
+      const float mean_square = helexa_cpu::dot(row.data(), row.data(), hidden) / static_cast<float>(hidden);
+      const float scale = 1.f / std::sqrt(mean_square + eps);
+      const Vec vscale(scale);
+      int64_t i = 0;
+      for (; i + Vec::size() <= hidden; i += Vec::size()) {
+        (Vec::loadu(row.data() + i) * vscale * Vec::loadu(w.data() + i)).store(row.data() + i);
+      }
+      for (; i < hidden; ++i) row[i] = (row[i] * scale) * w[i];
+      helexa_cpu::narrow(row.data(), out_ptr + r * out_row, hidden);
     }
   });
 }
 
+template <typename x_t>
+void norm_rows_for(at::Tensor& out, const at::Tensor& x, at::Tensor* stream, const std::vector<float>& w, float eps) {
+  if (stream == nullptr) return norm_rows<x_t, x_t>(out, x, nullptr, w, eps);
+  switch (stream->scalar_type()) {
+    case at::kFloat: return norm_rows<x_t, float>(out, x, stream, w, eps);
+    case at::kBFloat16: return norm_rows<x_t, c10::BFloat16>(out, x, stream, w, eps);
+    case at::kHalf: return norm_rows<x_t, c10::Half>(out, x, stream, w, eps);
+    default: TORCH_CHECK(false, "rms_norm: a float32, bfloat16 or float16 residual, got ", stream->scalar_type());
+  }
+}
+
+void norm(at::Tensor& out, const at::Tensor& x, at::Tensor* stream, const at::Tensor& weight, double eps,
+          bool unit_offset) {
+  check_rows(out, x, "out");
+  check_rows(x, x, "x");
+  if (stream != nullptr) check_rows(*stream, x, "residual");
+  TORCH_CHECK(out.scalar_type() == x.scalar_type(), "out and x must share a dtype");
+  const int64_t hidden = x.size(1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == hidden, "weight: [", hidden, "]");
+  const at::Tensor w32 = weight.to(at::kFloat).contiguous();
+  std::vector<float> w(w32.data_ptr<float>(), w32.data_ptr<float>() + hidden);
+  if (unit_offset) {
+    for (float& value : w) value += 1.f;
+  }
+  const float feps = static_cast<float>(eps);
+  switch (x.scalar_type()) {
+    case at::kFloat: return norm_rows_for<float>(out, x, stream, w, feps);
+    case at::kBFloat16: return norm_rows_for<c10::BFloat16>(out, x, stream, w, feps);
+    case at::kHalf: return norm_rows_for<c10::Half>(out, x, stream, w, feps);
+    default: TORCH_CHECK(false, "rms_norm: float32, bfloat16 or float16, got ", x.scalar_type());
+  }
+}
+
 void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset) {
-  norm_rows(out, x, c10::nullopt, weight, eps, unit_offset);
+  norm(out, x, nullptr, weight, eps, unit_offset);
 }
 
 void fused_add_rms_norm(at::Tensor out, const at::Tensor& x, at::Tensor residual, const at::Tensor& weight,
                         double eps, bool unit_offset) {
-  norm_rows(out, x, residual, weight, eps, unit_offset);
+  norm(out, x, &residual, weight, eps, unit_offset);
 }
 
 }  // namespace

@@ -15,9 +15,11 @@
 #include <cmath>
 #include <vector>
 
+#include "../cpu_vec.h"
+
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
+using helexa_cpu::Vec;
 
 template <typename scalar_t>
 void silu_rows(at::Tensor& out, const at::Tensor& x) {
@@ -29,8 +31,8 @@ void silu_rows(at::Tensor& out, const at::Tensor& x) {
     std::vector<float> gate(d), up(d);
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* row = src + r * in_row;
-      for (int64_t i = 0; i < d; ++i) gate[i] = static_cast<float>(row[i]);
-      for (int64_t i = 0; i < d; ++i) up[i] = static_cast<float>(row[d + i]);
+      helexa_cpu::widen(row, gate.data(), d);
+      helexa_cpu::widen(row + d, up.data(), d);
       int64_t i = 0;
       const Vec one(1.f);
       for (; i + Vec::size() <= d; i += Vec::size()) {
@@ -38,8 +40,7 @@ void silu_rows(at::Tensor& out, const at::Tensor& x) {
         (g / (one + g.neg().exp_u20()) * Vec::loadu(up.data() + i)).store(gate.data() + i);
       }
       for (; i < d; ++i) gate[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
-      scalar_t* target = dst + r * out_row;
-      for (int64_t j = 0; j < d; ++j) target[j] = static_cast<scalar_t>(gate[j]);
+      helexa_cpu::narrow(gate.data(), dst + r * out_row, d);
     }
   });
 }
