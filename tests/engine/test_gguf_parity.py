@@ -83,10 +83,14 @@ def test_chunked_prefill_and_decode_match_one_prefill(smollm2: Checkpoint) -> No
     model = smollm2.model
     full = chunked_logits(model, ids, block_size=16)
     chunked = chunked_logits(model, ids, [7, 9, len(ids) - 16], block_size=16)
-    torch.testing.assert_close(chunked, full, atol=1e-4, rtol=1e-4)
+    # fp32 noise only: a GEMM rounds differently at another row count, and 30 layers carry it to
+    # ~5e-5 here (1.3e-4 in one clean-clone run); a wrong mask, position or cache slot is ≫ 1e-2.
+    torch.testing.assert_close(chunked, full, atol=3e-4, rtol=1e-4)
+    assert torch.equal(chunked.argmax(-1), full.argmax(-1))
     split = len(ids) - 4
     decoded = chunked_logits(model, ids, [split] + [1] * 4, block_size=16)
-    torch.testing.assert_close(decoded, full, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(decoded, full, atol=3e-4, rtol=1e-4)
+    assert torch.equal(decoded.argmax(-1), full.argmax(-1))
 
 
 @torch.inference_mode()
