@@ -22,14 +22,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from functools import cache
 from pathlib import Path
 
 import torch
 
-from engine.dtype_cache import cpu_identity
+from engine.dtype_cache import cpu_identity, default_cache_path
 
 log = logging.getLogger("helexa.engine")
 
@@ -59,8 +58,7 @@ def build_directory() -> Path:
                            "sources": [source.read_text() for source in (*SOURCES, HEADER)]},
                           sort_keys=True)
     digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "helexa" / "kernels" / f"cpu-{digest}"
+    return default_cache_path().parent / "kernels" / f"cpu-{digest}"
 
 
 # A build takes well under a minute; a lock older than this was left by a process killed mid-build.

@@ -155,3 +155,15 @@ def perturb_norms_and_biases(model: nn.Module) -> None:
         for name, param in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 param.add_(torch.randn_like(param) * 0.1)
+
+
+def random_block_tables(seq_lens: list[int], block_size: int, num_blocks: int,
+                        generator: torch.Generator) -> list[list[int]]:
+    """Disjoint, shuffled (non-contiguous) block ids per sequence."""
+    free = torch.randperm(num_blocks, generator=generator).tolist()
+    tables = []
+    for seq_len in seq_lens:
+        n = -(-seq_len // block_size)
+        tables.append(free[:n])
+        free = free[n:]
+    return tables

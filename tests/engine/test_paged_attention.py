@@ -8,6 +8,7 @@ import torch
 from engine.ops import attention, paged_attention
 from engine.ops import kv_store as store_kv
 from engine.step_metadata import AttentionMetadata
+from tests.engine.helpers import random_block_tables
 
 # (query_len, seq_len) per sequence: whole prefills, chunked continuations, decodes.
 BATCHES = {
@@ -39,18 +40,6 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     query_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
     scores = scores.masked_fill(torch.arange(seq_len)[None, :] > query_pos, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
-
-
-def random_block_tables(seq_lens: list[int], block_size: int, num_blocks: int,
-                        generator: torch.Generator) -> list[list[int]]:
-    """Disjoint, shuffled (non-contiguous) block ids per sequence."""
-    free = torch.randperm(num_blocks, generator=generator).tolist()
-    tables = []
-    for seq_len in seq_lens:
-        n = -(-seq_len // block_size)
-        tables.append(free[:n])
-        free = free[n:]
-    return tables
 
 
 @pytest.mark.parametrize("new_keys", [True, False], ids=["new-keys", "cache-only"])

@@ -15,6 +15,7 @@ import torch
 
 from kernels import cpu as cpu_kernels
 from kernels.paged_attention import naive_paged_attention
+from tests.engine.helpers import random_block_tables
 
 DTYPES = [pytest.param(torch.float32, 1e-5, id="fp32"), pytest.param(torch.bfloat16, 1e-2, id="bf16"),
           pytest.param(torch.float16, 2e-3, id="fp16")]
@@ -33,12 +34,7 @@ def decode_case(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.d
                 block_size: int = 16) -> tuple:
     generator = torch.Generator().manual_seed(0)
     num_blocks = sum(-(-s // block_size) for s in SEQ_LENS) + 4
-    free = torch.randperm(num_blocks, generator=generator).tolist()
-    tables = []
-    for seq_len in SEQ_LENS:
-        n = -(-seq_len // block_size)
-        tables.append(free[:n])
-        free = free[n:]
+    tables = random_block_tables(SEQ_LENS, block_size, num_blocks, generator)
     width = max(map(len, tables))
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
