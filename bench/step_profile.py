@@ -37,7 +37,8 @@ CHUNK = 512
 NUM_SEQS = 16
 # ATen op name fragments -> category; the first match wins.
 CATEGORIES = [
-    ("matmul", ("addmm", "aten::mm", "aten::bmm", "aten::linear", "aten::matmul", "mkldnn", "onednn")),
+    ("matmul", ("addmm", "aten::mm", "aten::bmm", "aten::linear", "aten::matmul", "mkldnn", "onednn",
+                "bf16_linear")),
     ("attention", ("attention", "_safe_softmax", "softmax", "baddbmm")),
     ("gather", ("index_select", "index", "gather", "embedding")),
     ("kv_store", ("index_put", "scatter")),

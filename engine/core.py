@@ -291,6 +291,8 @@ def build_core(config: EngineConfig) -> EngineCore:
 
     if config.device == "auto":
         config = dataclasses.replace(config, device="cuda" if torch.cuda.is_available() else "cpu")
+    # Picked before the dtype is measured: the linears are timed as this backend runs them.
+    ops.use_backend(config.kernels, config.device)
     choice = choose_dtype(config, read_model_config(config.model), torch.device(config.device).type,
                           default_cache_path())
     checkpoint = load_checkpoint(config.model, dtype=choice.torch_dtype, device=config.device)

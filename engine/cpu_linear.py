@@ -1,34 +1,43 @@
-"""How a linear layer runs on CPU: from a copy of its weight prepacked once for oneDNN.
+"""How a linear layer runs on CPU: from copies of its weight packed once, by the fastest method
+for the rows at hand.
 
 `F.linear` on CPU reorders the weight into the matmul kernel's blocked layout on every call
 (bf16 through oneDNN) or runs a plain sgemm (fp32). For a decode step, which streams every weight
 once for a handful of rows, that reorder is most of the work: on a 2-core AVX-512 machine the
 default model's projections at 16 rows run 1.65× faster from prepacked weights in bf16 and 2.2×
 in fp32, 1.5-1.6× at one row, about the same at 512 (`bench/cpu_linear.py`,
-bench/results/cpu_linear-cpu-epyc.json). So the model runner
-packs every linear layer's weight once, at build (`prepack_model`), and `engine.models.layers.Linear`
-runs from the packed copy. The checkpoint's own weight stays as it is (the loader, tied
-embeddings and the parity tests read it); the packed copy costs one more copy of the linear
-weights in memory.
+bench/results/cpu_linear-cpu-epyc.json). So the model runner packs every linear layer's weight
+once, at build (`prepack_model`), and `engine.models.layers.Linear` runs from the packed copy.
 
-Only CPU tensors in fp32 or bf16 are packed, and only where this torch has oneDNN; everything
-else runs `F.linear`. `dtype_choice` times the same op the engine will run (`linear_op`).
+In bf16, on CPUs with AVX512-BF16 and with the C++ kernels picked (`engine.ops`), a second copy
+is packed for `kernels/linear/cpu_bf16_linear.cpp`, which streams the weight at close to memory
+speed for a few rows where oneDNN does not (on a Zen 4: 1 row 9.8 against 16.7 ms, 16 rows 15.1
+against 22.4). Up to how many rows it runs is measured once per process (`bf16_kernel_rows`):
+on a CPU whose oneDNN has AMX, oneDNN may win from very few rows.
+
+The checkpoint's own weight stays as it is (the loader, tied embeddings and the parity tests read
+it); each packed copy costs one more copy of the linear weights in memory. Only CPU tensors in
+fp32 or bf16 are packed, and only where this torch has oneDNN; everything else runs `F.linear`.
+`dtype_choice` times the same op the engine will run (`linear_op`).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
+from functools import cache
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import ops
+from kernels import cpu as cpu_kernels
+
 log = logging.getLogger("helexa.engine")
 
 PACKABLE = (torch.float32, torch.bfloat16)
-# How linears run, part of what a remembered dtype measurement was taken with (engine.dtype_cache).
-METHOD = "onednn-prepacked" if torch.backends.mkldnn.is_available() else "F.linear"
 # The row count oneDNN is told to expect; measured: any of 1, 16 or 512 serves 1 to 2048 rows alike.
 BATCH_HINT = 16
 
@@ -48,30 +57,106 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+# Row counts at which the bf16 kernel is timed against oneDNN, and the weights it is timed on:
+# 32 MiB of bf16, past the caches, as a decode step streams them.
+KERNEL_PROBE_ROWS = (1, 4, 16, 64, 128, 256)
+KERNEL_PROBE_SHAPE = (2048, 1024)
+KERNEL_PROBE_WEIGHTS = 8
+KERNEL_PROBE_PASSES = 3
+
+
+def _kernel_applies(weight: torch.Tensor) -> bool:
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.shape[1] % 2 == 0
+            and ops.cpu_kernels_picked() and cpu_kernels.bf16_linear_available())
+
+
+@cache
+def bf16_kernel_rows() -> int:
+    """Up to how many rows the bf16 kernel beats prepacked oneDNN here (0: never, or not built).
+    Both are timed over the same weights, passes interleaved, the fastest pass of each; the
+    first row count where oneDNN is as fast ends the kernel's range."""
+    if not (ops.cpu_kernels_picked() and cpu_kernels.bf16_linear_available()):
+        return 0
+    generator = torch.Generator().manual_seed(0)
+    out_features, in_features = KERNEL_PROBE_SHAPE
+    weights = [torch.empty(KERNEL_PROBE_SHAPE).uniform_(-0.05, 0.05, generator=generator).bfloat16()
+               for _ in range(KERNEL_PROBE_WEIGHTS)]
+    methods = {"kernel": [lambda x, p=cpu_kernels.pack_bf16_weight(w): cpu_kernels.bf16_linear(x, p, None, out_features)
+                          for w in weights],
+               "onednn": [lambda x, p=pack(w): packed_linear(x, p, None) for w in weights]}
+    timings: dict[int, dict[str, float]] = {}
+    limit = 0
+    for rows in KERNEL_PROBE_ROWS:
+        x = torch.randn(rows, in_features, generator=generator).bfloat16()
+        best = {name: float("inf") for name in methods}
+        for _ in range(KERNEL_PROBE_PASSES):
+            for name, fns in methods.items():
+                start = time.perf_counter()
+                for fn in fns:
+                    fn(x)
+                best[name] = min(best[name], time.perf_counter() - start)
+        timings[rows] = {name: round(t * 1000, 3) for name, t in best.items()}
+        if best["kernel"] >= best["onednn"]:
+            break
+        limit = rows
+    log.info("bf16 linear kernel for up to %d rows, oneDNN above (ms per %d MiB of weights: %s)", limit,
+             KERNEL_PROBE_WEIGHTS * out_features * in_features * 2 >> 20, timings)
+    return limit
+
+
+def method() -> str:
+    """How linears run here: part of what a remembered dtype measurement was taken with
+    (engine.dtype_cache)."""
+    if not torch.backends.mkldnn.is_available():
+        return "F.linear"
+    if ops.cpu_kernels_picked() and cpu_kernels.bf16_linear_available():
+        return "onednn-prepacked+bf16-kernel"
+    return "onednn-prepacked"
+
+
+class PackedWeight:
+    """One weight (and bias) as the CPU engine runs it: prepacked for oneDNN, and in bf16 where
+    the kernel applies also packed for it, which then serves calls of up to `kernel_rows` rows."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.onednn = pack(weight)
+        self.bias = bias
+        self.kernel_rows = bf16_kernel_rows() if _kernel_applies(weight) else 0
+        self.kernel_weight = cpu_kernels.pack_bf16_weight(weight) if self.kernel_rows else None
+        self.kernel_bias = (bias.detach().float().contiguous()
+                            if bias is not None and self.kernel_weight is not None else None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if (self.kernel_weight is not None and x.dtype == torch.bfloat16
+                and x.numel() <= self.kernel_rows * self.in_features):
+            return cpu_kernels.bf16_linear(x, self.kernel_weight, self.kernel_bias, self.out_features)
+        return packed_linear(x, self.onednn, self.bias)
+
+
 def linear_op(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     """x -> x @ weight.T as the engine runs it for this weight (packed where it can be)."""
     if can_pack(weight):
-        packed = pack(weight)
-        return lambda x: packed_linear(x, packed, None)
+        return PackedWeight(weight, None)
     return lambda x: F.linear(x, weight)
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` that runs from a prepacked copy of its weight once `prepack` has made one.
-    The copy is taken when `prepack` runs: call it once the weights are final (and again if
+    """`nn.Linear` that runs from packed copies of its weight once `prepack` has made them.
+    The copies are taken when `prepack` runs: call it once the weights are final (and again if
     they are ever changed in place)."""
 
-    packed: torch.Tensor | None = None
+    packed: PackedWeight | None = None
 
     def prepack(self) -> bool:
         if not can_pack(self.weight):
             return False
-        self.packed = pack(self.weight)
+        self.packed = PackedWeight(self.weight, self.bias)
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return packed_linear(x, self.packed, self.bias)
+            return self.packed(x)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -80,5 +165,5 @@ def prepack_model(model: nn.Module) -> int:
     returns how many were."""
     packed = sum(module.prepack() for module in model.modules() if isinstance(module, Linear))
     if packed:
-        log.info("%d linear layers prepacked for oneDNN", packed)
+        log.info("%d linear layers prepacked", packed)
     return packed

@@ -17,7 +17,8 @@ Weights are random: only their shapes and bytes matter to the clock. Memory-boun
 timed over enough distinct weights to stream from memory as the real model does (a budget of
 `STREAM_BUDGET` elements), compute-bound ones over fewer; each time is scaled up to the whole
 model. Each figure is the fastest of `REPEATS` passes (see `measure`). Each linear is timed as the
-engine runs it (`engine.cpu_linear.linear_op`: prepacked for oneDNN in fp32 and bf16).
+engine runs it (`engine.cpu_linear.linear_op`: prepacked for oneDNN in fp32 and bf16, and
+through the bf16 kernel for a few rows where it is faster).
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def choose_dtype(config: EngineConfig, model_config: ModelConfig, device: str,
     cases = scenarios(config)
     key = dtype_cache.cache_key(torch.__version__, torch.get_num_threads(), linear_shapes(model_config),
                                 [(c.rows, c.with_lm_head, c.budget) for c in cases], CANDIDATES, MIN_GAIN,
-                                cpu_linear.METHOD)
+                                cpu_linear.method())
     entry = dtype_cache.load(cache, key) if cache is not None else None
     if entry is not None:
         result = DtypeChoice(entry["dtype"], "measured", entry["timings_ms"], entry["measure_s"])

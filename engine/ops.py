@@ -9,7 +9,8 @@ from `EngineConfig.kernels` (the worker's `HELEXA_KERNELS`, read in apps/setting
 
 - `auto` (default): Triton on CUDA, the C++ CPU kernels on CPU, resolved against the engine's
   device;
-- `cpu`: the C++ kernels of `kernels.cpu` (norms, rotary, SiLU-and-mul, decode attention),
+- `cpu`: the C++ kernels of `kernels.cpu` (norms, rotary, SiLU-and-mul, decode attention, and
+  the bf16 linear that `engine.cpu_linear` runs for a few rows where it measures faster),
   built once per machine, and the PyTorch path for every other op; where they cannot be built
   (no compiler), the PyTorch path for everything;
 - `torch`: the PyTorch path everywhere (e.g. to bisect a numerical problem);
@@ -81,11 +82,13 @@ def _use_triton(x: torch.Tensor) -> bool:
     return _backend == "triton"
 
 
+def cpu_kernels_picked() -> bool:
+    """Whether CPU tensors go through the C++ CPU kernels: picked (or auto), and built here."""
+    return _backend in (None, "cpu") and cpu_kernels.load()
+
+
 def _use_cpu_kernels(x: torch.Tensor) -> bool:
-    """The C++ CPU kernels: picked (or auto) for a CPU tensor, and built on this machine."""
-    if x.device.type != "cpu" or _backend not in (None, "cpu"):
-        return False
-    return cpu_kernels.load()
+    return x.device.type == "cpu" and cpu_kernels_picked()
 
 
 @cache

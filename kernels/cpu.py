@@ -8,7 +8,9 @@ much of the step. These kernels do in one call what the PyTorch forms do in seve
   and runs SDPA over it: ~0.4 ms a layer for 16 sequences of ~150 keys, nearly all fixed cost);
 - `kernels/rmsnorm/cpu_rms_norm.cpp`: RMSNorm and the residual add before it;
 - `kernels/rotary/cpu_rotary.cpp`: rotate-half RoPE of q and k, in place;
-- `kernels/silu_and_mul/cpu_silu_and_mul.cpp`: the gated MLP's silu(gate) * up, rounded once.
+- `kernels/silu_and_mul/cpu_silu_and_mul.cpp`: the gated MLP's silu(gate) * up, rounded once;
+- `kernels/linear/cpu_bf16_linear.cpp`: a bf16 linear for a few rows from a weight packed for
+  AVX512-BF16's pair dot product (`engine.cpu_linear` measures where it beats oneDNN).
 
 They run on torch's own thread pool (at::parallel_for). The extension is compiled with the
 machine's own instruction set (`-march=native`), so the build is cached per CPU (model and
@@ -34,7 +36,8 @@ log = logging.getLogger("helexa.engine")
 
 HERE = Path(__file__).resolve().parent
 SOURCES = [HERE / "paged_attention" / "cpu_decode.cpp", HERE / "rmsnorm" / "cpu_rms_norm.cpp",
-           HERE / "rotary" / "cpu_rotary.cpp", HERE / "silu_and_mul" / "cpu_silu_and_mul.cpp"]
+           HERE / "rotary" / "cpu_rotary.cpp", HERE / "silu_and_mul" / "cpu_silu_and_mul.cpp",
+           HERE / "linear" / "cpu_bf16_linear.cpp"]
 HEADER = HERE / "cpu_vec.h"  # what they share: fp32 widening and narrowing, a dot product
 
 
@@ -142,6 +145,35 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     """Rotate-half RoPE of q [T, H, D] and k [T, HK, D] in place; returns (q, k)."""
     torch.ops.helexa_cpu.rotary_(q, k, positions, cos_sin_cache)
     return q, k
+
+
+def bf16_linear_available() -> bool:
+    """Whether this build has the bf16 linear (the CPU has AVX512-BF16). Needs `load()`."""
+    return bool(torch.ops.helexa_cpu.bf16_linear_available())
+
+
+# Output columns per packed block of `pack_bf16_weight`: one AVX-512 register of fp32 sums.
+BF16_BLOCK = 16
+
+
+def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:
+    """bf16 [N, K] (K even) -> [ceil(N/16), K/2, 16, 2]: blocks of 16 output columns, K in pairs,
+    the columns past N zero."""
+    out_features, in_features = weight.shape
+    blocks = -(-out_features // BF16_BLOCK)
+    padded = torch.nn.functional.pad(weight.detach(), (0, 0, 0, blocks * BF16_BLOCK - out_features))
+    return padded.view(blocks, BF16_BLOCK, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def bf16_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                out_features: int) -> torch.Tensor:
+    """x [..., K] bf16 @ W.T (+ bias, fp32 [N]) -> [..., N] bf16, W as `pack_bf16_weight(W)`."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1 or rows.stride(0) % 2 or rows.storage_offset() % 2:
+        rows = rows.contiguous()  # the kernel reads x two elements at a time
+    out = torch.empty(rows.shape[0], out_features, dtype=x.dtype, device=x.device)
+    torch.ops.helexa_cpu.bf16_linear(out, rows, packed, bias)
+    return out.view(*x.shape[:-1], out_features)
 
 
 if __name__ == "__main__":  # `python -m kernels.cpu`: build now (make setup does), not at first use

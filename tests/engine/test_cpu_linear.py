@@ -1,5 +1,6 @@
-"""Linear layers on CPU run from weights prepacked once for oneDNN (engine.cpu_linear): the same
-numbers as `F.linear`, in every model family, packed by the model runner at build."""
+"""Linear layers on CPU run from weights prepacked once (engine.cpu_linear): oneDNN's copy, and in
+bf16 the C++ kernel's for up to its measured row count; the same numbers as `F.linear`, in every
+model family, packed by the model runner at build."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_linear
+from engine import cpu_linear, ops
 from engine.engine_config import EngineConfig
 from engine.model_runner import ModelRunner
 from engine.models.layers import Linear
 from tests.engine.helpers import PagedSequences
+from kernels import cpu as cpu_kernels
 from tests.engine.test_packed_projections import _our_model
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
@@ -74,3 +76,60 @@ def test_the_model_runner_packs_every_linear_on_cpu() -> None:
     assert linears and all(m.packed is None for m in linears)
     ModelRunner(model, model.config, EngineConfig(model="in-memory", num_kv_blocks=8))
     assert all(m.packed is not None for m in linears)
+
+
+needs_bf16_kernel = pytest.mark.skipif(not (cpu_kernels.load() and cpu_kernels.bf16_linear_available()),
+                                       reason="this CPU has no AVX512-BF16")
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The bf16 kernel serving up to 16 rows (as if measured so), and the row counts it got."""
+    calls: list[int] = []
+    real = cpu_kernels.bf16_linear
+
+    def counted(x: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append(x.numel() // x.shape[-1])
+        return real(x, *args)
+
+    monkeypatch.setattr(cpu_linear, "bf16_kernel_rows", lambda: 16)
+    monkeypatch.setattr(cpu_kernels, "bf16_linear", counted)
+    return calls
+
+
+@needs_bf16_kernel
+def test_bf16_runs_the_kernel_up_to_its_measured_rows_and_onednn_above(kernel_calls: list[int]) -> None:
+    torch.manual_seed(0)
+    layer = Linear(96, 40, bias=True).to(torch.bfloat16)
+    assert layer.prepack() and layer.packed.kernel_rows == 16
+    for rows in (1, 16, 17, 64):
+        x = torch.randn(rows, 96).bfloat16()
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-2, rtol=1e-2)
+    assert kernel_calls == [1, 16]
+
+
+@needs_bf16_kernel
+def test_torch_kernels_keep_onednn_for_bf16(kernel_calls: list[int]) -> None:
+    ops.use_backend("torch", "cpu")
+    try:
+        layer = Linear(96, 40).to(torch.bfloat16)
+        assert layer.prepack() and layer.packed.kernel_weight is None
+        layer(torch.randn(2, 96).bfloat16())
+    finally:
+        ops.use_backend("auto")
+    assert kernel_calls == []
+
+
+def test_fp32_never_takes_the_bf16_kernel(kernel_calls: list[int]) -> None:
+    layer = Linear(96, 40)
+    assert layer.prepack() and layer.packed.kernel_weight is None
+    layer(torch.randn(2, 96))
+    assert kernel_calls == []
+
+
+def test_the_kernels_rows_are_measured_where_it_exists() -> None:
+    rows = cpu_linear.bf16_kernel_rows()
+    if cpu_kernels.load() and cpu_kernels.bf16_linear_available():
+        assert rows in (0, *cpu_linear.KERNEL_PROBE_ROWS)
+    else:
+        assert rows == 0
