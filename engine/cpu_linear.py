@@ -12,7 +12,7 @@ once, at build (`prepack_model`), and `engine.models.layers.Linear` runs from th
 In bf16, on CPUs with AVX512-BF16 and with the C++ kernels picked (`engine.ops`), a second copy
 is packed for `kernels/linear/cpu_bf16_linear.cpp`, which streams the weight at close to memory
 speed for a few rows where oneDNN does not (on a Zen 4: 1 row 9.8 against 16.7 ms, 16 rows 15.1
-against 22.4). Up to how many rows it runs is measured once per process (`bf16_kernel_rows`):
+against 22.4). Up to how many rows it runs is measured once per machine (`bf16_kernel_rows`):
 on a CPU whose oneDNN has AMX, oneDNN may win from very few rows.
 
 The checkpoint's own weight stays as it is (the loader, tied embeddings and the parity tests read
@@ -23,6 +23,7 @@ fp32 or bf16 are packed, and only where this torch has oneDNN; everything else r
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -72,11 +73,33 @@ def _kernel_applies(weight: torch.Tensor) -> bool:
 
 @cache
 def bf16_kernel_rows() -> int:
-    """Up to how many rows the bf16 kernel beats prepacked oneDNN here (0: never, or not built).
-    Both are timed over the same weights, passes interleaved (a busy moment hits both), the
-    fastest pass of each; the first row count where oneDNN is as fast ends the kernel's range."""
+    """Up to how many rows the bf16 kernel beats prepacked oneDNN here (0: never, or not built):
+    measured once per machine, kernel build and torch (`_measure_kernel_rows`), then remembered
+    beside the kernel's build."""
     if not (ops.cpu_kernels_picked() and cpu_kernels.bf16_linear_available()):
         return 0
+    remembered = cpu_kernels.build_directory() / "bf16_linear_rows.json"
+    try:
+        return int(json.loads(remembered.read_text())["rows"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    rows, timings = _measure_kernel_rows()
+    log.info("bf16 linear kernel for up to %d rows, oneDNN above (one thread, ms per %d MiB of "
+             "weights: %s)", rows, KERNEL_PROBE_WEIGHTS * KERNEL_PROBE_SHAPE[0] * KERNEL_PROBE_SHAPE[1] * 2 >> 20,
+             timings)
+    try:
+        remembered.write_text(json.dumps({"rows": rows, "timings_ms": timings}))
+    except OSError as exc:
+        log.warning("could not remember the bf16 kernel measurement (%s)", exc)
+    return rows
+
+
+def _measure_kernel_rows() -> tuple[int, dict[int, dict[str, float]]]:
+    """Both methods timed over the same weights, passes interleaved, the fastest pass of each; the
+    first row count where oneDNN is as fast ends the kernel's range. On one thread: a core taken
+    by another process for a moment (the services starting beside the engine) stalls a 2-thread
+    pass at its barrier and can turn the result over (measured: 16 rows 1.7 ms against oneDNN's
+    6.2, 1 row 29 against 1.8, while a load burst ran); one thread ranks the two as two do."""
     generator = torch.Generator().manual_seed(0)
     out_features, in_features = KERNEL_PROBE_SHAPE
     weights = [torch.empty(KERNEL_PROBE_SHAPE).uniform_(-0.05, 0.05, generator=generator).bfloat16()
@@ -86,24 +109,27 @@ def bf16_kernel_rows() -> int:
                "onednn": [lambda x, p=pack(w): packed_linear(x, p, None) for w in weights]}
     timings: dict[int, dict[str, float]] = {}
     limit = 0
-    for rows in KERNEL_PROBE_ROWS:
-        x = torch.randn(rows, in_features, generator=generator).bfloat16()
-        best = {name: float("inf") for name in methods}
-        for fns in methods.values():  # untimed: oneDNN makes its primitive for this row count
-            fns[0](x)
-        for _ in range(KERNEL_PROBE_PASSES):
-            for name, fns in methods.items():
-                start = time.perf_counter()
-                for fn in fns:
-                    fn(x)
-                best[name] = min(best[name], time.perf_counter() - start)
-        timings[rows] = {name: round(t * 1000, 3) for name, t in best.items()}
-        if best["kernel"] >= best["onednn"]:
-            break
-        limit = rows
-    log.info("bf16 linear kernel for up to %d rows, oneDNN above (ms per %d MiB of weights: %s)", limit,
-             KERNEL_PROBE_WEIGHTS * out_features * in_features * 2 >> 20, timings)
-    return limit
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for rows in KERNEL_PROBE_ROWS:
+            x = torch.randn(rows, in_features, generator=generator).bfloat16()
+            best = {name: float("inf") for name in methods}
+            for fns in methods.values():  # untimed: oneDNN makes its primitive for this row count
+                fns[0](x)
+            for _ in range(KERNEL_PROBE_PASSES):
+                for name, fns in methods.items():
+                    start = time.perf_counter()
+                    for fn in fns:
+                        fn(x)
+                    best[name] = min(best[name], time.perf_counter() - start)
+            timings[rows] = {name: round(t * 1000, 3) for name, t in best.items()}
+            if best["kernel"] >= best["onednn"]:
+                break
+            limit = rows
+    finally:
+        torch.set_num_threads(threads)
+    return limit, timings
 
 
 def method() -> str:

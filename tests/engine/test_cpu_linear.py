@@ -4,6 +4,9 @@ model family, packed by the model runner at build."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -127,9 +130,22 @@ def test_fp32_never_takes_the_bf16_kernel(kernel_calls: list[int]) -> None:
     assert kernel_calls == []
 
 
-def test_the_kernels_rows_are_measured_where_it_exists() -> None:
-    rows = cpu_linear.bf16_kernel_rows()
-    if cpu_kernels.load() and cpu_kernels.bf16_linear_available():
+def test_the_kernels_rows_are_measured_once_and_remembered(monkeypatch: pytest.MonkeyPatch,
+                                                           tmp_path: Path) -> None:
+    monkeypatch.setattr(cpu_kernels, "build_directory", lambda: tmp_path)
+    cpu_linear.bf16_kernel_rows.cache_clear()
+    try:
+        rows = cpu_linear.bf16_kernel_rows()
+        if not (cpu_kernels.load() and cpu_kernels.bf16_linear_available()):
+            assert rows == 0 and not list(tmp_path.iterdir())
+            return
         assert rows in (0, *cpu_linear.KERNEL_PROBE_ROWS)
-    else:
-        assert rows == 0
+        remembered = json.loads((tmp_path / "bf16_linear_rows.json").read_text())
+        assert remembered["rows"] == rows and 1 in {int(r) for r in remembered["timings_ms"]}
+        # A later process on this machine reads it instead of measuring again.
+        (tmp_path / "bf16_linear_rows.json").write_text(json.dumps({"rows": 4}))
+        cpu_linear.bf16_kernel_rows.cache_clear()
+        monkeypatch.setattr(cpu_linear, "_measure_kernel_rows", lambda: pytest.fail("measured again"))
+        assert cpu_linear.bf16_kernel_rows() == 4
+    finally:
+        cpu_linear.bf16_kernel_rows.cache_clear()
