@@ -42,10 +42,14 @@ def plan_for(meta: AttentionMetadata, block_size: int, device: torch.device,
 
 def store_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                     decode_kernel: bool = False) -> torch.Tensor:
-    """The PyTorch path of a model's attention call: store this step's k/v, then attend."""
+                     decode_kernel: bool = False, store_kernel: bool = False) -> torch.Tensor:
+    """The PyTorch path of a model's attention call: store this step's k/v (`store_kernel`:
+    through the CPU kernel, which must be built), then attend."""
     plan = plan_for(meta, k_cache.shape[1], q.device, decode_kernel)
-    torch_ops.kv_store(k, v, k_cache, v_cache, meta.slot_mapping, plan.slots_valid)
+    if store_kernel:
+        cpu_kernels.kv_store(k, v, k_cache, v_cache, meta.slot_mapping)
+    else:
+        torch_ops.kv_store(k, v, k_cache, v_cache, meta.slot_mapping, plan.slots_valid)
     return paged_attention(q, k_cache, v_cache, meta, scale, k, v, decode_kernel)
 
 

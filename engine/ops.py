@@ -9,9 +9,9 @@ from `EngineConfig.kernels` (the worker's `HELEXA_KERNELS`, read in apps/setting
 
 - `auto` (default): Triton on CUDA, the C++ CPU kernels on CPU, resolved against the engine's
   device;
-- `cpu`: the C++ kernels of `kernels.cpu` (norms, rotary, SiLU-and-mul, decode attention, and
-  the bf16 linear that `engine.cpu_linear` runs for a few rows where it measures faster),
-  built once per machine, and the PyTorch path for every other op; where they cannot be built
+- `cpu`: the C++ kernels of `kernels.cpu` (norms, rotary, SiLU-and-mul, the KV store, decode
+  attention, and the bf16 linear that `engine.cpu_linear` runs for a few rows where it measures
+  faster), built once per machine, and the PyTorch path for every other op; where they cannot be built
   (no compiler), the PyTorch path for everything;
 - `torch`: the PyTorch path everywhere (e.g. to bisect a numerical problem);
 - `triton`: the Triton kernels everywhere; on CPU they run only under `TRITON_INTERPRET=1`,
@@ -159,6 +159,8 @@ def kv_store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     (CUDA-graph padding rows use it)."""
     if _use_triton(k):
         _triton("kv_store").kv_store(k, v, k_cache, v_cache, slot_mapping)
+    elif _use_cpu_kernels(k):
+        cpu_kernels.kv_store(k, v, k_cache, v_cache, slot_mapping)
     else:
         kv_store_naive.naive_kv_store(k, v, k_cache, v_cache, slot_mapping)
 
@@ -179,7 +181,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
               v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Store this step's k/v, then attend with q: what a model's attention layer calls."""
     if not _use_triton(q):
-        return store_and_attend(q, k, v, k_cache, v_cache, meta, scale, decode_kernel=_use_cpu_kernels(q))
+        kernels = _use_cpu_kernels(q)
+        return store_and_attend(q, k, v, k_cache, v_cache, meta, scale, decode_kernel=kernels,
+                                store_kernel=kernels)
     kv_store(k, v, k_cache, v_cache, meta.slot_mapping)
     return paged_attention(q, k_cache, v_cache, meta, scale)
 

@@ -9,6 +9,8 @@ much of the step. These kernels do in one call what the PyTorch forms do in seve
 - `kernels/rmsnorm/cpu_rms_norm.cpp`: RMSNorm and the residual add before it;
 - `kernels/rotary/cpu_rotary.cpp`: rotate-half RoPE of q and k, in place;
 - `kernels/silu_and_mul/cpu_silu_and_mul.cpp`: the gated MLP's silu(gate) * up, rounded once;
+- `kernels/kv_store/cpu_kv_store.cpp`: a step's new keys and values into the paged cache, both in
+  one call;
 - `kernels/linear/cpu_bf16_linear.cpp`: a bf16 linear for a few rows from a weight packed for
   AVX512-BF16's pair dot product (`engine.cpu_linear` measures where it beats oneDNN).
 
@@ -37,7 +39,7 @@ log = logging.getLogger("helexa.engine")
 HERE = Path(__file__).resolve().parent
 SOURCES = [HERE / "paged_attention" / "cpu_decode.cpp", HERE / "rmsnorm" / "cpu_rms_norm.cpp",
            HERE / "rotary" / "cpu_rotary.cpp", HERE / "silu_and_mul" / "cpu_silu_and_mul.cpp",
-           HERE / "linear" / "cpu_bf16_linear.cpp"]
+           HERE / "kv_store" / "cpu_kv_store.cpp", HERE / "linear" / "cpu_bf16_linear.cpp"]
 HEADER = HERE / "cpu_vec.h"  # what they share: fp32 widening and narrowing, a dot product
 
 
@@ -145,6 +147,12 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     """Rotate-half RoPE of q [T, H, D] and k [T, HK, D] in place; returns (q, k)."""
     torch.ops.helexa_cpu.rotary_(q, k, positions, cos_sin_cache)
     return q, k
+
+
+def kv_store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v [T, HK, D] into caches [blocks, block_size, HK, D] at flat slots (-1: skipped)."""
+    torch.ops.helexa_cpu.kv_store(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, slot_mapping)
 
 
 def bf16_linear_available() -> bool:

@@ -1,5 +1,5 @@
-"""The C++ CPU norms, rotary and SiLU-and-mul (kernels/<op>/cpu_*.cpp) against their naive
-references. They must build wherever the suite runs (CI has a compiler)."""
+"""The C++ CPU norms, rotary, SiLU-and-mul and KV store (kernels/<op>/cpu_*.cpp) against their
+naive references. They must build wherever the suite runs (CI has a compiler)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kernels import cpu as cpu_kernels
+from kernels.kv_store.naive import naive_kv_store
 from kernels.rmsnorm.naive import naive_fused_add_rms_norm, naive_rms_norm
 from kernels.rotary.naive import build_cos_sin_cache, naive_rotary
 from kernels.silu_and_mul.naive import naive_silu_and_mul
@@ -95,3 +96,37 @@ def test_silu_and_mul_reads_a_strided_projection() -> None:
     wide = torch.randn(4, 2 * 64 + 9)
     x = wide[:, :128]
     assert_same(cpu_kernels.silu_and_mul(x), naive_silu_and_mul(x))
+
+
+def _caches(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.zeros(6, 4, 3, 16, dtype=dtype), torch.zeros(6, 4, 3, 16, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kv_store_matches_reference(dtype: torch.dtype) -> None:
+    # k and v as the model hands them over: views into one packed qkv projection, rows 9 heads apart.
+    qkv = torch.randn(5, (3 + 3 + 3) * 16).to(dtype)
+    k, v = qkv[:, 48:96].view(5, 3, 16), qkv[:, 96:].view(5, 3, 16)
+    slots = torch.tensor([0, 23, -1, 7, 12])  # -1: a padding row, skipped
+    expected, got = _caches(dtype), _caches(dtype)
+    naive_kv_store(k, v, *expected, slots)
+    cpu_kernels.kv_store(k, v, *got, slots)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+def test_kv_store_copies_heads_that_are_not_side_by_side() -> None:
+    k = torch.randn(2, 3, 16)  # heads side by side
+    strided = torch.randn(2, 6, 16)[:, ::2]  # heads two rows apart
+    expected, got = _caches(torch.float32), _caches(torch.float32)
+    slots = torch.tensor([3, 9])
+    naive_kv_store(k, strided, *expected, slots)
+    cpu_kernels.kv_store(k, strided, *got, slots)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+def test_kv_store_refuses_a_slot_outside_the_cache_before_writing() -> None:
+    k = torch.randn(2, 3, 16)
+    caches = _caches(torch.float32)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_kernels.kv_store(k, k, *caches, torch.tensor([1, 24]))
+    assert not caches[0].any() and not caches[1].any()
