@@ -24,18 +24,7 @@ def _run_until_signal(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
             loop.add_signal_handler(sig, stop.set)
         await main(stop)
 
-    with asyncio.Runner(loop_factory=_event_loop_factory()) as loop_runner:
-        loop_runner.run(runner())
-
-
-def _event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop where it is installed (a dependency off Windows): less CPU per streamed token in
-    the gateway and the worker, which share the machine with the engine; else asyncio's own."""
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
+    asyncio.run(runner())
 
 
 def cmd_gateway(args: argparse.Namespace) -> None:
