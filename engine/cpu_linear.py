@@ -11,8 +11,8 @@ once, at build (`prepack_model`), and `engine.models.layers.Linear` runs from th
 
 In bf16, on CPUs with AVX512-BF16 and with the C++ kernels picked (`engine.ops`), a second copy
 is packed for `kernels/linear/cpu_bf16_linear.cpp`, which streams the weight at close to memory
-speed for a few rows where oneDNN does not (on a Zen 4: 1 row 9.8 against 16.7 ms, 16 rows 15.1
-against 22.4). Up to how many rows it runs is measured once per machine (`bf16_kernel_rows`):
+speed for a few rows where oneDNN does not (on a Zen 4, the default model's projections: 1 row
+12.9 against 18.7 ms, 16 rows 17.0 against 20.8, bench/results/cpu_linear-cpu-epyc-kernel.json). Up to how many rows it runs is measured once per machine (`bf16_kernel_rows`):
 on a CPU whose oneDNN has AMX, oneDNN may win from very few rows.
 
 The checkpoint's own weight stays as it is (the loader, tied embeddings and the parity tests read

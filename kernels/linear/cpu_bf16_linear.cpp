@@ -10,8 +10,9 @@
 // and the later tiles prefetch the next chunk. Threads split the column blocks evenly
 // (at::parallel_for), each streaming its own part of W.
 //
-// Measured on a 2-core Zen 4 (SmolLM2-135M's projections and LM head, bf16): 1 row 9.8 ms against
-// oneDNN's prepacked 16.7, 16 rows 15.1 against 22.4; even at 64-128 rows, oneDNN ahead from ~256.
+// Measured on a 2-core Zen 4 (SmolLM2-135M's projections and LM head, bf16,
+// bench/results/cpu_linear-cpu-epyc-kernel.json): 1 row 12.9 ms against oneDNN's prepacked 18.7,
+// 16 rows 17.0 against 20.8, 64 rows 57.3 against 64.9; at 512 rows oneDNN is 1.25x faster.
 // Which one runs for how many rows is measured at start (engine/cpu_linear.py).
 //
 // Registered as torch.ops.helexa_cpu.bf16_linear and .bf16_linear_available (False when the
