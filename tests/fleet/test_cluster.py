@@ -66,7 +66,8 @@ def test_losing_one_of_three_servers_loses_no_request(tmp_path: Path) -> None:
             assert len(results) == 50
             completed = [r for r in results if r == REPLY]
             failed = [r for r in results if r.startswith("failed")]
-            assert len(completed) + len(failed) == 50, results
+            # Every answer whole or cleanly failed: name the others (a truncated or doubled text).
+            assert len(completed) + len(failed) == 50, [r for r in results if r != REPLY and not r.startswith("failed")]
             assert len(completed) >= 10
             # The fleet goes on serving on the two servers left.
             after = client.chat.completions.create(model="ha-model", messages=[{"role": "user", "content": "after"}])
