@@ -12,8 +12,9 @@ once, at build (`prepack_model`), and `engine.models.layers.Linear` runs from th
 In bf16, on CPUs with AVX512-BF16 and with the C++ kernels picked (`engine.ops`), a second copy
 is packed for `kernels/linear/cpu_bf16_linear.cpp`, which streams the weight at close to memory
 speed for a few rows where oneDNN does not (on a Zen 4, the default model's projections: 1 row
-12.9 against 18.7 ms, 16 rows 17.0 against 20.8, bench/results/cpu_linear-cpu-epyc-kernel.json). Up to how many rows it runs is measured once per machine (`bf16_kernel_rows`):
-on a CPU whose oneDNN has AMX, oneDNN may win from very few rows.
+12.9 against 18.7 ms, 16 rows 17.0 against 20.8, bench/results/cpu_linear-cpu-epyc-kernel.json).
+Up to how many rows it runs is measured once per machine (`bf16_kernel_rows`): on a CPU whose
+oneDNN has AMX, oneDNN may win from very few rows.
 
 The checkpoint's own weight stays as it is (the loader, tied embeddings and the parity tests read
 it); each packed copy costs one more copy of the linear weights in memory. Only CPU tensors in
@@ -66,9 +67,14 @@ KERNEL_PROBE_WEIGHTS = 8
 KERNEL_PROBE_PASSES = 5
 
 
+def _kernel_built() -> bool:
+    """The C++ kernels are picked (`engine.ops`) and this build has the bf16 linear."""
+    return ops.cpu_kernels_picked() and cpu_kernels.bf16_linear_available()
+
+
 def _kernel_applies(weight: torch.Tensor) -> bool:
     return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.shape[1] % 2 == 0
-            and ops.cpu_kernels_picked() and cpu_kernels.bf16_linear_available())
+            and _kernel_built())
 
 
 @cache
@@ -76,7 +82,7 @@ def bf16_kernel_rows() -> int:
     """Up to how many rows the bf16 kernel beats prepacked oneDNN here (0: never, or not built):
     measured once per machine, kernel build and torch (`_measure_kernel_rows`), then remembered
     beside the kernel's build."""
-    if not (ops.cpu_kernels_picked() and cpu_kernels.bf16_linear_available()):
+    if not _kernel_built():
         return 0
     remembered = cpu_kernels.build_directory() / "bf16_linear_rows.json"
     try:
@@ -137,7 +143,7 @@ def method() -> str:
     (engine.dtype_cache)."""
     if not torch.backends.mkldnn.is_available():
         return "F.linear"
-    if ops.cpu_kernels_picked() and cpu_kernels.bf16_linear_available():
+    if _kernel_built():
         return "onednn-prepacked+bf16-kernel"
     return "onednn-prepacked"
 
