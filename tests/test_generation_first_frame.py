@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import nats
+from nats.js import JetStreamContext
 
 from apps.bus import topology, wire
 from apps.bus.topology import BusLimits
@@ -23,39 +24,93 @@ from apps.settings import GatewaySettings
 from engine.protocol import SamplingParams
 
 
-async def test_a_reply_without_accepted_keeps_its_first_delta(own_nats: NatsServer) -> None:
-    metrics = GatewayMetrics()
-    bus = await GatewayBus.connect(own_nats.url, BusLimits(), metrics)
+def pipeline_on(bus: GatewayBus, metrics: GatewayMetrics) -> GenerationPipeline:
     cold_starts = ColdStarts(bus, NodeRegistry(bus, BusLimits()), metrics)
     events = EventPublisher(bus, metrics)
     admissions = Admissions(AdmissionLimits(), None, metrics, events.emit)
-    pipeline = GenerationPipeline(bus, cold_starts, admissions, Canceller(lambda: bus.nc), events, metrics,
-                                  GatewaySettings())
-    worker = await nats.connect(own_nats.url)
-    # Pulled from REQUESTS as a real worker does (a plain core subscription to the request subject
-    # missed the message now and then on a loaded machine, though the stream had stored it).
-    pulled = await worker.jetstream().pull_subscribe(topology.request_subject("bare"), durable="bare-worker",
+    return GenerationPipeline(bus, cold_starts, admissions, Canceller(lambda: bus.nc), events, metrics,
+                              GatewaySettings())
+
+
+async def bare_worker(url: str, model: str) -> tuple[nats.NATS, JetStreamContext.PullSubscription]:
+    """A plain NATS client pulling `model`'s requests from REQUESTS as a real worker does (a core
+    subscription to the request subject missed the message now and then on a loaded machine)."""
+    worker = await nats.connect(url)
+    pulled = await worker.jetstream().pull_subscribe(topology.request_subject(model), durable=f"{model}-worker",
                                                     stream=topology.REQUESTS_STREAM)
+    return worker, pulled
+
+
+async def next_request(pulled: JetStreamContext.PullSubscription) -> wire.GenerateRequest:
+    msg = (await pulled.fetch(batch=1, timeout=30))[0]
+    await msg.ack()
+    return wire.request_decoder.decode(msg.data)
+
+
+def whole_answer(attempt: int = 1) -> list[wire.ReplyFrame]:
+    usage = wire.Usage(prompt_tokens=3, completion_tokens=2)
+    return [wire.Delta(seq=0, attempt=attempt, text="Hello", num_tokens=1),
+            wire.Delta(seq=1, attempt=attempt, text=" there", num_tokens=1, finish_reason="stop"),
+            wire.Final(seq=2, attempt=attempt, finish_reason="stop", usage=usage)]
+
+
+def new_request(bus: GatewayBus, request_id: str, model: str) -> wire.GenerateRequest:
+    return wire.GenerateRequest(request_id=request_id, model=model, reply_subject=bus.new_inbox(),
+                                sampling=SamplingParams(), prompt="hi", deadline=time.time() + 30)
+
+
+async def test_a_reply_without_accepted_keeps_its_first_delta(own_nats: NatsServer) -> None:
+    metrics = GatewayMetrics()
+    bus = await GatewayBus.connect(own_nats.url, BusLimits(), metrics)
+    pipeline = pipeline_on(bus, metrics)
+    worker, pulled = await bare_worker(own_nats.url, "bare")
 
     async def serve() -> None:
-        msg = (await pulled.fetch(batch=1, timeout=30))[0]
-        await msg.ack()
-        request = wire.request_decoder.decode(msg.data)
-        usage = wire.Usage(prompt_tokens=3, completion_tokens=2)
-        for frame in (wire.Delta(seq=0, text="Hello", num_tokens=1),
-                      wire.Delta(seq=1, text=" there", num_tokens=1, finish_reason="stop"),
-                      wire.Final(seq=2, finish_reason="stop", usage=usage)):
+        request = await next_request(pulled)
+        for frame in whole_answer():
             await worker.publish(request.reply_subject, wire.encode(frame))
 
     serving = asyncio.create_task(serve())
     try:
-        request = wire.GenerateRequest(request_id="bare-1", model="bare", reply_subject=bus.new_inbox(),
-                                       sampling=SamplingParams(), prompt="hi", deadline=time.time() + 30)
-        generation = await pipeline.first_frame(request, "test")
+        generation = await pipeline.first_frame(new_request(bus, "bare-1", "bare"), "test")
         texts = [f.text async for f in pipeline.frames(generation) if isinstance(f, wire.Delta)]
         assert "".join(texts) == "Hello there"
         await pipeline.close(generation)
         await serving
+    finally:
+        serving.cancel()
+        await worker.close()
+        await bus.close()
+
+
+async def test_an_answer_whose_start_was_lost_goes_on_as_a_new_attempt(own_nats: NatsServer) -> None:
+    """Only the end of the first attempt arrives (its first frames went nowhere, as when the
+    gateway's subscription moves to another server of a cluster): never an empty or cut answer,
+    the request is published again and the next attempt's answer is the one read, whole."""
+    metrics = GatewayMetrics()
+    bus = await GatewayBus.connect(own_nats.url, BusLimits(), metrics)
+    pipeline = pipeline_on(bus, metrics)
+    worker, pulled = await bare_worker(own_nats.url, "lossy")
+    attempts: list[int] = []
+
+    async def serve() -> None:
+        request = await next_request(pulled)
+        attempts.append(request.attempt)
+        await worker.publish(request.reply_subject, wire.encode(whole_answer()[-1]))
+        request = await next_request(pulled)
+        attempts.append(request.attempt)
+        for frame in whole_answer(attempt=request.attempt):
+            await worker.publish(request.reply_subject, wire.encode(frame))
+
+    serving = asyncio.create_task(serve())
+    try:
+        generation = await pipeline.first_frame(new_request(bus, "lossy-1", "lossy"), "test")
+        frames = [f async for f in pipeline.frames(generation)]
+        assert "".join(f.text for f in frames if isinstance(f, wire.Delta)) == "Hello there"
+        assert isinstance(frames[-1], wire.Final)
+        await pipeline.close(generation)
+        await serving
+        assert attempts == [1, 1 + bus.limits.max_deliver]
     finally:
         serving.cancel()
         await worker.close()

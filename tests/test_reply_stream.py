@@ -62,6 +62,22 @@ async def test_a_gap_in_an_attempts_sequence_is_lost_frames(own_nats: NatsServer
         await reply.close()
 
 
+@pytest.mark.parametrize("first", [[(1, 2)], [(1, 0), (2, 1)]], ids=["first-attempt", "redelivery"])
+async def test_an_attempt_whose_first_frames_were_lost_is_lost_frames(own_nats: NatsServer,
+                                                                      first: list[tuple[int, int]]) -> None:
+    """A fresh attempt starts at its frame 0: one that first shows up later lost its start (an
+    empty or cut answer otherwise, e.g. when the subscription moved to another server)."""
+    async with subscribed(own_nats) as (nc, inbox, reply):
+        for attempt, seq in first:
+            await nc.publish(inbox, delta(seq, f"t{seq}", attempt=attempt))
+        for _ in first[:-1]:
+            await reply.next(5)
+        with pytest.raises(ServingError) as failed:
+            await reply.next(5)
+        assert failed.value.code == ErrorCode.FRAMES_LOST
+        await reply.close()
+
+
 async def test_a_migrated_stream_reads_the_new_attempt_only(own_nats: NatsServer) -> None:
     async with subscribed(own_nats) as (nc, inbox, reply):
         await nc.publish(inbox, delta(0, "a"))

@@ -178,6 +178,17 @@ class GenerationPipeline:
             ) from None
         try:
             frame = await reply.next(max(request.deadline - time.time(), 0.001))
+        except ServingError as exc:
+            if exc.code != ErrorCode.FRAMES_LOST or self._settings.max_migrations == 0:
+                self._canceller.cancel_soon(request.request_id)
+                await reply.close()
+                raise
+            # The start of the answer was lost on the way (e.g. while the subscription moved to
+            # another server): it goes on as a new attempt, as any answer with lost frames does.
+            frame = wire.ErrorFrame(seq=0, attempt=reply.attempt, status=exc.status, code=exc.code,
+                                    message=exc.message)
+            return Generation(request=request, reply=reply, handler=handler, held=frame,
+                              accepted=wire.Accepted(seq=0, node=reply.node or "unknown", prompt_tokens=0))
         except ReplyTimeout:
             self._canceller.cancel_soon(request.request_id)
             self._metrics.rejections.labels(request.model, "timeout").inc()

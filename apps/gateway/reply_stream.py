@@ -2,8 +2,9 @@
 pinned to the attempt that first sent the client text, and held in a bounded buffer.
 
 Each attempt numbers its frames from 0. A missing or repeated number inside the attempt being
-read means frames were lost (e.g. published while the bus was down): `next` raises
-`frames_lost` rather than hand on an answer with a hole in it. A migrated request goes on as a
+read, or a new attempt whose first frame to arrive is not its frame 0, means frames were lost
+(e.g. published while the gateway's subscription was moving to another server of the cluster):
+`next` raises `frames_lost` rather than hand on an answer with a hole in it. A migrated request goes on as a
 newer attempt (`migrate`): from then on, frames of the attempts before it are dropped.
 
 Frames arrive as fast as the worker makes them and leave as fast as the client reads. A client
@@ -134,8 +135,8 @@ class ReplyStream:
                 # A redelivered request restarts the sequence; only a fresh attempt may do so.
                 if frame.attempt < self._attempt or self._locked:
                     continue
-                self._attempt = frame.attempt
-            elif frame.seq != self._next_seq:
+                self._attempt, self._next_seq = frame.attempt, 0
+            if frame.seq != self._next_seq:
                 raise ServingError(502, ErrorCode.FRAMES_LOST,
                                    f"Part of the answer was lost on the way (reply frame {self._next_seq} of "
                                    f"attempt {self._attempt} never arrived; frame {frame.seq} did).")
