@@ -1,6 +1,6 @@
 // Decode attention on CPU straight from the paged KV cache: one query token per sequence.
 //
-// Each sequence is one task of at::parallel_for (torch's own OpenMP pool). A task walks the
+// Each sequence is one task for torch's own OpenMP pool (helexa_cpu::parallel_tasks). A task walks the
 // sequence's block table, so no key or value is gathered into a padded copy; every query head is
 // scored against each key row as that row is read (GQA: a kv head's group shares it), so each
 // key and value is read once. Scores, softmax and the weighted sum of values are fp32
@@ -124,44 +124,49 @@ void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
   const float fscale = static_cast<float>(scale);
 
   const int64_t num_heads = num_kv_heads * group;
-  // One task per sequence: a token's keys for all kv heads are one contiguous row of the block,
-  // so a task streams through each block once for keys and once for values.
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    // A block's keys (then values) widened to fp32: [block_size, num_kv_heads * head_dim]
-    std::vector<float> query(num_heads * head_dim), block(cache_block), acc(num_heads * head_dim), scores;
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t token = t_rows[i], seq = s_rows[i];
-      const int64_t seq_len = lens[seq];
-      const int32_t* table = tables + seq * table_row;
-      for (int64_t h = 0; h < num_heads; ++h) {
-        widen(q_ptr + token * q_row + h * q_head, query.data() + h * head_dim, head_dim);
-      }
-      scores.resize(num_heads * seq_len);  // [num_heads, seq_len]
-      for (int64_t first = 0; first < seq_len; first += block_size) {
-        const int64_t count = std::min(block_size, seq_len - first);
-        widen(k_ptr + table[first / block_size] * cache_block, block.data(), count * cache_row);
+  // One task per sequence, handed out as threads come free: a token's keys for all kv heads are
+  // one contiguous row of the block, so a task streams through each block once for keys and once
+  // for values.
+  struct Scratch {
+    std::vector<float> query, block, acc, scores;
+  };
+  helexa_cpu::parallel_tasks(
+      n, [&] { return Scratch{std::vector<float>(num_heads * head_dim), std::vector<float>(cache_block),
+                              std::vector<float>(num_heads * head_dim), {}}; },
+      [&](int64_t i, Scratch& s) {
+        // A block's keys (then values) widened to fp32: [block_size, num_kv_heads * head_dim]
+        std::vector<float>&query = s.query, &block = s.block, &acc = s.acc, &scores = s.scores;
+        const int64_t token = t_rows[i], seq = s_rows[i];
+        const int64_t seq_len = lens[seq];
+        const int32_t* table = tables + seq * table_row;
         for (int64_t h = 0; h < num_heads; ++h) {
-          block_scores<kChunks>(query.data() + h * head_dim, block.data() + (h / group) * head_dim, cache_row,
-                                count, head_dim, fscale, scores.data() + h * seq_len + first);
+          widen(q_ptr + token * q_row + h * q_head, query.data() + h * head_dim, head_dim);
         }
-      }
-      for (int64_t h = 0; h < num_heads; ++h) softmax(scores.data() + h * seq_len, seq_len);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t first = 0; first < seq_len; first += block_size) {
-        const int64_t count = std::min(block_size, seq_len - first);
-        widen(v_ptr + table[first / block_size] * cache_block, block.data(), count * cache_row);
+        scores.resize(num_heads * seq_len);  // [num_heads, seq_len]
+        for (int64_t first = 0; first < seq_len; first += block_size) {
+          const int64_t count = std::min(block_size, seq_len - first);
+          widen(k_ptr + table[first / block_size] * cache_block, block.data(), count * cache_row);
+          for (int64_t h = 0; h < num_heads; ++h) {
+            block_scores<kChunks>(query.data() + h * head_dim, block.data() + (h / group) * head_dim, cache_row,
+                                  count, head_dim, fscale, scores.data() + h * seq_len + first);
+          }
+        }
+        for (int64_t h = 0; h < num_heads; ++h) softmax(scores.data() + h * seq_len, seq_len);
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t first = 0; first < seq_len; first += block_size) {
+          const int64_t count = std::min(block_size, seq_len - first);
+          widen(v_ptr + table[first / block_size] * cache_block, block.data(), count * cache_row);
+          for (int64_t h = 0; h < num_heads; ++h) {
+            block_values<kChunks>(scores.data() + h * seq_len + first, block.data() + (h / group) * head_dim,
+                                  cache_row, count, head_dim, acc.data() + h * head_dim);
+          }
+        }
         for (int64_t h = 0; h < num_heads; ++h) {
-          block_values<kChunks>(scores.data() + h * seq_len + first, block.data() + (h / group) * head_dim,
-                                cache_row, count, head_dim, acc.data() + h * head_dim);
+          scalar_t* dst = out_ptr + token * out_row + h * out_head;
+          const float* src = acc.data() + h * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(src[d]);
         }
-      }
-      for (int64_t h = 0; h < num_heads; ++h) {
-        scalar_t* dst = out_ptr + token * out_row + h * out_head;
-        const float* src = acc.data() + h * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(src[d]);
-      }
-    }
-  });
+      });
 }
 
 // head_dim in whole vectors picks the register-resident form; any other head_dim the generic one.

@@ -35,8 +35,8 @@ void norm_rows(at::Tensor& out, const at::Tensor& x, at::Tensor* stream, const s
   x_t* out_ptr = out.data_ptr<x_t>();
   r_t* r_ptr = stream != nullptr ? stream->data_ptr<r_t>() : nullptr;
   const int64_t x_row = x.stride(0), out_row = out.stride(0), r_row = stream != nullptr ? stream->stride(0) : 0;
-  // Small batches run inline: a fork of the thread pool costs more than a few rows.
-  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / std::max<int64_t>(hidden, 1)), [&](int64_t begin, int64_t end) {
+  // Small batches run inline (see rows_per_task).
+  at::parallel_for(0, rows, helexa_cpu::rows_per_task(hidden), [&](int64_t begin, int64_t end) {
     std::vector<float> row(hidden), add(hidden);
     for (int64_t r = begin; r < end; ++r) {
       helexa_cpu::widen(x_ptr + r * x_row, row.data(), hidden);

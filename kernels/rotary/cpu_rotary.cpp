@@ -12,6 +12,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "../cpu_vec.h"
+
 namespace {
 
 template <typename scalar_t>
@@ -19,7 +21,7 @@ void rotate_heads(at::Tensor& x, const int64_t* positions, const float* table, i
   const int64_t tokens = x.size(0), heads = x.size(1);
   scalar_t* base = x.data_ptr<scalar_t>();
   const int64_t token_stride = x.stride(0), head_stride = x.stride(1);
-  at::parallel_for(0, tokens, std::max<int64_t>(1, 4096 / std::max<int64_t>(heads * half, 1)), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens, helexa_cpu::rows_per_task(heads * half * 2), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* cos = table + positions[t] * table_row;
       const float* sin = cos + half;

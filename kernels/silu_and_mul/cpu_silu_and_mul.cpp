@@ -27,7 +27,7 @@ void silu_rows(at::Tensor& out, const at::Tensor& x) {
   const scalar_t* src = x.data_ptr<scalar_t>();
   scalar_t* dst = out.data_ptr<scalar_t>();
   const int64_t in_row = x.stride(0), out_row = out.stride(0);
-  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(d, 1)), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, helexa_cpu::rows_per_task(d * 2), [&](int64_t begin, int64_t end) {
     std::vector<float> gate(d), up(d);
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* row = src + r * in_row;
