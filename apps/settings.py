@@ -242,6 +242,14 @@ def data_dir() -> Path:
     return Path(_env("HELEXA_DATA_DIR", ".helexa")).resolve()
 
 
+def services_nice() -> int:
+    """How much lower `helexa up` runs its servers, gateway and recorder than the worker (0-19)."""
+    nice = _env_int("HELEXA_SERVICES_NICE", 5)
+    if not 0 <= nice <= 19:
+        raise ValueError(f"HELEXA_SERVICES_NICE must be 0 to 19, got {nice}")
+    return nice
+
+
 def migrations_dir() -> Path:
     """The numbered SQL migrations: the repo's `migrations/` unless HELEXA_MIGRATIONS_DIR names another."""
     default = Path(__file__).resolve().parents[1] / "migrations"

@@ -6,6 +6,7 @@ One `helexa up` serves the whole module; the last test stops it.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import shutil
 import signal
@@ -154,6 +155,21 @@ def test_a_child_killed_with_sigkill_comes_back_and_the_system_serves_again(up: 
 
     # The restarted recorder projects the new run.
     asyncio.run(eventually(one_more, timeout_s=60, what="the run after the restart recorded"))
+
+
+def test_the_services_beside_the_engine_run_at_a_lower_priority(up: Up) -> None:
+    """The servers, the gateway and the recorder (restarted ones too, after the test above) yield
+    the CPU to the worker and its engine process: HELEXA_SERVICES_NICE, 5 by default."""
+    worker = _child(up, "worker")
+    level = worker.nice()
+    engine = [p for p in worker.children() if "spawn_main" in " ".join(p.cmdline())]
+    assert engine and [p.nice() for p in engine] == [level] * len(engine)
+    for app in ("gateway", "recorder"):
+        threads = _child(up, app).threads()
+        assert {os.getpriority(os.PRIO_PROCESS, t.id) for t in threads} == {level + 5}, app
+    servers = [p for p in processes_using(up.data) if p.info["name"] in ("nats-server", "postgres")]
+    assert {p.info["name"] for p in servers} == {"nats-server", "postgres"}
+    assert {p.nice() for p in servers} == {level + 5}
 
 
 def test_up_stops_cleanly_on_sigterm(up: Up) -> None:
