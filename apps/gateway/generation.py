@@ -53,6 +53,11 @@ _encode = msgspec.json.encode
 log = logging.getLogger("helexa.gateway")
 
 
+def _stand_in_accepted(reply: ReplyStream) -> wire.Accepted:
+    """What a generation records as accepted when no `Accepted` frame was read first."""
+    return wire.Accepted(seq=0, node=reply.node or "unknown", prompt_tokens=0)
+
+
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -188,7 +193,7 @@ class GenerationPipeline:
             frame = wire.ErrorFrame(seq=0, attempt=reply.attempt, status=exc.status, code=exc.code,
                                     message=exc.message)
             return Generation(request=request, reply=reply, handler=handler, held=frame,
-                              accepted=wire.Accepted(seq=0, node=reply.node or "unknown", prompt_tokens=0))
+                              accepted=_stand_in_accepted(reply))
         except ReplyTimeout:
             self._canceller.cancel_soon(request.request_id)
             self._metrics.rejections.labels(request.model, "timeout").inc()
@@ -213,8 +218,7 @@ class GenerationPipeline:
                 self._metrics.rejections.labels(request.model, frame.code).inc()
             await reply.close()
             raise ServingError(frame.status, frame.code, frame.message, context={**ctx, "node": reply.node})
-        accepted = frame if isinstance(frame, wire.Accepted) else wire.Accepted(
-            seq=0, node=reply.node or "unknown", prompt_tokens=0)
+        accepted = frame if isinstance(frame, wire.Accepted) else _stand_in_accepted(reply)
         return Generation(request=request, reply=reply, accepted=accepted, handler=handler,
                           held=None if frame is accepted else frame)
 

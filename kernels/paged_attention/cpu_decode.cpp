@@ -135,7 +135,10 @@ void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
                               std::vector<float>(num_heads * head_dim), {}}; },
       [&](int64_t i, Scratch& s) {
         // A block's keys (then values) widened to fp32: [block_size, num_kv_heads * head_dim]
-        std::vector<float>&query = s.query, &block = s.block, &acc = s.acc, &scores = s.scores;
+        std::vector<float>& query = s.query;
+        std::vector<float>& block = s.block;
+        std::vector<float>& acc = s.acc;
+        std::vector<float>& scores = s.scores;
         const int64_t token = t_rows[i], seq = s_rows[i];
         const int64_t seq_len = lens[seq];
         const int32_t* table = tables + seq * table_row;
