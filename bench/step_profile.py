@@ -4,7 +4,10 @@ The engine core runs the default model (SmolLM2-135M) on this machine's CPU. Two
 measured on its own:
   - decode: 16 sequences of 128-token prompts, all decoding (one token each);
   - mixed: 15 sequences decoding (contexts 40..600 tokens, all different) beside one 512-token
-    prefill chunk, the normal step under chunked prefill.
+    prefill chunk, the normal step under chunked prefill;
+  - cached prompts: 16 prompts of 128 tokens whose first 112 the prefix cache holds (the first
+    step of bench/cpu_peers.py's burst after its warm-up), attended as the engine does and, for
+    comparison, with every chunk through SDPA (engine.attention_plan.KERNEL_CHUNK_KEYS = 0).
 For each: the median wall time of a step (no profiler), then one profiled pass whose ATen time is
 split into categories (matmul, attention, gathers, norms, ...) and what is left of the step's wall
 time outside any ATen op: Python and dispatch ("host").
@@ -27,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.machine import machine_info
 from bench.report import emit
+from engine import attention_plan
 from engine.core import EngineCore
 from engine.default_model import default_model_path
 from engine.engine_config import EngineConfig
@@ -89,6 +93,28 @@ def mixed_core(checkpoint: Checkpoint) -> EngineCore:
     while core.scheduler.num_waiting or any(r.num_output_tokens == 0 for r in core.scheduler.running):
         core.step()
     return core
+
+
+class CachedPromptsStep:
+    """16 prompts of 128 tokens, seen before: each step recomputes their last block, then aborts them."""
+
+    def __init__(self, checkpoint: Checkpoint, chunk_keys: int) -> None:
+        self.core = EngineCore(checkpoint, EngineConfig(model="in-memory", max_num_seqs=NUM_SEQS,
+                                                        max_num_batched_tokens=2048))
+        self.prompts = [prompt_ids(checkpoint, 128, i * 23) for i in range(NUM_SEQS)]
+        self.chunk_keys, self.count = chunk_keys, 0
+
+    def __call__(self) -> None:
+        ids = [f"c{self.count}_{i}" for i in range(NUM_SEQS)]
+        self.count += 1
+        for request_id, prompt in zip(ids, self.prompts, strict=True):
+            self.core.add_request(request(request_id, prompt, 1))
+        default, attention_plan.KERNEL_CHUNK_KEYS = attention_plan.KERNEL_CHUNK_KEYS, self.chunk_keys
+        try:
+            self.core.step()
+        finally:
+            attention_plan.KERNEL_CHUNK_KEYS = default
+        self.core.abort(ids)
 
 
 class MixedStep:
@@ -160,7 +186,10 @@ def main() -> None:
         "note": "shared machine: compare categories and ratios taken in the same run, not absolute ms",
         "steps": [measure("decode_16", decode.step, args.repeats),
                   measure(f"mixed_{CHUNK}_chunk_plus_{NUM_SEQS - 1}_decodes", MixedStep(mixed, checkpoint),
-                          args.repeats)],
+                          args.repeats),
+                  measure("cached_prompts_16x128", CachedPromptsStep(checkpoint, attention_plan.KERNEL_CHUNK_KEYS),
+                          args.repeats),
+                  measure("cached_prompts_16x128_all_chunks_sdpa", CachedPromptsStep(checkpoint, 0), args.repeats)],
     }
     emit(report, args.out)
 

@@ -15,8 +15,8 @@ PyTorch path; it does the batch's work and not its padding: decodes in length bu
 through one folded-GQA SDPA call over its own gather, and every prefill or chunk through its own
 SDPA call over its own keys (how the step is split: `engine.attention_plan`). With
 `decode_kernel` (engine.ops decides: the C++ CPU kernels of kernels/cpu.py, built), every decode
-row goes through the CPU decode kernel instead: one call that reads keys and values through the
-block tables, nothing gathered or padded.
+row, and every row of a short chunk continuation, goes through the CPU decode kernel instead: one
+call that reads keys and values through the block tables, nothing gathered or padded.
 """
 
 from __future__ import annotations
@@ -65,10 +65,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     plan = plan_for(meta, k_cache.shape[1], q.device, decode_kernel)
     num_tokens, num_heads, head_dim = q.shape
-    if plan.decode_rows is not None:
+    if plan.kernel_rows is not None:
         out = q.new_empty(num_tokens, num_heads, head_dim)
-        rows = plan.decode_rows
-        cpu_kernels.paged_decode_attention(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+        rows = plan.kernel_rows
+        cpu_kernels.paged_decode_attention(out, q, k_cache, v_cache, rows.block_tables, rows.key_lens,
                                           rows.token_rows, rows.seq_rows, scale)
         for seq in plan.prefill:
             out[seq.start:seq.end] = _prefill(q, k_cache, v_cache, seq, scale, k, v)

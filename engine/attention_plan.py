@@ -15,7 +15,12 @@ layer reuses the split:
   with a bottom-right causal mask.
 
 Where the CPU decode kernel is built (kernels/cpu.py) there are no buckets: the
-kernel reads every decode row's keys through its block table in one call (`DecodeRows`).
+kernel reads every decode row's keys through its block table in one call (`KernelRows`). The
+rows of a short chunk continuation go into the same call, each query as a row of its own over
+its causal prefix: a prompt whose first blocks the prefix cache holds is such a continuation
+(its last block is recomputed), and for a handful of queries the gather, the mask and the SDPA
+call cost far more than the attention (16 such prompts of 128 tokens: 480 SDPA calls and 960
+gathers, ~100 ms of a ~340 ms step, bench/results/step_profile-cpu-cached-prompts.json).
 """
 
 from __future__ import annotations
@@ -27,6 +32,12 @@ import torch
 # A bucket's fixed cost (index_select x2, SDPA, index_copy on each layer) in keys of attention
 # work: ~60 us against ~0.25 us per key and layer, measured on the default model's shape on CPU.
 BUCKET_COST_KEYS = 256
+# A chunk continuation whose rows read at most this many keys in all goes through the CPU decode
+# kernel row by row. The kernel costs ~43 ns a key read, SDPA ~28 ns a key of its rectangle plus
+# ~75 us a call for the gather, the mask and the call itself (one layer of the default model in
+# bf16 on a 2-core Zen 4: 16 queries over 128 keys 0.087 ms against 0.131, 32 over 512 0.68
+# against 0.46), so the kernel wins up to some 5000 keys.
+KERNEL_CHUNK_KEYS = 4096
 
 
 @dataclass(slots=True)
@@ -42,11 +53,15 @@ class DecodeBucket:
 
 
 @dataclass(slots=True)
-class DecodeRows:
-    """Every decode row of the step, for the CPU decode kernel: one query each."""
+class KernelRows:
+    """The query rows the CPU decode kernel attends, one query each: row i of q/out is
+    `token_rows[i]`, over the first `key_lens[i]` keys through `block_tables[i]` (its sequence's
+    table): every decode row, and each row of a short chunk continuation over its causal prefix."""
 
     token_rows: torch.Tensor  # [n] int64, rows of q/out
-    seq_rows: torch.Tensor  # [n] int64, the rows' sequences (rows of seq_lens, block_tables)
+    block_tables: torch.Tensor  # [n, max_blocks] int32
+    key_lens: torch.Tensor  # [n] int32
+    seq_rows: torch.Tensor  # [n] int64, 0..n-1: row i reads block_tables[i], key_lens[i]
 
 
 @dataclass(slots=True)
@@ -64,8 +79,8 @@ class PrefillSeq:
 @dataclass(slots=True)
 class AttentionPlan:
     num_tokens: int
-    decode: list[DecodeBucket]  # empty when `decode_rows` is set
-    decode_rows: DecodeRows | None  # set when the CPU decode kernel takes every decode row
+    decode: list[DecodeBucket]  # empty when `kernel_rows` is set
+    kernel_rows: KernelRows | None  # set when the CPU decode kernel takes every decode row
     prefill: list[PrefillSeq]
     slots_valid: bool  # no token of the step has slot -1 (padding), so KV stores need no mask
 
@@ -95,17 +110,17 @@ def decode_buckets(lengths: list[int], cost_keys: int = BUCKET_COST_KEYS) -> lis
 def build_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                slot_mapping: torch.Tensor, block_size: int, device: torch.device,
                decode_kernel: bool = False) -> AttentionPlan:
-    """Split a step's sequences into decode buckets (or, with `decode_kernel`, one `DecodeRows`)
+    """Split a step's sequences into decode buckets (or, with `decode_kernel`, `KernelRows`)
     and per-sequence prefills (see module doc)."""
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     decode_seqs = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
     decode = []
-    decode_rows = None
-    if decode_seqs and decode_kernel:
-        decode_rows = DecodeRows(
-            token_rows=torch.tensor([starts[i] for i in decode_seqs], dtype=torch.int64, device=device),
-            seq_rows=torch.tensor(decode_seqs, dtype=torch.int64, device=device))
+    kernel_rows = None
+    in_kernel: set[int] = set()
+    if decode_kernel:
+        in_kernel = {i for i in range(len(lens)) if _kernel_takes(starts[i + 1] - starts[i], lens[i])}
+        kernel_rows = _kernel_rows(sorted(in_kernel), starts, lens, block_tables, device) if in_kernel else None
     elif decode_seqs:
         groups = decode_buckets([lens[i] for i in decode_seqs])
         if len(groups) == 1:  # keep batch order: a pure decode step then needs no scatter
@@ -118,7 +133,7 @@ def build_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tabl
     for i, seq_len in enumerate(lens):
         start, end = starts[i], starts[i + 1]
         q_len = end - start
-        if q_len == 1:
+        if q_len == 1 or i in in_kernel:
             continue
         mask = None
         if q_len < seq_len:  # a chunk continuation: query i sits at seq_len - q_len + i
@@ -127,8 +142,31 @@ def build_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tabl
         block_ids = block_tables[i, :-(-seq_len // block_size)]
         prefill.append(PrefillSeq(start, end, seq_len, block_ids, mask))
     slots_valid = bool((slot_mapping >= 0).all()) if slot_mapping.numel() else True
-    return AttentionPlan(num_tokens=starts[-1], decode=decode, decode_rows=decode_rows, prefill=prefill,
+    return AttentionPlan(num_tokens=starts[-1], decode=decode, kernel_rows=kernel_rows, prefill=prefill,
                          slots_valid=slots_valid)
+
+
+def _kernel_takes(q_len: int, seq_len: int) -> bool:
+    """A decode, or a short chunk continuation (whole prefills attend over their own new keys)."""
+    keys_read = q_len * seq_len - q_len * (q_len - 1) // 2  # query j sees seq_len - q_len + 1 + j
+    return q_len == 1 or q_len < seq_len and keys_read <= KERNEL_CHUNK_KEYS
+
+
+def _kernel_rows(seqs: list[int], starts: list[int], lens: list[int], block_tables: torch.Tensor,
+                 device: torch.device) -> KernelRows:
+    """Every query row of `seqs`: query j of a sequence with q_len new tokens of seq_len sits at
+    position seq_len - q_len + j and sees the keys up to it."""
+    token_rows, owners, key_lens = [], [], []
+    for i in seqs:
+        q_len = starts[i + 1] - starts[i]
+        token_rows.extend(range(starts[i], starts[i + 1]))
+        owners.extend([i] * q_len)
+        key_lens.extend(range(lens[i] - q_len + 1, lens[i] + 1))
+    owner_rows = torch.tensor(owners, dtype=torch.int64, device=device)
+    return KernelRows(token_rows=torch.tensor(token_rows, dtype=torch.int64, device=device),
+                      block_tables=block_tables.index_select(0, owner_rows),
+                      key_lens=torch.tensor(key_lens, dtype=torch.int32, device=device),
+                      seq_rows=torch.arange(len(token_rows), dtype=torch.int64, device=device))
 
 
 def _decode_bucket(seqs: list[int], starts: list[int], lens: list[int], block_tables: torch.Tensor,

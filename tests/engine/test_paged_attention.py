@@ -18,6 +18,9 @@ BATCHES = {
     "one-chunk": [(6, 30)],
     # Decode contexts far apart: more than one length bucket (engine.attention_plan).
     "spread-decodes": [(1, 3), (1, 300), (4, 9), (1, 5), (1, 290), (1, 1), (1, 310)],
+    # Prompts whose first blocks the prefix cache held (the CPU kernel takes their rows), beside a
+    # continuation too long for it (engine.attention_plan.KERNEL_CHUNK_KEYS).
+    "cached-prompts": [(16, 128), (1, 40), (9, 128), (70, 100), (64, 65)],
 }
 pytestmark = pytest.mark.usefixtures("decode_path")
 
