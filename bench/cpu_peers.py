@@ -4,7 +4,7 @@ Model: SmolLM2-135M-Instruct (the default model's GGUF; vLLM gets an HF director
 it by our loader, bench/export_hf.py, so both run the same weights). Workload: 16 prompts of
 exactly 128 tokens (sent as token ids), 64 new tokens each, greedy, ignore_eos, streamed through
 the OpenAI SDK (bench/openai_load.py): 1 client sending prompts one after another, and 16
-concurrent clients. Systems, each started, measured over --runs runs and stopped before the next:
+concurrent clients (streams of one SDK client, kept across the warm-up and every run). Systems, each started, measured over --runs runs and stopped before the next:
   - vLLM CPU (bench/.venv-vllm, see bench/setup_vllm_cpu.sh) at each of --vllm-dtypes; the best
     correct one is "vLLM's best dtype";
   - helexa, `helexa up` (gateway + NATS + worker + recorder), its dtype chosen at start by
@@ -38,7 +38,7 @@ from bench.export_hf import export_hf_dir
 from bench.ledger_timing import breakdown, database_url
 from bench.machine import machine_info
 from bench.report import emit
-from bench.openai_load import LoadResult, run_load
+from bench.openai_load import LoadResult, OpenAILoad
 from bench.servers import Server, free_port, helexa_up, vllm_server
 from engine.core import EngineCore
 from engine.default_model import DEFAULT_MODEL_ID, default_model_path
@@ -82,13 +82,12 @@ def agreement(reference: Checkpoint, work: list[list[int]], load: LoadResult) ->
 
 def measure_server(server: Server, work: list[list[int]], single: list[list[int]], runs: int,
                    reference: Checkpoint) -> dict:
-    with server:
-        url = server.base_url
-        run_load(url, server.model, work, 8, concurrent=True)  # warm-up: kernels, allocator
+    with server, OpenAILoad(server.base_url, server.model) as load:
+        load.run(work, 8, concurrent=True)  # warm-up: kernels, allocator, the client's connections
         singles, bursts = [], []
         for _ in range(runs):
-            singles.append(run_load(url, server.model, single, MAX_TOKENS, concurrent=False))
-            bursts.append(run_load(url, server.model, work, MAX_TOKENS, concurrent=True))
+            singles.append(load.run(single, MAX_TOKENS, concurrent=False))
+            bursts.append(load.run(work, MAX_TOKENS, concurrent=True))
         entry = {"startup_s": round(server.startup_s, 1), **server.details()}
         ledger = database_url(server.log_path) if server.name == "helexa-up" else None
         if ledger:
