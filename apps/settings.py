@@ -154,8 +154,6 @@ class WorkerSettings:
     # How long an idle engine gathers a burst of requests before its first step (0: not at all).
     batch_window_ms: float = field(default_factory=lambda: _env_float("HELEXA_BATCH_WINDOW_MS", 30.0))
     enable_prefix_caching: bool = field(default_factory=lambda: _env("HELEXA_PREFIX_CACHING", "on") != "off")
-    # The engine process asks glibc for transparent huge pages; "off" leaves malloc as it is.
-    huge_pages: bool = field(default_factory=lambda: _env("HELEXA_HUGE_PAGES", "on") != "off")
     # Decode steps replay CUDA graphs on a GPU; "off" runs every step eagerly.
     cuda_graphs: bool = field(default_factory=lambda: _env("HELEXA_CUDA_GRAPHS", "on") != "off")
     # auto: split <think> when the chat template uses it; on/off force it (like a reasoning parser flag).
@@ -205,7 +203,6 @@ class WorkerSettings:
             cuda_graphs=self.cuda_graphs,
             kernels=self.kernels,
             batch_window_ms=self.batch_window_ms,
-            huge_pages=self.huge_pages,
         )
 
 

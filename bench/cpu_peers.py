@@ -36,7 +36,7 @@ from apps.settings import WorkerSettings
 from bench.core_timing import run_greedy
 from bench.export_hf import export_hf_dir
 from bench.ledger_timing import breakdown, database_url
-from bench.machine import machine_info, run_engine_on_huge_pages
+from bench.machine import machine_info
 from bench.report import emit
 from bench.openai_load import LoadResult, OpenAILoad
 from bench.servers import Server, free_port, helexa_up, vllm_server
@@ -172,7 +172,6 @@ def compare(systems: dict) -> dict:
 
 
 def main() -> None:
-    run_engine_on_huge_pages()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--single-prompts", type=int, default=4, help="prompts sent one after another at 1 stream")

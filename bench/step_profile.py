@@ -28,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.machine import machine_info, run_engine_on_huge_pages
+from bench.machine import machine_info
 from bench.report import emit
 from engine import attention_plan
 from engine.core import EngineCore
@@ -170,7 +170,6 @@ def measure(name: str, step, repeats: int) -> dict:
 
 
 def main() -> None:
-    run_engine_on_huge_pages()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))

@@ -13,11 +13,9 @@ import logging
 import multiprocessing as mp
 import threading
 from collections.abc import AsyncIterator
-from contextlib import nullcontext
 from multiprocessing.connection import Connection
 from typing import Any
 
-from engine import cpu_memory
 from engine.engine_config import EngineConfig
 from engine.protocol import (
     ENGINE_STOPPED,
@@ -66,8 +64,7 @@ class AsyncEngine:
         # Named by string: importing engine.core here would import torch into the worker.
         self._process = ctx.Process(target=_core_entry, args=(child, self.config), daemon=True,
                                     name="helexa-engine-core")
-        with cpu_memory.huge_pages_for_children() if self.config.huge_pages else nullcontext():
-            self._process.start()  # glibc reads the tunable as the core process starts
+        self._process.start()
         child.close()
         self._conn = parent
         message = await asyncio.to_thread(self._recv_startup)

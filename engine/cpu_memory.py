@@ -10,15 +10,6 @@ the heap is not trimmed back below 1 GiB of free space. The process then holds o
 step's memory, as a caching allocator would.
 
 Only glibc has `mallopt`; elsewhere this does nothing.
-
-The engine process also asks for transparent huge pages (`with_huge_pages`): a decode step
-streams every weight and each sequence's cache blocks once, ~330 MB for SmolLM2 at 16 rows, and
-on 4 KiB pages that is a TLB miss every 4 KiB. glibc 2.35+ madvises each block it takes from the
-system as MADV_HUGEPAGE when told to at process start (`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`),
-which serves the weights, the KV cache and the activations from 2 MiB pages wherever the kernel's
-transparent huge pages are `madvise` (the usual default) or `always`. Measured on a 2-core Zen 4,
-a 16-row decode step in bf16: 27.0–29.1 ms against 34.7–37.6 without, in three interleaved pairs
-of processes. Older glibc and other libcs ignore the tunable.
 """
 
 from __future__ import annotations
@@ -26,9 +17,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 log = logging.getLogger("helexa.engine")
 
@@ -39,8 +27,6 @@ MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's upper bound on 64-bit
 TRIM_THRESHOLD_BYTES = 1 << 30
 
 _kept = False
-
-HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
 
 
 def keep_freed_memory() -> bool:
@@ -61,26 +47,3 @@ def keep_freed_memory() -> bool:
     if _kept:
         log.info("malloc keeps freed blocks up to %d MiB for reuse", MMAP_THRESHOLD_BYTES >> 20)
     return _kept
-
-
-def with_huge_pages(tunables: str) -> str:
-    """`GLIBC_TUNABLES` for a process to start with: `tunables` (its current value, ':'-separated)
-    with malloc's transparent huge pages on."""
-    kept = [t for t in tunables.split(":") if t and not t.startswith("glibc.malloc.hugetlb=")]
-    return ":".join([*kept, HUGE_PAGES_TUNABLE])
-
-
-@contextmanager
-def huge_pages_for_children() -> Iterator[None]:
-    """Processes started inside (fork and exec, or multiprocessing's spawn: both take this
-    process's environment as they start) get `with_huge_pages`; this process's environment is
-    as it was afterwards."""
-    before = os.environ.get("GLIBC_TUNABLES")
-    os.environ["GLIBC_TUNABLES"] = with_huge_pages(before or "")
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["GLIBC_TUNABLES"]
-        else:
-            os.environ["GLIBC_TUNABLES"] = before

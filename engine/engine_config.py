@@ -35,9 +35,6 @@ class EngineConfig:
     # An idle engine that receives a request waits up to this long for the rest of a burst before
     # its first step (engine.batch_window); 0 steps at once.
     batch_window_ms: float = 0.0
-    # The core process's memory on transparent huge pages (engine.cpu_memory.with_huge_pages);
-    # only a core in its own process (engine.core_client) starts with it.
-    huge_pages: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

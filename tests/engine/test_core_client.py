@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from pathlib import Path
 
 import pytest
 
@@ -121,24 +120,3 @@ async def test_a_duplicate_id_is_refused_and_the_first_stream_goes_on(engine: As
     outputs += [out async for out in first]
     assert outputs[-1].finish_reason is FinishReason.LENGTH
     assert sum(len(o.new_token_ids) for o in outputs) == 8
-
-
-def _transparent_huge_pages_enabled() -> bool:
-    try:
-        return "[never]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    except OSError:
-        return False
-
-
-async def test_the_core_process_runs_on_huge_pages(engine: AsyncEngine, chat_prompt_ids: list[int]) -> None:
-    """It starts with glibc's huge-page tunable, and where the kernel offers transparent huge pages
-    its weights and cache sit on them (engine.cpu_memory)."""
-    await collect(engine, EngineRequest("warm", chat_prompt_ids, greedy(2)))
-    pid = engine._process.pid
-    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    tunables = next(v for v in environ if v.startswith(b"GLIBC_TUNABLES=")).decode()
-    assert "glibc.malloc.hugetlb=1" in tunables.split("=", 1)[1].split(":")
-    if _transparent_huge_pages_enabled():
-        rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
-        huge_kb = int(next(line for line in rollup.splitlines() if line.startswith("AnonHugePages")).split()[1])
-        assert huge_kb >= 64 << 10  # SmolLM2's weights alone are ~270 MB

@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import ctypes.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-from engine import cpu_memory
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or ctypes.util.find_library("c") is None,
                                 reason="mallopt is glibc's")
@@ -62,20 +59,3 @@ def test_freed_blocks_are_reused_without_page_faults() -> None:
     assert result["kept_ok"]
     # Steady state is 0; a one-off heap growth during the measured steps may add a few hundred.
     assert result["kept"] < result["unmapped"] / 8, result
-
-
-def test_huge_pages_join_the_tunables_a_process_already_has() -> None:
-    assert cpu_memory.with_huge_pages("") == "glibc.malloc.hugetlb=1"
-    assert cpu_memory.with_huge_pages("glibc.malloc.arena_max=2") == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
-    # An operator's own hugetlb setting gives way: the engine's setting says which it runs with.
-    assert cpu_memory.with_huge_pages("glibc.malloc.hugetlb=0:glibc.malloc.arena_max=2") == (
-        "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1")
-
-
-def test_children_started_inside_get_huge_pages_and_the_parent_keeps_its_environment() -> None:
-    before = os.environ.get("GLIBC_TUNABLES")
-    with cpu_memory.huge_pages_for_children():
-        child = subprocess.run([sys.executable, "-c", "import os; print(os.environ['GLIBC_TUNABLES'])"],
-                               capture_output=True, text=True, check=True)
-    assert "glibc.malloc.hugetlb=1" in child.stdout.strip().split(":")
-    assert os.environ.get("GLIBC_TUNABLES") == before
