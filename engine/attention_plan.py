@@ -19,8 +19,9 @@ kernel reads every decode row's keys through its block table in one call (`Kerne
 rows of a short chunk continuation go into the same call, each query as a row of its own over
 its causal prefix: a prompt whose first blocks the prefix cache holds is such a continuation
 (its last block is recomputed), and for a handful of queries the gather, the mask and the SDPA
-call cost far more than the attention (16 such prompts of 128 tokens: 480 SDPA calls and 960
-gathers, ~100 ms of a ~340 ms step, bench/results/step_profile-cpu-cached-prompts.json).
+call cost more than the attention (16 such prompts of 128 tokens, each 16 new queries: 480 SDPA
+calls and 960 gathers a step, which took 317 ms that way against 253 ms through the kernel,
+bench/results/step_profile-cpu-cached-prompts.json).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class PrefillSeq:
 class AttentionPlan:
     num_tokens: int
     decode: list[DecodeBucket]  # empty when `kernel_rows` is set
-    kernel_rows: KernelRows | None  # set when the CPU decode kernel takes every decode row
+    kernel_rows: KernelRows | None  # set when the CPU decode kernel takes the decode and short-chunk rows
     prefill: list[PrefillSeq]
     slots_valid: bool  # no token of the step has slot -1 (padding), so KV stores need no mask
 
