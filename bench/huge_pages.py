@@ -35,20 +35,15 @@ HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
 
 STEPS = 40
 SAMPLE = f"""
-import json, statistics, sys, time
+import json, statistics, sys
 import torch
 sys.path.insert(0, {str(ROOT)!r})
-from bench.step_profile import decode_core
+from bench.step_profile import decode_core, time_steps
 from engine.default_model import default_model_path
 from engine.loader import load_checkpoint
 core = decode_core(load_checkpoint(default_model_path(), dtype=torch.bfloat16))
-for _ in range(5):
-    core.step()
-times = []
-for _ in range({STEPS}):
-    start = time.perf_counter()
-    core.step()
-    times.append(time.perf_counter() - start)
+time_steps(core.step, 5)  # warm-up
+times = time_steps(core.step, {STEPS})
 rollup = open("/proc/self/smaps_rollup").read().splitlines()
 huge = next((int(line.split()[1]) for line in rollup if line.startswith("AnonHugePages")), 0)
 print(json.dumps({{"step_ms": statistics.median(times) * 1000, "huge_pages_mib": huge >> 10}}))

@@ -149,8 +149,10 @@ def build_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tabl
 
 def _kernel_takes(q_len: int, seq_len: int) -> bool:
     """A decode, or a short chunk continuation (whole prefills attend over their own new keys)."""
+    if q_len == 1:
+        return True
     keys_read = q_len * seq_len - q_len * (q_len - 1) // 2  # query j sees seq_len - q_len + 1 + j
-    return q_len == 1 or q_len < seq_len and keys_read <= KERNEL_CHUNK_KEYS
+    return q_len < seq_len and keys_read <= KERNEL_CHUNK_KEYS
 
 
 def _kernel_rows(seqs: list[int], starts: list[int], lens: list[int], block_tables: torch.Tensor,
