@@ -13,8 +13,10 @@ In bf16, on CPUs with AVX512-BF16 and with the C++ kernels picked (`engine.ops`)
 is packed for `kernels/linear/cpu_bf16_linear.cpp`, which streams the weight at close to memory
 speed for a few rows where oneDNN does not (on a Zen 4, the default model's projections: 1 row
 12.9 against 18.7 ms, 16 rows 17.0 against 20.8, bench/results/cpu_linear-cpu-epyc-kernel.json).
-Up to how many rows it runs is measured once per machine (`bf16_kernel_rows`): on a CPU whose
-oneDNN has AMX, oneDNN may win from very few rows.
+Where the CPU has AMX-BF16 the kernel multiplies on AMX tiles, from the same packed copy (on a
+2-core Sapphire Rapids, the projections at 16 rows: 11.4 against oneDNN's 14.6 ms,
+`kernels/linear/amx_bf16.h`). Up to how many rows it runs is measured once per machine
+(`bf16_kernel_rows`): there oneDNN wins from ~64 rows.
 
 The checkpoint's own weight stays as it is (the loader, tied embeddings and the parity tests read
 it); each packed copy costs one more copy of the linear weights in memory. Only CPU tensors in
@@ -147,7 +149,7 @@ def method() -> str:
     if not torch.backends.mkldnn.is_available():
         return "F.linear"
     if _kernel_built():
-        return "onednn-prepacked+bf16-kernel"
+        return "onednn-prepacked+bf16-kernel" + ("-amx" if cpu_kernels.bf16_linear_amx() else "")
     return "onednn-prepacked"
 
 

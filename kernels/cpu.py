@@ -12,7 +12,8 @@ much of the step. These kernels do in one call what the PyTorch forms do in seve
 - `kernels/kv_store/cpu_kv_store.cpp`: a step's new keys and values into the paged cache, both in
   one call;
 - `kernels/linear/cpu_bf16_linear.cpp`: a bf16 linear for a few rows from a weight packed for
-  AVX512-BF16's pair dot product (`engine.cpu_linear` measures where it beats oneDNN).
+  AVX512-BF16's pair dot product, through AMX tiles where the CPU has them
+  (`kernels/linear/amx_bf16.h`; `engine.cpu_linear` measures where it beats oneDNN).
 
 They run on torch's own thread pool (at::parallel_for). The extension is compiled with the
 machine's own instruction set (`-march=native`), so the build is cached per CPU (model and
@@ -40,7 +41,8 @@ HERE = Path(__file__).resolve().parent
 SOURCES = [HERE / "paged_attention" / "cpu_decode.cpp", HERE / "rmsnorm" / "cpu_rms_norm.cpp",
            HERE / "rotary" / "cpu_rotary.cpp", HERE / "silu_and_mul" / "cpu_silu_and_mul.cpp",
            HERE / "kv_store" / "cpu_kv_store.cpp", HERE / "linear" / "cpu_bf16_linear.cpp"]
-HEADER = HERE / "cpu_vec.h"  # what they share: fp32 widening and narrowing, a dot product
+# What they share (fp32 widening and narrowing, a dot product), and the bf16 linear's AMX form.
+HEADERS = [HERE / "cpu_vec.h", HERE / "linear" / "amx_bf16.h"]
 
 
 def _capability() -> list[str]:
@@ -60,7 +62,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", *_capability()]
 def build_directory() -> Path:
     """Where this CPU's build lives: one folder per (sources, flags, CPU, torch)."""
     identity = json.dumps({"cpu": cpu_identity(), "torch": torch.__version__, "flags": FLAGS,
-                           "sources": [source.read_text() for source in (*SOURCES, HEADER)]},
+                           "sources": [source.read_text() for source in (*SOURCES, *HEADERS)]},
                           sort_keys=True)
     digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
     return default_cache_path().parent / "kernels" / f"cpu-{digest}"
@@ -158,6 +160,12 @@ def kv_store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def bf16_linear_available() -> bool:
     """Whether this build has the bf16 linear (the CPU has AVX512-BF16). Needs `load()`."""
     return bool(torch.ops.helexa_cpu.bf16_linear_available())
+
+
+def bf16_linear_amx() -> bool:
+    """Whether the bf16 linear runs on AMX tiles where K is a multiple of 32 (the CPU has AMX-BF16
+    and the process may use it). Needs `load()`."""
+    return bool(torch.ops.helexa_cpu.bf16_linear_amx())
 
 
 # Output columns per packed block of `pack_bf16_weight`: one AVX-512 register of fp32 sums.

@@ -11,6 +11,7 @@ from engine.dtype_cache import cpu_identity
 from kernels import cpu as cpu_kernels
 
 HAS_BF16_DOT = {"avx512_bf16", "avx512bw"} <= set(cpu_identity()["flags"])
+HAS_AMX_BF16 = HAS_BF16_DOT and {"amx_tile", "amx_bf16"} <= set(cpu_identity()["flags"])
 needs_bf16_dot = pytest.mark.skipif(not HAS_BF16_DOT, reason="this CPU has no AVX512-BF16")
 
 
@@ -36,11 +37,18 @@ def test_built_exactly_where_the_cpu_has_avx512_bf16() -> None:
     assert cpu_kernels.bf16_linear_available() == HAS_BF16_DOT
 
 
+def test_amx_tiles_serve_exactly_where_the_cpu_has_amx_bf16() -> None:
+    assert cpu_kernels.bf16_linear_amx() == HAS_AMX_BF16
+
+
+# Where the CPU has AMX, K a multiple of 32 goes through its tiles and any other K through
+# AVX512-BF16, so both forms are checked on such a machine; elsewhere every case is AVX512-BF16.
 @needs_bf16_dot
-@pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 13, 16, 40])
+@pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 13, 16, 17, 40])
 @pytest.mark.parametrize(("out_features", "in_features"),
-                         [(16, 64), (40, 96), (200, 130), (64, 2)],
-                         ids=["one-block", "column-tail", "groups-and-k-chunks", "k-2"])
+                         [(16, 64), (40, 96), (200, 130), (64, 2), (300, 160), (72, 1536)],
+                         ids=["one-block", "column-tail", "groups-and-k-chunks", "k-2", "groups-tiles",
+                              "long-k"])
 def test_matches_an_fp32_matmul(rows: int, out_features: int, in_features: int) -> None:
     generator = torch.Generator().manual_seed(rows * 1000 + out_features)
     weight = (torch.randn(out_features, in_features, generator=generator) * 0.1).bfloat16()
