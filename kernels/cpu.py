@@ -28,6 +28,8 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
@@ -41,8 +43,9 @@ HERE = Path(__file__).resolve().parent
 SOURCES = [HERE / "paged_attention" / "cpu_decode.cpp", HERE / "rmsnorm" / "cpu_rms_norm.cpp",
            HERE / "rotary" / "cpu_rotary.cpp", HERE / "silu_and_mul" / "cpu_silu_and_mul.cpp",
            HERE / "kv_store" / "cpu_kv_store.cpp", HERE / "linear" / "cpu_bf16_linear.cpp"]
-# What they share (fp32 widening and narrowing, a dot product), and the bf16 linear's AMX form.
-HEADERS = [HERE / "cpu_vec.h", HERE / "linear" / "amx_bf16.h"]
+# What they share (fp32 widening and narrowing, a dot product; AMX tiles), and the bf16 linear's AMX form.
+HEADERS = [HERE / "cpu_vec.h", HERE / "amx.h", HERE / "linear" / "amx_bf16.h",
+           HERE / "paged_attention" / "amx_decode.h"]
 
 
 def _capability() -> list[str]:
@@ -166,6 +169,17 @@ def bf16_linear_amx() -> bool:
     """Whether the bf16 linear runs on AMX tiles where K is a multiple of 32 (the CPU has AMX-BF16
     and the process may use it). Needs `load()`."""
     return bool(torch.ops.helexa_cpu.bf16_linear_amx())
+
+
+@contextmanager
+def amx_off() -> Iterator[None]:
+    """Within: the kernels' AMX forms stay unused (their AVX-512 forms run), to test or time those
+    on a CPU that has AMX. Needs `load()`."""
+    previous = torch.ops.helexa_cpu.set_amx_wanted(False)
+    try:
+        yield
+    finally:
+        torch.ops.helexa_cpu.set_amx_wanted(previous)
 
 
 # Output columns per packed block of `pack_bf16_weight`: one AVX-512 register of fp32 sums.

@@ -12,60 +12,29 @@
 // tile, so from a few tiles of rows on oneDNN's blocking does better, and `engine.cpu_linear`
 // measures where that starts.
 //
-// AMX needs the kernel's permission once per process (`arch_prctl(ARCH_REQ_XCOMP_PERM)`); where
-// it is refused, or K is not a multiple of 32, the caller keeps the AVX512-BF16 form.
+// Where AMX is refused (kernels/amx.h), or K is not a multiple of 32, the caller keeps the
+// AVX512-BF16 form.
 #pragma once
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#define HELEXA_AMX_LINEAR 1
+#include "../amx.h"
 
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#ifdef HELEXA_AMX
 
 #include <cstdint>
-#include <cstring>
 
 namespace helexa_amx {
 
-constexpr int kTileRows = 16;      // rows of x per A tile, and K pairs per B tile
-constexpr int kTileBytes = 64;     // one row of any tile
-constexpr int kPairsPerStep = 16;  // 32 values of K per multiply
 constexpr int kAmxBlocks = 4;      // C tiles 0-3 hold a group's sums; A is tile 4, B tiles 5-7
-
-// Permission to use the tile registers, asked once per process: true when granted.
-inline bool request_permission() {
-  constexpr long kReqXcompPerm = 0x1023;
-  constexpr long kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-}
-
-inline bool ready() {
-  static const bool granted = request_permission();
-  return granted;
-}
-
-// ldtilecfg's 64-byte operand: palette 1, then per tile its bytes per row and its rows.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+constexpr int kPairsPerStep = 16;  // 32 values of K per multiply
 
 // Sums of a tile pass, [kTileRows][kAmxBlocks * 16] fp32: row i's block b at i * kSumsRow + b * 16.
 constexpr int kSumsRow = kAmxBlocks * kTileRows;
 constexpr int64_t kSumsRowBytes = kSumsRow * sizeof(float);
 
 // Tiles for `m` rows of x: C tiles 0-3 and A tile 4 have m rows, B tiles 5-7 sixteen K pairs.
-inline void configure(int m) {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.colsb[t] = kTileBytes;
-    config.rows[t] = t >= 5 ? kTileRows : static_cast<uint8_t>(m);
-  }
-  _tile_loadconfig(&config);
+inline void shape_for_rows(Tiles& tiles, int m) {
+  const int rows[8] = {m, m, m, m, m, kTileRows, kTileRows, kTileRows};
+  tiles.shape(m, rows);
 }
 
 // B tile `kB` from block `b` of the group at K pairs [p, p + 16).

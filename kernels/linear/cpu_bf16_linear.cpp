@@ -129,22 +129,12 @@ TileFn pick(int rows, int blocks, bool prefetch) {
   return prefetch ? pick_rows<true>(rows, blocks) : pick_rows<false>(rows, blocks);
 }
 
-#ifdef HELEXA_AMX_LINEAR
+#ifdef HELEXA_AMX
 
-// The thread's tiles, shaped for the rows of its current pass (`helexa_amx::configure`); released when
-// the thread's share of the op is done, so an idle pool thread does not carry 8 KiB of tile state.
+// A thread's sums and tiles for its share of the op.
 struct AmxScratch {
   std::vector<float> sums = std::vector<float>(helexa_amx::kTileRows * helexa_amx::kSumsRow);
-  int rows = 0;  // 0: not configured
-  AmxScratch() = default;
-  AmxScratch(AmxScratch&& other) noexcept : sums(std::move(other.sums)), rows(other.rows) { other.rows = 0; }
-  ~AmxScratch() {
-    if (rows) _tile_release();
-  }
-  void configure(int m) {
-    if (m != rows) helexa_amx::configure(m);
-    rows = m;
-  }
+  helexa_amx::Tiles tiles;
 };
 
 // One group's output for `m` rows of x from their sums: bias added, rounded to bf16, stored.
@@ -177,7 +167,7 @@ void amx_linear(const uint32_t* x, int64_t rows, int64_t x_row, const uint16_t* 
     const float* group_bias = bias ? bias + first_column : nullptr;
     for (int64_t r = 0; r < rows; r += kTileRows) {
       const int m = static_cast<int>(std::min<int64_t>(kTileRows, rows - r));
-      s.configure(m);
+      helexa_amx::shape_for_rows(s.tiles, m);
       helexa_amx::pick(group)(reinterpret_cast<const uint16_t*>(x + r * x_row), x_row * 4, group_w, block_elems,
                               pairs, s.sums.data());
       store_rows(s.sums.data(), m, group, group_columns, group_bias, out + r * out_row + first_column, out_row);
@@ -185,7 +175,7 @@ void amx_linear(const uint32_t* x, int64_t rows, int64_t x_row, const uint16_t* 
   });
 }
 
-#endif  // HELEXA_AMX_LINEAR
+#endif  // HELEXA_AMX
 
 #endif  // HELEXA_BF16_LINEAR
 
@@ -197,10 +187,21 @@ bool bf16_linear_available() {
 #endif
 }
 
+// Whether the AMX forms of the kernels (this linear's, the decode attention's) are wanted: on by
+// default where built; switched off to test or time the others on the same machine. Returns the
+// previous setting.
+bool set_amx_wanted(bool wanted) {
+#ifdef HELEXA_AMX
+  return helexa_amx::wanted().exchange(wanted);
+#else
+  return false;
+#endif
+}
+
 // Whether rows whose K is a multiple of 32 go through AMX tiles (built for a CPU with AMX-BF16, and
 // the process was granted the tiles).
 bool bf16_linear_amx() {
-#if defined(HELEXA_BF16_LINEAR) && defined(HELEXA_AMX_LINEAR)
+#if defined(HELEXA_BF16_LINEAR) && defined(HELEXA_AMX)
   return helexa_amx::ready();
 #else
   return false;
@@ -238,7 +239,7 @@ void bf16_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
   const int64_t x_row = x.stride(0) / 2, out_row = out.stride(0);
   TORCH_CHECK(x.stride(0) % 2 == 0, "x: row stride must be even");
   const int64_t block_elems = pairs * 2 * kBlock;
-#ifdef HELEXA_AMX_LINEAR
+#ifdef HELEXA_AMX
   if (pairs % helexa_amx::kPairsPerStep == 0 && helexa_amx::ready()) {
     return amx_linear(x_data, rows, x_row, w_data, pairs, blocks, bias_data, out_data, out_row, columns);
   }
@@ -272,6 +273,7 @@ void bf16_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
 TORCH_LIBRARY_FRAGMENT(helexa_cpu, m) {
   m.def("bf16_linear_available() -> bool", &bf16_linear_available);
   m.def("bf16_linear_amx() -> bool", &bf16_linear_amx);
+  m.def("set_amx_wanted(bool wanted) -> bool", &set_amx_wanted);
   m.def("bf16_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias) -> ()");
 }
 

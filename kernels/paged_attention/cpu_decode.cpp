@@ -20,9 +20,11 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "../cpu_vec.h"
+#include "amx_decode.h"
 
 namespace {
 
@@ -172,12 +174,47 @@ void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
       });
 }
 
+#ifdef HELEXA_AMX
+// Every row through AMX tiles (amx_decode.h), one task per row as above.
+void amx_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& token_rows,
+                          const at::Tensor& seq_rows, double scale) {
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
+  const int64_t num_heads = q.size(1);
+  const auto* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>());
+  auto* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
+  const auto* k_ptr = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<c10::BFloat16>());
+  const auto* v_ptr = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<c10::BFloat16>());
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t* t_rows = token_rows.data_ptr<int64_t>();
+  const int64_t* s_rows = seq_rows.data_ptr<int64_t>();
+  const int64_t table_row = block_tables.stride(0);
+  helexa_cpu::parallel_tasks(
+      token_rows.size(0), [] { return helexa_amx::DecodeScratch(); },
+      [&](int64_t i, helexa_amx::DecodeScratch& s) {
+        const int64_t token = t_rows[i], seq = s_rows[i];
+        helexa_amx::decode_row(q_ptr + token * q.stride(0), q.stride(1), k_ptr, v_ptr, tables + seq * table_row,
+                               block_size, num_kv_heads, head_dim, num_heads, lens[seq], static_cast<float>(scale),
+                               out_ptr + token * out.stride(0), out.stride(1), s);
+      });
+}
+#endif
+
 // head_dim in whole vectors picks the register-resident form; any other head_dim the generic one.
+// bf16 goes through AMX tiles where the CPU has them and the shapes fit.
 template <typename scalar_t>
 void decode_attention_any(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                           const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                           const at::Tensor& token_rows, const at::Tensor& seq_rows, double scale) {
   const int64_t head_dim = q.size(2);
+#ifdef HELEXA_AMX
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (helexa_amx::ready() && helexa_amx::decode_applies(q.size(1), head_dim, k_cache.size(1))) {
+      return amx_decode_attention(out, q, k_cache, v_cache, block_tables, seq_lens, token_rows, seq_rows, scale);
+    }
+  }
+#endif
   const int64_t chunks = head_dim % Vec::size() == 0 ? head_dim / Vec::size() : 0;
 #define HELEXA_DECODE(K) decode_attention<scalar_t, K>(out, q, k_cache, v_cache, block_tables, seq_lens, \
                                                        token_rows, seq_rows, scale)

@@ -4,6 +4,8 @@ to bf16. It exists only where the CPU has AVX512-BF16; where it does not, the en
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 
@@ -39,22 +41,27 @@ def test_built_exactly_where_the_cpu_has_avx512_bf16() -> None:
 
 def test_amx_tiles_serve_exactly_where_the_cpu_has_amx_bf16() -> None:
     assert cpu_kernels.bf16_linear_amx() == HAS_AMX_BF16
+    with cpu_kernels.amx_off():
+        assert not cpu_kernels.bf16_linear_amx()
+    assert cpu_kernels.bf16_linear_amx() == HAS_AMX_BF16
 
 
-# Where the CPU has AMX, K a multiple of 32 goes through its tiles and any other K through
-# AVX512-BF16, so both forms are checked on such a machine; elsewhere every case is AVX512-BF16.
+# Where the CPU has AMX, K a multiple of 32 goes through its tiles (as picked) and any other K,
+# or any K with AMX switched off, through AVX512-BF16; elsewhere every case is AVX512-BF16.
 @needs_bf16_dot
 @pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 13, 16, 17, 40])
 @pytest.mark.parametrize(("out_features", "in_features"),
                          [(16, 64), (40, 96), (200, 130), (64, 2), (300, 160), (72, 1536)],
                          ids=["one-block", "column-tail", "groups-and-k-chunks", "k-2", "groups-tiles",
                               "long-k"])
-def test_matches_an_fp32_matmul(rows: int, out_features: int, in_features: int) -> None:
+@pytest.mark.parametrize("form", [nullcontext, cpu_kernels.amx_off], ids=["picked", "avx512"])
+def test_matches_an_fp32_matmul(rows: int, out_features: int, in_features: int, form) -> None:
     generator = torch.Generator().manual_seed(rows * 1000 + out_features)
     weight = (torch.randn(out_features, in_features, generator=generator) * 0.1).bfloat16()
     x = torch.randn(rows, in_features, generator=generator).bfloat16()
     packed = cpu_kernels.pack_bf16_weight(weight)
-    assert_close(cpu_kernels.bf16_linear(x, packed, None, out_features), reference(x, weight, None))
+    with form():
+        assert_close(cpu_kernels.bf16_linear(x, packed, None, out_features), reference(x, weight, None))
 
 
 @needs_bf16_dot

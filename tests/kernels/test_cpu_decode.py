@@ -1,13 +1,17 @@
 """The CPU decode attention kernel (kernels/paged_attention/cpu_decode.cpp) against the naive loop.
 
 It must build wherever the suite runs (CI has a compiler): a machine where it cannot is served by
-the SDPA path, but then these tests fail rather than pass on the fallback.
+the SDPA path, but then these tests fail rather than pass on the fallback. On a CPU with AMX, bf16
+rows go through its tiles (kernels/paged_attention/amx_decode.h) where the shapes fit; every case
+runs both as the kernel picks (`picked`) and with AMX switched off (`avx512`), so both forms are
+checked there (elsewhere the two runs are the same form).
 """
 
 from __future__ import annotations
 
 import os
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -19,10 +23,14 @@ from tests.engine.helpers import random_block_tables
 
 DTYPES = [pytest.param(torch.float32, 1e-5, id="fp32"), pytest.param(torch.bfloat16, 1e-2, id="bf16"),
           pytest.param(torch.float16, 2e-3, id="fp16")]
-# (num_heads, num_kv_heads, head_dim): the default model's shape, MHA, odd head_dim (vector tail).
+# (num_heads, num_kv_heads, head_dim): the default model's shape, MHA, odd head_dim (vector tail),
+# a wide head_dim with 8 heads a kv head (AMX: query tiles reloaded, values in two calls), and more
+# query heads than an AMX tile has columns (the AVX-512 form serves it).
 SHAPES = [pytest.param((9, 3, 64), id="smollm2"), pytest.param((4, 4, 32), id="mha"),
-          pytest.param((6, 2, 20), id="gqa3-tail")]
+          pytest.param((6, 2, 20), id="gqa3-tail"), pytest.param((16, 2, 128), id="wide-heads"),
+          pytest.param((20, 4, 64), id="20-heads")]
 SEQ_LENS = [1, 15, 16, 17, 150, 64]
+FORMS = [pytest.param(nullcontext, id="picked"), pytest.param(cpu_kernels.amx_off, id="avx512")]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -53,40 +61,74 @@ def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize(("dtype", "tolerance"), DTYPES)
 def test_decode_kernel_matches_the_naive_loop(shape: tuple[int, int, int], dtype: torch.dtype,
-                                              tolerance: float) -> None:
+                                              tolerance: float, form) -> None:
     q, k_cache, v_cache, tables, lens = decode_case(*shape, dtype)
     scale = shape[2] ** -0.5
     out = torch.full_like(q, float("nan"))
     rows = torch.arange(len(SEQ_LENS))
-    cpu_kernels.paged_decode_attention(out, q, k_cache, v_cache, tables, lens, rows, rows, scale)
+    with form():
+        cpu_kernels.paged_decode_attention(out, q, k_cache, v_cache, tables, lens, rows, rows, scale)
     assert rel_error(out, reference(q, k_cache, v_cache, tables, lens, scale)) < tolerance
 
 
-def test_decode_kernel_writes_only_its_rows_and_reads_strided_queries() -> None:
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_decode_kernel_with_other_block_sizes(block_size: int, form) -> None:
+    """Blocks of 32 slots hold two AMX key tiles; blocks of 8 are not a whole tile (AVX-512 form)."""
+    q, k_cache, v_cache, tables, lens = decode_case(9, 3, 64, torch.bfloat16, block_size)
+    out = torch.full_like(q, float("nan"))
+    rows = torch.arange(len(SEQ_LENS))
+    with form():
+        cpu_kernels.paged_decode_attention(out, q, k_cache, v_cache, tables, lens, rows, rows, 0.125)
+    assert rel_error(out, reference(q, k_cache, v_cache, tables, lens, 0.125)) < 1e-2
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_decode_kernel_when_later_keys_score_far_higher(form) -> None:
+    """Scores that grow along the sequence: each tile of keys raises the running max the AMX
+    form's one-pass softmax keeps, so the sums it holds are rescaled at every tile."""
+    q, k_cache, v_cache, tables, lens = decode_case(9, 3, 64, torch.bfloat16)
+    positions = torch.zeros(k_cache.shape[0], k_cache.shape[1])
+    for seq, table in enumerate(tables.tolist()):
+        for slot in range(int(lens[seq])):
+            positions[table[slot // 16], slot % 16] = slot
+    k_cache = (k_cache.float().abs() * (1 + positions / 10)[:, :, None, None]).bfloat16()
+    q = q.float().abs().bfloat16()
+    out = torch.full_like(q, float("nan"))
+    rows = torch.arange(len(SEQ_LENS))
+    with form():
+        cpu_kernels.paged_decode_attention(out, q, k_cache, v_cache, tables, lens, rows, rows, 0.125)
+    assert rel_error(out, reference(q, k_cache, v_cache, tables, lens, 0.125)) < 1e-2
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_decode_kernel_writes_only_its_rows_and_reads_strided_queries(dtype: torch.dtype,
+                                                                      tolerance: float) -> None:
     """Rows of a mixed step: q is a view into a wider projection, two rows in another order."""
-    q, k_cache, v_cache, tables, lens = decode_case(9, 3, 64, torch.float32)
-    wide = torch.randn(len(SEQ_LENS), 9 * 64 + 7)
+    q, k_cache, v_cache, tables, lens = decode_case(9, 3, 64, dtype)
+    wide = torch.randn(len(SEQ_LENS), 9 * 64 + 7).to(dtype)
     wide[:, :9 * 64] = q.view(len(SEQ_LENS), -1)
     strided_q = wide[:, :9 * 64].view(len(SEQ_LENS), 9, 64)
     assert not strided_q.is_contiguous()
-    out = torch.zeros(len(SEQ_LENS) + 2, 9, 64)
+    out = torch.zeros(len(SEQ_LENS) + 2, 9, 64, dtype=dtype)
     token_rows, seq_rows = torch.tensor([7, 1]), torch.tensor([4, 2])
-    padded_q = torch.zeros(len(SEQ_LENS) + 2, 9, 64)
+    padded_q = torch.zeros(len(SEQ_LENS) + 2, 9, 64, dtype=dtype)
     padded_q[7], padded_q[1] = strided_q[4], strided_q[2]
     cpu_kernels.paged_decode_attention(out, padded_q, k_cache, v_cache, tables, lens, token_rows,
                                       seq_rows, 0.125)
     expected = reference(q, k_cache, v_cache, tables, lens, 0.125)
-    assert rel_error(out[7], expected[4]) < 1e-5 and rel_error(out[1], expected[2]) < 1e-5
+    assert rel_error(out[7], expected[4]) < tolerance and rel_error(out[1], expected[2]) < tolerance
     untouched = [r for r in range(out.shape[0]) if r not in (7, 1)]
     assert (out[untouched] == 0).all()
     # A strided q straight from a projection, rows in order.
     out = torch.empty_like(q)
     rows = torch.arange(len(SEQ_LENS))
     cpu_kernels.paged_decode_attention(out, strided_q, k_cache, v_cache, tables, lens, rows, rows, 0.125)
-    assert rel_error(out, expected) < 1e-5
+    assert rel_error(out, expected) < tolerance
 
 
 @pytest.mark.parametrize("damage", ["block-id", "seq-len", "token-row", "seq-row"])
