@@ -162,13 +162,14 @@ class PackedWeight:
         self.onednn = pack(weight)
         self.bias = bias
         self.kernel_rows = bf16_kernel_rows() if _kernel_applies(weight) else 0
+        self.kernel_elements = self.kernel_rows * self.in_features  # the most x may hold for it
         self.kernel_weight = cpu_kernels.pack_bf16_weight(weight) if self.kernel_rows else None
         self.kernel_bias = (bias.detach().float().contiguous()
                             if bias is not None and self.kernel_weight is not None else None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if (self.kernel_weight is not None and x.dtype == torch.bfloat16
-                and x.numel() <= self.kernel_rows * self.in_features):
+                and x.numel() <= self.kernel_elements):
             return cpu_kernels.bf16_linear(x, self.kernel_weight, self.kernel_bias, self.out_features)
         return packed_linear(x, self.onednn, self.bias)
 

@@ -83,8 +83,16 @@ void norm(at::Tensor& out, const at::Tensor& x, at::Tensor* stream, const at::Te
   TORCH_CHECK(out.scalar_type() == x.scalar_type(), "out and x must share a dtype");
   const int64_t hidden = x.size(1);
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == hidden, "weight: [", hidden, "]");
-  const at::Tensor w32 = weight.to(at::kFloat).contiguous();
-  std::vector<float> w(w32.data_ptr<float>(), w32.data_ptr<float>() + hidden);
+  TORCH_CHECK(weight.stride(0) == 1, "weight: contiguous");
+  // Widened here rather than through weight.to(float): a bf16 model's weight would be copied by
+  // two ATen calls on every norm, twice a layer.
+  std::vector<float> w(hidden);
+  switch (weight.scalar_type()) {
+    case at::kFloat: helexa_cpu::widen(weight.data_ptr<float>(), w.data(), hidden); break;
+    case at::kBFloat16: helexa_cpu::widen(weight.data_ptr<c10::BFloat16>(), w.data(), hidden); break;
+    case at::kHalf: helexa_cpu::widen(weight.data_ptr<c10::Half>(), w.data(), hidden); break;
+    default: TORCH_CHECK(false, "rms_norm: a float32, bfloat16 or float16 weight, got ", weight.scalar_type());
+  }
   if (unit_offset) {
     for (float& value : w) value += 1.f;
   }
