@@ -43,7 +43,8 @@ HERE = Path(__file__).resolve().parent
 SOURCES = [HERE / "paged_attention" / "cpu_decode.cpp", HERE / "rmsnorm" / "cpu_rms_norm.cpp",
            HERE / "rotary" / "cpu_rotary.cpp", HERE / "silu_and_mul" / "cpu_silu_and_mul.cpp",
            HERE / "kv_store" / "cpu_kv_store.cpp", HERE / "linear" / "cpu_bf16_linear.cpp"]
-# What they share (fp32 widening and narrowing, a dot product; AMX tiles), and the bf16 linear's AMX form.
+# What they share (fp32 widening and narrowing, a dot product; AMX tiles), and the AMX forms of
+# the bf16 linear and of the decode attention.
 HEADERS = [HERE / "cpu_vec.h", HERE / "amx.h", HERE / "linear" / "amx_bf16.h",
            HERE / "paged_attention" / "amx_decode.h"]
 
