@@ -3,8 +3,8 @@
 // Built only for a CPU with AMX-BF16 (-march=native defines __AMX_TILE__ and __AMX_BF16__).
 // Linux hands a process the 8 KiB of tile state only once it asks (`arch_prctl(ARCH_REQ_XCOMP_PERM)`);
 // `ready()` asks once and says whether it was granted. Tile shapes are per thread: a kernel
-// configures them (`configure`) in each thread it runs in and releases them (`_tile_release`) when
-// that thread's share is done.
+// shapes them through a `Tiles` in each thread it runs in, which releases them when that thread's
+// share is done.
 #pragma once
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)

@@ -183,6 +183,16 @@ inline void attend(const uint16_t* k_cache, const uint16_t* v_cache, const int32
   const auto slots = [&](int64_t first) {
     return table[first / block_size] * block_size * cache_row + (first % block_size) * cache_row;
   };
+  // How a kv head's group of query heads is cut into calls of tile_values, picked once per row.
+  TileValuesFn call_fn[kTileRows];
+  int64_t call_first[kTileRows];
+  int value_calls = 0;
+  for (int64_t h = 0; h < group; ++value_calls) {
+    int64_t heads = 1;
+    call_fn[value_calls] = pick_tile_values(head_dim, group - h, &heads);
+    call_first[value_calls] = h;
+    h += heads;
+  }
   alignas(64) float scores[kKeysPerTile * kTileRows];
   alignas(64) float rescale[kTileRows];
   const Vec vscale(scale);
@@ -218,11 +228,9 @@ inline void attend(const uint16_t* k_cache, const uint16_t* v_cache, const int32
     }
     top = new_top;
     for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
-      for (int64_t h0 = kv * group; h0 < (kv + 1) * group;) {
-        int64_t heads = 1;
-        const TileValuesFn values = pick_tile_values(head_dim, (kv + 1) * group - h0, &heads);
-        values(v_cache + at + kv * head_dim, cache_row, count, scores, rescale, h0, s.sums.data() + h0 * head_dim);
-        h0 += heads;
+      for (int c = 0; c < value_calls; ++c) {
+        const int64_t h0 = kv * group + call_first[c];
+        call_fn[c](v_cache + at + kv * head_dim, cache_row, count, scores, rescale, h0, s.sums.data() + h0 * head_dim);
       }
     }
   }

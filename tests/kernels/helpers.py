@@ -3,9 +3,18 @@ the `gpu` marker, which tests/conftest.py skips without CUDA)."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
+import pytest
 import torch
 
+from kernels import cpu as cpu_kernels
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# The C++ CPU kernels' forms on a CPU with AMX: as they pick (AMX where it applies), and with AMX
+# switched off (their AVX-512 forms). Elsewhere the two are the same form, run twice.
+AMX_FORMS = [pytest.param(nullcontext, id="picked"), pytest.param(cpu_kernels.amx_off, id="avx512")]
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """‖actual − expected‖ / ‖expected‖ in fp64 (the plain norm of the difference when expected is 0)."""

@@ -4,13 +4,12 @@ to bf16. It exists only where the CPU has AVX512-BF16; where it does not, the en
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import pytest
 import torch
 
 from engine.dtype_cache import cpu_identity
 from kernels import cpu as cpu_kernels
+from tests.kernels.helpers import AMX_FORMS
 
 HAS_BF16_DOT = {"avx512_bf16", "avx512bw"} <= set(cpu_identity()["flags"])
 HAS_AMX_BF16 = HAS_BF16_DOT and {"amx_tile", "amx_bf16"} <= set(cpu_identity()["flags"])
@@ -54,7 +53,7 @@ def test_amx_tiles_serve_exactly_where_the_cpu_has_amx_bf16() -> None:
                          [(16, 64), (40, 96), (200, 130), (64, 2), (300, 160), (72, 1536)],
                          ids=["one-block", "column-tail", "groups-and-k-chunks", "k-2", "groups-tiles",
                               "long-k"])
-@pytest.mark.parametrize("form", [nullcontext, cpu_kernels.amx_off], ids=["picked", "avx512"])
+@pytest.mark.parametrize("form", AMX_FORMS)
 def test_matches_an_fp32_matmul(rows: int, out_features: int, in_features: int, form) -> None:
     generator = torch.Generator().manual_seed(rows * 1000 + out_features)
     weight = (torch.randn(out_features, in_features, generator=generator) * 0.1).bfloat16()

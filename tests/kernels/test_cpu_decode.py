@@ -4,14 +4,13 @@ It must build wherever the suite runs (CI has a compiler): a machine where it ca
 the SDPA path, but then these tests fail rather than pass on the fallback. On a CPU with AMX, bf16
 rows go through its tiles (kernels/paged_attention/amx_decode.h) where the shapes fit; every case
 runs both as the kernel picks (`picked`) and with AMX switched off (`avx512`), so both forms are
-checked there (elsewhere the two runs are the same form).
+checked there (`tests.kernels.helpers.AMX_FORMS`).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ import torch
 from kernels import cpu as cpu_kernels
 from kernels.paged_attention import naive_paged_attention
 from tests.engine.helpers import random_block_tables
+from tests.kernels.helpers import AMX_FORMS
 
 DTYPES = [pytest.param(torch.float32, 1e-5, id="fp32"), pytest.param(torch.bfloat16, 1e-2, id="bf16"),
           pytest.param(torch.float16, 2e-3, id="fp16")]
@@ -30,7 +30,6 @@ SHAPES = [pytest.param((9, 3, 64), id="smollm2"), pytest.param((4, 4, 32), id="m
           pytest.param((6, 2, 20), id="gqa3-tail"), pytest.param((16, 2, 128), id="wide-heads"),
           pytest.param((20, 4, 64), id="20-heads")]
 SEQ_LENS = [1, 15, 16, 17, 150, 64]
-FORMS = [pytest.param(nullcontext, id="picked"), pytest.param(cpu_kernels.amx_off, id="avx512")]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -61,7 +60,7 @@ def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
 
 
-@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("form", AMX_FORMS)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize(("dtype", "tolerance"), DTYPES)
 def test_decode_kernel_matches_the_naive_loop(shape: tuple[int, int, int], dtype: torch.dtype,
@@ -75,7 +74,7 @@ def test_decode_kernel_matches_the_naive_loop(shape: tuple[int, int, int], dtype
     assert rel_error(out, reference(q, k_cache, v_cache, tables, lens, scale)) < tolerance
 
 
-@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("form", AMX_FORMS)
 @pytest.mark.parametrize("block_size", [8, 32])
 def test_decode_kernel_with_other_block_sizes(block_size: int, form) -> None:
     """Blocks of 32 slots hold two AMX key tiles; blocks of 8 are not a whole tile (AVX-512 form)."""
@@ -87,7 +86,7 @@ def test_decode_kernel_with_other_block_sizes(block_size: int, form) -> None:
     assert rel_error(out, reference(q, k_cache, v_cache, tables, lens, 0.125)) < 1e-2
 
 
-@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("form", AMX_FORMS)
 def test_decode_kernel_when_later_keys_score_far_higher(form) -> None:
     """Scores that grow along the sequence: each tile of keys raises the running max the AMX
     form's one-pass softmax keeps, so the sums it holds are rescaled at every tile."""
