@@ -4,7 +4,8 @@ The runner sizes and allocates the paged KV cache (one (k_cache, v_cache) pair p
 layer), on CPU packs the linear weights for oneDNN (`engine.cpu_linear`) and keeps freed memory
 for the next step (`engine.cpu_memory`), decides whether the model is hybrid (linear-attention
 layers keep a state slot per sequence, `engine.state_cache`) and captures decode CUDA graphs
-where they apply (`engine.cuda_graphs`: CUDA, Triton ops, not hybrid). Each step it lays the
+where they apply (`engine.cuda_graphs`: CUDA, Triton ops, not hybrid), or on CPU the decode
+steps' one-call layer stack (`engine.cpu_decode_stack`). Each step it lays the
 scheduler's decision out with the one step builder (`engine.step_metadata.build_step_inputs`),
 runs the model and samples (a seeded request's draw is a function of its seed and the token's
 position, `engine.sampler.seeded_uniform`).
@@ -20,6 +21,7 @@ import torch
 
 from engine import cpu_linear, cpu_memory
 from engine.config import ModelConfig
+from engine.cpu_decode_stack import CpuDecodeStack
 from engine.cuda_graphs import DecodeGraphs, graphs_wanted
 from engine.engine_config import EngineConfig
 from engine.protocol import TokenLogprob
@@ -96,6 +98,9 @@ class ModelRunner:
                 self.decode_graphs = DecodeGraphs.capture(model, self.kv_caches, engine.max_num_seqs,
                                                           self.max_model_len, self.block_size,
                                                           self.device)
+        # On CPU, decode steps run the whole layer stack in one C++ call where it applies.
+        self.cpu_decode_stack = (CpuDecodeStack.build(model, self.kv_caches)
+                                 if self.device.type == "cpu" and not self.is_hybrid else None)
         self.sampler = Sampler()
         # Set by EngineCore: masks the logits rows of grammar-constrained requests in place
         # (engine.structured_output), given each row's request id.
@@ -114,6 +119,18 @@ class ModelRunner:
             ))
         return build_step_inputs(chunks, self.block_size, self.device)
 
+    def forward(self, inputs: StepInputs, caches: KVCaches | HybridCaches) -> torch.Tensor:
+        """The step's final hidden states: replayed from a decode graph, run by the CPU decode
+        stack, or else the model's forward."""
+        hidden = None
+        if self.decode_graphs is not None:
+            hidden = self.decode_graphs.replay(inputs)
+        elif self.cpu_decode_stack is not None:
+            hidden = self.cpu_decode_stack.run(inputs)
+        if hidden is None:
+            hidden = self.model(inputs.input_ids, inputs.positions, caches, inputs.meta)
+        return hidden
+
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> StepResult:
         """Run one step: the sampled token of each request that samples, or why its row failed."""
@@ -123,9 +140,7 @@ class ModelRunner:
             slots = [s.request.state_slot for s in step.scheduled]
             self.hybrid_caches.slot_indices = torch.tensor(slots, dtype=torch.int32, device=self.device)
             caches = self.hybrid_caches
-        hidden = self.decode_graphs.replay(inputs) if self.decode_graphs is not None else None
-        if hidden is None:
-            hidden = self.model(inputs.input_ids, inputs.positions, caches, inputs.meta)
+        hidden = self.forward(inputs, caches)
         result = StepResult()
         if not inputs.sample_indices:
             return result

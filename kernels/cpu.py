@@ -42,10 +42,11 @@ log = logging.getLogger("helexa.engine")
 HERE = Path(__file__).resolve().parent
 SOURCES = [HERE / "paged_attention" / "cpu_decode.cpp", HERE / "rmsnorm" / "cpu_rms_norm.cpp",
            HERE / "rotary" / "cpu_rotary.cpp", HERE / "silu_and_mul" / "cpu_silu_and_mul.cpp",
-           HERE / "kv_store" / "cpu_kv_store.cpp", HERE / "linear" / "cpu_bf16_linear.cpp"]
+           HERE / "kv_store" / "cpu_kv_store.cpp", HERE / "linear" / "cpu_bf16_linear.cpp",
+           HERE / "decoder" / "cpu_decoder_stack.cpp"]
 # What they share (fp32 widening and narrowing, a dot product; AMX tiles), and the AMX forms of
 # the bf16 linear and of the decode attention.
-HEADERS = [HERE / "cpu_vec.h", HERE / "amx.h", HERE / "linear" / "amx_bf16.h",
+HEADERS = [HERE / "cpu_ops.h", HERE / "cpu_vec.h", HERE / "amx.h", HERE / "linear" / "amx_bf16.h",
            HERE / "paged_attention" / "amx_decode.h"]
 
 

@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include <cstring>
+#include "../cpu_ops.h"
 
 namespace {
 
@@ -20,6 +21,10 @@ void check_rows(const at::Tensor& x, const at::Tensor& cache, const char* name) 
   TORCH_CHECK(x.size(1) == cache.size(2) && x.size(2) == cache.size(3), name,
               ": heads and head_dim must match the cache's");
 }
+
+}  // namespace
+
+namespace helexa_cpu {
 
 void kv_store(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
               const at::Tensor& slot_mapping) {
@@ -58,12 +63,12 @@ void kv_store(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
   copy(v, v_cache);
 }
 
-}  // namespace
+}  // namespace helexa_cpu
 
 TORCH_LIBRARY_FRAGMENT(helexa_cpu, m) {
   m.def("kv_store(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(helexa_cpu, CPU, m) {
-  m.impl("kv_store", &kv_store);
+  m.impl("kv_store", &helexa_cpu::kv_store);
 }

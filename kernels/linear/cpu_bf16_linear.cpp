@@ -25,6 +25,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "../cpu_ops.h"
 #include "../cpu_vec.h"
 #include "amx_bf16.h"
 
@@ -208,6 +209,10 @@ bool bf16_linear_amx() {
 #endif
 }
 
+}  // namespace
+
+namespace helexa_cpu {
+
 // out [M, N] = x [M, K] @ W^T + bias, W given packed as [ceil(N/16), K/2, 16, 2].
 void bf16_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
                  const c10::optional<at::Tensor>& bias) {
@@ -268,7 +273,7 @@ void bf16_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
 #endif
 }
 
-}  // namespace
+}  // namespace helexa_cpu
 
 TORCH_LIBRARY_FRAGMENT(helexa_cpu, m) {
   m.def("bf16_linear_available() -> bool", &bf16_linear_available);
@@ -278,5 +283,5 @@ TORCH_LIBRARY_FRAGMENT(helexa_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(helexa_cpu, CPU, m) {
-  m.impl("bf16_linear", &bf16_linear);
+  m.impl("bf16_linear", &helexa_cpu::bf16_linear);
 }

@@ -25,6 +25,7 @@
 
 #include "../cpu_vec.h"
 #include "amx_decode.h"
+#include "../cpu_ops.h"
 
 namespace {
 
@@ -229,6 +230,10 @@ void decode_attention_any(at::Tensor& out, const at::Tensor& q, const at::Tensor
 #undef HELEXA_DECODE
 }
 
+}  // namespace
+
+namespace helexa_cpu {
+
 // out[token_rows[i]] = attention of q[token_rows[i]] over the first seq_lens[seq_rows[i]] keys of
 // sequence seq_rows[i] (through block_tables[seq_rows[i]]). Rows of `out` not named are untouched.
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
@@ -281,7 +286,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
   }
 }
 
-}  // namespace
+}  // namespace helexa_cpu
 
 TORCH_LIBRARY_FRAGMENT(helexa_cpu, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
@@ -289,5 +294,5 @@ TORCH_LIBRARY_FRAGMENT(helexa_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(helexa_cpu, CPU, m) {
-  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_decode_attention", &helexa_cpu::paged_decode_attention);
 }

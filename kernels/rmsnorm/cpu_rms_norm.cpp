@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "../cpu_vec.h"
+#include "../cpu_ops.h"
 
 namespace {
 
@@ -105,6 +106,10 @@ void norm(at::Tensor& out, const at::Tensor& x, at::Tensor* stream, const at::Te
   }
 }
 
+}  // namespace
+
+namespace helexa_cpu {
+
 void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset) {
   norm(out, x, nullptr, weight, eps, unit_offset);
 }
@@ -114,7 +119,7 @@ void fused_add_rms_norm(at::Tensor out, const at::Tensor& x, at::Tensor residual
   norm(out, x, &residual, weight, eps, unit_offset);
 }
 
-}  // namespace
+}  // namespace helexa_cpu
 
 TORCH_LIBRARY_FRAGMENT(helexa_cpu, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps, bool unit_offset) -> ()");
@@ -123,6 +128,6 @@ TORCH_LIBRARY_FRAGMENT(helexa_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(helexa_cpu, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("rms_norm", &helexa_cpu::rms_norm);
+  m.impl("fused_add_rms_norm", &helexa_cpu::fused_add_rms_norm);
 }

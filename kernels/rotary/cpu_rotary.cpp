@@ -13,6 +13,7 @@
 #include <torch/library.h>
 
 #include "../cpu_vec.h"
+#include "../cpu_ops.h"
 
 namespace {
 
@@ -46,6 +47,10 @@ void rotate(at::Tensor& x, const int64_t* positions, const float* table, int64_t
   }
 }
 
+}  // namespace
+
+namespace helexa_cpu {
+
 void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::Tensor& cos_sin_cache) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu(), "rotary_ runs on CPU tensors");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1,
@@ -66,12 +71,12 @@ void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::
   rotate(k, pos, table, rotary_dim, half);
 }
 
-}  // namespace
+}  // namespace helexa_cpu
 
 TORCH_LIBRARY_FRAGMENT(helexa_cpu, m) {
   m.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos_sin_cache) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(helexa_cpu, CPU, m) {
-  m.impl("rotary_", &rotary_);
+  m.impl("rotary_", &helexa_cpu::rotary_);
 }

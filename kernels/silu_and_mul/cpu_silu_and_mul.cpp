@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "../cpu_vec.h"
+#include "../cpu_ops.h"
 
 namespace {
 
@@ -45,6 +46,10 @@ void silu_rows(at::Tensor& out, const at::Tensor& x) {
   });
 }
 
+}  // namespace
+
+namespace helexa_cpu {
+
 void silu_and_mul(at::Tensor out, const at::Tensor& x) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1, "x: 2-D CPU rows, contiguous within a row");
   TORCH_CHECK(x.size(1) % 2 == 0, "x: [rows, 2 * d]");
@@ -59,12 +64,12 @@ void silu_and_mul(at::Tensor out, const at::Tensor& x) {
   }
 }
 
-}  // namespace
+}  // namespace helexa_cpu
 
 TORCH_LIBRARY_FRAGMENT(helexa_cpu, m) {
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(helexa_cpu, CPU, m) {
-  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("silu_and_mul", &helexa_cpu::silu_and_mul);
 }

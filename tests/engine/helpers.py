@@ -4,6 +4,7 @@ and step builder), save a tiny HF tokenizer."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -13,7 +14,7 @@ from torch import nn
 
 from engine.model_runner import allocate_kv_caches
 from engine.state_cache import HybridCaches, LinearStateCache
-from engine.step_metadata import KVCaches, SequenceChunk, build_step_inputs
+from engine.step_metadata import KVCaches, SequenceChunk, StepInputs, build_step_inputs
 
 
 class PagedSequences:
@@ -58,20 +59,18 @@ class PagedSequences:
 
 
 class RaisesAfterForward:
-    """Stands in for a runner's model: a step holding `token` runs the whole forward (every row's KV
-    and linear state advanced), then raises the way one bad row would."""
+    """Stands in for a runner's forward (`ModelRunner.forward`, whichever form serves the step): a
+    step holding `token` runs the whole forward (every row's KV and linear state advanced), then
+    raises the way one bad row would."""
 
-    def __init__(self, model: nn.Module, token: int) -> None:
-        self.model, self.token = model, token
+    def __init__(self, forward: Callable[[StepInputs, object], torch.Tensor], token: int) -> None:
+        self.forward, self.token = forward, token
 
-    def __call__(self, input_ids: torch.Tensor, *args: object) -> torch.Tensor:
-        hidden = self.model(input_ids, *args)
-        if bool((input_ids == self.token).any()):
+    def __call__(self, inputs: StepInputs, caches: object) -> torch.Tensor:
+        hidden = self.forward(inputs, caches)
+        if bool((inputs.input_ids == self.token).any()):
             raise IndexError("index out of range in self")
         return hidden
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(hidden)
 
 
 def chunked_logits(model: nn.Module, ids: list[int], chunk_lens: list[int] | None = None,

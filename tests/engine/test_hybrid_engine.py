@@ -102,7 +102,7 @@ def test_a_row_that_raises_fails_alone_and_the_others_recompute_their_state(
         core = make_core(checkpoint, max_num_batched_tokens=24)
         requests = [EngineRequest(f"r{i}", p, params) for i, p in enumerate(prompts)]
         if with_bad:
-            core.runner.model = RaisesAfterForward(core.runner.model, marker)  # type: ignore[assignment]
+            core.runner.forward = RaisesAfterForward(core.runner.forward, marker)  # type: ignore[method-assign]
             requests.insert(1, EngineRequest("bad", prompts[1][:3] + [marker], params))
         result: dict[str, list[EngineOutput]] = {r.request_id: [] for r in requests}
         for request in requests:

@@ -157,7 +157,7 @@ def test_a_row_that_raises_fails_alone(smollm2: Checkpoint, reference: dict[str,
     used = {t for p in prompts(smollm2)[:3] for t in p} | {t for tokens in reference.values() for t in tokens}
     marker = next(t for t in range(1000, 2000) if t not in used)
     core = make_core(smollm2)
-    core.runner.model = RaisesAfterForward(core.runner.model, marker)  # type: ignore[assignment]
+    core.runner.forward = RaisesAfterForward(core.runner.forward, marker)  # type: ignore[method-assign]
     bad = EngineRequest("bad", prompts(smollm2)[4] + [marker], greedy(MAX_TOKENS))
     results = run_all(core, bystanders(smollm2) + [bad])
     assert_bystanders_unhurt(results, reference)
