@@ -7,6 +7,9 @@ the OpenAI SDK (bench/openai_load.py): 1 client sending prompts one after anothe
 concurrent clients (streams of one SDK client, kept across the warm-up and every run). Systems, each started, measured over --runs runs and stopped before the next:
   - vLLM CPU (bench/.venv-vllm, see bench/setup_vllm_cpu.sh) at each of --vllm-dtypes; the best
     correct one is "vLLM's best dtype";
+  - llama.cpp's `llama-server` on a BF16 GGUF of the same model, 16 slots, continuous batching
+    (optional, it builds from source: bench/setup_llamacpp.sh; left out, and said so, where it is
+    not set up);
   - helexa, `helexa up` (gateway + NATS + worker + recorder), its dtype chosen at start by
     measurement (HELEXA_DTYPE=auto, a fresh dtype cache) unless --helexa-dtype says otherwise;
   - the helexa engine in process with that dtype, for what the pipeline adds; where the pipeline's
@@ -16,6 +19,7 @@ token is scored by our fp32 model after the system's own prefix; a system outsid
 no speed printed.
 
     bash bench/setup_vllm_cpu.sh          # once: vLLM CPU in bench/.venv-vllm
+    bash bench/setup_llamacpp.sh          # once, optional: llama.cpp in bench/.venv-llamacpp
     python bench/cpu_peers.py --out bench/results/cpu_peers.json
 """
 
@@ -39,7 +43,7 @@ from bench.ledger_timing import breakdown, database_url
 from bench.machine import machine_info
 from bench.report import emit
 from bench.openai_load import LoadResult, OpenAILoad
-from bench.servers import Server, free_port, helexa_up, vllm_server
+from bench.servers import Server, free_port, helexa_up, llamacpp_server, vllm_server
 from engine.core import EngineCore
 from engine.default_model import DEFAULT_MODEL_ID, default_model_path
 from engine.greedy_agreement import Agreement, argmax_gaps
@@ -146,10 +150,13 @@ def compare(systems: dict) -> dict:
     vllm = {name: e for name, e in systems.items() if name.startswith("vllm_") and e.get("correct")}
     best = max(vllm, key=lambda n: speed(vllm[n], "streams_16") or 0.0, default=None)
     ours, engine = systems.get("helexa_pipeline", {}), systems.get("helexa_in_process", {})
-    best_1 = max((speed(e, "stream_1") or 0.0 for e in vllm.values()), default=None)
+    peers_1 = [e for name, e in systems.items() if name.startswith(("vllm_", "llamacpp")) and e.get("correct")]
+    best_1 = max((speed(e, "stream_1") or 0.0 for e in peers_1), default=None)
+    llamacpp = systems.get("llamacpp", {})
     result = {"vllm_best_dtype": best, "ratios": {
         "helexa_vs_vllm_best_16_streams": ratio(speed(ours, "streams_16"), speed(vllm[best], "streams_16") if best else None),
         "helexa_vs_best_peer_1_stream": ratio(speed(ours, "stream_1"), best_1),
+        "helexa_vs_llamacpp_16_streams": ratio(speed(ours, "streams_16"), speed(llamacpp, "streams_16")),
         "helexa_ttft_p50_vs_vllm_best_16_streams": ratio(
             speed(ours, "streams_16", "ttft_ms_median"), speed(vllm[best], "streams_16", "ttft_ms_median") if best else None),
     }}
@@ -177,8 +184,10 @@ def main() -> None:
     parser.add_argument("--single-prompts", type=int, default=4, help="prompts sent one after another at 1 stream")
     parser.add_argument("--vllm-dtypes", default="bfloat16,float32")
     parser.add_argument("--vllm-python", type=Path, default=HERE / ".venv-vllm" / "bin" / "python")
+    parser.add_argument("--llamacpp-server", type=Path, default=None,
+                        help="llama-server (default: the one bench/setup_llamacpp.sh built)")
     parser.add_argument("--helexa-dtype", default="auto")
-    parser.add_argument("--skip", default="", help="comma list of: vllm, helexa, in_process")
+    parser.add_argument("--skip", default="", help="comma list of: vllm, llamacpp, helexa, in_process")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -192,6 +201,14 @@ def main() -> None:
         for dtype in filter(None, args.vllm_dtypes.split(",")):
             server = vllm_server(args.vllm_python, hf_dir, dtype, free_port())
             systems[f"vllm_{dtype}"] = measure_server(server, work, single, args.runs, reference)
+    if "llamacpp" not in skip:
+        server_bin = args.llamacpp_server or next((HERE / ".venv-llamacpp").rglob("bin/llama-server"), None)
+        gguf = HERE / ".work" / f"{DEFAULT_MODEL_ID}.BF16.gguf"
+        if server_bin is None or not gguf.is_file():
+            systems["llamacpp"] = {"skipped": "not set up: bash bench/setup_llamacpp.sh (builds ~20 min)"}
+        else:
+            server = llamacpp_server(server_bin, gguf, free_port())
+            systems["llamacpp"] = measure_server(server, work, single, args.runs, reference)
     helexa_dtype = args.helexa_dtype
     if "helexa" not in skip:
         with tempfile.TemporaryDirectory(prefix="helexa-bench-") as scratch:

@@ -1,5 +1,5 @@
-"""The servers the CPU peer benchmark starts: vLLM CPU and `helexa up`, each in its own process
-group, ready once `/v1/models` lists the model, stopped (the whole group) on exit."""
+"""The servers the CPU peer benchmark starts: vLLM CPU, llama.cpp's server and `helexa up`, each in
+its own process group, ready once `/v1/models` lists the model, stopped (the whole group) on exit."""
 
 from __future__ import annotations
 
@@ -116,3 +116,17 @@ def helexa_up(scratch: Path, port: int, dtype: str) -> Server:
                 "dtype_timings_ms": entry["timings_ms"], "dtype_measure_s": entry["measure_s"]}
 
     return Server("helexa-up", command, env, port, ROOT / "bench" / ".work" / "helexa-up.log", details)
+
+
+def llamacpp_server(server_bin: Path, gguf: Path, port: int) -> Server:
+    """llama.cpp's own server (bench/setup_llamacpp.sh) on the BF16 GGUF: continuous batching over
+    16 slots, one thread per core."""
+    if not server_bin.is_file() or not gguf.is_file():
+        raise FileNotFoundError(f"{server_bin} or {gguf} is missing: run bash bench/setup_llamacpp.sh first")
+    cpus = os.cpu_count() or 1
+    env = {**os.environ, "LD_LIBRARY_PATH": str(server_bin.parent)}
+    # 16 slots of 256 tokens: each holds a 128-token prompt and its 64 new tokens.
+    command = [str(server_bin), "-m", str(gguf), "--alias", DEFAULT_MODEL_ID, "--host", "127.0.0.1",
+               "--port", str(port), "-np", "16", "--cont-batching", "-t", str(cpus), "-c", str(16 * 256)]
+    return Server("llama.cpp", command, env, port, ROOT / "bench" / ".work" / "llamacpp.log",
+                  details=lambda: {"dtype": "bfloat16 (GGUF BF16)"})

@@ -13,6 +13,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -22,6 +23,14 @@
 #include "../cpu_ops.h"
 
 namespace {
+
+// A kernel called straight, under its op's name for torch.profiler (bench/step_profile.py splits
+// a step's time by op): without a profiler running, the record is one check.
+template <typename Kernel, typename... Args>
+void traced(const char* name, Kernel kernel, Args&&... args) {
+  RECORD_FUNCTION(name, c10::ArrayRef<const c10::IValue>{});
+  kernel(std::forward<Args>(args)...);
+}
 
 // oneDNN's linear from its prepacked weight (engine/cpu_linear.packed_linear), boxed: its C++
 // signature is ATen's own business.
@@ -54,7 +63,7 @@ struct CpuLinear : torch::CustomClassHolder {
   at::Tensor operator()(const at::Tensor& x) const {
     if (kernel_weight.has_value() && x.scalar_type() == at::kBFloat16 && x.numel() <= kernel_elements) {
       at::Tensor out = at::empty({x.size(0), out_features}, x.options());
-      helexa_cpu::bf16_linear(out, x, *kernel_weight, kernel_bias);
+      traced("helexa_cpu::bf16_linear", helexa_cpu::bf16_linear, out, x, *kernel_weight, kernel_bias);
       return out;
     }
     return onednn_linear(x, onednn, bias);
@@ -81,7 +90,8 @@ class DecoderStack : public torch::CustomClassHolder {
                  c10::intrusive_ptr<CpuLinear> down, at::Tensor k_cache, at::Tensor v_cache) {
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm: both or neither");
     TORCH_CHECK(qkv->out_features == (num_heads_ + 2 * num_kv_heads_) * head_dim_,
-                "qkv: ", qkv->out_features, " outputs, the heads need ", (num_heads_ + 2 * num_kv_heads_) * head_dim_);
+                "qkv: ", qkv->out_features, " outputs, the heads need ",
+                (num_heads_ + 2 * num_kv_heads_) * head_dim_);
     layers_.push_back(DecoderLayer{std::move(input_norm), std::move(post_attention_norm), std::move(q_norm),
                                    std::move(k_norm), std::move(qkv), std::move(o), std::move(gate_up),
                                    std::move(down), std::move(k_cache), std::move(v_cache)});
@@ -99,12 +109,14 @@ class DecoderStack : public torch::CustomClassHolder {
     // The residual stream is fp32 whatever the model dtype (engine.models.layers.residual_stream).
     at::Tensor residual = hidden.to(at::kFloat);
     at::Tensor normed = at::empty_like(hidden);
-    helexa_cpu::rms_norm(normed, hidden, layers_[0].input_norm, eps_, false);
+    traced("helexa_cpu::rms_norm", helexa_cpu::rms_norm, normed, hidden, layers_[0].input_norm, eps_,
+           false);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const DecoderLayer& layer = layers_[i];
       if (i > 0) {
         normed = at::empty_like(hidden);
-        helexa_cpu::fused_add_rms_norm(normed, hidden, residual, layer.input_norm, eps_, false);
+        traced("helexa_cpu::fused_add_rms_norm", helexa_cpu::fused_add_rms_norm, normed, hidden, residual,
+               layer.input_norm, eps_, false);
       }
       at::Tensor qkv = (*layer.qkv)(normed);
       at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads_, head_dim_});
@@ -114,21 +126,24 @@ class DecoderStack : public torch::CustomClassHolder {
         q = norm_heads(q, *layer.q_norm);
         k = norm_heads(k, *layer.k_norm);
       }
-      helexa_cpu::rotary_(q, k, positions, cos_sin_);
-      helexa_cpu::kv_store(k, v, layer.k_cache, layer.v_cache, slot_mapping);
+      traced("helexa_cpu::rotary_", helexa_cpu::rotary_, q, k, positions, cos_sin_);
+      traced("helexa_cpu::kv_store", helexa_cpu::kv_store, k, v, layer.k_cache, layer.v_cache,
+             slot_mapping);
       at::Tensor attended = at::empty({tokens, num_heads_, head_dim_}, hidden.options());
-      helexa_cpu::paged_decode_attention(attended, q, layer.k_cache, layer.v_cache, block_tables, key_lens,
-                                         token_rows, seq_rows, scale_);
+      traced("helexa_cpu::paged_decode_attention", helexa_cpu::paged_decode_attention, attended, q,
+             layer.k_cache, layer.v_cache, block_tables, key_lens, token_rows, seq_rows, scale_);
       at::Tensor out = (*layer.o)(attended.view({tokens, q_size}));
       normed = at::empty_like(out);
-      helexa_cpu::fused_add_rms_norm(normed, out, residual, layer.post_attention_norm, eps_, false);
+      traced("helexa_cpu::fused_add_rms_norm", helexa_cpu::fused_add_rms_norm, normed, out, residual,
+             layer.post_attention_norm, eps_, false);
       at::Tensor gate_up = (*layer.gate_up)(normed);
       at::Tensor activated = at::empty({tokens, gate_up.size(1) / 2}, gate_up.options());
-      helexa_cpu::silu_and_mul(activated, gate_up);
+      traced("helexa_cpu::silu_and_mul", helexa_cpu::silu_and_mul, activated, gate_up);
       hidden = (*layer.down)(activated);
     }
     at::Tensor out = at::empty_like(hidden);
-    helexa_cpu::fused_add_rms_norm(out, hidden, residual, final_norm_, eps_, false);
+    traced("helexa_cpu::fused_add_rms_norm", helexa_cpu::fused_add_rms_norm, out, hidden, residual, final_norm_,
+           eps_, false);
     return out;
   }
 
@@ -139,7 +154,7 @@ class DecoderStack : public torch::CustomClassHolder {
   at::Tensor norm_heads(const at::Tensor& x, const at::Tensor& weight) const {
     at::Tensor rows = x.reshape({-1, head_dim_});
     at::Tensor out = at::empty_like(rows, at::MemoryFormat::Contiguous);
-    helexa_cpu::rms_norm(out, rows, weight, eps_, false);
+    traced("helexa_cpu::rms_norm", helexa_cpu::rms_norm, out, rows, weight, eps_, false);
     return out.view(x.sizes());
   }
 
