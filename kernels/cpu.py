@@ -13,7 +13,10 @@ much of the step. These kernels do in one call what the PyTorch forms do in seve
   one call;
 - `kernels/linear/cpu_bf16_linear.cpp`: a bf16 linear for a few rows from a weight packed for
   AVX512-BF16's pair dot product, through AMX tiles where the CPU has them
-  (`kernels/linear/amx_bf16.h`; `engine.cpu_linear` measures where it beats oneDNN).
+  (`kernels/linear/amx_bf16.h`; `engine.cpu_linear` measures where it beats oneDNN);
+- `kernels/decoder/cpu_decoder_stack.cpp`: a Llama-family decode step's whole layer stack, calling
+  the kernels above straight from C++ (their entry points: `kernels/cpu_ops.h`), built and used by
+  `engine.cpu_decode_stack`.
 
 They run on torch's own thread pool (at::parallel_for). The extension is compiled with the
 machine's own instruction set (`-march=native`), so the build is cached per CPU (model and
