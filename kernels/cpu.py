@@ -209,16 +209,17 @@ def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def bf16_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-                out_features: int) -> torch.Tensor:
-    """x [..., K] bf16 @ W.T (+ bias, fp32 [N]) -> [..., N] bf16, W as `pack_bf16_weight(W)`."""
+                out_features: int, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x [..., K] bf16 @ W.T (+ bias, fp32 [N]) -> [..., N] in `out_dtype` (bf16, or fp32: the sums
+    as they are), W as `pack_bf16_weight(W)`."""
     if x.dim() == 2 and x.is_contiguous() and x.storage_offset() % 2 == 0:  # a step's hidden states
-        out = x.new_empty(x.shape[0], out_features)
+        out = x.new_empty(x.shape[0], out_features, dtype=out_dtype)
         torch.ops.helexa_cpu.bf16_linear(out, x, packed, bias)
         return out
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1 or rows.stride(0) % 2 or rows.storage_offset() % 2:
         rows = rows.contiguous()  # the kernel reads x two elements at a time
-    out = torch.empty(rows.shape[0], out_features, dtype=x.dtype, device=x.device)
+    out = torch.empty(rows.shape[0], out_features, dtype=out_dtype, device=x.device)
     torch.ops.helexa_cpu.bf16_linear(out, rows, packed, bias)
     return out.view(*x.shape[:-1], out_features)
 

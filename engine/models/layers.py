@@ -30,8 +30,8 @@ def residual_stream(embeddings: torch.Tensor) -> torch.Tensor:
     to 8 bits of mantissa. Measured on SmolLM2-135M (bf16 weights, 4 chat prompts, every
     position): fp32 keeps the mean |logit - fp32 model's logit| at 0.095 against 0.15 for a bf16
     stream, and "What is the capital of France?" then starts "The capital of France is Paris."
-    as in fp32 (a bf16 stream starts "L'Étoile"; that was a Zen 4: on a Sapphire Rapids the
-    first token's two best tie in the bf16 logits). It costs one cast per layer's norm: the
+    as in fp32 (a bf16 stream starts "L'Étoile"; on a Sapphire Rapids it took fp32 logits as
+    well, `Linear.fp32_output`). It costs one cast per layer's norm: the
     sublayers still read and write the model dtype (`RMSNorm.add_and_norm` returns the norm in x's
     dtype)."""
     return embeddings.to(RESIDUAL_DTYPE)

@@ -123,5 +123,5 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, hidden_size] -> [n, vocab_size]; pass only the rows that get sampled."""
-        return self.lm_head(hidden)
+        """[n, hidden_size] -> fp32 logits [n, vocab_size]; pass only the rows that get sampled."""
+        return self.lm_head.fp32_output(hidden)

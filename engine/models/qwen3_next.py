@@ -217,7 +217,7 @@ class Qwen3NextForCausalLM(nn.Module):
         return self.model(input_ids, positions, caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return self.lm_head.fp32_output(hidden)
 
     def checkpoint_targets(self, name: str, tensor: torch.Tensor) -> list[CheckpointTarget]:
         if name.startswith("mtp."):

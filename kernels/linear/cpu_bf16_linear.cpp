@@ -50,12 +50,22 @@ constexpr int64_t kChunkPairs = 32;  // K pairs per chunk: 4 blocks x 32 pairs x
 // Partial sums of a group's columns for every row, kept between K chunks: [rows][kGroupColumns].
 constexpr int kGroupColumns = kBlock * kMaxBlocks;
 
+// 16 finished outputs (the masked ones) at `offset`: rounded to bf16 into `out`, or into `out_f32`.
+inline void store(__m512 values, __mmask16 mask, uint16_t* out, float* out_f32, int64_t offset) {
+  if (out_f32 != nullptr) {
+    _mm512_mask_storeu_ps(out_f32 + offset, mask, values);
+  } else {
+    _mm256_mask_storeu_epi16(out + offset, mask, (__m256i)_mm512_cvtneps_pbh(values));
+  }
+}
+
 // rows x (blocks * 16) outputs over one chunk of K pairs [p0, p1): start from zero (first chunk) or
-// the partial sums, and either keep the sums or (last chunk) add bias, round to bf16 and store.
+// the partial sums, and either keep the sums or (last chunk) add bias and store: rounded to bf16
+// into `out`, or as they are into `out_f32` where that is given (logits).
 template <int ROWS, int BLOCKS, bool PREFETCH>
 void tile(const uint32_t* __restrict x, int64_t x_row, const uint16_t* __restrict w, int64_t block_stride,
           int64_t p0, int64_t p1, float* __restrict sums, bool first, bool last, const float* __restrict bias,
-          uint16_t* __restrict out, int64_t out_row, int64_t columns) {
+          uint16_t* __restrict out, float* __restrict out_f32, int64_t out_row, int64_t columns) {
   __m512 acc[ROWS][BLOCKS];
 #pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r)
@@ -91,15 +101,12 @@ void tile(const uint32_t* __restrict x, int64_t x_row, const uint16_t* __restric
     const __mmask16 mask = valid >= kBlock ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
     const __m512 add = bias ? _mm512_maskz_loadu_ps(mask, bias + b * kBlock) : _mm512_setzero_ps();
 #pragma GCC unroll 8
-    for (int r = 0; r < ROWS; ++r) {
-      const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_add_ps(acc[r][b], add));
-      _mm256_mask_storeu_epi16(out + r * out_row + b * kBlock, mask, (__m256i)rounded);
-    }
+    for (int r = 0; r < ROWS; ++r) store(_mm512_add_ps(acc[r][b], add), mask, out, out_f32, r * out_row + b * kBlock);
   }
 }
 
 using TileFn = void (*)(const uint32_t*, int64_t, const uint16_t*, int64_t, int64_t, int64_t, float*, bool,
-                       bool, const float*, uint16_t*, int64_t, int64_t);
+                       bool, const float*, uint16_t*, float*, int64_t, int64_t);
 
 template <int ROWS, bool PREFETCH>
 TileFn pick_blocks(int blocks) {
@@ -138,9 +145,9 @@ struct AmxScratch {
   helexa_amx::Tiles tiles;
 };
 
-// One group's output for `m` rows of x from their sums: bias added, rounded to bf16, stored.
+// One group's output for `m` rows of x from their sums: bias added, stored (as `tile` does).
 inline void store_rows(const float* sums, int m, int group, int64_t group_columns, const float* bias,
-                       uint16_t* out, int64_t out_row) {
+                       uint16_t* out, float* out_f32, int64_t out_row) {
   for (int b = 0; b < group; ++b) {
     const int64_t valid = group_columns - b * kBlock;
     if (valid <= 0) break;
@@ -148,14 +155,13 @@ inline void store_rows(const float* sums, int m, int group, int64_t group_column
     const __m512 add = bias ? _mm512_maskz_loadu_ps(mask, bias + b * kBlock) : _mm512_setzero_ps();
     for (int i = 0; i < m; ++i) {
       const __m512 sum = _mm512_loadu_ps(sums + i * helexa_amx::kSumsRow + b * kBlock);
-      const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_add_ps(sum, add));
-      _mm256_mask_storeu_epi16(out + i * out_row + b * kBlock, mask, (__m256i)rounded);
+      store(_mm512_add_ps(sum, add), mask, out, out_f32, i * out_row + b * kBlock);
     }
   }
 }
 
 void amx_linear(const uint32_t* x, int64_t rows, int64_t x_row, const uint16_t* w, int64_t pairs, int64_t blocks,
-                const float* bias, uint16_t* out, int64_t out_row, int64_t columns) {
+                const float* bias, uint16_t* out, float* out_f32, int64_t out_row, int64_t columns) {
   using helexa_amx::kTileRows;
   const int64_t block_elems = pairs * 2 * kBlock;
   const int64_t groups = (blocks + helexa_amx::kAmxBlocks - 1) / helexa_amx::kAmxBlocks;
@@ -171,7 +177,8 @@ void amx_linear(const uint32_t* x, int64_t rows, int64_t x_row, const uint16_t* 
       helexa_amx::shape_for_rows(s.tiles, m);
       helexa_amx::pick(group)(reinterpret_cast<const uint16_t*>(x + r * x_row), x_row * 4, group_w, block_elems,
                               pairs, s.sums.data());
-      store_rows(s.sums.data(), m, group, group_columns, group_bias, out + r * out_row + first_column, out_row);
+      store_rows(s.sums.data(), m, group, group_columns, group_bias, out ? out + r * out_row + first_column : nullptr,
+                 out_f32 ? out_f32 + r * out_row + first_column : nullptr, out_row);
     }
   });
 }
@@ -213,7 +220,8 @@ bool bf16_linear_amx() {
 
 namespace helexa_cpu {
 
-// out [M, N] = x [M, K] @ W^T + bias, W given packed as [ceil(N/16), K/2, 16, 2].
+// out [M, N] = x [M, K] @ W^T + bias, W given packed as [ceil(N/16), K/2, 16, 2]; out is bf16, or fp32
+// (the LM head's logits: rounded to bf16, a near tie between two tokens becomes an exact one).
 void bf16_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
                  const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(bf16_linear_available(), "bf16_linear: built without AVX512-BF16");
@@ -224,10 +232,10 @@ void bf16_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
               "packed: a contiguous bf16 [N/16, K/2, 16, 2] weight");
   TORCH_CHECK(packed.size(0) > 0 && packed.size(1) > 0, "packed: an empty weight");
   TORCH_CHECK(x.size(1) == packed.size(1) * 2, "x has ", x.size(1), " features, the weight ", packed.size(1) * 2);
-  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.dim() == 2 && out.stride(1) == 1 &&
-                  out.size(0) == x.size(0) && out.size(1) <= packed.size(0) * 16 &&
+  TORCH_CHECK((out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat) && out.dim() == 2 &&
+                  out.stride(1) == 1 && out.size(0) == x.size(0) && out.size(1) <= packed.size(0) * 16 &&
                   out.size(1) > (packed.size(0) - 1) * 16,
-              "out: bf16 [rows, N] with N in the packed weight's last block");
+              "out: bf16 or fp32 [rows, N] with N in the packed weight's last block");
   const int64_t columns = out.size(1);
   const float* bias_data = nullptr;
   if (bias.has_value() && bias->defined()) {
@@ -240,13 +248,15 @@ void bf16_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
   if (rows == 0 || columns == 0) return;
   const uint32_t* x_data = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
   const uint16_t* w_data = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  uint16_t* out_data = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const bool fp32_out = out.scalar_type() == at::kFloat;
+  uint16_t* out_data = fp32_out ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  float* out_f32 = fp32_out ? out.data_ptr<float>() : nullptr;
   const int64_t x_row = x.stride(0) / 2, out_row = out.stride(0);
   TORCH_CHECK(x.stride(0) % 2 == 0, "x: row stride must be even");
   const int64_t block_elems = pairs * 2 * kBlock;
 #ifdef HELEXA_AMX
   if (pairs % helexa_amx::kPairsPerStep == 0 && helexa_amx::ready()) {
-    return amx_linear(x_data, rows, x_row, w_data, pairs, blocks, bias_data, out_data, out_row, columns);
+    return amx_linear(x_data, rows, x_row, w_data, pairs, blocks, bias_data, out_data, out_f32, out_row, columns);
   }
 #endif
   // A task is one group of up to kMaxBlocks column blocks, handed out as threads come free.
@@ -266,7 +276,8 @@ void bf16_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
             pick(n, group, r > 0)(x_data + r * x_row, x_row, w_data + first * block_elems, block_elems, p0, p1,
                                   sums.data() + r * kGroupColumns, p0 == 0, p1 == pairs,
                                   bias_data ? bias_data + first_column : nullptr,
-                                  out_data + r * out_row + first_column, out_row, group_columns);
+                                  out_data ? out_data + r * out_row + first_column : nullptr,
+                                  out_f32 ? out_f32 + r * out_row + first_column : nullptr, out_row, group_columns);
           }
         }
       });

@@ -111,6 +111,29 @@ def test_bf16_runs_the_kernel_up_to_its_measured_rows_and_onednn_above(kernel_ca
     assert kernel_calls == [1, 16]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_logits_come_out_in_fp32_by_every_method(kernel_calls: list[int], dtype: torch.dtype) -> None:
+    """An LM head's `fp32_output`: fp32 by the kernel's rows, oneDNN's and unpacked alike; from the
+    kernel they are its sums unrounded (closer to an fp32 matmul than the bf16 output)."""
+    torch.manual_seed(0)
+    layer = Linear(96, 40, bias=False).to(dtype)
+    unpacked = Linear(96, 40, bias=False).to(dtype)
+    unpacked.weight = layer.weight
+    assert layer.prepack()
+    for rows in (1, 16, 17):
+        x = torch.randn(rows, 96).to(dtype)
+        expected = x.float() @ layer.weight.float().T
+        for module in (layer, unpacked):
+            logits = module.fp32_output(x)
+            assert logits.dtype == torch.float32
+            torch.testing.assert_close(logits, expected, atol=2e-2, rtol=1e-2)
+    if dtype == torch.bfloat16 and layer.packed.kernel_weight is not None:
+        assert kernel_calls == [1, 16]
+        x = torch.randn(4, 96).bfloat16()
+        exact = x.float() @ layer.weight.float().T
+        assert (layer.fp32_output(x) - exact).abs().max() < (layer(x).float() - exact).abs().max()
+
+
 @needs_bf16_kernel
 def test_torch_kernels_keep_onednn_for_bf16(kernel_calls: list[int]) -> None:
     ops.use_backend("torch", "cpu")

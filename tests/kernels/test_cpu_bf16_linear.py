@@ -73,6 +73,26 @@ def test_bias_is_added_before_rounding() -> None:
 
 
 @needs_bf16_dot
+@pytest.mark.parametrize("rows", [1, 7, 16])
+@pytest.mark.parametrize("form", AMX_FORMS)
+def test_fp32_output_is_the_sums_unrounded(rows: int, form) -> None:
+    """Logits: the same sums stored in fp32, so they round to the bf16 output exactly, and sit
+    far closer to an fp32 matmul than one bf16 step."""
+    generator = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(200, 128, generator=generator) * 0.1).bfloat16()
+    bias = torch.randn(200, generator=generator)
+    x = torch.randn(rows, 128, generator=generator).bfloat16()
+    packed = cpu_kernels.pack_bf16_weight(weight)
+    with form():
+        wide = cpu_kernels.bf16_linear(x, packed, bias, 200, torch.float32)
+        narrow = cpu_kernels.bf16_linear(x, packed, bias, 200)
+    assert wide.dtype == torch.float32 and torch.equal(wide.bfloat16(), narrow)
+    expected = x.float() @ weight.float().T + bias
+    torch.testing.assert_close(wide, expected, rtol=1e-5, atol=1e-4)
+    assert not torch.equal(wide, narrow.float())  # the rounding a bf16 output would have made
+
+
+@needs_bf16_dot
 def test_strided_offset_and_batched_inputs() -> None:
     weight = (torch.randn(72, 64) * 0.1).bfloat16()
     packed = cpu_kernels.pack_bf16_weight(weight)
