@@ -24,7 +24,7 @@ import torch
 from engine import ops
 from engine.attention import plan_for
 from engine.cpu_linear import Linear, PackedWeight
-from engine.models.layers import GatedMLP, PackedLinear
+from engine.models.layers import GatedMLP
 from engine.models.llama import LlamaDecoderLayer, LlamaModel
 from engine.step_metadata import KVCaches, StepInputs
 
@@ -53,8 +53,6 @@ def _served(model: torch.nn.Module) -> LlamaModel | None:
         linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                    layer.mlp.down_proj)
         if not all(isinstance(linear.packed, PackedWeight) for linear in linears):
-            return None
-        if not isinstance(layer.self_attn.qkv_proj, PackedLinear):
             return None
     return decoder
 
