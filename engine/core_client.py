@@ -12,7 +12,7 @@ import asyncio
 import logging
 import multiprocessing as mp
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -148,30 +148,26 @@ class AsyncEngine:
         except (OSError, ValueError):
             self._core_died()
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+    def generate(self, request: EngineRequest) -> OutputStream:
+        """Send `request` to the core now, before anything awaits; its outputs come through the
+        returned stream."""
+        queue: asyncio.Queue[EngineOutput] = asyncio.Queue()
         refused = self._dead
         if refused is None and request.request_id in self._queues:
             # Outputs are routed by id: a second stream under a live id would steal the first's.
             refused = f"duplicate request id {request.request_id!r}: a request with that id is running"
         if refused is not None:
-            yield EngineOutput(request_id=request.request_id, new_token_ids=[], finished=True,
-                               finish_reason=FinishReason.ERROR, error=refused)
-            return
-        queue: asyncio.Queue[EngineOutput] = asyncio.Queue()
+            queue.put_nowait(EngineOutput(request_id=request.request_id, new_token_ids=[], finished=True,
+                                          finish_reason=FinishReason.ERROR, error=refused))
+            return OutputStream(queue, lambda finished: None)
         self._queues[request.request_id] = queue
-        finished = False
-        try:
-            self._send(AddRequest(request))
-            while not finished:
-                output = await queue.get()
-                while not output.finished and not queue.empty():
-                    output = output.merged(queue.get_nowait())
-                finished = output.finished
-                yield output
-        finally:
-            if not finished:
-                self._send(AbortRequests([request.request_id]))
-            self._queues.pop(request.request_id, None)
+        self._send(AddRequest(request))
+        return OutputStream(queue, lambda finished: self._release(request.request_id, finished))
+
+    def _release(self, request_id: str, finished: bool) -> None:
+        if not finished:
+            self._send(AbortRequests([request_id]))
+        self._queues.pop(request_id, None)
 
     async def abort(self, request_id: str) -> None:
         if request_id in self._queues:
@@ -190,6 +186,43 @@ class AsyncEngine:
                 await asyncio.to_thread(self._process.join, 5)
         if self._conn is not None:
             self._conn.close()
+
+
+class OutputStream:
+    """One request's outputs as the core sends them, the last one `finished`; outputs that queued
+    up while the consumer was busy come merged into one. `aclose` before the last aborts the
+    request (so does dropping it unclosed); closing twice is closing once."""
+
+    def __init__(self, queue: asyncio.Queue[EngineOutput], release: Callable[[bool], None]) -> None:
+        self._queue = queue
+        self._release: Callable[[bool], None] | None = release
+        self._finished = False
+
+    def __aiter__(self) -> OutputStream:
+        return self
+
+    async def __anext__(self) -> EngineOutput:
+        if self._finished or self._release is None:
+            raise StopAsyncIteration
+        output = await self._queue.get()
+        while not output.finished and not self._queue.empty():
+            output = output.merged(self._queue.get_nowait())
+        if output.finished:
+            self._finished = True
+            self._close()
+        return output
+
+    async def aclose(self) -> None:
+        self._close()
+
+    def __del__(self) -> None:
+        # Dropped unclosed (a loop broken out of): aborted, as an async generator would be.
+        self._close()
+
+    def _close(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release(self._finished)
 
 
 def _core_entry(conn: Connection, config: EngineConfig) -> None:

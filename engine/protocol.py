@@ -11,7 +11,6 @@ message checks them again.
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator
 from typing import Annotated, Protocol
 
 import msgspec
@@ -281,8 +280,22 @@ def is_device_fault(error: str | None) -> bool:
     return bool(error) and (error.startswith(DEVICE_FAULT_PREFIX) or error == ENGINE_STOPPED)
 
 
+class EngineOutputs(Protocol):
+    """One request's outputs, the last one `finished`; `aclose` before that aborts the request."""
+
+    def __aiter__(self) -> EngineOutputs: ...
+
+    async def __anext__(self) -> EngineOutput: ...
+
+    async def aclose(self) -> None: ...
+
+
 class Engine(Protocol):
     """Submit a request, get an async stream of outputs; abort at any time (idempotent).
+
+    `generate` may send the request before its stream is first awaited (the core process's client
+    does: a burst's requests then reach the engine's batch together); whoever calls it closes
+    the stream.
 
     `info` describes the model and its KV pool; `stats` is the latest step's counters.
     """
@@ -299,7 +312,7 @@ class Engine(Protocol):
 
     def free_slots(self) -> int: ...
 
-    def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]: ...
+    def generate(self, request: EngineRequest) -> EngineOutputs: ...
 
     async def abort(self, request_id: str) -> None: ...
 

@@ -58,11 +58,10 @@ def _stream(tok: Tokenizer, groups: list[list[int]], stop: list[str], reason: Fi
                                    sampling=SamplingParams(max_tokens=64, stop=stop))
     record = RunRecord(request=request, node="n", attempt=1, received_at=time.time())
     replier = CollectingReplier(attempt=1, node="n")
-    engine_request = EngineRequest("r", prompt_ids, SamplingParams(max_tokens=64))
-    finish, error = asyncio.run(choices.generate_choice(
-        GroupedEngine(groups, reason), tok, replier, record, Prompt(token_ids=prompt_ids), engine_request, 0))
+    reasons, error = asyncio.run(choices.generate(
+        GroupedEngine(groups, reason), tok, replier, record, Prompt(token_ids=prompt_ids), SamplingParams(max_tokens=64)))
     assert error is None
-    return "".join(f.text for f in replier.frames if isinstance(f, wire.Delta)), finish
+    return "".join(f.text for f in replier.frames if isinstance(f, wire.Delta)), reasons[0]
 
 
 @pytest.mark.parametrize("text", ["ok 🙂", "日本", "héllo 👍🏽"], ids=["emoji", "cjk", "modifier"])

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from dataclasses import dataclass
 
 from apps.bus import wire
 from apps.worker.parsers import Parsed
@@ -23,6 +24,7 @@ from apps.worker.run_record import RunRecord
 from apps.worker.stop_strings import StopStringMatcher
 from engine.protocol import (
     Engine,
+    EngineOutputs,
     EngineRequest,
     FinishReason,
     SamplingParams,
@@ -44,17 +46,28 @@ async def generate(
     prompt: Prompt,
     sampling: SamplingParams,
 ) -> tuple[list[FinishReason], str | None]:
-    """Run every choice and stream its text; returns (finish reason per choice, error)."""
+    """Run every choice and stream its text; returns (finish reason per choice, error).
+
+    Every choice that runs is sent to the engine before anything here awaits: each await lets the
+    worker's other requests (a burst's) take their turns first, which had spread their arrivals at
+    the engine over milliseconds and past the batch window's gaps."""
     request = record.request
     ids = engine_request_ids(request.request_id, request.sampling.n)
     resume = request.resume or [wire.ResumedChoice() for _ in ids]
-    choices = [
-        generate_choice(engine, tokenizer, replier, record, prompt,
-                        EngineRequest(rid, prompt.token_ids, sampling.for_choice(i), resume[i].token_ids),
-                        i, resume[i].finish_reason)
-        for i, rid in enumerate(ids)
-    ]
-    results = await asyncio.gather(*choices)
+    primed = [prime_choice(tokenizer, prompt, record, resumed) for resumed in resume]
+    streams: list[EngineOutputs | None] = []
+    try:
+        for i, (rid, (_, ended)) in enumerate(zip(ids, primed, strict=True)):
+            streams.append(None if ended else engine.generate(
+                EngineRequest(rid, prompt.token_ids, sampling.for_choice(i), resume[i].token_ids)))
+        results = await asyncio.gather(*(
+            generate_choice(tokenizer, replier, record, choice, ended, outputs, i)
+            for i, ((choice, ended), outputs) in enumerate(zip(primed, streams, strict=True))
+        ))
+    finally:
+        for outputs in streams:
+            if outputs is not None:
+                await outputs.aclose()  # a no-op for a stream its choice closed
     errors = [error for _, error in results if error]
     return [reason for reason, _ in results], (errors[0] if errors else None)
 
@@ -106,19 +119,39 @@ class ChoiceText:
         return reasoning, False
 
 
+@dataclass(frozen=True, slots=True)
+class Ended:
+    """How a migrated choice ended before this attempt: `sent` when its client has its finish too."""
+
+    reason: FinishReason
+    sent: bool
+
+
+def prime_choice(tokenizer: Tokenizer, prompt: Prompt, record: RunRecord,
+                 resumed: wire.ResumedChoice) -> tuple[ChoiceText, Ended | None]:
+    """A choice's text with what its client already has fed in (`resumed`: a migrated choice's
+    tokens), and how it ended if it did: then it is not run again."""
+    choice = ChoiceText(tokenizer, prompt, record.request.sampling.stop)
+    record.completion_tokens += len(resumed.token_ids)
+    resumed_reasoning, hit_stop = choice.prime(resumed.token_ids)
+    record.reasoning_tokens += resumed_reasoning
+    if resumed.finish_reason is not None:
+        return choice, Ended(resumed.finish_reason, sent=True)
+    # Its first worker may have died right after a stop string came: then it is over.
+    return choice, Ended(FinishReason.STOP, sent=False) if hit_stop else None
+
+
 async def generate_choice(
-    engine: Engine,
     tokenizer: Tokenizer,
     replier: Replier,
     record: RunRecord,
-    prompt: Prompt,
-    engine_request: EngineRequest,
+    choice: ChoiceText,
+    ended: Ended | None,
+    outputs: EngineOutputs | None,
     index: int,
-    resumed_finish: FinishReason | None = None,
 ) -> tuple[FinishReason, str | None]:
-    """One choice: stream its text as it comes and close it. A migrated choice (its
-    `resumed_token_ids` already sent) goes on after them; one already finished is not run again."""
-    choice = ChoiceText(tokenizer, prompt, record.request.sampling.stop)
+    """One choice: stream its text from `outputs` as it comes and close it; one that `ended`
+    already runs no engine request (`outputs` is None)."""
     pending_logprobs: list[wire.TokenLogprobs] = []
     # Tokens fed since the last delta: the next delta names them, so the requester knows what it has.
     pending_ids: list[int] = []
@@ -134,16 +167,11 @@ async def generate_choice(
                             token_ids=pending_ids)
         pending_logprobs, pending_ids = [], []
 
-    resumed = engine_request.resumed_token_ids
-    record.completion_tokens += len(resumed)
-    resumed_reasoning, hit_stop = choice.prime(resumed)
-    record.reasoning_tokens += resumed_reasoning
-    if resumed_finish is not None:
-        return resumed_finish, None  # its client has its whole text and its finish already
-    # Its first worker may have died right after a stop string came: then it is over.
-    reason = FinishReason.STOP if hit_stop else FinishReason.ABORT
-    if not hit_stop:
-        async with contextlib.aclosing(engine.generate(engine_request)) as outputs:
+    if ended is not None and ended.sent:
+        return ended.reason, None  # its client has its whole text and its finish already
+    reason = ended.reason if ended is not None else FinishReason.ABORT
+    if outputs is not None:
+        async with contextlib.aclosing(outputs):
             async for out in outputs:
                 if out.prefill_ms is not None and index == 0:
                     record.prefill_ms = out.prefill_ms

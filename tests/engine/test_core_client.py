@@ -120,3 +120,29 @@ async def test_a_duplicate_id_is_refused_and_the_first_stream_goes_on(engine: As
     outputs += [out async for out in first]
     assert outputs[-1].finish_reason is FinishReason.LENGTH
     assert sum(len(o.new_token_ids) for o in outputs) == 8
+
+
+async def test_a_request_is_sent_when_generate_is_called_not_when_read(engine: AsyncEngine,
+                                                                      chat_prompt_ids: list[int]) -> None:
+    stream = engine.generate(EngineRequest("eager", chat_prompt_ids, greedy(6)))
+    # Not read yet, and the core generates it all the same (its step stats say so).
+    await asyncio.wait_for(_until(lambda: engine.stats.generated_tokens >= 6), timeout=60)
+    outputs = [out async for out in stream]
+    assert sum(len(o.new_token_ids) for o in outputs) == 6
+    assert outputs[-1].finish_reason is FinishReason.LENGTH
+
+
+async def test_closing_a_stream_never_read_aborts_its_request(engine: AsyncEngine,
+                                                              chat_prompt_ids: list[int]) -> None:
+    stream = engine.generate(EngineRequest("unread", chat_prompt_ids, greedy(500)))
+    await stream.aclose()
+    await stream.aclose()  # closing twice is closing once
+    assert [out async for out in stream] == []
+    after = await collect(engine, EngineRequest("after", chat_prompt_ids, greedy(2)))
+    assert after[-1].finish_reason is FinishReason.LENGTH
+    assert engine.stats.num_running == 0 and engine.stats.num_free_blocks == engine.info.num_blocks
+
+
+async def _until(condition) -> None:
+    while not condition():
+        await asyncio.sleep(0.01)
