@@ -86,7 +86,7 @@ def agreement(reference: Checkpoint, work: list[list[int]], load: LoadResult) ->
 
 def measure_server(server: Server, work: list[list[int]], single: list[list[int]], runs: int,
                    reference: Checkpoint) -> dict:
-    with server, OpenAILoad(server.base_url, server.model) as load:
+    with server, OpenAILoad(server.base_url, server.model, server.keep_alive) as load:
         load.run(work, 8, concurrent=True)  # warm-up: kernels, allocator, the client's connections
         singles, bursts = [], []
         for _ in range(runs):

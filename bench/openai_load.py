@@ -104,14 +104,17 @@ class OpenAILoad:
     a fresh client paid that, whichever server it measured. One event loop runs all of it: the
     client's connections belong to it."""
 
-    def __init__(self, base_url: str, model: str) -> None:
+    def __init__(self, base_url: str, model: str, keep_alive: bool = True) -> None:
         self.base_url, self.model = base_url, model
+        # Without keep-alive every request asks for its own connection (`Connection: close`).
+        self._headers = {} if keep_alive else {"Connection": "close"}
         self._runner = asyncio.Runner()
         self._client: AsyncOpenAI | None = None
 
     def __enter__(self) -> OpenAILoad:
         async def connect() -> AsyncOpenAI:
-            return AsyncOpenAI(base_url=self.base_url, api_key="unused", timeout=600.0, max_retries=0)
+            return AsyncOpenAI(base_url=self.base_url, api_key="unused", timeout=600.0, max_retries=0,
+                               default_headers=self._headers)
 
         self._client = self._runner.run(connect())
         return self

@@ -29,9 +29,11 @@ def free_port() -> int:
 
 class Server:
     def __init__(self, name: str, command: list[str], env: dict[str, str], port: int, log_path: Path,
-                 details: Callable[[], dict] = dict, model: str = DEFAULT_MODEL_ID) -> None:
+                 details: Callable[[], dict] = dict, model: str = DEFAULT_MODEL_ID, keep_alive: bool = True) -> None:
         self.name, self.command, self.env, self.port = name, command, env, port
         self.log_path, self.details, self.model = log_path, details, model
+        # Whether clients may send their next request on a connection this server kept open.
+        self.keep_alive = keep_alive
         self.base_url = f"http://127.0.0.1:{port}/v1"
         self.startup_s = 0.0
         self._process: subprocess.Popen | None = None
@@ -128,5 +130,8 @@ def llamacpp_server(server_bin: Path, gguf: Path, port: int) -> Server:
     # 16 slots of 256 tokens: each holds a 128-token prompt and its 64 new tokens.
     command = [str(server_bin), "-m", str(gguf), "--alias", DEFAULT_MODEL_ID, "--host", "127.0.0.1",
                "--port", str(port), "-np", "16", "--cont-batching", "-t", str(cpus), "-c", str(16 * 256)]
+    # keep_alive=False: this build drops a kept-alive connection after ~20 requests without an
+    # answer to the one just sent on it (the OpenAI SDK's 20th request failed, every run); a new
+    # connection per request (`Connection: close`, as curl does) never fails.
     return Server("llama.cpp", command, env, port, ROOT / "bench" / ".work" / "llamacpp.log",
-                  details=lambda: {"dtype": "bfloat16 (GGUF BF16)"})
+                  details=lambda: {"dtype": "bfloat16 (GGUF BF16)"}, keep_alive=False)
