@@ -202,7 +202,7 @@ class OutputStream:
         return self
 
     async def __anext__(self) -> EngineOutput:
-        if self._finished or self._release is None:
+        if self._release is None:  # finished or closed
             raise StopAsyncIteration
         output = await self._queue.get()
         while not output.finished and not self._queue.empty():

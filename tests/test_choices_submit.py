@@ -28,7 +28,7 @@ class LoggingEngine:
 
 class Outputs:
     def __init__(self, engine: LoggingEngine, request_id: str) -> None:
-        self.engine, self.request_id, self.done, self.closed = engine, request_id, False, False
+        self.engine, self.request_id, self.done = engine, request_id, False
 
     def __aiter__(self) -> Outputs:
         return self
@@ -42,7 +42,7 @@ class Outputs:
         return EngineOutput(self.request_id, [42], finished=True, finish_reason=FinishReason.LENGTH)
 
     async def aclose(self) -> None:
-        self.closed = True
+        pass
 
 
 def run(engine: LoggingEngine, n: int) -> list[FinishReason]:
