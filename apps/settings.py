@@ -211,6 +211,8 @@ class RecorderSettings:
     nats_url: str = field(default_factory=lambda: _env("NATS_URL", DEFAULT_NATS_URL))
     database_url: str = field(default_factory=lambda: _env("DATABASE_URL", DEFAULT_DATABASE_URL))
     batch_size: int = field(default_factory=lambda: _env_int("HELEXA_RECORDER_BATCH", 256))
+    # How long a batch that is not full waits for more events before it is written.
+    linger_ms: float = field(default_factory=lambda: _env_float("HELEXA_RECORDER_LINGER_MS", 250.0))
     # How long a batch fetched by a recorder that then died waits before another recorder gets it.
     ack_wait_s: float = field(default_factory=lambda: _env_float("HELEXA_RECORDER_ACK_WAIT_S", 60.0))
     # Prometheus `/metrics` of this recorder (lag, dead letters, EVENTS limits); 0 serves none.
@@ -224,6 +226,8 @@ class RecorderSettings:
             raise ValueError("HELEXA_RECORDER_BATCH must be at least 1")
         if self.ack_wait_s < 1:
             raise ValueError("HELEXA_RECORDER_ACK_WAIT_S must be at least 1")
+        if not 0 <= self.linger_ms <= 5000:
+            raise ValueError("HELEXA_RECORDER_LINGER_MS must be 0 to 5000")
         if not 0 <= self.metrics_port < 65536:
             raise ValueError("HELEXA_RECORDER_METRICS_PORT must be a TCP port (0: no metrics endpoint)")
         if self.watch_interval_s <= 0:

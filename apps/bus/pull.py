@@ -84,6 +84,13 @@ class BatchPuller:
         msgs, self._arrived = self._arrived, []
         return msgs
 
+    async def take_ready(self, batch: int) -> list[Msg]:
+        """Up to about `batch` messages that are there now; never waits for one to arrive."""
+        if batch > len(self._arrived):
+            await self._pull(batch - len(self._arrived), 1.0, no_wait=True)
+        msgs, self._arrived = self._arrived, []
+        return msgs
+
 
 def stream_sequence(msg: Msg) -> int:
     """The message's sequence in its stream, read straight from its ack subject.

@@ -63,6 +63,26 @@ async def _is(url: str, sql: str, expected: int) -> bool:
     return await fetchval(url, sql) == expected
 
 
+async def test_events_arriving_while_a_batch_lingers_commit_with_it(
+    own_nats: NatsServer, js: JetStreamContext, database_url: str, log_watch: LogWatch
+) -> None:
+    """A batch that is not full waits for the rest of its burst: an event published after the
+    first was fetched is written in the first one's transaction (one commit per burst)."""
+    settings = RecorderSettings(nats_url=own_nats.url, database_url=database_url, batch_size=64, linger_ms=3000)
+    async with recording(settings, log_watch) as task:
+        await log_watch.wait_for("ready", task=task)
+        await publish(js, started("req-1"))
+
+        async def first_fetched() -> bool:
+            return (await js.consumer_info(EVENTS_STREAM, RECORDER_CONSUMER)).num_ack_pending == 1
+
+        await eventually(first_fetched, what="the first event fetched")
+        await publish(js, started("req-2"))
+        await eventually(lambda: _is(database_url, "SELECT count(*) FROM events", 2), what="2 events")
+        await wait_all_acked(js)
+    assert await fetchval(database_url, "SELECT count(DISTINCT xmin::text) FROM events") == 1
+
+
 async def test_undecodable_and_rejected_events_do_not_block_the_stream(
     own_nats: NatsServer, js: JetStreamContext, database_url: str, log_watch: LogWatch
 ) -> None:
