@@ -68,6 +68,8 @@ def prompts(checkpoint: Checkpoint) -> list[list[int]]:
 def summarize(loads: list[LoadResult]) -> dict:
     return {"tok_per_s": round(statistics.median(r.tok_per_s for r in loads), 2),
             "ttft_ms_median": round(statistics.median(r.ttft_ms_median for r in loads), 1),
+            "ttft_from_sent_ms_median": round(statistics.median(r.ttft_from_sent_ms_median for r in loads), 1),
+            "client_wait_ms_median": round(statistics.median(r.client_wait_ms_median for r in loads), 1),
             "itl_ms_median": round(statistics.median(r.itl_ms_median for r in loads), 2),
             "per_run_tok_per_s": [round(r.tok_per_s, 2) for r in loads]}
 
@@ -160,11 +162,19 @@ def compare(systems: dict) -> dict:
         "helexa_ttft_p50_vs_vllm_best_16_streams": ratio(
             speed(ours, "streams_16", "ttft_ms_median"), speed(vllm[best], "streams_16", "ttft_ms_median") if best else None),
     }}
-    added = None
-    if speed(ours, "streams_16") and speed(engine, "streams_16"):
-        added = round(speed(ours, "streams_16", "ttft_ms_median") - speed(engine, "streams_16", "ttft_ms_median"), 1)
+    def added(load: str, clock: str) -> float | None:
+        if not (speed(ours, load) and speed(engine, load)):
+            return None
+        return round(speed(ours, load, clock) - speed(engine, load, "ttft_ms_median"), 1)
+
+    # The engine in process is timed from its requests' submission; the pipeline from the SDK call
+    # (which includes the client's own queue of requests being built) and from the request's
+    # body on the socket (what the gateway, NATS and the worker add, and the way back).
+    added_from_sent = added("streams_16", "ttft_from_sent_ms_median")
     result["pipeline_overhead"] = {
-        "ttft_p50_ms_added_16_streams": added,
+        "ttft_p50_ms_added_16_streams": added("streams_16", "ttft_ms_median"),
+        "ttft_p50_ms_added_16_streams_from_sent": added_from_sent,
+        "ttft_p50_ms_added_1_stream_from_sent": added("stream_1", "ttft_from_sent_ms_median"),
         "tok_per_s_16_streams_pipeline_over_engine": ratio(speed(ours, "streams_16"), speed(engine, "streams_16")),
     }
     r = result["ratios"]
@@ -173,7 +183,7 @@ def compare(systems: dict) -> dict:
         "1_stream_at_least_1.0x_best_peer": (r["helexa_vs_best_peer_1_stream"] or 0) >= 1.0,
         "ttft_p50_16_streams_at_most_vllm": r["helexa_ttft_p50_vs_vllm_best_16_streams"] is not None
                                             and r["helexa_ttft_p50_vs_vllm_best_16_streams"] <= 1.0,
-        "pipeline_adds_at_most_2ms_ttft_p50": added is not None and added <= 2.0,
+        "pipeline_adds_at_most_2ms_ttft_p50": added_from_sent is not None and added_from_sent <= 2.0,
     }
     return result
 

@@ -4,6 +4,14 @@ One request: `/v1/completions` with the prompt as token ids (so every server see
 128 tokens), `max_tokens`, temperature 0, `ignore_eos`, streamed with a usage chunk. Timing is the
 client's: time to the first chunk with text, gaps between chunks with text, the end. The same code
 drives vLLM and helexa, so neither gets a different clock.
+
+TTFT is taken twice: from the SDK call (what a caller waits) and from the moment the request's
+body goes to the socket (httpcore's `trace` extension, "send_request_body.started": the write
+follows it with no await in between; the headers went out before, and a server can do nothing
+with them alone). Sixteen streams on one event loop queue behind each other's ~2 ms of request
+building: each writes its headers, yields, and writes its body only after the other streams have
+built theirs. So the first TTFT includes the client's own queue; the second is the server's share,
+from the whole request being on the wire to its first text arriving.
 """
 
 from __future__ import annotations
@@ -11,15 +19,19 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass, field
+from typing import Any
 
-from openai import AsyncOpenAI
+import httpx
+from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
 
 @dataclass(slots=True)
 class StreamTiming:
     prompt_index: int
     start: float = 0.0
+    sent: float | None = None  # when the request's body went to the socket
     first: float | None = None
     end: float = 0.0
     gaps: list[float] = field(default_factory=list)
@@ -30,6 +42,27 @@ class StreamTiming:
     @property
     def ttft(self) -> float:
         return (self.first if self.first is not None else self.end) - self.start
+
+    @property
+    def ttft_from_sent(self) -> float:
+        return (self.first if self.first is not None else self.end) - (self.sent or self.start)
+
+
+# The stream whose request this task is sending (each stream runs in its own task).
+_sending: ContextVar[StreamTiming | None] = ContextVar("sending", default=None)
+
+
+async def _clock_send(request: httpx.Request) -> None:
+    """httpx request hook: ask httpcore to report this request's writes to its stream's timing."""
+    timing = _sending.get()
+    if timing is None:
+        return
+
+    async def trace(event: str, info: dict[str, Any]) -> None:
+        if event == "http11.send_request_body.started" and timing.sent is None:
+            timing.sent = time.perf_counter()
+
+    request.extensions["trace"] = trace
 
 
 @dataclass(slots=True)
@@ -50,6 +83,15 @@ class LoadResult:
         return statistics.median(s.ttft for s in self.streams) * 1000
 
     @property
+    def ttft_from_sent_ms_median(self) -> float:
+        return statistics.median(s.ttft_from_sent for s in self.streams) * 1000
+
+    @property
+    def client_wait_ms_median(self) -> float:
+        """From the SDK call to the request's body going to the socket."""
+        return statistics.median((s.sent or s.start) - s.start for s in self.streams) * 1000
+
+    @property
     def itl_ms_median(self) -> float:
         gaps = [g for s in self.streams for g in s.gaps]
         return statistics.median(gaps) * 1000 if gaps else 0.0
@@ -58,6 +100,7 @@ class LoadResult:
 async def one_stream(client: AsyncOpenAI, model: str, index: int, prompt: list[int],
                      max_tokens: int) -> StreamTiming:
     timing = StreamTiming(prompt_index=index, start=time.perf_counter())
+    _sending.set(timing)
     stream = await client.completions.create(
         model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
@@ -114,7 +157,8 @@ class OpenAILoad:
     def __enter__(self) -> OpenAILoad:
         async def connect() -> AsyncOpenAI:
             return AsyncOpenAI(base_url=self.base_url, api_key="unused", timeout=600.0, max_retries=0,
-                               default_headers=self._headers)
+                               default_headers=self._headers,
+                               http_client=DefaultAsyncHttpxClient(event_hooks={"request": [_clock_send]}))
 
         self._client = self._runner.run(connect())
         return self
