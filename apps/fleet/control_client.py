@@ -12,7 +12,7 @@ from typing import Any
 
 import nats.errors
 from nats.aio.client import Client as NatsClient
-from nats.js.errors import KeyNotFoundError, NoKeysError
+from nats.js.errors import KeyNotFoundError
 
 from apps.bus import topology, wire
 from apps.bus.codes import ModelState, NodeState
@@ -25,11 +25,13 @@ class ControlFailed(Exception):
 
 
 async def live_nodes(nc: NatsClient) -> list[wire.NodeStatus]:
-    kv = await topology.node_registry(nc.jetstream(), bus_limits())
-    try:
-        keys = await kv.keys()
-    except NoKeysError:
-        return []
+    js = nc.jetstream()
+    kv = await topology.node_registry(js, bus_limits())
+    # The keys as the server holds them, from the bucket's stream: nats-py's `kv.keys()` builds the
+    # list through a watcher and came back empty once while a worker was rewriting its entry.
+    prefix = f"$KV.{topology.NODES_BUCKET}."
+    info = await js.stream_info(f"KV_{topology.NODES_BUCKET}", subjects_filter=f"{prefix}>")
+    keys = [subject.removeprefix(prefix) for subject in info.state.subjects or {}]
     # Read directly, an entry older than the bucket's TTL is already gone (expired by the server).
     nodes = []
     for key in keys:
