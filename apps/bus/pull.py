@@ -75,8 +75,9 @@ class BatchPuller:
 
         Returns [] when nothing came; never raises on a timeout.
         """
-        if len(self._arrived) < batch:
-            await self._pull(batch - len(self._arrived), timeout, no_wait=True)
+        msgs = await self.take_ready(batch, timeout)
+        if msgs:
+            return msgs
         if not self._arrived:
             await self._pull(1, timeout, no_wait=False)
             if self._arrived and batch > 1:
@@ -84,10 +85,11 @@ class BatchPuller:
         msgs, self._arrived = self._arrived, []
         return msgs
 
-    async def take_ready(self, batch: int) -> list[Msg]:
-        """Up to about `batch` messages that are there now; never waits for one to arrive."""
+    async def take_ready(self, batch: int, reply_wait_s: float = 1.0) -> list[Msg]:
+        """Up to about `batch` messages that are there now; never waits for one to arrive (only,
+        at most `reply_wait_s`, for the server's answer)."""
         if batch > len(self._arrived):
-            await self._pull(batch - len(self._arrived), 1.0, no_wait=True)
+            await self._pull(batch - len(self._arrived), reply_wait_s, no_wait=True)
         msgs, self._arrived = self._arrived, []
         return msgs
 

@@ -18,6 +18,7 @@ the table lacks, e.g. after restoring an older backup), then goes on as usual.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -324,15 +325,17 @@ async def _fetch(puller: BatchPuller, batch_size: int, linger_s: float, stop: as
     made during it, on the cores the engine is using."""
     try:
         msgs = await puller.fetch(batch_size, timeout=1)
-        if msgs and len(msgs) < batch_size and linger_s > 0:
-            await _pause(stop, linger_s)
-            msgs += await puller.take_ready(batch_size - len(msgs))
-        return msgs
     except nats.errors.Error as exc:
         # NATS restarting or unreachable: the client reconnects by itself, the consumer is durable.
         log.warning("fetch failed, retrying", extra={"error": repr(exc)})
         await _pause(stop, 1.0)
         return []
+    if msgs and len(msgs) < batch_size and linger_s > 0:
+        await _pause(stop, linger_s)
+        # The batch in hand is kept whatever happens to the top-up (a failed pull takes nothing).
+        with contextlib.suppress(nats.errors.Error):
+            msgs += await puller.take_ready(batch_size - len(msgs))
+    return msgs
 
 
 async def _consume(recorder: Recorder, puller: BatchPuller) -> None:
