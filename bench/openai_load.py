@@ -87,6 +87,22 @@ class LoadResult:
         return statistics.median(s.ttft_from_sent for s in self.streams) * 1000
 
     @property
+    def ttft_from_last_sent_ms_median(self) -> float:
+        """TTFT from the moment the run's last request body went to the socket: the whole burst in
+        the server's hands, as the in-process engine has it at its clock's start. What the client
+        takes to send the burst (`send_spread_ms`) is left out; any server that prefills the burst
+        as one batch waits for it."""
+        last_sent = max(s.sent or s.start for s in self.streams)
+        return statistics.median((s.first if s.first is not None else s.end) - last_sent
+                                 for s in self.streams) * 1000
+
+    @property
+    def send_spread_ms(self) -> float:
+        """From the first request body on the socket to the last."""
+        sent = [s.sent or s.start for s in self.streams]
+        return (max(sent) - min(sent)) * 1000
+
+    @property
     def client_wait_ms_median(self) -> float:
         """From the SDK call to the request's body going to the socket."""
         return statistics.median((s.sent or s.start) - s.start for s in self.streams) * 1000
