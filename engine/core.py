@@ -302,16 +302,23 @@ def build_core(config: EngineConfig) -> EngineCore:
     return core
 
 
-def _take(core: EngineCore, conn: Connection, outputs: list[EngineOutput]) -> bool:
+@dataclasses.dataclass(slots=True)
+class _Arrivals:
+    """What the core loop knows of requests still on their way."""
+
+    more_arriving: bool = False  # the last request taken said others are right behind it
+
+
+def _take(core: EngineCore, conn: Connection, outputs: list[EngineOutput], arrivals: _Arrivals) -> bool:
     """Apply the next message from the client, its outputs into `outputs`; False: shut down."""
-    handled = _handle(core, conn.recv_bytes())
+    handled = _handle(core, conn.recv_bytes(), arrivals)
     if handled is None:
         return False
     outputs.extend(handled)
     return True
 
 
-def _handle(core: EngineCore, data: bytes) -> list[EngineOutput] | None:
+def _handle(core: EngineCore, data: bytes, arrivals: _Arrivals) -> list[EngineOutput] | None:
     """Apply one message from the client; None means shut down. A message that cannot be
     applied fails the request it carries, never the process."""
     try:
@@ -325,6 +332,7 @@ def _handle(core: EngineCore, data: bytes) -> list[EngineOutput] | None:
                              finish_reason=FinishReason.ERROR, error=f"invalid engine request: {exc}")]
     if isinstance(message, AddRequest):
         core.add_request(message.request)
+        arrivals.more_arriving = message.request.more_arriving
     elif isinstance(message, AbortRequests):
         return core.abort(message.request_ids)
     elif isinstance(message, Shutdown):
@@ -358,6 +366,7 @@ def run_core_process(conn: Connection, config: EngineConfig) -> None:
         return
     send(CoreReady(info=core.info))
     window_s = config.batch_window_ms / 1000.0
+    arrivals = _Arrivals()
     while True:
         outputs: list[EngineOutput] = []
         try:
@@ -366,11 +375,11 @@ def run_core_process(conn: Connection, config: EngineConfig) -> None:
             if idle:
                 conn.poll(None)
             while conn.poll():
-                if not _take(core, conn, outputs):
+                if not _take(core, conn, outputs, arrivals):
                     return
             if idle and window_s and core.has_work() and not gather_burst(
-                    conn.poll, lambda: _take(core, conn, outputs), core.scheduler.next_step_is_full,
-                    window_s):
+                    conn.poll, lambda: _take(core, conn, outputs, arrivals), core.scheduler.next_step_is_full,
+                    lambda: arrivals.more_arriving, window_s):
                 return
         except (EOFError, OSError):
             return  # the worker is gone; so is our reason to run

@@ -140,6 +140,9 @@ class EngineRequest(msgspec.Struct, frozen=True, array_like=True):
     prompt_token_ids: list[int]
     sampling: SamplingParams
     resumed_token_ids: list[int] = []
+    # More requests are right behind this one (its gateway was still reading them): an idle
+    # engine's batch window waits for them (engine.batch_window).
+    more_arriving: bool = False
 
 
 class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True):

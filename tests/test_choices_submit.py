@@ -20,9 +20,11 @@ class LoggingEngine:
 
     def __init__(self) -> None:
         self.log: list[str] = []
+        self.more_arriving: list[bool] = []
 
     def generate(self, request: EngineRequest) -> Outputs:
         self.log.append(f"submit {request.request_id}")
+        self.more_arriving.append(request.more_arriving)
         return Outputs(self, request.request_id)
 
 
@@ -45,9 +47,9 @@ class Outputs:
         pass
 
 
-def run(engine: LoggingEngine, n: int) -> list[FinishReason]:
+def run(engine: LoggingEngine, n: int, arriving: int = 0) -> list[FinishReason]:
     request = wire.GenerateRequest(request_id="r", model="m", reply_subject="-",
-                                   sampling=SamplingParams(max_tokens=1, n=n))
+                                   sampling=SamplingParams(max_tokens=1, n=n), arriving=arriving)
     record = RunRecord(request=request, node="n", attempt=1, received_at=time.time())
 
     async def go() -> list[FinishReason]:
@@ -73,3 +75,12 @@ def test_every_choice_is_submitted_before_any_stream_is_read() -> None:
     submits = [i for i, line in enumerate(engine.log) if line.startswith("submit")]
     reads = [i for i, line in enumerate(engine.log) if line.startswith("read")]
     assert len(submits) == 3 and reads and max(submits) < min(reads), engine.log
+
+
+def test_the_engine_is_told_what_follows_each_choice() -> None:
+    alone = LoggingEngine()
+    run(alone, 3)
+    assert alone.more_arriving == [True, True, False]  # the run's own other choices, then nothing
+    announced = LoggingEngine()
+    run(announced, 2, arriving=5)  # the gateway was reading five more requests
+    assert announced.more_arriving == [True, True]

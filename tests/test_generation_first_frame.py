@@ -1,12 +1,16 @@
-"""The gateway loses no text from a worker that starts its reply without an `Accepted` frame:
-a bare NATS client stands in for the worker (the bus speaks plain JSON, so any client may serve)."""
+"""The gateway loses no text from a worker that starts its reply without an `Accepted` frame, and
+tells the worker of requests it is still reading: a bare NATS client stands in for the worker (the
+bus speaks plain JSON, so any client may serve)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
+import msgspec
 import nats
+from litestar import Request
+from litestar.testing import RequestFactory
 from nats.js import JetStreamContext
 
 from apps.bus import topology, wire
@@ -20,12 +24,14 @@ from apps.gateway.generation import GenerationPipeline
 from apps.gateway.liveness import Canceller
 from apps.gateway.metrics import GatewayMetrics
 from apps.gateway.node_registry import NodeRegistry
+from apps.gateway.completions import CompletionFormatter
+from apps.gateway.openai_schema import CompletionRequest
 from apps.settings import GatewaySettings
 from engine.protocol import SamplingParams
 
 
-def pipeline_on(bus: GatewayBus, metrics: GatewayMetrics) -> GenerationPipeline:
-    cold_starts = ColdStarts(bus, NodeRegistry(bus, BusLimits()), metrics)
+def pipeline_on(bus: GatewayBus, metrics: GatewayMetrics, registry: NodeRegistry | None = None) -> GenerationPipeline:
+    cold_starts = ColdStarts(bus, registry or NodeRegistry(bus, BusLimits()), metrics)
     events = EventPublisher(bus, metrics)
     admissions = Admissions(AdmissionLimits(), None, metrics, events.emit)
     return GenerationPipeline(bus, cold_starts, admissions, Canceller(lambda: bus.nc), events, metrics,
@@ -113,5 +119,74 @@ async def test_an_answer_whose_start_was_lost_goes_on_as_a_new_attempt(own_nats:
         assert attempts == [1, 1 + bus.limits.max_deliver]
     finally:
         serving.cancel()
+        await worker.close()
+        await bus.close()
+
+
+
+async def answer(worker: nats.NATS, request: wire.GenerateRequest) -> None:
+    for frame in whole_answer():
+        await worker.publish(request.reply_subject, wire.encode(frame))
+
+
+class LateBody:
+    """A POST whose headers are in and whose body comes once `send()` is called; then it stays
+    connected."""
+
+    def __init__(self, body: bytes) -> None:
+        self.body, self.reading, self.sent = body, asyncio.Event(), asyncio.Event()
+        self.connected = asyncio.Event()  # never set: the client does not hang up
+        scope = RequestFactory().post("/v1/completions", headers={"Content-Type": "application/json"}).scope
+        self.request = Request({**scope, "state": {}}, receive=self.receive)
+        self._delivered = False
+
+    async def receive(self) -> dict[str, object]:
+        if self._delivered:
+            await self.connected.wait()
+        self.reading.set()
+        await self.sent.wait()
+        self._delivered = True
+        return {"type": "http.request", "body": self.body, "more_body": False}
+
+    def send(self) -> None:
+        self.sent.set()
+
+
+async def test_a_request_read_while_another_is_still_read_announces_it(own_nats: NatsServer) -> None:
+    """Two requests begun together (headers in), bodies in one after the other: the first body in
+    tells its worker that another is arriving, the last that none is."""
+    metrics = GatewayMetrics()
+    bus = await GatewayBus.connect(own_nats.url, BusLimits(), metrics)
+    worker, pulled = await bare_worker(own_nats.url, "burst")
+    # The bare worker's node entry, there before the registry's first read: the pipeline routes to it.
+    nodes = await topology.node_registry(worker.jetstream(), BusLimits())
+    await nodes.put("bare-node", wire.encode(wire.NodeStatus(
+        node="bare-node", version="test", models=[wire.ModelStatus(model="burst", slots=4, free_slots=4)])))
+    registry = NodeRegistry(bus, BusLimits())
+    registry.start()
+    pipeline = pipeline_on(bus, metrics, registry)
+    body = msgspec.json.encode({"model": "burst", "prompt": "hi", "max_tokens": 2})
+    first_in, last_in = LateBody(body), LateBody(body)
+    reads = [asyncio.create_task(pipeline.read(c.request, CompletionRequest)) for c in (first_in, last_in)]
+    try:
+        await first_in.reading.wait()
+        await last_in.reading.wait()
+        first_in.send()
+        await reads[0]
+        last_in.send()
+        await reads[1]
+        for client, request_id, arriving in ((first_in, "burst-1", 1), (last_in, "burst-2", 0)):
+            request = new_request(bus, request_id, "burst")
+            serving = asyncio.create_task(pipeline.serve(client.request, request, CompletionFormatter(request, False),
+                                                         "test"))
+            published = await next_request(pulled)
+            assert (published.request_id, published.arriving) == (request_id, arriving)
+            await answer(worker, published)
+            assert msgspec.json.decode((await serving).content)["choices"][0]["text"] == "Hello there"
+    finally:
+        first_in.send()
+        last_in.send()
+        await asyncio.gather(*reads, return_exceptions=True)
+        await registry.stop()
         await worker.close()
         await bus.close()

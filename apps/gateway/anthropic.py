@@ -20,7 +20,6 @@ from apps.bus import wire
 from apps.bus.codes import Api, ErrorCode, FinishReason, ServingError
 from apps.gateway import anthropic_schema as an
 from apps.gateway.errors import http_error_handler, internal_error_handler, serving_error_handler
-from apps.gateway.validate import decode_request
 from apps.gateway.openapi_docs import operation_for
 
 HANDLER = "messages"
@@ -247,7 +246,7 @@ ANTHROPIC_ERRORS = {
 
 @post("/v1/messages", status_code=200, operation_class=operation_for("messages"), exception_handlers=ANTHROPIC_ERRORS)
 async def messages(request: Request, state: State) -> Response | Stream:
-    req = await decode_request(request, an.MessagesRequest)
+    req = await state.generations.read(request, an.MessagesRequest)
     bus_request = to_bus_request(req, f"msg_{uuid.uuid4().hex}", request.state.principal)
     return await state.generations.serve(request, bus_request, MessagesFormatter(bus_request), HANDLER)
 

@@ -18,7 +18,6 @@ from apps.gateway import openai_schema as oa
 from apps.gateway.errors import error_body
 from apps.gateway.generation import new_request_id
 from apps.gateway.openapi_docs import operation_for
-from apps.gateway.validate import decode_request
 
 HANDLER = "chat_completions"
 _encode = msgspec.json.encode
@@ -87,7 +86,7 @@ def tool_calls_out(calls: list[wire.ToolCallDelta]) -> list[oa.ToolCallOut]:
 
 @post("/v1/chat/completions", status_code=200, operation_class=operation_for("chat"))
 async def chat_completions(request: Request, state: State) -> Response | Stream:
-    req = await decode_request(request, oa.ChatCompletionRequest)
+    req = await state.generations.read(request, oa.ChatCompletionRequest)
     bus_request = to_bus_request(req, new_request_id("chatcmpl"), request.state.principal)
     return await state.generations.serve(request, bus_request, ChatFormatter(bus_request, req.include_usage()),
                                          HANDLER)

@@ -15,7 +15,6 @@ from apps.gateway import openai_schema as oa
 from apps.gateway.chat import OpenAIFormatting, sse_data, usage_out
 from apps.gateway.generation import new_request_id
 from apps.gateway.openapi_docs import operation_for
-from apps.gateway.validate import decode_request
 
 HANDLER = "completions"
 
@@ -52,7 +51,7 @@ def to_bus_request(req: oa.CompletionRequest, request_id: str, principal: str | 
 
 @post("/v1/completions", status_code=200, operation_class=operation_for("completions"))
 async def completions(request: Request, state: State) -> Response | Stream:
-    req = await decode_request(request, oa.CompletionRequest)
+    req = await state.generations.read(request, oa.CompletionRequest)
     bus_request = to_bus_request(req, new_request_id("cmpl"), request.state.principal)
     return await state.generations.serve(request, bus_request,
                                          CompletionFormatter(bus_request, req.include_usage()), HANDLER)

@@ -1,9 +1,12 @@
-"""One generation's life: route → check token ids → admit → publish → first frame → frames → release.
+"""One generation's life: read → route → check token ids → admit → publish → first frame → frames → release.
 
-Every generation endpoint builds its bus request and hands it, with a `Formatter` for its API, to
-`GenerationPipeline.serve`; the pipeline owns the sequence, the formatter only shapes what the
-client sees. The HTTP status is committed only after the worker's first frame, so errors before the
-first token are real statuses even for `stream: true`; a failure after it is an error event.
+Every generation endpoint reads its body through `GenerationPipeline.read`, builds its bus request
+and hands it, with a `Formatter` for its API, to `GenerationPipeline.serve`; the pipeline owns the
+sequence, the formatter only shapes what the client sees. Each request it publishes says how many
+others were still being read when its body was in (`GenerateRequest.arriving`): an idle engine
+waits for a burst it was told of. The HTTP status is committed only after the worker's first
+frame, so errors before the first token are real statuses even for `stream: true`; a failure after
+it is an error event.
 
 The client is watched in every phase: until the first frame for a stream, until the whole answer
 otherwise. When it leaves, the phase it was in is cancelled, and cancelling any phase releases
@@ -19,7 +22,7 @@ import uuid
 import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 import nats.errors
@@ -43,7 +46,7 @@ from apps.gateway.liveness import (
 from apps.gateway.metrics import GatewayMetrics
 from apps.gateway.migration import MIGRATABLE, Delivered, migrated
 from apps.gateway.reply_stream import ReplyStream, ReplyTimeout
-from apps.gateway.validate import check_token_ids
+from apps.gateway.validate import check_token_ids, decode_request
 from apps.settings import GatewaySettings
 
 # Failures where the worker is gone and cannot report the run itself.
@@ -51,6 +54,7 @@ _LOST = (ErrorCode.WORKER_LOST, ErrorCode.DELIVERY_FAILED)
 _encode = msgspec.json.encode
 
 log = logging.getLogger("helexa.gateway")
+T = TypeVar("T")
 
 
 def _stand_in_accepted(reply: ReplyStream) -> wire.Accepted:
@@ -108,11 +112,28 @@ class GenerationPipeline:
         self._events = events
         self._metrics = metrics
         self._settings = settings
+        # Generation requests whose handler has begun (their headers are in) reading the body.
+        self._reading = 0
+
+    async def read(self, client: Request, kind: type[T]) -> T:
+        """The request's JSON body as `kind` (`validate.decode_request`). How many other requests
+        were still being read when it was in goes to its worker with it (`serve`): a client's
+        burst sends its headers first and its bodies together, so each but the last sees the
+        rest still on their way."""
+        self._reading += 1
+        try:
+            body = await decode_request(client, kind)
+            client.state.arriving = self._reading - 1
+            return body
+        finally:
+            self._reading -= 1
 
     async def serve(self, client: Request | None, request: wire.GenerateRequest, formatter: Formatter,
                     handler: str) -> Response | Stream:
         """The whole answer to one API request, or its SSE stream once the worker has answered."""
         headers = {"X-Request-Id": request.request_id}
+        if client is not None:
+            request = msgspec.structs.replace(request, arriving=client.state.get("arriving", 0))
         try:
             if not request.stream:
                 return await while_connected(client, self._whole(request, formatter, handler, headers))

@@ -42,4 +42,5 @@ class Delivered:
 
 def migrated(request: wire.GenerateRequest, delivered: Delivered, max_deliver: int) -> wire.GenerateRequest:
     """The next attempt of `request`: numbered past every delivery of its current message."""
-    return msgspec.structs.replace(request, attempt=request.attempt + max_deliver, resume=delivered.resume())
+    return msgspec.structs.replace(request, attempt=request.attempt + max_deliver, resume=delivered.resume(),
+                                   arriving=0)

@@ -30,7 +30,7 @@ from apps.gateway import responses_schema as rs
 from apps.gateway.openapi_docs import operation_for
 from apps.gateway.response_store import ResponseStore, StoredResponse, new_response_id
 from apps.gateway.responses_output import ResponsesFormatter
-from apps.gateway.validate import check_json_depth, decode_request
+from apps.gateway.validate import check_json_depth
 from apps.gateway.structured import json_constraint
 from engine.protocol import SamplingParams, StructuredOutput
 
@@ -185,7 +185,7 @@ def response_template(req: rs.ResponsesRequest, response_id: str) -> rs.Response
 
 @post("/v1/responses", status_code=200, operation_class=operation_for("responses"))
 async def create_response(request: Request, state: State) -> Response | Stream:
-    req = await decode_request(request, rs.ResponsesRequest)
+    req = await state.generations.read(request, rs.ResponsesRequest)
     store: ResponseStore = state.responses
     principal = request.state.principal
     response_id = new_response_id()

@@ -6,16 +6,19 @@ from __future__ import annotations
 import pytest
 
 from apps.settings import WorkerSettings
-from engine.batch_window import ARRIVAL_GAP_S, gather_burst
+from engine.batch_window import ARRIVAL_GAP_S, UNANNOUNCED_GAP_S, gather_burst
 from engine.engine_config import EngineConfig
 from tests.engine.test_scheduler import make_request, make_scheduler
 
 
 class Arrivals:
-    """A pipe on a scripted clock: requests arrive at the given times (seconds)."""
+    """A pipe on a scripted clock: requests arrive at the given times (seconds), each announcing
+    more behind it (`more_arriving`) unless its time is in `unannounced`."""
 
-    def __init__(self, times: list[float]) -> None:
+    def __init__(self, times: list[float], unannounced: tuple[float, ...] = ()) -> None:
         self.pending, self.now, self.taken = sorted(times), 0.0, 0
+        self.unannounced = unannounced
+        self.more_arriving = True  # the request that opened the window announced its burst
 
     def clock(self) -> float:
         return self.now
@@ -28,7 +31,7 @@ class Arrivals:
         return False
 
     def take(self) -> bool:
-        self.pending.pop(0)
+        self.more_arriving = self.pending.pop(0) not in self.unannounced
         self.taken += 1
         return True
 
@@ -36,7 +39,7 @@ class Arrivals:
 def gather(arrivals: Arrivals, window_s: float, full_after: int | None = None) -> bool:
     return gather_burst(arrivals.poll, arrivals.take,
                         lambda: full_after is not None and arrivals.taken >= full_after,
-                        window_s, arrivals.clock)
+                        lambda: arrivals.more_arriving, window_s, arrivals.clock)
 
 
 def test_requests_that_keep_coming_are_gathered_until_a_gap() -> None:
@@ -60,15 +63,31 @@ def test_a_full_step_stops_the_wait_at_once() -> None:
     assert arrivals.taken == 4 and arrivals.now == pytest.approx(0.0001)
 
 
-def test_a_lone_request_waits_one_gap() -> None:
+def test_a_request_that_announced_others_waits_one_long_gap_for_them() -> None:
     arrivals = Arrivals([])
     assert gather(arrivals, window_s=1.0)
     assert arrivals.now == pytest.approx(ARRIVAL_GAP_S)
 
 
+def test_a_lone_request_waits_only_the_short_gap() -> None:
+    arrivals = Arrivals([])
+    arrivals.more_arriving = False
+    assert gather(arrivals, window_s=1.0)
+    assert arrivals.now == pytest.approx(UNANNOUNCED_GAP_S)
+
+
+def test_the_last_of_an_announced_burst_ends_the_wait_a_short_gap_after_it() -> None:
+    gap = ARRIVAL_GAP_S
+    # The third request is the last its gateway was reading; a fourth comes a long gap later.
+    arrivals = Arrivals([0.5 * gap, 1.0 * gap, 1.5 * gap + UNANNOUNCED_GAP_S], unannounced=(1.0 * gap,))
+    assert gather(arrivals, window_s=100 * gap)
+    assert arrivals.taken == 2
+    assert arrivals.now == pytest.approx(1.0 * gap + UNANNOUNCED_GAP_S)
+
+
 def test_a_shutdown_taken_during_the_wait_is_reported() -> None:
     arrivals = Arrivals([0.0001])
-    assert not gather_burst(arrivals.poll, lambda: False, lambda: False, 1.0, arrivals.clock)
+    assert not gather_burst(arrivals.poll, lambda: False, lambda: False, lambda: True, 1.0, arrivals.clock)
 
 
 def test_a_step_is_full_by_its_token_budget_or_its_seats() -> None:
