@@ -71,7 +71,7 @@ class GenerateRequest(Wire, kw_only=True):
     # was already sent. The worker continues after it without sending any of it again; it counts
     # as generated (max_tokens, min_tokens, usage).
     resume: list[ResumedChoice] | None = None
-    # Requests the gateway had begun and was still reading when it published this one: an idle
+    # Requests whose bodies the gateway was still reading when this one's was in: an idle
     # engine's batch window waits for them (engine.batch_window); 0 when none, or not known.
     arriving: int = 0
 
