@@ -40,12 +40,22 @@ class StreamTiming:
     response_id: str = ""  # the server's id of the completion (helexa's ledger keys runs by it)
 
     @property
+    def first_text_at(self) -> float:
+        """When the first text came (the end, for a stream that had none)."""
+        return self.first if self.first is not None else self.end
+
+    @property
+    def sent_at(self) -> float:
+        """When the body went to the socket (the call, where the trace did not report it)."""
+        return self.sent or self.start
+
+    @property
     def ttft(self) -> float:
-        return (self.first if self.first is not None else self.end) - self.start
+        return self.first_text_at - self.start
 
     @property
     def ttft_from_sent(self) -> float:
-        return (self.first if self.first is not None else self.end) - (self.sent or self.start)
+        return self.first_text_at - self.sent_at
 
 
 # The stream whose request this task is sending (each stream runs in its own task).
@@ -92,20 +102,19 @@ class LoadResult:
         the server's hands, as the in-process engine has it at its clock's start. What the client
         takes to send the burst (`send_spread_ms`) is left out; any server that prefills the burst
         as one batch waits for it."""
-        last_sent = max(s.sent or s.start for s in self.streams)
-        return statistics.median((s.first if s.first is not None else s.end) - last_sent
-                                 for s in self.streams) * 1000
+        last_sent = max(s.sent_at for s in self.streams)
+        return statistics.median(s.first_text_at - last_sent for s in self.streams) * 1000
 
     @property
     def send_spread_ms(self) -> float:
         """From the first request body on the socket to the last."""
-        sent = [s.sent or s.start for s in self.streams]
+        sent = [s.sent_at for s in self.streams]
         return (max(sent) - min(sent)) * 1000
 
     @property
     def client_wait_ms_median(self) -> float:
         """From the SDK call to the request's body going to the socket."""
-        return statistics.median((s.sent or s.start) - s.start for s in self.streams) * 1000
+        return statistics.median(s.sent_at - s.start for s in self.streams) * 1000
 
     @property
     def itl_ms_median(self) -> float:

@@ -78,10 +78,10 @@ class BatchPuller:
         msgs = await self.take_ready(batch, timeout)
         if msgs:
             return msgs
-        if not self._arrived:
-            await self._pull(1, timeout, no_wait=False)
-            if self._arrived and batch > 1:
-                await self._pull(batch - 1, timeout, no_wait=True)
+        # Nothing there: wait for the first to arrive, then take what came with it.
+        await self._pull(1, timeout, no_wait=False)
+        if self._arrived and batch > 1:
+            await self._pull(batch - 1, timeout, no_wait=True)
         msgs, self._arrived = self._arrived, []
         return msgs
 
