@@ -74,6 +74,14 @@ def log_level() -> str:
     return level
 
 
+def event_loop() -> str:
+    """HELEXA_EVENT_LOOP: the apps' asyncio event loop, `uvloop` (the default) or `asyncio`."""
+    loop = _env("HELEXA_EVENT_LOOP", "uvloop").lower()
+    if loop not in ("uvloop", "asyncio"):
+        raise ValueError(f"HELEXA_EVENT_LOOP must be uvloop or asyncio, got {loop!r}")
+    return loop
+
+
 def postgres_fsync() -> bool:
     """HELEXA_PG_FSYNC=off runs the embedded PostgreSQL without fsync (benchmarks, throwaway data)."""
     value = _env("HELEXA_PG_FSYNC", "on").lower()
