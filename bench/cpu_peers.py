@@ -13,7 +13,10 @@ concurrent clients (streams of one SDK client, kept across the warm-up and every
   - helexa, `helexa up` (gateway + NATS + worker + recorder), its dtype chosen at start by
     measurement (HELEXA_DTYPE=auto, a fresh dtype cache) unless --helexa-dtype says otherwise;
   - the helexa engine in process with that dtype, for what the pipeline adds; where the pipeline's
-    TTFT goes at 16 streams is read from helexa's own ledger (bench/ledger_timing.py).
+    TTFT goes at 16 streams is read from helexa's own ledger (bench/ledger_timing.py);
+  - the client floor: the same client against bench/null_server.py, which does no work and hands
+    out a burst's first tokens at one instant; of what the pipeline adds, this much is the
+    client's own (it is in every server's TTFT and in none of the engine's in process).
 Every figure is a median over runs. Correctness gate (engine.greedy_agreement): every generated
 token is scored by our fp32 model after the system's own prefix; a system outside the bound gets
 no speed printed.
@@ -43,7 +46,7 @@ from bench.ledger_timing import breakdown, database_url
 from bench.machine import machine_info
 from bench.report import emit
 from bench.openai_load import LoadResult, OpenAILoad
-from bench.servers import Server, free_port, helexa_up, llamacpp_server, vllm_server
+from bench.servers import Server, free_port, helexa_up, llamacpp_server, null_server, vllm_server
 from engine.core import EngineCore
 from engine.default_model import DEFAULT_MODEL_ID, default_model_path
 from engine.greedy_agreement import Agreement, argmax_gaps
@@ -142,6 +145,19 @@ def in_process(dtype: str, work: list[list[int]], single: list[list[int]], runs:
     return entry
 
 
+def client_floor(work: list[list[int]], single: list[list[int]], runs: int) -> dict:
+    """The same client against bench/null_server.py: what it takes on its own to bring a burst's
+    first tokens, ready at one instant, to its callers (and one stream's first token to its one)."""
+    entry = {}
+    for load_name, prompts_, burst in (("streams_16", work, len(work)), ("stream_1", single[:1], 1)):
+        with null_server(free_port(), burst) as server, OpenAILoad(server.base_url, server.model) as load:
+            load.run(prompts_, 8, concurrent=True)  # warm-up: the client's connections
+            loads = [load.run(prompts_, MAX_TOKENS, concurrent=True) for _ in range(max(runs, 5))]
+        entry[load_name] = {key: round(statistics.median(getattr(r, key) for r in loads), 2) for key in
+                            ("ttft_from_sent_ms_median", "ttft_from_last_sent_ms_median")}
+    return entry
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 2) if a and b else None
 
@@ -181,6 +197,13 @@ def compare(systems: dict) -> dict:
         "ttft_p50_ms_added_1_stream_from_sent": added("stream_1", "ttft_from_sent_ms_median"),
         "tok_per_s_16_streams_pipeline_over_engine": ratio(speed(ours, "streams_16"), speed(engine, "streams_16")),
     }
+    floor = systems.get("client_floor", {})
+    if added_from_sent is not None and speed(floor, "streams_16", "ttft_from_sent_ms_median") is not None:
+        # Of the added TTFT, what the client itself takes against a server that does nothing.
+        floor_ms = floor["streams_16"]["ttft_from_sent_ms_median"]
+        result["pipeline_overhead"] |= {"client_floor_ttft_p50_ms_16_streams_from_sent": floor_ms,
+                                        "ttft_p50_ms_added_16_streams_beyond_client_floor":
+                                            round(added_from_sent - floor_ms, 1)}
     r = result["ratios"]
     result["goals"] = {
         "16_streams_at_least_1.5x_vllm_best": (r["helexa_vs_vllm_best_16_streams"] or 0) >= 1.5,
@@ -201,7 +224,7 @@ def main() -> None:
     parser.add_argument("--llamacpp-server", type=Path, default=None,
                         help="llama-server (default: the one bench/setup_llamacpp.sh built)")
     parser.add_argument("--helexa-dtype", default="auto")
-    parser.add_argument("--skip", default="", help="comma list of: vllm, llamacpp, helexa, in_process")
+    parser.add_argument("--skip", default="", help="comma list of: vllm, llamacpp, helexa, client_floor, in_process")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -229,6 +252,8 @@ def main() -> None:
             server = helexa_up(Path(scratch), free_port(), args.helexa_dtype)
             systems["helexa_pipeline"] = measure_server(server, work, single, args.runs, reference)
         helexa_dtype = systems["helexa_pipeline"].get("dtype", helexa_dtype)
+    if "client_floor" not in skip:
+        systems["client_floor"] = client_floor(work, single, args.runs)
     if "in_process" not in skip:
         dtype = helexa_dtype if helexa_dtype != "auto" else "float32"
         systems["helexa_in_process"] = in_process(dtype, work, single, args.runs, reference)

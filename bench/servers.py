@@ -135,3 +135,10 @@ def llamacpp_server(server_bin: Path, gguf: Path, port: int) -> Server:
     # connection per request (`Connection: close`, as curl does) never fails.
     return Server("llama.cpp", command, env, port, ROOT / "bench" / ".work" / "llamacpp.log",
                   details=lambda: {"dtype": "bfloat16 (GGUF BF16)"}, keep_alive=False)
+
+
+def null_server(port: int, burst: int) -> Server:
+    """bench/null_server.py: no work behind the API, every first token of a `burst` at once."""
+    command = [sys.executable, str(ROOT / "bench" / "null_server.py"), "--port", str(port),
+               "--model", DEFAULT_MODEL_ID, "--burst", str(burst)]
+    return Server(f"null-{burst}", command, dict(os.environ), port, ROOT / "bench" / ".work" / "null-server.log")
