@@ -7,6 +7,7 @@ import torch
 
 from apps.settings import WorkerSettings
 from bench.core_timing import run_greedy
+from engine import dtype_choice
 from engine.config import ModelConfig
 from engine.core import EngineCore
 from engine.default_model import default_model_path
@@ -65,6 +66,15 @@ def test_measure_times_every_scenario_of_fp32_and_each_worthwhile_candidate() ->
         assert set(by_case) == {"rows_1", "rows_4", "rows_32"} and all(ms > 0 for ms in by_case.values())
     choice = choose_dtype(EngineConfig(model="m", dtype="auto"), TINY, "cpu")
     assert choice.reason == "measured" and choice.dtype in choice.timings_ms
+
+
+def test_a_busy_moment_during_the_screen_falls_on_both_dtypes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Passes alternate fp32, bf16: bf16 is twice as fast, and three passes in a row are slowed
+    # 100x by the machine. Timed one dtype after the other, all of bf16's passes were the slow ones.
+    passes = iter([0.010, 0.005, 0.010, 1.0, 1.0, 1.0, 0.010, 0.005])
+    monkeypatch.setattr(dtype_choice, "_clock", lambda fn: next(passes))
+    shapes, _ = linear_shapes(TINY)
+    assert dtype_choice._worth_measuring("bfloat16", shapes, 4)
 
 
 def test_a_measurement_is_remembered_per_machine_and_shapes(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
