@@ -24,6 +24,7 @@ def machine_info() -> dict:
     load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
     return {
         "cpu_model": cpu["model"] or platform.processor() or platform.machine(),
+        "cpu_family": cpu["family"], "cpu_model_number": cpu["model_number"],
         "cpu_flags": [flag for flag in MATMUL_FLAGS if flag in flags],
         "cpus": os.cpu_count(),
         "torch": torch.__version__,

@@ -25,7 +25,9 @@ def default_cache_path() -> Path:
 
 
 def cpu_identity() -> dict[str, Any]:
-    """The CPU's model name and instruction-set flags (from /proc/cpuinfo; empty off Linux)."""
+    """The CPU's model name, family and model numbers and instruction-set flags (from
+    /proc/cpuinfo; empty off Linux). Virtual machines often name every part alike ("AMD EPYC"):
+    the family and model numbers still tell them apart."""
     fields: dict[str, str] = {}
     path = Path("/proc/cpuinfo")
     if path.is_file():
@@ -34,7 +36,8 @@ def cpu_identity() -> dict[str, Any]:
                 break  # the first processor is enough: they are all alike
             key, _, value = line.partition(":")
             fields[key.strip()] = value.strip()
-    return {"model": fields.get("model name", ""), "flags": sorted(fields.get("flags", "").split()),
+    return {"model": fields.get("model name", ""), "family": fields.get("cpu family", ""),
+            "model_number": fields.get("model", ""), "flags": sorted(fields.get("flags", "").split()),
             "cpus": os.cpu_count()}
 
 
