@@ -192,7 +192,7 @@ class _Weights:
 def _worth_measuring(dtype: str, shapes: list[tuple[int, int]], rows: int) -> bool:
     """Whether `dtype` beats fp32 on one layer's shapes at `rows`: the fastest of `REPEATS`
     passes each, interleaved as in `measure` (the worker measures while the services beside it
-    start, and a busy moment that fell on one dtype's passes alone once screened bf16 out)."""
+    start: timed one dtype after the other, a busy moment can fall on one dtype's passes alone)."""
     layer, _ = _prefix(shapes, COMPUTE_BUDGET)
     runs = {}
     for name in ("float32", dtype):
