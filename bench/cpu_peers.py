@@ -197,10 +197,9 @@ def compare(systems: dict) -> dict:
         "ttft_p50_ms_added_1_stream_from_sent": added("stream_1", "ttft_from_sent_ms_median"),
         "tok_per_s_16_streams_pipeline_over_engine": ratio(speed(ours, "streams_16"), speed(engine, "streams_16")),
     }
-    floor = systems.get("client_floor", {})
-    if added_from_sent is not None and speed(floor, "streams_16", "ttft_from_sent_ms_median") is not None:
-        # Of the added TTFT, what the client itself takes against a server that does nothing.
-        floor_ms = floor["streams_16"]["ttft_from_sent_ms_median"]
+    # Of the added TTFT, what the client itself takes against a server that does nothing.
+    floor_ms = speed(systems.get("client_floor", {}), "streams_16", "ttft_from_sent_ms_median")
+    if added_from_sent is not None and floor_ms is not None:
         result["pipeline_overhead"] |= {"client_floor_ttft_p50_ms_16_streams_from_sent": floor_ms,
                                         "ttft_p50_ms_added_16_streams_beyond_client_floor":
                                             round(added_from_sent - floor_ms, 1)}

@@ -37,9 +37,12 @@ class NullServer:
         self._held: list[tuple[asyncio.StreamWriter, str, asyncio.Future]] = []
         self._served = 0
 
-    def _text(self, stream_id: str, text: str, finish: str | None = None) -> bytes:
+    def _chunk_event(self, stream_id: str, choices: list[dict], **extra: object) -> bytes:
         return _event({"id": stream_id, "object": "text_completion", "created": 0, "model": self.model,
-                       "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]})
+                       "choices": choices, **extra})
+
+    def _text(self, stream_id: str, text: str, finish: str | None = None) -> bytes:
+        return self._chunk_event(stream_id, [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}])
 
     async def _complete(self, writer: asyncio.StreamWriter, max_tokens: int) -> None:
         self._served += 1
@@ -56,8 +59,7 @@ class NullServer:
         rest = [self._text(stream_id, " a") for _ in range(max_tokens - 2)]
         rest.append(self._text(stream_id, " a", finish="length"))
         usage = {"prompt_tokens": 0, "completion_tokens": max_tokens, "total_tokens": max_tokens}
-        rest.append(_event({"id": stream_id, "object": "text_completion", "created": 0, "model": self.model,
-                            "choices": [], "usage": usage}))
+        rest.append(self._chunk_event(stream_id, [], usage=usage))
         rest.append(_event("[DONE]") + _chunk(b""))
         writer.write(b"".join(rest))
         await writer.drain()
