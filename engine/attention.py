@@ -3,8 +3,8 @@
 Model files call `engine.ops.attention(...)` with one layer's (k_cache, v_cache) and the step's
 `AttentionMetadata` (built in `engine.step_metadata`); they never index cache tensors themselves.
 This module owns the batched PyTorch form of paged attention that `engine.ops` runs off CUDA (the
-KV store reference lives in kernels/kv_store/naive.py, the loop-per-sequence referee in
-kernels/paged_attention/naive.py). A cache is
+KV store reference lives in helexa_kernels/kv_store/naive.py, the loop-per-sequence referee in
+helexa_kernels/paged_attention/naive.py). A cache is
 [num_blocks, block_size, num_kv_heads, head_dim]; token t of a sequence lives in block
 `block_table[t // block_size]` at offset `t % block_size`, i.e. flat slot
 `block_id * block_size + offset`.
@@ -14,7 +14,7 @@ see earlier keys through the cache) and decodes (one query each). `paged_attenti
 PyTorch path; it does the batch's work and not its padding: decodes in length buckets, each
 through one folded-GQA SDPA call over its own gather, and every prefill or chunk through its own
 SDPA call over its own keys (how the step is split: `engine.attention_plan`). With
-`decode_kernel` (engine.ops decides: the C++ CPU kernels of kernels/cpu.py, built), every decode
+`decode_kernel` (engine.ops decides: the C++ CPU kernels of helexa_kernels/cpu.py, built), every decode
 row, and every row of a short chunk continuation, goes through the CPU decode kernel instead: one
 call that reads keys and values through the block tables, nothing gathered or padded.
 """
@@ -28,7 +28,7 @@ from engine import torch_ops
 from engine.attention_plan import AttentionPlan, DecodeBucket, PrefillSeq, build_plan
 # Model files import the metadata and cache types from here, beside the computation that reads them.
 from engine.step_metadata import AttentionMetadata, KVCache  # noqa: F401
-from kernels import cpu as cpu_kernels
+from helexa_kernels import cpu as cpu_kernels
 
 
 def plan_for(meta: AttentionMetadata, block_size: int, device: torch.device,

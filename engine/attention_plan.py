@@ -14,7 +14,7 @@ layer reuses the split:
   (contiguous, nothing gathered, `is_causal`), a chunk continuation over its own gathered blocks
   with a bottom-right causal mask.
 
-Where the CPU decode kernel is built (kernels/cpu.py) there are no buckets: the
+Where the CPU decode kernel is built (helexa_kernels/cpu.py) there are no buckets: the
 kernel reads every decode row's keys through its block table in one call (`KernelRows`). The
 rows of a short chunk continuation go into the same call, each query as a row of its own over
 its causal prefix: a prompt whose first blocks the prefix cache holds is such a continuation

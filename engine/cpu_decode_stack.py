@@ -1,4 +1,4 @@
-"""A Llama-family model's decode steps on CPU in one C++ call (kernels/decoder/cpu_decoder_stack.cpp).
+"""A Llama-family model's decode steps on CPU in one C++ call (helexa_kernels/decoder/cpu_decoder_stack.cpp).
 
 On CPU a decode step of a small model is some 400 kernel calls of a few microseconds each, and
 from Python every call also pays its module, its torch.ops dispatch and its output's allocation:

@@ -10,12 +10,12 @@ bench/results/cpu_linear-cpu-epyc.json). So the model runner packs every linear 
 once, at build (`prepack_model`), and `engine.models.layers.Linear` runs from the packed copy.
 
 In bf16, on CPUs with AVX512-BF16 and with the C++ kernels picked (`engine.ops`), a second copy
-is packed for `kernels/linear/cpu_bf16_linear.cpp`, which streams the weight at close to memory
+is packed for `helexa_kernels/linear/cpu_bf16_linear.cpp`, which streams the weight at close to memory
 speed for a few rows where oneDNN does not (on a Zen 4, the default model's projections: 1 row
 12.9 against 18.7 ms, 16 rows 17.0 against 20.8, bench/results/cpu_linear-cpu-epyc-kernel.json).
 Where the CPU has AMX-BF16 the kernel multiplies on AMX tiles, from the same packed copy (on a
 2-core Sapphire Rapids, the projections at 16 rows: 11.4 against oneDNN's 14.6 ms,
-`kernels/linear/amx_bf16.h`). Up to how many rows it runs is measured once per machine
+`helexa_kernels/linear/amx_bf16.h`). Up to how many rows it runs is measured once per machine
 (`bf16_kernel_rows`): there oneDNN wins from ~64 rows.
 
 The checkpoint's own weight stays as it is (the loader, tied embeddings and the parity tests read
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import ops
-from kernels import cpu as cpu_kernels
+from helexa_kernels import cpu as cpu_kernels
 
 log = logging.getLogger("helexa.engine")
 

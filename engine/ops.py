@@ -1,7 +1,7 @@
 """The one place that decides which implementation of a hot op the engine runs.
 
-Each op has a PyTorch reference (`kernels/<op>/naive.py`) and a Triton kernel
-(`kernels/<op>/triton.py`); the PyTorch path runs the references, except where a form with
+Each op has a PyTorch reference (`helexa_kernels/<op>/naive.py`) and a Triton kernel
+(`helexa_kernels/<op>/triton.py`); the PyTorch path runs the references, except where a form with
 fewer ATen calls computes the same thing (`engine.torch_ops` for norms, rotary, SiLU-and-mul
 and the KV store; the unpadded SDPA form in `engine.attention` for paged attention). Model
 code calls the functions here and never picks one itself. The engine core picks once, at build,
@@ -9,7 +9,7 @@ from `EngineConfig.kernels` (the worker's `HELEXA_KERNELS`, read in apps/setting
 
 - `auto` (default): Triton on CUDA, the C++ CPU kernels on CPU, resolved against the engine's
   device;
-- `cpu`: the C++ kernels of `kernels.cpu` (norms, rotary, SiLU-and-mul, the KV store, decode
+- `cpu`: the C++ kernels of `helexa_kernels.cpu` (norms, rotary, SiLU-and-mul, the KV store, decode
   attention, and the bf16 linear that `engine.cpu_linear` runs for a few rows where it measures
   faster), built once per machine, and the PyTorch path for every other op; where they cannot be built
   (no compiler), the PyTorch path for everything;
@@ -36,13 +36,13 @@ from engine.attention import store_and_attend
 from engine.attention import paged_attention as sdpa_paged_attention
 from engine.engine_config import KERNEL_CHOICES
 from engine.step_metadata import AttentionMetadata
-from kernels import cpu as cpu_kernels
-from kernels.causal_conv1d import naive as conv_naive
-from kernels.gated_delta_rule import naive as gdr_naive
-from kernels.gdn_gating import naive as gating_naive
-from kernels.kv_store import naive as kv_store_naive
-from kernels.moe import naive as moe_naive
-from kernels.rmsnorm import naive as rmsnorm_naive
+from helexa_kernels import cpu as cpu_kernels
+from helexa_kernels.causal_conv1d import naive as conv_naive
+from helexa_kernels.gated_delta_rule import naive as gdr_naive
+from helexa_kernels.gdn_gating import naive as gating_naive
+from helexa_kernels.kv_store import naive as kv_store_naive
+from helexa_kernels.moe import naive as moe_naive
+from helexa_kernels.rmsnorm import naive as rmsnorm_naive
 
 # "torch", "triton" or "cpu" once an engine has picked; None: auto, per tensor device.
 _backend: str | None = None
@@ -93,7 +93,7 @@ def _use_cpu_kernels(x: torch.Tensor) -> bool:
 
 @cache
 def _triton(op: str) -> ModuleType:
-    return importlib.import_module(f"kernels.{op}.triton")
+    return importlib.import_module(f"helexa_kernels.{op}.triton")
 
 
 # --- norms -----------------------------------------------------------------------------------
@@ -249,7 +249,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                            cu_seqlens: torch.Tensor, *, scale: float | None = None,
                            use_qk_l2norm: bool = True,
                            has_initial_state: torch.Tensor | None = None) -> torch.Tensor:
-    """Prefill form of the gated delta rule (see kernels/gated_delta_rule/naive.py)."""
+    """Prefill form of the gated delta rule (see helexa_kernels/gated_delta_rule/naive.py)."""
     fn = (_triton("gated_delta_rule").chunk_gated_delta_rule if _use_triton(v)
           else gdr_naive.naive_chunk_gated_delta_rule)
     return fn(q, k, v, g, beta, state, state_indices, cu_seqlens, scale=scale,

@@ -1,6 +1,6 @@
 """The PyTorch forms of the hot ops that the engine runs off CUDA, written for few ATen calls.
 
-The references in `kernels/<op>/naive.py` are the plainest correct form, and they upcast,
+The references in `helexa_kernels/<op>/naive.py` are the plainest correct form, and they upcast,
 slice and concatenate freely; on CPU every such call costs dispatch time, and a decode step of
 SmolLM2 made ~7,200 of them. These forms compute the same thing (tested against the references)
 with fewer ATen calls, in-place where the intermediate is their own:
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.kv_store.naive import naive_kv_store
+from helexa_kernels.kv_store.naive import naive_kv_store
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,

@@ -18,7 +18,7 @@ from torch import nn
 from engine import ops
 from engine.config import ModelConfig
 from engine.cpu_linear import Linear
-from kernels.rotary.naive import build_cos_sin_cache
+from helexa_kernels.rotary.naive import build_cos_sin_cache
 
 RESIDUAL_DTYPE = torch.float32
 

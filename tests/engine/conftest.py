@@ -10,7 +10,7 @@ import pytest
 from engine import ops
 from engine.default_model import default_model_path
 from engine.loader import Checkpoint, load_checkpoint
-from kernels import cpu as cpu_kernels
+from helexa_kernels import cpu as cpu_kernels
 
 
 @pytest.fixture(autouse=True)

@@ -17,7 +17,7 @@ from engine.loader import Checkpoint, _empty_model
 from engine.model_runner import allocate_kv_caches
 from engine.protocol import EngineRequest
 from engine.step_metadata import KVCaches, SequenceChunk, build_step_inputs
-from kernels import cpu as cpu_kernels
+from helexa_kernels import cpu as cpu_kernels
 from tests.engine.test_engine_core import greedy, make_core, run
 from tests.kernels.helpers import AMX_FORMS
 

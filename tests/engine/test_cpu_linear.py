@@ -16,7 +16,7 @@ from engine.engine_config import EngineConfig
 from engine.model_runner import ModelRunner
 from engine.models.layers import Linear
 from tests.engine.helpers import PagedSequences
-from kernels import cpu as cpu_kernels
+from helexa_kernels import cpu as cpu_kernels
 from tests.engine.test_packed_projections import _our_model
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from engine import torch_ops
-from kernels.kv_store.naive import naive_kv_store
-from kernels.rmsnorm.naive import naive_fused_add_rms_norm, naive_rms_norm
-from kernels.rotary.naive import build_cos_sin_cache, naive_rotary
-from kernels.silu_and_mul.naive import naive_silu_and_mul
+from helexa_kernels.kv_store.naive import naive_kv_store
+from helexa_kernels.rmsnorm.naive import naive_fused_add_rms_norm, naive_rms_norm
+from helexa_kernels.rotary.naive import build_cos_sin_cache, naive_rotary
+from helexa_kernels.silu_and_mul.naive import naive_silu_and_mul
 
 DTYPES = {"fp32": (torch.float32, 1e-6), "bf16": (torch.bfloat16, 1e-2)}
 

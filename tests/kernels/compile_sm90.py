@@ -102,25 +102,25 @@ def record_all() -> list[Recorder]:
     bf, i32, i64 = torch.bfloat16, torch.int32, torch.int64
     recorders: list[Recorder] = []
 
-    m, r = _record("kernels.rmsnorm.triton", "rms_norm_fwd_kernel")
+    m, r = _record("helexa_kernels.rmsnorm.triton", "rms_norm_fwd_kernel")
     x, w = torch.zeros(2, 4096, dtype=bf), torch.zeros(4096, dtype=bf)
     m.fused_add_rms_norm(x, x.clone(), w, unit_offset=True)
     m.gated_rms_norm(x[:, :128], x[:, :128], w[:128])
     recorders += r
-    m, r = _record("kernels.silu_and_mul.triton", "silu_and_mul_fwd_kernel")
+    m, r = _record("helexa_kernels.silu_and_mul.triton", "silu_and_mul_fwd_kernel")
     m.silu_and_mul(torch.zeros(2, 2 * 12288, dtype=bf))
     recorders += r
-    m, r = _record("kernels.rotary.triton", "rotary_fwd_kernel")
+    m, r = _record("helexa_kernels.rotary.triton", "rotary_fwd_kernel")
     m.rotary(torch.zeros(2, 32, 128, dtype=bf), torch.zeros(2, 8, 128, dtype=bf),
              torch.zeros(2, dtype=i64), torch.zeros(8, 64), inplace=True)
     recorders += r
-    m, r = _record("kernels.kv_store.triton", "kv_store_fwd_kernel")
+    m, r = _record("helexa_kernels.kv_store.triton", "kv_store_fwd_kernel")
     cache = torch.zeros(4, 16, 8, 128, dtype=bf)
     m.kv_store(torch.zeros(2, 8, 128, dtype=bf), torch.zeros(2, 8, 128, dtype=bf), cache,
                cache.clone(), torch.zeros(2, dtype=i64))
     recorders += r
 
-    m, r = _record("kernels.paged_attention.triton", "paged_attention_fwd_kernel")
+    m, r = _record("helexa_kernels.paged_attention.triton", "paged_attention_fwd_kernel")
     meta = (torch.tensor([0, 1, 2], dtype=i32), torch.tensor([5, 5], dtype=i32),
             torch.zeros(2, 4, dtype=i32))
     for dtype, max_query_len in ((bf, 1), (bf, 2), (torch.float32, 1), (torch.float32, 2)):
@@ -128,7 +128,7 @@ def record_all() -> list[Recorder]:
         m.paged_attention(torch.zeros(2, 32, 128, dtype=dtype), kv, kv, *meta, max_query_len, 0.1)
     recorders += r
 
-    m, r = _record("kernels.gated_delta_rule.triton", "recurrent_gated_delta_rule_fwd_kernel",
+    m, r = _record("helexa_kernels.gated_delta_rule.triton", "recurrent_gated_delta_rule_fwd_kernel",
                    "chunk_gated_delta_rule_fwd_kernel")
     q, v = torch.zeros(3, 16, 128, dtype=bf), torch.zeros(3, 32, 128, dtype=bf)
     g, state = torch.zeros(3, 32), torch.zeros(4, 32, 128, 128)
@@ -137,17 +137,17 @@ def record_all() -> list[Recorder]:
     m.chunk_gated_delta_rule(q, q, v, g, g, state, slots[:1], cu, has_initial_state=init)
     recorders += r
 
-    m, r = _record("kernels.causal_conv1d.triton", "causal_conv1d_fwd_kernel",
+    m, r = _record("helexa_kernels.causal_conv1d.triton", "causal_conv1d_fwd_kernel",
                    "causal_conv1d_update_fwd_kernel")
     x, w, conv = torch.zeros(3, 8192, dtype=bf), torch.zeros(8192, 4, dtype=bf), torch.zeros(4, 8192, 3, dtype=bf)
     m.causal_conv1d(x, w, None, conv, slots[:1], cu, has_initial_state=init)
     m.causal_conv1d_update(x, w, None, conv, slots)
     recorders += r
-    m, r = _record("kernels.gdn_gating.triton", "gdn_gating_fwd_kernel")
+    m, r = _record("helexa_kernels.gdn_gating.triton", "gdn_gating_fwd_kernel")
     m.gdn_gating(torch.zeros(32), torch.zeros(3, 32, dtype=bf), torch.zeros(3, 32, dtype=bf),
                  torch.zeros(32))
     recorders += r
-    m, r = _record("kernels.moe.triton", "moe_routing_fwd_kernel", "grouped_matmul_fwd_kernel")
+    m, r = _record("helexa_kernels.moe.triton", "moe_routing_fwd_kernel", "grouped_matmul_fwd_kernel")
     m.moe_routing(torch.zeros(3, 128), 8, True)
     m.moe_routing(torch.zeros(3, 512), 10, True)
     m.grouped_matmul(torch.zeros(16, 2048, dtype=bf), torch.zeros(4, 1536, 2048, dtype=bf),

@@ -8,7 +8,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from kernels import cpu as cpu_kernels
+from helexa_kernels import cpu as cpu_kernels
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

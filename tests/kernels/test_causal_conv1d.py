@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.causal_conv1d import (causal_conv1d, causal_conv1d_update, naive_causal_conv1d,
+from helexa_kernels.causal_conv1d import (causal_conv1d, causal_conv1d_update, naive_causal_conv1d,
                                    naive_causal_conv1d_update)
 from tests.kernels.helpers import DEVICE, assert_close, tol_for
 

@@ -1,4 +1,4 @@
-"""The C++ bf16 linear (kernels/linear/cpu_bf16_linear.cpp) against an fp32 matmul rounded once
+"""The C++ bf16 linear (helexa_kernels/linear/cpu_bf16_linear.cpp) against an fp32 matmul rounded once
 to bf16. It exists only where the CPU has AVX512-BF16; where it does not, the engine keeps oneDNN
 (tests/engine/test_cpu_linear.py)."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.dtype_cache import cpu_identity
-from kernels import cpu as cpu_kernels
+from helexa_kernels import cpu as cpu_kernels
 from tests.kernels.helpers import AMX_FORMS
 
 HAS_BF16_DOT = {"avx512_bf16", "avx512bw"} <= set(cpu_identity()["flags"])

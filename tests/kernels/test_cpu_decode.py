@@ -1,8 +1,8 @@
-"""The CPU decode attention kernel (kernels/paged_attention/cpu_decode.cpp) against the naive loop.
+"""The CPU decode attention kernel (helexa_kernels/paged_attention/cpu_decode.cpp) against the naive loop.
 
 It must build wherever the suite runs (CI has a compiler): a machine where it cannot is served by
 the SDPA path, but then these tests fail rather than pass on the fallback. On a CPU with AMX, bf16
-rows go through its tiles (kernels/paged_attention/amx_decode.h) where the shapes fit; every case
+rows go through its tiles (helexa_kernels/paged_attention/amx_decode.h) where the shapes fit; every case
 runs both as the kernel picks (`picked`) and with AMX switched off (`avx512`), so both forms are
 checked there (`tests.kernels.helpers.AMX_FORMS`).
 """
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu as cpu_kernels
-from kernels.paged_attention import naive_paged_attention
+from helexa_kernels import cpu as cpu_kernels
+from helexa_kernels.paged_attention import naive_paged_attention
 from tests.engine.helpers import random_block_tables
 from tests.kernels.helpers import AMX_FORMS
 

@@ -1,4 +1,4 @@
-"""The C++ CPU norms, rotary, SiLU-and-mul and KV store (kernels/<op>/cpu_*.cpp) against their
+"""The C++ CPU norms, rotary, SiLU-and-mul and KV store (helexa_kernels/<op>/cpu_*.cpp) against their
 naive references. They must build wherever the suite runs (CI has a compiler)."""
 
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu as cpu_kernels
-from kernels.kv_store.naive import naive_kv_store
-from kernels.rmsnorm.naive import naive_fused_add_rms_norm, naive_rms_norm
-from kernels.rotary.naive import build_cos_sin_cache, naive_rotary
-from kernels.silu_and_mul.naive import naive_silu_and_mul
+from helexa_kernels import cpu as cpu_kernels
+from helexa_kernels.kv_store.naive import naive_kv_store
+from helexa_kernels.rmsnorm.naive import naive_fused_add_rms_norm, naive_rms_norm
+from helexa_kernels.rotary.naive import build_cos_sin_cache, naive_rotary
+from helexa_kernels.silu_and_mul.naive import naive_silu_and_mul
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16"),
           pytest.param(torch.float16, id="fp16")]

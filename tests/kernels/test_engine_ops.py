@@ -19,7 +19,7 @@ from engine.engine_config import EngineConfig
 from engine.loader import Checkpoint
 from engine.models import build_model
 from engine.tokenizer import Tokenizer
-from kernels import cpu as cpu_kernels
+from helexa_kernels import cpu as cpu_kernels
 from tests.engine.helpers import PagedSequences, perturb_norms_and_biases
 from tests.kernels.helpers import DEVICE, assert_close
 
@@ -113,7 +113,7 @@ def test_the_core_resolves_the_choice_once(monkeypatch: pytest.MonkeyPatch) -> N
 def test_importing_the_engine_does_not_import_triton() -> None:
     """Triton decides interpreter or GPU when it is first imported (the kernel tests set
     TRITON_INTERPRET before that), and a CPU engine has no use for it."""
-    code = ("import sys, engine.ops, engine.core, kernels.rmsnorm, kernels.gated_delta_rule; "
+    code = ("import sys, engine.ops, engine.core, helexa_kernels.rmsnorm, helexa_kernels.gated_delta_rule; "
             "print('triton' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.gated_delta_rule import (chunk_gated_delta_rule, naive_chunk_gated_delta_rule,
+from helexa_kernels.gated_delta_rule import (chunk_gated_delta_rule, naive_chunk_gated_delta_rule,
                                       naive_recurrent_gated_delta_rule, recurrent_gated_delta_rule)
 from tests.kernels.helpers import DEVICE, assert_close, tol_for
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.gdn_gating import gdn_gating, naive_gdn_gating
+from helexa_kernels.gdn_gating import gdn_gating, naive_gdn_gating
 from tests.kernels.helpers import DEVICE, assert_close
 
 

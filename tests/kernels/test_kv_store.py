@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.kv_store import kv_store, naive_kv_store
+from helexa_kernels.kv_store import kv_store, naive_kv_store
 from tests.kernels.helpers import DEVICE
 
 

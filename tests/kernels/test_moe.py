@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.moe import (fused_moe, grouped_matmul, moe_routing, naive_fused_moe,
+from helexa_kernels.moe import (fused_moe, grouped_matmul, moe_routing, naive_fused_moe,
                          naive_grouped_matmul, naive_moe_routing)
 from tests.kernels.helpers import DEVICE, assert_close, tol_for
 

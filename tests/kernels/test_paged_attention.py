@@ -5,8 +5,8 @@ import torch
 
 from engine.attention import paged_attention as engine_paged_attention
 from engine.step_metadata import AttentionMetadata
-from kernels.kv_store import naive_kv_store
-from kernels.paged_attention import naive_paged_attention, paged_attention
+from helexa_kernels.kv_store import naive_kv_store
+from helexa_kernels.paged_attention import naive_paged_attention, paged_attention
 from tests.kernels.helpers import DEVICE, assert_close, tol_for
 
 # (query_lens, seq_lens): what each sequence adds this step and its context after it.

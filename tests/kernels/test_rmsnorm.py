@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.rmsnorm import (fused_add_rms_norm, gated_rms_norm, naive_fused_add_rms_norm,
+from helexa_kernels.rmsnorm import (fused_add_rms_norm, gated_rms_norm, naive_fused_add_rms_norm,
                              naive_gated_rms_norm, naive_rms_norm, rms_norm)
 from tests.kernels.helpers import DEVICE, assert_close, tol_for
 

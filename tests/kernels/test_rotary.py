@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.rotary import build_cos_sin_cache, naive_rotary, rotary
+from helexa_kernels.rotary import build_cos_sin_cache, naive_rotary, rotary
 from tests.kernels.helpers import DEVICE, assert_close, tol_for
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.silu_and_mul import naive_silu_and_mul, silu_and_mul
+from helexa_kernels.silu_and_mul import naive_silu_and_mul, silu_and_mul
 from tests.kernels.helpers import DEVICE, assert_close, tol_for
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]

@@ -1,0 +1,139 @@
+"""Paged attention in Triton: one kernel for decode, whole prefills and chunked continuations.
+
+A program owns one sequence, one kv head and a tile of BLOCK_Q queries; its rows are those
+queries times the GROUP query heads that share the kv head (row r = query r // GROUP, head
+r % GROUP), so each key tile is loaded once per kv head and decode (one query) still fills a
+tensor-core tile with the query group. Keys are gathered a token at a time through the block
+table, which leaves the key tile size free of the cache's block_size. Online softmax in fp32.
+Query i of a sequence sits at position seq_len - query_len + i and sees keys up to there.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from helexa_kernels.utils import dot_args
+
+
+@triton.jit
+def paged_attention_fwd_kernel(
+    q,  # [num_tokens, HK * GROUP, D] (strided)
+    k_cache,  # [num_blocks * block_size, HK, D]
+    v_cache,  # [num_blocks * block_size, HK, D]
+    o,  # [num_tokens, HK * GROUP, D]
+    query_start_loc,  # [num_seqs + 1]
+    seq_lens,  # [num_seqs]
+    block_tables,  # [num_seqs, max_blocks_per_seq]
+    scale,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    HK, block_size,
+    D: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    i_qb, i_n, i_hk = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    bos = tl.load(query_start_loc + i_n).to(tl.int64)
+    q_len = tl.load(query_start_loc + i_n + 1).to(tl.int64) - bos
+    if i_qb * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens + i_n).to(tl.int64)
+    ctx_len = seq_len - q_len
+
+    o_m = tl.arange(0, BLOCK_M)
+    i_q = i_qb * BLOCK_Q + o_m // GROUP  # [BLOCK_M] query index within the sequence
+    i_h = i_hk * GROUP + o_m % GROUP  # [BLOCK_M] query head
+    m_m = (o_m < BLOCK_Q * GROUP) & (i_q < q_len)
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    p_q = q + (bos + i_q)[:, None] * stride_qt + i_h[:, None] * stride_qh + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0).to(DOT_DTYPE)  # [BLOCK_M, BLOCK_D]
+    b_pos = ctx_len + i_q  # [BLOCK_M] position of each row's query
+
+    b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # Keys past the tile's last query are never visible: stop there.
+    num_keys = tl.minimum(seq_len, ctx_len + (i_qb + 1) * BLOCK_Q)
+    for i_start in range(0, num_keys, BLOCK_N):
+        o_n = i_start + tl.arange(0, BLOCK_N)
+        m_n = o_n < num_keys
+        b_block = tl.load(block_tables + i_n * stride_bt + o_n // block_size, mask=m_n, other=0)
+        i_slot = b_block.to(tl.int64) * block_size + o_n % block_size  # [BLOCK_N]
+        p_kv = i_slot[:, None] * HK * D + i_hk * D + o_d[None, :]  # [BLOCK_N, BLOCK_D]
+        m_kv = m_n[:, None] & m_d[None, :]
+        b_k = tl.load(k_cache + p_kv, mask=m_kv, other=0.0)
+        b_v = tl.load(v_cache + p_kv, mask=m_kv, other=0.0)
+
+        b_s = tl.dot(b_q, tl.trans(b_k.to(DOT_DTYPE)), input_precision=PRECISION) * scale
+        m_s = m_n[None, :] & (o_n[None, :] <= b_pos[:, None])  # [BLOCK_M, BLOCK_N]
+        b_s = tl.where(m_s, b_s, float("-inf"))
+        # Key 0 is visible to every row, so b_m is finite from the first tile on: no NaN.
+        b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
+        b_alpha = tl.exp(b_m - b_m_new)
+        b_p = tl.exp(b_s - b_m_new[:, None])
+        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(DOT_DTYPE), b_v.to(DOT_DTYPE),
+                                                 input_precision=PRECISION)
+        b_m = b_m_new
+
+    b_o = b_acc / b_l[:, None]
+    p_o = o + (bos + i_q)[:, None] * stride_ot + i_h[:, None] * stride_oh + o_d[None, :]
+    tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
+
+
+def _tiles(decode: bool, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(block_m, block_n, num_warps): for head_dim 128, the tiles ptxas fits in sm_90 registers
+    without spilling (tests/kernels/compile_sm90.py reports it); keys are gathered slot by slot,
+    whose int64 addresses take registers, so key tiles stay narrow."""
+    if dtype == torch.float32:
+        return 16, 16, (4 if decode else 8)
+    return 64, 32, (4 if decode else 8)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                    block_tables: torch.Tensor, max_query_len: int, scale: float,
+                    *, block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its cached keys (stored already).
+
+    q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]; caches
+    [num_blocks, block_size, num_kv_heads, head_dim]; query_start_loc [num_seqs + 1] (cu_seqlens
+    of the queries), seq_lens [num_seqs] (context after this step), block_tables
+    [num_seqs, max_blocks_per_seq]. GQA: query head h reads kv head h // (num_heads // num_kv_heads).
+    `max_query_len` (a host int) picks the decode or prefill tiling and sizes the grid.
+    """
+    num_tokens, H, D = q.shape
+    _, block_size, HK, _ = k_cache.shape
+    if H % HK or k_cache.shape[-1] != D or not k_cache.is_contiguous() or not v_cache.is_contiguous():
+        raise ValueError("q heads must be a multiple of kv heads; caches contiguous, same head_dim")
+    if q.stride(-1) != 1:
+        raise ValueError("q needs a contiguous last dim")
+    group = H // HK
+    o = torch.empty(num_tokens, H, D, dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return o
+    decode = max_query_len == 1
+    default_m, default_n, num_warps = _tiles(decode, q.dtype)
+    BLOCK_N = block_n or default_n
+    if decode:
+        # The rows are just the query group, padded to the smallest dot tile.
+        BLOCK_Q, BLOCK_M = 1, max(16, triton.next_power_of_2(group))
+    else:
+        BLOCK_M = max(16, block_m or default_m, triton.next_power_of_2(group))
+        BLOCK_Q = BLOCK_M // group
+    num_seqs = seq_lens.shape[0]
+    grid = (triton.cdiv(max_query_len, BLOCK_Q), num_seqs, HK)
+    paged_attention_fwd_kernel[grid](
+        q, k_cache, v_cache, o, query_start_loc, seq_lens, block_tables, scale,
+        q.stride(0), q.stride(1), o.stride(0), o.stride(1), block_tables.stride(0),
+        HK, block_size, D=D, GROUP=group, BLOCK_Q=BLOCK_Q, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=num_warps, **dot_args(q.dtype),
+    )
+    return o
