@@ -17,6 +17,10 @@ concurrent clients (streams of one SDK client, kept across the warm-up and every
   - the client floor: the same client against bench/null_server.py, which does no work and hands
     out a burst's first tokens at one instant; of what the pipeline adds, this much is the
     client's own (it is in every server's TTFT and in none of the engine's in process).
+Beside each server's 16-stream figures: the CPU milliseconds per request that each of its processes
+and the benchmark's own client spent on those runs (bench/process_cpu.py; helexa's by part:
+gateway, worker, engine, NATS, PostgreSQL, recorder), which the host's drifting speed moves far
+less than a latency.
 Every figure is a median over runs. Correctness gate (engine.greedy_agreement): every generated
 token is scored by our fp32 model after the system's own prefix; a system outside the bound gets
 no speed printed.
@@ -46,6 +50,7 @@ from bench.ledger_timing import breakdown, database_url
 from bench.machine import machine_info
 from bench.report import emit
 from bench.openai_load import LoadResult, OpenAILoad
+from bench.process_cpu import ProcessCPU
 from bench.servers import Server, free_port, helexa_up, llamacpp_server, null_server, vllm_server
 from engine.core import EngineCore
 from engine.default_model import DEFAULT_MODEL_ID, default_model_path
@@ -96,10 +101,13 @@ def measure_server(server: Server, work: list[list[int]], single: list[list[int]
     with server, OpenAILoad(server.base_url, server.model, server.keep_alive) as load:
         load.run(work, 8, concurrent=True)  # warm-up: kernels, allocator, the client's connections
         singles, bursts = [], []
+        cpu = ProcessCPU(server.pid, server.cpu_role)
         for _ in range(runs):
             singles.append(load.run(single, MAX_TOKENS, concurrent=False))
-            bursts.append(load.run(work, MAX_TOKENS, concurrent=True))
-        entry = {"startup_s": round(server.startup_s, 1), **server.details()}
+            with cpu:
+                bursts.append(load.run(work, MAX_TOKENS, concurrent=True))
+        entry = {"startup_s": round(server.startup_s, 1), **server.details(),
+                 "cpu_ms_per_request_16_streams": cpu.per_request(runs * len(work))}
         ledger = database_url(server.log_path) if server.name == "helexa-up" else None
         if ledger:
             entry["ttft_breakdown_16_streams"] = breakdown(ledger, bursts)
@@ -152,9 +160,14 @@ def client_floor(work: list[list[int]], single: list[list[int]], runs: int) -> d
     for load_name, prompts_, burst in (("streams_16", work, len(work)), ("stream_1", single[:1], 1)):
         with null_server(free_port(), burst) as server, OpenAILoad(server.base_url, server.model) as load:
             load.run(prompts_, 8, concurrent=True)  # warm-up: the client's connections
-            loads = [load.run(prompts_, MAX_TOKENS, concurrent=True) for _ in range(max(runs, 5))]
+            cpu = ProcessCPU(server.pid, server.cpu_role)
+            loads = []
+            for _ in range(max(runs, 5)):
+                with cpu:
+                    loads.append(load.run(prompts_, MAX_TOKENS, concurrent=True))
         entry[load_name] = {key: round(statistics.median(getattr(r, key) for r in loads), 2) for key in
                             ("ttft_from_sent_ms_median", "ttft_from_last_sent_ms_median")}
+        entry[load_name]["cpu_ms_per_request"] = cpu.per_request(len(loads) * len(prompts_))
     return entry
 
 

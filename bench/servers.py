@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.process_cpu import helexa_role, whole_server
 from engine.default_model import DEFAULT_MODEL_ID
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,9 +30,12 @@ def free_port() -> int:
 
 class Server:
     def __init__(self, name: str, command: list[str], env: dict[str, str], port: int, log_path: Path,
-                 details: Callable[[], dict] = dict, model: str = DEFAULT_MODEL_ID, keep_alive: bool = True) -> None:
+                 details: Callable[[], dict] = dict, model: str = DEFAULT_MODEL_ID, keep_alive: bool = True,
+                 cpu_role: Callable[[list[str]], str] = whole_server) -> None:
         self.name, self.command, self.env, self.port = name, command, env, port
         self.log_path, self.details, self.model = log_path, details, model
+        # What part of the server a process is, from its command line (bench.process_cpu).
+        self.cpu_role = cpu_role
         # Whether clients may send their next request on a connection this server kept open.
         self.keep_alive = keep_alive
         self.base_url = f"http://127.0.0.1:{port}/v1"
@@ -57,6 +61,11 @@ class Server:
 
     def __exit__(self, *exc: object) -> None:
         self._stop()
+
+    @property
+    def pid(self) -> int:
+        assert self._process is not None, "the server is not started"
+        return self._process.pid
 
     def _wait_ready(self, start: float) -> None:
         assert self._process is not None
@@ -117,7 +126,8 @@ def helexa_up(scratch: Path, port: int, dtype: str) -> Server:
         return {"dtype": entry["dtype"], "dtype_reason": "measured",
                 "dtype_timings_ms": entry["timings_ms"], "dtype_measure_s": entry["measure_s"]}
 
-    return Server("helexa-up", command, env, port, ROOT / "bench" / ".work" / "helexa-up.log", details)
+    return Server("helexa-up", command, env, port, ROOT / "bench" / ".work" / "helexa-up.log", details,
+                  cpu_role=helexa_role)
 
 
 def llamacpp_server(server_bin: Path, gguf: Path, port: int) -> Server:
