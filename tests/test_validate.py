@@ -1,5 +1,5 @@
 """The input contract's own checks: nesting depth, stop-string bytes, token ids against the
-vocabulary, and unknown model names that do not reach JetStream again and again."""
+vocabulary, the answer's length against the advertised output limit, and unknown model names that do not reach JetStream again and again."""
 
 from __future__ import annotations
 
@@ -8,13 +8,19 @@ import asyncio
 import pytest
 
 from apps.bus import wire
-from apps.bus.codes import ServingError
+from apps.bus.codes import ErrorCode, ServingError
 from apps.bus.topology import BusLimits
 from apps.embedded.nats_server import NatsServer
 from apps.gateway.bus_client import GatewayBus
 from apps.gateway.metrics import GatewayMetrics
 from apps.gateway.node_registry import NodeRegistry
-from apps.gateway.validate import MAX_JSON_DEPTH, check_stop_strings, check_token_ids, json_too_deep
+from apps.gateway.validate import (
+    MAX_JSON_DEPTH,
+    bound_output,
+    check_stop_strings,
+    check_token_ids,
+    json_too_deep,
+)
 from engine.protocol import SamplingParams
 
 
@@ -54,6 +60,42 @@ def test_token_ids_must_be_inside_the_vocabulary() -> None:
         assert refused.value.param == param
     # Unknown vocabulary (0): only the count bounds apply.
     check_token_ids(request(sampling=SamplingParams(stop_token_ids=[10**6])), [_node(0)])
+
+
+def _limits(node: str, output: int | None, context: int | None = None) -> wire.NodeStatus:
+    return wire.NodeStatus(node=node, version="v", models=[
+        wire.ModelStatus(model="m", max_model_len=context, max_output_tokens=output),
+        wire.ModelStatus(model="other", max_model_len=64, max_output_tokens=16)])
+
+
+def _asking(max_tokens: int | None) -> wire.GenerateRequest:
+    return wire.GenerateRequest(request_id="r", model="m", reply_subject="",
+                                sampling=SamplingParams(max_tokens=max_tokens, min_tokens=2))
+
+
+def test_a_missing_length_is_the_smallest_advertised_output_limit() -> None:
+    nodes = [_limits("a", 256, 1024), _limits("b", 300, 1200), _limits("c", None)]
+    bounded = bound_output(_asking(None), nodes)
+    assert (bounded.sampling.max_tokens, bounded.sampling.min_tokens) == (256, 2)
+    assert bound_output(_asking(256), nodes).sampling.max_tokens == 256
+    assert bound_output(_asking(5), nodes).sampling.max_tokens == 5
+
+
+@pytest.mark.parametrize("param", ["max_tokens", "max_completion_tokens", "max_output_tokens"])
+def test_a_length_past_the_output_limit_is_refused_naming_the_parameter(param: str) -> None:
+    with pytest.raises(ServingError) as refused:
+        bound_output(_asking(257), [_limits("a", 256, 1024), _limits("b", 300, 1200)], param)
+    error = refused.value
+    assert (error.status, error.code, error.param) == (400, ErrorCode.CONTEXT_LENGTH_EXCEEDED, param)
+    assert "maximum context length is 1024 tokens" in error.message
+    assert "at most 256" in error.message and f"257 completion tokens ('{param}')" in error.message
+
+
+def test_without_an_advertised_limit_the_request_goes_as_it_is() -> None:
+    for asked in (None, 10**6):
+        request = _asking(asked)
+        assert bound_output(request, [_limits("a", None)]) is request
+        assert bound_output(request, []) is request
 
 
 async def test_unknown_model_names_are_looked_up_once_per_ttl(own_nats: NatsServer) -> None:

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from litestar import Litestar, Request
-from litestar.exceptions import HTTPException
+from litestar.exceptions import HTTPException, NotFoundException
 from litestar.openapi import OpenAPIConfig
 
 from apps.bus.codes import ServingError
@@ -21,6 +21,7 @@ from apps.gateway.cold_start import ColdStarts
 from apps.gateway.completions import completions
 from apps.gateway.errors import http_error_handler, internal_error_handler, serving_error_handler
 from apps.gateway.events import EventPublisher
+from apps.gateway.front_door import index, not_found
 from apps.gateway.generation import GenerationPipeline
 from apps.gateway.health import health, metrics, ready
 from apps.gateway.liveness import Canceller
@@ -82,11 +83,12 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
 
     app = Litestar(
         route_handlers=[chat_completions, completions, messages, create_response, retrieve_response, delete_response,
-                        list_models, tokenize, detokenize, count_tokens, health, ready, metrics],
+                        list_models, tokenize, detokenize, count_tokens, health, ready, metrics, index],
         lifespan=[bus_lifespan],
         before_request=authenticate,
         exception_handlers={
             ServingError: serving_error_handler,
+            NotFoundException: not_found,
             HTTPException: http_error_handler,
             Exception: internal_error_handler,
         },

@@ -89,7 +89,7 @@ async def chat_completions(request: Request, state: State) -> Response | Stream:
     req = await state.generations.read(request, oa.ChatCompletionRequest)
     bus_request = to_bus_request(req, new_request_id("chatcmpl"), request.state.principal)
     return await state.generations.serve(request, bus_request, ChatFormatter(bus_request, req.include_usage()),
-                                         HANDLER)
+                                         HANDLER, output_param=req.completion_limit_param())
 
 
 @dataclass(slots=True)

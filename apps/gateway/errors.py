@@ -80,6 +80,7 @@ def serving_error_handler(request: Request, exc: ServingError) -> Response:
 
 def http_error_handler(request: Request, exc: HTTPException) -> Response:
     status = exc.status_code
+    # A path that is no route has its own handler (`front_door.not_found`).
     message = {404: "Not found.", 405: "Method not allowed."}.get(
         status, exc.detail if status < 500 else "Internal server error."
     )

@@ -1,4 +1,5 @@
-"""One generation's life: read → route → check token ids → admit → publish → first frame → frames → release.
+"""One generation's life: read → route → check token ids, bound the answer → admit → publish →
+first frame → frames → release.
 
 Every generation endpoint reads its body through `GenerationPipeline.read`, builds its bus request
 and hands it, with a `Formatter` for its API, to `GenerationPipeline.serve`; the pipeline owns the
@@ -46,7 +47,7 @@ from apps.gateway.liveness import (
 from apps.gateway.metrics import GatewayMetrics
 from apps.gateway.migration import MIGRATABLE, Delivered, migrated
 from apps.gateway.reply_stream import ReplyStream, ReplyTimeout
-from apps.gateway.validate import check_token_ids, decode_request
+from apps.gateway.validate import bound_output, check_token_ids, decode_request
 from apps.settings import GatewaySettings
 
 # Failures where the worker is gone and cannot report the run itself.
@@ -129,15 +130,16 @@ class GenerationPipeline:
             self._reading -= 1
 
     async def serve(self, client: Request | None, request: wire.GenerateRequest, formatter: Formatter,
-                    handler: str) -> Response | Stream:
-        """The whole answer to one API request, or its SSE stream once the worker has answered."""
+                    handler: str, output_param: str = "max_tokens") -> Response | Stream:
+        """The whole answer to one API request, or its SSE stream once the worker has answered.
+        `output_param` is what the client's API calls the answer's length limit (for its 400)."""
         headers = {"X-Request-Id": request.request_id}
         if client is not None:
             request = msgspec.structs.replace(request, arriving=client.state.get("arriving", 0))
         try:
             if not request.stream:
-                return await while_connected(client, self._whole(request, formatter, handler, headers))
-            generation = await while_connected(client, self._routed_start(request, handler),
+                return await while_connected(client, self._whole(request, formatter, handler, headers, output_param))
+            generation = await while_connected(client, self._routed_start(request, handler, output_param),
                                                discard=lambda g: asyncio.ensure_future(self.close(g)))
         except ClientGone:
             raise ServingError(
@@ -149,9 +151,15 @@ class GenerationPipeline:
         return Stream(self._sse(generation, formatter), media_type="text/event-stream",
                       headers={**headers, "Cache-Control": "no-cache"})
 
-    async def _routed_start(self, request: wire.GenerateRequest, handler: str) -> Generation:
+    async def _routed_start(self, request: wire.GenerateRequest, handler: str, output_param: str) -> Generation:
         nodes = await self._cold_starts.nodes_for(request.model)
         check_token_ids(request, nodes)
+        try:
+            request = bound_output(request, nodes, output_param)
+        except ServingError as exc:
+            self._metrics.rejections.labels(request.model, exc.code).inc()
+            exc.context.update(model=request.model, request_id=request.request_id)
+            raise
         return await self.start(request, handler)
 
     async def start(self, request: wire.GenerateRequest, handler: str) -> Generation:
@@ -365,8 +373,8 @@ class GenerationPipeline:
         await generation.reply.close()
 
     async def _whole(self, request: wire.GenerateRequest, formatter: Formatter, handler: str,
-                     headers: dict[str, str]) -> Response:
-        generation = await self._routed_start(request, handler)
+                     headers: dict[str, str], output_param: str) -> Response:
+        generation = await self._routed_start(request, handler, output_param)
         deltas: list[wire.Delta] = []
         try:
             async for frame in self.frames(generation):

@@ -19,7 +19,7 @@ async def health(state: State) -> Response:
 @get("/ready")
 async def ready(state: State) -> Response:
     connected = state.bus.is_connected
-    models = sorted({m.model for n in await state.registry.live_nodes() for m in n.models}) if connected else []
+    models = await state.registry.models() if connected else []
     ok = connected and bool(models)
     body = {"status": "ready" if ok else "not ready", "nats": connected, "models": models}
     return Response(body, status_code=200 if ok else 503)

@@ -59,6 +59,10 @@ class NodeRegistry:
         horizon = time.time() - self._limits.node_ttl_s
         return [n for n in self._nodes.values() if n.updated_at >= horizon and n.status != NodeState.STOPPING]
 
+    async def models(self) -> list[str]:
+        """Every model some live node serves, sorted."""
+        return sorted({m.model for n in await self.live_nodes() for m in n.models})
+
     async def serving(self, model: str, state: ModelState | None = None) -> list[wire.NodeStatus]:
         """Live nodes that have `model` (in `state`, if given)."""
         return serving(await self.live_nodes(), model, state)

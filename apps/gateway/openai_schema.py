@@ -132,7 +132,8 @@ class GenerationParams(StructuredOutputFields, kw_only=True):
         return self.max_tokens
 
     def sampling_params(self) -> p.SamplingParams:
-        """The request's sampling, built once; the worker only resolves a missing max_tokens."""
+        """The request's sampling, built once; a missing max_tokens becomes the model's output
+        limit on the way out (`validate.bound_output`)."""
         given = {name: getattr(self, name) for name in p.SamplingParams.__struct_fields__
                  if getattr(self, name, None) is not None}
         given.update(max_tokens=self.completion_limit(), stop=self.stop_strings(), logprobs=self.logprobs_count(),
@@ -157,6 +158,10 @@ class ChatCompletionRequest(GenerationParams, kw_only=True):
 
     def completion_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def completion_limit_param(self) -> str:
+        """The field the limit came from, for a 400 that names what the client sent."""
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
 
     def logprobs_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -212,8 +217,6 @@ class CompletionRequest(GenerationParams, kw_only=True):
     def logprobs_count(self) -> int | None:
         return self.logprobs
 
-    def completion_limit(self) -> int | None:
-        return self.max_tokens or 16  # OpenAI's default for text completions
 
     def prompt_text_or_ids(self) -> tuple[str | None, list[int] | None]:
         if self.echo:

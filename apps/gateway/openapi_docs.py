@@ -59,7 +59,7 @@ _REF_OF = dict(zip(_TYPES, _REFS))
 
 _STATUS_TEXT = {
     400: "Invalid request: malformed JSON, JSON nested deeper than 64 levels, or a parameter outside its bound "
-         "(`param` names it). The bounds are in the request schema; see also the README's API section.",
+         "(`param` names it). The bounds are in the request schema; see also docs/api.md.",
     401: "Missing or unknown API key (only when keys are configured).",
     404: "Unknown model.",
     413: "Request body too large.",

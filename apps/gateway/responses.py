@@ -203,7 +203,7 @@ async def create_response(request: Request, state: State) -> Response | Stream:
 
     formatter = ResponsesFormatter(response_template(req, response_id), wants_logprobs(req),
                                    on_complete=keep if req.store else None)
-    return await state.generations.serve(request, bus_request, formatter, HANDLER)
+    return await state.generations.serve(request, bus_request, formatter, HANDLER, output_param="max_output_tokens")
 
 
 @get("/v1/responses/{response_id:str}")

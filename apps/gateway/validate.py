@@ -14,6 +14,9 @@ nothing is sent on the bus. The bounds:
   64 `stop_token_ids`.
 - Token ids (`stop_token_ids`, a `/v1/completions` prompt given as ids) inside the model's
   vocabulary, once the workers serving it report its size (`ModelStatus.vocab_size`).
+- The answer's length (`max_tokens`, `max_completion_tokens`, `max_output_tokens`): at most the
+  output limit the workers serving the model advertise (`/v1/models` `max_output_tokens`), and
+  that limit when the client gives none, so no answer is unbounded by default (`bound_output`).
 """
 
 from __future__ import annotations
@@ -136,3 +139,31 @@ def check_token_ids(request: wire.GenerateRequest, nodes: list[wire.NodeStatus])
             raise _refuse(f"'{param}' holds a token id outside the model's vocabulary (ids are 0 to {vocab - 1}).",
                           param, code)
 
+
+
+def _smallest(values: list[int | None]) -> int | None:
+    known = [v for v in values if v]
+    return min(known) if known else None
+
+
+def output_limit(nodes: list[wire.NodeStatus], model: str) -> int | None:
+    """The longest answer every node serving `model` advertises (None: none of them says)."""
+    return _smallest([m.max_output_tokens for n in nodes for m in n.models if m.model == model])
+
+
+def bound_output(request: wire.GenerateRequest, nodes: list[wire.NodeStatus],
+                 param: str = "max_tokens") -> wire.GenerateRequest:
+    """The one rule for how long an answer may be, the same on every API (`param` is what the
+    client's API calls the field): a missing value becomes the output limit the model advertises,
+    a larger one is a 400 `context_length_exceeded`. Where no node advertises a limit the request
+    goes as it is, and the worker refuses what cannot fit its context."""
+    limit = output_limit(nodes, request.model)
+    wanted = request.sampling.max_tokens
+    if limit is None or (wanted is not None and wanted <= limit):
+        return request
+    if wanted is None:
+        return msgspec.structs.replace(request, sampling=msgspec.structs.replace(request.sampling, max_tokens=limit))
+    context = _smallest([m.max_model_len for n in nodes for m in n.models if m.model == request.model])
+    window = f"This model's maximum context length is {context} tokens, of which" if context else "Of this model's context,"
+    raise _refuse(f"{window} at most {limit} are for the completion. However, you requested {wanted} completion "
+                  f"tokens ('{param}'). Please reduce '{param}'.", param, ErrorCode.CONTEXT_LENGTH_EXCEEDED)

@@ -47,7 +47,7 @@ def bodies(system: System, model: str) -> dict[str, dict[str, Any]]:
                      "tools": [WEATHER],
                      "messages": [{"role": "system", "content": "You are opencode, an interactive CLI agent."},
                                   {"role": "user", "content": [{"type": "text", "text": QUESTION}]}]},
-        "continue": {"model": model, "stream": True, "max_tokens": 4096, "temperature": 0.5,
+        "continue": {"model": model, "stream": True, "max_tokens": output_limit(system, model), "temperature": 0.5,
                      "stop": ["<|endoftext|>"], "tools": [WEATHER],
                      "messages": [{"role": "system", "content": "You are a helpful coding assistant."},
                                   {"role": "user", "content": QUESTION}]},

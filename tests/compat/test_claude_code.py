@@ -49,7 +49,9 @@ FIRST_TURN = [{"role": "user", "content": [
 
 
 def claude_request(model: str, messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-    return {"model": model, "max_tokens": 4096, "messages": messages, "system": SYSTEM, "tools": TOOLS,
+    # Claude Code asks for its output budget (CLAUDE_CODE_MAX_OUTPUT_TOKENS); here the scripted model's
+    # advertised output limit (a quarter of its 8192-token context), since more is a 400.
+    return {"model": model, "max_tokens": 2048, "messages": messages, "system": SYSTEM, "tools": TOOLS,
             "tool_choice": {"type": "auto"}, "thinking": {"type": "enabled", "budget_tokens": 1024},
             "metadata": {"user_id": "user_5f2c_account_8e1d_session_1a2b"}, "stream": True, "temperature": 1,
             **extra}

@@ -1,7 +1,8 @@
-"""The README's SQL, run as written against a populated ledger, with the shape and values it must return.
+"""The documented SQL, run as written against a populated ledger, with the shape and values it must return.
 
-`QUERIES` are the five queries of the README section "The ledger in SQL" and `PRUNE` its retention
-statement, verbatim; every ```sql block of that section is also run as written.
+`QUERIES` are the five queries of `docs/ledger.md` and `PRUNE` its retention statement, verbatim (a
+test checks they are still there as written); every ```sql block of `docs/ledger.md` and of the
+README is also run as written.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import math
 import re
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import asyncpg
 import pytest
@@ -185,16 +187,26 @@ async def test_prune_keeps_recent_rows_and_drops_old_ones(conn: asyncpg.Connecti
     assert await conn.fetchval("SELECT array_agg(response_id) FROM responses") == ["resp_recent"]
 
 
-def _readme_statements() -> list[str]:
-    text = (REPO / "README.md").read_text()
-    section = re.search(r"^## The ledger in SQL\n(.*?)(?=^## )", text, re.S | re.M)
-    assert section, "README has no 'The ledger in SQL' section"
-    blocks = re.findall(r"```sql\n(.*?)```", section.group(1), re.S)
+LEDGER_DOC = REPO / "docs" / "ledger.md"
+# Where SQL is shown to users: every ```sql block of these files is run.
+SQL_DOCS = (LEDGER_DOC, REPO / "README.md")
+
+
+def _statements(path: Path) -> list[str]:
+    blocks = re.findall(r"```sql\n(.*?)```", path.read_text(), re.S)
     return [s.strip() for block in blocks for s in block.split(";") if re.sub(r"--[^\n]*", "", s).strip()]
 
 
-async def test_every_readme_statement_runs_as_written(conn: asyncpg.Connection, ledger: dict) -> None:
-    statements = _readme_statements()
-    assert statements
+def test_the_checked_queries_are_the_documented_ones() -> None:
+    text = LEDGER_DOC.read_text()
+    for name, sql in {**QUERIES, "prune": PRUNE}.items():
+        assert sql.strip() in text, f"the {name} query is no longer in {LEDGER_DOC.name} as written"
+
+
+@pytest.mark.parametrize("path", SQL_DOCS, ids=lambda p: p.name)
+async def test_every_documented_statement_runs_as_written(conn: asyncpg.Connection, ledger: dict,
+                                                          path: Path) -> None:
+    statements = _statements(path)
+    assert statements, f"{path.name} shows no SQL"
     for statement in statements:
         await conn.fetch(statement)
