@@ -84,9 +84,15 @@ def _needs(dtype: str) -> tuple[tuple[str, ...], ...]:
     return (_ARM_NEEDS if arm else _X86_NEEDS).get(dtype, ())
 
 
+def needed(dtype: str | torch.dtype) -> str:
+    """What oneDNN needs for `dtype` on this architecture, e.g. "avx512bw/avx512vl/avx512dq or
+    avx_ne_convert"."""
+    return " or ".join("/".join(alternative) for alternative in _needs(_name(dtype)))
+
+
 def missing(dtype: str | torch.dtype) -> str:
-    """The CPU features oneDNN wants for `dtype` that this CPU lacks, e.g.
-    "avx512bw/avx512vl/avx512dq or avx_ne_convert"; "" where it lacks none of any alternative."""
+    """The CPU features oneDNN wants for `dtype` that this CPU lacks, in the same form as `needed`;
+    "" where it lacks none of some alternative."""
     flags = cpu_flags()
     lacking = [[f for f in alternative if f not in flags] for alternative in _needs(_name(dtype))]
     if lacking and all(lacking):
@@ -100,10 +106,10 @@ def unsupported_reason(dtype: str | torch.dtype) -> str:
     lacking = missing(name)
     if lacking:
         why = f"oneDNN: no {lacking}"
-    elif name in forced_unsupported():
-        why = f"forced by {FORCE_UNSUPPORTED_ENV}"
+    elif name in forced_unsupported():  # the CPU has what oneDNN needs: say what a real one lacks
+        why = f"forced by {FORCE_UNSUPPORTED_ENV}; oneDNN needs {needed(name)}"
     else:
-        why = "oneDNN's own check"
+        why = f"by oneDNN's own check; it needs {needed(name)}"
     return f"{SHORT.get(name, name)} unsupported here ({why})"
 
 

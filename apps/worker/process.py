@@ -99,6 +99,10 @@ class WorkerProcess:
         ready: dict[str, Any] = {"node": self.node, "models": sorted(self.models)}
         if first is not None:
             ready.update(model=first.model_id, max_model_len=first.context.derive().context)
+            info = first.engine.info
+            # What the engine runs in and why (the banner of `helexa up` shows them); scripted
+            # engines have no dtype, and unknown fields stay absent.
+            ready.update({k: v for k, v in (("dtype", info.dtype), ("dtype_reason", info.dtype_reason)) if v})
         announce_ready("worker", **ready)
         self.ready.set()
         stopping, lost = asyncio.create_task(stop.wait()), asyncio.create_task(self._closed.wait())
@@ -334,3 +338,6 @@ class BusConnectionLost(Exception):
 
 # EX_TEMPFAIL: a temporary failure; starting again is the cure.
 EXIT_BUS_LOST = 75
+# EX_CONFIG: the engine refused the configuration on this machine (`engine.protocol.EngineRefused`,
+# e.g. a dtype the CPU cannot run); starting again would fail the same way.
+EXIT_REFUSED = 78

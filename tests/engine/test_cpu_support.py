@@ -55,4 +55,5 @@ def test_a_forced_refusal_on_a_cpu_that_has_the_features_says_so(monkeypatch: py
     monkeypatch.setattr(cpu_support, "cpu_flags", lambda: {"avx512bw", "avx512vl", "avx512dq"})
     monkeypatch.setattr(cpu_support.platform, "machine", lambda: "x86_64")
     assert cpu_support.missing("bfloat16") == ""
-    assert cpu_support.unsupported_reason("bfloat16") == f"bf16 unsupported here (forced by {FORCE_UNSUPPORTED_ENV})"
+    assert (cpu_support.unsupported_reason("bfloat16") == f"bf16 unsupported here (forced by {FORCE_UNSUPPORTED_ENV}; "
+            "oneDNN needs avx512bw/avx512vl/avx512dq or avx_ne_convert)")
