@@ -41,6 +41,7 @@ from apps.worker.liveness import Cancellations
 from apps.worker.model_loop import ModelLoop, NodeBus
 from apps.worker.replies import CollectingReplier
 from apps.worker.run import ServedModel
+from engine.protocol import EngineRefused
 
 log = logging.getLogger("helexa.worker")
 
@@ -268,6 +269,9 @@ class WorkerProcess:
                 await self._add(loop)
             except ServingError:
                 raise
+            except EngineRefused as exc:  # this worker's configuration cannot run here: one line, no traceback
+                log.error("model load refused: %s", exc, extra={"model": model})
+                raise ServingError(409, ErrorCode.MODEL_UNAVAILABLE, f"loading '{model}' refused: {exc}") from None
             except Exception as exc:
                 log.exception("model load failed", extra={"model": model})
                 raise ServingError(500, ErrorCode.INTERNAL_ERROR, f"loading '{model}' failed: {exc}") from exc

@@ -1,15 +1,26 @@
 """A worker on a CPU without oneDNN's bf16 and fp16 paths (a Zen 3, any AVX2-only part; here forced
 with HELEXA_TEST_UNSUPPORTED_DTYPES, which the engine core's process reads too): with the default
 settings it starts in fp32 without trying bf16, says why in its `ready` line and in /v1/models, and
-answers; HELEXA_DTYPE=bfloat16 there ends the start with one line naming the CPU features."""
+answers; HELEXA_DTYPE=bfloat16 there ends the start with one line naming the CPU features, and a
+model load the engine refuses is a 409 in one line."""
 
 from __future__ import annotations
 
-import httpx
+import asyncio
+import logging
 
-from apps.worker.process import EXIT_REFUSED
+import httpx
+import pytest
+
+from apps.bus.codes import ServingError
+from apps.bus.topology import BusLimits
+from apps.embedded.nats_server import NatsServer
+from apps.fleet.catalogue import CatalogueEntry
+from apps.settings import WorkerSettings
+from apps.worker.model_loop import ModelLoop
+from apps.worker.process import EXIT_REFUSED, WorkerProcess
 from engine import cpu_support
-from engine.cpu_support import FORCE_UNSUPPORTED_ENV
+from engine.cpu_support import FORCE_UNSUPPORTED_ENV, UnsupportedDtype
 from tests.e2e.conftest import STATUS_INTERVAL_S, System
 from tests.support import AppProcess, eventually
 
@@ -70,3 +81,30 @@ def test_helexa_dtype_bfloat16_without_bf16_ends_the_start_in_one_line() -> None
     # Nothing else was started: no kernel build, no weights, no dtype measurement.
     assert not any(line["event"].startswith(("compiling CPU kernels", "loading weights", "measuring "))
                    for line in worker.lines)
+
+
+async def test_a_load_the_engine_refuses_is_a_409_in_one_line(own_nats: NatsServer,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """`helexa models load` of a model whose engine refuses this worker's configuration (its
+    HELEXA_DTYPE on this CPU): a 409 naming why, one log line, no traceback; the worker serves on."""
+    refusal = "dtype bfloat16 cannot run on this CPU: bf16 unsupported here (oneDNN: no avx512bw/...)"
+
+    async def opener(source: str, served_name: str, memory_mb: int) -> ModelLoop:
+        raise UnsupportedDtype(refusal)
+
+    process = WorkerProcess(WorkerSettings(nats_url=own_nats.url, node_id="refusing", status_interval_s=0.5),
+                            BusLimits(), opener, {"m": CatalogueEntry(model="m", source="m.gguf")})
+    stop = asyncio.Event()
+    running = asyncio.create_task(process.run(stop))
+    try:
+        await asyncio.wait_for(process.ready.wait(), 30)
+        caplog.clear()
+        with pytest.raises(ServingError) as refused:
+            await process.load("m")
+        assert refused.value.status == 409 and refusal in refused.value.message
+        records = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert [r.getMessage() for r in records] == [f"model load refused: {refusal}"]
+        assert records[0].exc_info is None and process.loading == set() and "m" not in process.models
+    finally:
+        stop.set()
+        await asyncio.wait_for(running, 30)
