@@ -78,7 +78,8 @@ def cmd_worker(args: argparse.Namespace) -> None:
     from apps.fleet.catalogue import load_catalogue
     from apps.settings import WorkerSettings, bus_limits, catalogue_file
     from apps.worker.loading import open_model
-    from apps.worker.process import EXIT_BUS_LOST, BusConnectionLost, WorkerProcess
+    from apps.worker.process import EXIT_BUS_LOST, EXIT_REFUSED, BusConnectionLost, WorkerProcess
+    from engine.protocol import EngineRefused
 
     settings = WorkerSettings()
     if args.model:
@@ -98,6 +99,10 @@ def cmd_worker(args: argparse.Namespace) -> None:
         _run_until_signal(main)
     except BusConnectionLost:
         raise SystemExit(EXIT_BUS_LOST) from None
+    except EngineRefused as exc:  # e.g. HELEXA_DTYPE=bfloat16 on a CPU without bf16: one line, no traceback
+        logging.getLogger("helexa.worker").error(f"the worker cannot start (HELEXA_DTYPE={settings.dtype}): {exc}",
+                                                 extra={"model": settings.model or "default"})
+        raise SystemExit(EXIT_REFUSED) from None
 
 
 def cmd_models(args: argparse.Namespace) -> None:

@@ -37,6 +37,7 @@ from engine.protocol import (
     CoreReady,
     CoreStats,
     EngineOutput,
+    EngineRefused,
     EngineRequest,
     FinishReason,
     FromCore,
@@ -285,19 +286,29 @@ class EngineCore:
 
 
 def build_core(config: EngineConfig) -> EngineCore:
+    """The engine for `config`, each step of a start that takes seconds announced in the log (the
+    CPU kernels' one-time build, the dtype measurement, the weights). A dtype this CPU cannot run
+    is refused first (`engine.cpu_support.UnsupportedDtype`), before anything is built."""
+    from engine import cpu_support
     from engine.dtype_cache import default_cache_path
     from engine.dtype_choice import choose_dtype
-    from engine.loader import load_checkpoint, read_model_config
+    from engine.loader import load_checkpoint, read_model_config, weights_bytes
 
     if config.device == "auto":
         config = dataclasses.replace(config, device="cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(config.device).type
+    if config.dtype != "auto":
+        cpu_support.require(config.dtype, device)
     # Picked before the dtype is measured: the linears are timed as this backend runs them.
     ops.use_backend(config.kernels, config.device)
-    choice = choose_dtype(config, read_model_config(config.model), torch.device(config.device).type,
-                          default_cache_path())
+    choice = choose_dtype(config, read_model_config(config.model), device, default_cache_path())
+    start = time.perf_counter()
+    log.info("loading weights (%d MiB on disk) as %s from %s ...", weights_bytes(config.model) >> 20,
+             choice.dtype, config.model)
     checkpoint = load_checkpoint(config.model, dtype=choice.torch_dtype, device=config.device)
+    log.info("weights loaded in %.1f s", time.perf_counter() - start)
     core = EngineCore(checkpoint, config)
-    core.info = msgspec.structs.replace(core.info, dtype=choice.dtype, dtype_reason=choice.reason,
+    core.info = msgspec.structs.replace(core.info, dtype=choice.dtype, dtype_reason=choice.detail,
                                         dtype_timings_ms=choice.timings_ms)
     return core
 
@@ -361,6 +372,9 @@ def run_core_process(conn: Connection, config: EngineConfig) -> None:
 
     try:
         core = build_core(config)
+    except EngineRefused as exc:  # a configuration this machine cannot run: one line, no traceback
+        send(CoreFailed(error=str(exc), refused=True))
+        return
     except Exception as exc:  # reported to the parent, which decides what to do
         send(CoreFailed(error=f"{type(exc).__name__}: {exc}"))
         return

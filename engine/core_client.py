@@ -26,6 +26,7 @@ from engine.protocol import (
     CoreReady,
     CoreStats,
     EngineOutput,
+    EngineRefused,
     EngineRequest,
     FinishReason,
     Shutdown,
@@ -41,8 +42,9 @@ log = logging.getLogger("helexa.engine")
 class AsyncEngine:
     """Implements `engine.protocol.Engine`; `await AsyncEngine.start(config)` to get one."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, process_setup: Callable[[], None] | None = None) -> None:
         self.config = config
+        self.process_setup = process_setup
         self._info: CoreInfo | None = None
         self._stats = CoreStats()
         self._queues: dict[str, asyncio.Queue[EngineOutput]] = {}
@@ -53,8 +55,12 @@ class AsyncEngine:
         self._closed = False
 
     @classmethod
-    async def start(cls, config: EngineConfig) -> AsyncEngine:
-        engine = cls(config)
+    async def start(cls, config: EngineConfig, process_setup: Callable[[], None] | None = None) -> AsyncEngine:
+        """Start a core for `config`. `process_setup` (picklable: a module-level function or a
+        partial of one) runs first in the core's process: the worker sets up its logging there, so
+        what the core says while it starts (kernel build, dtype, weights) reaches the worker's log.
+        Raises `EngineRefused` where the core refuses the configuration on this machine."""
+        engine = cls(config, process_setup)
         await engine._spawn()
         return engine
 
@@ -62,7 +68,7 @@ class AsyncEngine:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
         # Named by string: importing engine.core here would import torch into the worker.
-        self._process = ctx.Process(target=_core_entry, args=(child, self.config), daemon=True,
+        self._process = ctx.Process(target=_core_entry, args=(child, self.config, self.process_setup), daemon=True,
                                     name="helexa-engine-core")
         self._process.start()
         child.close()
@@ -70,6 +76,8 @@ class AsyncEngine:
         message = await asyncio.to_thread(self._recv_startup)
         if not isinstance(message, CoreReady):
             self._process.join(5)
+            if message.refused:
+                raise EngineRefused(message.error)
             raise RuntimeError(f"engine core failed to start: {message.error}")
         self._info = message.info
         self._stats = CoreStats(num_blocks=message.info.num_blocks, num_free_blocks=message.info.num_blocks)
@@ -225,8 +233,10 @@ class OutputStream:
             release(self._finished)
 
 
-def _core_entry(conn: Connection, config: EngineConfig) -> None:
+def _core_entry(conn: Connection, config: EngineConfig, process_setup: Callable[[], None] | None) -> None:
     """The spawned process's target: only here is the torch-side core imported."""
+    if process_setup is not None:
+        process_setup()
     from engine.core import run_core_process
 
     run_core_process(conn, config)

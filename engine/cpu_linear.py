@@ -20,8 +20,11 @@ Where the CPU has AMX-BF16 the kernel multiplies on AMX tiles, from the same pac
 
 The checkpoint's own weight stays as it is (the loader, tied embeddings and the parity tests read
 it); each packed copy costs one more copy of the linear weights in memory. Only CPU tensors in
-fp32 or bf16 are packed, and only where this torch has oneDNN; everything else runs `F.linear`.
-`dtype_choice` times the same op the engine will run (`linear_op`).
+fp32 or bf16 are packed, only where this torch has oneDNN, and bf16 only where oneDNN supports it
+on this CPU (`engine.cpu_support`: on an AVX2-only part oneDNN's bf16 reorder raises, where
+`F.linear` still runs); everything else runs `F.linear`. `pack` refuses such a weight itself,
+so nothing reaches oneDNN's bf16 path on a CPU without it. `dtype_choice` times the same op the
+engine will run (`linear_op`).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import ops
+from engine import cpu_support, ops
 from helexa_kernels import cpu as cpu_kernels
 
 log = logging.getLogger("helexa.engine")
@@ -48,11 +51,13 @@ BATCH_HINT = 16
 
 def can_pack(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype in PACKABLE
-            and torch.backends.mkldnn.is_available())
+            and torch.backends.mkldnn.is_available() and cpu_support.dtype_supported(weight.dtype))
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] -> an opaque oneDNN tensor of the same weight, laid out for its matmul."""
+    """[out, in] -> an opaque oneDNN tensor of the same weight, laid out for its matmul. Raises
+    `UnsupportedDtype` for a dtype this CPU's oneDNN cannot run (as oneDNN itself would)."""
+    cpu_support.require(str(weight.dtype).removeprefix("torch."))
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
 
 
@@ -70,8 +75,10 @@ KERNEL_PROBE_PASSES = 5
 
 
 def _kernel_built() -> bool:
-    """The C++ kernels are picked (`engine.ops`) and this build has the bf16 linear."""
-    return ops.cpu_kernels_picked() and cpu_kernels.bf16_linear_available()
+    """The C++ kernels are picked (`engine.ops`), this build has the bf16 linear, and bf16 runs here
+    at all (its measurement packs a bf16 weight for oneDNN too)."""
+    return (cpu_support.dtype_supported("bfloat16") and ops.cpu_kernels_picked()
+            and cpu_kernels.bf16_linear_available())
 
 
 def _kernel_applies(weight: torch.Tensor) -> bool:
@@ -91,6 +98,7 @@ def bf16_kernel_rows() -> int:
         return int(json.loads(remembered.read_text())["rows"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
+    log.info("timing the bf16 linear kernel against oneDNN (once per machine and build) ...")
     rows, timings = _measure_kernel_rows()
     log.info("bf16 linear kernel for up to %d rows, oneDNN above (one thread, ms per %d MiB of "
              "weights: %s)", rows, KERNEL_PROBE_WEIGHTS * KERNEL_PROBE_SHAPE[0] * KERNEL_PROBE_SHAPE[1] * 2 >> 20,
@@ -221,8 +229,12 @@ class Linear(nn.Linear):
 
 def prepack_model(model: nn.Module) -> int:
     """Pack every `Linear` of the model that can be (call once its weights are loaded);
-    returns how many were."""
-    packed = sum(module.prepack() for module in model.modules() if isinstance(module, Linear))
-    if packed:
-        log.info("%d linear layers prepacked", packed)
+    returns how many were. Seconds for a small model on 2 cores, so it is announced."""
+    linears = [module for module in model.modules() if isinstance(module, Linear)]
+    if not any(can_pack(module.weight) for module in linears):
+        return 0
+    log.info("prepacking %d linear layers for oneDNN ...", len(linears))
+    start = time.perf_counter()
+    packed = sum(module.prepack() for module in linears)
+    log.info("%d linear layers prepacked in %.1f s", packed, time.perf_counter() - start)
     return packed

@@ -1,14 +1,20 @@
-"""Which dtype the engine runs its weights and activations in: by measurement on this machine.
+"""Which dtype the engine runs its weights and activations in: among those this CPU can run, by
+measurement on this machine.
 
-CPUs disagree about bf16: AVX2-only parts run a bf16 linear ~3× slower than fp32, AVX-512-BF16
-and AMX parts 2–6× faster once a batch has a few rows, and fp16 is fast only where the CPU has
-fp16 arithmetic. So on CPU `auto` times the model's own projection shapes (every linear layer of
-the model as built, the LM head) for the three row counts the engine runs: one decoding
-sequence, a full decode batch (`max_num_seqs` rows) and a prefill chunk; and takes the dtype with
-the lowest geometric mean of time relative to fp32, if it beats fp32 by `MIN_GAIN`. fp32 wins
-ties: it is the accurate one. On CUDA `auto` is bfloat16. An explicit dtype (`HELEXA_DTYPE`) is
-taken as it is. A measurement is remembered per machine and model shapes (`engine.dtype_cache`),
-so restarts do not repeat it.
+CPUs disagree about bf16: AVX2-only parts cannot run oneDNN's bf16 path at all (nor its fp16
+one without AVX512-FP16 or AVX-NE-CONVERT), AVX-512-BF16 and AMX parts run it 2–6× faster once a
+batch has a few rows. So on CPU `auto` first keeps the candidates oneDNN says this CPU supports
+(`engine.cpu_support`; the others are never tried, not even timed). Where only fp32 is left it is
+the choice, with no measurement. Otherwise it times the model's own projection shapes (every
+linear layer of the model as built, the LM head) for the three row counts the engine runs: one
+decoding sequence, a full decode batch (`max_num_seqs` rows) and a prefill chunk; and takes the
+dtype with the lowest geometric mean of time relative to fp32, if it beats fp32 by `MIN_GAIN`.
+fp32 wins ties: it is the accurate one. On CUDA `auto` is bfloat16. An explicit dtype
+(`HELEXA_DTYPE`) is taken as it is where the CPU runs it and refused (`UnsupportedDtype`, one
+line naming the missing CPU feature) where it does not. A measurement is remembered per machine,
+candidates and model shapes (`engine.dtype_cache`), so restarts do not repeat it. Every choice
+comes with a sentence saying why (`DtypeChoice.detail`), which the worker logs, puts in its
+`ready` line and publishes in its node status.
 
 Whatever the choice, the precision-sensitive parts stay in fp32 in the model code: norm
 statistics, softmax, sampling (logits are upcast) and the hybrid models' recurrent state.
@@ -33,7 +39,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine import cpu_linear, dtype_cache
+from engine import cpu_linear, cpu_support, dtype_cache
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
 
@@ -50,6 +56,8 @@ PREFILL_ROWS = 512
 REPEATS = 4
 # A candidate this many times slower than fp32 on a pass is not timed again for that scenario.
 HOPELESS = 4.0
+# What the start-up log line promises a measurement takes (a few seconds on 2 to 16 cores).
+MEASURE_ESTIMATE = "~10 s"
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +71,10 @@ class Scenario:
 @dataclass(slots=True)
 class DtypeChoice:
     dtype: str
-    reason: str  # "measured", "configured", "cuda"
+    # "measured"; "configured"; "cuda"; "only-supported": fp32, the only candidate this CPU runs.
+    reason: str
+    # Why, in a sentence for operators (log, ready line, node status).
+    detail: str = ""
     # dtype -> scenario -> estimated ms of the model's projections for that many rows
     timings_ms: dict[str, dict[str, float]] = field(default_factory=dict)
     measure_s: float = 0.0
@@ -92,52 +103,91 @@ def linear_shapes(model_config: ModelConfig) -> tuple[list[tuple[int, int]], tup
     return shapes, (model_config.hidden_size, model_config.vocab_size)
 
 
+def supported_candidates() -> tuple[str, ...]:
+    """The candidates this CPU runs (`engine.cpu_support`), fp32 always among them."""
+    return tuple(d for d in CANDIDATES if cpu_support.dtype_supported(d))
+
+
 def choose_dtype(config: EngineConfig, model_config: ModelConfig, device: str,
                  cache: Path | None = None) -> DtypeChoice:
-    """The configured dtype; bfloat16 on CUDA; on CPU the measured one (remembered in `cache`,
-    see `engine.dtype_cache`, keyed by this CPU, torch, its threads and the measured shapes)."""
+    """The configured dtype (refused with `UnsupportedDtype` where this CPU cannot run it);
+    bfloat16 on CUDA; on CPU float32 where it is the only dtype the CPU runs, else the measured one
+    (remembered in `cache`, see `engine.dtype_cache`, keyed by this CPU, torch, its threads, the
+    candidates and the measured shapes)."""
     if config.dtype != "auto":
-        return DtypeChoice(config.dtype, "configured")
+        cpu_support.require(config.dtype, device)
+        result = DtypeChoice(config.dtype, "configured", f"configured ({config.dtype})")
+        log.info("dtype %s as configured", result.dtype)
+        return result
     if device != "cpu":
-        return DtypeChoice("bfloat16", device)
+        return DtypeChoice("bfloat16", device, f"bfloat16 on {device}")
+    candidates = supported_candidates()
+    unsupported = [cpu_support.unsupported_reason(d) for d in CANDIDATES if d not in candidates]
+    cpu = f"CPU: {cpu_support.flags_summary()}"
+    if candidates == ("float32",):
+        result = DtypeChoice("float32", "only-supported", "; ".join([*unsupported, cpu]))
+        log.info("dtype float32, not measured: %s", result.detail)
+        return result
     cases = scenarios(config)
     key = dtype_cache.cache_key(torch.__version__, torch.get_num_threads(), linear_shapes(model_config),
-                                [(c.rows, c.with_lm_head, c.budget) for c in cases], CANDIDATES, MIN_GAIN,
+                                [(c.rows, c.with_lm_head, c.budget) for c in cases], candidates, MIN_GAIN,
                                 cpu_linear.method())
     entry = dtype_cache.load(cache, key) if cache is not None else None
     if entry is not None:
-        result = DtypeChoice(entry["dtype"], "measured", entry["timings_ms"], entry["measure_s"])
-        log.info("dtype %s as measured on this machine at %s (%s): %s", result.dtype,
-                 entry.get("measured_at"), cache, result.timings_ms)
+        timings = entry["timings_ms"]
+        detail = "; ".join([f"measured on this machine at {entry.get('measured_at')}: "
+                            f"{describe(timings, candidates, entry['dtype'])}", *unsupported, cpu])
+        result = DtypeChoice(entry["dtype"], "measured", detail, timings, entry["measure_s"])
+        log.info("dtype %s as measured before (%s): %s", result.dtype, cache, result.detail,
+                 extra={"timings_ms": timings})
         return result
+    log.info("measuring %s on the model's shapes (once per machine and model, %s) ...", " vs ".join(candidates),
+             MEASURE_ESTIMATE)
     start = time.perf_counter()
-    timings = measure(model_config, cases)
-    result = DtypeChoice(pick(timings), "measured", timings, round(time.perf_counter() - start, 2))
-    log.info("dtype %s by measurement (%.1f s): %s", result.dtype, result.measure_s, timings)
+    timings = measure(model_config, cases, candidates)
+    dtype = pick(timings)
+    measure_s = round(time.perf_counter() - start, 2)
+    detail = "; ".join([f"measured in {measure_s:.1f} s: {describe(timings, candidates, dtype)}",
+                        *unsupported, cpu])
+    result = DtypeChoice(dtype, "measured", detail, timings, measure_s)
+    log.info("dtype %s: %s", result.dtype, result.detail, extra={"timings_ms": timings})
     if cache is not None:
         dtype_cache.store(cache, key, {"dtype": result.dtype, "timings_ms": timings,
                                        "measure_s": result.measure_s})
     return result
 
 
+def relative_time(timings: dict[str, dict[str, float]], dtype: str) -> float:
+    """`dtype`'s time over fp32's: the geometric mean over the scenarios."""
+    base = timings["float32"]
+    ratios = [timings[dtype][name] / base[name] for name in base]
+    return math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+
+
+def describe(timings: dict[str, dict[str, float]], candidates: tuple[str, ...], picked: str) -> str:
+    """The measurement in words: each candidate's time relative to fp32's, and the pick."""
+    rows = "/".join(name.removeprefix("rows_") for name in timings["float32"])
+    compared = [f"{d} at {relative_time(timings, d):.2f}x float32's time over {rows} rows" for d in timings
+                if d != "float32"]
+    compared += [f"{d} slower on one layer, not measured further" for d in candidates if d not in timings]
+    return f"{picked} ({', '.join(compared)}; another dtype must be {MIN_GAIN}x faster than float32)"
+
+
 def pick(timings: dict[str, dict[str, float]]) -> str:
     """The dtype with the lowest geometric mean of time relative to fp32, if it gains MIN_GAIN."""
-    base = timings["float32"]
-
-    def relative(dtype: str) -> float:
-        ratios = [timings[dtype][name] / base[name] for name in base]
-        return math.exp(sum(math.log(r) for r in ratios) / len(ratios))
-
-    best = min(timings, key=relative)
-    return best if relative(best) * MIN_GAIN <= 1.0 else "float32"
+    best = min(timings, key=lambda dtype: relative_time(timings, dtype))
+    return best if relative_time(timings, best) * MIN_GAIN <= 1.0 else "float32"
 
 
 def measure(model_config: ModelConfig, cases: list[Scenario],
-            candidates: tuple[str, ...] = CANDIDATES) -> dict[str, dict[str, float]]:
-    """Estimated ms of the model's projections per scenario and dtype. A candidate slower than
+            candidates: tuple[str, ...] | None = None) -> dict[str, dict[str, float]]:
+    """Estimated ms of the model's projections per scenario and dtype, for `candidates` (default:
+    those this CPU runs; a dtype it cannot run is never timed). A candidate slower than
     fp32 at a decode batch on one layer's shapes is not measured further (fp16 without fp16
     arithmetic takes seconds where fp32 takes milliseconds)."""
     shapes, lm_head = linear_shapes(model_config)
+    if candidates is None:
+        candidates = supported_candidates()
     candidates = tuple(d for d in candidates if d == "float32" or _worth_measuring(d, shapes, cases[1].rows))
     budget = max(case.budget for case in cases)
     stack, _ = _prefix(shapes, budget)

@@ -16,7 +16,7 @@ class EngineConfig:
     # "auto": CUDA when the core process finds a GPU, else the CPU (resolved there, with torch).
     device: str = "cpu"
     # "auto": measured on CPU (engine.dtype_choice: the faster of fp32 / bf16 / fp16 for this
-    # model's shapes on this CPU), bfloat16 on CUDA. Workers ask for "auto" (HELEXA_DTYPE's
+    # model's shapes, among those this CPU runs), bfloat16 on CUDA. Workers ask for "auto" (HELEXA_DTYPE's
     # default); an engine built directly (tests, in-process benchmarks) is fp32 unless told.
     dtype: str = "float32"
     block_size: int = 16

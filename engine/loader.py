@@ -52,6 +52,18 @@ def read_model_config(path: str | Path) -> ModelConfig:
     return ModelConfig.from_hf_config(json.loads((path / "config.json").read_text(encoding="utf-8")))
 
 
+def weights_bytes(path: str | Path) -> int:
+    """How many bytes of weights a source holds on disk (0 where it cannot tell): for the log line
+    that says a load has started."""
+    path = Path(path)
+    try:
+        if is_gguf(path):
+            return path.stat().st_size
+        return sum(file.stat().st_size for file in _safetensors_files(path))
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
 def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str) -> Checkpoint:
     gguf = GGUFFile(path)
     config = read_config(gguf)

@@ -188,8 +188,9 @@ class CoreInfo(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int
     eos_token_ids: list[int] = []
     max_position_embeddings: int = 0
-    # The weights' and activations' dtype, why ("measured", "configured", "cuda"), and the
-    # measurement: dtype -> scenario ("rows_1", "rows_16", ...) -> ms (engine.dtype_choice).
+    # The weights' and activations' dtype, why in a sentence for operators ("measured: ...",
+    # "configured", "bf16 unsupported here (oneDNN: no ...)"), and the measurement: dtype ->
+    # scenario ("rows_1", "rows_16", ...) -> ms (engine.dtype_choice).
     dtype: str = ""
     dtype_reason: str = ""
     dtype_timings_ms: dict[str, dict[str, float]] = {}
@@ -239,6 +240,8 @@ class CoreFailed(msgspec.Struct, frozen=True, tag=True):
     """The core could not start (the model did not load); the text says why."""
 
     error: str
+    # The core refused a configuration this machine cannot run (`EngineRefused`): not a crash.
+    refused: bool = False
 
 
 class StepOutputs(msgspec.Struct, frozen=True, tag=True):
@@ -256,6 +259,12 @@ from_core_decoder = msgspec.msgpack.Decoder(FromCore)
 
 
 # --- faults ----------------------------------------------------------------------------------
+
+class EngineRefused(Exception):
+    """A configuration the engine will not start with on this machine (a dtype its CPU cannot
+    run): its message is one line for the operator, no traceback, and the core sends it as a
+    `CoreFailed` with `refused` set, which the client raises again as this."""
+
 
 class DeviceFault(RuntimeError):
     """The accelerator failed under the model (an illegal access, a lost device): its weights and

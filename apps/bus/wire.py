@@ -314,6 +314,8 @@ class ModelStatus(Wire, kw_only=True):
     vocab_size: int = 0
     # The engine's weight/activation dtype ("" unknown), measured at start on CPU.
     dtype: str = ""
+    # Why that dtype, in a sentence ("" unknown): measured figures, or "bf16 unsupported here (...)".
+    dtype_reason: str = ""
 
 
 class NodeStatus(Wire, kw_only=True):

@@ -1,4 +1,6 @@
-"""GET /v1/models: every model some live worker serves, with the limits they advertise."""
+"""GET /v1/models: every model some live worker serves, with the limits they advertise and, under
+`helexa`, what each node runs it in (`dtype`, and `dtype_reason`: why, e.g. "bf16 unsupported
+here (oneDNN: no avx512bw/avx512vl/avx512dq or avx_ne_convert)")."""
 
 from __future__ import annotations
 
@@ -8,6 +10,19 @@ from litestar import get
 from litestar.datastructures import State
 
 from apps.bus import wire
+
+
+def _helexa_entry(statuses: list[tuple[str, wire.ModelStatus]]) -> dict[str, Any]:
+    """Per node, the dtype and why; at the top the same two where every node agrees (a fleet of
+    like machines, or one node). Unknown values are absent."""
+    nodes = [{"node": node, **{k: v for k, v in (("dtype", s.dtype), ("dtype_reason", s.dtype_reason)) if v}}
+             for node, s in statuses]
+    entry: dict[str, Any] = {"nodes": nodes}
+    for key in ("dtype", "dtype_reason"):
+        values = {n.get(key) for n in nodes}
+        if len(values) == 1 and None not in values:
+            entry[key] = values.pop()
+    return entry
 
 
 def _model_entry(model: str, statuses: list[wire.ModelStatus], created: int) -> dict[str, Any]:
@@ -31,11 +46,15 @@ def _model_entry(model: str, statuses: list[wire.ModelStatus], created: int) -> 
 
 @get("/v1/models")
 async def list_models(state: State) -> dict[str, Any]:
-    by_model: dict[str, list[wire.ModelStatus]] = {}
+    by_model: dict[str, list[tuple[str, wire.ModelStatus]]] = {}
     first_seen: dict[str, int] = {}
     for node in await state.registry.live_nodes():
         for status in node.models:
-            by_model.setdefault(status.model, []).append(status)
+            by_model.setdefault(status.model, []).append((node.node, status))
             first_seen[status.model] = min(first_seen.get(status.model, 1 << 62), int(node.updated_at))
-    data = [_model_entry(m, by_model[m], first_seen[m]) for m in sorted(by_model)]
+    data = []
+    for m in sorted(by_model):
+        entry = _model_entry(m, [status for _, status in by_model[m]], first_seen[m])
+        entry["helexa"] = _helexa_entry(by_model[m])
+        data.append(entry)
     return {"object": "list", "data": data}

@@ -2,13 +2,18 @@
 
 One function so `helexa worker` and a load from the catalogue build engines the same way; with
 `script`, the engine replies from that script (tests) but the tokenizer is still the model's.
+The engine core's process logs as the worker does (JSON lines on the same stderr), so the steps of
+a start that take long (the CPU kernels' one-time build, a wait on another start's build, the
+dtype measurement, the weights) each say so while they run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
+from apps import logs
 from apps.fleet.catalogue import DEFAULT_SOURCE
 from apps.settings import WorkerSettings
 from apps.worker.model_loop import ModelLoop
@@ -38,6 +43,7 @@ async def open_model(settings: WorkerSettings, source: str, served_name: str = "
         engine = ScriptedEngine(script, tokenizer, model_id, max_model_len=settings.max_model_len or 8192,
                                 max_num_seqs=settings.max_num_seqs)
     else:
-        engine = await AsyncEngine.start(settings.engine_config(path))
+        level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+        engine = await AsyncEngine.start(settings.engine_config(path), functools.partial(logs.configure, level))
     return ModelLoop(settings, engine, tokenizer, served_name or model_id, source=source or DEFAULT_SOURCE,
                        memory_mb=memory_mb)

@@ -407,4 +407,5 @@ class ModelLoop:
             memory_mb=self.memory_mb,
             vocab_size=self.tokenizer.vocab_size,
             dtype=self.engine.info.dtype,
+            dtype_reason=self.engine.info.dtype_reason,
         )

@@ -41,6 +41,7 @@ from apps.worker.liveness import Cancellations
 from apps.worker.model_loop import ModelLoop, NodeBus
 from apps.worker.replies import CollectingReplier
 from apps.worker.run import ServedModel
+from engine.protocol import EngineRefused
 
 log = logging.getLogger("helexa.worker")
 
@@ -99,6 +100,10 @@ class WorkerProcess:
         ready: dict[str, Any] = {"node": self.node, "models": sorted(self.models)}
         if first is not None:
             ready.update(model=first.model_id, max_model_len=first.context.derive().context)
+            info = first.engine.info
+            # What the engine runs in and why (the banner of `helexa up` shows them); scripted
+            # engines have no dtype, and unknown fields stay absent.
+            ready.update({k: v for k, v in (("dtype", info.dtype), ("dtype_reason", info.dtype_reason)) if v})
         announce_ready("worker", **ready)
         self.ready.set()
         stopping, lost = asyncio.create_task(stop.wait()), asyncio.create_task(self._closed.wait())
@@ -264,6 +269,9 @@ class WorkerProcess:
                 await self._add(loop)
             except ServingError:
                 raise
+            except EngineRefused as exc:  # this worker's configuration cannot run here: one line, no traceback
+                log.error("model load refused: %s", exc, extra={"model": model})
+                raise ServingError(409, ErrorCode.MODEL_UNAVAILABLE, f"loading '{model}' refused: {exc}") from None
             except Exception as exc:
                 log.exception("model load failed", extra={"model": model})
                 raise ServingError(500, ErrorCode.INTERNAL_ERROR, f"loading '{model}' failed: {exc}") from exc
@@ -334,3 +342,6 @@ class BusConnectionLost(Exception):
 
 # EX_TEMPFAIL: a temporary failure; starting again is the cure.
 EXIT_BUS_LOST = 75
+# EX_CONFIG: the engine refused the configuration on this machine (`engine.protocol.EngineRefused`,
+# e.g. a dtype the CPU cannot run); starting again would fail the same way.
+EXIT_REFUSED = 78

@@ -1,15 +1,19 @@
-"""dtype by measurement: the rule that picks, what is measured, HELEXA_DTYPE, and bf16's accuracy."""
+"""dtype by measurement among what the CPU runs: the rule that picks, what is measured, a CPU without
+bf16 (never tried, the real engine starts and answers in fp32), HELEXA_DTYPE, and bf16's accuracy."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
 from apps.settings import WorkerSettings
 from bench.core_timing import run_greedy
-from engine import dtype_choice
+from engine import cpu_linear, dtype_choice, ops
 from engine.config import ModelConfig
-from engine.core import EngineCore
+from engine.core import EngineCore, build_core
+from engine.cpu_support import FORCE_UNSUPPORTED_ENV, UnsupportedDtype
 from engine.default_model import default_model_path
 from engine.dtype_choice import (
     Scenario,
@@ -22,6 +26,8 @@ from engine.dtype_choice import (
 from engine.engine_config import EngineConfig
 from engine.greedy_agreement import Agreement, argmax_gaps
 from engine.loader import Checkpoint, load_checkpoint, read_model_config
+from engine.model_source import load_tokenizer
+from engine.models.layers import Linear
 
 TINY = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
@@ -40,6 +46,93 @@ def test_pick_takes_the_best_geometric_mean_and_prefers_fp32_on_near_ties() -> N
     # 5 % faster is not worth fp32's accuracy.
     assert pick(timings(float32=(10, 40, 300), bfloat16=(9.5, 38, 285))) == "float32"
     assert pick(timings(float32=(10, 40, 300), bfloat16=(8, 20, 150), float16=(6, 10, 90))) == "float16"
+
+
+@pytest.fixture
+def packed(monkeypatch: pytest.MonkeyPatch) -> list[torch.dtype]:
+    """The dtype of every weight packed for oneDNN from now on (an attempt counts, even one that
+    raises)."""
+    dtypes: list[torch.dtype] = []
+    real = cpu_linear.pack
+
+    def recorded(weight: torch.Tensor) -> torch.Tensor:
+        dtypes.append(weight.dtype)
+        return real(weight)
+
+    monkeypatch.setattr(cpu_linear, "pack", recorded)
+    return dtypes
+
+
+@pytest.fixture
+def no_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This CPU as one without oneDNN's bf16 and fp16 paths (a Zen 3, any AVX2-only part): there a
+    bf16 reorder raises, as `cpu_linear.pack` then does."""
+    monkeypatch.setenv(FORCE_UNSUPPORTED_ENV, "bfloat16,float16")
+
+
+def test_where_only_fp32_runs_auto_takes_it_unmeasured(no_bf16: None, packed: list[torch.dtype],
+                                                        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    def no_measuring(*args: object) -> None:
+        raise AssertionError("measured")
+
+    monkeypatch.setattr(dtype_choice, "measure", no_measuring)
+    choice = choose_dtype(EngineConfig(model="m", dtype="auto"), TINY, "cpu", tmp_path / "dtype-choice.json")
+    assert (choice.dtype, choice.reason, choice.timings_ms) == ("float32", "only-supported", {})
+    assert "bf16 unsupported here (" in choice.detail and "fp16 unsupported here (" in choice.detail
+    assert "CPU: " in choice.detail
+    assert packed == [] and not (tmp_path / "dtype-choice.json").exists()
+
+
+def test_a_dtype_the_cpu_cannot_run_is_never_timed(monkeypatch: pytest.MonkeyPatch,
+                                                   packed: list[torch.dtype]) -> None:
+    monkeypatch.setenv(FORCE_UNSUPPORTED_ENV, "bfloat16")
+    cases = [Scenario("rows_1", 1, True, 20_000), Scenario("rows_4", 4, True, 20_000)]
+    result = measure(TINY, cases)
+    assert "bfloat16" not in result and "float32" in result
+    assert torch.bfloat16 not in packed and torch.float32 in packed  # fp32 timed as it runs: prepacked
+
+
+def test_a_configured_dtype_the_cpu_cannot_run_is_refused_before_anything_is_built(
+        no_bf16: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(UnsupportedDtype, match="avx_ne_convert|bf16"):
+        choose_dtype(EngineConfig(model="m", dtype="bfloat16"), TINY, "cpu")
+
+    def no_kernels(*args: object) -> None:
+        raise AssertionError("kernels picked (and built) before the refusal")
+
+    monkeypatch.setattr(ops, "use_backend", no_kernels)
+    with pytest.raises(UnsupportedDtype) as refused:
+        build_core(EngineConfig(model=str(default_model_path()), dtype="bfloat16"))
+    assert "\n" not in str(refused.value) and "float32" in str(refused.value)
+    with pytest.raises(UnsupportedDtype):
+        build_core(EngineConfig(model=str(default_model_path()), dtype="float16"))
+
+
+def test_where_bf16_is_unsupported_a_bf16_weight_is_never_packed(no_bf16: None) -> None:
+    layer = Linear(32, 8).to(torch.bfloat16)
+    assert not layer.prepack() and layer.packed is None  # F.linear serves it
+    x = torch.randn(3, 32).bfloat16()
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    with pytest.raises(UnsupportedDtype):
+        cpu_linear.pack(layer.weight)
+    assert cpu_linear.method() in ("onednn-prepacked", "F.linear")  # no bf16 kernel
+
+
+def test_the_real_engine_starts_and_answers_with_default_settings_where_bf16_is_unsupported(
+        no_bf16: None, packed: list[torch.dtype], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test that would have caught the crash on a Zen 3: the worker's default settings
+    (HELEXA_DTYPE unset: auto; kernels auto), the real model, fp32 chosen, no bf16 reorder tried."""
+    monkeypatch.delenv("HELEXA_DTYPE", raising=False)
+    config = WorkerSettings(kv_cache_mb=64).engine_config(str(default_model_path()))
+    assert config.dtype == "auto"
+    core = build_core(config)
+    assert core.info.dtype == "float32" and "bf16 unsupported here" in core.info.dtype_reason
+    assert torch.bfloat16 not in packed and torch.float32 in packed  # still prepacked in fp32
+    tokenizer, _ = load_tokenizer(default_model_path())
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                         add_generation_prompt=True)
+    tokens = run_greedy(core, [("q", tokenizer.encode(text, add_special_tokens=False), 12)]).tokens["q"]
+    assert "Paris" in tokenizer.decode(tokens)
 
 
 def test_configured_and_cuda_dtypes_are_not_measured() -> None:
