@@ -126,8 +126,9 @@ class StructuredOutputs:
         """Requests whose grammar is still compiling."""
         return len(self._waiting)
 
-    def _compile(self, structured: StructuredOutput) -> llguidance.LLMatcher | str:
-        """In a compile thread: the grammar's matcher in its start state, or why it has none."""
+    def compile(self, structured: StructuredOutput) -> llguidance.LLMatcher | str:
+        """The grammar's matcher in its start state, or why it has none (blocking: `add` runs it in a
+        compile thread)."""
         start = time.perf_counter()
         try:
             grammar = to_llguidance(structured)
@@ -151,7 +152,7 @@ class StructuredOutputs:
             self.cache_hits += 1
             return
         self.compiles += 1
-        self._compiling[key] = self._pool.submit(self._compile, structured)
+        self._compiling[key] = self._pool.submit(self.compile, structured)
 
     def ready(self) -> list[tuple[str, str | None]]:
         """The waiting requests that may go on now, each with None (its matcher is set) or why it

@@ -29,7 +29,7 @@ import nats.errors
 import nats.micro
 from nats.micro.request import Request as ServiceRequest
 
-from apps.bus import topology, wire
+from apps.bus import large_requests, topology, wire
 from apps.bus.codes import ErrorCode, ModelState, NodeState, ServingError
 from apps.bus.publish import publish_event
 from apps.bus.topology import BusLimits
@@ -215,7 +215,9 @@ class WorkerProcess:
             loop = self.models.get(model)
             return loop.model if loop is not None else None
 
-        await req.respond(await token_service.answer(served, req.data))
+        # A reply must fit one message: what the server takes, less room for what it counts besides.
+        room = self.nc.max_payload - large_requests.MESSAGE_MARGIN_BYTES
+        await req.respond(await token_service.answer(served, req.data, room))
 
     async def _on_control(self, req: ServiceRequest) -> None:
         self._in_background(self._control(req))

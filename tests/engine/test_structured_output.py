@@ -208,13 +208,13 @@ def test_a_compile_past_its_budget_fails_its_request_alone(smollm2: Checkpoint,
     core = make_core(smollm2)
     core.structured.compile_budget_s = 0.2
     release = threading.Event()
-    real_compile = core.structured._compile
+    real_compile = core.structured.compile
 
     def stuck(structured: StructuredOutput) -> object:
         release.wait(60)  # a compile that takes as long as the test says
         return real_compile(structured)
 
-    monkeypatch.setattr(core.structured, "_compile", stuck)
+    monkeypatch.setattr(core.structured, "compile", stuck)
     prompt = chat(smollm2, "Hello")
     core.add_request(EngineRequest("slow", prompt, constrained(PHONE)))
     core.add_request(EngineRequest("free", prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)))
@@ -232,8 +232,8 @@ def test_a_request_aborted_while_its_grammar_compiles_ends_at_once(smollm2: Chec
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     core = make_core(smollm2)
     release = threading.Event()
-    real_compile = core.structured._compile
-    monkeypatch.setattr(core.structured, "_compile", lambda s: (release.wait(60), real_compile(s))[1])
+    real_compile = core.structured.compile
+    monkeypatch.setattr(core.structured, "compile", lambda s: (release.wait(60), real_compile(s))[1])
     core.add_request(EngineRequest("a", chat(smollm2, "Hello"), constrained(PHONE)))
     assert core.has_work() and core.only_compiling
     [out] = core.abort(["a"])
