@@ -104,6 +104,34 @@ def utf8_len(text: str) -> int:
     return len(text) if text.isascii() else len(text.encode())
 
 
+def bounds_error(structured: StructuredOutput) -> str | None:
+    """Why a constraint is past the grammar bounds, or None. The gateway holds each request field to
+    its bound with a message naming it; this is the same rule for a constraint from anywhere else
+    (a bus client's, a worker's composition), checked again before anything compiles it."""
+    kind, size = structured.kind, utf8_len(structured.spec)
+    limit = {
+        StructuredOutputKind.JSON_SCHEMA: BOUNDS.schema_bytes,
+        StructuredOutputKind.REGEX: BOUNDS.regex_bytes,
+        StructuredOutputKind.GRAMMAR: BOUNDS.grammar_bytes,
+        StructuredOutputKind.LLGUIDANCE: BOUNDS.composed_bytes,
+        # The choices as a JSON list: quotes and separators besides their own bytes.
+        StructuredOutputKind.CHOICE: BOUNDS.choices_total_bytes + 4 * BOUNDS.choices + 2,
+    }[kind]
+    if size > limit:
+        return f"the {kind.value.replace('_', ' ')} is {size} bytes; at most {limit} are allowed"
+    if kind is StructuredOutputKind.CHOICE:
+        try:
+            choices = json.loads(structured.spec)
+        except ValueError:
+            return None  # not a list at all: compiling it says so
+        if isinstance(choices, list) and len(choices) > BOUNDS.choices:
+            return f"{len(choices)} choices; at most {BOUNDS.choices} are allowed"
+        if isinstance(choices, list) and any(isinstance(c, str) and utf8_len(c) > BOUNDS.choice_bytes
+                                             for c in choices):
+            return f"a choice is longer than {BOUNDS.choice_bytes} bytes"
+    return None
+
+
 def lark_literal(text: str) -> str:
     """`text` as a Lark string literal (llguidance reads JSON string escapes in literals)."""
     return json.dumps(text, ensure_ascii=False)

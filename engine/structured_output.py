@@ -37,7 +37,14 @@ import llguidance
 import numpy as np
 import torch
 
-from engine.grammars import COMPILE_BUDGET_S, grammar_key, parser_limits, short_error, to_llguidance
+from engine.grammars import (
+    COMPILE_BUDGET_S,
+    bounds_error,
+    grammar_key,
+    parser_limits,
+    short_error,
+    to_llguidance,
+)
 from engine.protocol import StructuredOutput
 from engine.tokenizer import Tokenizer
 
@@ -130,6 +137,9 @@ class StructuredOutputs:
         """The grammar's matcher in its start state, or why it has none (blocking: `add` runs it in a
         compile thread)."""
         start = time.perf_counter()
+        past_bounds = bounds_error(structured)
+        if past_bounds is not None:
+            return past_bounds
         try:
             grammar = to_llguidance(structured)
             matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=parser_limits())

@@ -128,3 +128,13 @@ def test_a_composed_grammar_is_checked_once_and_the_own_one_not_again() -> None:
     assert checker.started == 1
     checked(request([CLOCK], StructuredOutput(kind=StructuredOutputKind.REGEX, spec="[a-z]+")), checker)
     assert checker.started == 1  # the gateway checked the request's own constraint
+
+
+def test_a_constraint_past_its_bounds_from_the_bus_is_refused_before_it_compiles() -> None:
+    own = StructuredOutput(kind=StructuredOutputKind.CHOICE, spec=json.dumps([f"c{i}" for i in range(BOUNDS.choices + 1)]))
+    with pytest.raises(ServingError) as caught:
+        resolve_sampling(request([CLOCK], own), 10, 2048)
+    assert caught.value.status == 400 and "choices" in caught.value.message
+    regex = StructuredOutput(kind=StructuredOutputKind.REGEX, spec="a" * (BOUNDS.regex_bytes + 1))
+    with pytest.raises(ServingError):
+        resolve_sampling(request([], regex), 10, 2048)

@@ -28,6 +28,7 @@ from engine.grammars import (
     CheckBusy,
     CheckTimeout,
     GrammarChecker,
+    bounds_error,
     function_schemas,
     lark_json,
     lark_literal,
@@ -96,6 +97,9 @@ def _grammar(top_lark: str, own: StructuredOutput | None) -> str:
 def reply_constraint(request: wire.GenerateRequest) -> StructuredOutput | None:
     """What the reply must match: the request's own constraint, unless its tools say more."""
     own = request.sampling.structured
+    if own is not None and (past_bounds := bounds_error(own)) is not None:
+        # A gateway refuses these; a client on the bus gets the same answer here.
+        raise ServingError(400, ErrorCode.INVALID_REQUEST, f"The structured output cannot be enforced: {past_bounds}.")
     functions = function_schemas(request.tools)
     if request.tool_required and functions:
         constraint = _grammar(_forced_call(functions, request.tool_name), None)

@@ -248,3 +248,14 @@ def test_a_grammar_error_is_short_and_never_carries_the_grammar(smollm2: Checkpo
                                                     constrained(StructuredOutput(kind=Kind.REGEX, spec=huge)))])
     error = result["bad"][1].error or ""
     assert "does not compile" in error and len(error.encode()) <= 600
+
+
+def test_a_grammar_past_its_bounds_is_refused_without_compiling(smollm2: Checkpoint,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    core = make_core(smollm2)
+    monkeypatch.setattr("engine.structured_output.to_llguidance",
+                        lambda s: pytest.fail("a grammar past its bounds reached the compiler"))
+    huge = StructuredOutput(kind=Kind.GRAMMAR, spec='start: "' + "a" * (64 << 10) + '"')
+    result = run(core, [EngineRequest("big", chat(smollm2, "Hi"), constrained(huge))])
+    assert result["big"][1].finish_reason is FinishReason.ERROR
+    assert "at most" in (result["big"][1].error or "")
