@@ -246,15 +246,15 @@ class GrammarChecker:
             return await asyncio.wait_for(asyncio.shield(waiting), self.deadline_s)
         except TimeoutError:
             pass
-        if not began and future.cancel():
+        if future.cancel():
             raise CheckBusy(f"no grammar check could start within {self.deadline_s:g} s") from None
-        if began:  # it started late: it gets its own deadline from its start
-            left = began[0] + self.deadline_s - time.monotonic()
-            if left > 0:
-                try:
-                    return await asyncio.wait_for(asyncio.shield(waiting), left)
-                except TimeoutError:
-                    pass
+        # It started late (every thread was busy): it gets its own deadline from its start.
+        left = (began[0] if began else time.monotonic()) + self.deadline_s - time.monotonic()
+        if left > 0:
+            try:
+                return await asyncio.wait_for(asyncio.shield(waiting), left)
+            except TimeoutError:
+                pass
         raise CheckTimeout(f"the grammar did not compile within {self.deadline_s:g} s")
 
 

@@ -186,3 +186,23 @@ def test_a_check_past_its_deadline_is_a_400_naming_the_field(monkeypatch: pytest
     finally:
         release.set()
     assert error.param == "guided_regex" and error.code == "grammar_too_complex"
+
+
+def test_a_check_that_cannot_start_before_its_deadline_is_busy_not_too_complex() -> None:
+    import threading
+
+    from engine import grammars
+
+    release = threading.Event()
+    checker = grammars.GrammarChecker(threads=1, deadline_s=0.2, check=lambda s: release.wait(30) and None)
+    regex = StructuredOutput(kind=Kind.REGEX, spec="[a-z]+")
+
+    async def two() -> list[BaseException | str | None]:
+        return await asyncio.gather(checker.error(regex), checker.error(regex), return_exceptions=True)
+
+    try:
+        first, second = asyncio.run(two())
+    finally:
+        release.set()
+    assert isinstance(first, grammars.CheckTimeout) and isinstance(second, grammars.CheckBusy)
+    assert checker.started == 1

@@ -154,8 +154,8 @@ _PROMPT_PARAM = {Api.CHAT_COMPLETIONS: "messages", Api.COMPLETIONS: "prompt", Ap
 
 
 def prompt_chars(request: wire.GenerateRequest) -> int:
-    """Characters of text the worker will template and tokenize for `request`."""
-    chars = len(request.prompt or "")
+    """Characters of text the worker will template and tokenize for `request` (its tools' JSON too)."""
+    chars = len(request.prompt or "") + (len(msgspec.json.encode(request.tools)) if request.tools else 0)
     for message in request.messages or []:
         chars += len(message.content)
         for call in message.tool_calls or []:
