@@ -241,3 +241,16 @@ def test_tokenize_of_7mb_is_a_quick_400(system: System) -> None:
     assert response.status_code in (400, 413), response.text
     assert response.json()["error"]["param"] == "prompt"
     assert elapsed < 15, f"{elapsed:.1f} s: the refusal waited on something"
+
+
+def test_token_endpoints_never_compile_a_grammar(system: System) -> None:
+    before = metric(system, "helexa:gateway_grammar_compiles_total")
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}}
+    tokenized = post(system, "/tokenize", chat(system, response_format={
+        "type": "json_schema", "json_schema": {"name": "a", "schema": schema}}))
+    assert tokenized.status_code == 200, tokenized.text
+    counted = post(system, "/v1/messages/count_tokens", {
+        "model": system.model, "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"name": "f", "input_schema": schema}], "tool_choice": {"type": "any"}})
+    assert counted.status_code == 200, counted.text
+    assert metric(system, "helexa:gateway_grammar_compiles_total") == before
