@@ -196,7 +196,7 @@ def cmd_migrate(args: argparse.Namespace) -> None:
     try:
         applied = asyncio.run(migrate(url))
     except (OSError, TimeoutError, asyncpg.PostgresError) as exc:
-        raise SystemExit(str(operator.unreachable("PostgreSQL", "DATABASE_URL", url, str(exc) or type(exc).__name__)))
+        raise SystemExit(str(operator.unreachable("PostgreSQL", "DATABASE_URL", url, exc))) from None
     log.info("migrated", extra={"applied": applied})
 
 

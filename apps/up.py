@@ -310,7 +310,7 @@ def run_up(args: argparse.Namespace) -> int:
             if _embedded(os.environ.get("DATABASE_URL", "").strip(), pg_dir,
                          lambda p: PostgresServer(pg_dir, p).url):
                 first = not (pg_dir / "pgdata" / "PG_VERSION").exists()
-                log.info("creating PostgreSQL's database (first start), then starting it" if first else "starting PostgreSQL",
+                log.info("creating PostgreSQL's database (first start)" if first else "starting PostgreSQL",
                          extra={"data_dir": str(pg_dir)})
                 servers.callback(log.info, "stopped", extra={"app": "postgres"})
                 postgres = servers.enter_context(

@@ -73,25 +73,24 @@ def use_data_dir(folder: Path) -> None:
             _sources[name] = "exported"
 
 
-def unreachable(what: str, name: str, url: str, reason: str) -> Unreachable:
+def unreachable(what: str, name: str, url: str, cause: BaseException | None) -> Unreachable:
     """The one line for a server `what` (NATS, PostgreSQL) that could not be reached at `url`,
-    found in variable `name`."""
+    which came from the variable `name`; `cause` is what the last attempt raised (None: a timeout)."""
     env_file = display_path(_folder / ENV_FILE) if _folder is not None else ENV_FILE
     source = _sources.get(name, "exported" if os.environ.get(name) else "unset")
     if source == "exported":
-        how = f"from {name}; check it"
+        how = f"check {name}"
     elif source == "env file":
-        how = f"{name} from {env_file}; is `helexa up` still starting?"
+        how = f"{name} came from {env_file}; is its `helexa up` still starting?"
     elif source == "stale":
-        how = f"{name} is not set and `helexa up` is not running from {display_path(_folder or Path('.'))}; " \
-              f"start it, or set {name}"
+        how = f"`helexa up` is not running from {display_path(_folder or Path('.'))}: start it, or set {name}"
     else:
-        how = f"{name} is not set; start `helexa up` (then `source {env_file}`), or set {name}"
-    return Unreachable(f"helexa: cannot reach {what} at {without_password(url)} ({reason}): {how}")
+        how = f"{name} is not set: start `helexa up` (then `source {env_file}`), or set {name}"
+    return Unreachable(f"helexa: cannot reach {what} at {without_password(url)} ({_reason(cause)}); {how}")
 
 
 def _reason(exc: BaseException | None) -> str:
-    if exc is None:
+    if exc is None or isinstance(exc, TimeoutError):
         return f"no answer within {CONNECT_TIMEOUT_S:g} s"
     if isinstance(exc, ConnectionRefusedError):
         return "connection refused"
@@ -114,5 +113,4 @@ async def connect_nats(url: str, name: str, closed_cb: Callable[[], Awaitable[No
                              closed_cb=closed_cb),
             CONNECT_TIMEOUT_S)
     except (OSError, TimeoutError, nats.errors.Error) as exc:
-        cause = errors[-1] if errors else (None if isinstance(exc, TimeoutError) else exc)
-        raise unreachable("NATS", "NATS_URL", url, _reason(cause)) from None
+        raise unreachable("NATS", "NATS_URL", url, errors[-1] if errors else exc) from None
