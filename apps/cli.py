@@ -64,13 +64,16 @@ def cmd_gateway(args: argparse.Namespace) -> None:
         )
         server = uvicorn.Server(config)
         server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-        serving = asyncio.create_task(server.serve())
+        async def serve() -> None:
+            # uvicorn logs why it cannot start (e.g. the port is in use), then raises SystemExit,
+            # which a task would hand to the event loop itself: caught here, it ends the task.
+            with contextlib.suppress(SystemExit):
+                await server.serve()
+
+        serving = asyncio.create_task(serve())
         while not server.started and not serving.done():
             await asyncio.sleep(0.05)
         if serving.done():
-            # uvicorn has logged why (e.g. the port is in use) and exits through SystemExit.
-            with contextlib.suppress(SystemExit):
-                await serving
             raise SystemExit(1)
         logs.announce_ready("gateway", url=f"http://{settings.host}:{settings.port}")
         stopping = asyncio.create_task(stop.wait())

@@ -28,6 +28,7 @@ import pytest
 
 from apps.embedded import free_port, port_is_free
 from apps.embedded.data_dir import read_env
+from apps.embedded.nats_server import NatsServer
 from tests.support import REPO, AppProcess, eventually
 
 # A slow answer keeps a stream open until `up` is stopped; a medium one ends by itself within seconds.
@@ -285,3 +286,23 @@ def test_an_app_that_cannot_start_ends_up_in_one_line(tmp_path: Path, script: Pa
                                 "FileNotFoundError"), lines[-1]
     assert "Traceback" not in "\n".join(lines)
     assert processes_using(data) == []
+
+
+def test_a_gateway_that_cannot_bind_exits_at_once_naming_the_address(nats_server: NatsServer) -> None:
+    """What `up` relies on when its port is taken after its own check: the gateway exits non-zero
+    with uvicorn's one line (it used to hang in its shutdown now and then)."""
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        for _ in range(3):  # the hang came one start in a few
+            gateway = AppProcess(["gateway", "--port", str(port)], {"NATS_URL": nats_server.url})
+            try:
+                assert gateway.process.wait(10) != 0
+            finally:
+                gateway.kill()
+            gateway.stop()
+            errors = [e["event"] for e in gateway.lines if e.get("level") == "error"]
+            assert errors == [f"[Errno 98] error while attempting to bind on address ('127.0.0.1', {port}): "
+                              "address already in use"]
+            assert "Traceback" not in gateway.output(last=100_000)
