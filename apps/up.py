@@ -1,12 +1,20 @@
 """`helexa up`: the whole system on one machine, kept running, stopped cleanly on Ctrl-C or SIGTERM.
 
-Starts (unless NATS_URL / DATABASE_URL point elsewhere) an embedded NATS server and an embedded
-PostgreSQL under the data directory, both locked with credentials kept there (see
-`apps.embedded`), migrates, then supervises gateway, worker and recorder as child processes and
-prints the URLs to reach everything, credentials included. A child that exits once the system is
-up is started again after a backoff (1 s, doubling up to 30 s; back to 1 s after a minute of
-running), so one crash does not stop the rest. Children are stopped before the servers they
-depend on; all are waited for.
+Before anything starts, it takes the data directory's lock (one `up` per data directory) and
+checks that the gateway's port is free; either failure is one line and exit 1. Then it starts
+(unless NATS_URL / DATABASE_URL point elsewhere: an exported URL of this data directory's own
+servers, from `source .helexa/env`, does not count) an embedded NATS server and an embedded
+PostgreSQL under the data directory, both locked with credentials kept there and on the ports they
+had last time (see `apps.embedded`), writes `<data>/env` with the URLs, migrates, then supervises
+gateway, worker and recorder as child processes and prints how to reach everything. An app that
+exits before it is ready ends `up` with one line; one that exits once the system is up is started
+again after a backoff (1 s, doubling up to 30 s; back to 1 s after a minute of running), so one
+crash does not stop the rest.
+
+Every child runs in a process group of its own, so the terminal's Ctrl-C reaches `up` alone: it
+stops the gateway (answers in flight get HELEXA_STOP_GRACE_S, 2 s here, then an error event), the
+worker and the recorder, then PostgreSQL and NATS, one log line each. If `up` itself is killed, the
+kernel stops them all (`apps.embedded.tether`).
 
 On one machine the engine is the work and everything else serves it: the servers, the gateway and
 the recorder run at a lower CPU priority (`HELEXA_SERVICES_NICE`, 5; 0 keeps them level), the
