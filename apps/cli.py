@@ -109,12 +109,14 @@ def cmd_worker(args: argparse.Namespace) -> None:
         await asyncio.wait({opening, stopping}, return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()
         if not opening.done():
-            # Stopped while loading (which can take minutes): the engine process goes now, and
-            # the load, left without it, ends.
-            for process in multiprocessing.active_children():
-                process.terminate()
+            # Stopped while loading (which can take minutes): the engine process goes now (and
+            # one the load starts later), and the load, left without it, ends.
+            while not opening.done():
+                for process in multiprocessing.active_children():
+                    process.terminate()
+                await asyncio.wait({opening}, timeout=0.2)
             with contextlib.suppress(Exception):
-                await opening
+                opening.result()
             return
         if opening.exception() is not None:
             # A model that cannot be served (a wrong path, an unsupported dtype): one line, then exit 1.
