@@ -199,7 +199,7 @@ class Supervisor:
                                                "restarts": child.restarts})
 
 
-def _banner(url: str, model: str, env_file: Path, worker: dict, credential_files: list[Path]) -> str:
+def banner(url: str, model: str, env_file: Path, worker: dict, credential_files: list[Path]) -> str:
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     body = json.dumps({"model": model, "messages": messages, "temperature": 0, "max_tokens": SAMPLE_MAX_TOKENS})
     psql = psql_binary() if Path(psql_binary()).exists() else "psql"
@@ -341,7 +341,7 @@ def run_up(args: argparse.Namespace) -> int:
             _wait_until_ready(children, stop)
             worker = next(c.ready_fields for c in children if c.app == "worker")
             model = worker.get("model")
-            print(_banner(url, model, env_file, worker, credential_files), flush=True)
+            print(banner(url, model, env_file, worker, credential_files), flush=True)
             announce_ready("up", url=url, model=model, data_dir=str(folder), env_file=str(env_file))
             Supervisor(children, stop).run()
         except (StartFailed, RuntimeError, TimeoutError, OSError) as exc:
