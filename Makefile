@@ -19,8 +19,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m helexa_kernels.cpu
 	touch $@
 
+# The data directory is HELEXA_DATA_DIR's, .helexa by default.
 run: setup
-	$(BIN)/helexa up --data-dir .helexa
+	$(BIN)/helexa up
 
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

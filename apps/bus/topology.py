@@ -346,6 +346,11 @@ def cancel_wildcard() -> str:
     return f"{_CANCEL_PREFIX}.*"
 
 
+def every_subject() -> str:
+    """All of helexa's own subjects (requests, events, cancels, node endpoints): `helexa bus sub`'s default."""
+    return "helexa.>"
+
+
 def request_id_from_cancel(subject: str) -> str:
     token = subject.rsplit(".", 1)[-1]
     return re.sub(r"~([0-9a-f]{2})", lambda m: bytes.fromhex(m.group(1)).decode(), token)

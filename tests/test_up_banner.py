@@ -1,0 +1,30 @@
+"""What `helexa up` prints once it is up: a bounded example, where the URLs are, the worker's dtype."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from apps import up
+
+
+def _curl_body(text: str) -> dict:
+    found = re.search(r"-d '(.+)'", text)
+    assert found, text
+    return json.loads(found.group(1))
+
+
+def test_the_banner_example_is_greedy_and_bounded_and_points_to_the_env_file(tmp_path: Path) -> None:
+    banner = up.banner("http://127.0.0.1:8000", "m", tmp_path / "env", {"model": "m"}, [])
+    body = _curl_body(banner)
+    assert (body["model"], body["temperature"], body["max_tokens"]) == ("m", 0, up.SAMPLE_MAX_TOKENS)
+    assert f"source {tmp_path / 'env'}" in banner
+    assert "helexa bus sub" in banner
+    assert "dtype" not in banner  # a worker that does not say
+
+
+def test_the_banner_shows_the_workers_dtype_choice_and_its_reason(tmp_path: Path) -> None:
+    worker = {"model": "m", "dtype": "float32", "dtype_reason": "bf16 unsupported here (no avx512_bf16)"}
+    banner = up.banner("http://127.0.0.1:8000", "m", tmp_path / "env", worker, [])
+    assert "  dtype: float32 (bf16 unsupported here (no avx512_bf16))\n" in banner
