@@ -119,9 +119,14 @@ def cmd_worker(args: argparse.Namespace) -> None:
             with contextlib.suppress(Exception):
                 opening.result()
             return
-        if opening.exception() is not None:
-            # A model that cannot be served (a wrong path, an unsupported dtype): one line, then exit 1.
-            exc = opening.exception()
+        exc = opening.exception()
+        if isinstance(exc, EngineRefused):  # e.g. HELEXA_DTYPE=bfloat16 on a CPU without bf16
+            logging.getLogger("helexa.worker").error(
+                f"the worker cannot start (HELEXA_DTYPE={settings.dtype}): {exc}",
+                extra={"model": settings.model or "default"})
+            raise SystemExit(EXIT_REFUSED)
+        if exc is not None:
+            # A model that cannot be served (a wrong path): one line, then exit 1.
             log.debug("the model could not be loaded", exc_info=exc)
             log.error("the model could not be loaded", extra={"error": f"{type(exc).__name__}: {exc}"})
             raise SystemExit(1)
@@ -131,10 +136,6 @@ def cmd_worker(args: argparse.Namespace) -> None:
         _run_until_signal(main)
     except BusConnectionLost:
         raise SystemExit(EXIT_BUS_LOST) from None
-    except EngineRefused as exc:  # e.g. HELEXA_DTYPE=bfloat16 on a CPU without bf16: one line, no traceback
-        logging.getLogger("helexa.worker").error(f"the worker cannot start (HELEXA_DTYPE={settings.dtype}): {exc}",
-                                                 extra={"model": settings.model or "default"})
-        raise SystemExit(EXIT_REFUSED) from None
 
 
 def cmd_models(args: argparse.Namespace) -> None:
