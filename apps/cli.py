@@ -71,10 +71,16 @@ def cmd_gateway(args: argparse.Namespace) -> None:
                 await server.serve()
 
         serving = asyncio.create_task(serve())
-        while not server.started and not serving.done():
+        while not server.started and not serving.done() and not stop.is_set():
             await asyncio.sleep(0.05)
         if serving.done():
             raise SystemExit(1)
+        if not server.started:  # stopped while starting (e.g. still waiting for NATS): nothing to end
+            # uvicorn reports its cancelled start-up as a failure, with a traceback: not one here.
+            logging.getLogger("uvicorn.error").disabled = True
+            serving.cancel()
+            await asyncio.gather(serving, return_exceptions=True)
+            return
         logs.announce_ready("gateway", url=f"http://{settings.host}:{settings.port}")
         stopping = asyncio.create_task(stop.wait())
         await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
