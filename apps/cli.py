@@ -71,10 +71,16 @@ def cmd_gateway(args: argparse.Namespace) -> None:
                 await server.serve()
 
         serving = asyncio.create_task(serve())
-        while not server.started and not serving.done():
+        while not server.started and not serving.done() and not stop.is_set():
             await asyncio.sleep(0.05)
         if serving.done():
             raise SystemExit(1)
+        if not server.started:  # stopped while starting (e.g. still waiting for NATS): nothing to end
+            # uvicorn reports its cancelled start-up as a failure, with a traceback: not one here.
+            logging.getLogger("uvicorn.error").disabled = True
+            serving.cancel()
+            await asyncio.gather(serving, return_exceptions=True)
+            return
         logs.announce_ready("gateway", url=f"http://{settings.host}:{settings.port}")
         stopping = asyncio.create_task(stop.wait())
         await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -119,9 +125,14 @@ def cmd_worker(args: argparse.Namespace) -> None:
             with contextlib.suppress(Exception):
                 opening.result()
             return
-        if opening.exception() is not None:
-            # A model that cannot be served (a wrong path, an unsupported dtype): one line, then exit 1.
-            exc = opening.exception()
+        exc = opening.exception()
+        if isinstance(exc, EngineRefused):  # e.g. HELEXA_DTYPE=bfloat16 on a CPU without bf16
+            logging.getLogger("helexa.worker").error(
+                f"the worker cannot start (HELEXA_DTYPE={settings.dtype}): {exc}",
+                extra={"model": settings.model or "default"})
+            raise SystemExit(EXIT_REFUSED)
+        if exc is not None:
+            # A model that cannot be served (a wrong path): one line, then exit 1.
             log.debug("the model could not be loaded", exc_info=exc)
             log.error("the model could not be loaded", extra={"error": f"{type(exc).__name__}: {exc}"})
             raise SystemExit(1)
@@ -131,10 +142,6 @@ def cmd_worker(args: argparse.Namespace) -> None:
         _run_until_signal(main)
     except BusConnectionLost:
         raise SystemExit(EXIT_BUS_LOST) from None
-    except EngineRefused as exc:  # e.g. HELEXA_DTYPE=bfloat16 on a CPU without bf16: one line, no traceback
-        logging.getLogger("helexa.worker").error(f"the worker cannot start (HELEXA_DTYPE={settings.dtype}): {exc}",
-                                                 extra={"model": settings.model or "default"})
-        raise SystemExit(EXIT_REFUSED) from None
 
 
 def cmd_models(args: argparse.Namespace) -> None:

@@ -17,12 +17,12 @@ import asyncio
 import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import nats.errors
 from nats.aio.client import Client as NatsClient
 
 from apps.bus import topology
+from apps.bus.topology import without_password
 from apps.embedded.data_dir import ENV_FILE, display_path, live_pid, read_env
 
 # A CLI gives up on NATS after this long (a server that does not answer at all, not just refuses).
@@ -37,19 +37,6 @@ _folder: Path | None = None
 
 class Unreachable(Exception):
     """A server the command needs could not be reached; the message is the one line to print."""
-
-
-def without_password(url: str) -> str:
-    """`url` (or a comma-separated list of them) as it may be shown: host, port and path, no credentials."""
-    shown = []
-    for one in url.split(","):
-        parts = urlsplit(one.strip() if "://" in one else f"nats://{one.strip()}")
-        host = parts.hostname or ""
-        where = f"[{host}]" if ":" in host else host
-        if parts.port:
-            where += f":{parts.port}"
-        shown.append(f"{where}{parts.path if parts.path not in ('', '/') else ''}")
-    return ",".join(shown)
 
 
 def use_data_dir(folder: Path) -> None:
