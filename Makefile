@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: setup run test lock clean
+.PHONY: setup run test audit lock clean
 
 setup: $(STAMP)
 
@@ -32,8 +32,13 @@ $(STAMP): pyproject.toml requirements.lock Makefile
 run: setup
 	$(BIN)/helexa up --data-dir .helexa
 
-test: setup
+test: setup audit
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The lock's pins and pyproject.toml's floors against known advisories (security/minimum_versions.toml,
+# and pip-audit's report where it is installed and its service reachable); fails on a vulnerable version.
+audit: setup
+	$(BIN)/python -m tools.audit_lock
 
 # Regenerates requirements.lock from pyproject.toml (runtime and test extra, every file's hash, for
 # Linux x86_64 and arm64, Python 3.11 and newer) with uv, a dev tool in a venv of its own. Pins that
