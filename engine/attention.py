@@ -74,14 +74,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             out[seq.start:seq.end] = _prefill(q, k_cache, v_cache, seq, scale, k, v)
         return out
     decode = plan.decode
+    # reshape, not view: _decode's result is [n, kv_heads, group, head_dim], and CUDA's flash and
+    # memory-efficient SDPA kernels lay it out in memory as [n, group, kv_heads, head_dim], which
+    # no view can merge into heads (CPU returns it contiguous, where reshape is a view).
     if len(decode) == 1 and decode[0].token_rows is None:  # a pure decode step, in batch order
-        return _decode(q, k_cache, v_cache, decode[0], scale).view(num_tokens, num_heads, head_dim)
+        return _decode(q, k_cache, v_cache, decode[0], scale).reshape(num_tokens, num_heads, head_dim)
     out = q.new_empty(num_tokens, num_heads, head_dim)
     for bucket in decode:
         rows = bucket.token_rows
         assert rows is not None
         result = _decode(q.index_select(0, rows), k_cache, v_cache, bucket, scale)
-        out.index_copy_(0, rows, result.view(bucket.num_seqs, num_heads, head_dim))
+        out.index_copy_(0, rows, result.reshape(bucket.num_seqs, num_heads, head_dim))
     for seq in plan.prefill:
         out[seq.start:seq.end] = _prefill(q, k_cache, v_cache, seq, scale, k, v)
     return out
