@@ -35,6 +35,7 @@ import platform
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -47,8 +48,9 @@ from engine.config import ModelConfig  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
 from engine.engine_config import EngineConfig  # noqa: E402
 from engine.loader import Checkpoint, _empty_model, load_weights  # noqa: E402
-from engine.model_runner import allocate_kv_caches  # noqa: E402
+from engine.model_runner import allocate_caches  # noqa: E402
 from engine.models import MODEL_REGISTRY  # noqa: E402
+from engine.state_cache import HybridCaches  # noqa: E402
 from engine.step_metadata import AttentionMetadata  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
 
@@ -72,6 +74,13 @@ TINY_QWEN3 = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hid
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   max_position_embeddings=256, tie_word_embeddings=False,
                   rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+
+# The hybrid's tiny form: the same layer pattern (3 linear-attention layers, then full attention).
+TINY_QWEN3_5 = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                    linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                    max_position_embeddings=256, tie_word_embeddings=True)
 
 CHECK_PROMPT, CHECK_NEW = 16, 24
 
@@ -210,7 +219,9 @@ def our_last_logits(checkpoint: Checkpoint, prompt: list[int], device: str) -> t
     model, block_size = checkpoint.model, 16
     blocks = -(-len(prompt) // block_size)
     dtype = next(model.parameters()).dtype
-    caches = allocate_kv_caches(model.config, blocks, block_size, dtype, device)
+    caches = allocate_caches(model, blocks, block_size, 1, dtype, device)
+    if isinstance(caches, HybridCaches):  # the one sequence in state slot 0
+        caches.slot_indices = torch.zeros(1, dtype=torch.int32, device=device)
     meta = AttentionMetadata.build([len(prompt)], [len(prompt)], [list(range(blocks))], block_size,
                                    device)
     positions = torch.arange(len(prompt), device=device)
@@ -393,7 +404,7 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     if args.tiny:
         args.runs, args.concurrency, args.prompt, args.new = 1, "1,4", 24, 8
-        models = {"tiny-qwen3": ("qwen3", TINY_QWEN3)}
+        models = {"tiny-qwen3": ("qwen3", TINY_QWEN3), "tiny-qwen3.5-hybrid": ("qwen3_5", TINY_QWEN3_5)}
         dtype = torch.float32
     else:
         known = {"qwen3-0.6b": ("qwen3", QWEN3_06B), "qwen3-8b": ("qwen3", QWEN3_8B),
@@ -423,6 +434,7 @@ def main() -> None:
         try:
             entry = bench_model(name, family, sizes, args, device, dtype, budget, bandwidth)
         except Exception as exc:  # one model's failure must not lose the others' figures
+            traceback.print_exc()  # into the log: the JSON keeps the one line
             entry = {"model": name, "error": f"{type(exc).__name__}: {exc}"}
             _free(device)
         failed |= "error" in entry or "withheld" in entry

@@ -51,6 +51,18 @@ def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, dt
             for _ in range(config.num_attention_layers)]
 
 
+def allocate_caches(model: torch.nn.Module, num_blocks: int, block_size: int, num_slots: int,
+                    dtype: torch.dtype, device: torch.device | str) -> KVCaches | HybridCaches:
+    """What `model`'s forward takes as its caches: the paged KV of its full-attention layers, and
+    for a hybrid model (`linear_state_shape`) `num_slots` linear-attention state slots beside it
+    in a `HybridCaches`, whose `slot_indices` the caller sets before each forward."""
+    kv_caches = allocate_kv_caches(model.config, num_blocks, block_size, dtype, device)
+    state_shape = getattr(model, "linear_state_shape", None)
+    if state_shape is None:
+        return kv_caches
+    return HybridCaches(kv=kv_caches, states=LinearStateCache(state_shape, num_slots, dtype, device))
+
+
 @dataclass(slots=True)
 class StepResult:
     # The sampled token (and its logprobs when asked for) of each request whose chunk samples.
@@ -76,18 +88,16 @@ class ModelRunner:
         # One sequence can never hold more than the whole pool.
         self.max_model_len = min(engine.max_model_len or positions, positions,
                                  self.num_blocks * self.block_size)
-        self.kv_caches = allocate_kv_caches(config, self.num_blocks, self.block_size, self.dtype,
-                                            self.device)
-        state_shape = getattr(model, "linear_state_shape", None)
         # Hybrid: linear-attention layers keep one state slot per sequence that may run at once.
-        self.is_hybrid = state_shape is not None
-        self.hybrid_caches: HybridCaches | None = None
-        if state_shape is not None:
+        caches = allocate_caches(model, self.num_blocks, self.block_size, engine.max_num_seqs,
+                                 self.dtype, self.device)
+        self.hybrid_caches = caches if isinstance(caches, HybridCaches) else None
+        self.kv_caches: KVCaches = caches.kv if isinstance(caches, HybridCaches) else caches
+        self.is_hybrid = self.hybrid_caches is not None
+        if self.hybrid_caches is not None:
             log.info("%s: %d linear-attention state slots, %.1f MiB beside the KV cache", model_id,
-                     engine.max_num_seqs,
-                     engine.max_num_seqs * state_shape.bytes_per_slot(self.dtype) / (1 << 20))
-            states = LinearStateCache(state_shape, engine.max_num_seqs, self.dtype, self.device)
-            self.hybrid_caches = HybridCaches(kv=self.kv_caches, states=states)
+                     engine.max_num_seqs, engine.max_num_seqs
+                     * self.hybrid_caches.states.shape.bytes_per_slot(self.dtype) / (1 << 20))
         # Pure decode steps replay from these when set.
         self.decode_graphs: DecodeGraphs | None = None
         if graphs_wanted(engine.cuda_graphs, self.device):

@@ -25,14 +25,16 @@ def test_gpu_engine_tiny(tmp_path: Path) -> None:
     report = _run("gpu_engine.py", tmp_path)
     assert report["all_passed"] and report["tiny"]
     assert json.loads((tmp_path / "gpu_engine.json").read_text()) == report
-    (model,) = report["models"]
-    assert model["check"]["passed"]
-    assert model["check"]["greedy_cuda_graphs_off"]["matched_tokens"] == 24
-    for side in ("ours", "hf_generate"):
-        assert set(model[side]) == {"1", "4"}
-        assert all(v["output_tokens_per_s"] > 0 for v in model[side].values())
-    assert model["batch1_decode_roofline"]["fraction_of_roofline"] > 0
-    assert model["cuda_graphs"] == "not used on CPU"
+    # The dense model and the hybrid one (its linear-attention state slots beside the KV cache).
+    assert [model["model"] for model in report["models"]] == ["tiny-qwen3", "tiny-qwen3.5-hybrid"]
+    for model in report["models"]:
+        assert model["check"]["passed"]
+        assert model["check"]["greedy_cuda_graphs_off"]["matched_tokens"] == 24
+        for side in ("ours", "hf_generate"):
+            assert set(model[side]) == {"1", "4"}
+            assert all(v["output_tokens_per_s"] > 0 for v in model[side].values())
+        assert model["batch1_decode_roofline"]["fraction_of_roofline"] > 0
+        assert model["cuda_graphs"] == "not used on CPU"
 
 
 def test_gpu_kernels_tiny(tmp_path: Path) -> None:
