@@ -173,7 +173,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if _use_triton(q):
         return _triton("paged_attention").paged_attention(
             q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-            meta.max_query_len, scale)
+            meta.max_query_len, scale, max_seq_len=meta.max_seq_len)
     return sdpa_paged_attention(q, k_cache, v_cache, meta, scale, k, v, decode_kernel=_use_cpu_kernels(q))
 
 
