@@ -40,6 +40,7 @@ def paged_attention_fwd_kernel(
     scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     HK, block_size,
+    skip_chunks_from,  # > 0: leave continuations of at least this many queries to the caller
     D: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -56,6 +57,8 @@ def paged_attention_fwd_kernel(
         return
     seq_len = tl.load(seq_lens + i_n).to(tl.int64)
     ctx_len = seq_len - q_len
+    if (skip_chunks_from > 0) & (q_len >= skip_chunks_from) & (ctx_len > 0):
+        return
 
     o_m = tl.arange(0, BLOCK_M)
     i_q = i_qb * BLOCK_Q + o_m // GROUP  # [BLOCK_M] query index within the sequence
@@ -237,7 +240,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     block_tables: torch.Tensor, max_query_len: int, scale: float,
                     *, block_m: int | None = None, block_n: int | None = None,
-                    max_seq_len: int | None = None, num_splits: int | None = None) -> torch.Tensor:
+                    max_seq_len: int | None = None, num_splits: int | None = None,
+                    skip_chunks_from: int = 0) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its cached keys (stored already).
 
     q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]; caches
@@ -247,6 +251,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     `max_query_len` (a host int) picks the decode or prefill tiling and sizes the grid.
     Decode only: `max_seq_len` (a host int, at least every seq_len; default the block tables'
     capacity) bounds how many key ranges `decode_splits` picks; `num_splits` sets it instead.
+    `skip_chunks_from` > 0: the rows of every chunk continuation (queries after a cached
+    context) with at least that many queries are left unwritten, for the caller to fill.
     """
     num_tokens, H, D = q.shape
     _, block_size, HK, _ = k_cache.shape
@@ -279,7 +285,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     paged_attention_fwd_kernel[grid](
         q, k_cache, v_cache, o, query_start_loc, seq_lens, block_tables, scale,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1), block_tables.stride(0),
-        HK, block_size, D=D, GROUP=group, BLOCK_Q=BLOCK_Q, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        HK, block_size, skip_chunks_from, D=D, GROUP=group, BLOCK_Q=BLOCK_Q, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=num_warps, **dot_args(q.dtype),
     )
     return o

@@ -90,6 +90,39 @@ def test_split_decode_reads_strided_queries() -> None:
     assert_close(out, ref, 1e-5)
 
 
+def test_long_chunks_are_left_to_the_caller() -> None:
+    """skip_chunks_from=4: sequence 0 (5 queries after 16 cached keys) is left unwritten; the
+    whole prefill of 12 and the decodes are attended."""
+    q, k_cache, v_cache, meta = _case([5, 1, 12, 1], [21, 8, 12, 33], 8, 2, 16, 4, torch.float32)
+    ref = naive_paged_attention(q, k_cache, v_cache, *_args(meta), 0.25)
+    out = paged_attention(q, k_cache, v_cache, *_args(meta), 0.25, block_m=16, block_n=16,
+                          skip_chunks_from=4)
+    assert_close(out[5:], ref[5:], 1e-5)
+
+
+@pytest.mark.parametrize("min_queries", [4, 10**6], ids=["routed", "kernel-only"])
+def test_engine_triton_path_routes_long_chunks(min_queries: int,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """engine.ops on the Triton path: chunk continuations of at least SDPA_CHUNK_MIN_QUERIES
+    queries through SDPA, the rest of the step through the kernel, one correct output."""
+    from engine import attention_plan, ops
+
+    monkeypatch.setattr(attention_plan, "SDPA_CHUNK_MIN_QUERIES", min_queries)
+    routed: list[tuple[int, int]] = []
+    real = ops.attend_chunks
+    monkeypatch.setattr(ops, "attend_chunks", lambda out, q, kc, vc, chunks, scale: (
+        routed.extend((seq.start, seq.end) for seq in chunks), real(out, q, kc, vc, chunks, scale)))
+    # Rows: seq 0 0:5 (a continuation), 1 a decode, 2 6:18 (a whole prefill), 3 a decode,
+    # 4 19:25 (a continuation).
+    q, k_cache, v_cache, meta = _case([5, 1, 12, 1, 6], [21, 8, 12, 33, 9], 8, 2, 16, 4,
+                                      torch.float32)
+    ref = naive_paged_attention(q, k_cache, v_cache, *_args(meta), 0.25)
+    ops.use_backend("triton")
+    out = ops.paged_attention(q, k_cache, v_cache, meta, 0.25)
+    assert_close(out, ref, 1e-5)
+    assert routed == ([(0, 5), (19, 25)] if min_queries == 4 else [])
+
+
 def test_decode_splits() -> None:
     from helexa_kernels.paged_attention.triton import MAX_SPLITS, NOMINAL_SMS, decode_splits
 
