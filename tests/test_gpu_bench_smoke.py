@@ -22,7 +22,7 @@ def _run(script: str, tmp_path: Path, *args: str) -> dict:
 
 
 def test_gpu_engine_tiny(tmp_path: Path) -> None:
-    report = _run("gpu_engine.py", tmp_path)
+    report = _run("gpu_engine.py", tmp_path, "--profile", "1", "--peer-concurrency", "4")
     assert report["all_passed"] and report["tiny"]
     assert json.loads((tmp_path / "gpu_engine.json").read_text()) == report
     # The dense model and the hybrid one (its linear-attention state slots beside the KV cache).
@@ -30,11 +30,17 @@ def test_gpu_engine_tiny(tmp_path: Path) -> None:
     for model in report["models"]:
         assert model["check"]["passed"]
         assert model["check"]["greedy_cuda_graphs_off"]["matched_tokens"] == 24
+        assert set(model["ours"]) == {"1", "4"} and set(model["hf_generate"]) == {"4"}
         for side in ("ours", "hf_generate"):
-            assert set(model[side]) == {"1", "4"}
             assert all(v["output_tokens_per_s"] > 0 for v in model[side].values())
+        assert all(v["decode_tokens_per_s"] > 0 for v in model["ours"].values())
         assert model["batch1_decode_roofline"]["fraction_of_roofline"] > 0
+        assert model["headline"]["batch1_fraction_of_roofline"] > 0
+        assert model["headline"]["c4_ttft_ms_p50"] > 0
         assert model["cuda_graphs"] == "not used on CPU"
+        # Profiled decode steps at batch 1 (no kernels on CPU: the host ops are there).
+        profile = model["step_profile"]["1"]
+        assert profile["steps"] > 0 and profile["wall_ms"] > 0 and profile["top_host_ops"]
 
 
 def test_gpu_kernels_tiny(tmp_path: Path) -> None:
