@@ -1,5 +1,6 @@
 """The prepared GPU scripts run end to end in their --tiny CPU mode, so a GPU session finds them
-working: every correctness check passes and speeds are printed."""
+working: every correctness check passes and speeds are printed; without a GPU, bench/gpu_run.sh
+stops at once and says why."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,3 +53,16 @@ def test_gpu_kernels_tiny(tmp_path: Path) -> None:
     ops = {(r["op"], r["case"]) for r in report["results"]}
     assert ("paged_attention", "decode") in ops and ("gated_delta_rule", "chunk_prefill") in ops
     assert all(r["median_ms"]["triton"] > 0 for r in report["results"])
+
+
+def test_gpu_run_stops_at_once_without_a_gpu(tmp_path: Path) -> None:
+    """bench/gpu_run.sh says why in one line and starts nothing (no install, no stage)."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the script would run")
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_run.sh")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stdout.strip().splitlines() == [
+        f"gpu_run: no CUDA device for {sys.executable} (torch.cuda.is_available() is False): nothing run"]
+    assert not (tmp_path / "out").exists()
