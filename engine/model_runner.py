@@ -4,7 +4,7 @@ The runner sizes and allocates the paged KV cache (one (k_cache, v_cache) pair p
 layer), on CPU packs the linear weights for oneDNN (`engine.cpu_linear`) and keeps freed memory
 for the next step (`engine.cpu_memory`), decides whether the model is hybrid (linear-attention
 layers keep a state slot per sequence, `engine.state_cache`) and captures decode CUDA graphs
-where they apply (`engine.cuda_graphs`: CUDA, Triton ops, not hybrid), or on CPU the decode
+where they apply (`engine.cuda_graphs`: CUDA, Triton ops), or on CPU the decode
 steps' one-call layer stack (`engine.cpu_decode_stack`). Each step it lays the
 scheduler's decision out with the one step builder (`engine.step_metadata.build_step_inputs`),
 runs the model and samples (a seeded request's draw is a function of its seed and the token's
@@ -101,13 +101,9 @@ class ModelRunner:
         # Pure decode steps replay from these when set.
         self.decode_graphs: DecodeGraphs | None = None
         if graphs_wanted(engine.cuda_graphs, self.device):
-            if self.is_hybrid:
-                # Graph capture covers the paged-KV forward only; state-slot models decode eagerly.
-                log.info("CUDA graphs off for %s: hybrid (linear-attention) model", model_id)
-            else:
-                self.decode_graphs = DecodeGraphs.capture(model, self.kv_caches, engine.max_num_seqs,
-                                                          self.max_model_len, self.block_size,
-                                                          self.device)
+            self.decode_graphs = DecodeGraphs.capture(model, caches,
+                                                      engine.max_num_seqs, self.max_model_len,
+                                                      self.block_size, self.device)
         # On CPU, decode steps run the whole layer stack in one C++ call where it applies.
         self.cpu_decode_stack = (CpuDecodeStack.build(model, self.kv_caches)
                                  if self.device.type == "cpu" and not self.is_hybrid else None)
@@ -134,7 +130,8 @@ class ModelRunner:
         stack, or else the model's forward."""
         hidden = None
         if self.decode_graphs is not None:
-            hidden = self.decode_graphs.replay(inputs)
+            slots = caches.slot_indices if isinstance(caches, HybridCaches) else None
+            hidden = self.decode_graphs.replay(inputs, slots)
         elif self.cpu_decode_stack is not None:
             hidden = self.cpu_decode_stack.run(inputs)
         if hidden is None:
