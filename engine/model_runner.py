@@ -151,7 +151,11 @@ class ModelRunner:
         result = StepResult()
         if not inputs.sample_indices:
             return result
-        logits = self.model.compute_logits(hidden[inputs.sample_indices])
+        rows = inputs.sample_indices
+        # A decode step samples every row in order: a slice, where indexing by a list would copy
+        # the list to the device and wait for it (and a graph's output has padding rows after).
+        picked = hidden[:len(rows)] if rows == list(range(len(rows))) else hidden[rows]
+        logits = self.model.compute_logits(picked)
         if self.mask_logits is not None:
             self.mask_logits(logits, inputs.sample_request_ids)
         by_id = {s.request.request_id: s.request for s in step.scheduled}
