@@ -7,12 +7,17 @@ decode steps with torch.profiler (CUDA activity where there is a GPU) and report
   inter-token latency of the timed runs is the figure to quote);
 - `kernel_ms` (the kernels' summed durations), `busy_ms` (the union of their intervals: time the
   device was doing anything) and `idle_ms` = wall - busy, the device waiting on the host;
-- `kernels`, and the CUDA runtime/driver calls by name (`cudaLaunchKernel`, `cuLaunchKernel`,
+- `kernels` (copies and memsets counted in), and the CUDA runtime/driver calls by name (`cudaLaunchKernel`, `cuLaunchKernel`,
   `cudaGraphLaunch`, `cudaMemcpyAsync`, `cudaStreamSynchronize`, ...): launches and syncs;
 - the kernels and the host-side ATen ops that take the most time.
 
 Kernels replayed from a CUDA graph are traced like any other (CUPTI reports graph kernels), so a
 step served by `engine.cuda_graphs` shows its graph's kernels beside one `cudaGraphLaunch`.
+
+On a GPU, as many decode steps again run without the profiler, timed by CUDA events around the
+runner's forward (a graph replay, or the eager forward) and the LM head, against the step's wall
+time (`events`): what the device spends on the model, on the logits, and what is left for the
+host (scheduling, step inputs, sampling, output). These need no profiler support at all.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ def profile_decode_steps(core: EngineCore, prompts: list[list[int]], new: int, s
     started: set[str] = set()
     while len(started) < len(prompts) and core.has_work():
         started.update(out.request_id for out in core.step() if out.new_token_ids)
-    steps = min(steps, new - 2)  # every profiled step decodes every request
+    steps = min(steps, (new - 2) // 2)  # every profiled and event-timed step decodes every request
     activities = [ProfilerActivity.CPU]
     if device == "cuda":
         activities.append(ProfilerActivity.CUDA)
@@ -57,9 +62,50 @@ def profile_decode_steps(core: EngineCore, prompts: list[list[int]], new: int, s
             core.step()
             sync()
             walls.append(time.perf_counter() - start)
+    report = summarize(prof, walls, len(prompts))
+    if device == "cuda":
+        report["events"] = event_timings(core, steps)
     while core.has_work():
         core.step()
-    return summarize(prof, walls, len(prompts))
+    return report
+
+
+def event_timings(core: EngineCore, steps: int) -> dict[str, object]:
+    """Median ms per decode step: the step's wall time, and the device time of the runner's
+    forward and of the LM head, between CUDA events recorded around them."""
+    runner, model = core.runner, core.runner.model
+    spans: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {"forward": [], "logits": []}
+
+    def timed(name: str, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def run(*args: object) -> torch.Tensor:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn(*args)
+            end.record()
+            spans[name].append((start, end))
+            return out
+        return run
+
+    # Instance attributes shadow the methods for these steps only.
+    runner.forward = timed("forward", runner.forward)
+    model.compute_logits = timed("logits", model.compute_logits)
+    walls = []
+    try:
+        for _ in range(steps):
+            start = time.perf_counter()
+            core.step()  # its sampled ids are read back: the device is done when it returns
+            torch.cuda.synchronize()
+            walls.append(time.perf_counter() - start)
+    finally:
+        del runner.forward, model.compute_logits
+    wall_ms = statistics.median(walls) * 1e3
+    gpu = {name: statistics.median(s.elapsed_time(e) for s, e in pairs) if pairs else 0.0
+           for name, pairs in spans.items()}
+    return {"steps": len(walls), "wall_ms": round(wall_ms, 3),
+            "forward_gpu_ms": round(gpu["forward"], 3), "logits_gpu_ms": round(gpu["logits"], 3),
+            "rest_ms": round(wall_ms - gpu["forward"] - gpu["logits"], 3),
+            "note": "medians, no profiler; rest: the step's wall time outside the forward and "
+                    "the LM head on the device (host work, sampling, gaps)"}
 
 
 def summarize(prof: profile, walls: list[float], num_seqs: int) -> dict[str, object]:
@@ -67,7 +113,9 @@ def summarize(prof: profile, walls: list[float], num_seqs: int) -> dict[str, obj
     if not steps:
         return {"error": "no decode step to profile"}
     events = prof.events()
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    # Device activity: kernels, copies and memsets (not the GPU-side copies of annotated ranges).
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA
+               and not getattr(e, "is_user_annotation", False)]
     intervals = sorted((e.time_range.start, e.time_range.end) for e in kernels)
     busy_us, reach = 0.0, float("-inf")
     for start, end in intervals:  # the union of the kernels' intervals
