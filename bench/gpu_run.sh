@@ -106,13 +106,20 @@ engine() {  # RESERVE_S, gpu_engine.py arguments
 }
 
 # The GPU-only tests (full-size kernels, CUDA graphs, the CUDA sampler), and the ones that run
-# the Triton path against the PyTorch one or the split-K decode and chunk routing, compiled here.
+# the Triton path against the PyTorch one or the split-K decode and chunk routing, compiled here;
+# in two runs, the engine's paths first, so a stage cut short has run those.
 gpu_tests() {
     set -o pipefail
+    local rc=0
     $PY -m pytest -q -p no:cacheprovider --timeout=60 --durations=8 \
-        tests/engine/test_cuda_graphs.py tests/engine/test_sampler.py tests/kernels \
-        -k "full_size or on_gpu or with_and_without_graphs or cuda_matches or triton_path or test_decode_splits or long_chunks or split_decode_reads_strided or (test_split_decode and gqa4)" \
-        2>&1 | tee "$OUT/gpu_tests.log"
+        tests/kernels/test_engine_ops.py tests/kernels/test_paged_attention.py \
+        tests/engine/test_cuda_graphs.py tests/engine/test_sampler.py \
+        -k "triton_path or test_decode_splits or long_chunks or split_decode_reads_strided or (test_split_decode and gqa4) or full_size or on_gpu or with_and_without_graphs or cuda_matches" \
+        2>&1 | tee "$OUT/gpu_tests.log" || rc=1
+    $PY -m pytest -q -p no:cacheprovider --timeout=60 --durations=5 -k full_size \
+        tests/kernels/test_{causal_conv1d,gated_delta_rule,gdn_gating,kv_store,moe,rmsnorm,rotary,silu_and_mul}.py \
+        2>&1 | tee -a "$OUT/gpu_tests.log" || rc=1
+    return $rc
 }
 
 kernels() {
