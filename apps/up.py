@@ -31,6 +31,7 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -199,14 +200,33 @@ class Supervisor:
                                                "restarts": child.restarts})
 
 
+# How much of the worker's dtype reason the banner shows (the whole of it is in the worker's log).
+BANNER_REASON_CHARS = 160
+
+
+def _helexa_command() -> str:
+    """How the user runs `helexa` from where they stand: the venv's script (as `make run` does), by
+    a relative path when it is under the current folder, else its name if that is on the PATH."""
+    script = Path(sys.executable).parent / "helexa"
+    if not script.exists() or shutil.which("helexa") == str(script):
+        return "helexa"
+    try:
+        return str(script.relative_to(Path.cwd()))
+    except ValueError:
+        return str(script)
+
+
 def banner(url: str, model: str, env_file: Path, worker: dict, credential_files: list[Path]) -> str:
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     body = json.dumps({"model": model, "messages": messages, "temperature": 0, "max_tokens": SAMPLE_MAX_TOKENS})
     psql = psql_binary() if Path(psql_binary()).exists() else "psql"
     dtype = ""
     if worker.get("dtype"):
-        reason = f" ({worker['dtype_reason']})" if worker.get("dtype_reason") else ""
-        dtype = f"  dtype: {worker['dtype']}{reason}\n"
+        # The reason in the worker's log line ends with the CPU's flags: the banner keeps the why.
+        why = str(worker.get("dtype_reason") or "").split("; CPU:")[0]
+        why = why if len(why) <= BANNER_REASON_CHARS else why[:BANNER_REASON_CHARS - 1] + "…"
+        dtype = f"  dtype: {worker['dtype']}" + (f" ({why})" if why else "") + "\n"
+    helexa = _helexa_command()
     where = "".join(f"  credentials (readable only by you): {path}\n" for path in credential_files)
     source = f"source {display_path(env_file)}"
     return (
@@ -217,7 +237,7 @@ def banner(url: str, model: str, env_file: Path, worker: dict, credential_files:
         f"    model=\"{model}\", messages={messages!r}, temperature=0, max_tokens={SAMPLE_MAX_TOKENS})\n\n"
         f"  NATS_URL, DATABASE_URL and HELEXA_URL (readable only by you): {env_file}\n"
         f"    {source}\n"
-        "    helexa bus sub          # the messages on the bus as they pass\n"
+        f"    {helexa} bus sub          # the messages on the bus as they pass\n"
         f"    {psql} \"$DATABASE_URL\"\n"
         f"{where}"
         "Press Ctrl-C to stop.\n"
