@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import multiprocessing
 import signal
 import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 from apps import logs, settings
 
@@ -43,7 +46,7 @@ def _event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 def cmd_gateway(args: argparse.Namespace) -> None:
     import uvicorn
 
-    from apps.gateway.app import create_app
+    from apps.gateway.app import create_app, end_in_flight
     from apps.settings import GatewaySettings
 
     settings = GatewaySettings()
@@ -53,23 +56,38 @@ def cmd_gateway(args: argparse.Namespace) -> None:
         settings.port = args.port
 
     async def main(stop: asyncio.Event) -> None:
+        app = create_app(settings)
         config = uvicorn.Config(
-            create_app(settings), host=settings.host, port=settings.port, log_config=None, access_log=False,
-            timeout_graceful_shutdown=10,
+            app, host=settings.host, port=settings.port, log_config=None, access_log=False,
+            # A backstop: answers in flight are ended after the stop grace (`end_in_flight`).
+            timeout_graceful_shutdown=settings.stop_grace_s + 5,
         )
         server = uvicorn.Server(config)
         server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-        serving = asyncio.create_task(server.serve())
-        while not server.started and not serving.done():
+        async def serve() -> None:
+            # uvicorn logs why it cannot start (e.g. the port is in use), then raises SystemExit,
+            # which a task would hand to the event loop itself: caught here, it ends the task.
+            with contextlib.suppress(SystemExit):
+                await server.serve()
+
+        serving = asyncio.create_task(serve())
+        while not server.started and not serving.done() and not stop.is_set():
             await asyncio.sleep(0.05)
         if serving.done():
-            await serving
-            raise SystemExit("gateway failed to start")
+            raise SystemExit(1)
+        if not server.started:  # stopped while starting (e.g. still waiting for NATS): nothing to end
+            # uvicorn reports its cancelled start-up as a failure, with a traceback: not one here.
+            logging.getLogger("uvicorn.error").disabled = True
+            serving.cancel()
+            await asyncio.gather(serving, return_exceptions=True)
+            return
         logs.announce_ready("gateway", url=f"http://{settings.host}:{settings.port}")
         stopping = asyncio.create_task(stop.wait())
         await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
         server.should_exit = True
+        ending = asyncio.create_task(end_in_flight(app, settings.stop_grace_s))
         await serving
+        ending.cancel()
 
     _run_until_signal(main)
 
@@ -86,35 +104,55 @@ def cmd_worker(args: argparse.Namespace) -> None:
         settings.model = args.model
     if args.served_model_name:
         settings.served_model_name = args.served_model_name
+    script = args.script or settings.script or None
     catalogue = load_catalogue(catalogue_file())
 
     async def opener(source: str, served_name: str, memory_mb: int):  # type: ignore[no-untyped-def]
-        return await open_model(settings, source, served_name, args.script, memory_mb)
+        return await open_model(settings, source, served_name, script, memory_mb)
 
     async def main(stop: asyncio.Event) -> None:
-        first = await opener(settings.model, settings.served_model_name, 0)
-        await WorkerProcess(settings, bus_limits(), opener, catalogue).run(stop, first)
+        opening = asyncio.create_task(opener(settings.model, settings.served_model_name, 0))
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait({opening, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not opening.done():
+            # Stopped while loading (which can take minutes): the engine process goes now (and
+            # one the load starts later), and the load, left without it, ends.
+            while not opening.done():
+                for process in multiprocessing.active_children():
+                    process.terminate()
+                await asyncio.wait({opening}, timeout=0.2)
+            with contextlib.suppress(Exception):
+                opening.result()
+            return
+        exc = opening.exception()
+        if isinstance(exc, EngineRefused):  # e.g. HELEXA_DTYPE=bfloat16 on a CPU without bf16
+            logging.getLogger("helexa.worker").error(
+                f"the worker cannot start (HELEXA_DTYPE={settings.dtype}): {exc}",
+                extra={"model": settings.model or "default"})
+            raise SystemExit(EXIT_REFUSED)
+        if exc is not None:
+            # A model that cannot be served (a wrong path): one line, then exit 1.
+            log.debug("the model could not be loaded", exc_info=exc)
+            log.error("the model could not be loaded", extra={"error": f"{type(exc).__name__}: {exc}"})
+            raise SystemExit(1)
+        await WorkerProcess(settings, bus_limits(), opener, catalogue).run(stop, opening.result())
 
     try:
         _run_until_signal(main)
     except BusConnectionLost:
         raise SystemExit(EXIT_BUS_LOST) from None
-    except EngineRefused as exc:  # e.g. HELEXA_DTYPE=bfloat16 on a CPU without bf16: one line, no traceback
-        logging.getLogger("helexa.worker").error(f"the worker cannot start (HELEXA_DTYPE={settings.dtype}): {exc}",
-                                                 extra={"model": settings.model or "default"})
-        raise SystemExit(EXIT_REFUSED) from None
 
 
 def cmd_models(args: argparse.Namespace) -> None:
     """`helexa models ls|load|unload`: the fleet's models, through the workers' control endpoints."""
     import json
 
-    from apps.bus import topology
-    from apps.fleet import control_client
+    from apps.fleet import control_client, operator
     from apps.settings import GatewaySettings
 
     async def main() -> None:
-        nc = await topology.connect(GatewaySettings().nats_url, name="helexa-cli")
+        nc = await operator.connect_nats(GatewaySettings().nats_url, name="helexa-cli")
         try:
             if args.action == "ls":
                 result = await control_client.list_models(nc)
@@ -131,7 +169,29 @@ def cmd_models(args: argparse.Namespace) -> None:
             await nc.close()
         print(json.dumps(result, default=str))
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except operator.Unreachable as exc:
+        raise SystemExit(str(exc)) from None
+
+
+def cmd_bus(args: argparse.Namespace) -> None:
+    """`helexa bus sub [SUBJECT]`: print the bus's messages as they pass (see apps.fleet.bus_watch)."""
+    from apps.bus import topology
+    from apps.fleet import bus_watch, operator
+    from apps.settings import GatewaySettings
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await bus_watch.watch(GatewaySettings().nats_url, args.subject or topology.every_subject(), stop)
+
+    try:
+        asyncio.run(main())
+    except operator.Unreachable as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def cmd_recorder(args: argparse.Namespace) -> None:
@@ -143,10 +203,17 @@ def cmd_recorder(args: argparse.Namespace) -> None:
 
 
 def cmd_migrate(args: argparse.Namespace) -> None:
+    import asyncpg
+
+    from apps.fleet import operator
     from apps.recorder.migrate import migrate
     from apps.settings import RecorderSettings
 
-    applied = asyncio.run(migrate(RecorderSettings().database_url))
+    url = RecorderSettings().database_url
+    try:
+        applied = asyncio.run(migrate(url))
+    except (OSError, TimeoutError, asyncpg.PostgresError) as exc:
+        raise SystemExit(str(operator.unreachable("PostgreSQL", "DATABASE_URL", url, exc))) from None
     log.info("migrated", extra={"applied": applied})
 
 
@@ -159,10 +226,14 @@ def cmd_up(args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="helexa", description="LLM serving over NATS JetStream and PostgreSQL")
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO, ... (HELEXA_LOG_LEVEL, default INFO)")
+    parser.add_argument("--data-dir", default=None,
+                        help="the data directory of `helexa up`, whose env file the commands read "
+                             "(HELEXA_DATA_DIR, default .helexa)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="run everything on this machine: NATS, PostgreSQL, gateway, worker, recorder")
-    up.add_argument("--data-dir", default=None, help="where NATS and PostgreSQL keep data (HELEXA_DATA_DIR)")
+    up.add_argument("--data-dir", default=argparse.SUPPRESS,
+                    help="where NATS and PostgreSQL keep data, the lock and the env file (HELEXA_DATA_DIR)")
     up.add_argument("--port", type=int, default=None, help="gateway port (HELEXA_PORT, default 8000)")
     up.add_argument("--model", default=None, help="a .gguf file or HF model directory (default: SmolLM2-135M)")
     up.set_defaults(func=cmd_up)
@@ -185,6 +256,11 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the workers")
     models.set_defaults(func=cmd_models)
 
+    bus = sub.add_parser("bus", help="watch the bus: `helexa bus sub [SUBJECT]` prints its messages")
+    bus.add_argument("action", choices=["sub"])
+    bus.add_argument("subject", nargs="?", default="", help="a subject or wildcard (default: helexa.>)")
+    bus.set_defaults(func=cmd_bus)
+
     recorder = sub.add_parser("recorder", help="project EVENTS into PostgreSQL")
     recorder.add_argument(
         "--rebuild",
@@ -205,6 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logs.configure(args.log_level or settings.log_level())
+    if args.command != "up":
+        from apps.fleet import operator
+
+        operator.use_data_dir(Path(args.data_dir).resolve() if args.data_dir else settings.data_dir())
     args.func(args)
 
 

@@ -31,7 +31,9 @@ def configure(level: str = "INFO") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    for noisy in ("nats", "asyncio", "uvicorn.access"):
+    # uvicorn's own start and stop chatter is INFO; the gateway says `ready` itself, and `up`
+    # says one line per service when it stops them.
+    for noisy in ("nats", "asyncio", "uvicorn.access", "uvicorn.error"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 

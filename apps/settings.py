@@ -127,10 +127,14 @@ class GatewaySettings:
     # How long a response made moments ago (maybe by another gateway) is waited for while the
     # recorder has not projected it yet; an unknown older id is a 404 at once.
     response_wait_s: float = field(default_factory=lambda: _env_float("HELEXA_RESPONSE_WAIT_S", 5.0))
+    # On SIGTERM, how long answers in flight get to finish (then an error event ends each).
+    stop_grace_s: float = field(default_factory=lambda: _env_float("HELEXA_STOP_GRACE_S", 10.0))
 
     def __post_init__(self) -> None:
         if self.response_wait_s < 0:
             raise ValueError("HELEXA_RESPONSE_WAIT_S must be >= 0")
+        if self.stop_grace_s < 0:
+            raise ValueError("HELEXA_STOP_GRACE_S must be >= 0")
         if self.max_migrations < 0:
             raise ValueError("HELEXA_MAX_MIGRATIONS must be >= 0")
         if self.stream_buffer_frames < 1:
@@ -179,6 +183,9 @@ class WorkerSettings:
     stop_grace_s: float = field(default_factory=lambda: _env_float("HELEXA_STOP_GRACE_S", 10.0))
     # Processes per model that template and tokenize long prompts (the worker's bound on that work).
     tokenize_processes: int = field(default_factory=lambda: _env_int("HELEXA_TOKENIZE_PROCESSES", 1))
+    # A JSON script to reply from instead of running the model (`helexa worker --script`), for
+    # testing clients and `helexa up` itself without a model's generation time.
+    script: str = field(default_factory=lambda: _env("HELEXA_WORKER_SCRIPT", ""))
 
     def __post_init__(self) -> None:
         if self.kernels not in KERNEL_CHOICES:

@@ -1,12 +1,20 @@
 """`helexa up`: the whole system on one machine, kept running, stopped cleanly on Ctrl-C or SIGTERM.
 
-Starts (unless NATS_URL / DATABASE_URL point elsewhere) an embedded NATS server and an embedded
-PostgreSQL under the data directory, both locked with credentials kept there (see
-`apps.embedded`), migrates, then supervises gateway, worker and recorder as child processes and
-prints the URLs to reach everything, credentials included. A child that exits once the system is
-up is started again after a backoff (1 s, doubling up to 30 s; back to 1 s after a minute of
-running), so one crash does not stop the rest. Children are stopped before the servers they
-depend on; all are waited for.
+Before anything starts, it takes the data directory's lock (one `up` per data directory) and
+checks that the gateway's port is free; either failure is one line and exit 1. Then it starts
+(unless NATS_URL / DATABASE_URL point elsewhere: an exported URL of this data directory's own
+servers, from `source .helexa/env`, does not count) an embedded NATS server and an embedded
+PostgreSQL under the data directory, both locked with credentials kept there and on the ports they
+had last time (see `apps.embedded`), writes `<data>/env` with the URLs, migrates, then supervises
+gateway, worker and recorder as child processes and prints how to reach everything. An app that
+exits before it is ready ends `up` with one line; one that exits once the system is up is started
+again after a backoff (1 s, doubling up to 30 s; back to 1 s after a minute of running), so one
+crash does not stop the rest.
+
+Every child runs in a process group of its own, so the terminal's Ctrl-C reaches `up` alone: it
+stops the gateway (answers in flight get HELEXA_STOP_GRACE_S, 2 s here, then an error event), the
+worker and the recorder, then PostgreSQL and NATS, one log line each. If `up` itself is killed, the
+kernel stops them all (`apps.embedded.tether`).
 
 On one machine the engine is the work and everything else serves it: the servers, the gateway and
 the recorder run at a lower CPU priority (`HELEXA_SERVICES_NICE`, 5; 0 keeps them level), the
@@ -23,22 +31,37 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
+import asyncpg
+
+from apps.embedded import port_is_free, stable_port, stored_port
+from apps.embedded.data_dir import AlreadyRunning, UpLock, display_path, write_env
 from apps.embedded.nats_server import NatsServer
 from apps.embedded.postgres import PostgresServer, psql_binary
+from apps.embedded.tether import dies_with_us
+from apps.fleet.operator import without_password
 from apps.logs import announce_ready
 from apps.settings import GatewaySettings, data_dir, services_nice
 
 log = logging.getLogger("helexa.up")
 
 APPS = ("recorder", "worker", "gateway")
+STOP_ORDER = ("gateway", "worker", "recorder")
+# How long each app gets to stop after SIGTERM before SIGKILL.
+STOP_TIMEOUT_S = {"gateway": 10.0, "worker": 10.0, "recorder": 5.0}
+# HELEXA_STOP_GRACE_S for `up`'s apps unless set: on Ctrl-C, what an answer in flight gets to finish.
+UP_STOP_GRACE_S = 2.0
+# The banner's examples ask for a short, greedy answer: they finish in seconds on any CPU.
+SAMPLE_MAX_TOKENS = 64
 # The apps that generate: they keep up's own priority (their engine processes inherit it).
 ENGINE_APPS = frozenset({"worker"})
 FIRST_BACKOFF_S = 1.0
@@ -49,7 +72,11 @@ SUPERVISE_EVERY_S = 0.2
 
 
 class Child:
-    """An app process whose log lines are passed through and watched for `ready`; restartable."""
+    """An app process whose log lines are passed through and watched for `ready`; restartable.
+
+    Each child runs in a process group of its own, so the terminal's Ctrl-C reaches only `up`,
+    which stops the children itself, in order; and the kernel kills it if `up` dies, even by
+    SIGKILL (`apps.embedded.tether`), so no app outlives `up` to serve on as an orphan."""
 
     def __init__(self, app: str, env: dict[str, str], nice: int = 0) -> None:
         self.app = app
@@ -62,6 +89,8 @@ class Child:
     def spawn(self) -> None:
         self.ready = threading.Event()
         self.ready_fields: dict = {}
+        # What the child said last at error level (or outside the JSON logs), for `up`'s one line.
+        self.last_error = ""
         self.started_at = time.monotonic()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "apps.cli", self.app],
@@ -70,6 +99,8 @@ class Child:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             text=True,
+            process_group=0,
+            preexec_fn=dies_with_us(signal.SIGKILL),
         )
         lower_priority(self.process.pid, self.nice)
         threading.Thread(target=self._pump, args=(self.process, self.ready), daemon=True).start()
@@ -78,26 +109,42 @@ class Child:
         assert process.stdout is not None
         for line in process.stdout:
             sys.stderr.write(line)
-            if not ready.is_set() and '"ready"' in line:
-                try:
-                    entry = json.loads(line)
-                except ValueError:
-                    continue
-                if entry.get("event") == "ready":
-                    self.ready_fields = entry
-                    ready.set()
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                if line.strip():
+                    self.last_error = line.strip()
+                continue
+            if not isinstance(entry, dict):
+                continue
+            if entry.get("level") in ("error", "critical"):
+                self.last_error = ": ".join(str(entry[k]) for k in ("event", "error") if entry.get(k))
+            if not ready.is_set() and entry.get("event") == "ready":
+                self.ready_fields = entry
+                ready.set()
 
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def stop(self, timeout_s: float = 30.0) -> None:
+    def stop(self, timeout_s: float) -> int:
+        """SIGTERM, then SIGKILL after `timeout_s`; then whatever is left of its process group (an
+        engine process still loading a model) goes too. Returns the exit code."""
         if self.alive():
             self.process.terminate()
             try:
                 self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                self.process.kill()
+                _kill_group(self.process.pid)
                 self.process.wait()
+        _kill_group(self.process.pid)
+        return self.process.returncode
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # nothing is left of it
 
 
 def lower_priority(pid: int, nice: int) -> None:
@@ -136,6 +183,7 @@ class Supervisor:
                 child.backoff_s = FIRST_BACKOFF_S
             return
         if child.app not in self._due:
+            _kill_group(child.process.pid)  # what it leaves behind (an engine process) goes with it
             ran_s = round(now - child.started_at, 1)
             if ran_s >= STABLE_AFTER_S:
                 child.backoff_s = FIRST_BACKOFF_S
@@ -152,80 +200,176 @@ class Supervisor:
                                                "restarts": child.restarts})
 
 
-def _banner(url: str, model: str, nats_url: str, database_url: str, credential_files: list[Path]) -> str:
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+# How much of the worker's dtype reason the banner shows (the whole of it is in the worker's log).
+BANNER_REASON_CHARS = 160
+
+
+def _helexa_command() -> str:
+    """How the user runs `helexa` from where they stand: the venv's script (as `make run` does), by
+    a relative path when it is under the current folder, else its name if that is on the PATH."""
+    script = Path(sys.executable).parent / "helexa"
+    if not script.exists() or shutil.which("helexa") == str(script):
+        return "helexa"
+    try:
+        return str(script.relative_to(Path.cwd()))
+    except ValueError:
+        return str(script)
+
+
+def banner(url: str, model: str, env_file: Path, worker: dict, credential_files: list[Path]) -> str:
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    body = json.dumps({"model": model, "messages": messages, "temperature": 0, "max_tokens": SAMPLE_MAX_TOKENS})
     psql = psql_binary() if Path(psql_binary()).exists() else "psql"
+    dtype = ""
+    if worker.get("dtype"):
+        # The reason in the worker's log line ends with the CPU's flags: the banner keeps the why.
+        why = str(worker.get("dtype_reason") or "").split("; CPU:")[0]
+        why = why if len(why) <= BANNER_REASON_CHARS else why[:BANNER_REASON_CHARS - 1] + "…"
+        dtype = f"  dtype: {worker['dtype']}" + (f" ({why})" if why else "") + "\n"
+    helexa = _helexa_command()
     where = "".join(f"  credentials (readable only by you): {path}\n" for path in credential_files)
+    source = f"source {display_path(env_file)}"
     return (
-        f"\nhelexa is up: {url}/v1 serving {model}\n\n"
+        f"\nhelexa is up: {url}/v1 serving {model}\n{dtype}\n"
         f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
         f"    -d '{body}'\n\n"
-        f"  OpenAI SDK: OpenAI(base_url=\"{url}/v1\", api_key=\"unused\")\n\n"
-        f"  NATS_URL={nats_url}\n"
-        f"  DATABASE_URL={database_url}\n"
-        f"    nats --server '{nats_url}' sub 'helexa.>'\n"
-        f"    {psql} '{database_url}'\n"
+        f"  OpenAI SDK: OpenAI(base_url=\"{url}/v1\", api_key=\"unused\").chat.completions.create(\n"
+        f"    model=\"{model}\", messages={messages!r}, temperature=0, max_tokens={SAMPLE_MAX_TOKENS})\n\n"
+        f"  NATS_URL, DATABASE_URL and HELEXA_URL (readable only by you): {env_file}\n"
+        f"    {source}\n"
+        f"    {helexa} bus sub          # the messages on the bus as they pass\n"
+        f"    {psql} \"$DATABASE_URL\"\n"
         f"{where}"
         "Press Ctrl-C to stop.\n"
     )
 
 
+class StartFailed(Exception):
+    """Something `up` started did not come up; the message is the one line the user sees."""
+
+
 def _wait_until_ready(children: list[Child], stop: threading.Event) -> None:
-    for child in children:
-        while not child.ready.wait(0.2):
-            if stop.is_set():
-                raise RuntimeError("stopped")
-            if not child.alive():
-                # Before the system is up an exit is a failure to start (a bad model, a port in
-                # use): report it rather than retry forever.
-                raise RuntimeError(f"{child.app} did not start")
+    """Until every child is ready. Before the system is up an exit is a failure to start (a bad
+    model, a port in use): reported at once, whichever child it is, rather than retried."""
+    while not all(child.ready.is_set() for child in children):
+        if stop.wait(0.1):
+            raise StartFailed("stopped")
+        for child in children:
+            if not child.ready.is_set() and not child.alive():
+                said = f": {child.last_error}" if child.last_error else " (its log is above)"
+                raise StartFailed(f"helexa: the {child.app} did not start (exit {child.process.returncode}){said}")
+
+
+def _embedded(exported: str, server_dir: Path, url_at: Callable[[int], str]) -> bool:
+    """Whether `up` runs this server itself: nothing is exported, or what is exported is this
+    data directory's own server (a sourced env file), rather than an external server."""
+    if not exported:
+        return True
+    port = stored_port(server_dir)
+    return port is not None and (server_dir / "credentials.json").exists() and exported == url_at(port)
+
+
+def _stop_apps(children: list[Child]) -> None:
+    """The apps before the servers they need: the gateway first (its clients get their answers
+    or an error event within its stop grace), then the worker, then the recorder."""
+    by_app = {child.app: child for child in children}
+    for app in STOP_ORDER:
+        child = by_app.get(app)
+        if child is None:
+            continue
+        was_alive = child.alive()
+        code = child.stop(STOP_TIMEOUT_S[app])
+        if was_alive:
+            log.info("stopped", extra={"app": app, "returncode": code})
 
 
 def run_up(args: argparse.Namespace) -> int:
     from apps.recorder.migrate import migrate
 
     stop = threading.Event()
+    children: list[Child] = []
+
+    def on_signal(*_: object) -> None:
+        if stop.is_set():  # a second Ctrl-C: no more waiting
+            for child in children:
+                _kill_group(child.process.pid)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     folder = Path(args.data_dir).resolve() if args.data_dir else data_dir()
-    folder.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     if args.port:
         env["HELEXA_PORT"] = str(args.port)
     if args.model:
         env["HELEXA_MODEL"] = str(Path(args.model).resolve())
+    # On Ctrl-C an answer in flight gets this long before its error event (unless set otherwise).
+    env.setdefault("HELEXA_STOP_GRACE_S", str(UP_STOP_GRACE_S))
     gateway = GatewaySettings(port=args.port) if args.port else GatewaySettings()
     nice = services_nice()
-    children: list[Child] = []
     credential_files: list[Path] = []
+    lock = UpLock(folder)
+    try:
+        lock.acquire()
+    except AlreadyRunning as exc:
+        print(exc, file=sys.stderr, flush=True)
+        return 1
+    except OSError as exc:
+        print(f"helexa: cannot use the data directory {folder}: {exc.strerror or exc}", file=sys.stderr, flush=True)
+        return 1
+    failure = ""
     with ExitStack() as servers:
-        if not os.environ.get("NATS_URL"):
-            nats_server = servers.enter_context(NatsServer(folder / "nats"))
-            if nats_server.process is not None:
-                lower_priority(nats_server.process.pid, nice)
-            env["NATS_URL"] = nats_server.url
-            credential_files.append(nats_server.credentials_file)
-        if not os.environ.get("DATABASE_URL"):
-            postgres = servers.enter_context(PostgresServer(folder / "postgres"))
-            if postgres.process is not None:  # its backends, forked later, inherit it
-                lower_priority(postgres.process.pid, nice)
-            env["DATABASE_URL"] = postgres.url
-            credential_files.append(postgres.credentials_file)
-        try:
-            asyncio.run(migrate(env["DATABASE_URL"]))
-            children.extend(Child(app, env, 0 if app in ENGINE_APPS else nice) for app in APPS)
-            _wait_until_ready(children, stop)
-            model = next(c.ready_fields.get("model") for c in children if c.app == "worker")
-            url = f"http://{gateway.host}:{gateway.port}"
-            print(_banner(url, model, env["NATS_URL"], env["DATABASE_URL"], credential_files), flush=True)
-            announce_ready("up", url=url, model=model, data_dir=str(folder))
-            Supervisor(children, stop).run()
-            return 0
-        except RuntimeError as exc:
-            if stop.is_set():
-                return 0
-            print(f"helexa: {exc}", file=sys.stderr, flush=True)
+        servers.callback(lock.release)  # last: the servers are stopped while we still hold it
+        if not port_is_free(gateway.port, gateway.host):
+            print(f"port {gateway.port} is in use: stop the other server or set HELEXA_PORT", file=sys.stderr,
+                  flush=True)
             return 1
+        try:
+            nats_dir, pg_dir = folder / "nats", folder / "postgres"
+            if _embedded(os.environ.get("NATS_URL", "").strip(), nats_dir, lambda p: NatsServer(nats_dir, p).url):
+                log.info("starting NATS", extra={"data_dir": str(nats_dir)})
+                servers.callback(log.info, "stopped", extra={"app": "nats"})
+                nats_server = servers.enter_context(
+                    NatsServer(nats_dir, port=stable_port(nats_dir, "nats"), tethered=True))
+                if nats_server.process is not None:
+                    lower_priority(nats_server.process.pid, nice)
+                env["NATS_URL"] = nats_server.url
+                credential_files.append(nats_server.credentials_file)
+            if _embedded(os.environ.get("DATABASE_URL", "").strip(), pg_dir,
+                         lambda p: PostgresServer(pg_dir, p).url):
+                first = not (pg_dir / "pgdata" / "PG_VERSION").exists()
+                log.info("creating PostgreSQL's database (first start)" if first else "starting PostgreSQL",
+                         extra={"data_dir": str(pg_dir)})
+                servers.callback(log.info, "stopped", extra={"app": "postgres"})
+                postgres = servers.enter_context(
+                    PostgresServer(pg_dir, port=stable_port(pg_dir, "postgres"), tethered=True))
+                if postgres.process is not None:  # its backends, forked later, inherit it
+                    lower_priority(postgres.process.pid, nice)
+                env["DATABASE_URL"] = postgres.url
+                credential_files.append(postgres.credentials_file)
+            url = f"http://{gateway.host}:{gateway.port}"
+            env_file = write_env(folder, {"NATS_URL": env["NATS_URL"], "DATABASE_URL": env["DATABASE_URL"],
+                                          "HELEXA_URL": url})
+            log.info("applying migrations")
+            try:
+                asyncio.run(migrate(env["DATABASE_URL"]))
+            except (OSError, asyncpg.PostgresError) as exc:
+                raise StartFailed(f"helexa: cannot migrate PostgreSQL at {without_password(env['DATABASE_URL'])} "
+                                  f"(DATABASE_URL): {exc}") from None
+            for app in APPS:
+                children.append(Child(app, env, 0 if app in ENGINE_APPS else nice))
+            _wait_until_ready(children, stop)
+            worker = next(c.ready_fields for c in children if c.app == "worker")
+            model = worker.get("model")
+            print(banner(url, model, env_file, worker, credential_files), flush=True)
+            announce_ready("up", url=url, model=model, data_dir=str(folder), env_file=str(env_file))
+            Supervisor(children, stop).run()
+        except (StartFailed, RuntimeError, TimeoutError, OSError) as exc:
+            if not stop.is_set():
+                failure = str(exc) if str(exc).startswith("helexa") else f"helexa: {exc}"
         finally:
-            for child in reversed(children):
-                child.stop()
+            _stop_apps(children)
+    if failure:  # the last line, once everything is stopped
+        print(failure, file=sys.stderr, flush=True)
+        return 1
+    return 0

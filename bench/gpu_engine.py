@@ -9,7 +9,14 @@ downloaded), copies those weights into our engine's model, and in this one proce
   ours (EngineCore stepped in-process) and HF `generate` on one batch of the same prompts;
 - batch-1 decode as a fraction of the HBM roofline: the weight bytes a decode step reads, over
   the bandwidth of a large device-to-device copy measured here, against our batch-1 ITL;
-- our engine with decode CUDA graphs on and off (concurrency 1 and 16).
+- our engine with decode CUDA graphs on and off (--graphs-off levels);
+- with --profile, where a decode step's time goes at those levels (bench/gpu_step_profile.py:
+  kernel time against the step's wall time, launches, syncs, the top kernels and host ops).
+
+Each level also reports decode tokens/s (concurrency / ITL: the rate while every request
+decodes, without the prefill that output tokens/s over the wall time includes) and its TTFT
+median (p50); `headline` repeats batch 1's fraction of the roofline and the largest level's
+figures. HF `generate` runs at --peer-concurrency levels only (default: all).
 
 Correctness gate, before any timing: on a short prompt, our last-position logits must match HF's
 (cosine) and our greedy tokens (graphs on and off) must equal HF's up to the first step where
@@ -17,9 +24,10 @@ HF's top two logits are within a near-tie margin. A model that fails gets no spe
 (its timings are not even run) and the script exits non-zero.
 
 Every figure is the median over --runs timed runs, after one untimed warm-up run. The JSON report
-(inputs, machine, results, ratios against HF in the same process) is printed, written to --out,
-and to $OUT/gpu_engine.json when $OUT is set; it is rewritten after each model, so a run cut off
-by a time limit still leaves what it finished. --budget-s skips what would start past the budget.
+(inputs, machine, results, ratios against HF in the same process) is printed and written to
+--out, or without it to $OUT/gpu_engine.json when $OUT is set; it is rewritten after each
+concurrency level, so a run cut off by a time limit still leaves what it finished. --budget-s
+skips what would start past the budget.
 
     python bench/gpu_engine.py --runs 3                   # on the GPU
     python bench/gpu_engine.py --tiny                     # CPU smoke test (seconds)
@@ -35,6 +43,8 @@ import platform
 import statistics
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -42,13 +52,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.core_timing import RunResult, StepClock, run_greedy  # noqa: E402
+from bench.gpu_step_profile import profile_decode_steps  # noqa: E402
 from engine import ops  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
 from engine.engine_config import EngineConfig  # noqa: E402
 from engine.loader import Checkpoint, _empty_model, load_weights  # noqa: E402
-from engine.model_runner import allocate_kv_caches  # noqa: E402
+from engine.model_runner import allocate_caches  # noqa: E402
 from engine.models import MODEL_REGISTRY  # noqa: E402
+from engine.state_cache import HybridCaches  # noqa: E402
 from engine.step_metadata import AttentionMetadata  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
 
@@ -72,6 +84,13 @@ TINY_QWEN3 = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hid
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   max_position_embeddings=256, tie_word_embeddings=False,
                   rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+
+# The hybrid's tiny form: the same layer pattern (3 linear-attention layers, then full attention).
+TINY_QWEN3_5 = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                    linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                    max_position_embeddings=256, tie_word_embeddings=True)
 
 CHECK_PROMPT, CHECK_NEW = 16, 24
 
@@ -210,7 +229,9 @@ def our_last_logits(checkpoint: Checkpoint, prompt: list[int], device: str) -> t
     model, block_size = checkpoint.model, 16
     blocks = -(-len(prompt) // block_size)
     dtype = next(model.parameters()).dtype
-    caches = allocate_kv_caches(model.config, blocks, block_size, dtype, device)
+    caches = allocate_caches(model, blocks, block_size, 1, dtype, device)
+    if isinstance(caches, HybridCaches):  # the one sequence in state slot 0
+        caches.slot_indices = torch.zeros(1, dtype=torch.int32, device=device)
     meta = AttentionMetadata.build([len(prompt)], [len(prompt)], [list(range(blocks))], block_size,
                                    device)
     positions = torch.arange(len(prompt), device=device)
@@ -249,12 +270,21 @@ def check_model(hf: torch.nn.Module, checkpoint: Checkpoint, device: str, tiny: 
     }
     graph_settings = (True, False) if device == "cuda" else (False,)
     for graphs in graph_settings:
-        core = make_core(checkpoint, device, 1, CHECK_PROMPT, CHECK_NEW, graphs)
+        key = f"greedy_cuda_graphs_{'on' if graphs else 'off'}"
+        try:
+            core = make_core(checkpoint, device, 1, CHECK_PROMPT, CHECK_NEW, graphs)
+        except Exception as exc:
+            if not graphs:
+                raise
+            # Capture failed: the figures are then taken eagerly, and the run still fails.
+            traceback.print_exc()
+            report[key] = {"capture_error": f"{type(exc).__name__}: {exc}"}
+            _free(device)
+            continue
         ours = run_ours(core, prompt, CHECK_NEW, device).tokens["r0"]
         del core
-        report[f"greedy_cuda_graphs_{'on' if graphs else 'off'}"] = greedy_agreement(
-            ours, theirs, scores, tie_margin)
-    report["passed"] = all(v["passed"] for v in report.values() if isinstance(v, dict))
+        report[key] = greedy_agreement(ours, theirs, scores, tie_margin)
+    report["passed"] = all(v["passed"] for v in report.values() if isinstance(v, dict) and "passed" in v)
     return report
 
 
@@ -280,7 +310,9 @@ def timed(fn, runs: int) -> list[RunResult]:
 
 
 def bench_model(name: str, family: str, sizes: dict, args: argparse.Namespace, device: str,
-                dtype: torch.dtype, budget: Budget, bandwidth: float | None) -> dict:
+                dtype: torch.dtype, budget: Budget, bandwidth: float | None,
+                save: Callable[[dict], None]) -> dict:
+    """One model's check and figures; `save(entry)` after each level keeps what is done."""
     entry: dict[str, object] = {"model": name, "family": family, "config": sizes,
                                 "dtype": str(dtype).removeprefix("torch.")}
     hf, checkpoint = build_pair(family, sizes, device, dtype)
@@ -289,25 +321,41 @@ def bench_model(name: str, family: str, sizes: dict, args: argparse.Namespace, d
     if not entry["check"]["passed"]:
         entry["withheld"] = "outputs failed the correctness check: no speed measured"
         return entry
+    graphs = device == "cuda" and "capture_error" not in entry["check"].get("greedy_cuda_graphs_on", {})
+    if device == "cuda" and not graphs:
+        entry["cuda_graphs_error"] = entry["check"]["greedy_cuda_graphs_on"]["capture_error"]
     vocab = checkpoint.config.vocab_size
-    ours, theirs, ratios, skipped = {}, {}, {}, []
+    ours, theirs, ratios, skipped, profiles = {}, {}, {}, [], {}
+    entry.update(ours=ours, hf_generate=theirs, ours_vs_hf_output_tokens_per_s=ratios)
     for c in args.concurrency:
         if not budget.left():
             skipped.append(c)
             continue
         prompts = random_prompts(c, args.prompt, vocab, seed=c)
-        core = make_core(checkpoint, device, c, args.prompt, args.new, device == "cuda")
+        core = make_core(checkpoint, device, c, args.prompt, args.new, graphs)
         ours[c] = summarize(timed(lambda: run_ours(core, prompts, args.new, device), args.runs),
                             args.new)
+        ours[c]["decode_tokens_per_s"] = round(c * 1e3 / ours[c]["itl_ms_median"], 1)
+        if c in args.profile:
+            try:
+                profiles[c] = profile_decode_steps(core, prompts, args.new, args.profile_steps,
+                                                   lambda: _sync(device), device)
+            except Exception as exc:  # a profiler failure must not lose the timings
+                traceback.print_exc()
+                profiles[c] = {"error": f"{type(exc).__name__}: {exc}"}
+            entry["step_profile"] = profiles
         del core
         _free(device)
-        theirs[c] = summarize(timed(lambda: run_hf(hf, prompts, args.new, device), args.runs),
-                              args.new)
-        _free(device)
-        ratios[c] = round(ours[c]["output_tokens_per_s"] / theirs[c]["output_tokens_per_s"], 2)
-        print(f"{name} c={c}: ours {ours[c]['output_tokens_per_s']} tok/s, "
-              f"hf {theirs[c]['output_tokens_per_s']} tok/s", file=sys.stderr, flush=True)
-    entry.update(ours=ours, hf_generate=theirs, ours_vs_hf_output_tokens_per_s=ratios)
+        if c in args.peer_concurrency:
+            theirs[c] = summarize(timed(lambda: run_hf(hf, prompts, args.new, device), args.runs),
+                                  args.new)
+            _free(device)
+            ratios[c] = round(ours[c]["output_tokens_per_s"] / theirs[c]["output_tokens_per_s"], 2)
+        print(f"{name} c={c}: ours {ours[c]['output_tokens_per_s']} tok/s "
+              f"(ITL {ours[c]['itl_ms_median']} ms, TTFT {ours[c]['ttft_ms_median']} ms), "
+              f"hf {theirs[c]['output_tokens_per_s'] if c in theirs else '-'} tok/s",
+              file=sys.stderr, flush=True)
+        save(entry)
     if skipped:
         entry["skipped_concurrency"] = {"levels": skipped, "why": "past --budget-s"}
     if 1 in ours and bandwidth:
@@ -320,8 +368,12 @@ def bench_model(name: str, family: str, sizes: dict, args: argparse.Namespace, d
             "fraction_of_roofline": round(measured / roofline, 3),
             "note": "weights only; the batch-1 KV reads (prompt + new tokens) are left out",
         }
-    if device == "cuda":
+    entry["headline"] = headline(entry, ours)
+    save(entry)
+    if graphs:
         entry["cuda_graphs"] = graphs_on_off(checkpoint, args, device, budget, ours)
+    elif device == "cuda":
+        entry["cuda_graphs"] = "capture failed: every figure above is eager"
     else:
         entry["cuda_graphs"] = "not used on CPU"
     del hf, checkpoint
@@ -329,10 +381,25 @@ def bench_model(name: str, family: str, sizes: dict, args: argparse.Namespace, d
     return entry
 
 
+def headline(entry: dict, ours: dict) -> dict[str, object]:
+    """Batch 1 against the weight-read roofline, and the largest level measured."""
+    result: dict[str, object] = {}
+    if "batch1_decode_roofline" in entry:
+        result["batch1_itl_ms"] = ours[1]["itl_ms_median"]
+        result["batch1_fraction_of_roofline"] = entry["batch1_decode_roofline"]["fraction_of_roofline"]
+    if ours:
+        top = max(ours)
+        result[f"c{top}_output_tokens_per_s"] = ours[top]["output_tokens_per_s"]
+        result[f"c{top}_decode_tokens_per_s"] = ours[top]["decode_tokens_per_s"]
+        result[f"c{top}_ttft_ms_p50"] = ours[top]["ttft_ms_median"]
+        result[f"c{top}_itl_ms"] = ours[top]["itl_ms_median"]
+    return result
+
+
 def graphs_on_off(checkpoint: Checkpoint, args: argparse.Namespace, device: str, budget: Budget,
                   ours: dict) -> dict:
     result = {}
-    for c in (1, 16):
+    for c in args.graphs_off:
         if c not in ours or not budget.left():
             continue
         prompts = random_prompts(c, args.prompt, checkpoint.config.vocab_size, seed=c)
@@ -366,13 +433,16 @@ def machine(device: str) -> dict:
 
 
 def write(report: dict, out: Path | None) -> None:
-    text = json.dumps(report, indent=2)
-    targets = [out] if out else []
-    if os.environ.get("OUT"):
-        targets.append(Path(os.environ["OUT"]) / "gpu_engine.json")
-    for path in targets:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text + "\n")
+    """To --out, or without it to $OUT/gpu_engine.json when $OUT is set."""
+    if out is None and os.environ.get("OUT"):
+        out = Path(os.environ["OUT"]) / "gpu_engine.json"
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def levels(text: str) -> list[int]:
+    return [int(c) for c in text.split(",") if c]
 
 
 def main() -> None:
@@ -384,6 +454,13 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new", type=int, default=256)
     parser.add_argument("--models", default="qwen3-0.6b,qwen3-8b,qwen3.5-hybrid")
+    parser.add_argument("--peer-concurrency", default=None,
+                        help="levels at which HF generate runs too (default: every level)")
+    parser.add_argument("--graphs-off", default="1,16",
+                        help="levels measured again with CUDA graphs off (GPU only)")
+    parser.add_argument("--profile", default="",
+                        help="levels at which decode steps are profiled (gpu_step_profile)")
+    parser.add_argument("--profile-steps", type=int, default=16)
     parser.add_argument("--budget-s", type=float, default=480.0,
                         help="start no new measurement after this many seconds")
     parser.add_argument("--out", type=Path)
@@ -393,19 +470,24 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     if args.tiny:
         args.runs, args.concurrency, args.prompt, args.new = 1, "1,4", 24, 8
-        models = {"tiny-qwen3": ("qwen3", TINY_QWEN3)}
+        args.profile_steps = min(args.profile_steps, 4)
+        models = {"tiny-qwen3": ("qwen3", TINY_QWEN3), "tiny-qwen3.5-hybrid": ("qwen3_5", TINY_QWEN3_5)}
         dtype = torch.float32
     else:
         known = {"qwen3-0.6b": ("qwen3", QWEN3_06B), "qwen3-8b": ("qwen3", QWEN3_8B),
                  "qwen3.5-hybrid": ("qwen3_5", QWEN3_5_HYBRID)}
         models = {m: known[m] for m in args.models.split(",") if m}
         dtype = torch.bfloat16
-    args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
+    args.concurrency = levels(args.concurrency)
+    args.peer_concurrency = (args.concurrency if args.peer_concurrency is None
+                             else levels(args.peer_concurrency))
+    args.graphs_off, args.profile = levels(args.graphs_off), levels(args.profile)
     budget = Budget(args.budget_s)
     bandwidth = copy_bandwidth(device, 0.0625 if args.tiny else 4.0)
     report: dict[str, object] = {
         "benchmark": "gpu_engine", "tiny": args.tiny,
-        "inputs": {"concurrency": args.concurrency, "prompt_tokens": args.prompt,
+        "inputs": {"concurrency": args.concurrency, "peer_concurrency": args.peer_concurrency,
+                   "prompt_tokens": args.prompt,
                    "new_tokens": args.new, "sampling": "greedy, ignore_eos", "runs": args.runs,
                    "prompts": "random token ids, all submitted at once",
                    "peer": "HF transformers generate, one batch, same weights, same process"},
@@ -420,14 +502,20 @@ def main() -> None:
         if not budget.left():
             report["models"].append({"model": name, "skipped": "past --budget-s"})
             continue
+        done = list(report["models"])
+
+        def save(partial: dict) -> None:
+            report["models"] = [*done, partial]
+            write(report, args.out)
+
         try:
-            entry = bench_model(name, family, sizes, args, device, dtype, budget, bandwidth)
+            entry = bench_model(name, family, sizes, args, device, dtype, budget, bandwidth, save)
         except Exception as exc:  # one model's failure must not lose the others' figures
+            traceback.print_exc()  # into the log: the JSON keeps the one line
             entry = {"model": name, "error": f"{type(exc).__name__}: {exc}"}
             _free(device)
-        failed |= "error" in entry or "withheld" in entry
-        report["models"].append(entry)
-        write(report, args.out)
+        failed |= any(key in entry for key in ("error", "withheld", "cuda_graphs_error"))
+        save(entry)
     report["all_passed"] = not failed
     write(report, args.out)
     print(json.dumps(report, indent=2))

@@ -19,6 +19,7 @@ layers (16 key / 32 value heads of 128, conv width 4) and Qwen3-30B-A3B's expert
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -40,6 +41,7 @@ import triton  # noqa: E402
 
 from bench.report import emit  # noqa: E402
 
+from engine import ops  # noqa: E402
 from engine.attention import AttentionMetadata  # noqa: E402
 from engine.attention import paged_attention as engine_paged_attention  # noqa: E402
 from helexa_kernels import (causal_conv1d, gated_delta_rule, gdn_gating, kv_store, moe,  # noqa: E402
@@ -130,11 +132,18 @@ def elementwise_cases(s: dict, dev: str, dt: torch.dtype) -> list[Case]:
 
 
 def attention_cases(s: dict, dev: str, dt: torch.dtype) -> list[Case]:
+    """Paged attention against its reference and the engine's SDPA path. Decode at batch 1 is
+    timed with the key split (split-K) and without it; the chunk continuations and the mixed
+    step also as `engine.ops` routes them on the Triton path (long chunks through SDPA)."""
     hq, hk, d, bs = s["heads"], s["kv_heads"], s["head_dim"], 16
+    decodes, context, prefill = s["decode_seqs"], s["context"], s["prefill_len"]
     cases = []
-    for name, q_lens, seq_lens in (("decode", [1] * s["decode_seqs"], [s["context"]] * s["decode_seqs"]),
-                                   ("prefill", [s["prefill_len"]] * 4, [s["prefill_len"]] * 4),
-                                   ("chunked", [s["prefill_len"] // 2] * 2, [s["context"]] * 2)):
+    for name, q_lens, seq_lens in (("decode", [1] * decodes, [context] * decodes),
+                                   ("decode_batch1", [1], [context]),
+                                   ("prefill", [prefill] * 4, [prefill] * 4),
+                                   ("chunked", [prefill // 2] * 2, [context] * 2),
+                                   ("mixed", [1] * decodes + [prefill // 2],
+                                    [context] * decodes + [context])):
         blocks = [-(-n // bs) for n in seq_lens]
         ids = torch.randperm(sum(blocks)).tolist()
         tables = [ids[sum(blocks[:i]):sum(blocks[:i + 1])] for i in range(len(blocks))]
@@ -143,15 +152,21 @@ def attention_cases(s: dict, dev: str, dt: torch.dtype) -> list[Case]:
         v_cache = torch.randn_like(k_cache)
         q = torch.randn(sum(q_lens), hq, d, device=dev, dtype=dt)
         args = (meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.max_query_len, d ** -0.5)
+        baselines = {"naive": lambda q=q, k=k_cache, v=v_cache, a=args:
+                     (paged_attention.naive_paged_attention(q, k, v, *a),),
+                     "engine_sdpa": lambda q=q, k=k_cache, v=v_cache, m=meta:
+                     (engine_paged_attention(q, k, v, m, d ** -0.5),)}
+        if name == "decode_batch1":
+            baselines["triton_one_split"] = lambda q=q, k=k_cache, v=v_cache, a=args: (
+                paged_attention.paged_attention(q, k, v, *a, num_splits=1),)
+        if name in ("chunked", "mixed"):
+            baselines["engine_routed"] = lambda q=q, k=k_cache, v=v_cache, m=meta: (
+                ops.paged_attention(q, k, v, m, d ** -0.5),)
         cases.append(Case(
             "paged_attention", name, {"q_lens": _summary(q_lens), "seq_lens": _summary(seq_lens),
                                       "heads": hq, "kv_heads": hk, "head_dim": d, "dtype": str(dt)},
             lambda q=q, k=k_cache, v=v_cache, a=args: (paged_attention.paged_attention(q, k, v, *a),),
-            {"naive": lambda q=q, k=k_cache, v=v_cache, a=args:
-                (paged_attention.naive_paged_attention(q, k, v, *a),),
-             "engine_sdpa": lambda q=q, k=k_cache, v=v_cache, m=meta:
-                (engine_paged_attention(q, k, v, m, d ** -0.5),)},
-            _tol(dt)))
+            baselines, _tol(dt)))
     T = s["tokens"]
     kn, vn = torch.randn(T, hk, d, device=dev, dtype=dt), torch.randn(T, hk, d, device=dev, dtype=dt)
     slots = torch.randperm(T * 2, device=dev)[:T]
@@ -342,22 +357,17 @@ def main() -> None:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     sizes = TINY if args.tiny else FULL
     runs, iters = (1, 1) if args.tiny else (args.runs, args.iters)
+    # engine.ops as a GPU engine runs it (the Triton path), here in the interpreter too.
+    ops.use_backend("triton")
     torch.manual_seed(0)
     cases: list[Case] = []
-    for build in (norm_cases, elementwise_cases, attention_cases, gdn_cases, moe_cases):
+    # Attention and the delta rule first: what a run cut short by its time limit still measures.
+    for build in (attention_cases, gdn_cases, norm_cases, elementwise_cases, moe_cases):
         cases += build(sizes, dev, torch.bfloat16)
     if args.tiny:  # fp32 too: the interpreter's cheap, and it checks the exact-precision path
         cases += gdn_cases(sizes, dev, torch.float32)
     only = {o for o in args.only.split(",") if o}
-    results = []
-    for case in cases:
-        if only and case.op not in only:
-            continue
-        entry = run_case(case, runs, iters)
-        print(f"{case.op}/{case.name}: {'ok' if entry['passed'] else 'FAILED'} "
-              f"{entry.get('speedup_vs', entry.get('error', entry.get('speed_withheld')))}",
-              file=sys.stderr, flush=True)
-        results.append(entry)
+    results: list[dict[str, object]] = []
     report = {
         "benchmark": "gpu_kernels", "tiny": args.tiny, "runs": runs, "iters": iters,
         "machine": {
@@ -367,8 +377,19 @@ def main() -> None:
             "cuda": torch.version.cuda, "cpu_count": os.cpu_count(),
         },
         "sizes": sizes, "results": results,
-        "all_passed": all(r["passed"] for r in results),
     }
+    for case in cases:
+        if only and case.op not in only:
+            continue
+        entry = run_case(case, runs, iters)
+        print(f"{case.op}/{case.name}: {'ok' if entry['passed'] else 'FAILED'} "
+              f"{entry.get('speedup_vs', entry.get('error', entry.get('speed_withheld')))}",
+              file=sys.stderr, flush=True)
+        results.append(entry)
+        if args.out:  # after each case: a run cut off by a time limit keeps what it measured
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report | {"complete": False}, indent=2) + "\n")
+    report["all_passed"] = all(r["passed"] for r in results)
     emit(report, args.out)
     sys.exit(0 if report["all_passed"] else 1)
 

@@ -1,44 +1,147 @@
 #!/usr/bin/env bash
-# Every GPU check of the engine and its kernels in one device call; everything lands under $OUT.
+# Every GPU check of the engine and its kernels in one device call of at most 8 minutes, installs
+# included; everything lands under $OUT (6 files, no folders):
 #
-#   1. GPU-only tests: decode CUDA graphs (replay = eager, engine tokens with graphs = without)
-#      and the Triton engine path against the PyTorch one;
-#   2. bench/gpu_kernels.py: each Triton kernel against its reference (and fla-core when carried);
-#   3. bench/gpu_engine.py: our engine against HF generate on random-weight Qwen3 models.
+#   gpu_run.log            everything below, as it ran (each stage's start, limit, status, time)
+#   gpu_tests.log          the GPU tests: full-size kernels, decode CUDA graphs, the Triton engine
+#                          path against the PyTorch one, the split-K decode and the chunk routing
+#   gpu_engine_8b.json     bench/gpu_engine.py, Qwen3-8B shape: batch 1 against the weight-read
+#                          roofline, 64 streams (tok/s, decode tok/s, TTFT p50), a step profile
+#   gpu_engine_hybrid.json the Qwen3.5-style hybrid, 1 and 64 streams, against HF generate
+#   gpu_kernels.json       bench/gpu_kernels.py: each Triton kernel against its reference,
+#                          fla-core and the engine's SDPA path
+#   gpu_engine.json        the Qwen3-0.6B shape at 1, 64 and 256 streams, graphs on and off at 1
 #
-# fla-core and gguf (engine.loader imports it) are not in the GPU image: carry them as wheels.
-# Once, in the repository root on the machine you call from:
-#   echo /.whl/ >> .git/info/exclude
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl fla-core==0.6.0 gguf==0.19.0
-# then run with carry [".whl"] and a timeout_s of 600:
+# The stages run in that order, most wanted first, each under its own time limit in seconds
+# (tests 95, 8B 140, hybrid 100, kernels 60, 0.6B 60; TESTS_S, ENGINE_8B_S, ENGINE_HYBRID_S,
+# KERNELS_S, ENGINE_06B_S override them), all under TOTAL_S (470): a stage that would start
+# with less than 20 s left is skipped, and one cut off still leaves the JSON of what it finished
+# (the benchmarks rewrite theirs after each level or case).
+#
+# The GPU image lacks some Python packages: they travel as wheels in .whl/ (Python 3.12,
+# manylinux x86-64; their own dependencies are in the image). Once, in the repository root of
+# the checkout the device call sends (/.whl/ is in .gitignore):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+#     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#     --platform manylinux1_x86_64 --platform manylinux_2_31_x86_64 -d .whl \
+#     msgspec==0.23.0 asyncpg==0.32.0 llguidance==1.9.1 gguf==0.19.0 fla-core==0.6.0
+# (llguidance 1.9.1 ships manylinux_2_31 only, hence that platform; about 8 MB in all.)
+# Then run it with carry [".whl"] and a timeout_s of 560:
 #   bash bench/gpu_run.sh
-# Each stage has its own time limit (seconds; override through the environment) so the JSON of
-# the earlier ones comes back even when a later one runs long. Exit status: non-zero if any failed.
+# Exit status: 2 when it cannot start (no GPU, a wheel missing), 1 if any stage failed, else 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+START=$SECONDS
+TOTAL_S=${TOTAL_S:-470}
 OUT=${OUT:-bench/results/gpu_run}
 export OUT PYTHONUNBUFFERED=1
-mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-if compgen -G ".whl/*.whl" >/dev/null; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+
+cuda=$($PY -c "import torch; print('yes' if torch.cuda.is_available() else 'torch.cuda.is_available() is False')" 2>&1 | tail -n 1)
+if [[ $cuda != yes ]]; then
+    echo "gpu_run: no CUDA device for $PY ($cuda): nothing run"
+    exit 2
 fi
-nvidia-smi -L || true
+# The engine and the tests' conftest import msgspec, asyncpg, llguidance and gguf; only the
+# kernel benchmark uses fla-core, which gets its own folder: with it on the path, HF's Qwen3.5
+# would run (and autotune) fla's kernels inside the engine stages' time.
+ENGINE_WHEELS=(msgspec-0.23.0 asyncpg-0.32.0 llguidance-1.9.1 gguf-0.19.0)
+KERNEL_WHEELS=(fla_core-0.6.0)
+missing=()
+for wheel in "${ENGINE_WHEELS[@]}" "${KERNEL_WHEELS[@]}"; do
+    compgen -G ".whl/$wheel-*.whl" >/dev/null || missing+=("$wheel")
+done
+if ((${#missing[@]})); then
+    echo "gpu_run: wheels missing from .whl/: ${missing[*]} (the download command is at the top of $0)"
+    exit 2
+fi
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/gpu_run.log") 2>&1
+tee_pid=$!
+install() {  # folder, wheel names
+    local target=$1
+    shift
+    local files=()
+    for wheel in "$@"; do files+=(.whl/"$wheel"-*.whl); done
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$target" "${files[@]}"
+}
+install /tmp/site "${ENGINE_WHEELS[@]}" && install /tmp/site-fla "${KERNEL_WHEELS[@]}" || {
+    echo "gpu_run: installing the wheels failed"
+    exit 2
+}
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv || true
+echo "gpu_run: ready after $((SECONDS - START)) s"
 status=0
 
-timeout "${TESTS_TIMEOUT_S:-100}" $PY -m pytest -q -p no:cacheprovider \
-    tests/engine/test_cuda_graphs.py::test_replay_matches_eager_on_gpu \
-    tests/engine/test_cuda_graphs.py::test_engine_tokens_same_with_and_without_graphs \
-    tests/kernels/test_engine_ops.py 2>&1 | tee "$OUT/gpu_tests.log" || status=1
+# stage NAME LIMIT_S COMMAND...: run under min(LIMIT_S, what is left of TOTAL_S).
+stage() {
+    local name=$1 limit=$2
+    shift 2
+    local left=$((TOTAL_S - (SECONDS - START)))
+    ((limit > left)) && limit=$left
+    if ((limit < 20)); then
+        echo "== $name: skipped, ${left} s left of ${TOTAL_S}"
+        status=1
+        return
+    fi
+    echo "== $name: up to ${limit} s"
+    local began=$SECONDS
+    STAGE_LIMIT=$limit timeout -k 5 "$limit" "$@"
+    local rc=$?
+    echo "== $name: exit $rc after $((SECONDS - began)) s"
+    ((rc == 0)) || status=1
+}
 
-timeout "${KERNELS_TIMEOUT_S:-150}" $PY bench/gpu_kernels.py --runs 3 --iters 10 \
-    --out "$OUT/gpu_kernels.json" 2>"$OUT/gpu_kernels.log" >/dev/null || status=1
-tail -n 40 "$OUT/gpu_kernels.log"
+# gpu_engine.py starts no new level past --budget-s: a level's time before the stage's limit
+# (half the limit at least, when TOTAL_S has cut the stage short).
+engine() {  # RESERVE_S, gpu_engine.py arguments
+    local reserve=$1 budget
+    shift
+    budget=$((STAGE_LIMIT - reserve))
+    ((budget < STAGE_LIMIT / 2)) && budget=$((STAGE_LIMIT / 2))
+    $PY bench/gpu_engine.py --budget-s "$budget" "$@" >/dev/null
+}
 
-# gpu_engine writes $OUT/gpu_engine.json itself, after each model.
-timeout "${ENGINE_TIMEOUT_S:-330}" $PY bench/gpu_engine.py --runs "${ENGINE_RUNS:-2}" \
-    --budget-s "${ENGINE_BUDGET_S:-230}" 2>"$OUT/gpu_engine.log" >/dev/null || status=1
-tail -n 40 "$OUT/gpu_engine.log"
+# The GPU-only tests (full-size kernels, CUDA graphs, the CUDA sampler), and the ones that run
+# the Triton path against the PyTorch one or the split-K decode and chunk routing, compiled here;
+# in two runs, the engine's paths first, so a stage cut short has run those.
+gpu_tests() {
+    set -o pipefail
+    local rc=0
+    $PY -m pytest -q -p no:cacheprovider --timeout=60 --durations=8 \
+        tests/kernels/test_engine_ops.py tests/kernels/test_paged_attention.py \
+        tests/engine/test_cuda_graphs.py tests/engine/test_sampler.py \
+        -k "triton_path or test_decode_splits or long_chunks or split_decode_reads_strided or (test_split_decode and gqa4) or full_size or on_gpu or with_and_without_graphs or cuda_matches" \
+        2>&1 | tee "$OUT/gpu_tests.log" || rc=1
+    $PY -m pytest -q -p no:cacheprovider --timeout=60 --durations=5 -k full_size \
+        tests/kernels/test_{causal_conv1d,gated_delta_rule,gdn_gating,kv_store,moe,rmsnorm,rotary,silu_and_mul}.py \
+        2>&1 | tee -a "$OUT/gpu_tests.log" || rc=1
+    return $rc
+}
+
+kernels() {
+    PYTHONPATH="$PYTHONPATH:/tmp/site-fla" $PY bench/gpu_kernels.py --runs 3 --iters 10 \
+        --out "$OUT/gpu_kernels.json" >/dev/null
+}
+
+export -f engine gpu_tests kernels
+export PY
+
+stage tests "${TESTS_S:-95}" bash -c gpu_tests
+stage engine-8b "${ENGINE_8B_S:-140}" bash -c 'engine 55 --models qwen3-8b --concurrency 1,64 \
+    --runs 2 --new 256 --peer-concurrency 64 --graphs-off "" --profile 1,64 \
+    --out "$OUT/gpu_engine_8b.json"'
+stage engine-hybrid "${ENGINE_HYBRID_S:-100}" bash -c 'engine 40 --models qwen3.5-hybrid \
+    --concurrency 1,64 --runs 1 --new 128 --peer-concurrency 64 --graphs-off "" \
+    --profile 1,64 --out "$OUT/gpu_engine_hybrid.json"'
+stage kernels "${KERNELS_S:-60}" bash -c kernels
+stage engine-0.6b "${ENGINE_06B_S:-60}" bash -c 'engine 25 --models qwen3-0.6b \
+    --concurrency 1,64,256 --runs 2 --new 256 --peer-concurrency "" --graphs-off 1 \
+    --profile 1,64 --out "$OUT/gpu_engine.json"'
+echo "gpu_run: done after $((SECONDS - START)) s, exit $status"
+exec >&- 2>&-
+wait "$tee_pid"  # the log complete before the files are collected
 exit $status

@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from engine import torch_ops
-from engine.attention_plan import AttentionPlan, DecodeBucket, PrefillSeq, build_plan
+from engine import attention_plan
+from engine.attention_plan import AttentionPlan, DecodeBucket, PrefillSeq, build_plan, sdpa_chunk_seqs
 # Model files import the metadata and cache types from here, beside the computation that reads them.
 from engine.step_metadata import AttentionMetadata, KVCache  # noqa: F401
 from helexa_kernels import cpu as cpu_kernels
@@ -38,6 +39,27 @@ def plan_for(meta: AttentionMetadata, block_size: int, device: torch.device,
         meta._plan = build_plan(meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                 meta.slot_mapping, block_size, device, decode_kernel)
     return meta._plan
+
+
+def sdpa_chunks(meta: AttentionMetadata, block_size: int, device: torch.device) -> list[PrefillSeq]:
+    """The step's long chunk continuations, which the Triton path leaves to SDPA
+    (`engine.attention_plan.SDPA_CHUNK_MIN_QUERIES`): found on the first layer, kept for the
+    others; none where the metadata has no host lengths (CUDA-graph decode steps)."""
+    if meta._sdpa_chunks is None:
+        if meta.query_lens_host is None or meta.seq_lens_host is None or meta.max_query_len == 1:
+            meta._sdpa_chunks = []
+        else:
+            meta._sdpa_chunks = sdpa_chunk_seqs(meta.query_lens_host, meta.seq_lens_host,
+                                                meta.block_tables, block_size, device,
+                                                attention_plan.SDPA_CHUNK_MIN_QUERIES)
+    return meta._sdpa_chunks
+
+
+def attend_chunks(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  chunks: list[PrefillSeq], scale: float) -> None:
+    """Each chunk continuation's rows of `out`, through SDPA over its gathered keys."""
+    for seq in chunks:
+        out[seq.start:seq.end] = _prefill(q, k_cache, v_cache, seq, scale, None, None)
 
 
 def store_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -74,14 +96,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             out[seq.start:seq.end] = _prefill(q, k_cache, v_cache, seq, scale, k, v)
         return out
     decode = plan.decode
+    # reshape, not view: _decode's result is [n, kv_heads, group, head_dim], and CUDA's flash and
+    # memory-efficient SDPA kernels lay it out in memory as [n, group, kv_heads, head_dim], which
+    # no view can merge into heads (CPU returns it contiguous, where reshape is a view).
     if len(decode) == 1 and decode[0].token_rows is None:  # a pure decode step, in batch order
-        return _decode(q, k_cache, v_cache, decode[0], scale).view(num_tokens, num_heads, head_dim)
+        return _decode(q, k_cache, v_cache, decode[0], scale).reshape(num_tokens, num_heads, head_dim)
     out = q.new_empty(num_tokens, num_heads, head_dim)
     for bucket in decode:
         rows = bucket.token_rows
         assert rows is not None
         result = _decode(q.index_select(0, rows), k_cache, v_cache, bucket, scale)
-        out.index_copy_(0, rows, result.view(bucket.num_seqs, num_heads, head_dim))
+        out.index_copy_(0, rows, result.reshape(bucket.num_seqs, num_heads, head_dim))
     for seq in plan.prefill:
         out[seq.start:seq.end] = _prefill(q, k_cache, v_cache, seq, scale, k, v)
     return out

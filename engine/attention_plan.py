@@ -33,6 +33,15 @@ import torch
 # A bucket's fixed cost (index_select x2, SDPA, index_copy on each layer) in keys of attention
 # work: ~60 us against ~0.25 us per key and layer, measured on the default model's shape on CPU.
 BUCKET_COST_KEYS = 256
+# On the Triton path (CUDA), a chunk continuation of at least this many queries is attended by
+# SDPA over its gathered keys (`sdpa_chunk_seqs`), the rest of the step by the Triton kernel:
+# measured on an H200 at Qwen3-8B's heads, 2 chunks of 512 queries over 4096 keys took 0.61 ms
+# in the Triton kernel against 0.28 through SDPA (its query tiles walk the whole context one
+# after the other, one program per multiprocessor), while whole prefills, which attend over their
+# own new keys, took 0.37 against 0.42 (bench/gpu_kernels.py, paged_attention chunked/prefill).
+# A few queries (a prompt whose first blocks the prefix cache held) stay in the kernel: for them
+# the gather and the mask cost more than the attention.
+SDPA_CHUNK_MIN_QUERIES = 128
 # A chunk continuation whose rows read at most this many keys in all goes through the CPU decode
 # kernel row by row. The kernel costs ~43 ns a key read, SDPA ~28 ns a key of its rectangle plus
 # ~75 us a call for the gather, the mask and the call itself (one layer of the default model in
@@ -133,18 +142,37 @@ def build_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tabl
     prefill = []
     for i, seq_len in enumerate(lens):
         start, end = starts[i], starts[i + 1]
-        q_len = end - start
-        if q_len == 1 or i in in_kernel:
+        if end - start == 1 or i in in_kernel:
             continue
-        mask = None
-        if q_len < seq_len:  # a chunk continuation: query i sits at seq_len - q_len + i
-            query_pos = torch.arange(seq_len - q_len, seq_len, device=device)
-            mask = torch.arange(seq_len, device=device)[None, :] <= query_pos[:, None]
-        block_ids = block_tables[i, :-(-seq_len // block_size)]
-        prefill.append(PrefillSeq(start, end, seq_len, block_ids, mask))
+        prefill.append(_prefill_seq(i, start, end, seq_len, block_tables, block_size, device))
     slots_valid = bool((slot_mapping >= 0).all()) if slot_mapping.numel() else True
     return AttentionPlan(num_tokens=starts[-1], decode=decode, kernel_rows=kernel_rows, prefill=prefill,
                          slots_valid=slots_valid)
+
+
+def sdpa_chunk_seqs(query_lens: list[int], seq_lens: list[int], block_tables: torch.Tensor,
+                    block_size: int, device: torch.device, min_queries: int) -> list[PrefillSeq]:
+    """The chunk continuations (queries after a cached context) of at least `min_queries`
+    queries, in step order: what the Triton path leaves to SDPA. From host lengths only."""
+    seqs, start = [], 0
+    for i, (q_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        if min_queries <= q_len < seq_len:
+            seqs.append(_prefill_seq(i, start, start + q_len, seq_len, block_tables, block_size,
+                                     device))
+        start += q_len
+    return seqs
+
+
+def _prefill_seq(i: int, start: int, end: int, seq_len: int, block_tables: torch.Tensor,
+                 block_size: int, device: torch.device) -> PrefillSeq:
+    """Sequence i's rows start:end, the last of its seq_len positions."""
+    q_len = end - start
+    mask = None
+    if q_len < seq_len:  # a chunk continuation: query i sits at seq_len - q_len + i
+        query_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+        mask = torch.arange(seq_len, device=device)[None, :] <= query_pos[:, None]
+    block_ids = block_tables[i, :-(-seq_len // block_size)]
+    return PrefillSeq(start, end, seq_len, block_ids, mask)
 
 
 def _kernel_takes(q_len: int, seq_len: int) -> bool:

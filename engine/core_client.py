@@ -12,12 +12,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
+import os
 import queue
+import signal
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from engine import parent_death
 from engine.engine_config import EngineConfig
 from engine.protocol import (
     ENGINE_STOPPED,
@@ -72,7 +75,8 @@ class AsyncEngine:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
         # Named by string: importing engine.core here would import torch into the worker.
-        self._process = ctx.Process(target=_core_entry, args=(child, self.config, self.process_setup), daemon=True,
+        self._process = ctx.Process(target=_core_entry, args=(child, self.config, self.process_setup, os.getpid()),
+                                    daemon=True,
                                     name="helexa-engine-core")
         self._process.start()
         child.close()
@@ -253,8 +257,12 @@ class OutputStream:
             release(self._finished)
 
 
-def _core_entry(conn: Connection, config: EngineConfig, process_setup: Callable[[], None] | None) -> None:
-    """The spawned process's target: only here is the torch-side core imported."""
+def _core_entry(conn: Connection, config: EngineConfig, process_setup: Callable[[], None] | None,
+                worker_pid: int) -> None:
+    """The spawned process's target: only here is the torch-side core imported. The core dies with
+    its worker: a worker killed while the core loads a model (a minute, unanswered pipe) must not
+    leave it running."""
+    parent_death.arm(signal.SIGKILL, worker_pid)
     if process_setup is not None:
         process_setup()
     from engine.core import run_core_process

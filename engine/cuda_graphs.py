@@ -11,7 +11,11 @@ addresses and shapes, so:
 - block tables are `max_blocks_per_seq` wide (max_model_len / block_size), zero-filled past
   each sequence's own blocks;
 - only pure decode steps (one query per sequence) replay; prefills and mixed steps, and
-  batches larger than the largest bucket, run eagerly.
+  batches larger than the largest bucket, run eagerly;
+- a hybrid model (linear-attention layers, `engine.state_cache.HybridCaches`) reads each row's
+  state slot from a static buffer too, and padding rows have slot -1, which the conv and
+  delta-rule ops skip: no sequence's state moves (their output rows are left undefined, and
+  every op is row by row, so they reach no real row).
 
 Graphs need the Triton ops (the PyTorch references synchronise with the host), so they are
 used only on CUDA with the Triton backend, and never on CPU. `EngineConfig.cuda_graphs`
@@ -25,6 +29,7 @@ import logging
 import torch
 
 from engine import ops
+from engine.state_cache import HybridCaches
 from engine.step_metadata import AttentionMetadata, KVCaches, StepInputs
 
 log = logging.getLogger("helexa.engine")
@@ -68,16 +73,22 @@ class DecodeBuffers:
         self.query_start_loc = torch.arange(max_num_seqs + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(max_num_seqs, dtype=torch.int32, device=device)
         self.block_tables = zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32)
+        # A hybrid model's state slot per row; -1 (padding) is skipped by its ops.
+        self.slot_indices = torch.full((max_num_seqs,), -1, dtype=torch.int32, device=device)
 
     def fits(self, inputs: StepInputs) -> bool:
         meta = inputs.meta
         return (meta.is_pure_decode and meta.num_seqs <= self.max_num_seqs
                 and meta.block_tables.shape[1] <= self.max_blocks_per_seq)
 
-    def fill(self, inputs: StepInputs, bucket: int) -> None:
-        """Copy a pure decode step's n rows in and pad rows n..bucket (see the module doc)."""
+    def fill(self, inputs: StepInputs, bucket: int, slot_indices: torch.Tensor | None = None) -> None:
+        """Copy a pure decode step's n rows in (and a hybrid model's state slots, [n] int32) and
+        pad rows n..bucket (see the module doc)."""
         meta = inputs.meta
         n, width = meta.num_seqs, meta.block_tables.shape[1]
+        if slot_indices is not None:
+            self.slot_indices[:n].copy_(slot_indices)
+            self.slot_indices[n:bucket].fill_(-1)
         self.input_ids[:n].copy_(inputs.input_ids)
         self.input_ids[n:bucket].zero_()
         self.positions[:n].copy_(inputs.positions)
@@ -97,6 +108,7 @@ class DecodeBuffers:
         self.slot_mapping[:bucket].fill_(-1)
         self.seq_lens[:bucket].fill_(1)
         self.block_tables[:bucket].zero_()
+        self.slot_indices[:bucket].fill_(-1)
 
     def metadata(self, bucket: int) -> AttentionMetadata:
         """Views of the first `bucket` rows. max_seq_len is the table's capacity: a host int
@@ -114,24 +126,32 @@ class DecodeBuffers:
 class DecodeGraphs:
     """One captured decode forward per bucket, sharing one memory pool and one set of buffers."""
 
-    def __init__(self, model: torch.nn.Module, kv_caches: KVCaches, buffers: DecodeBuffers,
-                 buckets: list[int]) -> None:
-        self.model, self.kv_caches, self.buffers = model, kv_caches, buffers
+    def __init__(self, model: torch.nn.Module, caches: KVCaches | HybridCaches,
+                 buffers: DecodeBuffers, buckets: list[int]) -> None:
+        self.model, self.caches, self.buffers = model, caches, buffers
         self.buckets = buckets
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
 
     @classmethod
-    def capture(cls, model: torch.nn.Module, kv_caches: KVCaches, max_num_seqs: int,
+    def capture(cls, model: torch.nn.Module, caches: KVCaches | HybridCaches, max_num_seqs: int,
                 max_model_len: int, block_size: int, device: torch.device) -> DecodeGraphs:
         buffers = DecodeBuffers(max_num_seqs, -(-max_model_len // block_size), block_size, device)
-        graphs = cls(model, kv_caches, buffers, bucket_sizes(max_num_seqs))
+        graphs = cls(model, caches, buffers, bucket_sizes(max_num_seqs))
         graphs._capture_all()
         return graphs
 
+    def bucket_caches(self, bucket: int) -> KVCaches | HybridCaches:
+        """What the bucket's forward reads: the KV caches, or for a hybrid model the same caches
+        and states with the static buffer's first `bucket` slots."""
+        if isinstance(self.caches, HybridCaches):
+            return HybridCaches(kv=self.caches.kv, states=self.caches.states,
+                                slot_indices=self.buffers.slot_indices[:bucket])
+        return self.caches
+
     def _forward(self, bucket: int) -> torch.Tensor:
         b = self.buffers
-        return self.model(b.input_ids[:bucket], b.positions[:bucket], self.kv_caches,
+        return self.model(b.input_ids[:bucket], b.positions[:bucket], self.bucket_caches(bucket),
                           b.metadata(bucket))
 
     @torch.inference_mode()
@@ -154,14 +174,17 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
 
-    def replay(self, inputs: StepInputs) -> torch.Tensor | None:
+    def replay(self, inputs: StepInputs, slot_indices: torch.Tensor | None = None) -> torch.Tensor | None:
         """Hidden states [bucket, hidden] whose first rows are the step's, or None when this
-        step must run eagerly (not a pure decode, or larger than every bucket)."""
+        step must run eagerly (not a pure decode, or larger than every bucket). A hybrid
+        model's step gives its rows' state slots."""
         if not self.buffers.fits(inputs):
             return None
         bucket = pick_bucket(inputs.meta.num_seqs, self.buckets)
         if bucket is None:
             return None
-        self.buffers.fill(inputs, bucket)
+        if isinstance(self.caches, HybridCaches) and slot_indices is None:
+            raise ValueError("a hybrid model's decode graph needs the rows' state slots")
+        self.buffers.fill(inputs, bucket, slot_indices)
         self._graphs[bucket].replay()
         return self._outputs[bucket]

@@ -4,7 +4,7 @@ The runner sizes and allocates the paged KV cache (one (k_cache, v_cache) pair p
 layer), on CPU packs the linear weights for oneDNN (`engine.cpu_linear`) and keeps freed memory
 for the next step (`engine.cpu_memory`), decides whether the model is hybrid (linear-attention
 layers keep a state slot per sequence, `engine.state_cache`) and captures decode CUDA graphs
-where they apply (`engine.cuda_graphs`: CUDA, Triton ops, not hybrid), or on CPU the decode
+where they apply (`engine.cuda_graphs`: CUDA, Triton ops), or on CPU the decode
 steps' one-call layer stack (`engine.cpu_decode_stack`). Each step it lays the
 scheduler's decision out with the one step builder (`engine.step_metadata.build_step_inputs`),
 runs the model and samples (a seeded request's draw is a function of its seed and the token's
@@ -51,6 +51,18 @@ def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, dt
             for _ in range(config.num_attention_layers)]
 
 
+def allocate_caches(model: torch.nn.Module, num_blocks: int, block_size: int, num_slots: int,
+                    dtype: torch.dtype, device: torch.device | str) -> KVCaches | HybridCaches:
+    """What `model`'s forward takes as its caches: the paged KV of its full-attention layers, and
+    for a hybrid model (`linear_state_shape`) `num_slots` linear-attention state slots beside it
+    in a `HybridCaches`, whose `slot_indices` the caller sets before each forward."""
+    kv_caches = allocate_kv_caches(model.config, num_blocks, block_size, dtype, device)
+    state_shape = getattr(model, "linear_state_shape", None)
+    if state_shape is None:
+        return kv_caches
+    return HybridCaches(kv=kv_caches, states=LinearStateCache(state_shape, num_slots, dtype, device))
+
+
 @dataclass(slots=True)
 class StepResult:
     # The sampled token (and its logprobs when asked for) of each request whose chunk samples.
@@ -76,28 +88,22 @@ class ModelRunner:
         # One sequence can never hold more than the whole pool.
         self.max_model_len = min(engine.max_model_len or positions, positions,
                                  self.num_blocks * self.block_size)
-        self.kv_caches = allocate_kv_caches(config, self.num_blocks, self.block_size, self.dtype,
-                                            self.device)
-        state_shape = getattr(model, "linear_state_shape", None)
         # Hybrid: linear-attention layers keep one state slot per sequence that may run at once.
-        self.is_hybrid = state_shape is not None
-        self.hybrid_caches: HybridCaches | None = None
-        if state_shape is not None:
+        caches = allocate_caches(model, self.num_blocks, self.block_size, engine.max_num_seqs,
+                                 self.dtype, self.device)
+        self.hybrid_caches = caches if isinstance(caches, HybridCaches) else None
+        self.kv_caches: KVCaches = caches.kv if isinstance(caches, HybridCaches) else caches
+        self.is_hybrid = self.hybrid_caches is not None
+        if self.hybrid_caches is not None:
             log.info("%s: %d linear-attention state slots, %.1f MiB beside the KV cache", model_id,
-                     engine.max_num_seqs,
-                     engine.max_num_seqs * state_shape.bytes_per_slot(self.dtype) / (1 << 20))
-            states = LinearStateCache(state_shape, engine.max_num_seqs, self.dtype, self.device)
-            self.hybrid_caches = HybridCaches(kv=self.kv_caches, states=states)
+                     engine.max_num_seqs, engine.max_num_seqs
+                     * self.hybrid_caches.states.shape.bytes_per_slot(self.dtype) / (1 << 20))
         # Pure decode steps replay from these when set.
         self.decode_graphs: DecodeGraphs | None = None
         if graphs_wanted(engine.cuda_graphs, self.device):
-            if self.is_hybrid:
-                # Graph capture covers the paged-KV forward only; state-slot models decode eagerly.
-                log.info("CUDA graphs off for %s: hybrid (linear-attention) model", model_id)
-            else:
-                self.decode_graphs = DecodeGraphs.capture(model, self.kv_caches, engine.max_num_seqs,
-                                                          self.max_model_len, self.block_size,
-                                                          self.device)
+            self.decode_graphs = DecodeGraphs.capture(model, caches,
+                                                      engine.max_num_seqs, self.max_model_len,
+                                                      self.block_size, self.device)
         # On CPU, decode steps run the whole layer stack in one C++ call where it applies.
         self.cpu_decode_stack = (CpuDecodeStack.build(model, self.kv_caches)
                                  if self.device.type == "cpu" and not self.is_hybrid else None)
@@ -124,7 +130,8 @@ class ModelRunner:
         stack, or else the model's forward."""
         hidden = None
         if self.decode_graphs is not None:
-            hidden = self.decode_graphs.replay(inputs)
+            slots = caches.slot_indices if isinstance(caches, HybridCaches) else None
+            hidden = self.decode_graphs.replay(inputs, slots)
         elif self.cpu_decode_stack is not None:
             hidden = self.cpu_decode_stack.run(inputs)
         if hidden is None:
@@ -144,7 +151,11 @@ class ModelRunner:
         result = StepResult()
         if not inputs.sample_indices:
             return result
-        logits = self.model.compute_logits(hidden[inputs.sample_indices])
+        rows = inputs.sample_indices
+        # A decode step samples every row in order: a slice, where indexing by a list would copy
+        # the list to the device and wait for it (and a graph's output has padding rows after).
+        picked = hidden[:len(rows)] if rows == list(range(len(rows))) else hidden[rows]
+        logits = self.model.compute_logits(picked)
         if self.mask_logits is not None:
             self.mask_logits(logits, inputs.sample_request_ids)
         by_id = {s.request.request_id: s.request for s in step.scheduled}

@@ -3,7 +3,8 @@
 Each op has a PyTorch reference (`helexa_kernels/<op>/naive.py`) and a Triton kernel
 (`helexa_kernels/<op>/triton.py`); the PyTorch path runs the references, except where a form with
 fewer ATen calls computes the same thing (`engine.torch_ops` for norms, rotary, SiLU-and-mul
-and the KV store; the unpadded SDPA form in `engine.attention` for paged attention). Model
+and the KV store; the unpadded SDPA form in `engine.attention` for paged attention; and on the
+Triton path too for long chunk continuations, where it is faster: engine.attention_plan). Model
 code calls the functions here and never picks one itself. The engine core picks once, at build,
 from `EngineConfig.kernels` (the worker's `HELEXA_KERNELS`, read in apps/settings.py):
 
@@ -31,8 +32,8 @@ from types import ModuleType
 
 import torch
 
-from engine import torch_ops
-from engine.attention import store_and_attend
+from engine import attention_plan, torch_ops
+from engine.attention import attend_chunks, sdpa_chunks, store_and_attend
 from engine.attention import paged_attention as sdpa_paged_attention
 from engine.engine_config import KERNEL_CHOICES
 from engine.step_metadata import AttentionMetadata
@@ -171,9 +172,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Causal attention of the step's queries over the cache (keys already stored; the step's
     own `k`/`v`, when given, spare the PyTorch path gathering them back for whole prefills)."""
     if _use_triton(q):
-        return _triton("paged_attention").paged_attention(
+        # Long chunk continuations go through SDPA, faster there (engine.attention_plan).
+        chunks = sdpa_chunks(meta, k_cache.shape[1], q.device)
+        out = _triton("paged_attention").paged_attention(
             q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-            meta.max_query_len, scale)
+            meta.max_query_len, scale, max_seq_len=meta.max_seq_len,
+            skip_chunks_from=attention_plan.SDPA_CHUNK_MIN_QUERIES if chunks else 0)
+        attend_chunks(out, q, k_cache, v_cache, chunks, scale)
+        return out
     return sdpa_paged_attention(q, k_cache, v_cache, meta, scale, k, v, decode_kernel=_use_cpu_kernels(q))
 
 

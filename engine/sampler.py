@@ -205,10 +205,11 @@ def _plain_greedy(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutpu
     if not all(row.options.greedy and row.options.logprobs is None for row in rows):
         return None
     values, token_ids = logits.max(-1)  # the first maximal id: ties go to the lowest
-    if not bool(torch.isfinite(values).all()):
+    # One read back from the device, not two: a row whose max is not finite comes back as -1.
+    ids = torch.where(torch.isfinite(values), token_ids, -1).tolist()
+    if min(ids) < 0:
         return None
-    return SamplerOutput(token_ids=token_ids.tolist(), logprobs=[None] * len(rows),
-                         errors=[None] * len(rows))
+    return SamplerOutput(token_ids=ids, logprobs=[None] * len(rows), errors=[None] * len(rows))
 
 
 def _adjusts_logits(row: SamplingRow) -> bool:

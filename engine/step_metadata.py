@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention_plan import AttentionPlan
+from engine.attention_plan import AttentionPlan, PrefillSeq
 
 # One (k_cache, v_cache) pair per full-attention layer, each [num_blocks, block_size, num_kv_heads, head_dim].
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -36,9 +36,16 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, padded with 0
     max_query_len: int
     max_seq_len: int
+    # Host copies of the query and context lengths (`build` sets them; None where the metadata
+    # lives on the device only, as in the CUDA-graph buffers): what picks the step's long chunk
+    # continuations for SDPA on the Triton path without reading the device.
+    query_lens_host: list[int] | None = None
+    seq_lens_host: list[int] | None = None
     # The torch path's split of the step (engine.attention_plan), built on the first layer's
     # call and shared by the rest of the step (same for every layer).
     _plan: AttentionPlan | None = field(default=None, init=False, repr=False)
+    # The Triton path's long chunk continuations, attended by SDPA (engine.attention.sdpa_chunks).
+    _sdpa_chunks: list[PrefillSeq] | None = field(default=None, init=False, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -73,6 +80,8 @@ class AttentionMetadata:
             block_tables=torch.tensor(padded_tables, dtype=torch.int32, device=device),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
+            query_lens_host=list(query_lens),
+            seq_lens_host=list(seq_lens),
         )
 
 

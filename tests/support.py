@@ -106,8 +106,9 @@ class AppProcess:
     def wait_ready(self, timeout_s: float = 180.0) -> dict:
         return self.wait_for(lambda e: e.get("event") == "ready", timeout_s)
 
-    def output(self) -> str:
-        return "".join(self._raw[-200:])
+    def output(self, last: int = 200) -> str:
+        """The app's `last` lines of output (stdout and stderr), as it wrote them."""
+        return "".join(self._raw[-last:])
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
         if self.process.poll() is None:

@@ -1,5 +1,6 @@
 """The prepared GPU scripts run end to end in their --tiny CPU mode, so a GPU session finds them
-working: every correctness check passes and speeds are printed."""
+working: every correctness check passes and speeds are printed; without a GPU, bench/gpu_run.sh
+stops at once and says why."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,17 +26,25 @@ def _run(script: str, tmp_path: Path, *args: str) -> dict:
 
 
 def test_gpu_engine_tiny(tmp_path: Path) -> None:
-    report = _run("gpu_engine.py", tmp_path)
+    report = _run("gpu_engine.py", tmp_path, "--profile", "1", "--peer-concurrency", "4")
     assert report["all_passed"] and report["tiny"]
     assert json.loads((tmp_path / "gpu_engine.json").read_text()) == report
-    (model,) = report["models"]
-    assert model["check"]["passed"]
-    assert model["check"]["greedy_cuda_graphs_off"]["matched_tokens"] == 24
-    for side in ("ours", "hf_generate"):
-        assert set(model[side]) == {"1", "4"}
-        assert all(v["output_tokens_per_s"] > 0 for v in model[side].values())
-    assert model["batch1_decode_roofline"]["fraction_of_roofline"] > 0
-    assert model["cuda_graphs"] == "not used on CPU"
+    # The dense model and the hybrid one (its linear-attention state slots beside the KV cache).
+    assert [model["model"] for model in report["models"]] == ["tiny-qwen3", "tiny-qwen3.5-hybrid"]
+    for model in report["models"]:
+        assert model["check"]["passed"]
+        assert model["check"]["greedy_cuda_graphs_off"]["matched_tokens"] == 24
+        assert set(model["ours"]) == {"1", "4"} and set(model["hf_generate"]) == {"4"}
+        for side in ("ours", "hf_generate"):
+            assert all(v["output_tokens_per_s"] > 0 for v in model[side].values())
+        assert all(v["decode_tokens_per_s"] > 0 for v in model["ours"].values())
+        assert model["batch1_decode_roofline"]["fraction_of_roofline"] > 0
+        assert model["headline"]["batch1_fraction_of_roofline"] > 0
+        assert model["headline"]["c4_ttft_ms_p50"] > 0
+        assert model["cuda_graphs"] == "not used on CPU"
+        # Profiled decode steps at batch 1 (no kernels on CPU: the host ops are there).
+        profile = model["step_profile"]["1"]
+        assert profile["steps"] > 0 and profile["wall_ms"] > 0 and profile["top_host_ops"]
 
 
 def test_gpu_kernels_tiny(tmp_path: Path) -> None:
@@ -41,3 +53,16 @@ def test_gpu_kernels_tiny(tmp_path: Path) -> None:
     ops = {(r["op"], r["case"]) for r in report["results"]}
     assert ("paged_attention", "decode") in ops and ("gated_delta_rule", "chunk_prefill") in ops
     assert all(r["median_ms"]["triton"] > 0 for r in report["results"])
+
+
+def test_gpu_run_stops_at_once_without_a_gpu(tmp_path: Path) -> None:
+    """bench/gpu_run.sh says why in one line and starts nothing (no install, no stage)."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the script would run")
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_run.sh")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stdout.strip().splitlines() == [
+        f"gpu_run: no CUDA device for {sys.executable} (torch.cuda.is_available() is False): nothing run"]
+    assert not (tmp_path / "out").exists()

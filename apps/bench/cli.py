@@ -56,6 +56,8 @@ def cmd_run(args: argparse.Namespace) -> None:
     import nats.errors
     from rich.console import Console
 
+    from apps.fleet.operator import without_password
+
     from apps.bench.config import ConfigError, load_config
     from apps.bench.runner import run_bench
 
@@ -71,7 +73,8 @@ def cmd_run(args: argparse.Namespace) -> None:
     try:
         failures = asyncio.run(run_bench(config, specs, nats_url, args.out, console))
     except (OSError, TimeoutError, nats.errors.Error) as exc:
-        sys.exit(f"helexa bench: cannot publish to NATS at {nats_url} ({exc!r}); --no-publish --out FILE runs without it")
+        sys.exit(f"helexa bench: cannot publish to NATS at {without_password(nats_url or '')} ({exc!r}; NATS_URL or "
+                 "--nats-url); --no-publish --out FILE runs without it")
     sys.exit(1 if failures else 0)
 
 
@@ -79,14 +82,18 @@ def cmd_report(args: argparse.Namespace) -> None:
     import asyncpg
 
     from apps.bench import report
+    from apps.fleet.operator import without_password
 
     try:
         if args.results:
             runs = report.runs_from_file(args.results)
         else:
-            runs = asyncio.run(report.runs_from_database(_settings(args).database_url))
+            database_url = _settings(args).database_url
+            runs = asyncio.run(report.runs_from_database(database_url))
     except (OSError, ValueError, asyncpg.PostgresError) as exc:
-        sys.exit(f"helexa bench: cannot read bench runs: {exc}")
+        where = "" if args.results else \
+            f" from PostgreSQL at {without_password(database_url)} (DATABASE_URL or --database-url)"
+        sys.exit(f"helexa bench: cannot read bench runs{where}: {exc}")
     text = report.render_markdown(runs) if args.format == "md" else report.render_json(runs)
     if args.output:
         Path(args.output).write_text(text + "\n", encoding="utf-8")
@@ -111,13 +118,15 @@ async def _find_run(database_url: str, run_id: str) -> tuple[str, str] | None:
 def cmd_score(args: argparse.Namespace) -> None:
     from apps.bench.publish import EventPublisher, bench_node
     from apps.bus import wire
+    from apps.fleet.operator import without_password
     from apps.settings import bus_limits
 
     settings = _settings(args)
     try:
         found = asyncio.run(_find_run(settings.database_url, args.run))
     except OSError as exc:
-        sys.exit(f"helexa bench: cannot reach PostgreSQL at DATABASE_URL: {exc}")
+        sys.exit(f"helexa bench: cannot reach PostgreSQL at {without_password(settings.database_url)} "
+                 f"(DATABASE_URL or --database-url): {exc}")
     if found is None:
         sys.exit(f"helexa bench: no bench run {args.run!r} in bench_runs")
     model, scenario = found

@@ -63,6 +63,9 @@ class ErrorCode(enum.StrEnum):
     # The worker was stopped (SIGTERM) while this stream ran past its grace: the answer is cut
     # short; a requester may migrate it.
     WORKER_STOPPING = "worker_stopping"
+    # The gateway was stopped (SIGTERM, Ctrl-C on `helexa up`) while this answer ran past its
+    # grace: the answer is cut short, and nothing goes on with it.
+    GATEWAY_STOPPING = "gateway_stopping"
     # Another attempt of the request serves its client; this one stopped (the ledger's `error`).
     ATTEMPT_TAKEN = "attempt_taken"
     DEVICE_FAULT = "device_fault"

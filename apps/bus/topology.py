@@ -6,6 +6,8 @@ asks this module for the subject or consumer it needs instead of spelling names 
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import re
 import uuid
 from collections.abc import Awaitable, Callable
@@ -32,6 +34,8 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import OBJ_STREAM_TEMPLATE, ObjectStore
 
 from apps.bus.pull import BatchPuller
+
+log = logging.getLogger("helexa.bus")
 
 REQUESTS_STREAM = "REQUESTS"
 EVENTS_STREAM = "EVENTS"
@@ -316,34 +320,85 @@ def server_urls(url: str) -> list[str]:
     return [u.strip() for u in url.split(",") if u.strip()]
 
 
+def without_password(url: str) -> str:
+    """`url` (or a comma-separated list of them) as it may be shown: host, port and path, no credentials."""
+    shown = []
+    for one in url.split(","):
+        parts = urlsplit(one.strip() if "://" in one else f"nats://{one.strip()}")
+        host = parts.hostname or ""
+        where = f"[{host}]" if ":" in host else host
+        if parts.port:
+            where += f":{parts.port}"
+        shown.append(f"{where}{parts.path if parts.path not in ('', '/') else ''}")
+    return ",".join(shown)
+
+
+class Stopped(Exception):
+    """`connect` gave up because the app was asked to stop before NATS answered."""
+
+
+def _quiet_errors(url: str, name: str) -> Callable[[Exception], Awaitable[None]]:
+    """nats-py's default error callback logs a traceback per failed attempt (two a second while a
+    server is away); this one says what is wrong in one line, again only when it changes."""
+    last: list[str] = [""]
+
+    async def note(exc: Exception) -> None:
+        said = f"{type(exc).__name__}: {exc}"[:300]
+        if said != last[0]:
+            last[0] = said
+            log.warning("cannot reach NATS, retrying", extra={"client": name, "servers": without_password(url),
+                                                              "error": said})
+
+    return note
+
+
 async def connect(url: str, name: str, *, max_reconnect_attempts: int = -1,
                   error_cb: Callable[[Exception], Awaitable[None]] | None = None,
-                  closed_cb: Callable[[], Awaitable[None]] | None = None) -> NatsClient:
+                  closed_cb: Callable[[], Awaitable[None]] | None = None,
+                  stop: asyncio.Event | None = None) -> NatsClient:
     """Connect, by default with reconnects forever: the apps ride out a NATS restart instead of exiting.
 
     `url` may list several servers of a cluster, comma-separated; any of them will do. Credentials
     come in the URL (`nats://user:password@host:port`, or `nats://token@host:port`). The connection
     is closed for good only by us or by a server's `-ERR` (nats-py never reconnects then);
-    `closed_cb` hears of both.
+    `closed_cb` hears of both. While no server answers, one line says why (not a traceback per
+    attempt); an app asked to stop meanwhile (`stop` set) gets `Stopped` instead of waiting on.
     """
     servers = server_urls(url)
-    options: dict[str, Any] = {"error_cb": error_cb} if error_cb else {}
+    options: dict[str, Any] = {"error_cb": error_cb or _quiet_errors(url, name)}
     if closed_cb is not None:
         options["closed_cb"] = closed_cb
     options.update(_credentials(servers))
-    return await nats.connect(
+    connecting = asyncio.ensure_future(nats.connect(
         servers,
         name=name,
         max_reconnect_attempts=max_reconnect_attempts,
         reconnect_time_wait=0.5,
         connect_timeout=5,
         **options,
-    )
+    ))
+    if stop is None:
+        return await connecting
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if connecting.done():
+        return connecting.result()
+    connecting.cancel()
+    await asyncio.gather(connecting, return_exceptions=True)
+    raise Stopped(f"{name} stopped before NATS answered")
 
 
 def cancel_wildcard() -> str:
     """Workers listen here for every cancellation and abort the ones they hold."""
     return f"{_CANCEL_PREFIX}.*"
+
+
+def every_subject() -> str:
+    """All of helexa's own subjects (requests, events, cancels, node endpoints): `helexa bus sub`'s default."""
+    return "helexa.>"
 
 
 def request_id_from_cancel(subject: str) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from pathlib import Path
 
 from apps.embedded import free_port
 from apps.embedded.credentials import FILE_MODE, Credentials, load_or_create
+from apps.embedded.tether import dies_with_us
 
 USER = "helexa"
 # What the embedded server accepts in one message (headers included); nats-server's own default
@@ -54,7 +56,8 @@ class NatsServer:
 
     def __init__(self, data_dir: Path, port: int | None = None, cluster_port: int | None = None,
                  routes: list[str] | None = None, cluster_name: str = "helexa",
-                 credentials: Credentials | None = None, max_payload: int | None = EMBEDDED_MAX_PAYLOAD) -> None:
+                 credentials: Credentials | None = None, max_payload: int | None = EMBEDDED_MAX_PAYLOAD,
+                 tethered: bool = False) -> None:
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.cluster_port = cluster_port
@@ -67,6 +70,9 @@ class NatsServer:
         self._credentials = credentials
         # None: nats-server's default (1 MiB).
         self.max_payload = max_payload
+        # `helexa up`'s server: in a process group of its own (the terminal's Ctrl-C reaches only
+        # `up`, which stops it last), and sent SIGTERM by the kernel if `up` dies.
+        self.tethered = tethered
 
     @property
     def credentials(self) -> Credentials:
@@ -113,6 +119,8 @@ class NatsServer:
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            process_group=0 if self.tethered else None,
+            preexec_fn=dies_with_us(signal.SIGTERM) if self.tethered else None,
         )
         log.close()
         self._wait_listening(timeout_s)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from apps.embedded import free_port
 from apps.embedded.credentials import FILE_MODE, Credentials, generate, read, write
+from apps.embedded.tether import dies_with_us
 from apps.settings import postgres_fsync
 
 SYSTEM_USER = "embedded_postgres"
@@ -91,7 +92,7 @@ def _run_as() -> str | None:
 class PostgresServer:
     """`with PostgresServer(data_dir) as pg:` runs PostgreSQL until the block ends; `pg.url` to connect."""
 
-    def __init__(self, data_dir: Path, port: int | None = None) -> None:
+    def __init__(self, data_dir: Path, port: int | None = None, tethered: bool = False) -> None:
         self.data_dir = Path(data_dir).resolve()
         self.pgdata = self.data_dir / "pgdata"
         self.port = port or free_port()
@@ -99,6 +100,10 @@ class PostgresServer:
         self.credentials_file = self.data_dir / "credentials.json"
         self._credentials: Credentials | None = None
         self._user: str | None = None
+        # `helexa up`'s server: in a process group of its own (the terminal's Ctrl-C reaches only
+        # `up`, which stops it last), and sent SIGINT, a fast shutdown, by the kernel if `up` dies.
+        # Its backends watch the postmaster and exit with it.
+        self.tethered = tethered
 
     @property
     def credentials(self) -> Credentials:
@@ -189,6 +194,9 @@ class PostgresServer:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             user=self._user,
+            process_group=0 if self.tethered else None,
+            # Armed after the switch to the server's user (a change of user clears it).
+            preexec_fn=dies_with_us(signal.SIGINT) if self.tethered else None,
         )
         log.close()
         self._wait_ready(timeout_s)

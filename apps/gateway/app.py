@@ -3,6 +3,9 @@ built once per process and wired together here (nothing else constructs them).""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -10,7 +13,7 @@ from litestar import Litestar, Request
 from litestar.exceptions import HTTPException, NotFoundException
 from litestar.openapi import OpenAPIConfig
 
-from apps.bus.codes import ServingError
+from apps.bus.codes import ErrorCode, ServingError
 from apps.fleet.catalogue import load_catalogue
 from apps.gateway.admission import AdmissionLimits, Admissions, load_per_model
 from apps.gateway.anthropic import messages
@@ -34,6 +37,7 @@ from apps.gateway.responses import create_response, delete_response, retrieve_re
 from apps.gateway.tokens import TokenCounter, count_tokens, detokenize, tokenize
 from apps.settings import GatewaySettings, bus_limits, catalogue_file
 
+log = logging.getLogger("helexa.gateway")
 
 # Routes that need an API key when keys are configured (vLLM's token routes live outside /v1).
 _GUARDED = ("/v1/", "/tokenize", "/detokenize")
@@ -100,3 +104,20 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
     app.state.settings = settings
     add_components(app.openapi_schema)
     return app
+
+
+async def end_in_flight(app: Litestar, grace_s: float) -> None:
+    """On SIGTERM, once the server takes no new requests: answers in flight get `grace_s` to
+    finish, then each ends with a `gateway_stopping` error (an error event and `[DONE]` for a
+    stream), and its worker is told to stop."""
+    bus = app.state.get("bus")
+    if bus is None:
+        return
+    deadline = time.monotonic() + grace_s
+    while bus.open_streams and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if bus.open_streams:
+        log.info("ending the answers in flight: the gateway is stopping", extra={"answers": bus.open_streams})
+        bus.fail_streams(ServingError(503, ErrorCode.GATEWAY_STOPPING,
+                                      "The server is stopping; the answer was cut short. Retry shortly.",
+                                      retry_after_s=2))

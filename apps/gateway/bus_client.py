@@ -104,6 +104,16 @@ class GatewayBus:
             log.info("NATS connection replaced")
             return
 
+    @property
+    def open_streams(self) -> int:
+        """Answers this gateway is waiting on or relaying now."""
+        return len(self._streams)
+
+    def fail_streams(self, error: ServingError) -> None:
+        """End every answer in flight with `error` (the gateway is stopping)."""
+        for stream in list(self._streams):
+            stream.fail(error)
+
     async def close(self) -> None:
         self._closing = True
         if self._replacing is not None:

@@ -317,6 +317,8 @@ class GenerationPipeline:
                 self._canceller.cancel_soon(request.request_id)
                 self._record_failed_run(request, generation.node, attempts or reply.attempt, exc.code,
                                         generation.accepted.prompt_tokens, completion_tokens)
+            elif exc.code == ErrorCode.GATEWAY_STOPPING:
+                self._canceller.cancel_soon(request.request_id)  # its worker is still answering
             metrics.errors.labels(model, str(exc.status)).inc()
             log_failure(generation.handler, exc.status, exc.message, model=model, node=generation.node,
                         request_id=request.request_id)

@@ -49,9 +49,12 @@ class NodeRegistry:
         self._watch = asyncio.create_task(self._watch_forever())
 
     async def stop(self) -> None:
-        if self._watch is not None:
+        # Cancelled again until it ends: Python 3.11's `wait_for` can swallow a cancellation that
+        # lands as the wait it wraps completes, and the watch would go on (a gateway that could
+        # not bind its port hung in its shutdown that way).
+        while self._watch is not None and not self._watch.done():
             self._watch.cancel()
-            await asyncio.gather(self._watch, return_exceptions=True)
+            await asyncio.wait({self._watch}, timeout=0.2)
 
     async def live_nodes(self) -> list[wire.NodeStatus]:
         """Nodes whose last refresh is younger than the bucket's TTL (expiry leaves no marker)."""

@@ -31,7 +31,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
 from apps.bus.pull import BatchPuller, stream_sequence
-from apps.bus.topology import EVENTS_STREAM, RECORDER_CONSUMER, connect, ensure_topology, recorder_puller, replay_puller
+from apps.bus.topology import EVENTS_STREAM, RECORDER_CONSUMER, Stopped, connect, ensure_topology, recorder_puller, replay_puller
 from apps.bus.wire import Event, event_decoder, event_kind
 from apps.logs import announce_ready, monotonic_ms
 from apps.recorder import dead_letters, projector
@@ -381,7 +381,10 @@ async def run_recorder(settings: RecorderSettings, stop: asyncio.Event, rebuild:
     recorder = Recorder(settings, stop)
     exposition = (MetricsServer(recorder.metrics, settings.metrics_host, settings.metrics_port)
                   if settings.metrics_port else None)
-    nc = await connect(settings.nats_url, "helexa-recorder")
+    try:
+        nc = await connect(settings.nats_url, "helexa-recorder", stop=stop)
+    except Stopped:
+        return
     watching: asyncio.Task[None] | None = None
     try:
         await ensure_topology(nc.jetstream(), bus_limits())

@@ -86,8 +86,13 @@ class WorkerProcess:
 
     async def run(self, stop: asyncio.Event, first: ModelLoop | None = None) -> None:
         """Serve until `stop` is set; raises BusConnectionLost if the server closed the connection."""
-        self.nc = await topology.connect(self.settings.nats_url, name=f"helexa-worker-{self.node}",
-                                         closed_cb=self._on_closed)
+        try:
+            self.nc = await topology.connect(self.settings.nats_url, name=f"helexa-worker-{self.node}",
+                                             closed_cb=self._on_closed, stop=stop)
+        except topology.Stopped:
+            if first is not None:
+                await first.engine.shutdown()
+            return
         self.js = self.nc.jetstream()
         await topology.ensure_topology(self.js, self.limits)
         self.kv = await topology.node_registry(self.js, self.limits)

@@ -26,7 +26,7 @@ transformers = pytest.importorskip("transformers")
 @pytest.fixture(scope="module")
 def hybrid_model(system: System, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     directory = save_hybrid_dir(transformers, "qwen3_next", tmp_path_factory.mktemp("e2e") / "tiny-qwen3-next",
-                                max_position_embeddings=4096)
+                                max_position_embeddings=8192)  # output limit 2048: room for LONG
     worker = AppProcess(["worker"], {
         "NATS_URL": system.nats_url, "HELEXA_NODE_ID": "e2e-hybrid", "HELEXA_MODEL": str(directory),
         "HELEXA_MAX_NUM_SEQS": "4", "HELEXA_KV_CACHE_MB": "8", "HELEXA_STATUS_INTERVAL_S": "0.2"})

@@ -1,4 +1,6 @@
-"""`helexa up`: prints working URLs to its locked servers, brings a killed child back, stops cleanly.
+"""`helexa up` with the default model: its env file's URLs reach its locked servers, the CLI finds
+it through that file (`helexa models ls`, `helexa bus sub`), a killed child comes back, and it
+stops cleanly. (Starts, stops and failures with a scripted worker: `test_up_lifecycle.py`.)
 
 One `helexa up` serves the whole module; the last test stops it.
 """
@@ -6,6 +8,7 @@ One `helexa up` serves the whole module; the last test stops it.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import shutil
@@ -25,8 +28,10 @@ import pytest
 
 from apps.bus import wire
 from apps.embedded import free_port
+from apps.embedded.data_dir import read_env
 from tests.recorder.conftest import eventually
 from tests.support import AppProcess
+from tests.support import eventually as eventually_sync
 
 
 @dataclass
@@ -36,10 +41,10 @@ class Up:
     ready: dict
     banner: str
 
-    def banner_value(self, name: str) -> str:
-        found = re.search(rf"^\s+{name}=(\S+)$", self.banner, re.MULTILINE)
-        assert found, self.banner
-        return found.group(1)
+    def env_value(self, name: str) -> str:
+        """A variable of the env file the banner points to (`source <data>/env`)."""
+        assert f"source {self.data / 'env'}" in self.banner, self.banner
+        return read_env(self.data)[name]
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.ready['url']}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -81,10 +86,13 @@ async def _refused_by_nats(url: str) -> None:
         await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=5, error_cb=quiet)
 
 
-def test_the_banner_urls_work_as_printed_and_nothing_else_gets_in(up: Up) -> None:
-    nats_url, database_url = up.banner_value("NATS_URL"), up.banner_value("DATABASE_URL")
-    assert f"nats --server '{nats_url}' sub 'helexa.>'" in up.banner
-    assert f"psql '{database_url}'" in up.banner
+def test_the_env_file_urls_work_and_nothing_else_gets_in(up: Up) -> None:
+    nats_url, database_url = up.env_value("NATS_URL"), up.env_value("DATABASE_URL")
+    assert up.env_value("HELEXA_URL") == up.ready["url"]
+    assert stat.S_IMODE((up.data / "env").stat().st_mode) == 0o600
+    # The banner points to the file rather than printing passwords, and its example is bounded.
+    assert nats_url not in up.banner and database_url not in up.banner
+    assert '"temperature": 0, "max_tokens": 64' in up.banner
     nats_port = re.search(r":(\d+)$", nats_url).group(1)  # type: ignore[union-attr]
     pg_port = re.search(r":(\d+)/", database_url).group(1)  # type: ignore[union-attr]
 
@@ -114,6 +122,49 @@ def test_the_banner_urls_work_as_printed_and_nothing_else_gets_in(up: Up) -> Non
     assert all(stat.S_IMODE(Path(f).stat().st_mode) == 0o600 for f in files)
 
 
+def test_cli_commands_find_the_running_up_through_its_env_file(up: Up) -> None:
+    """Nothing exported: `helexa models ls` reads NATS_URL from the data directory's env file."""
+    listing = AppProcess(["--data-dir", str(up.data), "models", "ls"], {"NATS_URL": "", "DATABASE_URL": ""})
+    assert listing.process.wait(30) == 0
+    listing.stop()
+    (answer,) = [e for e in listing.lines if "models" in e]
+    assert answer["models"] == [up.ready["model"]]
+
+
+def _run_events(output: str, request_id: str) -> dict[str, dict]:
+    """The run.started and run.finished bodies of `request_id` among `helexa bus sub` lines
+    (subject, headers as JSON when there are any, body)."""
+    found = {}
+    for line in output.splitlines():
+        subject, _, rest = line.partition(" ")
+        kind = next((k for k in ("run.started", "run.finished") if subject.startswith(f"helexa.events.{k}.")), None)
+        if kind is None:
+            continue
+        decoder = json.JSONDecoder()
+        first, end = decoder.raw_decode(rest)
+        body = decoder.raw_decode(rest[end:].lstrip())[0] if rest[end:].strip() else first
+        if body.get("request_id") == request_id:
+            found[kind] = body
+    return found
+
+
+def test_bus_sub_prints_the_run_events_of_a_request(up: Up) -> None:
+    watcher = AppProcess(["--data-dir", str(up.data), "bus", "sub"], {"NATS_URL": ""})
+    try:
+        eventually_sync(lambda: "watching helexa.> on 127.0.0.1:" in watcher.output(), timeout_s=30,
+                        message=watcher.output)
+        reply = up.client().chat.completions.create(
+            model=up.ready["model"], messages=[{"role": "user", "content": "Say hi."}], max_tokens=4, temperature=0)
+        found = eventually_sync(lambda: len(_run_events(watcher.output(last=100_000), reply.id)) == 2,
+                                timeout_s=30, message=watcher.output)
+        assert found
+        assert _run_events(watcher.output(last=100_000), reply.id)["run.finished"]["status"] == "ok"
+    finally:
+        watcher.stop(signal.SIGINT)
+    assert watcher.process.returncode == 0
+    assert "Traceback" not in watcher.output(last=100_000)
+
+
 def _child(up: Up, app: str) -> psutil.Process:
     found = []
     for child in psutil.Process(up.process.process.pid).children():
@@ -141,7 +192,7 @@ def test_a_child_killed_with_sigkill_comes_back_and_the_system_serves_again(up: 
     assert httpx.get(f"{up.ready['url']}/health", timeout=10).status_code == 200
 
     async def recorded_ok() -> int:
-        conn = await asyncpg.connect(up.banner_value("DATABASE_URL"))
+        conn = await asyncpg.connect(up.env_value("DATABASE_URL"))
         try:
             return await conn.fetchval("SELECT count(*) FROM runs WHERE status = 'ok'")
         finally:
@@ -182,3 +233,4 @@ def test_up_stops_cleanly_on_sigterm(up: Up) -> None:
     assert up.process.stop(signal.SIGTERM, timeout_s=90) == 0
     assert not [p for p in servers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert processes_using(up.data) == []
+    assert "Traceback" not in up.process.output(last=100_000)

@@ -1,5 +1,5 @@
-"""Decode CUDA graphs: bucket choice, padding that changes nothing, never on CPU; on a GPU,
-replays equal to eager steps."""
+"""Decode CUDA graphs: bucket choice, padding that changes nothing (a hybrid model's state slots
+included), never on CPU; on a GPU, replays equal to eager steps."""
 
 from __future__ import annotations
 
@@ -17,12 +17,13 @@ from engine.cuda_graphs import (
     graphs_wanted,
     pick_bucket,
 )
-from engine.loader import Checkpoint
+from engine.loader import Checkpoint, load_checkpoint
 from engine.models import build_model
 from engine.protocol import EngineRequest
 from engine.step_metadata import SequenceChunk, StepInputs, build_step_inputs
 from engine.tokenizer import Tokenizer
 from tests.engine.helpers import PagedSequences, perturb_norms_and_biases
+from tests.engine.hybrid_models import save_hybrid_dir
 from tests.engine.test_engine_core import greedy, make_core, run
 
 
@@ -122,6 +123,39 @@ def test_padding_to_the_bucket_changes_nothing() -> None:
         assert torch.equal(pv.view(flat)[untouched], bv.view(flat)[untouched])
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5"])
+@torch.inference_mode()
+def test_padding_leaves_hybrid_states_alone(model_type: str, tmp_path) -> None:
+    """A hybrid model's padded static inputs (padding rows on state slot -1) give the real rows'
+    hidden states, and every state slot ends as the eager step leaves it: the padding row moved
+    none (slot -1 read as an index would be the last slot, sequence 0's)."""
+    transformers = pytest.importorskip("transformers")
+    model = load_checkpoint(save_hybrid_dir(transformers, model_type, tmp_path / model_type)).model
+    prompts_ = [[3, 9, 27, 5, 11], [40, 2, 2], [7, 7, 60, 1, 14, 33, 2]]
+    eager_seqs, padded_seqs = _prefilled(model, prompts_), _prefilled(model, prompts_)
+    slots = torch.tensor(eager_seqs.slots, dtype=torch.int32)  # batch order: sequences 0, 1, 2
+    step = _decode_inputs(eager_seqs, [12, 50, 8])
+    eager_seqs.caches.slot_indices = slots
+    eager = model(step.input_ids, step.positions, eager_seqs.caches, step.meta)
+
+    buffers = DecodeBuffers(max_num_seqs=8, max_blocks_per_seq=4, block_size=4,
+                            device=torch.device("cpu"))
+    buffers.pad(8)
+    buffers.slot_indices.fill_(1)  # stale slots from an earlier step must be overwritten
+    graphs = DecodeGraphs(model, padded_seqs.caches, buffers, bucket_sizes(8))
+    bucket = pick_bucket(3, graphs.buckets)
+    assert bucket == 4
+    buffers.fill(_decode_inputs(padded_seqs, [12, 50, 8]), bucket, slots)
+    assert buffers.slot_indices[:4].tolist() == [*slots.tolist(), -1]
+    hidden = model(buffers.input_ids[:bucket], buffers.positions[:bucket],
+                   graphs.bucket_caches(bucket), buffers.metadata(bucket))
+    torch.testing.assert_close(hidden[:3], eager, rtol=1e-5, atol=1e-5)
+    eager_states, padded_states = eager_seqs.caches.states, padded_seqs.caches.states
+    for ours, theirs in zip(padded_states.conv + padded_states.recurrent,
+                            eager_states.conv + eager_states.recurrent, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
 def test_prefills_and_oversized_batches_do_not_fit() -> None:
     model = _tiny_model("cpu")
     seqs = _prefilled(model, [[3, 9], [40, 2, 2], [7, 7, 60]])
@@ -171,5 +205,25 @@ def test_engine_tokens_same_with_and_without_graphs() -> None:
                          max_model_len=48)
         assert (core.runner.decode_graphs is not None) == cuda_graphs
         return run(core, [EngineRequest(f"r{i}", p, greedy(16)) for i, p in enumerate(prompt_ids)])
+
+    assert tokens(True) == tokens(False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5"])
+def test_hybrid_engine_tokens_same_with_and_without_graphs(model_type: str, tmp_path) -> None:
+    """A hybrid model's decode steps replayed from graphs (state slots in a static buffer) give
+    the tokens its eager steps give, over batches that shrink as requests finish."""
+    transformers = pytest.importorskip("transformers")
+    checkpoint = load_checkpoint(save_hybrid_dir(transformers, model_type, tmp_path / model_type),
+                                 device="cuda")
+    prompt_ids = [[(7 * i + 3 * j) % 300 + 3 for j in range(5 + 3 * i)] for i in range(5)]
+
+    def tokens(cuda_graphs: bool) -> dict[str, list[int]]:
+        core = make_core(checkpoint, device="cuda", cuda_graphs=cuda_graphs, max_num_seqs=8,
+                         max_model_len=64)
+        assert (core.runner.decode_graphs is not None) == cuda_graphs
+        return run(core, [EngineRequest(f"r{i}", p, greedy(8 + 2 * i))
+                          for i, p in enumerate(prompt_ids)])
 
     assert tokens(True) == tokens(False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine.ops import attention, paged_attention
 from engine.ops import kv_store as store_kv
@@ -52,6 +53,33 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def test_paged_attention_matches_per_sequence_loop(batch: list[tuple[int, int]],
                                                    heads: tuple[int, int],
                                                    block_size: int, new_keys: bool) -> None:
+    _check_against_loop(batch, heads, block_size, new_keys)
+
+
+def _sdpa_in_cuda_layout(*args: object, **kwargs: object) -> torch.Tensor:
+    """SDPA whose output [B, H, M, K] lies in memory as [B, M, H, K]: what CUDA's flash and
+    memory-efficient kernels return (CPU's kernels return it contiguous)."""
+    out = _SDPA(*args, **kwargs)
+    return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+_SDPA = F.scaled_dot_product_attention
+
+
+@pytest.mark.parametrize("heads", [HEADS["gqa-4-2"], HEADS["mha-3-3"]], ids=["gqa-4-2", "mha-3-3"])
+@pytest.mark.parametrize("batch", [BATCHES["decode-only"], BATCHES["spread-decodes"],
+                                   BATCHES["mixed"]], ids=["decode-only", "spread-decodes", "mixed"])
+def test_paged_attention_with_cuda_sdpa_layout(batch: list[tuple[int, int]], heads: tuple[int, int],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode rows' SDPA output is strided on CUDA, not contiguous: the step's output must
+    still come back [num_tokens, num_heads, head_dim] with each head in its place (a `.view`
+    of it raised on the GPU)."""
+    monkeypatch.setattr(F, "scaled_dot_product_attention", _sdpa_in_cuda_layout)
+    _check_against_loop(batch, heads, block_size=4, new_keys=True)
+
+
+def _check_against_loop(batch: list[tuple[int, int]], heads: tuple[int, int], block_size: int,
+                        new_keys: bool) -> None:
     num_heads, num_kv_heads = heads
     generator = torch.Generator().manual_seed(0)
     query_lens, seq_lens = [q for q, _ in batch], [s for _, s in batch]

@@ -120,12 +120,17 @@ def record_all() -> list[Recorder]:
                cache.clone(), torch.zeros(2, dtype=i64))
     recorders += r
 
-    m, r = _record("helexa_kernels.paged_attention.triton", "paged_attention_fwd_kernel")
+    m, r = _record("helexa_kernels.paged_attention.triton", "paged_attention_fwd_kernel",
+                   "paged_attention_split_fwd_kernel", "paged_attention_split_reduce_kernel")
     meta = (torch.tensor([0, 1, 2], dtype=i32), torch.tensor([5, 5], dtype=i32),
             torch.zeros(2, 4, dtype=i32))
     for dtype, max_query_len in ((bf, 1), (bf, 2), (torch.float32, 1), (torch.float32, 2)):
         kv = cache.to(dtype)
-        m.paged_attention(torch.zeros(2, 32, 128, dtype=dtype), kv, kv, *meta, max_query_len, 0.1)
+        m.paged_attention(torch.zeros(2, 32, 128, dtype=dtype), kv, kv, *meta, max_query_len, 0.1,
+                          num_splits=1)
+        if max_query_len == 1:  # and split-K, as a small batch runs it
+            m.paged_attention(torch.zeros(2, 32, 128, dtype=dtype), kv, kv, *meta, 1, 0.1,
+                              num_splits=16)
     recorders += r
 
     m, r = _record("helexa_kernels.gated_delta_rule.triton", "recurrent_gated_delta_rule_fwd_kernel",

@@ -159,6 +159,26 @@ def test_triton_path_matches_torch_path(model_type: str) -> None:
     assert triton_tokens == torch_tokens
 
 
+def test_triton_path_splits_small_decodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode steps of two sequences over a handful of keys, split into key ranges (split-K, as
+    small batches run on a GPU), give the torch path's logits and tokens."""
+    from helexa_kernels.paged_attention import triton as paged_triton
+
+    model = _tiny_model("qwen3")
+    ops.use_backend("torch")
+    torch_logits, torch_tokens = _run(model)
+    ops.use_backend("triton")
+    monkeypatch.setattr(paged_triton, "MIN_SPLIT_KEYS", 1)  # split even a few keys
+    splits: list[int] = []
+    real = paged_triton._split_decode
+    monkeypatch.setattr(paged_triton, "_split_decode",
+                        lambda *args: splits.append(args[-3]) or real(*args))
+    triton_logits, triton_tokens = _run(model)
+    assert splits and min(splits) > 1, "no decode step was split"
+    assert_close(triton_logits, torch_logits, 1e-4, "logits")
+    assert triton_tokens == torch_tokens
+
+
 @pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5"])
 def test_cpu_kernels_match_torch_path_for_hybrids(model_type: str, tmp_path) -> None:
     """The hybrids' gated attention and (1 + w) norms through the C++ CPU kernels."""

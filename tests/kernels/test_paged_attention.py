@@ -1,3 +1,5 @@
+"""The Triton paged attention (and its split-K decode) against the loop-per-sequence reference."""
+
 from __future__ import annotations
 
 import pytest
@@ -60,6 +62,78 @@ def test_paged_attention(query_lens: list[int], seq_lens: list[int], num_heads: 
     assert_close(out, ref, tol_for(dtype))
 
 
+@pytest.mark.parametrize("num_splits", [2, 3, 8], ids=lambda n: f"{n}-splits")
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"),
+                                   pytest.param(torch.bfloat16, id="bf16")])
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
+@pytest.mark.parametrize("seq_lens", [pytest.param([1, 9, 30, 70], id="ragged"),
+                                      pytest.param([1], id="one-key"),
+                                      pytest.param([64, 64], id="whole-tiles")])
+def test_split_decode(seq_lens: list[int], num_heads: int, num_kv_heads: int, dtype: torch.dtype,
+                      num_splits: int) -> None:
+    """Keys split into ranges and merged: with 16-key tiles, 8 splits leave the short sequences'
+    last ranges empty (70 keys fill 5 tiles; 1 key fills one)."""
+    q, k_cache, v_cache, meta = _case([1] * len(seq_lens), seq_lens, num_heads, num_kv_heads, 16,
+                                      4, dtype)
+    ref = naive_paged_attention(q, k_cache, v_cache, *_args(meta), 0.25)
+    out = paged_attention(q, k_cache, v_cache, *_args(meta), 0.25, block_n=16,
+                          num_splits=num_splits)
+    assert_close(out, ref, tol_for(dtype))
+
+
+def test_split_decode_reads_strided_queries() -> None:
+    """q as a packed qkv projection hands it over: a view whose rows are wider than its heads."""
+    _, k_cache, v_cache, meta = _case([1, 1], [23, 5], 8, 2, 16, 4, torch.float32)
+    q = torch.randn(2, 8 + 2 * 2, 16, device=DEVICE)[:, :8]
+    ref = naive_paged_attention(q, k_cache, v_cache, *_args(meta), 0.25)
+    out = paged_attention(q, k_cache, v_cache, *_args(meta), 0.25, block_n=16, num_splits=4)
+    assert_close(out, ref, 1e-5)
+
+
+def test_long_chunks_are_left_to_the_caller() -> None:
+    """skip_chunks_from=4: sequence 0 (5 queries after 16 cached keys) is left unwritten; the
+    whole prefill of 12 and the decodes are attended."""
+    q, k_cache, v_cache, meta = _case([5, 1, 12, 1], [21, 8, 12, 33], 8, 2, 16, 4, torch.float32)
+    ref = naive_paged_attention(q, k_cache, v_cache, *_args(meta), 0.25)
+    out = paged_attention(q, k_cache, v_cache, *_args(meta), 0.25, block_m=16, block_n=16,
+                          skip_chunks_from=4)
+    assert_close(out[5:], ref[5:], 1e-5)
+
+
+@pytest.mark.parametrize("min_queries", [4, 10**6], ids=["routed", "kernel-only"])
+def test_engine_triton_path_routes_long_chunks(min_queries: int,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """engine.ops on the Triton path: chunk continuations of at least SDPA_CHUNK_MIN_QUERIES
+    queries through SDPA, the rest of the step through the kernel, one correct output."""
+    from engine import attention_plan, ops
+
+    monkeypatch.setattr(attention_plan, "SDPA_CHUNK_MIN_QUERIES", min_queries)
+    routed: list[tuple[int, int]] = []
+    real = ops.attend_chunks
+    monkeypatch.setattr(ops, "attend_chunks", lambda out, q, kc, vc, chunks, scale: (
+        routed.extend((seq.start, seq.end) for seq in chunks), real(out, q, kc, vc, chunks, scale)))
+    # Rows: seq 0 0:5 (a continuation), 1 a decode, 2 6:18 (a whole prefill), 3 a decode,
+    # 4 19:25 (a continuation).
+    q, k_cache, v_cache, meta = _case([5, 1, 12, 1, 6], [21, 8, 12, 33, 9], 8, 2, 16, 4,
+                                      torch.float32)
+    ref = naive_paged_attention(q, k_cache, v_cache, *_args(meta), 0.25)
+    ops.use_backend("triton")
+    out = ops.paged_attention(q, k_cache, v_cache, meta, 0.25)
+    assert_close(out, ref, 1e-5)
+    assert routed == ([(0, 5), (19, 25)] if min_queries == 4 else [])
+
+
+def test_decode_splits() -> None:
+    from helexa_kernels.paged_attention.triton import MAX_SPLITS, NOMINAL_SMS, decode_splits
+
+    cpu = torch.device("cpu")  # counted as NOMINAL_SMS multiprocessors
+    assert decode_splits(64, 8, 4096, cpu) == 1  # the batch fills the GPU alone
+    assert decode_splits(1, 2, 4096, cpu) == NOMINAL_SMS  # two waves of programs
+    assert decode_splits(1, 1, 10**6, cpu) == min(MAX_SPLITS, 2 * NOMINAL_SMS)
+    assert decode_splits(1, 2, 100, cpu) == 2  # at least 64 keys a range
+    assert decode_splits(1, 2, 1, cpu) == 1
+
+
 @pytest.mark.parametrize("query_lens,seq_lens", BATCHES)
 def test_naive_equals_the_engine_reference(query_lens: list[int], seq_lens: list[int]) -> None:
     q, k_cache, v_cache, meta = _case(query_lens, seq_lens, 8, 2, 16, 4, torch.float32)
@@ -90,6 +164,9 @@ def test_nonpow2_head_dim_and_default_tiles() -> None:
     pytest.param([1] * 64, [4096] * 64, id="decode-64x4096"),
     pytest.param([512] * 8, [512] * 8, id="prefill-8x512"),
     pytest.param([256, 1, 1, 700], [1024, 2000, 17, 700], id="mixed"),
+    # Split-K decode: one sequence's 8 kv heads leave most multiprocessors idle otherwise.
+    pytest.param([1], [4096], id="decode-1x4096-split"),
+    pytest.param([1] * 4, [17, 600, 3000, 64], id="decode-4-ragged-split"),
 ])
 def test_full_size(query_lens: list[int], seq_lens: list[int]) -> None:
     q, k_cache, v_cache, meta = _case(query_lens, seq_lens, 32, 8, 128, 16, torch.bfloat16)

@@ -1,0 +1,308 @@
+"""`helexa up` from start to stop: one instance per data directory, a taken port, restarts that keep
+their ports and env file, Ctrl-C, SIGKILL, an app that cannot start.
+
+The worker replies from a script (`HELEXA_WORKER_SCRIPT`), so each start takes seconds and a slow
+answer is one the script makes slow; what is tested here is `up`, not the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import asyncpg
+import httpx
+import nats
+import psutil
+import pytest
+
+from apps.embedded import free_port, port_is_free
+from apps.embedded.data_dir import read_env
+from apps.embedded.nats_server import NatsServer
+from tests.support import REPO, AppProcess, eventually
+
+# A slow answer keeps a stream open until `up` is stopped; a medium one ends by itself within seconds.
+SCRIPT = {
+    "rules": [
+        {"match": "slow", "reply": " ".join(f"w{i}" for i in range(400)), "token_delay_s": 0.25},
+        {"match": "medium", "reply": " ".join(f"m{i}" for i in range(12)), "token_delay_s": 0.25},
+    ],
+    "default": "Paris.",
+}
+
+
+@pytest.fixture(scope="module")
+def script(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("script") / "script.json"
+    path.write_text(json.dumps(SCRIPT), encoding="utf-8")
+    return path
+
+
+def start_up(data: Path, port: int, script: Path, env: dict[str, str] | None = None) -> AppProcess:
+    """`helexa up` with nothing exported (its own NATS and PostgreSQL) unless `env` says otherwise."""
+    return AppProcess(["up", "--data-dir", str(data), "--port", str(port)],
+                      {"NATS_URL": "", "DATABASE_URL": "", "HELEXA_URL": "", "HELEXA_WORKER_SCRIPT": str(script),
+                       **(env or {})})
+
+
+def wait_up(up: AppProcess) -> dict:
+    return up.wait_for(lambda e: e.get("event") == "ready" and e.get("app") == "up", timeout_s=180)
+
+
+@pytest.fixture
+def ups() -> Iterator[list[AppProcess]]:
+    """Every `up` a test starts is killed at its end, whatever happened."""
+    started: list[AppProcess] = []
+    yield started
+    for up in started:
+        for proc in _tree(up):
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        up.kill()
+
+
+def _tree(up: AppProcess) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(up.process.pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    alive = []
+    for proc in procs:
+        try:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(proc)
+        except psutil.NoSuchProcess:
+            continue
+    return alive
+
+
+def processes_using(folder: Path) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["name", "cmdline", "status"]):
+        if proc.info["status"] != psutil.STATUS_ZOMBIE and str(folder) in " ".join(proc.info["cmdline"] or []):
+            found.append(proc)
+    return found
+
+
+class Stream:
+    """A streaming chat request in a thread, its SSE `data:` payloads collected as they come."""
+
+    def __init__(self, url: str, model: str, content: str) -> None:
+        self.body = {"model": model, "messages": [{"role": "user", "content": content}], "stream": True}
+        self.url = f"{url}/v1/chat/completions"
+        self.events: list[str] = []
+        self.failure: Exception | None = None
+        self.first_text = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            with httpx.stream("POST", self.url, json=self.body, timeout=60) as answer:
+                for line in answer.iter_lines():
+                    if line.startswith("data: "):
+                        self.events.append(line.removeprefix("data: "))
+                        self.first_text.set()
+        except httpx.HTTPError as exc:
+            self.failure = exc
+        finally:
+            self.first_text.set()
+
+    def outcome(self, timeout_s: float) -> str:
+        """`finished`, `error` (an error event, then `[DONE]`), or what went wrong."""
+        self.thread.join(timeout_s)
+        assert not self.thread.is_alive(), "the stream never ended"
+        assert self.failure is None, repr(self.failure)
+        assert self.events[-1] == "[DONE]", self.events[-3:]
+        chunks = [json.loads(e) for e in self.events[:-1]]
+        if "error" in chunks[-1]:
+            return "error"
+        assert chunks[-1]["choices"][0]["finish_reason"] == "stop", chunks[-1]
+        return "finished"
+
+
+def _port(url: str) -> int:
+    port = urlsplit(url).port
+    assert port is not None
+    return port
+
+
+async def _reach(values: dict[str, str]) -> None:
+    """The env file's URLs, as a shell that sourced it would use them."""
+    nc = await nats.connect(values["NATS_URL"], allow_reconnect=False, connect_timeout=5)
+    await nc.flush()
+    await nc.close()
+    conn = await asyncpg.connect(values["DATABASE_URL"], timeout=10)
+    assert await conn.fetchval("SELECT count(*) FROM schema_migrations") >= 1
+    await conn.close()
+
+
+def test_a_second_up_on_the_same_data_dir_fails_in_one_line_and_the_first_serves_on(
+        tmp_path: Path, script: Path, ups: list[AppProcess]) -> None:
+    data = tmp_path / "data"
+    first = start_up(data, free_port(), script)
+    ups.append(first)
+    ready = wait_up(first)
+    nats_log = data / "nats" / "nats-server.log"
+    starts = nats_log.read_text().count("Starting nats-server")
+    during = Stream(ready["url"], ready["model"], "medium")
+    assert during.first_text.wait(60)
+
+    second = subprocess.run([sys.executable, "-m", "apps.cli", "up", "--data-dir", str(data), "--port",
+                             str(free_port())], cwd=REPO, capture_output=True, text=True, timeout=10,
+                            env={**os.environ, "NATS_URL": "", "DATABASE_URL": ""})
+    assert second.returncode != 0
+    assert (second.stdout + second.stderr).splitlines() == [
+        f"helexa is already running from {data} (pid {first.process.pid}); stop it or use another --data-dir"]
+
+    assert during.outcome(60) == "finished"
+    after = httpx.post(f"{ready['url']}/v1/chat/completions", timeout=60, json={
+        "model": ready["model"], "messages": [{"role": "user", "content": "Capital of France?"}]})
+    assert after.status_code == 200 and after.json()["choices"][0]["message"]["content"] == "Paris."
+    # The JetStream store was opened by one server only.
+    assert nats_log.read_text().count("Starting nats-server") == starts
+    assert [p.info["name"] for p in processes_using(data)].count("nats-server") == 1
+    assert first.stop(signal.SIGTERM, timeout_s=60) == 0
+
+
+def test_a_taken_gateway_port_starts_nothing(tmp_path: Path, script: Path) -> None:
+    data = tmp_path / "data"
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "apps.cli", "up", "--data-dir", str(data), "--port", str(port)],
+                              cwd=REPO, capture_output=True, text=True, timeout=10,
+                              env={**os.environ, "NATS_URL": "", "DATABASE_URL": "",
+                                   "HELEXA_WORKER_SCRIPT": str(script)})
+    assert done.returncode != 0
+    assert (done.stdout + done.stderr).splitlines() == [
+        f"port {port} is in use: stop the other server or set HELEXA_PORT"]
+    assert not (data / "nats").exists() and not (data / "postgres").exists()
+    assert processes_using(data) == []
+
+
+def test_restarts_keep_ports_and_env_file_and_a_sourced_env_file_still_means_embedded_servers(
+        tmp_path: Path, script: Path, ups: list[AppProcess]) -> None:
+    data, port = tmp_path / "data", free_port()
+    first = start_up(data, port, script)
+    ups.append(first)
+    ready = wait_up(first)
+    values = read_env(data)
+    assert f"source {data / 'env'}" in first.output()
+    assert stat.S_IMODE((data / "env").stat().st_mode) == 0o600
+    assert values["HELEXA_URL"] == ready["url"] == f"http://127.0.0.1:{port}"
+    asyncio.run(_reach(values))
+    assert first.stop(signal.SIGTERM, timeout_s=60) == 0
+
+    # As after `source .helexa/env`: the exported URLs are this data directory's own servers.
+    second = start_up(data, port, script, env=values)
+    ups.append(second)
+    wait_up(second)
+    assert {"nats-server", "postgres"} <= {p.info["name"] for p in processes_using(data)}
+    assert read_env(data) == values
+    asyncio.run(_reach(values))
+    assert second.stop(signal.SIGTERM, timeout_s=60) == 0
+
+    # NATS's port taken meanwhile: a new one, said in one line, and the env file has it.
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", _port(values["NATS_URL"])))
+        squatter.listen()
+        third = start_up(data, port, script, env=values)
+        ups.append(third)
+        wait_up(third)
+        (moved,) = [e for e in third.lines if e.get("old_port")]
+        assert (moved["server"], moved["old_port"]) == ("nats", _port(values["NATS_URL"]))
+        now = read_env(data)
+        assert _port(now["NATS_URL"]) == moved["port"] != moved["old_port"]
+        assert now["DATABASE_URL"] == values["DATABASE_URL"]
+        asyncio.run(_reach(now))
+        assert third.stop(signal.SIGTERM, timeout_s=60) == 0
+
+
+def test_ctrl_c_ends_the_streams_then_stops_the_apps_then_the_servers_quietly(
+        tmp_path: Path, script: Path, ups: list[AppProcess]) -> None:
+    data = tmp_path / "data"
+    up = start_up(data, free_port(), script)
+    ups.append(up)
+    ready = wait_up(up)
+    streams = [Stream(ready["url"], ready["model"], "slow") for _ in range(4)]
+    assert all(s.first_text.wait(60) for s in streams)
+    procs = _tree(up)
+    assert {"nats-server", "postgres"} <= {p.name() for p in procs}
+
+    os.killpg(up.process.pid, signal.SIGINT)  # what Ctrl-C in its terminal does
+    eventually(lambda: not _alive(procs), timeout_s=15, message=lambda: f"still running: {_alive(procs)}")
+    assert up.process.wait(5) == 0
+    assert {s.outcome(15) for s in streams} <= {"error", "finished"}
+    everything = up.output(last=100_000)
+    assert "Traceback" not in everything
+    stopped = [e["app"] for e in up.lines if e.get("event") == "stopped" and e.get("logger") == "helexa.up"]
+    assert stopped == ["gateway", "worker", "recorder", "postgres", "nats"]
+
+
+def test_up_killed_with_sigkill_under_load_leaves_no_process(tmp_path: Path, script: Path,
+                                                           ups: list[AppProcess]) -> None:
+    data, port = tmp_path / "data", free_port()
+    up = start_up(data, port, script)
+    ups.append(up)
+    ready = wait_up(up)
+    streams = [Stream(ready["url"], ready["model"], "slow") for _ in range(4)]
+    assert all(s.first_text.wait(60) for s in streams)
+    procs = _tree(up)
+    assert len(procs) >= 6  # up, its three apps, NATS, PostgreSQL (and its backends)
+
+    up.process.send_signal(signal.SIGKILL)  # no cleanup at all
+    eventually(lambda: not _alive(procs), timeout_s=10, message=lambda: f"still running: {_alive(procs)}")
+    assert processes_using(data) == []
+    eventually(lambda: port_is_free(port), timeout_s=5)
+
+
+def test_an_app_that_cannot_start_ends_up_in_one_line(tmp_path: Path, script: Path, ups: list[AppProcess]) -> None:
+    data = tmp_path / "data"
+    up = start_up(data, free_port(), script, env={"HELEXA_MODEL": str(tmp_path / "missing.gguf")})
+    ups.append(up)
+    up.wait_for(lambda e: e.get("event") == "the model could not be loaded", timeout_s=180)
+    assert up.process.wait(10) != 0
+    up.stop()  # collects the rest of its output
+    lines = up.output(last=100_000).strip().splitlines()
+    assert lines[-1].startswith("helexa: the worker did not start (exit 1): the model could not be loaded: "
+                                "FileNotFoundError"), lines[-1]
+    assert "Traceback" not in "\n".join(lines)
+    assert processes_using(data) == []
+
+
+def test_a_gateway_that_cannot_bind_exits_at_once_naming_the_address(nats_server: NatsServer) -> None:
+    """What `up` relies on when its port is taken after its own check: the gateway exits non-zero
+    with uvicorn's one line (it used to hang in its shutdown now and then)."""
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        for _ in range(3):  # the hang came one start in a few
+            gateway = AppProcess(["gateway", "--port", str(port)], {"NATS_URL": nats_server.url})
+            try:
+                assert gateway.process.wait(10) != 0
+            finally:
+                gateway.kill()
+            gateway.stop()
+            errors = [e["event"] for e in gateway.lines if e.get("level") == "error"]
+            assert errors == [f"[Errno 98] error while attempting to bind on address ('127.0.0.1', {port}): "
+                              "address already in use"]
+            assert "Traceback" not in gateway.output(last=100_000)
