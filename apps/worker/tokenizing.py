@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
+import signal
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -26,6 +28,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from apps.bus import wire
+from engine import parent_death
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("helexa.worker")
@@ -40,8 +43,10 @@ INLINE_CHARS = 1 << 15
 _tokenizer: Tokenizer | None = None
 
 
-def _start(tokenizer: Tokenizer) -> None:
+def _start(tokenizer: Tokenizer, worker_pid: int) -> None:
     global _tokenizer
+    # It dies with its worker, however the worker ends (the pool is started from its loop's thread).
+    parent_death.arm(signal.SIGKILL, worker_pid)
     _tokenizer = tokenizer
 
 
@@ -75,7 +80,7 @@ class Tokenizing:
         if self._pool is None:
             # Spawned, not forked: the worker has threads (NATS, the engine's reader and writer).
             self._pool = ProcessPoolExecutor(max_workers=self.processes, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=_start, initargs=(self.tokenizer,))
+                                             initializer=_start, initargs=(self.tokenizer, os.getpid()))
         return self._pool
 
     async def run(self, chars: int, job: Callable[..., T], *args: Any) -> T:
