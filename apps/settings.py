@@ -52,7 +52,8 @@ def bus_limits() -> BusLimits:
     return BusLimits(
         # Past this many queued requests REQUESTS refuses new ones (503 queue_full), dropping none.
         request_max_msgs=_env_int("HELEXA_REQUESTS_MAX_MSGS", 100_000),
-        # EVENTS drops its oldest events past these; the recorder warns before unrecorded ones go.
+        # EVENTS refuses new events past these (new requests get 503 events_full); the recorder
+        # trims events it has recorded as the stream nears them.
         event_max_age_s=_env_float("HELEXA_EVENTS_MAX_AGE_S", 7 * 24 * 3600.0),
         event_max_bytes=_env_int("HELEXA_EVENTS_MAX_BYTES", 4 << 30),
         node_ttl_s=_env_float("HELEXA_NODE_TTL_S", 15.0),

@@ -77,7 +77,8 @@ class RunRecord:
             prefill_ms=usage.prefill_ms,
             decode_ms=usage.decode_ms,
             e2e_ms=round((end - self.request.created_at) * 1000.0, 3),
-            error=error,
+            # An engine's error may quote a grammar or the client's input: bounded here, for every run.
+            error=wire.bounded_text(error) if error is not None else None,
             reasoning_tokens=self.reasoning_tokens,
             served=served,
         )
