@@ -220,6 +220,9 @@ class RecorderSettings:
     nats_url: str = field(default_factory=lambda: _env("NATS_URL", DEFAULT_NATS_URL))
     database_url: str = field(default_factory=lambda: _env("DATABASE_URL", DEFAULT_DATABASE_URL))
     batch_size: int = field(default_factory=lambda: _env_int("HELEXA_RECORDER_BATCH", 256))
+    # About how many bytes of events one batch holds at most (pulled, and read from the Object
+    # Store for events stored by reference); never less than one message of the server's max_payload.
+    batch_bytes: int = field(default_factory=lambda: _env_int("HELEXA_RECORDER_BATCH_BYTES", 16 << 20))
     # How long a batch that is not full waits for more events before it is written.
     linger_ms: float = field(default_factory=lambda: _env_float("HELEXA_RECORDER_LINGER_MS", 250.0))
     # How long a batch fetched by a recorder that then died waits before another recorder gets it.
@@ -233,6 +236,8 @@ class RecorderSettings:
     def __post_init__(self) -> None:
         if self.batch_size < 1:
             raise ValueError("HELEXA_RECORDER_BATCH must be at least 1")
+        if self.batch_bytes < 1:
+            raise ValueError("HELEXA_RECORDER_BATCH_BYTES must be at least 1")
         if self.ack_wait_s < 1:
             raise ValueError("HELEXA_RECORDER_ACK_WAIT_S must be at least 1")
         if not 0 <= self.linger_ms <= 5000:
