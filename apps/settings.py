@@ -125,13 +125,27 @@ class GatewaySettings:
     stream_buffer_frames: int = field(default_factory=lambda: _env_int("HELEXA_STREAM_BUFFER_FRAMES", 4096))
     # PostgreSQL, where stored responses (`previous_response_id`, GET /v1/responses/{id}) are read.
     database_url: str = field(default_factory=lambda: _env("DATABASE_URL", DEFAULT_DATABASE_URL))
-    # How long a response made moments ago (maybe by another gateway) is waited for while the
-    # recorder has not projected it yet; an unknown older id is a 404 at once.
-    response_wait_s: float = field(default_factory=lambda: _env_float("HELEXA_RESPONSE_WAIT_S", 5.0))
+    # How long after its id was made a response this gateway does not know yet (made through
+    # another gateway, maybe still generating) is waited for, until the recorder announces it; an
+    # unknown older id is a 404 at once. A wait costs no queries (PostgreSQL LISTEN).
+    response_wait_s: float = field(default_factory=lambda: _env_float("HELEXA_RESPONSE_WAIT_S", 120.0))
+    # A stored response's input items and echoed settings (413 above, before it runs).
+    max_stored_response_bytes: int = field(
+        default_factory=lambda: _env_int("HELEXA_MAX_STORED_RESPONSE_BYTES", 4 << 20))
+    # A `previous_response_id` conversation (400 above, before it runs).
+    max_chain_responses: int = field(default_factory=lambda: _env_int("HELEXA_MAX_CHAIN_RESPONSES", 1024))
+    max_chain_bytes: int = field(default_factory=lambda: _env_int("HELEXA_MAX_CHAIN_BYTES", 16 << 20))
+    # This gateway's cache of its own recent responses, until the ledger has them.
+    response_cache_bytes: int = field(default_factory=lambda: _env_int("HELEXA_RESPONSE_CACHE_BYTES", 64 << 20))
+    response_cache_ttl_s: float = field(default_factory=lambda: _env_float("HELEXA_RESPONSE_CACHE_TTL_S", 600.0))
 
     def __post_init__(self) -> None:
         if self.response_wait_s < 0:
             raise ValueError("HELEXA_RESPONSE_WAIT_S must be >= 0")
+        if min(self.max_stored_response_bytes, self.max_chain_responses, self.max_chain_bytes,
+               self.response_cache_bytes) < 1 or self.response_cache_ttl_s <= 0:
+            raise ValueError("the stored-response limits (HELEXA_MAX_STORED_RESPONSE_BYTES, HELEXA_MAX_CHAIN_*, "
+                             "HELEXA_RESPONSE_CACHE_*) must be positive")
         if self.max_migrations < 0:
             raise ValueError("HELEXA_MAX_MIGRATIONS must be >= 0")
         if self.stream_buffer_frames < 1:
