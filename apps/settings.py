@@ -128,7 +128,7 @@ class GatewaySettings:
     # How long after its id was made a response this gateway does not know yet (made through
     # another gateway, maybe still generating) is waited for, until the recorder announces it; an
     # unknown older id is a 404 at once. A wait costs no queries (PostgreSQL LISTEN).
-    response_wait_s: float = field(default_factory=lambda: _env_float("HELEXA_RESPONSE_WAIT_S", 120.0))
+    response_wait_s: float = field(default_factory=lambda: _env_float("HELEXA_RESPONSE_WAIT_S", 30.0))
     # A stored response's input items and echoed settings (413 above, before it runs).
     max_stored_response_bytes: int = field(
         default_factory=lambda: _env_int("HELEXA_MAX_STORED_RESPONSE_BYTES", 4 << 20))

@@ -213,7 +213,7 @@ class _Recent:
 
 
 class ResponseStore:
-    def __init__(self, database_url: str, events: Events, projection_wait_s: float = 120.0,
+    def __init__(self, database_url: str, events: Events, projection_wait_s: float = 30.0,
                  limits: StoreLimits | None = None) -> None:
         self._database_url = database_url
         self._events = events
