@@ -235,6 +235,10 @@ def test_error_texts_are_bounded_where_runs_are_recorded() -> None:
     request = wire.GenerateRequest(request_id="r", model="m", reply_subject="_INBOX.x", sampling=SamplingParams())
     record = RunRecord(request, "n", 1, received_at=0.0)
     grammar = "start: " + " | ".join(f'"choice {i} ' + "x" * 500 + '"' for i in range(2001))
+    # As llguidance words it: one line of reason, then the parser's state and the grammar.
+    state = f"structured output failed: Parser Error: max is 2000\n<state>\nrows: 1\n</state>\n{grammar}"
+    event = record.finished_event(RunStatus.ERROR, FinishReason.ERROR, state)
+    assert event.error == "structured output failed: Parser Error: max is 2000"
     event = record.finished_event(RunStatus.ERROR, FinishReason.ERROR, f"structured output failed: {grammar}")
     assert event.error is not None and len(event.error.encode()) <= wire.MAX_TEXT_BYTES
     assert event.error.startswith("structured output failed: start: ") and "cut" in event.error

@@ -25,7 +25,8 @@ import pytest
 from nats.js.errors import ObjectNotFoundError
 from prometheus_client.parser import text_string_to_metric_families
 
-from apps.bus import topology
+from apps.bus import topology, wire
+from apps.bus.codes import Api, FinishReason, RunStatus
 from apps.embedded import free_port
 from apps.embedded.nats_server import NatsServer
 from apps.embedded.postgres import PostgresServer
@@ -34,12 +35,26 @@ from tests.support import AppProcess, eventually
 
 MODEL = "bounds-model"
 WORDS = " ".join(f"w{i}" for i in range(120))
-GRAMMAR_ERROR = "structured output failed: max is 2000; grammar: start: " + " | ".join(
-    f'"choice number {i} {"y" * 1500}"' for i in range(2001))
+MIB = 1 << 20
+
+
+def _error_in_the_header_window() -> str:
+    """An engine error whose `run.finished` body lands ~30 bytes under 1 MiB: within what nats-py
+    lets through (it checks the body) and past what the server takes with the Nats-Msg-Id header,
+    the window where an unmeasured publish cost the worker its connection."""
+    run = wire.RunFinished(
+        model=MODEL, node="bounds-worker", request_id=f"chatcmpl-{uuid.uuid4().hex}", api=Api.CHAT_COMPLETIONS,
+        principal=None, status=RunStatus.ERROR, finish_reason=FinishReason.ERROR, prompt_tokens=30,
+        completion_tokens=0, cached_tokens=0, attempt=1, queue_ms=12.345, ttft_ms=None, prefill_ms=0.0,
+        decode_ms=0.0, e2e_ms=45.678, error="", served=True)
+    head = "structured output failed: Parser Error: max is 2000; grammar: "
+    return head + "y" * (MIB - 30 - len(wire.encode(run)) - len(head))
+
+
+GRAMMAR_ERROR = _error_in_the_header_window()
 SCRIPT = {"rules": [{"match": "explode", "reply": "", "fault": "error", "error_text": GRAMMAR_ERROR},
                     {"match": "count", "reply": WORDS, "token_delay_s": 0.02}],
           "default": "ok"}
-MIB = 1 << 20
 
 
 @dataclass
@@ -146,9 +161,9 @@ async def fetch(database_url: str, sql: str, *args: object) -> list[asyncpg.Reco
 
 
 def test_an_engine_error_quoting_a_grammar_keeps_the_worker_on_the_bus(stack: Stack) -> None:
-    """2001 choices fail at the first token with an error quoting the whole grammar (3 MB here): the
-    run is recorded with the error cut to 1 KB, the worker stays connected, and a stream running
-    beside it finishes with every token."""
+    """An engine error as long as a grammar, sized so its `run.finished` falls in the header window
+    of a 1 MiB server: the run is recorded with the error cut to 1 KB, the worker stays connected,
+    and a stream running beside it finishes with every token."""
     url = stack.gateways[0]
     expected = full_count(url)
 
