@@ -93,6 +93,8 @@ class EventPublisher:
             await asyncio.wait_for(self._queue.join(), drain_s)
         except TimeoutError:
             log.warning("events left unpublished at shutdown", extra={"backlog": self._queue.qsize()})
+        if held_events():
+            log.warning("events EVENTS did not take are lost at shutdown", extra={"held": held_events()})
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -31,7 +31,7 @@ from nats.micro.request import Request as ServiceRequest
 
 from apps.bus import topology, wire
 from apps.bus.codes import ErrorCode, ModelState, NodeState, ServingError
-from apps.bus.publish import TooLarge, publish_event, respond
+from apps.bus.publish import TooLarge, held_events, publish_event, respond
 from apps.bus.topology import BusLimits
 from apps.fleet.catalogue import CatalogueEntry
 from apps.logs import announce_ready
@@ -143,6 +143,8 @@ class WorkerProcess:
         await asyncio.gather(*(loop.stop() for loop in self.models.values()))
         with contextlib.suppress(nats.errors.Error):
             await self.kv.delete(self.node)
+        if held_events():
+            log.warning("events EVENTS did not take are lost at shutdown", extra={"held": held_events()})
         # drain() waits out pull subscriptions (30 s in nats-py); flush what we sent and close.
         await self.nc.flush()
         await self.nc.close()
