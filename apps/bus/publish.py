@@ -140,7 +140,7 @@ async def publish_core(nc: NatsClient, subject: str, payload: bytes = b"", reply
 async def respond(msg: Msg, payload: bytes) -> None:
     """Answer a request message, measured first: `TooLarge` instead of sending."""
     if not msg.reply:
-        raise nats.errors.NoRespondersError
+        raise nats.errors.Error("no reply subject available")
     await publish_core(msg._client, msg.reply, payload)  # noqa: SLF001  (Msg.respond uses the same client)
 
 
