@@ -68,22 +68,3 @@ def test_serving_errors_pickle_with_their_fields() -> None:
     assert (copy.status, copy.code, copy.message, copy.param, copy.retry_after_s, copy.context) == \
         (413, ErrorCode.REQUEST_TOO_LARGE, "too big", "prompt", 3, {"model": "m"})
 
-
-def test_a_tokenize_reply_too_large_for_the_bus_is_a_413(tokenizer: Tokenizer) -> None:
-    from types import SimpleNamespace
-
-    from apps.worker import token_service
-
-    context = SimpleNamespace(derive=lambda: SimpleNamespace(context=8192))
-    model = SimpleNamespace(tokenizing=Tokenizing(tokenizer), reasoning_parser="auto", context=context)
-    ask = wire.TokenizeRequest(model="m", request=wire.GenerateRequest(
-        request_id="r", model="m", reply_subject="", sampling=SamplingParams(), prompt="word " * 2000))
-    data = wire.encode(ask)
-
-    def reply(max_bytes: int) -> wire.TokenizeReply:
-        return wire.tokenize_reply_decoder.decode(asyncio.run(token_service.answer(lambda _: model, data, max_bytes)))
-
-    fits = reply(1 << 20)
-    assert fits.error is None and len(fits.token_ids) >= 2000
-    refused = reply(4096)
-    assert refused.error is not None and refused.error.status == 413 and not refused.token_ids

@@ -83,6 +83,9 @@ class ErrorCode(enum.StrEnum):
     RESPONSE_NOT_FOUND = "response_not_found"
     # PostgreSQL, where stored responses are read back from, cannot be reached.
     LEDGER_UNAVAILABLE = "ledger_unavailable"
+    # EVENTS is (nearly) full of events not yet recorded: new requests wait until the recorder
+    # catches up rather than any event being dropped (a 503 with Retry-After).
+    EVENTS_FULL = "events_full"
 
 
 class NodeState(enum.StrEnum):

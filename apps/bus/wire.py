@@ -22,6 +22,21 @@ class Wire(msgspec.Struct, frozen=True, kw_only=True):
     """Base of every message body on the bus."""
 
 
+# Longest error or detail text an event, a frame or a log line carries (UTF-8 bytes): an engine's
+# error may quote a whole grammar, a client's input or a parser's state, and none of that belongs
+# in a message whose size a client could then choose.
+MAX_TEXT_BYTES = 1024
+
+
+def bounded_text(text: str, limit: int = MAX_TEXT_BYTES) -> str:
+    """`text` cut to at most `limit` UTF-8 bytes (on a character boundary), saying how much was cut."""
+    raw = text.encode("utf-8", "replace")
+    if len(raw) <= limit:
+        return text
+    note = f" … [{len(raw)} bytes, cut]"
+    return raw[: max(limit - len(note.encode()), 0)].decode("utf-8", "ignore") + note
+
+
 class ChatMessage(Wire, kw_only=True):
     role: str
     content: str
@@ -274,14 +289,26 @@ class ResponseStored(Event, tag="response.stored", kw_only=True):
 
 
 class ResponseDeleted(Event, tag="response.deleted", kw_only=True):
-    """`DELETE /v1/responses/{id}`: the stored response is no longer served (it stays in `events`)."""
+    """`DELETE /v1/responses/{id}`: the recorder erases the stored response's content (its row's
+    columns, its response.stored payloads in `events`, its messages on EVENTS)."""
 
     response_id: str
     principal: str | None
 
 
+class EventRef(Event, tag="event.ref", kw_only=True):
+    """Published on EVENTS instead of an event too large for one bus message (a stored response
+    of a long conversation, a bench run's artifacts): the encoded event is object `object` of the
+    Object Store bucket `helexa_events` (`size` bytes). Same `event_id`, `ts`, `model` and `node`
+    as the event, on the event's own subject; the recorder records the event itself."""
+
+    ref_kind: str
+    object: str
+    size: int
+
+
 AnyEvent = (RunStarted | RunFinished | AdmissionDecided | NodeStatusChanged | BenchRunRecorded | ScoreRecorded
-            | ResponseStored | ResponseDeleted)
+            | ResponseStored | ResponseDeleted | EventRef)
 
 
 def event_kind(event: Event) -> str:

@@ -32,7 +32,7 @@ from apps.gateway.metrics import GatewayMetrics
 from apps.gateway.models import list_models
 from apps.gateway.node_registry import NodeRegistry
 from apps.gateway.openapi_docs import add_components
-from apps.gateway.response_store import ResponseStore
+from apps.gateway.response_store import ResponseStore, StoreLimits
 from apps.gateway.responses import create_response, delete_response, retrieve_response
 from apps.gateway.tokens import TokenCounter, count_tokens, detokenize, tokenize
 from apps.settings import GatewaySettings, bus_limits, catalogue_file
@@ -76,7 +76,9 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
         app.state.generations = GenerationPipeline(bus, cold_starts, admissions, Canceller(lambda: bus.nc), events,
                                                    gateway_metrics, settings)
         app.state.token_counter = TokenCounter(bus, registry, cold_starts)
-        app.state.responses = ResponseStore(settings.database_url, events, settings.response_wait_s)
+        app.state.responses = ResponseStore(settings.database_url, events, settings.response_wait_s, StoreLimits(
+            settings.max_stored_response_bytes, settings.max_chain_responses, settings.max_chain_bytes,
+            settings.response_cache_bytes, settings.response_cache_ttl_s))
         try:
             yield
         finally:

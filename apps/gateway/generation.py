@@ -166,6 +166,7 @@ class GenerationPipeline:
     async def start(self, request: wire.GenerateRequest, handler: str) -> Generation:
         """Admit, publish and wait for the worker's first frame; any failure so far is a ServingError.
         Cancelled at any await, it gives back what it holds (slots, subscriptions) and cancels."""
+        self._events.check_room(request.model)
         ticket = await self._admissions.admit(request)
         try:
             # The wait for a worker starts once admitted: the one place the deadline is set.

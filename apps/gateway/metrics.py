@@ -46,6 +46,11 @@ class GatewayMetrics:
                                   ["model", "reason"], registry=r)
         self.event_backlog = Gauge("helexa:gateway_event_backlog", "Events queued for publishing on EVENTS",
                                    registry=r)
+        self.events_held = Gauge("helexa:gateway_events_held",
+                                 "Events EVENTS did not take yet (full, or the bus away), held to be published again",
+                                 registry=r)
+        self.events_full = Gauge("helexa:gateway_events_full",
+                                 "1 while EVENTS is too full for new requests (they get 503 events_full)", registry=r)
         self.events_dropped = Counter("helexa:gateway_events_dropped", "Events dropped: the publish queue was full",
                                       registry=r)
         self.bus_connections_lost = Counter("helexa:gateway_bus_connections_lost",

@@ -405,7 +405,8 @@ class ModelLoop:
             state_slots=stats.num_state_slots,
             free_state_slots=stats.num_free_state_slots,
             state=ModelState.POISONED if self.poisoned is not None else ModelState.READY,
-            detail=self.poisoned,
+            # The node entry (a KV write) carries it: bounded like every error text.
+            detail=wire.bounded_text(self.poisoned) if self.poisoned is not None else None,
             prefill_tok_per_s=round(self.context.prefill_tok_per_s, 1),
             memory_mb=self.memory_mb,
             vocab_size=self.tokenizer.vocab_size,

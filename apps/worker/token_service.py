@@ -8,8 +8,8 @@ tool call's opening, a continued assistant turn) on the model's own tokenizer. T
 equals the `prompt_tokens` that a generation of the same request reports.
 
 Long text is tokenized in the model's tokenizing processes (`tokenizing.Tokenizing`), never on the
-worker's event loop, and a reply is measured before it is sent: one larger than the bus carries is
-a 413 naming the size, never a publish the server refuses.
+worker's event loop; the worker measures the reply before it sends it (`apps.bus.publish.respond`):
+one larger than the bus carries is a 413, never a publish the server refuses.
 """
 
 from __future__ import annotations
@@ -62,9 +62,8 @@ def _text_chars(ask: wire.TokenizeRequest) -> int:
     return request_chars(ask.request) if ask.request is not None else 0
 
 
-async def answer(served: Callable[[str], ServedModel | None], data: bytes, max_bytes: int) -> bytes:
-    """The endpoint's reply to one message: a `TokenizeReply`, carrying the error when refused; a
-    reply longer than `max_bytes` (what the bus carries) is refused with a 413 instead."""
+async def answer(served: Callable[[str], ServedModel | None], data: bytes) -> bytes:
+    """The endpoint's reply to one message: a `TokenizeReply`, carrying the error when refused."""
     try:
         ask = wire.tokenize_request_decoder.decode(data)
     except msgspec.DecodeError as exc:
@@ -82,10 +81,4 @@ async def answer(served: Callable[[str], ServedModel | None], data: bytes, max_b
     except Exception:  # a template or tokenizer that breaks on this request: its own failure
         log.exception("tokenizing failed", extra={"model": ask.model})
         reply = _refusal(ask.model, 500, ErrorCode.INTERNAL_ERROR, "The worker could not tokenize this request.")
-    encoded = wire.encode(reply)
-    if len(encoded) > max_bytes:
-        what = "text" if ask.token_ids is not None else f"{len(reply.token_ids)} token ids"
-        return wire.encode(_refusal(ask.model, 413, ErrorCode.REQUEST_TOO_LARGE,
-                                    f"The answer ({what}, {len(encoded)} bytes) is larger than the message bus "
-                                    f"carries ({max_bytes} bytes); send less text at a time."))
-    return encoded
+    return wire.encode(reply)

@@ -133,7 +133,7 @@ async def test_sizes_around_the_header_window_never_close_the_connection(small_s
         js = nc.jetstream()
         limit = nc.max_payload
         header_bytes = large_requests.message_size(b"", {"Nats-Msg-Id": "fuzz-000"})
-        low, high = limit - header_bytes - large_requests.MESSAGE_MARGIN_BYTES - 16, limit + 16
+        low, high = limit - header_bytes - 16, limit + 16
         rng = random.Random(14)
         sizes = sorted({low, high, limit, limit - 1, limit - header_bytes, limit - header_bytes + 1,
                         *rng.sample(range(low, high + 1), 24)})

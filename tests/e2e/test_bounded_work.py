@@ -254,3 +254,24 @@ def test_token_endpoints_never_compile_a_grammar(system: System) -> None:
         "tools": [{"name": "f", "input_schema": schema}], "tool_choice": {"type": "any"}})
     assert counted.status_code == 200, counted.text
     assert metric(system, "helexa:gateway_grammar_compiles_total") == before
+
+
+def test_a_7mb_tokenize_sent_to_a_worker_is_a_413_not_a_lost_reply(system: System) -> None:
+    """Past the gateway (a client on the bus): the worker tokenizes 7 MB in its pool, and the ids
+    (more than the bus's 8 MiB) come back as a 413 instead of a reply the server refuses."""
+    ask = wire.TokenizeRequest(model=system.model, request=wire.GenerateRequest(
+        request_id="tokenize-big", model=system.model, reply_subject="", sampling=SamplingParams(),
+        prompt="1 2 3 4 " * (7_000_000 // 8), api=Api.COMPLETIONS))
+
+    async def go() -> wire.TokenizeReply:
+        nc = await topology.connect(system.nats_url, name="test-tokenize-big")
+        try:
+            msg = await nc.request(topology.node_endpoint(NODE, "tokenize"), wire.encode(ask), timeout=120)
+            return wire.tokenize_reply_decoder.decode(msg.data)
+        finally:
+            await nc.close()
+
+    with concurrent_stream(system):
+        reply = asyncio.run(go())
+    assert reply.error is not None and reply.error.status == 413, reply.error
+    assert not reply.token_ids

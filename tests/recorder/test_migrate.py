@@ -21,7 +21,7 @@ async def _ledger(url: str) -> list[tuple[int, str]]:
 
 
 SHIPPED = ["0001_events_and_runs", "0002_admission_nodes_bench", "0003_dead_letters", "0004_run_attempts",
-           "0005_responses"]
+           "0005_responses", "0006_response_bounds"]
 
 
 async def test_applies_once_then_nothing(database_url: str) -> None:
