@@ -196,6 +196,8 @@ class WorkerSettings:
     requester_grace_s: float = field(default_factory=lambda: _env_float("HELEXA_REQUESTER_GRACE_S", 10.0))
     # On SIGTERM, how long streams that have sent text get to finish (then a worker_stopping error).
     stop_grace_s: float = field(default_factory=lambda: _env_float("HELEXA_STOP_GRACE_S", 10.0))
+    # Processes per model that template and tokenize long prompts (the worker's bound on that work).
+    tokenize_processes: int = field(default_factory=lambda: _env_int("HELEXA_TOKENIZE_PROCESSES", 1))
     # A JSON script to reply from instead of running the model (`helexa worker --script`), for
     # testing clients and `helexa up` itself without a model's generation time.
     script: str = field(default_factory=lambda: _env("HELEXA_WORKER_SCRIPT", ""))
@@ -219,6 +221,8 @@ class WorkerSettings:
             raise ValueError("HELEXA_BATCH_WINDOW_MS must be between 0 and 1000")
         if self.requester_grace_s < 0 or self.stop_grace_s < 0:
             raise ValueError("HELEXA_REQUESTER_GRACE_S and HELEXA_STOP_GRACE_S must be >= 0")
+        if self.tokenize_processes < 1:
+            raise ValueError("HELEXA_TOKENIZE_PROCESSES must be at least 1")
 
     def engine_config(self, model_path: str) -> EngineConfig:
         return EngineConfig(

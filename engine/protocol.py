@@ -212,6 +212,9 @@ class CoreStats(msgspec.Struct, kw_only=True):
     prompt_tokens_computed: int = 0
     generated_tokens: int = 0
     steps: int = 0
+    # Grammar compiles started, and constrained requests that shared one done or under way.
+    grammar_compiles: int = 0
+    grammar_cache_hits: int = 0
 
     @property
     def kv_usage(self) -> float:

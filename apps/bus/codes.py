@@ -77,6 +77,8 @@ class ErrorCode(enum.StrEnum):
     REQUEST_TOO_LARGE = "request_too_large"
     # A streaming client read so slowly that its frames filled the gateway's bounded buffer.
     CLIENT_TOO_SLOW = "client_too_slow"
+    # A grammar (structured output, enforced tool calls) that did not compile within its deadline.
+    GRAMMAR_TOO_COMPLEX = "grammar_too_complex"
     # A stored response (`previous_response_id`, GET /v1/responses/{id}) that does not exist here.
     RESPONSE_NOT_FOUND = "response_not_found"
     # PostgreSQL, where stored responses are read back from, cannot be reached.
@@ -122,3 +124,7 @@ class ServingError(Exception):
         self.param = param
         self.retry_after_s = retry_after_s
         self.context = context or {}
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Raised in a worker's tokenizing process, it crosses back whole.
+        return (type(self), (self.status, self.code, self.message), self.__dict__)

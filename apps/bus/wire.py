@@ -343,6 +343,10 @@ class ModelStatus(Wire, kw_only=True):
     dtype: str = ""
     # Why that dtype, in a sentence ("" unknown): measured figures, or "bf16 unsupported here (...)".
     dtype_reason: str = ""
+    # Grammar compiles started for this model (the engine's, and the worker's checks of the tool
+    # grammars it composes), and constrained requests that shared a compile done or under way.
+    grammar_compiles: int = 0
+    grammar_cache_hits: int = 0
 
 
 class NodeStatus(Wire, kw_only=True):

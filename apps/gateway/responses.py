@@ -37,7 +37,7 @@ from apps.gateway.openapi_docs import operation_for
 from apps.gateway.response_store import ResponseStore, StoredResponse, new_response_id
 from apps.gateway.responses_output import ResponsesFormatter
 from apps.gateway.validate import check_json_depth
-from apps.gateway.structured import json_constraint
+from apps.gateway.structured import check_enforceable, json_constraint
 from engine.protocol import SamplingParams, StructuredOutput
 
 HANDLER = "responses"
@@ -237,6 +237,7 @@ async def create_response(request: Request, state: State) -> Response | Stream:
     if req.previous_response_id is not None:
         history = parse_items(await store.conversation(req.previous_response_id, principal), "previous_response_id")
     bus_request = to_bus_request(req, response_id, principal, history, items)
+    await check_enforceable(bus_request, "text.format")
 
     def keep(response: rs.ResponseObject) -> None:
         store.keep(StoredResponse(response_id, principal, req.previous_response_id, stored_items,

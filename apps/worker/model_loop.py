@@ -49,6 +49,7 @@ from apps.worker.choices import engine_request_ids
 from apps.worker.context_limit import ContextLimit
 from apps.worker.replies import Replier
 from apps.worker.run import ModelHealth, ServedModel, abort_request, run_request
+from apps.worker.tokenizing import Tokenizing
 from engine.protocol import Engine
 from engine.tokenizer import Tokenizer
 
@@ -121,6 +122,7 @@ class ModelLoop:
         )
         self.health = ModelHealth(model_id)
         self.model = ServedModel(model_id, engine, tokenizer, self.context, self.health,
+                                 Tokenizing(tokenizer, processes=settings.tokenize_processes),
                                  reasoning_parser=settings.reasoning_parser)
 
     @property
@@ -157,6 +159,7 @@ class ModelLoop:
             await self.abort(held.request)
         if self.active:
             await asyncio.wait(set(self.active.values()), timeout=5.0)
+        self.model.tokenizing.close()
         await self.engine.shutdown()
 
     async def _hand_back(self, held: Held) -> None:
@@ -409,4 +412,6 @@ class ModelLoop:
             vocab_size=self.tokenizer.vocab_size,
             dtype=self.engine.info.dtype,
             dtype_reason=self.engine.info.dtype_reason,
+            grammar_compiles=stats.grammar_compiles + self.model.grammars.started,
+            grammar_cache_hits=stats.grammar_cache_hits,
         )

@@ -31,6 +31,9 @@ from apps.worker.context_limit import ContextLimit
 from apps.worker.prompt import build_prompt, check_resume, resolve_sampling
 from apps.worker.replies import Replier
 from apps.worker.run_record import RunRecord
+from apps.worker.tokenizing import Tokenizing, request_chars
+from apps.worker.tool_grammar import check_composed
+from engine.grammars import GrammarChecker
 from engine.protocol import DeviceFault, Engine, FinishReason, is_device_fault
 from engine.tokenizer import Tokenizer
 
@@ -68,7 +71,11 @@ class ServedModel:
     tokenizer: Tokenizer
     context: ContextLimit
     health: ModelHealth
+    # Where long prompts are templated and tokenized (a process pool), and the checks of the tool
+    # grammars the worker composes (threads with a deadline): never on the event loop.
+    tokenizing: Tokenizing
     reasoning_parser: str = "auto"
+    grammars: GrammarChecker = field(default_factory=GrammarChecker)
 
 
 @dataclass(slots=True, frozen=True)
@@ -80,14 +87,6 @@ class RunOutcome:
 
     finished: wire.RunFinished
     terminate: bool = False
-
-
-# Prompts longer than this (in characters) are prepared in a thread.
-LARGE_PROMPT_CHARS = 1 << 18
-
-
-def _prompt_chars(request: wire.GenerateRequest) -> int:
-    return len(request.prompt or "") + sum(len(m.content) for m in request.messages or [])
 
 
 async def abort_request(engine: Engine, request: wire.GenerateRequest) -> None:
@@ -109,14 +108,12 @@ async def run_request(model: ServedModel, request: wire.GenerateRequest, replier
         await replier.error(503, ErrorCode.MODEL_POISONED, poisoned_message(model.model_id))
         return RunOutcome(record.finished_event(RunStatus.REJECTED, FinishReason.ERROR, ErrorCode.MODEL_POISONED))
     try:
-        if _prompt_chars(request) > LARGE_PROMPT_CHARS:
-            # Templating and tokenizing megabytes takes seconds: off the loop, so the other
-            # streams' frames and every request's heartbeats keep going meanwhile.
-            prompt = await asyncio.to_thread(build_prompt, model.tokenizer, request, model.reasoning_parser)
-        else:
-            prompt = build_prompt(model.tokenizer, request, model.reasoning_parser)
+        # Templating and tokenizing megabytes takes seconds: long prompts go to processes, so the
+        # other streams' frames and every request's heartbeats keep going meanwhile.
+        prompt = await model.tokenizing.run(request_chars(request), build_prompt, request, model.reasoning_parser)
         record.prompt_tokens = len(prompt.token_ids)
         sampling = resolve_sampling(request, len(prompt.token_ids), model.context.derive().context)
+        await check_composed(request, sampling, model.grammars)
         check_resume(request, model.tokenizer.vocab_size)
     except ServingError as exc:
         await replier.error(exc.status, exc.code or ErrorCode.INVALID_REQUEST, exc.message)
