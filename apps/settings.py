@@ -206,8 +206,14 @@ class WorkerSettings:
     # A JSON script to reply from instead of running the model (`helexa worker --script`), for
     # testing clients and `helexa up` itself without a model's generation time.
     script: str = field(default_factory=lambda: _env("HELEXA_WORKER_SCRIPT", ""))
+    # An engine core process that dies is started again, at most this many times per window (then
+    # the model is out of service until reloaded); 0 never restarts one.
+    core_restarts: int = field(default_factory=lambda: _env_int("HELEXA_CORE_RESTARTS", 3))
+    core_restart_window_s: float = field(default_factory=lambda: _env_float("HELEXA_CORE_RESTART_WINDOW_S", 600.0))
 
     def __post_init__(self) -> None:
+        if self.core_restarts < 0 or self.core_restart_window_s <= 0:
+            raise ValueError("HELEXA_CORE_RESTARTS must be >= 0 and HELEXA_CORE_RESTART_WINDOW_S positive")
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"HELEXA_KERNELS must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
         if self.heartbeat_s <= 0:
