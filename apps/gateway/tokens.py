@@ -5,8 +5,8 @@ translates the body exactly as the generation route would (chat, text completion
 Messages into a bus `GenerateRequest`) and asks a worker serving the model, over its `tokenize`
 micro-service endpoint, for the prompt token ids that request would get (`apps.worker.token_service`,
 which uses the run's own `build_prompt`). A count therefore equals `usage.prompt_tokens`
-(`usage.input_tokens`) of the same request. Nothing here is admitted or queued: a count takes
-no slot and generates nothing.
+(`usage.input_tokens`) of the same request. A count generates nothing, but it is admitted like
+other work on its model, in a pool of its own kind (`app.AdmittedTokenCounter`).
 """
 
 from __future__ import annotations
