@@ -11,7 +11,7 @@ else, so `protocol_class` is uvicorn's httptools protocol with these bounds adde
 - time: a header block must be complete `header_timeout_s` after the connection opens or its
   first byte arrives (408, or a silent close if nothing came); a body must be complete
   `body_timeout_s` after its headers (408, and the app sees the client gone);
-- no protocol upgrades (the gateway has no WebSocket route).
+- no protocol upgrades (`ws="none"`: the gateway has no WebSocket route).
 """
 
 from __future__ import annotations
@@ -210,9 +210,6 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             return
         self._close_with(_response(408, "Request Timeout", "The request body took too long to arrive.",
                                    "HELEXA_BODY_TIMEOUT_S"))
-
-    def _should_upgrade_to_ws(self) -> bool:
-        return False
 
 
 def protocol_class(limits: EdgeLimits) -> type[GuardedHttpToolsProtocol]:

@@ -159,14 +159,17 @@ class SupervisedEngine:
     async def _restart(self, dead: AsyncEngine, held: int) -> None:
         await dead.shutdown()  # reaps the process (its exit code) and closes the pipe
         exitcode, device_fault = dead.exitcode, dead.device_fault
-        log.error("engine core process died", extra={"model": dead.model_id, "exitcode": exitcode,
-                                                     "held_requests": held})
         report = CoreExit(restarted=False, exitcode=exitcode, held_requests=held, restarts=self._budget.used,
                           max_restarts=self._budget.max_restarts)
         if device_fault is not None:
             report = replace(report, out_of_service=f"a device fault before the core died: {device_fault}")
         else:
+            log.warning("restarting the engine core", extra={"model": dead.model_id, "exitcode": exitcode,
+                                                             "held_requests": held})
             report = await self._start_again(report)
+        if report.out_of_service is not None:
+            log.error("the engine core is not restarted: the model is out of service until reloaded",
+                      extra={"model": dead.model_id, "exitcode": exitcode, "error": report.out_of_service})
         self._restarting = None
         if self.on_exit is not None:
             try:
@@ -185,11 +188,12 @@ class SupervisedEngine:
                 continue
             self._engine = engine
             self._watch(engine)
+            report = replace(report, restarted=True, restarts=self._budget.used,
+                             restart_ms=round((time.monotonic() - started) * 1000.0, 1))
             log.info("engine core restarted", extra={"model": engine.model_id, "pid": engine.pid,
-                                                    "restarts": self._budget.used})
-            return replace(report, restarted=True, restarts=self._budget.used,
-                            restart_ms=round((time.monotonic() - started) * 1000.0, 1))
+                                                    "restarts": report.restarts, "restart_ms": report.restart_ms})
+            return report
         budget = self._budget
         return replace(report, restarts=budget.used,
-                        out_of_service=f"the engine core died and its restart budget is spent "
-                                       f"({budget.max_restarts} restarts in {budget.window_s:g} s)")
+                       out_of_service=f"the engine core died and its restart budget is spent "
+                                      f"({budget.max_restarts} restarts in {budget.window_s:g} s)")
