@@ -140,8 +140,30 @@ class GatewaySettings:
     response_cache_ttl_s: float = field(default_factory=lambda: _env_float("HELEXA_RESPONSE_CACHE_TTL_S", 600.0))
     # On SIGTERM, how long answers in flight get to finish (then an error event ends each).
     stop_grace_s: float = field(default_factory=lambda: _env_float("HELEXA_STOP_GRACE_S", 10.0))
+    # The HTTP edge, enforced before authentication (`apps/gateway/http_edge.py`): open sockets,
+    # header count and bytes (request line included), the time a header block and a body may take
+    # to arrive, and how long an idle keep-alive connection stays open.
+    max_connections: int = field(default_factory=lambda: _env_int("HELEXA_MAX_CONNECTIONS", 1024))
+    max_headers: int = field(default_factory=lambda: _env_int("HELEXA_MAX_HEADERS", 100))
+    max_header_bytes: int = field(default_factory=lambda: _env_int("HELEXA_MAX_HEADER_BYTES", 32 << 10))
+    header_timeout_s: float = field(default_factory=lambda: _env_float("HELEXA_HEADER_TIMEOUT_S", 10.0))
+    body_timeout_s: float = field(default_factory=lambda: _env_float("HELEXA_BODY_TIMEOUT_S", 60.0))
+    keep_alive_s: float = field(default_factory=lambda: _env_float("HELEXA_KEEP_ALIVE_S", 5.0))
+    # Host headers served, comma-separated (`*`: any). Empty: any, except that a keyless gateway on a
+    # loopback address serves only localhost, 127.0.0.1 and [::1] at its port (DNS rebinding).
+    allowed_hosts: str = field(default_factory=lambda: _env("HELEXA_ALLOWED_HOSTS", ""))
+    # Requests per second per principal (anonymous callers: per client address), with bursts of up
+    # to `rate_limit_burst`; 0 turns the limit off.
+    rate_limit_rps: float = field(default_factory=lambda: _env_float("HELEXA_RATE_LIMIT_RPS", 100.0))
+    rate_limit_burst: int = field(default_factory=lambda: _env_int("HELEXA_RATE_LIMIT_BURST", 400))
 
     def __post_init__(self) -> None:
+        if min(self.max_connections, self.max_headers, self.max_header_bytes) < 1:
+            raise ValueError("HELEXA_MAX_CONNECTIONS, HELEXA_MAX_HEADERS and HELEXA_MAX_HEADER_BYTES must be >= 1")
+        if min(self.header_timeout_s, self.body_timeout_s, self.keep_alive_s) <= 0:
+            raise ValueError("HELEXA_HEADER_TIMEOUT_S, HELEXA_BODY_TIMEOUT_S and HELEXA_KEEP_ALIVE_S must be > 0")
+        if self.rate_limit_rps < 0 or (self.rate_limit_rps and self.rate_limit_burst < 1):
+            raise ValueError("HELEXA_RATE_LIMIT_RPS must be >= 0 (0: off) and HELEXA_RATE_LIMIT_BURST >= 1")
         if self.response_wait_s < 0:
             raise ValueError("HELEXA_RESPONSE_WAIT_S must be >= 0")
         if self.stop_grace_s < 0:
@@ -201,8 +223,14 @@ class WorkerSettings:
     # A JSON script to reply from instead of running the model (`helexa worker --script`), for
     # testing clients and `helexa up` itself without a model's generation time.
     script: str = field(default_factory=lambda: _env("HELEXA_WORKER_SCRIPT", ""))
+    # An engine core process that dies is started again, at most this many times per window (then
+    # the model is out of service until reloaded); 0 never restarts one.
+    core_restarts: int = field(default_factory=lambda: _env_int("HELEXA_CORE_RESTARTS", 3))
+    core_restart_window_s: float = field(default_factory=lambda: _env_float("HELEXA_CORE_RESTART_WINDOW_S", 600.0))
 
     def __post_init__(self) -> None:
+        if self.core_restarts < 0 or self.core_restart_window_s <= 0:
+            raise ValueError("HELEXA_CORE_RESTARTS must be >= 0 and HELEXA_CORE_RESTART_WINDOW_S positive")
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"HELEXA_KERNELS must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
         if self.heartbeat_s <= 0:

@@ -39,6 +39,7 @@ from engine.protocol import (
     ToCore,
     encode_message,
     from_core_decoder,
+    is_device_fault,
 )
 
 log = logging.getLogger("helexa.engine")
@@ -60,6 +61,12 @@ class AsyncEngine:
         self._closed = False
         # Encoded messages for the core, in order; None stops the writer thread.
         self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        # Called on the event loop when the core process dies unasked, with how many requests it
+        # held, once each has had its error output (the worker restarts it: `apps.worker.restarts`).
+        self.on_death: Callable[[int], None] | None = None
+        # The first device fault the core reported, if any: a core that dies after one is not
+        # restarted (the model is poisoned until it is reloaded).
+        self.device_fault: str | None = None
 
     @classmethod
     async def start(cls, config: EngineConfig, process_setup: Callable[[], None] | None = None) -> AsyncEngine:
@@ -68,7 +75,13 @@ class AsyncEngine:
         what the core says while it starts (kernel build, dtype, weights) reaches the worker's log.
         Raises `EngineRefused` where the core refuses the configuration on this machine."""
         engine = cls(config, process_setup)
-        await engine._spawn()
+        try:
+            await engine._spawn()
+        except asyncio.CancelledError:
+            # A start given up on (the worker stops, the model is unloaded) leaves no core behind.
+            if engine._process is not None and engine._process.is_alive():
+                engine._process.kill()
+            raise
         return engine
 
     async def _spawn(self) -> None:
@@ -117,6 +130,15 @@ class AsyncEngine:
         return self._stats
 
     @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    @property
+    def exitcode(self) -> int | None:
+        """The core process's exit code once it has ended and been joined (negative: a signal)."""
+        return self._process.exitcode if self._process is not None else None
+
+    @property
     def model_id(self) -> str:
         return self.info.model_id
 
@@ -147,6 +169,8 @@ class AsyncEngine:
     def _dispatch(self, message: StepOutputs) -> None:
         self._stats = message.stats
         for output in message.outputs:
+            if output.error is not None and self.device_fault is None and is_device_fault(output.error):
+                self.device_fault = output.error
             queue = self._queues.get(output.request_id)
             if queue is not None:
                 queue.put_nowait(output)
@@ -161,6 +185,8 @@ class AsyncEngine:
         for request_id, queue in self._queues.items():
             queue.put_nowait(EngineOutput(request_id=request_id, new_token_ids=[], finished=True,
                                           finish_reason=FinishReason.ERROR, error=self._dead))
+        if self.on_death is not None:
+            self.on_death(len(self._queues))
 
     def _write(self) -> None:
         """The writer thread: sends what `_send` queued, in order, blocking here (never on the

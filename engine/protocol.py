@@ -291,8 +291,9 @@ def device_fault_message(exc: BaseException) -> str:
 
 
 def is_device_fault(error: str | None) -> bool:
-    """Whether an engine's error output means the model can no longer serve until reloaded."""
-    return bool(error) and (error.startswith(DEVICE_FAULT_PREFIX) or error == ENGINE_STOPPED)
+    """Whether an engine's error output means the model can no longer serve until reloaded. A core
+    process that died (`ENGINE_STOPPED`) is not one: the worker starts it again."""
+    return bool(error) and error.startswith(DEVICE_FAULT_PREFIX)
 
 
 class EngineOutputs(Protocol):

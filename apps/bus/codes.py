@@ -63,6 +63,9 @@ class ErrorCode(enum.StrEnum):
     # The worker was stopped (SIGTERM) while this stream ran past its grace: the answer is cut
     # short; a requester may migrate it.
     WORKER_STOPPING = "worker_stopping"
+    # The engine core process serving this request died (not a device fault): the worker starts it
+    # again; the answer is cut short, and a requester may migrate it.
+    ENGINE_LOST = "engine_lost"
     # The gateway was stopped (SIGTERM, Ctrl-C on `helexa up`) while this answer ran past its
     # grace: the answer is cut short, and nothing goes on with it.
     GATEWAY_STOPPING = "gateway_stopping"

@@ -307,8 +307,25 @@ class EventRef(Event, tag="event.ref", kw_only=True):
     size: int
 
 
+class CoreRestarted(Event, tag="engine.restart", kw_only=True):
+    """A model's engine core process died (not asked to) and what its worker did: started a new one
+    (`restarted`), or not, `detail` saying why (a device fault, the restart budget spent, a new core
+    that would not start): the model is then out of service on that worker until it is reloaded."""
+
+    restarted: bool
+    # The dead process's exit code (negative: the signal that ended it), if it could be read.
+    exitcode: int | None = None
+    # Requests the dead core held; each ended with an `engine_lost` error frame (which a gateway migrates).
+    held_requests: int = 0
+    # Restarts of this model's core within the budget's window, this one included, and the budget.
+    restarts: int = 0
+    max_restarts: int = 0
+    restart_ms: float | None = None
+    detail: str | None = None
+
+
 AnyEvent = (RunStarted | RunFinished | AdmissionDecided | NodeStatusChanged | BenchRunRecorded | ScoreRecorded
-            | ResponseStored | ResponseDeleted | EventRef)
+            | ResponseStored | ResponseDeleted | EventRef | CoreRestarted)
 
 
 def event_kind(event: Event) -> str:

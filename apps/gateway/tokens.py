@@ -5,11 +5,12 @@ translates the body exactly as the generation route would (chat, text completion
 Messages into a bus `GenerateRequest`) and asks a worker serving the model, over its `tokenize`
 micro-service endpoint, for the prompt token ids that request would get (`apps.worker.token_service`,
 which uses the run's own `build_prompt`). A count therefore equals `usage.prompt_tokens`
-(`usage.input_tokens`) of the same request. Nothing here is admitted or queued: a count takes
-no slot and generates nothing, and it never compiles a grammar (a request's constraint is held to
-its bounds as it is translated, nothing more). A prompt too long for the model's context is refused
-here before any worker tokenizes it (`validate.check_prompt_size`), and a worker's reply too large
-for the bus is a 413 from the worker (`apps.worker.token_service`).
+(`usage.input_tokens`) of the same request. A count generates nothing, but it is admitted like
+other work on its model, in a pool of its own kind (`app.AdmittedTokenCounter`); it never compiles
+a grammar (a request's constraint is held to its bounds as it is translated, nothing more). A prompt
+too long for the model's context is refused here before any worker tokenizes it
+(`validate.check_prompt_size`), and a worker's reply too large for the bus is a 413 from the worker
+(`apps.worker.token_service`).
 """
 
 from __future__ import annotations

@@ -376,6 +376,10 @@ class ModelLoop:
     async def abort(self, request: wire.GenerateRequest) -> None:
         await abort_request(self.engine, request)
 
+    def wake(self) -> None:
+        """Look for requests again now: the engine has slots again (a new core after a restart)."""
+        self._slot_freed.set()
+
     def free_slots(self) -> int:
         """Engine sequences not promised to a pulled request (a request takes one per choice)."""
         if self.engine.free_slots() <= 0:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib.metadata
 import json
 import logging
@@ -40,6 +41,7 @@ from apps.worker import token_service
 from apps.worker.liveness import Cancellations
 from apps.worker.model_loop import ModelLoop, NodeBus
 from apps.worker.replies import CollectingReplier
+from apps.worker.restarts import CoreExit, SupervisedEngine
 from apps.worker.run import ServedModel
 from engine.protocol import EngineRefused
 
@@ -173,6 +175,21 @@ class WorkerProcess:
                                  cancelled=self.cancellations, status_changed=self._status_changed))
         self.models[loop.model_id] = loop
         self.sources[loop.model_id] = (loop.source, loop.memory_mb)
+        if isinstance(loop.engine, SupervisedEngine):
+            loop.engine.on_exit = functools.partial(self._core_exited, loop)
+
+    async def _core_exited(self, loop: ModelLoop, report: CoreExit) -> None:
+        """A model's engine core died (`apps.worker.restarts`): the ledger hears of it; the model
+        pulls again on its new core, or is out of service until reloaded."""
+        if report.restarted:
+            loop.wake()
+        elif report.out_of_service is not None:
+            loop.health.poison(report.out_of_service)  # a no-op where its runs saw the device fault first
+        await publish_event(self.js, wire.CoreRestarted(
+            model=loop.model_id, node=self.node, restarted=report.restarted, exitcode=report.exitcode,
+            held_requests=report.held_requests, restarts=report.restarts, max_restarts=report.max_restarts,
+            restart_ms=report.restart_ms, detail=report.out_of_service,
+        ))
 
     async def _abort_held(self, request_id: str) -> bool:
         for loop in self.models.values():

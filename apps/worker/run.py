@@ -34,15 +34,15 @@ from apps.worker.run_record import RunRecord
 from apps.worker.tokenizing import Tokenizing, request_chars
 from apps.worker.tool_grammar import check_composed
 from engine.grammars import GrammarChecker
-from engine.protocol import DeviceFault, Engine, FinishReason, is_device_fault
+from engine.protocol import ENGINE_STOPPED, DeviceFault, Engine, FinishReason, is_device_fault
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("helexa.worker")
 
 
 def poisoned_message(model: str) -> str:
-    return (f"The model '{model}' hit a device fault on this worker and is out of service; "
-            f"reload it (helexa models load {model}).")
+    return (f"The model '{model}' is out of service on this worker after a device fault (or an engine "
+            f"that kept failing); reload it (helexa models load {model}).")
 
 
 @dataclass(slots=True)
@@ -161,6 +161,12 @@ async def run_request(model: ServedModel, request: wire.GenerateRequest, replier
     if error == ErrorCode.DEVICE_FAULT:
         await replier.error(503, ErrorCode.MODEL_POISONED, poisoned_message(model.model_id))
         return RunOutcome(record.finished_event(RunStatus.ERROR, finish_reason, error))
+    if error == ENGINE_STOPPED:
+        # The engine core died under this run (`apps.worker.restarts` starts it again): the
+        # requester may go on with the answer on a core that runs (migration).
+        await replier.error(503, ErrorCode.ENGINE_LOST, "The engine serving this request stopped before the answer "
+                                                        "was complete; it is being restarted.")
+        return RunOutcome(record.finished_event(RunStatus.ERROR, finish_reason, ErrorCode.ENGINE_LOST))
     if error is not None:
         await replier.error(500, ErrorCode.GENERATION_FAILED, "The generation failed on the worker.")
         return RunOutcome(record.finished_event(RunStatus.ERROR, finish_reason, error))

@@ -43,7 +43,8 @@ def test_a_client_that_stops_reading_is_cancelled_not_buffered(system: System, f
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         conn.connect(("127.0.0.1", port))
         try:
-            conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            conn.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n".encode()
+                         + b"Content-Type: application/json\r\n"
                          + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
             head = b""
             while b"\r\n\r\n" not in head:
