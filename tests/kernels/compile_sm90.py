@@ -120,6 +120,19 @@ def record_all() -> list[Recorder]:
                cache.clone(), torch.zeros(2, dtype=i64))
     recorders += r
 
+    m, r = _record("helexa_kernels.rotary_kv_store.triton", "rotary_kv_store_fwd_kernel")
+    q = torch.zeros(2, 32, 128, dtype=bf)
+    m.rotary_kv_store(q, q[:, :8], q[:, 8:16], torch.zeros(2, dtype=i64), torch.zeros(8, 128),
+                      cache, cache.clone(), torch.zeros(2, dtype=i64), w[:128], w[:128])
+    q = torch.zeros(2, 16, 256, dtype=bf)  # Qwen3.5's gated attention: (1 + w), partial rotary
+    m.rotary_kv_store(q, q[:, :2], q[:, 2:4], torch.zeros(2, dtype=i64), torch.zeros(8, 64),
+                      torch.zeros(4, 16, 2, 256, dtype=bf), torch.zeros(4, 16, 2, 256, dtype=bf),
+                      torch.zeros(2, dtype=i64), w[:256], w[:256], unit_offset=True)
+    m.rotary_kv_store(q, q[:, :2], q[:, 2:4], torch.zeros(2, dtype=i64), torch.zeros(8, 256),
+                      torch.zeros(4, 16, 2, 256, dtype=bf), torch.zeros(4, 16, 2, 256, dtype=bf),
+                      torch.zeros(2, dtype=i64))  # Llama: no norm
+    recorders += r
+
     m, r = _record("helexa_kernels.paged_attention.triton", "paged_attention_fwd_kernel",
                    "paged_attention_split_fwd_kernel", "paged_attention_split_reduce_kernel")
     meta = (torch.tensor([0, 1, 2], dtype=i32), torch.tensor([5, 5], dtype=i32),
