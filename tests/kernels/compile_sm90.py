@@ -144,6 +144,12 @@ def record_all() -> list[Recorder]:
                       torch.zeros(2, dtype=i64))  # Llama: no norm
     recorders += r
 
+    m, r = _record("helexa_kernels.gemv.triton", "gemv_fwd_kernel")
+    for config in m.CONFIGS:
+        m.gemv(torch.zeros(1, 4096, dtype=bf), torch.zeros(6144, 4096, dtype=bf), config)
+    m.gemv(torch.zeros(1, 1100, dtype=bf), torch.zeros(64, 1100, dtype=bf))  # ragged K
+    recorders += r
+
     m, r = _record("helexa_kernels.paged_attention.triton", "paged_attention_fwd_kernel",
                    "paged_attention_split_fwd_kernel", "paged_attention_split_reduce_kernel")
     meta = (torch.tensor([0, 1, 2], dtype=i32), torch.tensor([5, 5], dtype=i32),
