@@ -21,9 +21,10 @@
 # For a shorter loan: GPU_RUN_STAGES picks stages and their order (default "tests engine-8b
 # engine-hybrid kernels engine-0.6b"), KERNELS_ONLY limits the kernel benchmark to some ops
 # (gpu_kernels.py --only, e.g. "gated_delta_rule,paged_attention"), and ENGINE_8B_PEER sets
-# the 8B stage's HF generate levels ("" for none; default 64). E.g., in about 280 s:
-#   GPU_RUN_STAGES="tests engine-8b kernels engine-0.6b engine-hybrid" TOTAL_S=280 TESTS_S=75 \
-#   ENGINE_8B_S=80 ENGINE_8B_PEER="" KERNELS_S=45 KERNELS_ONLY=gated_delta_rule \
+# the 8B stage's HF generate levels ("" for none; default 64). E.g., in at most 285 s (the 8B
+# stage's 115 s give its 64-stream level a 60 s budget to start in):
+#   GPU_RUN_STAGES="tests engine-8b kernels engine-0.6b engine-hybrid" TOTAL_S=285 TESTS_S=80 \
+#   ENGINE_8B_S=115 ENGINE_8B_PEER="" KERNELS_S=45 KERNELS_ONLY=gated_delta_rule \
 #   ENGINE_06B_S=45 ENGINE_HYBRID_S=55 bash bench/gpu_run.sh
 #
 # The GPU image lacks some Python packages: they travel as wheels in .whl/ (Python 3.12,
