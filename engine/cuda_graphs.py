@@ -6,10 +6,10 @@ addresses and shapes, so:
 
 - the step's inputs are copied into static buffers sized for the largest bucket;
 - a batch of n sequences runs the smallest bucket >= n, its extra rows padding: token 0 at
-  position 0, KV slot -1 (the KV store skips it), context length 1 over the first block of
-  its table row (block 0 at first, or one an earlier step left: read only, its result dropped);
-- block tables are `max_blocks_per_seq` wide (max_model_len / block_size); past each
-  sequence's own blocks they hold stale block ids (zero at first), which nothing reads;
+  position 0, KV slot -1 (the KV store skips it), context length 1 over block 0 (read only,
+  its result dropped);
+- block tables are `max_blocks_per_seq` wide (max_model_len / block_size), zero-filled past
+  each sequence's own blocks;
 - only pure decode steps (one query per sequence) replay; prefills and mixed steps, and
   batches larger than the largest bucket, run eagerly;
 - a hybrid model (linear-attention layers, `engine.state_cache.HybridCaches`) reads each row's
@@ -83,26 +83,23 @@ class DecodeBuffers:
 
     def fill(self, inputs: StepInputs, bucket: int, slot_indices: torch.Tensor | None = None) -> None:
         """Copy a pure decode step's n rows in (and a hybrid model's state slots, [n] int32) and
-        pad rows n..bucket (see the module doc): five copies when the batch fills its bucket.
-
-        Block-table columns past a row's own blocks keep what an earlier step left there: every
-        kernel reads a row's blocks only below its seq_len, and every value ever written is a
-        block id of the pool (a padding row reads its column 0, a key it then drops)."""
+        pad rows n..bucket (see the module doc)."""
         meta = inputs.meta
         n, width = meta.num_seqs, meta.block_tables.shape[1]
-        self.input_ids[:n].copy_(inputs.input_ids)
-        self.positions[:n].copy_(inputs.positions)
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
-        self.seq_lens[:n].copy_(meta.seq_lens)
-        self.block_tables[:n, :width].copy_(meta.block_tables)
         if slot_indices is not None:
             self.slot_indices[:n].copy_(slot_indices)
-        if n < bucket:
-            self.input_ids[n:bucket].zero_()
-            self.positions[n:bucket].zero_()
-            self.slot_mapping[n:bucket].fill_(-1)
-            self.seq_lens[n:bucket].fill_(1)
             self.slot_indices[n:bucket].fill_(-1)
+        self.input_ids[:n].copy_(inputs.input_ids)
+        self.input_ids[n:bucket].zero_()
+        self.positions[:n].copy_(inputs.positions)
+        self.positions[n:bucket].zero_()
+        self.slot_mapping[:n].copy_(meta.slot_mapping)
+        self.slot_mapping[n:bucket].fill_(-1)
+        self.seq_lens[:n].copy_(meta.seq_lens)
+        self.seq_lens[n:bucket].fill_(1)
+        self.block_tables[:n, :width].copy_(meta.block_tables)
+        self.block_tables[:n, width:].zero_()
+        self.block_tables[n:bucket].zero_()
 
     def pad(self, bucket: int) -> None:
         """All rows padding: what warm-up and capture run on (writes no KV)."""

@@ -128,9 +128,7 @@ class ModelRunner:
                 block_table=request.block_ids,
                 sample_id=request.request_id if scheduled.sample else None,
             ))
-        # A hybrid model's state slot per sequence, in batch order, travels with the inputs.
-        slots = [s.request.state_slot for s in step.scheduled] if self.is_hybrid else None
-        return build_step_inputs(chunks, self.block_size, self.device, slots)
+        return build_step_inputs(chunks, self.block_size, self.device)
 
     def forward(self, inputs: StepInputs, caches: KVCaches | HybridCaches) -> torch.Tensor:
         """The step's final hidden states: replayed from a decode graph, run by the CPU decode
@@ -151,7 +149,8 @@ class ModelRunner:
         inputs = self.prepare(step)
         caches: KVCaches | HybridCaches = self.kv_caches
         if self.hybrid_caches is not None:  # hybrid: each sequence's state slot, in batch order
-            self.hybrid_caches.slot_indices = inputs.state_slots
+            slots = [s.request.state_slot for s in step.scheduled]
+            self.hybrid_caches.slot_indices = torch.tensor(slots, dtype=torch.int32, device=self.device)
             caches = self.hybrid_caches
         hidden = self.forward(inputs, caches)
         result = StepResult()

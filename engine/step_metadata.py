@@ -59,84 +59,30 @@ class AttentionMetadata:
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
               block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
         """From host lists: each sequence's new-token count, total length and block ids."""
-        fields = _metadata_fields(query_lens, seq_lens, block_tables, block_size)
-        return cls.from_fields(query_lens, seq_lens, upload(fields, device))
-
-    @classmethod
-    def from_fields(cls, query_lens: list[int], seq_lens: list[int],
-                    tensors: list[torch.Tensor]) -> AttentionMetadata:
-        """From the host lengths and `_metadata_fields`' four tensors, on their device."""
-        slot_mapping, query_start_loc, seq_lens_t, block_tables = tensors
+        if not (len(query_lens) == len(seq_lens) == len(block_tables)) or not query_lens:
+            raise ValueError("query_lens, seq_lens and block_tables must be non-empty, same length")
+        slots: list[int] = []
+        for q_len, s_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
+            if not 1 <= q_len <= s_len or len(table) * block_size < s_len:
+                raise ValueError(f"bad sequence: query_len {q_len}, seq_len {s_len}, "
+                                 f"{len(table)} blocks of {block_size}")
+            slots += [table[p // block_size] * block_size + p % block_size
+                      for p in range(s_len - q_len, s_len)]
+        max_blocks = max(len(table) for table in block_tables)
+        padded_tables = [table + [0] * (max_blocks - len(table)) for table in block_tables]
+        cu_seqlens = [0]
+        for q_len in query_lens:
+            cu_seqlens.append(cu_seqlens[-1] + q_len)
         return cls(
-            slot_mapping=slot_mapping,
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens_t,
-            block_tables=block_tables,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(cu_seqlens, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(padded_tables, dtype=torch.int32, device=device),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
             query_lens_host=list(query_lens),
             seq_lens_host=list(seq_lens),
         )
-
-
-# A host list, or a list of equal-length rows, and the dtype its tensor gets.
-HostField = tuple[list[int] | list[list[int]], torch.dtype]
-
-
-def _metadata_fields(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-                     block_size: int) -> list[HostField]:
-    """slot_mapping, query_start_loc, seq_lens and the padded block tables, as host lists."""
-    if not (len(query_lens) == len(seq_lens) == len(block_tables)) or not query_lens:
-        raise ValueError("query_lens, seq_lens and block_tables must be non-empty, same length")
-    slots: list[int] = []
-    for q_len, s_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
-        if not 1 <= q_len <= s_len or len(table) * block_size < s_len:
-            raise ValueError(f"bad sequence: query_len {q_len}, seq_len {s_len}, "
-                             f"{len(table)} blocks of {block_size}")
-        slots += [table[p // block_size] * block_size + p % block_size
-                  for p in range(s_len - q_len, s_len)]
-    max_blocks = max(len(table) for table in block_tables)
-    padded_tables = [table + [0] * (max_blocks - len(table)) for table in block_tables]
-    cu_seqlens = [0]
-    for q_len in query_lens:
-        cu_seqlens.append(cu_seqlens[-1] + q_len)
-    return [(slots, torch.int64), (cu_seqlens, torch.int32), (list(seq_lens), torch.int32),
-            (padded_tables, torch.int32)]
-
-
-def upload(fields: list[HostField], device: torch.device | str) -> list[torch.Tensor]:
-    """The host lists as tensors on `device`, in order.
-
-    On CUDA they travel together, in one copy from pinned memory that the host does not wait
-    for: a tensor built on the device from a list is a synchronous copy of its own (a decode
-    step made six, each a round trip while the device idled). Elsewhere, one tensor each."""
-    if torch.device(device).type != "cuda":
-        return [torch.tensor(values, dtype=dtype, device=device) for values, dtype in fields]
-    packed, views = pack([torch.tensor(values, dtype=dtype) for values, dtype in fields],
-                         pin_memory=True)
-    # The copy is queued on the current stream, before any kernel that reads it; the pinned
-    # block goes back to torch's host cache, which reuses it only once the copy is done.
-    on_device = packed.to(device, non_blocking=True)
-    return [on_device[start:end].view(dtype).view(shape) for start, end, dtype, shape in views]
-
-
-def pack(tensors: list[torch.Tensor], pin_memory: bool = False) -> tuple[
-        torch.Tensor, list[tuple[int, int, torch.dtype, torch.Size]]]:
-    """Host tensors copied into one byte buffer (widest dtypes first, so every one starts at a
-    multiple of its element size), and where each lies: (start, end, dtype, shape) per tensor,
-    in the order given."""
-    order = sorted(range(len(tensors)), key=lambda i: -tensors[i].element_size())
-    starts, offset = {}, 0
-    for i in order:
-        starts[i] = offset
-        offset += tensors[i].numel() * tensors[i].element_size()
-    packed = torch.empty(offset, dtype=torch.uint8, pin_memory=pin_memory)
-    spans = []
-    for i, tensor in enumerate(tensors):
-        start, end = starts[i], starts[i] + tensor.numel() * tensor.element_size()
-        packed[start:end].view(tensor.dtype).view(tensor.shape).copy_(tensor)
-        spans.append((start, end, tensor.dtype, tensor.shape))
-    return packed, spans
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,19 +105,15 @@ class StepInputs:
     # Rows of the hidden states whose logits are sampled (the last new token of a request).
     sample_indices: list[int]
     sample_request_ids: list[str]
-    # A hybrid model's linear-attention state slot per sequence [num_seqs] int32, in batch order.
-    state_slots: torch.Tensor | None = None
 
 
 def build_step_inputs(chunks: list[SequenceChunk], block_size: int,
-                      device: torch.device | str = "cpu",
-                      state_slots: list[int] | None = None) -> StepInputs:
-    """The step's flat inputs and metadata, sequences in the order given (and a hybrid model's
-    state slots, one per chunk), all sent to `device` at once (`upload`)."""
+                      device: torch.device | str = "cpu") -> StepInputs:
+    """The step's flat inputs and metadata, sequences in the order given."""
     query_lens = [len(chunk.token_ids) for chunk in chunks]
     seq_lens = [chunk.start + n for chunk, n in zip(chunks, query_lens, strict=True)]
-    fields = _metadata_fields(query_lens, seq_lens, [chunk.block_table for chunk in chunks],
-                              block_size)
+    meta = AttentionMetadata.build(query_lens, seq_lens, [chunk.block_table for chunk in chunks],
+                                   block_size, device)
     input_ids: list[int] = []
     positions: list[int] = []
     sample_indices: list[int] = []
@@ -182,17 +124,10 @@ def build_step_inputs(chunks: list[SequenceChunk], block_size: int,
         if chunk.sample_id is not None:
             sample_indices.append(len(input_ids) - 1)
             sample_request_ids.append(chunk.sample_id)
-    fields += [(input_ids, torch.int64), (positions, torch.int64)]
-    if state_slots is not None:
-        if len(state_slots) != len(chunks):
-            raise ValueError("one state slot per sequence")
-        fields.append((state_slots, torch.int32))
-    tensors = upload(fields, device)
     return StepInputs(
-        input_ids=tensors[4],
-        positions=tensors[5],
-        meta=AttentionMetadata.from_fields(query_lens, seq_lens, tensors[:4]),
+        input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        meta=meta,
         sample_indices=sample_indices,
         sample_request_ids=sample_request_ids,
-        state_slots=tensors[6] if state_slots is not None else None,
     )
