@@ -13,7 +13,7 @@
 #   gpu_engine.json        the Qwen3-0.6B shape at 1, 64 and 256 streams, graphs on and off at 1
 #
 # The stages run in that order, most wanted first, each under its own time limit in seconds
-# (tests 95, 8B 140, hybrid 100, kernels 60, 0.6B 60; TESTS_S, ENGINE_8B_S, ENGINE_HYBRID_S,
+# (tests 140, 8B 110, hybrid 70, kernels 100, 0.6B 50, sized from the H200 runs of 2026-12-04; TESTS_S, ENGINE_8B_S, ENGINE_HYBRID_S,
 # KERNELS_S, ENGINE_06B_S override them), all under TOTAL_S (470): a stage that would start
 # with less than 20 s left is skipped, and one cut off still leaves the JSON of what it finished
 # (the benchmarks rewrite theirs after each level or case).
@@ -141,15 +141,15 @@ export PY KERNELS_ONLY ENGINE_8B_PEER=${ENGINE_8B_PEER-64}
 
 run_stage() {  # NAME
     case $1 in
-    tests) stage tests "${TESTS_S:-95}" bash -c gpu_tests ;;
-    engine-8b) stage engine-8b "${ENGINE_8B_S:-140}" bash -c 'engine 55 --models qwen3-8b \
+    tests) stage tests "${TESTS_S:-140}" bash -c gpu_tests ;;
+    engine-8b) stage engine-8b "${ENGINE_8B_S:-110}" bash -c 'engine 55 --models qwen3-8b \
         --concurrency 1,64 --runs 2 --new 256 --peer-concurrency "$ENGINE_8B_PEER" \
         --graphs-off "" --profile 1,64 --out "$OUT/gpu_engine_8b.json"' ;;
-    engine-hybrid) stage engine-hybrid "${ENGINE_HYBRID_S:-100}" bash -c 'engine 40 \
+    engine-hybrid) stage engine-hybrid "${ENGINE_HYBRID_S:-70}" bash -c 'engine 40 \
         --models qwen3.5-hybrid --concurrency 1,64 --runs 1 --new 128 --peer-concurrency 64 \
         --graphs-off "" --profile 1,64 --out "$OUT/gpu_engine_hybrid.json"' ;;
-    kernels) stage kernels "${KERNELS_S:-60}" bash -c kernels ;;
-    engine-0.6b) stage engine-0.6b "${ENGINE_06B_S:-60}" bash -c 'engine 25 --models qwen3-0.6b \
+    kernels) stage kernels "${KERNELS_S:-100}" bash -c kernels ;;
+    engine-0.6b) stage engine-0.6b "${ENGINE_06B_S:-50}" bash -c 'engine 25 --models qwen3-0.6b \
         --concurrency 1,64,256 --runs 2 --new 256 --peer-concurrency "" --graphs-off 1 \
         --profile 1,64 --out "$OUT/gpu_engine.json"' ;;
     *) echo "== $1: no such stage"; status=1 ;;
