@@ -190,17 +190,24 @@ async def test_a_full_events_stream_refuses_new_events_drops_none_and_the_refuse
         js = nc.jetstream()
         info = await js.stream_info(topology.EVENTS_STREAM)
         assert info.config.discard == DiscardPolicy.NEW
-        first = [KINDS["admission"](f"filler {i} " + "x" * 900) for i in range(200)]
+        # Filled with large events, then the room they leave with small ones, a little smaller than the
+        # late one (more than the few bytes a timestamp's length varies by), which then cannot fit.
+        large = [KINDS["admission"](f"filler {i:03} " + "x" * 900) for i in range(200)]
+        small = [KINDS["admission"]("small") for _ in range(200)]
         stored = 0
-        for event in first:
-            try:
-                await publish.publish(js, topology.event_subject("admission", "m"), wire.encode(event), event.event_id)
-                stored += 1
-            except publish.StreamFull:
-                break
-        assert 0 < stored < len(first)
+        for events in (large, small):
+            for event in events:
+                try:
+                    await publish.publish(js, topology.event_subject("admission", "m"), wire.encode(event),
+                                          event.event_id)
+                    stored += 1
+                except publish.StreamFull:
+                    break
+            else:
+                pytest.fail("EVENTS took every filler")
+        assert stored > 0
         full: list[bool] = []
-        late = KINDS["admission"]("refused while full")
+        late = KINDS["admission"]("refused while full, and longer than the small fillers")
         assert not await publish.publish_event(js, late, on_full=lambda: full.append(True))
         assert full and publish.held_events() == 1
         state = (await js.stream_info(topology.EVENTS_STREAM)).state

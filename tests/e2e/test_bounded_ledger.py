@@ -95,8 +95,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory, postgres: PostgresServer) ->
             apps.append(worker)
             ports = [free_port(), free_port()]
             # The first gateway does not wait for ids it does not know (the guessing test tries
-            # thousands of fresh-looking ids that exist nowhere); the second waits as by default.
-            gateways = [AppProcess(["gateway"], {**env, "HELEXA_PORT": str(ports[0]), "HELEXA_RESPONSE_WAIT_S": "0"}),
+            # thousands of fresh-looking ids that exist nowhere, all from one address, so its request
+            # rate is not limited: the ids must hold by themselves); the second waits as by default.
+            gateways = [AppProcess(["gateway"], {**env, "HELEXA_PORT": str(ports[0]), "HELEXA_RESPONSE_WAIT_S": "0",
+                                                 "HELEXA_RATE_LIMIT_RPS": "0"}),
                         AppProcess(["gateway"], {**env, "HELEXA_PORT": str(ports[1])})]
             apps += gateways
             for app in apps:
