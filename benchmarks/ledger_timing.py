@@ -21,7 +21,7 @@ from pathlib import Path
 
 import asyncpg
 
-from bench.openai_load import LoadResult
+from benchmarks.openai_load import LoadResult
 
 RECORDED_WAIT_S = 30.0  # the recorder writes runs a moment after they finish
 

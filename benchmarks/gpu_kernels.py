@@ -10,8 +10,8 @@ on buffers they keep updating; only the first, checked call starts from the fres
 Sizes are those of Qwen3-8B (attention, MLP, norms), Qwen3-Next-80B-A3B's linear-attention
 layers (16 key / 32 value heads of 128, conv width 4) and Qwen3-30B-A3B's experts (128, top 8).
 
-    python bench/gpu_kernels.py --out bench/results/gpu_kernels-h200.json   # on the GPU
-    python bench/gpu_kernels.py --tiny                                       # CPU smoke test
+    python -m benchmarks.gpu_kernels --out benchmarks/results/gpu_kernels-h200.json   # on the GPU
+    python -m benchmarks.gpu_kernels --tiny                                       # CPU smoke test
 
 --tiny shrinks every shape so the whole set runs in seconds in Triton's CPU interpreter.
 """
@@ -35,12 +35,9 @@ if not torch.cuda.is_available():
     # Before triton is imported: without a GPU the kernels only run in the interpreter.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import triton  # noqa: E402
 
-from bench.report import emit  # noqa: E402
-
+from benchmarks.lib import emit  # noqa: E402
 from engine import ops  # noqa: E402
 from engine.attention import AttentionMetadata  # noqa: E402
 from engine.attention import paged_attention as engine_paged_attention  # noqa: E402
@@ -204,7 +201,7 @@ def _gdn_case(name: str, lens: list[int], s: dict, dev: str, dt: torch.dtype) ->
     if fla is not None:
         baselines["fla_core"] = fla
     if chunked:  # the other chunked form (`triton` is wy with V tiles of 64, which beat 32 on the H200:
-        # 0.78 against 0.88 ms, bench/results/gpu-h200-2026-12-04-third)
+        # 0.78 against 0.88 ms, benchmarks/results/gpu-h200-2026-12-04-third)
         baselines["triton_inline"] = lambda: (op(q, k, v, g, beta, s_t, idx, cu, form="inline"),
                                               s_t[idx])
     return Case("gated_delta_rule", name, {"seqs": _summary(lens), "k_heads": hk, "v_heads": hv,
@@ -239,7 +236,7 @@ def gdn_cases(s: dict, dev: str, dt: torch.dtype) -> list[Case]:
 
 def _fla(q, k, v, g, beta, state, idx, cu, chunked: bool) -> Callable[[], Outputs] | None:
     """fla-core's chunked (prefill) or fused recurrent (decode) gated delta rule on the same
-    problem, when it is installed (GPU only; bench/gpu_run.sh says how to carry the wheel)."""
+    problem, when it is installed (GPU only; benchmarks/gpu_run.sh says how to carry the wheel)."""
     if not torch.cuda.is_available():
         return None
     try:

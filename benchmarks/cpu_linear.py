@@ -8,24 +8,20 @@ each with its own weight, so weights stream from memory as in a real step) and t
 a busy moment hits each alike; each figure is the median of `--runs` passes. A method's speed is
 withheld if its outputs differ from `F.linear`'s beyond the dtype's rounding.
 
-    python bench/cpu_linear.py --out bench/results/cpu_linear-cpu.json
+    python -m benchmarks.cpu_linear --out benchmarks/results/cpu_linear-cpu.json
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.machine import machine_info
-from bench.report import emit
+from benchmarks.lib import emit, machine_info
 from engine import cpu_linear
 from engine.default_model import default_model_path
 from engine.dtype_choice import linear_shapes

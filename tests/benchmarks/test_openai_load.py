@@ -1,8 +1,8 @@
-"""The CPU peer benchmark's client clocks (bench/openai_load.py), on hand-made timings."""
+"""The CPU peer benchmark's client clocks (benchmarks/openai_load.py), on hand-made timings."""
 
 from __future__ import annotations
 
-from bench.openai_load import LoadResult, StreamTiming
+from benchmarks.openai_load import LoadResult, StreamTiming
 
 
 def _burst() -> LoadResult:

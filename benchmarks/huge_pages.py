@@ -4,7 +4,7 @@ glibc 2.35+ madvises every block malloc takes from the system as MADV_HUGEPAGE w
 starts with `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, which puts the weights, the KV cache and the
 activations on 2 MiB pages where the kernel's transparent huge pages are `madvise` or `always`.
 A decode step streams every weight once, so fewer TLB misses could speed it up; measured here,
-it does not (bench/results/huge_pages-cpu-epyc.json: 31.1 against 31.2 ms over 8 pairs), and the
+it does not (benchmarks/results/huge_pages-cpu-epyc.json: 31.1 against 31.2 ms over 8 pairs), and the
 engine does not ask for it.
 
 Each sample is a fresh process (glibc reads `GLIBC_TUNABLES` only as a process starts): the
@@ -12,7 +12,7 @@ default model in bf16, 16 sequences past their 128-token prefill, the median of 
 Processes alternate, with the tunable and without, `--pairs` times; the JSON has every process's
 median, the median of each side, and how much of the process's memory sat on huge pages.
 
-    python bench/huge_pages.py --out bench/results/huge_pages-cpu.json
+    python -m benchmarks.huge_pages --out benchmarks/results/huge_pages-cpu.json
 """
 
 from __future__ import annotations
@@ -25,20 +25,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks.lib import emit, machine_info
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.machine import machine_info  # noqa: E402
-from bench.report import emit  # noqa: E402
-
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
 
 STEPS = 40
 SAMPLE = f"""
-import json, statistics, sys
+import json, statistics
 import torch
-sys.path.insert(0, {str(ROOT)!r})
-from bench.step_profile import decode_core, time_steps
+from benchmarks.step_profile import decode_core, time_steps
 from engine.default_model import default_model_path
 from engine.loader import load_checkpoint
 core = decode_core(load_checkpoint(default_model_path(), dtype=torch.bfloat16))
@@ -57,7 +53,9 @@ def sample(huge_pages: bool) -> dict:
         tunables.append(HUGE_PAGES_TUNABLE)
     if tunables:
         env["GLIBC_TUNABLES"] = ":".join(tunables)
-    done = subprocess.run([sys.executable, "-c", SAMPLE], env=env, capture_output=True, text=True, check=True)
+    # `-c` puts the working directory first on sys.path: the repository root, for `benchmarks`.
+    done = subprocess.run([sys.executable, "-c", SAMPLE], cwd=ROOT, env=env, capture_output=True, text=True,
+                          check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

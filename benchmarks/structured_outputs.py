@@ -16,7 +16,7 @@ Correctness gate, before any speed is printed: the free rows of the mixed batch 
 greedy tokens as in the free batch, and constrained requests run to completion produce JSON that
 validates against their schema (jsonschema), for the digits schema and a nested object schema.
 
-    python bench/structured_outputs.py --runs 3 --out bench/results/structured_outputs-cpu.json
+    python -m benchmarks.structured_outputs --runs 3 --out benchmarks/results/structured_outputs-cpu.json
 """
 
 from __future__ import annotations
@@ -34,14 +34,13 @@ from pathlib import Path
 import jsonschema
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine.core import EngineCore  # noqa: E402
-from engine.default_model import default_model_path  # noqa: E402
-from engine.engine_config import EngineConfig  # noqa: E402
-from engine.loader import Checkpoint, load_checkpoint  # noqa: E402
-from engine.protocol import EngineRequest, FinishReason, SamplingParams, StructuredOutput  # noqa: E402
-from engine.protocol import StructuredOutputKind as Kind  # noqa: E402
+from benchmarks.lib import emit
+from engine.core import EngineCore
+from engine.default_model import default_model_path
+from engine.engine_config import EngineConfig
+from engine.loader import Checkpoint, load_checkpoint
+from engine.protocol import EngineRequest, FinishReason, SamplingParams, StructuredOutput
+from engine.protocol import StructuredOutputKind as Kind
 
 DIGITS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 40, "maxItems": 40}
 PERSON = {
@@ -231,10 +230,7 @@ def main() -> None:
                         "constrained_vs_free_step": round(medians["constrained"]["step_ms"] / free, 3),
                         "mixed_masks_vs_free_step": round(medians["mixed"]["mask_ms"] / free, 4),
                         "constrained_masks_vs_free_step": round(medians["constrained"]["mask_ms"] / free, 4)}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

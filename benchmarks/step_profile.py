@@ -6,30 +6,26 @@ measured on its own:
   - mixed: 15 sequences decoding (contexts 40..600 tokens, all different) beside one 512-token
     prefill chunk, the normal step under chunked prefill;
   - cached prompts: 16 prompts of 128 tokens whose first 112 the prefix cache holds (the first
-    step of bench/cpu_peers.py's burst after its warm-up), attended as the engine does and, for
+    step of benchmarks/cpu_peers.py's burst after its warm-up), attended as the engine does and, for
     comparison, with every chunk through SDPA (engine.attention_plan.KERNEL_CHUNK_KEYS = 0).
 For each: the median wall time of a step (no profiler), then one profiled pass whose ATen time is
 split into categories (matmul, attention, gathers, norms, ...) and what is left of the step's wall
 time outside any ATen op: Python and dispatch ("host").
 
-    python bench/step_profile.py --out bench/results/step_profile-cpu.json
+    python -m benchmarks.step_profile --out benchmarks/results/step_profile-cpu.json
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.machine import machine_info
-from bench.report import emit
+from benchmarks.lib import emit, machine_info
 from engine import attention_plan
 from engine.core import EngineCore
 from engine.default_model import default_model_path

@@ -5,10 +5,10 @@
 #   gpu_run.log            everything below, as it ran (each stage's start, limit, status, time)
 #   gpu_tests.log          the GPU tests: full-size kernels, decode CUDA graphs, the Triton engine
 #                          path against the PyTorch one, the split-K decode and the chunk routing
-#   gpu_engine_8b.json     bench/gpu_engine.py, Qwen3-8B shape: batch 1 against the weight-read
+#   gpu_engine_8b.json     benchmarks/gpu_engine.py, Qwen3-8B shape: batch 1 against the weight-read
 #                          roofline, 64 streams (tok/s, decode tok/s, TTFT p50), a step profile
 #   gpu_engine_hybrid.json the Qwen3.5-style hybrid, 1 and 64 streams, against HF generate
-#   gpu_kernels.json       bench/gpu_kernels.py: each Triton kernel against its reference,
+#   gpu_kernels.json       benchmarks/gpu_kernels.py: each Triton kernel against its reference,
 #                          fla-core and the engine's SDPA path
 #   gpu_engine.json        the Qwen3-0.6B shape at 1, 64 and 256 streams, graphs on and off at 1
 #
@@ -25,7 +25,7 @@
 # stage's 115 s give its 64-stream level a 60 s budget to start in):
 #   GPU_RUN_STAGES="tests engine-8b kernels engine-0.6b engine-hybrid" TOTAL_S=285 TESTS_S=80 \
 #   ENGINE_8B_S=115 ENGINE_8B_PEER="" KERNELS_S=45 KERNELS_ONLY=gated_delta_rule \
-#   ENGINE_06B_S=45 ENGINE_HYBRID_S=55 bash bench/gpu_run.sh
+#   ENGINE_06B_S=45 ENGINE_HYBRID_S=55 bash benchmarks/gpu_run.sh
 #
 # The GPU image lacks some Python packages: they travel as wheels in .whl/ (Python 3.12,
 # manylinux x86-64; their own dependencies are in the image). Once, in the repository root of
@@ -37,13 +37,13 @@
 #     msgspec==0.23.0 asyncpg==0.32.0 llguidance==1.9.1 gguf==0.19.0 fla-core==0.6.0
 # (llguidance 1.9.1 ships manylinux_2_31 only, hence that platform; about 8 MB in all.)
 # Then run it with carry [".whl"] and a timeout_s of 560:
-#   bash bench/gpu_run.sh
+#   bash benchmarks/gpu_run.sh
 # Exit status: 2 when it cannot start (no GPU, a wheel missing), 1 if any stage failed, else 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 START=$SECONDS
 TOTAL_S=${TOTAL_S:-470}
-OUT=${OUT:-bench/results/gpu_run}
+OUT=${OUT:-benchmarks/results/gpu_run}
 export OUT PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 
@@ -111,7 +111,7 @@ engine() {  # RESERVE_S, gpu_engine.py arguments
     shift
     budget=$((STAGE_LIMIT - reserve))
     ((budget < STAGE_LIMIT / 2)) && budget=$((STAGE_LIMIT / 2))
-    $PY bench/gpu_engine.py --budget-s "$budget" "$@" >/dev/null
+    $PY -m benchmarks.gpu_engine --budget-s "$budget" "$@" >/dev/null
 }
 
 # The GPU-only tests (full-size kernels, CUDA graphs, the CUDA sampler), and the ones that run
@@ -132,7 +132,7 @@ gpu_tests() {
 }
 
 kernels() {
-    PYTHONPATH="$PYTHONPATH:/tmp/site-fla" $PY bench/gpu_kernels.py --runs 3 --iters 10 \
+    PYTHONPATH="$PYTHONPATH:/tmp/site-fla" $PY -m benchmarks.gpu_kernels --runs 3 --iters 10 \
         --only "${KERNELS_ONLY:-}" --out "$OUT/gpu_kernels.json" >/dev/null
 }
 

@@ -1,11 +1,11 @@
-"""The client-floor server (bench/null_server.py), through the OpenAI SDK as the benchmark uses it."""
+"""The client-floor server (benchmarks/null_server.py), through the OpenAI SDK as the benchmark uses it."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.openai_load import OpenAILoad
-from bench.servers import free_port, null_server
+from benchmarks.openai_load import OpenAILoad
+from benchmarks.servers import free_port, null_server
 
 
 @pytest.mark.parametrize("burst", [1, 3])

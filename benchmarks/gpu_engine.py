@@ -10,7 +10,7 @@ downloaded), copies those weights into our engine's model, and in this one proce
 - batch-1 decode as a fraction of the HBM roofline: the weight bytes a decode step reads, over
   the bandwidth of a large device-to-device copy measured here, against our batch-1 ITL;
 - our engine with decode CUDA graphs on and off (--graphs-off levels);
-- with --profile, where a decode step's time goes at those levels (bench/gpu_step_profile.py:
+- with --profile, where a decode step's time goes at those levels (benchmarks/gpu_step_profile.py:
   kernel time against the step's wall time, launches, syncs, the top kernels and host ops).
 
 Each level also reports decode tokens/s (concurrency / ITL: the rate while every request
@@ -29,8 +29,8 @@ Every figure is the median over --runs timed runs, after one untimed warm-up run
 concurrency level, so a run cut off by a time limit still leaves what it finished. --budget-s
 skips what would start past the budget.
 
-    python bench/gpu_engine.py --runs 3                   # on the GPU
-    python bench/gpu_engine.py --tiny                     # CPU smoke test (seconds)
+    python -m benchmarks.gpu_engine --runs 3                   # on the GPU
+    python -m benchmarks.gpu_engine --tiny                     # CPU smoke test (seconds)
 """
 
 from __future__ import annotations
@@ -49,20 +49,18 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.core_timing import RunResult, StepClock, run_greedy  # noqa: E402
-from bench.gpu_step_profile import profile_decode_steps  # noqa: E402
-from engine import ops  # noqa: E402
-from engine.config import ModelConfig  # noqa: E402
-from engine.core import EngineCore  # noqa: E402
-from engine.engine_config import EngineConfig  # noqa: E402
-from engine.loader import Checkpoint, _empty_model, load_weights  # noqa: E402
-from engine.model_runner import allocate_caches  # noqa: E402
-from engine.models import MODEL_REGISTRY  # noqa: E402
-from engine.state_cache import HybridCaches  # noqa: E402
-from engine.step_metadata import AttentionMetadata  # noqa: E402
-from engine.tokenizer import Tokenizer  # noqa: E402
+from benchmarks.core_timing import RunResult, StepClock, run_greedy
+from benchmarks.gpu_step_profile import profile_decode_steps
+from engine import ops
+from engine.config import ModelConfig
+from engine.core import EngineCore
+from engine.engine_config import EngineConfig
+from engine.loader import Checkpoint, _empty_model, load_weights
+from engine.model_runner import allocate_caches
+from engine.models import MODEL_REGISTRY
+from engine.state_cache import HybridCaches
+from engine.step_metadata import AttentionMetadata
+from engine.tokenizer import Tokenizer
 
 # Real sizes (HF config.json of each model); the weights are random.
 QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,

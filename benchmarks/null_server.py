@@ -1,6 +1,6 @@
 """A server with nothing behind it, for what the benchmark's client alone costs a burst's TTFT.
 
-It speaks just enough of the OpenAI API for bench/openai_load.py (`GET /v1/models`, streamed
+It speaks just enough of the OpenAI API for benchmarks/openai_load.py (`GET /v1/models`, streamed
 `POST /v1/completions` over kept-alive HTTP/1.1) and does no work: it holds each request until
 `--burst` of them are in, then writes every held stream its first text chunk at the same instant,
 as an engine's step hands out a burst's first tokens all at once; the rest of each stream follows
@@ -9,7 +9,7 @@ socket, is what the client (the OpenAI SDK on one event loop) and the sockets ta
 first tokens that are ready together to the sixteen callers: a floor no server can go under on
 this machine with this client.
 
-    python bench/null_server.py --port 8123 --model M --burst 16
+    python -m benchmarks.null_server --port 8123 --model M --burst 16
 """
 
 from __future__ import annotations

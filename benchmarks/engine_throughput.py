@@ -12,7 +12,7 @@ Single-stream decode (one request alone) is measured for ours and for transforme
 Correctness gate: every contender's tokens are compared with transformers batch 1 (the reference).
 A contender whose outputs disagree on a request's first CHECK_TOKENS tokens gets no speed printed.
 
-    python bench/engine_throughput.py --runs 3 --out bench/results/engine_throughput-cpu.json
+    python -m benchmarks.engine_throughput --runs 3 --out benchmarks/results/engine_throughput-cpu.json
 """
 
 from __future__ import annotations
@@ -22,21 +22,18 @@ import os
 import platform
 import random
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.core_timing import RunResult, StepClock, run_greedy  # noqa: E402
-from bench.report import emit  # noqa: E402
-from engine.core import EngineCore  # noqa: E402
-from engine.default_model import default_model_path  # noqa: E402
-from engine.engine_config import EngineConfig  # noqa: E402
-from engine.loader import Checkpoint, load_checkpoint  # noqa: E402
+from benchmarks.core_timing import RunResult, StepClock, run_greedy
+from benchmarks.lib import emit
+from engine.core import EngineCore
+from engine.default_model import default_model_path
+from engine.engine_config import EngineConfig
+from engine.loader import Checkpoint, load_checkpoint
 
 NUM_REQUESTS = 32
 CHECK_TOKENS = 16

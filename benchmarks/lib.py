@@ -1,15 +1,15 @@
-"""What machine a benchmark ran on: CPU model, the flags that decide matmul speed, cores, load.
+"""What the benchmark scripts share: the machine a run was on, and how a result is handed over.
 
-Every CPU benchmark records this beside its numbers, because bf16 is 3× slower than fp32 on one
-x86 part and 6× faster on another; the load average says whether others shared the cores.
+Every CPU benchmark records the machine beside its numbers, because bf16 is 3× slower than fp32 on
+one x86 part and 6× faster on another; the load average says whether others shared the cores.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import platform
-
-import torch
+from pathlib import Path
 
 from engine.dtype_cache import cpu_identity
 
@@ -19,6 +19,10 @@ MATMUL_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_
 
 
 def machine_info() -> dict:
+    """CPU model, the flags that decide matmul speed, cores, torch threads, load."""
+    # Imported here: the service benchmarks (recorder_throughput) use `emit` without torch.
+    import torch
+
     cpu = cpu_identity()
     flags = set(cpu["flags"])
     load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
@@ -34,3 +38,12 @@ def machine_info() -> dict:
         "python": platform.python_version(),
         "load_average_1m": round(load[0], 2),
     }
+
+
+def emit(report: dict, out: Path | None) -> None:
+    """The JSON printed, and written to `out` when given."""
+    text = json.dumps(report, indent=2)
+    print(text)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")

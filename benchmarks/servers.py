@@ -15,10 +15,11 @@ from pathlib import Path
 
 import httpx
 
-from bench.process_cpu import helexa_role, whole_server
+from benchmarks.process_cpu import helexa_role, whole_server
 from engine.default_model import DEFAULT_MODEL_ID
 
 ROOT = Path(__file__).resolve().parents[1]
+WORK = ROOT / "benchmarks" / ".work"  # servers' logs, git-ignored
 READY_TIMEOUT_S = 1200.0  # vLLM compiles its model at start: minutes on 2 busy cores
 
 
@@ -34,7 +35,7 @@ class Server:
                  cpu_role: Callable[[list[str]], str] = whole_server) -> None:
         self.name, self.command, self.env, self.port = name, command, env, port
         self.log_path, self.details, self.model = log_path, details, model
-        # What part of the server a process is, from its command line (bench.process_cpu).
+        # What part of the server a process is, from its command line (benchmarks.process_cpu).
         self.cpu_role = cpu_role
         # Whether clients may send their next request on a connection this server kept open.
         self.keep_alive = keep_alive
@@ -96,7 +97,7 @@ class Server:
 
 def vllm_server(python: Path, model_dir: Path, dtype: str, port: int) -> Server:
     if not python.is_file():
-        raise FileNotFoundError(f"{python} is missing: run bash bench/setup_vllm_cpu.sh first")
+        raise FileNotFoundError(f"{python} is missing: run bash benchmarks/setup_vllm_cpu.sh first")
     cpus = os.cpu_count() or 1
     env = {**os.environ,
            # What vLLM CPU needs on a small machine: threads on every core, none reserved for
@@ -106,7 +107,7 @@ def vllm_server(python: Path, model_dir: Path, dtype: str, port: int) -> Server:
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--served-model-name", DEFAULT_MODEL_ID, "--dtype", dtype, "--host", "127.0.0.1",
                "--port", str(port), "--max-num-seqs", "16"]
-    return Server(f"vllm-{dtype}", command, env, port, ROOT / "bench" / ".work" / f"vllm-{dtype}.log",
+    return Server(f"vllm-{dtype}", command, env, port, WORK / f"vllm-{dtype}.log",
                   details=lambda: {"dtype": dtype})
 
 
@@ -126,15 +127,15 @@ def helexa_up(scratch: Path, port: int, dtype: str) -> Server:
         return {"dtype": entry["dtype"], "dtype_reason": "measured",
                 "dtype_timings_ms": entry["timings_ms"], "dtype_measure_s": entry["measure_s"]}
 
-    return Server("helexa-up", command, env, port, ROOT / "bench" / ".work" / "helexa-up.log", details,
+    return Server("helexa-up", command, env, port, WORK / "helexa-up.log", details,
                   cpu_role=helexa_role)
 
 
 def llamacpp_server(server_bin: Path, gguf: Path, port: int) -> Server:
-    """llama.cpp's own server (bench/setup_llamacpp.sh) on the BF16 GGUF: continuous batching over
+    """llama.cpp's own server (benchmarks/setup_llamacpp.sh) on the BF16 GGUF: continuous batching over
     16 slots, one thread per core."""
     if not server_bin.is_file() or not gguf.is_file():
-        raise FileNotFoundError(f"{server_bin} or {gguf} is missing: run bash bench/setup_llamacpp.sh first")
+        raise FileNotFoundError(f"{server_bin} or {gguf} is missing: run bash benchmarks/setup_llamacpp.sh first")
     cpus = os.cpu_count() or 1
     env = {**os.environ, "LD_LIBRARY_PATH": str(server_bin.parent)}
     # 16 slots of 256 tokens: each holds a 128-token prompt and its 64 new tokens.
@@ -143,12 +144,12 @@ def llamacpp_server(server_bin: Path, gguf: Path, port: int) -> Server:
     # keep_alive=False: this build drops a kept-alive connection after ~20 requests without an
     # answer to the one just sent on it (the OpenAI SDK's 20th request failed, every run); a new
     # connection per request (`Connection: close`, as curl does) never fails.
-    return Server("llama.cpp", command, env, port, ROOT / "bench" / ".work" / "llamacpp.log",
+    return Server("llama.cpp", command, env, port, WORK / "llamacpp.log",
                   details=lambda: {"dtype": "bfloat16 (GGUF BF16)"}, keep_alive=False)
 
 
 def null_server(port: int, burst: int) -> Server:
-    """bench/null_server.py: no work behind the API, every first token of a `burst` at once."""
-    command = [sys.executable, str(ROOT / "bench" / "null_server.py"), "--port", str(port),
+    """benchmarks/null_server.py: no work behind the API, every first token of a `burst` at once."""
+    command = [sys.executable, "-m", "benchmarks.null_server", "--port", str(port),
                "--model", DEFAULT_MODEL_ID, "--burst", str(burst)]
-    return Server(f"null-{burst}", command, dict(os.environ), port, ROOT / "bench" / ".work" / "null-server.log")
+    return Server(f"null-{burst}", command, dict(os.environ), port, WORK / "null-server.log")

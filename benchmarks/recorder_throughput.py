@@ -22,8 +22,8 @@ and last thirds, the least-squares growth per second and a verdict: "no growth" 
 by less than one batch over the whole load. Gate: every client request succeeded, and `events` and
 the successful `runs` match the stream and the clients exactly once the load stops.
 
-    python bench/recorder_throughput.py --runs 3 --out bench/results/recorder_throughput-cpu.json
-    python bench/recorder_throughput.py --lag-only --lag-seconds 60    # just the lag
+    python -m benchmarks.recorder_throughput --runs 3 --out benchmarks/results/recorder_throughput-cpu.json
+    python -m benchmarks.recorder_throughput --lag-only --lag-seconds 60    # just the lag
 """
 
 from __future__ import annotations
@@ -45,13 +45,12 @@ from pathlib import Path
 
 import asyncpg
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from apps.bus.topology import EVENTS_STREAM, RECORDER_CONSUMER, BusLimits, connect, ensure_topology, event_subject  # noqa: E402
-from apps.bus.wire import AdmissionDecided, Event, RunFinished, RunStarted, encode, event_kind  # noqa: E402
-from apps.embedded.nats_server import NatsServer, nats_server_binary  # noqa: E402
-from apps.embedded.postgres import PostgresServer  # noqa: E402
-from apps.recorder.migrate import migrate  # noqa: E402
+from apps.bus.topology import EVENTS_STREAM, RECORDER_CONSUMER, BusLimits, connect, ensure_topology, event_subject
+from apps.bus.wire import AdmissionDecided, Event, RunFinished, RunStarted, encode, event_kind
+from apps.embedded.nats_server import NatsServer, nats_server_binary
+from apps.embedded.postgres import PostgresServer
+from apps.recorder.migrate import migrate
+from benchmarks.lib import emit
 
 REPO = Path(__file__).resolve().parents[1]
 POLL_S = 0.02
@@ -386,10 +385,7 @@ async def main_async(args: argparse.Namespace) -> int:
         },  # fmt: skip
         "results": results,
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(report, Path(args.out) if args.out else None)
     return 1 if failed else 0
 
 
