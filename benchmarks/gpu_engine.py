@@ -55,7 +55,7 @@ from engine import ops
 from engine.config import ModelConfig
 from engine.core import EngineCore
 from engine.engine_config import EngineConfig
-from engine.loader import Checkpoint, _empty_model, load_weights
+from engine.loader import Checkpoint, empty_model, load_weights
 from engine.model_runner import allocate_caches
 from engine.models import MODEL_REGISTRY
 from engine.state_cache import HybridCaches
@@ -119,7 +119,7 @@ def build_pair(family: str, sizes: dict, device: str,
     raw = hf_config.to_dict()
     raw["model_type"] = family  # our registry's name for the family
     config = ModelConfig.from_hf_config(raw)
-    ours = _empty_model(config, dtype, device)
+    ours = empty_model(config, dtype, device)
     load_weights(ours, hf.state_dict().items())
     # Only the stop ids matter to the engine (requests here ignore eos); a one-token vocabulary
     # keeps the tokenizer real without a download.
