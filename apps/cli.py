@@ -27,11 +27,11 @@ def _run_until_signal(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
             loop.add_signal_handler(sig, stop.set)
         await main(stop)
 
-    with asyncio.Runner(loop_factory=_event_loop_factory()) as loop_runner:
+    with asyncio.Runner(loop_factory=event_loop_factory()) as loop_runner:
         loop_runner.run(runner())
 
 
-def _event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     """The apps' event loop (HELEXA_EVENT_LOOP): uvloop by default, asyncio's own on request. On
     one machine the gateway, the worker and NATS take the first token's way back on the cores the
     engine's next step runs on; with uvloop (and httptools in the gateway) their part of it at 16

@@ -20,7 +20,7 @@ On one machine the engine is the work and everything else serves it: the servers
 the recorder run at a lower CPU priority (`HELEXA_SERVICES_NICE`, 5; 0 keeps them level), the
 worker, whose engine process does the generating, at ours. The engine's threads split each op of
 a step between the cores; a service that takes a core from one of them mid-op stalls the other at
-the op's end. Measured on 2 cores at 16 streams (`bench/cpu_peers.py`): 297 against 268 tok/s,
+the op's end. Measured on 2 cores at 16 streams (`benchmarks/cpu_peers.py`): 297 against 268 tok/s,
 inter-token 44 against 51 ms.
 """
 

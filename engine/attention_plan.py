@@ -21,7 +21,7 @@ its causal prefix: a prompt whose first blocks the prefix cache holds is such a 
 (its last block is recomputed), and for a handful of queries the gather, the mask and the SDPA
 call cost more than the attention (16 such prompts of 128 tokens, each 16 new queries: 480 SDPA
 calls and 960 gathers a step, which took 317 ms that way against 253 ms through the kernel,
-bench/results/step_profile-cpu-cached-prompts.json).
+benchmarks/results/step_profile-cpu-cached-prompts.json).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ BUCKET_COST_KEYS = 256
 # measured on an H200 at Qwen3-8B's heads, 2 chunks of 512 queries over 4096 keys took 0.61 ms
 # in the Triton kernel against 0.28 through SDPA (its query tiles walk the whole context one
 # after the other, one program per multiprocessor), while whole prefills, which attend over their
-# own new keys, took 0.37 against 0.42 (bench/gpu_kernels.py, paged_attention chunked/prefill).
+# own new keys, took 0.37 against 0.42 (benchmarks/gpu_kernels.py, paged_attention chunked/prefill).
 # A few queries (a prompt whose first blocks the prefix cache held) stay in the kernel: for them
 # the gather and the mask cost more than the attention.
 SDPA_CHUNK_MIN_QUERIES = 128

@@ -347,22 +347,22 @@ def build_core(config: EngineConfig) -> EngineCore:
 
 
 @dataclasses.dataclass(slots=True)
-class _Arrivals:
+class Arrivals:
     """What the core loop knows of requests still on their way."""
 
     more_arriving: bool = False  # the last request taken said others are right behind it
 
 
-def _take(core: EngineCore, conn: Connection, outputs: list[EngineOutput], arrivals: _Arrivals) -> bool:
+def _take(core: EngineCore, conn: Connection, outputs: list[EngineOutput], arrivals: Arrivals) -> bool:
     """Apply the next message from the client, its outputs into `outputs`; False: shut down."""
-    handled = _handle(core, conn.recv_bytes(), arrivals)
+    handled = handle_message(core, conn.recv_bytes(), arrivals)
     if handled is None:
         return False
     outputs.extend(handled)
     return True
 
 
-def _handle(core: EngineCore, data: bytes, arrivals: _Arrivals) -> list[EngineOutput] | None:
+def handle_message(core: EngineCore, data: bytes, arrivals: Arrivals) -> list[EngineOutput] | None:
     """Apply one message from the client; None means shut down. A message that cannot be
     applied fails the request it carries, never the process."""
     try:
@@ -413,7 +413,7 @@ def run_core_process(conn: Connection, config: EngineConfig) -> None:
         return
     send(CoreReady(info=core.info))
     window_s = config.batch_window_ms / 1000.0
-    arrivals = _Arrivals()
+    arrivals = Arrivals()
     while True:
         outputs: list[EngineOutput] = []
         try:

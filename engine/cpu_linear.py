@@ -5,14 +5,14 @@ for the rows at hand.
 (bf16 through oneDNN) or runs a plain sgemm (fp32). For a decode step, which streams every weight
 once for a handful of rows, that reorder is most of the work: on a 2-core AVX-512 machine the
 default model's projections at 16 rows run 1.65× faster from prepacked weights in bf16 and 2.2×
-in fp32, 1.5-1.6× at one row, about the same at 512 (`bench/cpu_linear.py`,
-bench/results/cpu_linear-cpu-epyc.json). So the model runner packs every linear layer's weight
+in fp32, 1.5-1.6× at one row, about the same at 512 (`benchmarks/cpu_linear.py`,
+benchmarks/results/archive/cpu_linear-cpu-epyc.json). So the model runner packs every linear layer's weight
 once, at build (`prepack_model`), and `engine.models.layers.Linear` runs from the packed copy.
 
 In bf16, on CPUs with AVX512-BF16 and with the C++ kernels picked (`engine.ops`), a second copy
 is packed for `helexa_kernels/linear/cpu_bf16_linear.cpp`, which streams the weight at close to memory
 speed for a few rows where oneDNN does not (on a Zen 4, the default model's projections: 1 row
-12.9 against 18.7 ms, 16 rows 17.0 against 20.8, bench/results/cpu_linear-cpu-epyc-kernel.json).
+12.9 against 18.7 ms, 16 rows 17.0 against 20.8, benchmarks/results/cpu_linear-cpu-epyc-kernel.json).
 Where the CPU has AMX-BF16 the kernel multiplies on AMX tiles, from the same packed copy (on a
 2-core Sapphire Rapids, the projections at 16 rows: 11.4 against oneDNN's 14.6 ms,
 `helexa_kernels/linear/amx_bf16.h`). Up to how many rows it runs is measured once per machine

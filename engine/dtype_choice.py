@@ -188,7 +188,7 @@ def measure(model_config: ModelConfig, cases: list[Scenario],
     shapes, lm_head = linear_shapes(model_config)
     if candidates is None:
         candidates = supported_candidates()
-    candidates = tuple(d for d in candidates if d == "float32" or _worth_measuring(d, shapes, cases[1].rows))
+    candidates = tuple(d for d in candidates if d == "float32" or worth_measuring(d, shapes, cases[1].rows))
     budget = max(case.budget for case in cases)
     stack, _ = _prefix(shapes, budget)
     head_rows = min(lm_head[1], max(budget // lm_head[0], 1))
@@ -239,7 +239,7 @@ class _Weights:
         return (stack * stack_scale + head * head_scale) * 1000
 
 
-def _worth_measuring(dtype: str, shapes: list[tuple[int, int]], rows: int) -> bool:
+def worth_measuring(dtype: str, shapes: list[tuple[int, int]], rows: int) -> bool:
     """Whether `dtype` beats fp32 on one layer's shapes at `rows`: the fastest of `REPEATS`
     passes each, interleaved as in `measure` (the worker measures while the services beside it
     start: timed one dtype after the other, a busy moment can fall on one dtype's passes alone)."""

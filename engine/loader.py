@@ -67,7 +67,7 @@ def weights_bytes(path: str | Path) -> int:
 def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str) -> Checkpoint:
     gguf = GGUFFile(path)
     config = read_config(gguf)
-    model = _empty_model(config, dtype, device)
+    model = empty_model(config, dtype, device)
     load_weights(model, gguf_import.iter_weights(gguf, config, dtype))
     return Checkpoint(config=config, model=model.eval(), tokenizer=read_tokenizer(gguf), model_id=model_id(path))
 
@@ -77,12 +77,12 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device | str) -> 
     if raw_config.get("quantization_config"):
         raise NotImplementedError(f"{path}: quantized HF checkpoints are not supported")
     config = ModelConfig.from_hf_config(raw_config)
-    model = _empty_model(config, dtype, device)
-    load_weights(model, _iter_safetensors(path, dtype))
+    model = empty_model(config, dtype, device)
+    load_weights(model, iter_safetensors(path, dtype))
     return Checkpoint(config=config, model=model.eval(), tokenizer=Tokenizer.from_hf_dir(path), model_id=model_id(path))
 
 
-def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+def empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
     """Build on the meta device (no random init of weights about to be overwritten), then
     allocate uninitialized storage; load_weights checks that every parameter gets filled."""
     model_class = get_model_class(config.model_type)
@@ -105,7 +105,7 @@ def _safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def _iter_safetensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     for file in _safetensors_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():

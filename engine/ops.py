@@ -93,7 +93,7 @@ def _use_cpu_kernels(x: torch.Tensor) -> bool:
 
 
 @cache
-def _triton(op: str) -> ModuleType:
+def triton_module(op: str) -> ModuleType:
     return importlib.import_module(f"helexa_kernels.{op}.triton")
 
 
@@ -103,7 +103,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
              unit_offset: bool = False) -> torch.Tensor:
     """x / rms(x) * w over the last dim in fp32 (`unit_offset`: (1 + w), Qwen3-Next/3.5)."""
     if _use_triton(x):
-        return _triton("rmsnorm").rms_norm(x, weight, eps, unit_offset=unit_offset)
+        return triton_module("rmsnorm").rms_norm(x, weight, eps, unit_offset=unit_offset)
     if _use_cpu_kernels(x):
         return cpu_kernels.rms_norm(x, weight, eps, unit_offset)
     return torch_ops.rms_norm(x, weight, eps, unit_offset=unit_offset)
@@ -113,7 +113,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
                        *, unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """residual += x in place; returns (rms_norm(residual), residual)."""
     if _use_triton(x):
-        return _triton("rmsnorm").fused_add_rms_norm(x, residual, weight, eps,
+        return triton_module("rmsnorm").fused_add_rms_norm(x, residual, weight, eps,
                                                      unit_offset=unit_offset)
     if _use_cpu_kernels(x):
         return cpu_kernels.fused_add_rms_norm(x, residual, weight, eps, unit_offset)
@@ -124,7 +124,7 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
                    eps: float) -> torch.Tensor:
     """rms_norm(x) * w * silu(z): the norm after the gated delta rule."""
     if _use_triton(x):
-        return _triton("rmsnorm").gated_rms_norm(x, z, weight, eps)
+        return triton_module("rmsnorm").gated_rms_norm(x, z, weight, eps)
     return rmsnorm_naive.naive_gated_rms_norm(x, z, weight, eps)
 
 
@@ -139,7 +139,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     The Triton path and the CPU kernel rotate in place: callers pass fresh projections they own.
     """
     if _use_triton(q):
-        return _triton("rotary").rotary(q, k, positions, cos_sin_cache, inplace=True)
+        return triton_module("rotary").rotary(q, k, positions, cos_sin_cache, inplace=True)
     if _use_cpu_kernels(q) and cos_sin_cache.dtype == torch.float32:
         return cpu_kernels.rotary_(q, k, positions, cos_sin_cache)
     return torch_ops.rotary(q, k, step_tables or torch_ops.rotary_tables(positions, cos_sin_cache))
@@ -159,7 +159,7 @@ def kv_store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """New k/v [T, HK, D] into the paged caches at their flat slots; slot -1 is skipped
     (CUDA-graph padding rows use it)."""
     if _use_triton(k):
-        _triton("kv_store").kv_store(k, v, k_cache, v_cache, slot_mapping)
+        triton_module("kv_store").kv_store(k, v, k_cache, v_cache, slot_mapping)
     elif _use_cpu_kernels(k):
         cpu_kernels.kv_store(k, v, k_cache, v_cache, slot_mapping)
     else:
@@ -174,7 +174,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if _use_triton(q):
         # Long chunk continuations go through SDPA, faster there (engine.attention_plan).
         chunks = sdpa_chunks(meta, k_cache.shape[1], q.device)
-        out = _triton("paged_attention").paged_attention(
+        out = triton_module("paged_attention").paged_attention(
             q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
             meta.max_query_len, scale, max_seq_len=meta.max_seq_len,
             skip_chunks_from=attention_plan.SDPA_CHUNK_MIN_QUERIES if chunks else 0)
@@ -207,7 +207,7 @@ def rotary_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     The Triton path runs the first three as one kernel (`helexa_kernels.rotary_kv_store`), in
     place on q and k; the other paths run `rms_norm`, `rotary` and `attention` as before."""
     if _use_triton(q):
-        _triton("rotary_kv_store").rotary_kv_store(
+        triton_module("rotary_kv_store").rotary_kv_store(
             q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping,
             q_norm_weight, k_norm_weight, eps, unit_offset=unit_offset)
         return paged_attention(q, k_cache, v_cache, meta, scale)
@@ -223,7 +223,7 @@ def rotary_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[..., 2d] -> [..., d]: silu(gate) * up."""
     if _use_triton(x):
-        return _triton("silu_and_mul").silu_and_mul(x)
+        return triton_module("silu_and_mul").silu_and_mul(x)
     if _use_cpu_kernels(x):
         return cpu_kernels.silu_and_mul(x)
     return torch_ops.silu_and_mul(x)
@@ -233,7 +233,7 @@ def moe_routing(router_logits: torch.Tensor, top_k: int,
                 renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over all experts, top k, optional renormalization -> (weights fp32, ids int32)."""
     if _use_triton(router_logits):
-        return _triton("moe").moe_routing(router_logits, top_k, renormalize)
+        return triton_module("moe").moe_routing(router_logits, top_k, renormalize)
     return moe_naive.naive_moe_routing(router_logits, top_k, renormalize)
 
 
@@ -241,7 +241,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """The routed experts' SiLU-gated MLPs, weighted and summed per token: [T, H] -> [T, H]."""
     if _use_triton(hidden):
-        return _triton("moe").fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+        return triton_module("moe").fused_moe(hidden, w13, w2, topk_weights, topk_ids)
     return moe_naive.naive_fused_moe(hidden, w13, w2, topk_weights, topk_ids)
 
 
@@ -251,7 +251,7 @@ def gdn_gating(A_log: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(g, beta) fp32 [T, HV]: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)."""
     if _use_triton(a):
-        return _triton("gdn_gating").gdn_gating(A_log, a, b, dt_bias)
+        return triton_module("gdn_gating").gdn_gating(A_log, a, b, dt_bias)
     return gating_naive.naive_gdn_gating(A_log, a, b, dt_bias)
 
 
@@ -260,7 +260,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   cu_seqlens: torch.Tensor, *, has_initial_state: torch.Tensor | None = None,
                   activation: str | None = "silu") -> torch.Tensor:
     """Varlen prefill of the depthwise causal conv; each sequence's conv_state slot updated."""
-    fn = _triton("causal_conv1d").causal_conv1d if _use_triton(x) else conv_naive.naive_causal_conv1d
+    fn = triton_module("causal_conv1d").causal_conv1d if _use_triton(x) else conv_naive.naive_causal_conv1d
     return fn(x, weight, bias, conv_state, state_indices, cu_seqlens,
               has_initial_state=has_initial_state, activation=activation)
 
@@ -269,7 +269,7 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                          conv_state: torch.Tensor, state_indices: torch.Tensor, *,
                          activation: str | None = "silu") -> torch.Tensor:
     """Decode: one token per sequence through its conv_state slot."""
-    fn = (_triton("causal_conv1d").causal_conv1d_update if _use_triton(x)
+    fn = (triton_module("causal_conv1d").causal_conv1d_update if _use_triton(x)
           else conv_naive.naive_causal_conv1d_update)
     return fn(x, weight, bias, conv_state, state_indices, activation=activation)
 
@@ -280,7 +280,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                            use_qk_l2norm: bool = True,
                            has_initial_state: torch.Tensor | None = None) -> torch.Tensor:
     """Prefill form of the gated delta rule (see helexa_kernels/gated_delta_rule/naive.py)."""
-    fn = (_triton("gated_delta_rule").chunk_gated_delta_rule if _use_triton(v)
+    fn = (triton_module("gated_delta_rule").chunk_gated_delta_rule if _use_triton(v)
           else gdr_naive.naive_chunk_gated_delta_rule)
     return fn(q, k, v, g, beta, state, state_indices, cu_seqlens, scale=scale,
               use_qk_l2norm=use_qk_l2norm, has_initial_state=has_initial_state)
@@ -292,7 +292,7 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                *, scale: float | None = None, use_qk_l2norm: bool = True,
                                has_initial_state: torch.Tensor | None = None) -> torch.Tensor:
     """Token-by-token form (decode: cu_seqlens None, one token per sequence)."""
-    fn = (_triton("gated_delta_rule").recurrent_gated_delta_rule if _use_triton(v)
+    fn = (triton_module("gated_delta_rule").recurrent_gated_delta_rule if _use_triton(v)
           else gdr_naive.naive_recurrent_gated_delta_rule)
     return fn(q, k, v, g, beta, state, state_indices, cu_seqlens, scale=scale,
               use_qk_l2norm=use_qk_l2norm, has_initial_state=has_initial_state)

@@ -275,7 +275,7 @@ def _sample_random(logits: torch.Tensor, options: list[SamplingParams],
             logits[overflowed] = 0.0  # any finite row: the draw is replaced by the caller
     probs = logits.softmax(-1)
     # Truncation as one probability cut-off per row (0: keep all), applied in a single pass.
-    cutoff = _top_k_top_p_cutoff(probs, [o.top_k for o in options], [o.top_p for o in options])
+    cutoff = top_k_top_p_cutoff(probs, [o.top_k for o in options], [o.top_p for o in options])
     min_p_rows = [i for i, o in enumerate(options) if o.min_p > 0.0]
     if min_p_rows:
         # The max-prob token survives top-k/top-p and ratios ignore renormalization, so order is moot.
@@ -286,7 +286,7 @@ def _sample_random(logits: torch.Tensor, options: list[SamplingParams],
     return _inverse_cdf(probs, uniforms), overflowed
 
 
-def _top_k_top_p_cutoff(probs: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
+def top_k_top_p_cutoff(probs: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
     """[rows] the smallest probability kept by top-k, then top-p over the top-k renormalized set.
 
     Works on the few hundred most likely tokens first and widens only the rows whose kept set may

@@ -104,7 +104,7 @@ class StructuredOutputs:
         # Compiles started, and requests served by one already done or under way (CoreStats).
         self.compiles = 0
         self.cache_hits = 0
-        # Seconds spent in llguidance computing masks, all steps together (bench/structured_outputs.py).
+        # Seconds spent in llguidance computing masks, all steps together (benchmarks/structured_outputs.py).
         self.fill_s = 0.0
 
     @property

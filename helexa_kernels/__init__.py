@@ -7,5 +7,5 @@ for varlen batches), as the engine lays out a step.
 
 Tests (tests/kernels) run each Triton op against its reference in Triton's CPU interpreter on
 tiny shapes, compile every kernel for sm_90 with Triton's bundled ptxas, and run full shapes
-on a GPU when there is one; bench/gpu_kernels.py times them against the references.
+on a GPU when there is one; benchmarks/gpu_kernels.py times them against the references.
 """

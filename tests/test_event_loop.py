@@ -7,12 +7,12 @@ import asyncio
 import pytest
 import uvloop
 
-from apps.cli import _event_loop_factory
+from apps.cli import event_loop_factory
 
 
 def test_apps_run_on_uvloop_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HELEXA_EVENT_LOOP", raising=False)
-    factory = _event_loop_factory()
+    factory = event_loop_factory()
     assert factory is not None
     with asyncio.Runner(loop_factory=factory) as runner:
         assert isinstance(runner.get_loop(), uvloop.Loop)
@@ -20,10 +20,10 @@ def test_apps_run_on_uvloop_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_asyncio_own_loop_on_request(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HELEXA_EVENT_LOOP", "asyncio")
-    assert _event_loop_factory() is None
+    assert event_loop_factory() is None
 
 
 def test_an_unknown_loop_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HELEXA_EVENT_LOOP", "trio")
     with pytest.raises(ValueError, match="HELEXA_EVENT_LOOP"):
-        _event_loop_factory()
+        event_loop_factory()

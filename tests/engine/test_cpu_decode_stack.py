@@ -13,7 +13,7 @@ import torch
 from engine import cpu_linear, ops
 from engine.config import ModelConfig
 from engine.cpu_decode_stack import CpuDecodeStack
-from engine.loader import Checkpoint, _empty_model
+from engine.loader import Checkpoint, empty_model
 from engine.model_runner import allocate_kv_caches
 from engine.protocol import EngineRequest
 from engine.step_metadata import KVCaches, SequenceChunk, build_step_inputs
@@ -34,7 +34,7 @@ MODELS = {
 
 def random_model(kind: str, dtype: torch.dtype) -> torch.nn.Module:
     config = ModelConfig.from_hf_config(SIZES | MODELS[kind])
-    model = _empty_model(config, dtype, "cpu")
+    model = empty_model(config, dtype, "cpu")
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from apps.settings import WorkerSettings
-from bench.core_timing import run_greedy
+from benchmarks.core_timing import run_greedy
 from engine import cpu_linear, dtype_choice, ops
 from engine.config import ModelConfig
 from engine.core import EngineCore, build_core
@@ -167,7 +167,7 @@ def test_a_busy_moment_during_the_screen_falls_on_both_dtypes(monkeypatch: pytes
     passes = iter([0.010, 0.005, 0.010, 1.0, 1.0, 1.0, 0.010, 0.005])
     monkeypatch.setattr(dtype_choice, "_clock", lambda fn: next(passes))
     shapes, _ = linear_shapes(TINY)
-    assert dtype_choice._worth_measuring("bfloat16", shapes, 4)
+    assert dtype_choice.worth_measuring("bfloat16", shapes, 4)
 
 
 def test_a_measurement_is_remembered_per_machine_and_shapes(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -88,10 +88,10 @@ def test_checkpoint_pieces_must_fill_each_parameter_once(model_dir: Path,
                                                          checkpoint: Checkpoint) -> None:
     """Per-expert tensors fill slices of one stacked parameter, fused ones are split: a missing
     or surplus piece is an error, never a silently uninitialized (or overwritten) parameter."""
-    from engine.loader import _iter_safetensors, load_weights  # noqa: PLC0415
+    from engine.loader import iter_safetensors, load_weights  # noqa: PLC0415
 
     model = checkpoint.model
-    weights = list(_iter_safetensors(model_dir, torch.float32))
+    weights = list(iter_safetensors(model_dir, torch.float32))
     has_experts = checkpoint.config.model_type != "qwen3_5"
     piece = ".experts.3.down_proj" if has_experts else "linear_attn.in_proj_a"
     name, tensor = next((n, t) for n, t in weights if piece in n)

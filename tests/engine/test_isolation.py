@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.core import EngineCore, _Arrivals, _handle
+from engine.core import EngineCore, Arrivals, handle_message
 from engine.engine_config import EngineConfig
 from engine.loader import Checkpoint
 from engine.protocol import (
@@ -208,10 +208,10 @@ def test_an_invalid_message_fails_its_request_not_the_core(smollm2: Checkpoint) 
     raw = encode_message(AddRequest(EngineRequest("hot", [1, 2, 3], SamplingParams(max_tokens=4, temperature=2.0))))
     # What a client with no bounds could send: a temperature past the protocol's bound.
     raw = raw.replace(encode_message(2.0), encode_message(9.0))
-    (out,) = _handle(core, raw, _Arrivals())
+    (out,) = handle_message(core, raw, Arrivals())
     assert (out.request_id, out.finish_reason) == ("hot", FinishReason.ERROR)
     assert "temperature" in out.error and not core.has_work()
-    assert _handle(core, b"\xc1", _Arrivals()) == []
+    assert handle_message(core, b"\xc1", Arrivals()) == []
 
 
 @pytest.mark.parametrize("exc", [

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.loader import _empty_model, load_weights, packed_targets
+from engine.loader import empty_model, load_weights, packed_targets
 from engine.models.layers import PackedLinear
 from tests.engine.hybrid_models import _config
 
@@ -32,7 +32,7 @@ def _hf_config(model_type: str):
 def _our_model(model_type: str) -> nn.Module:
     raw = _hf_config(model_type).to_dict()
     raw["model_type"] = model_type
-    return _empty_model(ModelConfig.from_hf_config(raw), torch.float32, "cpu")
+    return empty_model(ModelConfig.from_hf_config(raw), torch.float32, "cpu")
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5"])

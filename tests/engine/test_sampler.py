@@ -13,7 +13,7 @@ from engine.sampler import (
     NO_FINITE_LOGITS,
     Sampler,
     SamplingRow,
-    _top_k_top_p_cutoff,
+    top_k_top_p_cutoff,
     make_generator,
     seeded_uniform,
 )
@@ -237,7 +237,7 @@ def test_cutoff_matches_naive_sort(vocab: int, config: dict[str, object]) -> Non
     logits[2, :50] = 2.0  # ties straddling the top-k boundary are kept together
     opts = options(**config)
     probs = logits.softmax(-1)
-    cutoff = _top_k_top_p_cutoff(probs, [opts.top_k] * 4, [opts.top_p] * 4)
+    cutoff = top_k_top_p_cutoff(probs, [opts.top_k] * 4, [opts.top_p] * 4)
     for i in range(4):
         assert torch.equal(probs[i] >= cutoff[i], allowed_mask(logits[i], opts)), f"row {i}"
 

@@ -120,10 +120,10 @@ def test_importing_the_engine_does_not_import_triton() -> None:
 
 
 def test_the_torch_path_never_touches_triton_on_cpu() -> None:
-    ops._triton.cache_clear()
+    ops.triton_module.cache_clear()
     model = _tiny_model("qwen3", "cpu")
     _run(model)
-    assert ops._triton.cache_info().currsize == 0
+    assert ops.triton_module.cache_info().currsize == 0
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
@@ -150,11 +150,11 @@ def test_triton_path_matches_torch_path(model_type: str) -> None:
     ops.use_backend("torch")
     torch_logits, torch_tokens = _run(model)
     ops.use_backend("triton")
-    ops._triton.cache_clear()
+    ops.triton_module.cache_clear()
     triton_logits, triton_tokens = _run(model)
     # The four ops the dense models route (norms, the attention prologue: q/k norms, rotary
     # and the KV store in one kernel; silu_and_mul, attention) each loaded its Triton module.
-    assert ops._triton.cache_info().currsize == 4
+    assert ops.triton_module.cache_info().currsize == 4
     assert_close(triton_logits, torch_logits, 1e-4, "logits")
     assert triton_tokens == torch_tokens
 
@@ -207,9 +207,9 @@ def test_triton_path_matches_torch_path_for_hybrids(model_type: str, tmp_path) -
     ops.use_backend("torch")
     torch_logits, torch_tokens = _run(model)
     ops.use_backend("triton")
-    ops._triton.cache_clear()
+    ops.triton_module.cache_clear()
     triton_logits, triton_tokens = _run(model)
-    loaded = ops._triton.cache_info().currsize
+    loaded = ops.triton_module.cache_info().currsize
     # norms, the attention prologue, attention, silu_and_mul, conv, gating, the delta rule
     # (and MoE for qwen3_next)
     assert loaded >= 7, f"only {loaded} Triton op modules were used"

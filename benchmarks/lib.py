@@ -1,0 +1,49 @@
+"""What the benchmark scripts share: the machine a run was on, and how a result is handed over.
+
+Every CPU benchmark records the machine beside its numbers, because bf16 is 3× slower than fp32 on
+one x86 part and 6× faster on another; the load average says whether others shared the cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+
+from engine.dtype_cache import cpu_identity
+
+# The instruction sets that change which dtype is fastest for a linear layer.
+MATMUL_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "avx_vnni",
+                "amx_tile", "amx_bf16", "amx_int8", "amx_fp16")
+
+
+def machine_info() -> dict:
+    """CPU model, the flags that decide matmul speed, cores, torch threads, load."""
+    # Imported here: the service benchmarks (recorder_throughput) use `emit` without torch.
+    import torch
+
+    cpu = cpu_identity()
+    flags = set(cpu["flags"])
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
+    return {
+        "cpu_model": cpu["model"] or platform.processor() or platform.machine(),
+        "cpu_family": cpu["family"], "cpu_model_number": cpu["model_number"],
+        "cpu_flags": [flag for flag in MATMUL_FLAGS if flag in flags],
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "load_average_1m": round(load[0], 2),
+    }
+
+
+def emit(report: dict, out: Path | None) -> None:
+    """The JSON printed, and written to `out` when given."""
+    text = json.dumps(report, indent=2)
+    print(text)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
