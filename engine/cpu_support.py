@@ -20,8 +20,8 @@ import platform
 
 import torch
 
-from engine.dtype_cache import cpu_identity
 from engine.protocol import EngineRefused
+from helexa_kernels.machine import cpu_identity
 
 # Tests only: dtypes to report unsupported whatever the CPU can do.
 FORCE_UNSUPPORTED_ENV = "HELEXA_TEST_UNSUPPORTED_DTYPES"

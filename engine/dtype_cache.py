@@ -16,29 +16,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from helexa_kernels.machine import cache_dir, cpu_identity
+
 CACHE_FILE = "dtype-choice.json"
 
 
 def default_cache_path() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "helexa" / CACHE_FILE
-
-
-def cpu_identity() -> dict[str, Any]:
-    """The CPU's model name, family and model numbers and instruction-set flags (from
-    /proc/cpuinfo; empty off Linux). Virtual machines often name every part alike ("AMD EPYC"):
-    the family and model numbers still tell them apart."""
-    fields: dict[str, str] = {}
-    path = Path("/proc/cpuinfo")
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            if not line.strip():
-                break  # the first processor is enough: they are all alike
-            key, _, value = line.partition(":")
-            fields[key.strip()] = value.strip()
-    return {"model": fields.get("model name", ""), "family": fields.get("cpu family", ""),
-            "model_number": fields.get("model", ""), "flags": sorted(fields.get("flags", "").split()),
-            "cpus": os.cpu_count()}
+    return cache_dir() / CACHE_FILE
 
 
 def cache_key(*parts: Any) -> str:

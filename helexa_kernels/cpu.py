@@ -50,8 +50,8 @@ from pathlib import Path
 
 import torch
 
-from engine.dtype_cache import cpu_identity, default_cache_path
 from helexa_kernels.build_lock import Holder, build_lock
+from helexa_kernels.machine import cache_dir, cpu_identity
 
 log = logging.getLogger("helexa.engine")
 
@@ -106,7 +106,7 @@ def build_directory() -> Path:
                            "sources": [source.read_text() for source in (*SOURCES, *HEADERS)]},
                           sort_keys=True)
     digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
-    return default_cache_path().parent / "kernels" / f"cpu-{digest}"
+    return cache_dir() / "kernels" / f"cpu-{digest}"
 
 
 def build_estimate() -> str:
