@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.machine import machine_info
 from bench.step_profile import decode_core
-from engine.default_model import default_model_path
-from engine.loader import load_checkpoint
+from engine.loading.default_model import default_model_path
+from engine.loading.loader import load_checkpoint
 from engine.models.layers import GatedMLP
 
 

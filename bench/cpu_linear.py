@@ -26,10 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.machine import machine_info
 from bench.report import emit
-from engine import cpu_linear
-from engine.default_model import default_model_path
-from engine.dtype_choice import linear_shapes
-from engine.loader import read_model_config
+from engine.cpu import cpu_linear
+from engine.cpu.dtype_choice import linear_shapes
+from engine.loading.default_model import default_model_path
+from engine.loading.loader import read_model_config
 from helexa_kernels import cpu as cpu_kernels
 
 ROWS = (1, 16, 64, 512)

@@ -21,7 +21,7 @@ Beside each server's 16-stream figures: the CPU milliseconds per request that ea
 and the benchmark's own client spent on those runs (bench/process_cpu.py; helexa's by part:
 gateway, worker, engine, NATS, PostgreSQL, recorder), which the host's drifting speed moves far
 less than a latency.
-Every figure is a median over runs. Correctness gate (engine.greedy_agreement): every generated
+Every figure is a median over runs. Correctness gate (tests.engine.greedy_agreement): every generated
 token is scored by our fp32 model after the system's own prefix; a system outside the bound gets
 no speed printed.
 
@@ -48,14 +48,14 @@ from bench.core_timing import run_greedy
 from bench.export_hf import export_hf_dir
 from bench.ledger_timing import breakdown, database_url
 from bench.machine import machine_info
-from bench.report import emit
 from bench.openai_load import LoadResult, OpenAILoad
 from bench.process_cpu import ProcessCPU
+from bench.report import emit
 from bench.servers import Server, free_port, helexa_up, llamacpp_server, null_server, vllm_server
-from engine.core import EngineCore
-from engine.default_model import DEFAULT_MODEL_ID, default_model_path
-from engine.greedy_agreement import Agreement, argmax_gaps
-from engine.loader import Checkpoint, load_checkpoint
+from engine.core.engine_core import EngineCore
+from engine.loading.default_model import DEFAULT_MODEL_ID, default_model_path
+from engine.loading.loader import Checkpoint, load_checkpoint
+from tests.engine.greedy_agreement import Agreement, argmax_gaps
 
 HERE = Path(__file__).resolve().parent
 NUM_PROMPTS, PROMPT_TOKENS, MAX_TOKENS = 16, 128, 64

@@ -33,10 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.core_timing import RunResult, StepClock, run_greedy  # noqa: E402
 from bench.report import emit  # noqa: E402
-from engine.core import EngineCore  # noqa: E402
-from engine.default_model import default_model_path  # noqa: E402
-from engine.engine_config import EngineConfig  # noqa: E402
-from engine.loader import Checkpoint, load_checkpoint  # noqa: E402
+from engine.core.engine_core import EngineCore  # noqa: E402
+from engine.frontend.engine_config import EngineConfig  # noqa: E402
+from engine.loading.default_model import default_model_path  # noqa: E402
+from engine.loading.loader import Checkpoint, load_checkpoint  # noqa: E402
 
 NUM_REQUESTS = 32
 CHECK_TOKENS = 16

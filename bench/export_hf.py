@@ -18,9 +18,9 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import gguf_import
-from engine.default_model import default_model_path
-from engine.gguf_file import GGUFFile, read_config, read_tokenizer
+from engine.loading import gguf_import
+from engine.loading.default_model import default_model_path
+from engine.loading.gguf_file import GGUFFile, read_config, read_tokenizer
 
 
 def export_hf_dir(gguf_path: Path, out: Path) -> Path:

@@ -53,16 +53,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.core_timing import RunResult, StepClock, run_greedy  # noqa: E402
 from bench.gpu_step_profile import profile_decode_steps  # noqa: E402
-from engine import ops  # noqa: E402
-from engine.config import ModelConfig  # noqa: E402
-from engine.core import EngineCore  # noqa: E402
-from engine.engine_config import EngineConfig  # noqa: E402
-from engine.loader import Checkpoint, _empty_model, load_weights  # noqa: E402
-from engine.model_runner import allocate_caches  # noqa: E402
+from engine.core.engine_core import EngineCore  # noqa: E402
+from engine.frontend.engine_config import EngineConfig  # noqa: E402
+from engine.frontend.tokenizer import Tokenizer  # noqa: E402
+from engine.loading.loader import Checkpoint, _empty_model, load_weights  # noqa: E402
+from engine.loading.model_config import ModelConfig  # noqa: E402
 from engine.models import MODEL_REGISTRY  # noqa: E402
-from engine.state_cache import HybridCaches  # noqa: E402
-from engine.step_metadata import AttentionMetadata  # noqa: E402
-from engine.tokenizer import Tokenizer  # noqa: E402
+from engine.runner import ops  # noqa: E402
+from engine.runner.model_runner import allocate_caches  # noqa: E402
+from engine.runner.state_cache import HybridCaches  # noqa: E402
+from engine.runner.step_metadata import AttentionMetadata  # noqa: E402
 
 # Real sizes (HF config.json of each model); the weights are random.
 QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
@@ -333,7 +333,7 @@ def bench_model(name: str, family: str, sizes: dict, args: argparse.Namespace, d
             continue
         prompts = random_prompts(c, args.prompt, vocab, seed=c)
         core = make_core(checkpoint, device, c, args.prompt, args.new, graphs)
-        # cuBLAS against the Triton one-row product per weight shape (engine.gpu_linear)
+        # cuBLAS against the Triton one-row product per weight shape (engine.runner.gpu_linear)
         entry.setdefault("batch1_gemv", core.runner.gemv_choices)
         ours[c] = summarize(timed(lambda: run_ours(core, prompts, args.new, device), args.runs),
                             args.new)

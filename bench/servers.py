@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 
 from bench.process_cpu import helexa_role, whole_server
-from engine.default_model import DEFAULT_MODEL_ID
+from engine.loading.default_model import DEFAULT_MODEL_ID
 
 ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 1200.0  # vLLM compiles its model at start: minutes on 2 busy cores

@@ -36,12 +36,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.core import EngineCore  # noqa: E402
-from engine.default_model import default_model_path  # noqa: E402
-from engine.engine_config import EngineConfig  # noqa: E402
-from engine.loader import Checkpoint, load_checkpoint  # noqa: E402
-from engine.protocol import EngineRequest, FinishReason, SamplingParams, StructuredOutput  # noqa: E402
-from engine.protocol import StructuredOutputKind as Kind  # noqa: E402
+from engine.core.engine_core import EngineCore  # noqa: E402
+from engine.frontend.engine_config import EngineConfig  # noqa: E402
+from engine.frontend.protocol import EngineRequest, FinishReason, SamplingParams, StructuredOutput  # noqa: E402
+from engine.frontend.protocol import StructuredOutputKind as Kind  # noqa: E402
+from engine.loading.default_model import default_model_path  # noqa: E402
+from engine.loading.loader import Checkpoint, load_checkpoint  # noqa: E402
 
 DIGITS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 40, "maxItems": 40}
 PERSON = {
