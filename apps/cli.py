@@ -102,7 +102,7 @@ def cmd_worker(args: argparse.Namespace) -> None:
     from apps.settings import WorkerSettings, bus_limits, catalogue_file
     from apps.worker.loading import open_model
     from apps.worker.process import EXIT_BUS_LOST, EXIT_REFUSED, BusConnectionLost, WorkerProcess
-    from engine.protocol import EngineRefused
+    from engine.frontend.protocol import EngineRefused
 
     settings = WorkerSettings()
     if args.model:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.engine_config import KERNEL_CHOICES, EngineConfig
+from engine.frontend.engine_config import KERNEL_CHOICES, EngineConfig
 
 if TYPE_CHECKING:
     from apps.bus.topology import BusLimits

@@ -17,8 +17,8 @@ import torch
 
 from benchmarks.lib import machine_info
 from benchmarks.step_profile import decode_core
-from engine.default_model import default_model_path
-from engine.loader import load_checkpoint
+from engine.loading.default_model import default_model_path
+from engine.loading.loader import load_checkpoint
 from engine.models.layers import GatedMLP
 
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.core import EngineCore
-from engine.protocol import EngineRequest, SamplingParams
+from engine.core.engine_core import EngineCore
+from engine.frontend.protocol import EngineRequest, SamplingParams
 
 
 @dataclass

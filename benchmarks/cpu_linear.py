@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.lib import emit, machine_info
-from engine import cpu_linear
-from engine.default_model import default_model_path
-from engine.dtype_choice import linear_shapes
-from engine.loader import read_model_config
+from engine.cpu import cpu_linear
+from engine.loading.default_model import default_model_path
+from engine.cpu.dtype_choice import linear_shapes
+from engine.loading.loader import read_model_config
 from helexa_kernels import cpu as cpu_kernels
 
 ROWS = (1, 16, 64, 512)

@@ -21,7 +21,7 @@ Beside each server's 16-stream figures: the CPU milliseconds per request that ea
 and the benchmark's own client spent on those runs (benchmarks/process_cpu.py; helexa's by part:
 gateway, worker, engine, NATS, PostgreSQL, recorder), which the host's drifting speed moves far
 less than a latency.
-Every figure is a median over runs. Correctness gate (engine.greedy_agreement): every generated
+Every figure is a median over runs. Correctness gate (tests.engine.greedy_agreement): every generated
 token is scored by our fp32 model after the system's own prefix; a system outside the bound gets
 no speed printed.
 
@@ -48,10 +48,10 @@ from benchmarks.lib import emit, machine_info
 from benchmarks.openai_load import LoadResult, OpenAILoad
 from benchmarks.process_cpu import ProcessCPU
 from benchmarks.servers import Server, free_port, helexa_up, llamacpp_server, null_server, vllm_server
-from engine.core import EngineCore
-from engine.default_model import DEFAULT_MODEL_ID, default_model_path
-from engine.greedy_agreement import Agreement, argmax_gaps
-from engine.loader import Checkpoint, load_checkpoint
+from engine.core.engine_core import EngineCore
+from engine.loading.default_model import DEFAULT_MODEL_ID, default_model_path
+from tests.engine.greedy_agreement import Agreement, argmax_gaps
+from engine.loading.loader import Checkpoint, load_checkpoint
 
 HERE = Path(__file__).resolve().parent
 NUM_PROMPTS, PROMPT_TOKENS, MAX_TOKENS = 16, 128, 64

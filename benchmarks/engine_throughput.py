@@ -30,10 +30,10 @@ import torch
 
 from benchmarks.core_timing import RunResult, StepClock, run_greedy
 from benchmarks.lib import emit
-from engine.core import EngineCore
-from engine.default_model import default_model_path
-from engine.engine_config import EngineConfig
-from engine.loader import Checkpoint, load_checkpoint
+from engine.core.engine_core import EngineCore
+from engine.loading.default_model import default_model_path
+from engine.frontend.engine_config import EngineConfig
+from engine.loading.loader import Checkpoint, load_checkpoint
 
 NUM_REQUESTS = 32
 CHECK_TOKENS = 16

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from engine import gguf_import
-from engine.default_model import default_model_path
-from engine.gguf_file import GGUFFile, read_config, read_tokenizer
+from engine.loading import gguf_import
+from engine.loading.default_model import default_model_path
+from engine.loading.gguf_file import GGUFFile, read_config, read_tokenizer
 
 
 def export_hf_dir(gguf_path: Path, out: Path) -> Path:

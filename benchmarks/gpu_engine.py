@@ -51,16 +51,16 @@ import torch
 
 from benchmarks.core_timing import RunResult, StepClock, run_greedy
 from benchmarks.gpu_step_profile import profile_decode_steps
-from engine import ops
-from engine.config import ModelConfig
-from engine.core import EngineCore
-from engine.engine_config import EngineConfig
-from engine.loader import Checkpoint, empty_model, load_weights
-from engine.model_runner import allocate_caches
+from engine.runner import ops
+from engine.loading.model_config import ModelConfig
+from engine.core.engine_core import EngineCore
+from engine.frontend.engine_config import EngineConfig
+from engine.loading.loader import Checkpoint, empty_model, load_weights
+from engine.runner.model_runner import allocate_caches
 from engine.models import MODEL_REGISTRY
-from engine.state_cache import HybridCaches
-from engine.step_metadata import AttentionMetadata
-from engine.tokenizer import Tokenizer
+from engine.runner.state_cache import HybridCaches
+from engine.runner.step_metadata import AttentionMetadata
+from engine.frontend.tokenizer import Tokenizer
 
 # Real sizes (HF config.json of each model); the weights are random.
 QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
@@ -331,7 +331,7 @@ def bench_model(name: str, family: str, sizes: dict, args: argparse.Namespace, d
             continue
         prompts = random_prompts(c, args.prompt, vocab, seed=c)
         core = make_core(checkpoint, device, c, args.prompt, args.new, graphs)
-        # cuBLAS against the Triton one-row product per weight shape (engine.gpu_linear)
+        # cuBLAS against the Triton one-row product per weight shape (engine.runner.gpu_linear)
         entry.setdefault("batch1_gemv", core.runner.gemv_choices)
         ours[c] = summarize(timed(lambda: run_ours(core, prompts, args.new, device), args.runs),
                             args.new)

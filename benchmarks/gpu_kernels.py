@@ -38,9 +38,9 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 
 from benchmarks.lib import emit  # noqa: E402
-from engine import ops  # noqa: E402
-from engine.attention import AttentionMetadata  # noqa: E402
-from engine.attention import paged_attention as engine_paged_attention  # noqa: E402
+from engine.runner import ops  # noqa: E402
+from engine.runner.attention import AttentionMetadata  # noqa: E402
+from engine.runner.attention import paged_attention as engine_paged_attention  # noqa: E402
 from helexa_kernels import (causal_conv1d, gated_delta_rule, gdn_gating, kv_store, moe,  # noqa: E402
                      paged_attention, rmsnorm, rotary, silu_and_mul)
 
@@ -131,7 +131,7 @@ def elementwise_cases(s: dict, dev: str, dt: torch.dtype) -> list[Case]:
 def attention_cases(s: dict, dev: str, dt: torch.dtype) -> list[Case]:
     """Paged attention against its reference and the engine's SDPA path. Decode at batch 1 is
     timed with the key split (split-K) and without it; the chunk continuations and the mixed
-    step also as `engine.ops` routes them on the Triton path (long chunks through SDPA)."""
+    step also as `engine.runner.ops` routes them on the Triton path (long chunks through SDPA)."""
     hq, hk, d, bs = s["heads"], s["kv_heads"], s["head_dim"], 16
     decodes, context, prefill = s["decode_seqs"], s["context"], s["prefill_len"]
     cases = []
@@ -358,7 +358,7 @@ def main() -> None:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     sizes = TINY if args.tiny else FULL
     runs, iters = (1, 1) if args.tiny else (args.runs, args.iters)
-    # engine.ops as a GPU engine runs it (the Triton path), here in the interpreter too.
+    # engine.runner.ops as a GPU engine runs it (the Triton path), here in the interpreter too.
     ops.use_backend("triton")
     torch.manual_seed(0)
     cases: list[Case] = []

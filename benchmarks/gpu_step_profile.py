@@ -12,7 +12,7 @@ decode steps with torch.profiler (CUDA activity where there is a GPU) and report
 - the kernels and the host-side ATen ops that take the most time.
 
 Kernels replayed from a CUDA graph are traced like any other (CUPTI reports graph kernels), so a
-step served by `engine.cuda_graphs` shows its graph's kernels beside one `cudaGraphLaunch`.
+step served by `engine.runner.cuda_graphs` shows its graph's kernels beside one `cudaGraphLaunch`.
 
 On a GPU, as many decode steps again run without the profiler, timed by CUDA events around the
 runner's forward (a graph replay, or the eager forward) and the LM head, against the step's wall
@@ -32,8 +32,8 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from engine.core import EngineCore
-from engine.protocol import EngineRequest, SamplingParams
+from engine.core.engine_core import EngineCore
+from engine.frontend.protocol import EngineRequest, SamplingParams
 
 # CUDA runtime (cuda*) and driver (cu* then a capital) API calls: launches, copies, syncs.
 _API_CALL = re.compile(r"^(cuda[A-Z]|cu[A-Z])")

@@ -35,8 +35,8 @@ SAMPLE = f"""
 import json, statistics
 import torch
 from benchmarks.step_profile import decode_core, time_steps
-from engine.default_model import default_model_path
-from engine.loader import load_checkpoint
+from engine.loading.default_model import default_model_path
+from engine.loading.loader import load_checkpoint
 core = decode_core(load_checkpoint(default_model_path(), dtype=torch.bfloat16))
 time_steps(core.step, 5)  # warm-up
 times = time_steps(core.step, {STEPS})

@@ -11,7 +11,7 @@ import os
 import platform
 from pathlib import Path
 
-from engine.dtype_cache import cpu_identity
+from helexa_kernels.machine import cpu_identity
 
 # The instruction sets that change which dtype is fastest for a linear layer.
 MATMUL_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "avx_vnni",

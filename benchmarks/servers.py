@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.process_cpu import helexa_role, whole_server
-from engine.default_model import DEFAULT_MODEL_ID
+from engine.loading.default_model import DEFAULT_MODEL_ID
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "benchmarks" / ".work"  # servers' logs, git-ignored

@@ -29,7 +29,7 @@ if listing.is_file():
         if not os.path.lexists(bin_dir / link):
             os.symlink(target, bin_dir / link)
 EOF
-gguf="$("$here/../.venv/bin/python" -c "from engine.default_model import default_model_path; print(default_model_path())")"
+gguf="$("$here/../.venv/bin/python" -c "from engine.loading.default_model import default_model_path; print(default_model_path())")"
 out="$here/.work/SmolLM2-135M-Instruct.BF16.gguf"
 if [[ ! -f "$out" ]]; then
     mkdir -p "$here/.work"

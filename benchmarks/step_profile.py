@@ -7,7 +7,7 @@ measured on its own:
     prefill chunk, the normal step under chunked prefill;
   - cached prompts: 16 prompts of 128 tokens whose first 112 the prefix cache holds (the first
     step of benchmarks/cpu_peers.py's burst after its warm-up), attended as the engine does and, for
-    comparison, with every chunk through SDPA (engine.attention_plan.KERNEL_CHUNK_KEYS = 0).
+    comparison, with every chunk through SDPA (engine.runner.attention_plan.KERNEL_CHUNK_KEYS = 0).
 For each: the median wall time of a step (no profiler), then one profiled pass whose ATen time is
 split into categories (matmul, attention, gathers, norms, ...) and what is left of the step's wall
 time outside any ATen op: Python and dispatch ("host").
@@ -26,12 +26,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.lib import emit, machine_info
-from engine import attention_plan
-from engine.core import EngineCore
-from engine.default_model import default_model_path
-from engine.engine_config import EngineConfig
-from engine.loader import Checkpoint, load_checkpoint
-from engine.protocol import EngineRequest, SamplingParams
+from engine.runner import attention_plan
+from engine.core.engine_core import EngineCore
+from engine.loading.default_model import default_model_path
+from engine.frontend.engine_config import EngineConfig
+from engine.loading.loader import Checkpoint, load_checkpoint
+from engine.frontend.protocol import EngineRequest, SamplingParams
 
 CHUNK = 512
 NUM_SEQS = 16

@@ -13,10 +13,10 @@ much of the step. These kernels do in one call what the PyTorch forms do in seve
   one call;
 - `helexa_kernels/linear/cpu_bf16_linear.cpp`: a bf16 linear for a few rows from a weight packed for
   AVX512-BF16's pair dot product, through AMX tiles where the CPU has them
-  (`helexa_kernels/linear/amx_bf16.h`; `engine.cpu_linear` measures where it beats oneDNN);
+  (`helexa_kernels/linear/amx_bf16.h`; `engine.cpu.cpu_linear` measures where it beats oneDNN);
 - `helexa_kernels/decoder/cpu_decoder_stack.cpp`: a Llama-family decode step's whole layer stack, calling
   the kernels above straight from C++ (their entry points: `helexa_kernels/cpu_ops.h`), built and used by
-  `engine.cpu_decode_stack`.
+  `engine.cpu.cpu_decode_stack`.
 
 They run on torch's own thread pool (at::parallel_for). The extension is compiled with the
 machine's own instruction set (`-march=native`), so the build is cached per CPU (model and
@@ -29,8 +29,8 @@ with a rough time, since the first build takes minutes on a small machine (~35 s
 Rapids cores, ~4.5 min on 2 Zen 3 cores). Builds of one directory take turns under an `flock`
 (`helexa_kernels.build_lock`), which the kernel drops when its holder dies: a start killed
 mid-build never blocks the next one, and one that has to wait says on whom. Where the kernels
-cannot be built (no compiler), `load()` says why once and returns False, and `engine.ops` keeps
-the PyTorch forms (`engine.torch_ops`, `engine.attention`).
+cannot be built (no compiler), `load()` says why once and returns False, and `engine.runner.ops` keeps
+the PyTorch forms (`engine.runner.torch_ops`, `engine.runner.attention`).
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ from pathlib import Path
 
 import torch
 
-from engine.dtype_cache import cpu_identity, default_cache_path
 from helexa_kernels.build_lock import Holder, build_lock
+from helexa_kernels.machine import cache_dir, cpu_identity
 
 log = logging.getLogger("helexa.engine")
 
@@ -106,7 +106,7 @@ def build_directory() -> Path:
                            "sources": [source.read_text() for source in (*SOURCES, *HEADERS)]},
                           sort_keys=True)
     digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
-    return default_cache_path().parent / "kernels" / f"cpu-{digest}"
+    return cache_dir() / "kernels" / f"cpu-{digest}"
 
 
 def build_estimate() -> str:

@@ -12,7 +12,7 @@ from apps.bus import wire
 from apps.bus.codes import ServingError
 from apps.gateway.admission import Admission, AdmissionLimits, Admissions, Rejected
 from apps.gateway.metrics import GatewayMetrics
-from engine.protocol import SamplingParams
+from engine.frontend.protocol import SamplingParams
 
 
 async def settle() -> None:

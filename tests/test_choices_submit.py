@@ -12,7 +12,7 @@ from apps.worker import choices
 from apps.worker.prompt import Prompt
 from apps.worker.replies import CollectingReplier
 from apps.worker.run_record import RunRecord
-from engine.protocol import EngineOutput, EngineRequest, FinishReason, SamplingParams
+from engine.frontend.protocol import EngineOutput, EngineRequest, FinishReason, SamplingParams
 
 
 class LoggingEngine:

@@ -10,11 +10,11 @@ import asyncio
 import pytest
 
 from apps.worker.restarts import CoreExit, RestartBudget, SupervisedEngine
-from engine.protocol import CoreInfo, CoreStats
+from engine.frontend.protocol import CoreInfo, CoreStats
 
 
 class Core:
-    """What the supervisor uses of `engine.core_client.AsyncEngine`."""
+    """What the supervisor uses of `engine.frontend.core_client.AsyncEngine`."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid

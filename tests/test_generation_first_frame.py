@@ -19,15 +19,15 @@ from apps.embedded.nats_server import NatsServer
 from apps.gateway.admission import AdmissionLimits, Admissions
 from apps.gateway.bus_client import GatewayBus
 from apps.gateway.cold_start import ColdStarts
+from apps.gateway.completions import CompletionFormatter
 from apps.gateway.events import EventPublisher
 from apps.gateway.generation import GenerationPipeline
 from apps.gateway.liveness import Canceller
 from apps.gateway.metrics import GatewayMetrics
 from apps.gateway.node_registry import NodeRegistry
-from apps.gateway.completions import CompletionFormatter
 from apps.gateway.openai_schema import CompletionRequest
 from apps.settings import GatewaySettings
-from engine.protocol import SamplingParams
+from engine.frontend.protocol import SamplingParams
 
 
 def pipeline_on(bus: GatewayBus, metrics: GatewayMetrics, registry: NodeRegistry | None = None) -> GenerationPipeline:

@@ -78,10 +78,10 @@ def test_parsing_off_leaves_tags_in_content() -> None:
 def test_a_template_that_opens_think_starts_generation_in_reasoning() -> None:
     from apps.bus import wire
     from apps.worker.prompt import build_prompt
-    from engine.default_model import default_model_path
-    from engine.model_source import load_tokenizer
-    from engine.protocol import SamplingParams
-    from engine.tokenizer import Tokenizer
+    from engine.frontend.model_source import load_tokenizer
+    from engine.frontend.protocol import SamplingParams
+    from engine.frontend.tokenizer import Tokenizer
+    from engine.loading.default_model import default_model_path
 
     base, _ = load_tokenizer(default_model_path())
     template = (

@@ -10,10 +10,10 @@ import pytest
 from apps.bus import wire
 from apps.bus.codes import ServingError
 from apps.worker.prompt import build_prompt
-from engine.default_model import default_model_path
-from engine.model_source import load_tokenizer
-from engine.protocol import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.frontend.model_source import load_tokenizer
+from engine.frontend.protocol import SamplingParams
+from engine.frontend.tokenizer import Tokenizer
+from engine.loading.default_model import default_model_path
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 

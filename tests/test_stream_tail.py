@@ -16,13 +16,13 @@ import pytest
 
 from apps.bus import wire
 from apps.worker import choices
-from apps.worker.run_record import RunRecord
 from apps.worker.prompt import Prompt
 from apps.worker.replies import CollectingReplier
-from engine.default_model import default_model_path
-from engine.model_source import load_tokenizer
-from engine.protocol import EngineOutput, EngineRequest, FinishReason, SamplingParams
-from engine.tokenizer import Tokenizer
+from apps.worker.run_record import RunRecord
+from engine.frontend.model_source import load_tokenizer
+from engine.frontend.protocol import EngineOutput, EngineRequest, FinishReason, SamplingParams
+from engine.frontend.tokenizer import Tokenizer
+from engine.loading.default_model import default_model_path
 from tests.engine.test_tokenizer import _byte_token_ids
 
 

@@ -16,9 +16,9 @@ from apps.gateway import chat as chat_route
 from apps.gateway import openai_schema as oa
 from apps.gateway.structured import CHECKER, check_enforceable
 from apps.gateway.validate import decode_body
-from engine.grammars import BOUNDS
-from engine.protocol import StructuredOutput
-from engine.protocol import StructuredOutputKind as Kind
+from engine.frontend.grammars import BOUNDS
+from engine.frontend.protocol import StructuredOutput
+from engine.frontend.protocol import StructuredOutputKind as Kind
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
 
@@ -176,7 +176,7 @@ def test_grammars_at_their_bounds_are_accepted() -> None:
 def test_a_check_past_its_deadline_is_a_400_naming_the_field(monkeypatch: pytest.MonkeyPatch) -> None:
     import threading
 
-    from engine import grammars
+    from engine.frontend import grammars
 
     release = threading.Event()
     checker = grammars.GrammarChecker(threads=1, deadline_s=0.2, check=lambda s: release.wait(30) and None)
@@ -191,7 +191,7 @@ def test_a_check_past_its_deadline_is_a_400_naming_the_field(monkeypatch: pytest
 def test_a_check_that_cannot_start_before_its_deadline_is_busy_not_too_complex() -> None:
     import threading
 
-    from engine import grammars
+    from engine.frontend import grammars
 
     release = threading.Event()
     checker = grammars.GrammarChecker(threads=1, deadline_s=0.2, check=lambda s: release.wait(30) and None)

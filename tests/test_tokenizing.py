@@ -13,10 +13,10 @@ from apps.bus import wire
 from apps.bus.codes import ErrorCode, ServingError
 from apps.worker.prompt import build_prompt
 from apps.worker.tokenizing import Tokenizing, request_chars
-from engine.default_model import default_model_path
-from engine.model_source import load_tokenizer
-from engine.protocol import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.frontend.model_source import load_tokenizer
+from engine.frontend.protocol import SamplingParams
+from engine.frontend.tokenizer import Tokenizer
+from engine.loading.default_model import default_model_path
 
 
 @pytest.fixture(scope="module")

@@ -15,11 +15,11 @@ from apps.bus import wire
 from apps.bus.codes import ServingError
 from apps.worker.prompt import build_prompt, resolve_sampling
 from apps.worker.tool_grammar import check_composed
-from engine.default_model import default_model_path
-from engine.grammars import BOUNDS, GrammarChecker, to_llguidance
-from engine.model_source import load_tokenizer
-from engine.protocol import SamplingParams, StructuredOutput, StructuredOutputKind
-from engine.tokenizer import Tokenizer
+from engine.frontend.grammars import BOUNDS, GrammarChecker, to_llguidance
+from engine.frontend.model_source import load_tokenizer
+from engine.frontend.protocol import SamplingParams, StructuredOutput, StructuredOutputKind
+from engine.frontend.tokenizer import Tokenizer
+from engine.loading.default_model import default_model_path
 
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
         "additionalProperties": False}

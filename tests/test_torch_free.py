@@ -1,5 +1,6 @@
 """Only the engine core's process imports torch: the bus, the gateway, the worker's asyncio side
-and the engine's client and protocol never do (each import would cost seconds and memory)."""
+and the engine's frontend (`engine/frontend`: every module in it, found by walking the package)
+never do (each import would cost seconds and memory)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,25 @@ import pytest
 
 from tests.support import REPO
 
+FRONTEND = REPO / "engine" / "frontend"
+
+
+def frontend_modules() -> list[str]:
+    return sorted(".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+                  for path in FRONTEND.rglob("*.py"))
+
+
 TORCH_FREE = [
+    *frontend_modules(),
     "apps.bus.wire", "apps.bus.topology", "apps.bus.publish", "apps.bus.codes", "apps.bus.pull",
-    "engine.protocol", "engine.core_client", "engine.model_source", "engine.scripted", "engine.grammars",
     "apps.worker.process", "apps.worker.model_loop", "apps.worker.run", "apps.worker.liveness",
     "apps.worker.loading", "apps.worker.tool_grammar", "apps.worker.tokenizing", "apps.gateway.structured",
     "apps.gateway.app", "apps.recorder.app",
 ]
+
+
+def test_the_frontend_is_walked() -> None:
+    assert {"engine.frontend", "engine.frontend.protocol", "engine.frontend.core_client"} <= set(frontend_modules())
 
 
 @pytest.mark.parametrize("module", TORCH_FREE)

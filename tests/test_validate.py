@@ -23,7 +23,7 @@ from apps.gateway.validate import (
     check_token_ids,
     json_too_deep,
 )
-from engine.protocol import SamplingParams
+from engine.frontend.protocol import SamplingParams
 
 
 @pytest.mark.parametrize("text, deep", [

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from apps.bus import wire
 from apps.settings import WorkerSettings
 from apps.worker.model_loop import ModelLoop
-from engine.protocol import CoreInfo, CoreStats, SamplingParams
+from engine.frontend.protocol import CoreInfo, CoreStats, SamplingParams
 
 
 @dataclass

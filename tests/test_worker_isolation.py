@@ -32,11 +32,11 @@ from apps.embedded.nats_server import NatsServer, nats_server_binary
 from apps.settings import WorkerSettings
 from apps.worker.model_loop import ModelLoop
 from apps.worker.process import EXIT_BUS_LOST, WorkerProcess
-from engine.default_model import default_model_path
-from engine.model_source import load_tokenizer
-from engine.protocol import EngineOutput, EngineRequest, SamplingParams
-from engine.scripted import ScriptedEngine
-from engine.tokenizer import Tokenizer
+from engine.frontend.model_source import load_tokenizer
+from engine.frontend.protocol import EngineOutput, EngineRequest, SamplingParams
+from engine.frontend.scripted import ScriptedEngine
+from engine.frontend.tokenizer import Tokenizer
+from engine.loading.default_model import default_model_path
 from tests.recorder.conftest import eventually
 from tests.support import AppProcess
 

@@ -29,12 +29,12 @@ from apps.settings import WorkerSettings
 from apps.worker.model_loop import ModelLoop
 from apps.worker.replies import CollectingReplier
 from apps.worker.run import ServedModel, abort_request, run_request
-from engine.core_client import AsyncEngine
-from engine.default_model import default_model_path
-from engine.model_source import load_tokenizer
-from engine.protocol import Engine, FinishReason, SamplingParams
-from engine.scripted import ScriptedEngine
-from engine.tokenizer import Tokenizer
+from engine.frontend.core_client import AsyncEngine
+from engine.frontend.model_source import load_tokenizer
+from engine.frontend.protocol import Engine, FinishReason, SamplingParams
+from engine.frontend.scripted import ScriptedEngine
+from engine.frontend.tokenizer import Tokenizer
+from engine.loading.default_model import default_model_path
 
 MODEL = "resume-model"
 

@@ -1,7 +1,7 @@
 """The vocabulary every app shares: run statuses, error codes, node and model states, and the one
 error type a request fails with, `(status, code, message)`.
 
-Finish reasons are the engine's (`engine.protocol.FinishReason`, re-exported here). Every enum is
+Finish reasons are the engine's (`engine.frontend.protocol.FinishReason`, re-exported here). Every enum is
 a `StrEnum`, so it is its own JSON string on the bus and in the ledger.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from engine.protocol import FinishReason
+from engine.frontend.protocol import FinishReason
 
 __all__ = ["Api", "ErrorCode", "FinishReason", "ModelState", "NodeState", "RunStatus", "ServingError"]
 

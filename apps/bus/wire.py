@@ -15,7 +15,7 @@ import msgspec
 
 from apps.bus.codes import Api, ErrorCode, FinishReason, ModelState, NodeState, RunStatus
 from apps.bus.uuid7 import uuid7_hex
-from engine.protocol import SamplingParams
+from engine.frontend.protocol import SamplingParams
 
 
 class Wire(msgspec.Struct, frozen=True, kw_only=True):
@@ -87,7 +87,7 @@ class GenerateRequest(Wire, kw_only=True):
     # as generated (max_tokens, min_tokens, usage).
     resume: list[ResumedChoice] | None = None
     # Requests whose bodies the gateway was still reading when this one's was in: an idle
-    # engine's batch window waits for them (engine.batch_window); 0 when none, or not known.
+    # engine's batch window waits for them (engine.core.batch_window); 0 when none, or not known.
     arriving: int = 0
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from engine import parent_death
+from engine.frontend import parent_death
 
 
 def dies_with_us(sig: int) -> Callable[[], None] | None:

@@ -9,7 +9,7 @@ from msgspec import Meta
 
 from apps.bus.codes import FinishReason
 from apps.gateway.validate import MAX_MESSAGES, MAX_TOOLS, ModelId, check_stop_strings
-from engine.protocol import SamplingParams, StopStrings, TokenCount, TopK, TopP
+from engine.frontend.protocol import SamplingParams, StopStrings, TokenCount, TopK, TopP
 
 
 class TextBlock(msgspec.Struct, kw_only=True, tag_field="type", tag="text"):

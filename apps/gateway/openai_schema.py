@@ -10,9 +10,9 @@ import msgspec
 from msgspec import Meta
 
 from apps.bus.codes import ErrorCode, ServingError
-from apps.gateway.validate import MAX_MESSAGES, MAX_TOOLS, ModelId, check_json_depth, check_stop_strings
 from apps.gateway.structured import StructuredOutputFields
-from engine import protocol as p
+from apps.gateway.validate import MAX_MESSAGES, MAX_TOOLS, ModelId, check_json_depth, check_stop_strings
+from engine.frontend import protocol as p
 
 
 class TextPart(msgspec.Struct, kw_only=True):
@@ -97,7 +97,7 @@ class GenerationParams(StructuredOutputFields, kw_only=True):
     """What chat and text completions share; unknown fields are accepted and ignored, as OpenAI
     clients expect. vLLM's extensions (top_k, min_p, repetition_penalty, ...) are honoured too.
 
-    Sampling fields carry the bounds of `engine.protocol` and are spelled as `SamplingParams`
+    Sampling fields carry the bounds of `engine.frontend.protocol` and are spelled as `SamplingParams`
     spells them, so `sampling_params` copies them over by name; null means the default."""
 
     model: ModelId

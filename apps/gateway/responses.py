@@ -36,9 +36,9 @@ from apps.gateway import responses_schema as rs
 from apps.gateway.openapi_docs import operation_for
 from apps.gateway.response_store import ResponseStore, StoredResponse, new_response_id
 from apps.gateway.responses_output import ResponsesFormatter
-from apps.gateway.validate import check_json_depth
 from apps.gateway.structured import check_enforceable, json_constraint
-from engine.protocol import SamplingParams, StructuredOutput
+from apps.gateway.validate import check_json_depth
+from engine.frontend.protocol import SamplingParams, StructuredOutput
 
 HANDLER = "responses"
 LOGPROBS_INCLUDE = "message.output_text.logprobs"

@@ -14,7 +14,7 @@ import msgspec
 from msgspec import Meta
 
 from apps.gateway.validate import MAX_MESSAGES, MAX_TOOLS, ModelId
-from engine import protocol as p
+from engine.frontend import protocol as p
 
 MAX_RESPONSE_ID_BYTES = 128
 # Ids, call ids and names a client sends in input items, and their statuses: stored with the

@@ -1,5 +1,5 @@
 """Structured outputs at the edge: the request fields that constrain a reply, turned into the
-engine's one `StructuredOutput`, held to the grammar bounds (`engine.grammars.BOUNDS`) and checked to
+engine's one `StructuredOutput`, held to the grammar bounds (`engine.frontend.grammars.BOUNDS`) and checked to
 compile before anything is published.
 
 The fields, all optional, of chat and text completions:
@@ -38,7 +38,7 @@ from apps.bus import wire
 from apps.bus.codes import ErrorCode, ServingError
 from apps.gateway.errors import retry_after_s
 from apps.gateway.validate import json_too_deep
-from engine.grammars import (
+from engine.frontend.grammars import (
     BOUNDS,
     CheckBusy,
     CheckTimeout,
@@ -46,7 +46,7 @@ from engine.grammars import (
     constrained_functions,
     utf8_len,
 )
-from engine.protocol import StructuredOutput, StructuredOutputKind
+from engine.frontend.protocol import StructuredOutput, StructuredOutputKind
 
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 # This gateway's grammar checks: two threads; its `started` count is on /metrics.

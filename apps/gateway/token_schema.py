@@ -16,7 +16,7 @@ from msgspec import Meta
 from apps.gateway import anthropic_schema as an
 from apps.gateway import openai_schema as oa
 from apps.gateway.validate import ModelId
-from engine.protocol import TokenCount, TokenId
+from engine.frontend.protocol import TokenCount, TokenId
 
 # Token ids one /detokenize call may send (about a million: far beyond any context).
 MAX_DETOKENIZE_IDS = 1 << 20

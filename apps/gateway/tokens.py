@@ -34,7 +34,7 @@ from apps.gateway.errors import retry_after_s
 from apps.gateway.node_registry import NodeRegistry
 from apps.gateway.openapi_docs import operation_for
 from apps.gateway.validate import check_prompt_size, decode_body, decode_request
-from engine.protocol import SamplingParams
+from engine.frontend.protocol import SamplingParams
 
 # How long one worker may take to answer (a template and a tokenizer pass, nothing more).
 TOKENIZE_TIMEOUT_S = 30.0

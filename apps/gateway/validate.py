@@ -9,7 +9,7 @@ nothing is sent on the bus. The bounds:
   strings; tool schemas (`parameters`, `input_schema`) are bounded by the body's nesting.
 - `model`: 1–256 bytes of `A-Z a-z 0-9 . _ : / @ + -`.
 - `messages`: 1–MAX_MESSAGES (2048); `tools`: at most MAX_TOOLS (128).
-- Sampling: the bounds of `engine.protocol` (`SamplingParams`' field types), among them at most
+- Sampling: the bounds of `engine.frontend.protocol` (`SamplingParams`' field types), among them at most
   16 stop strings of at most 256 bytes each (`stop`, Anthropic's `stop_sequences`) and at most
   64 `stop_token_ids`.
 - Token ids (`stop_token_ids`, a `/v1/completions` prompt given as ids) inside the model's
@@ -35,7 +35,7 @@ from msgspec import Meta
 
 from apps.bus import wire
 from apps.bus.codes import Api, ErrorCode, ServingError
-from engine.protocol import MAX_STOP_STRING_BYTES
+from engine.frontend.protocol import MAX_STOP_STRING_BYTES
 
 MAX_MODEL_ID_BYTES = 256
 # ASCII only, so characters are bytes; no spaces, no control characters.

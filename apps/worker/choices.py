@@ -22,7 +22,7 @@ from apps.worker.prompt import Prompt
 from apps.worker.replies import Replier
 from apps.worker.run_record import RunRecord
 from apps.worker.stop_strings import StopStringMatcher
-from engine.protocol import (
+from engine.frontend.protocol import (
     Engine,
     EngineOutputs,
     EngineRequest,
@@ -30,7 +30,7 @@ from engine.protocol import (
     SamplingParams,
     TokenLogprob,
 )
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.frontend.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 def engine_request_ids(request_id: str, n: int) -> list[str]:

@@ -20,11 +20,11 @@ from apps.fleet.catalogue import DEFAULT_SOURCE
 from apps.settings import WorkerSettings
 from apps.worker.model_loop import ModelLoop
 from apps.worker.restarts import RestartBudget, SupervisedEngine
-from engine.core_client import AsyncEngine
-from engine.default_model import default_model_path
-from engine.model_source import load_tokenizer
-from engine.protocol import Engine
-from engine.scripted import ScriptedEngine
+from engine.frontend.core_client import AsyncEngine
+from engine.frontend.model_source import load_tokenizer
+from engine.frontend.protocol import Engine
+from engine.frontend.scripted import ScriptedEngine
+from engine.loading.default_model import default_model_path
 
 log = logging.getLogger("helexa.worker")
 

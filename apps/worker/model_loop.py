@@ -50,8 +50,8 @@ from apps.worker.context_limit import ContextLimit
 from apps.worker.replies import Replier
 from apps.worker.run import ModelHealth, ServedModel, abort_request, run_request
 from apps.worker.tokenizing import Tokenizing
-from engine.protocol import Engine
-from engine.tokenizer import Tokenizer
+from engine.frontend.protocol import Engine
+from engine.frontend.tokenizer import Tokenizer
 
 log = logging.getLogger("helexa.worker")
 

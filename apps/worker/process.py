@@ -43,7 +43,7 @@ from apps.worker.model_loop import ModelLoop, NodeBus
 from apps.worker.replies import CollectingReplier
 from apps.worker.restarts import CoreExit, SupervisedEngine
 from apps.worker.run import ServedModel
-from engine.protocol import EngineRefused
+from engine.frontend.protocol import EngineRefused
 
 log = logging.getLogger("helexa.worker")
 
@@ -383,6 +383,6 @@ class BusConnectionLost(Exception):
 
 # EX_TEMPFAIL: a temporary failure; starting again is the cure.
 EXIT_BUS_LOST = 75
-# EX_CONFIG: the engine refused the configuration on this machine (`engine.protocol.EngineRefused`,
+# EX_CONFIG: the engine refused the configuration on this machine (`engine.frontend.protocol.EngineRefused`,
 # e.g. a dtype the CPU cannot run); starting again would fail the same way.
 EXIT_REFUSED = 78

@@ -14,8 +14,8 @@ from apps.bus import wire
 from apps.bus.codes import ErrorCode, ServingError
 from apps.worker.parsers import THINK_CLOSE, THINK_OPEN, TOOL_OPEN, OutputParser
 from apps.worker.tool_grammar import call_opening, reply_constraint
-from engine.protocol import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.frontend.protocol import SamplingParams
+from engine.frontend.tokenizer import Tokenizer
 
 
 @dataclass(slots=True)

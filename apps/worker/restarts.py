@@ -1,7 +1,7 @@
 """A model's engine core that dies comes back by itself.
 
 `SupervisedEngine` is the `Engine` a model loop serves from: it passes everything to the running
-core (`engine.core_client.AsyncEngine`), and when that core's process dies unasked it starts a new
+core (`engine.frontend.core_client.AsyncEngine`), and when that core's process dies unasked it starts a new
 one with the same configuration (the dtype the first one measured, pinned). The requests the dead
 core held have had their error outputs already; each run ends with an `engine_lost` error frame,
 which a gateway migrates like a lost worker's stream. While the new core starts the engine has no
@@ -27,8 +27,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from engine.core_client import AsyncEngine
-from engine.protocol import CoreInfo, CoreStats, EngineOutputs, EngineRequest
+from engine.frontend.core_client import AsyncEngine
+from engine.frontend.protocol import CoreInfo, CoreStats, EngineOutputs, EngineRequest
 
 log = logging.getLogger("helexa.worker")
 

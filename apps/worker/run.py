@@ -33,9 +33,9 @@ from apps.worker.replies import Replier
 from apps.worker.run_record import RunRecord
 from apps.worker.tokenizing import Tokenizing, request_chars
 from apps.worker.tool_grammar import check_composed
-from engine.grammars import GrammarChecker
-from engine.protocol import ENGINE_STOPPED, DeviceFault, Engine, FinishReason, is_device_fault
-from engine.tokenizer import Tokenizer
+from engine.frontend.grammars import GrammarChecker
+from engine.frontend.protocol import ENGINE_STOPPED, DeviceFault, Engine, FinishReason, is_device_fault
+from engine.frontend.tokenizer import Tokenizer
 
 log = logging.getLogger("helexa.worker")
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from apps.bus import wire
 from apps.bus.codes import RunStatus
-from engine.protocol import FinishReason
+from engine.frontend.protocol import FinishReason
 
 
 def _engine_error(error: str | None) -> str | None:

@@ -24,7 +24,7 @@ from apps.bus.codes import ErrorCode, ServingError
 from apps.worker.prompt import build_prompt
 from apps.worker.run import ServedModel
 from apps.worker.tokenizing import request_chars
-from engine.tokenizer import Tokenizer
+from engine.frontend.tokenizer import Tokenizer
 
 log = logging.getLogger("helexa.worker")
 

@@ -28,8 +28,8 @@ from typing import Any, TypeVar
 import msgspec
 
 from apps.bus import wire
-from engine import parent_death
-from engine.tokenizer import Tokenizer
+from engine.frontend import parent_death
+from engine.frontend.tokenizer import Tokenizer
 
 log = logging.getLogger("helexa.worker")
 

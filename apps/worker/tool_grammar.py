@@ -11,7 +11,7 @@ request forces a tool call or has strict tools, in the Qwen-style format the out
   JSON object when not); with a constraint of its own the reply is either that or tool calls.
 
 No torch: the worker's asyncio side builds these before any work, holds them to the bound of a
-composed grammar (`engine.grammars.BOUNDS.composed_bytes`) and checks that they compile, in a thread
+composed grammar (`engine.frontend.grammars.BOUNDS.composed_bytes`) and checks that they compile, in a thread
 with a deadline (`check_composed`), never on its event loop.
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 from apps.bus import wire
 from apps.bus.codes import ErrorCode, ServingError
 from apps.worker.parsers import TOOL_CLOSE, TOOL_OPEN
-from engine.grammars import (
+from engine.frontend.grammars import (
     BOUNDS,
     CheckBusy,
     CheckTimeout,
@@ -35,7 +35,7 @@ from engine.grammars import (
     to_llguidance,
     utf8_len,
 )
-from engine.protocol import SamplingParams, StructuredOutput, StructuredOutputKind
+from engine.frontend.protocol import SamplingParams, StructuredOutput, StructuredOutputKind
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 # The name of the request's own constraint when it is composed with tool calls.

@@ -5,17 +5,17 @@ until a checkpoint of that family is loaded. Shared blocks (norms, rotary, MLP) 
 
 Every model class takes a `ModelConfig` and provides:
 - `forward(input_ids [num_tokens], positions [num_tokens], kv_caches, meta) -> [num_tokens, hidden]`
-  over a flat batch of any mix of prefills, prefill chunks and decodes (see `engine.attention`);
+  over a flat batch of any mix of prefills, prefill chunks and decodes (see `engine.runner.attention`);
 - `compute_logits(hidden [n, hidden]) -> [n, vocab]`;
 - `num_layers`, `num_kv_heads`, `head_dim`: the paged KV cache it expects, `num_layers`
-  (k_cache, v_cache) pairs from `engine.model_runner.allocate_kv_caches`;
+  (k_cache, v_cache) pairs from `engine.runner.model_runner.allocate_kv_caches`;
 - `tie_weights()`, called again by the loader after it allocates the weights.
 
 Hybrid families (linear-attention layers beside full attention) also set `linear_state_shape`
-(`engine.state_cache.LinearStateShape`) and take an `engine.state_cache.HybridCaches` in place of
+(`engine.runner.state_cache.LinearStateShape`) and take an `engine.runner.state_cache.HybridCaches` in place of
 the list of KV caches; `num_layers` then counts the full-attention layers only. A family whose
 checkpoints name tensors differently from its parameters provides `checkpoint_targets` (see
-`engine.loader.load_weights`).
+`engine.loading.loader.load_weights`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import importlib
 
 from torch import nn
 
-from engine.config import ModelConfig
+from engine.loading.model_config import ModelConfig
 
 # model_type -> (module, class)
 MODEL_REGISTRY: dict[str, tuple[str, str]] = {

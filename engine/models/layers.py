@@ -1,11 +1,11 @@
 """Building blocks the model families share: the residual stream, RMSNorm, rotary embeddings,
-linear layers (`Linear`, prepacked on CPU by `engine.cpu_linear`) and packed projections, the
+linear layers (`Linear`, prepacked on CPU by `engine.cpu.cpu_linear`) and packed projections, the
 SiLU-gated MLP.
 
 Parameter names match HF (`weight`, `down_proj`, ...) so checkpoints load by name, except where
 projections of one input are packed into one GEMM (`PackedLinear`: `qkv_proj`, `gate_up_proj`);
 the loader fills each packed weight from the checkpoint's separate tensors. The math itself runs
-through `engine.ops`, which picks the Triton kernel or the PyTorch reference.
+through `engine.runner.ops`, which picks the Triton kernel or the PyTorch reference.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import math
 import torch
 from torch import nn
 
-from engine import ops
-from engine.config import ModelConfig
-from engine.cpu_linear import Linear
+from engine.cpu.cpu_linear import Linear
+from engine.loading.model_config import ModelConfig
+from engine.runner import ops
 from helexa_kernels.rotary.naive import build_cos_sin_cache
 
 RESIDUAL_DTYPE = torch.float32
@@ -118,7 +118,7 @@ class PackedLinear(Linear):
     """Projections of the same input in one GEMM: output features are the shards side by side.
 
     `shards` names the checkpoint's separate projections (siblings of this module, e.g. q_proj,
-    k_proj, v_proj) and their output sizes, in order; `engine.loader.load_weights` copies each
+    k_proj, v_proj) and their output sizes, in order; `engine.loading.loader.load_weights` copies each
     one's weight (and bias) into its rows. One weight read and one call instead of three
     (reading the weights is most of a small-batch step on CPU).
     """

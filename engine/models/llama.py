@@ -3,7 +3,7 @@
 Module and parameter names follow HF's `LlamaForCausalLM`, so HF checkpoints (and GGUF files once
 renamed) load by name; q/k/v and gate/up are packed (`qkv_proj`, `gate_up_proj`), filled from
 the separate tensors by the loader. `forward` takes a flat batch of tokens from any number of sequences and
-keeps keys/values in the paged cache through `engine.ops.attention`.
+keeps keys/values in the paged cache through `engine.runner.ops.attention`.
 
 The residual stream travels beside the hidden states: each norm adds the previous sublayer's
 output into it in place and normalizes in one pass (`RMSNorm.add_and_norm`), as the fused
@@ -16,11 +16,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine import ops
-from engine.attention import AttentionMetadata, KVCache
-from engine.config import ModelConfig
+from engine.loading.model_config import ModelConfig
 from engine.models.layers import (GatedMLP, Linear, PackedLinear, RMSNorm, RotaryEmbedding,
                                   residual_stream)
+from engine.runner import ops
+from engine.runner.attention import AttentionMetadata, KVCache
 
 
 class LlamaAttention(nn.Module):

@@ -13,9 +13,9 @@ import re
 import torch
 from torch import nn
 
-from engine import ops
-from engine.config import ModelConfig
+from engine.loading.model_config import ModelConfig
 from engine.models.layers import GatedMLP, Linear
+from engine.runner import ops
 
 # A per-expert checkpoint tensor: (prefix ending in "experts."), expert index, projection.
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")

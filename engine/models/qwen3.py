@@ -7,7 +7,7 @@ projections can be wider than the residual stream.
 
 from __future__ import annotations
 
-from engine.config import ModelConfig
+from engine.loading.model_config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import ModelConfig
+from engine.loading.model_config import ModelConfig
 from engine.models.moe import CheckpointTarget, SparseMoeBlock, expert_checkpoint_targets, is_sparse_layer
 from engine.models.qwen3 import Qwen3ForCausalLM
 

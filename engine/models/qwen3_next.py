@@ -6,7 +6,7 @@ layers, `config.layer_types` saying which is which.
 - Linear attention: one projection to q|k|v (the causal conv's channels), z (the output gate) and
   b, a (update rate and decay) per value head; causal depthwise conv + SiLU; the gated delta rule
   over a per-sequence recurrent state; a gated RMSNorm; out_proj. Conv and recurrent states live in
-  slots of `engine.state_cache.LinearStateCache`, one slot per sequence for its whole life.
+  slots of `engine.runner.state_cache.LinearStateCache`, one slot per sequence for its whole life.
 - MLP: MoE (with a shared expert) where the config has experts, dense otherwise (Qwen3.5).
 - Every other norm scales by (1 + w).
 
@@ -22,12 +22,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine import ops
-from engine.attention import AttentionMetadata, KVCache
-from engine.config import ModelConfig
+from engine.loading.model_config import ModelConfig
 from engine.models.layers import GatedMLP, Linear, PackedLinear, RotaryEmbedding, residual_stream
 from engine.models.moe import CheckpointTarget, SparseMoeBlock, expert_checkpoint_targets, is_sparse_layer
-from engine.state_cache import HybridCaches, LinearStateShape
+from engine.runner import ops
+from engine.runner.attention import AttentionMetadata, KVCache
+from engine.runner.state_cache import HybridCaches, LinearStateShape
 
 
 class UnitOffsetRMSNorm(nn.Module):

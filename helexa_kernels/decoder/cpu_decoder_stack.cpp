@@ -8,7 +8,7 @@
 // forward's, bit for bit (tests/engine/test_cpu_decode_stack.py).
 //
 // It serves steps whose every query row goes through the decode kernel (decodes, and the rows of
-// short chunk continuations); engine/cpu_decode_stack.py builds it from a loaded model and decides
+// short chunk continuations); engine/cpu/cpu_decode_stack.py builds it from a loaded model and decides
 // which steps it serves. Registered as torch.classes.helexa_cpu.DecoderStack and .CpuLinear.
 
 #include <ATen/ATen.h>
@@ -32,7 +32,7 @@ void traced(const char* name, Kernel kernel, Args&&... args) {
   kernel(std::forward<Args>(args)...);
 }
 
-// oneDNN's linear from its prepacked weight (engine/cpu_linear.packed_linear), boxed: its C++
+// oneDNN's linear from its prepacked weight (engine/cpu/cpu_linear.packed_linear), boxed: its C++
 // signature is ATen's own business.
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   static const c10::OperatorHandle op =
@@ -45,7 +45,7 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c1
 
 }  // namespace
 
-// One linear layer as engine/cpu_linear.PackedWeight runs it: the bf16 kernel's packed weight for
+// One linear layer as engine/cpu/cpu_linear.PackedWeight runs it: the bf16 kernel's packed weight for
 // inputs of up to `kernel_elements` elements, oneDNN's prepacked weight otherwise.
 struct CpuLinear : torch::CustomClassHolder {
   at::Tensor onednn;
@@ -98,7 +98,7 @@ class DecoderStack : public torch::CustomClassHolder {
   }
 
   // input_ids, positions, slot_mapping [tokens] int64; the decode kernel's rows
-  // (engine/attention_plan.KernelRows) -> the final norm's output [tokens, hidden].
+  // (engine/runner/attention_plan.KernelRows) -> the final norm's output [tokens, hidden].
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
                      const at::Tensor& block_tables, const at::Tensor& key_lens, const at::Tensor& token_rows,
                      const at::Tensor& seq_rows) const {

@@ -6,7 +6,7 @@ reduce kernel. Here a program owns BLOCK_N output features and walks the whole K
 BLOCK_K steps, accumulating w * x in an fp32 [BLOCK_N, BLOCK_K] tile that it sums once at the
 end: no split-K, no second kernel, and every weight byte is read once, in 16-byte vectors along
 its rows. Whether that beats cuBLAS for a given shape is measured on the device, not assumed
-(`engine.gpu_linear`); `CONFIGS` are the tilings tried.
+(`engine.runner.gpu_linear`); `CONFIGS` are the tilings tried.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@
 // kAmxBlocks sequential streams (2-core Sapphire Rapids, the default model's projections and LM head:
 // 16 rows 11.4 ms, ~24 GB/s, against oneDNN's 14.6). More rows repeat the pass per 16 rows, each
 // weight tile then read again from cache; a tile load waits for the multiply still reading its
-// tile, so from a few tiles of rows on oneDNN's blocking does better, and `engine.cpu_linear`
+// tile, so from a few tiles of rows on oneDNN's blocking does better, and `engine.cpu.cpu_linear`
 // measures where that starts.
 //
 // Where AMX is refused (helexa_kernels/amx.h), or K is not a multiple of 32, the caller keeps the

@@ -13,7 +13,7 @@
 // Measured on a 2-core Zen 4 (SmolLM2-135M's projections and LM head, bf16,
 // bench/results/cpu_linear-cpu-epyc-kernel.json): 1 row 12.9 ms against oneDNN's prepacked 18.7,
 // 16 rows 17.0 against 20.8, 64 rows 57.3 against 64.9; at 512 rows oneDNN is 1.25x faster.
-// Which one runs for how many rows is measured at start (engine/cpu_linear.py).
+// Which one runs for how many rows is measured at start (engine/cpu/cpu_linear.py).
 //
 // Where the CPU has AMX-BF16 (and K is a multiple of 32), the same packed weight goes through AMX
 // tiles instead (amx_bf16.h): on a 2-core Sapphire Rapids, 16 rows 11.4 ms against oneDNN's 14.6.

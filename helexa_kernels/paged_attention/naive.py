@@ -2,7 +2,7 @@
 
 Deliberately the simplest correct form (gather one sequence's keys through its block table,
 mask, softmax in fp32) so it can referee both the Triton kernel and the engine's batched
-`engine.attention.paged_attention`.
+`engine.runner.attention.paged_attention`.
 """
 
 from __future__ import annotations

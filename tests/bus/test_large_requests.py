@@ -29,10 +29,10 @@ from apps.embedded.nats_server import EMBEDDED_MAX_PAYLOAD, NatsServer
 from apps.settings import WorkerSettings
 from apps.worker.model_loop import ModelLoop
 from apps.worker.process import WorkerProcess
-from engine.default_model import default_model_path
-from engine.model_source import load_tokenizer
-from engine.protocol import SamplingParams
-from engine.scripted import ScriptedEngine
+from engine.frontend.model_source import load_tokenizer
+from engine.frontend.protocol import SamplingParams
+from engine.frontend.scripted import ScriptedEngine
+from engine.loading.default_model import default_model_path
 from tests.recorder.conftest import eventually
 
 MODEL = "large-model"

@@ -26,7 +26,7 @@ from apps.embedded.nats_server import NatsServer
 from apps.recorder.large_events import resolve
 from apps.worker.replies import Replier
 from apps.worker.run_record import RunRecord
-from engine.protocol import SamplingParams
+from engine.frontend.protocol import SamplingParams
 from tests.recorder.conftest import eventually
 
 OFFSETS = (-64, -1, 0, 1, 64)

@@ -195,7 +195,7 @@ def test_cancelled_queued_waiters_leave_no_trace(system: System, slow_model: str
 
 def test_a_request_past_its_deadline_is_dropped_by_the_worker_with_an_event(system: System) -> None:
     from apps.bus import topology, wire
-    from engine.protocol import SamplingParams
+    from engine.frontend.protocol import SamplingParams
 
     request_id = f"expired-{time.monotonic_ns()}"
 

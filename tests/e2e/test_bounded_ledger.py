@@ -4,7 +4,7 @@ text or stored response closes a connection or is lost, stored responses are bou
 for real, response ids cannot be guessed, and a response made on one gateway is read on the
 other while two CPU-burning processes compete for the machine.
 
-The worker is scripted (`engine.scripted`): its delays say how long a stream lasts and its
+The worker is scripted (`engine.frontend.scripted`): its delays say how long a stream lasts and its
 `error_text` is as long as an engine error quoting a whole grammar, without running a model.
 """
 

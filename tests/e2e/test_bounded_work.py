@@ -22,7 +22,7 @@ import pytest
 
 from apps.bus import large_requests, topology, wire
 from apps.bus.codes import Api
-from engine.protocol import SamplingParams
+from engine.frontend.protocol import SamplingParams
 from tests.e2e.conftest import System
 from tests.support import eventually
 

@@ -21,8 +21,8 @@ def reference() -> dict:
     """What HF transformers generates greedily for the same GGUF, prompt and template."""
     from transformers import AutoModelForCausalLM
 
-    from engine.default_model import default_model_path
-    from engine.gguf_file import GGUFFile, read_tokenizer
+    from engine.loading.default_model import default_model_path
+    from engine.loading.gguf_file import GGUFFile, read_tokenizer
 
     path = default_model_path()
     tokenizer = read_tokenizer(GGUFFile(path))
@@ -152,8 +152,8 @@ def test_n_choices_streamed_and_not(system: System) -> None:
 
 
 def test_completions_with_text_and_token_prompts(system: System) -> None:
-    from engine.default_model import default_model_path
-    from engine.model_source import load_tokenizer
+    from engine.frontend.model_source import load_tokenizer
+    from engine.loading.default_model import default_model_path
 
     tokenizer, _ = load_tokenizer(default_model_path())
     prompt = "The capital of France is"

@@ -6,8 +6,8 @@ import asyncio
 
 from openai import AsyncOpenAI
 
-from engine.default_model import default_model_path
-from engine.model_source import load_tokenizer
+from engine.frontend.model_source import load_tokenizer
+from engine.loading.default_model import default_model_path
 from tests.e2e.conftest import System
 
 CLIENTS = 16

@@ -19,8 +19,8 @@ from apps.fleet.catalogue import CatalogueEntry
 from apps.settings import WorkerSettings
 from apps.worker.model_loop import ModelLoop
 from apps.worker.process import EXIT_REFUSED, WorkerProcess
-from engine import cpu_support
-from engine.cpu_support import FORCE_UNSUPPORTED_ENV, UnsupportedDtype
+from engine.cpu import cpu_support
+from engine.cpu.cpu_support import FORCE_UNSUPPORTED_ENV, UnsupportedDtype
 from tests.e2e.conftest import STATUS_INTERVAL_S, System
 from tests.support import AppProcess, eventually
 

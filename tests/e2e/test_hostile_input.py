@@ -16,7 +16,7 @@ import pytest
 
 from apps.bus import topology
 from apps.embedded import free_port
-from engine.protocol import MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from engine.frontend.protocol import MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from tests.e2e.conftest import System, scripted_worker
 from tests.support import AppProcess, eventually
 

@@ -21,7 +21,7 @@ import httpx
 import nats
 
 from apps.bus import topology, wire
-from engine.protocol import SamplingParams
+from engine.frontend.protocol import SamplingParams
 from tests.e2e.conftest import System
 from tests.e2e.test_chat import finished_run
 

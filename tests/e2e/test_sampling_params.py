@@ -18,7 +18,7 @@ from nats.aio.msg import Msg
 from apps.bus import topology, wire
 from apps.bus.codes import Api
 from apps.worker.prompt import resolve_sampling
-from engine.protocol import SamplingParams
+from engine.frontend.protocol import SamplingParams
 from tests.e2e.conftest import System
 from tests.support import eventually
 

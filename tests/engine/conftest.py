@@ -7,9 +7,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine import ops
-from engine.default_model import default_model_path
-from engine.loader import Checkpoint, load_checkpoint
+from engine.loading.default_model import default_model_path
+from engine.loading.loader import Checkpoint, load_checkpoint
+from engine.runner import ops
 from helexa_kernels import cpu as cpu_kernels
 
 

@@ -12,9 +12,9 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from torch import nn
 
-from engine.model_runner import allocate_kv_caches
-from engine.state_cache import HybridCaches, LinearStateCache
-from engine.step_metadata import KVCaches, SequenceChunk, StepInputs, build_step_inputs
+from engine.runner.model_runner import allocate_kv_caches
+from engine.runner.state_cache import HybridCaches, LinearStateCache
+from engine.runner.step_metadata import KVCaches, SequenceChunk, StepInputs, build_step_inputs
 
 
 class PagedSequences:

@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
-from engine.attention import AttentionMetadata, paged_attention
-from engine.attention_plan import build_plan, decode_buckets
+from engine.runner.attention import AttentionMetadata, paged_attention
+from engine.runner.attention_plan import build_plan, decode_buckets
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 aten = torch.ops.aten

@@ -1,4 +1,4 @@
-"""An idle engine gathers a burst of requests before its first step (engine.batch_window), and the
+"""An idle engine gathers a burst of requests before its first step (engine.core.batch_window), and the
 scheduler says when the waiting requests alone would fill a step."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from apps.settings import WorkerSettings
-from engine.batch_window import ARRIVAL_GAP_S, UNANNOUNCED_GAP_S, gather_burst
-from engine.engine_config import EngineConfig
+from engine.core.batch_window import ARRIVAL_GAP_S, UNANNOUNCED_GAP_S, gather_burst
+from engine.frontend.engine_config import EngineConfig
 from tests.engine.test_scheduler import make_request, make_scheduler
 
 

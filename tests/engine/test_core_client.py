@@ -8,11 +8,11 @@ import signal
 
 import pytest
 
-from engine.core_client import AsyncEngine
-from engine.default_model import default_model_path
-from engine.engine_config import EngineConfig
-from engine.loader import Checkpoint
-from engine.protocol import EngineOutput, EngineRequest, FinishReason, SamplingParams
+from engine.frontend.core_client import AsyncEngine
+from engine.frontend.engine_config import EngineConfig
+from engine.frontend.protocol import EngineOutput, EngineRequest, FinishReason, SamplingParams
+from engine.loading.default_model import default_model_path
+from engine.loading.loader import Checkpoint
 
 
 @pytest.fixture
@@ -34,7 +34,7 @@ async def collect(engine: AsyncEngine, request: EngineRequest) -> list[EngineOut
 
 async def test_streams_the_same_tokens_as_the_in_process_core(engine: AsyncEngine, smollm2: Checkpoint,
                                                                chat_prompt_ids: list[int]) -> None:
-    from engine.core import EngineCore
+    from engine.core.engine_core import EngineCore
 
     core = EngineCore(smollm2, EngineConfig(model="in-memory"))
     core.add_request(EngineRequest("ref", chat_prompt_ids, greedy(10)))
@@ -154,8 +154,8 @@ async def test_a_large_request_to_a_busy_core_never_blocks_the_event_loop() -> N
     import multiprocessing
     import threading
 
-    from engine.engine_config import EngineConfig
-    from engine.protocol import AddRequest, CoreInfo, to_core_decoder
+    from engine.frontend.engine_config import EngineConfig
+    from engine.frontend.protocol import AddRequest, CoreInfo, to_core_decoder
 
     worker_end, core_end = multiprocessing.Pipe(duplex=True)
     engine = AsyncEngine(EngineConfig(model="unused"))

@@ -1,4 +1,4 @@
-"""The CPU decode stack (engine.cpu_decode_stack): a decode step in one C++ call gives the model's
+"""The CPU decode stack (engine.cpu.cpu_decode_stack): a decode step in one C++ call gives the model's
 forward bit for bit (hidden states and every K/V it stores), serves exactly the steps whose rows
 all go through the decode kernel, and is built only where all of the model has its kernel."""
 
@@ -10,13 +10,14 @@ from contextlib import AbstractContextManager
 import pytest
 import torch
 
-from engine import cpu_linear, ops
-from engine.config import ModelConfig
-from engine.cpu_decode_stack import CpuDecodeStack
-from engine.loader import Checkpoint, empty_model
-from engine.model_runner import allocate_kv_caches
-from engine.protocol import EngineRequest
-from engine.step_metadata import KVCaches, SequenceChunk, build_step_inputs
+from engine.cpu import cpu_linear
+from engine.runner import ops
+from engine.loading.model_config import ModelConfig
+from engine.cpu.cpu_decode_stack import CpuDecodeStack
+from engine.loading.loader import Checkpoint, empty_model
+from engine.runner.model_runner import allocate_kv_caches
+from engine.frontend.protocol import EngineRequest
+from engine.runner.step_metadata import KVCaches, SequenceChunk, build_step_inputs
 from helexa_kernels import cpu as cpu_kernels
 from tests.engine.test_engine_core import greedy, make_core, run
 from tests.kernels.helpers import AMX_FORMS

@@ -1,4 +1,4 @@
-"""Linear layers on CPU run from weights prepacked once (engine.cpu_linear): oneDNN's copy, and in
+"""Linear layers on CPU run from weights prepacked once (engine.cpu.cpu_linear): oneDNN's copy, and in
 bf16 the C++ kernel's for up to its measured row count; the same numbers as `F.linear`, in every
 model family, packed by the model runner at build."""
 
@@ -11,12 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_linear, ops
-from engine.engine_config import EngineConfig
-from engine.model_runner import ModelRunner
+from engine.cpu import cpu_linear
+
+from engine.frontend.engine_config import EngineConfig
 from engine.models.layers import Linear
-from tests.engine.helpers import PagedSequences
+from engine.runner import ops
+from engine.runner.model_runner import ModelRunner
 from helexa_kernels import cpu as cpu_kernels
+from tests.engine.helpers import PagedSequences
 from tests.engine.test_packed_projections import _our_model
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")

@@ -1,4 +1,4 @@
-"""The engine process keeps freed step memory for reuse (engine.cpu_memory): a step's large
+"""The engine process keeps freed step memory for reuse (engine.cpu.cpu_memory): a step's large
 activations are not page-faulted in again on every step."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or ctypes.u
 PROBE = """
 import ctypes, ctypes.util, json, resource
 import torch
-from engine import cpu_memory
+from engine.cpu import cpu_memory
 
 MIB = 1 << 20
 

@@ -1,4 +1,4 @@
-"""What this CPU can run (engine.cpu_support): oneDNN's own answer, the test override, and the
+"""What this CPU can run (engine.cpu.cpu_support): oneDNN's own answer, the test override, and the
 reason a dtype is refused, worded with the CPU features it lacks."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import cpu_support
-from engine.cpu_support import FORCE_UNSUPPORTED_ENV, UnsupportedDtype
+from engine.cpu import cpu_support
+from engine.cpu.cpu_support import FORCE_UNSUPPORTED_ENV, UnsupportedDtype
 
 # A Zen 3 (the machine where the default start crashed): AVX2, no AVX-512 of any kind.
 ZEN3_FLAGS = {"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "sha_ni"}

@@ -8,20 +8,20 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import WordLevel
 
-from engine import ops
-from engine.config import ModelConfig
-from engine.cuda_graphs import (
+from engine.frontend.protocol import EngineRequest
+from engine.frontend.tokenizer import Tokenizer
+from engine.loading.loader import Checkpoint, load_checkpoint
+from engine.loading.model_config import ModelConfig
+from engine.models import build_model
+from engine.runner import ops
+from engine.runner.cuda_graphs import (
     DecodeBuffers,
     DecodeGraphs,
     bucket_sizes,
     graphs_wanted,
     pick_bucket,
 )
-from engine.loader import Checkpoint, load_checkpoint
-from engine.models import build_model
-from engine.protocol import EngineRequest
-from engine.step_metadata import SequenceChunk, StepInputs, build_step_inputs
-from engine.tokenizer import Tokenizer
+from engine.runner.step_metadata import SequenceChunk, StepInputs, build_step_inputs
 from tests.engine.helpers import PagedSequences, perturb_norms_and_biases
 from tests.engine.hybrid_models import save_hybrid_dir
 from tests.engine.test_engine_core import greedy, make_core, run

@@ -10,12 +10,13 @@ import torch
 
 from apps.settings import WorkerSettings
 from benchmarks.core_timing import run_greedy
-from engine import cpu_linear, dtype_choice, ops
-from engine.config import ModelConfig
-from engine.core import EngineCore, build_core
-from engine.cpu_support import FORCE_UNSUPPORTED_ENV, UnsupportedDtype
-from engine.default_model import default_model_path
-from engine.dtype_choice import (
+from engine.cpu import cpu_linear, dtype_choice
+from engine.runner import ops
+from engine.loading.model_config import ModelConfig
+from engine.core.engine_core import EngineCore, build_core
+from engine.cpu.cpu_support import FORCE_UNSUPPORTED_ENV, UnsupportedDtype
+from engine.loading.default_model import default_model_path
+from engine.cpu.dtype_choice import (
     Scenario,
     choose_dtype,
     linear_shapes,
@@ -23,10 +24,10 @@ from engine.dtype_choice import (
     pick,
     scenarios,
 )
-from engine.engine_config import EngineConfig
-from engine.greedy_agreement import Agreement, argmax_gaps
-from engine.loader import Checkpoint, load_checkpoint, read_model_config
-from engine.model_source import load_tokenizer
+from engine.frontend.engine_config import EngineConfig
+from tests.engine.greedy_agreement import Agreement, argmax_gaps
+from engine.loading.loader import Checkpoint, load_checkpoint, read_model_config
+from engine.frontend.model_source import load_tokenizer
 from engine.models.layers import Linear
 
 TINY = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
@@ -177,7 +178,7 @@ def test_a_measurement_is_remembered_per_machine_and_shapes(tmp_path, monkeypatc
     def no_measuring(*args: object) -> None:
         raise AssertionError("measured again")
 
-    monkeypatch.setattr("engine.dtype_choice.measure", no_measuring)
+    monkeypatch.setattr("engine.cpu.dtype_choice.measure", no_measuring)
     again = choose_dtype(EngineConfig(model="m", dtype="auto"), TINY, "cpu", cache)
     assert (again.dtype, again.timings_ms) == (first.dtype, first.timings_ms)
     # Other batch shapes are another measurement.
@@ -195,7 +196,7 @@ def test_helexa_dtype_reaches_the_engine_config(monkeypatch: pytest.MonkeyPatch)
 
 def test_bf16_greedy_output_stays_within_the_fp32_agreement_bound(smollm2: Checkpoint) -> None:
     """bf16 flips near ties (so texts may part), but every token it picks must be (nearly) what
-    the fp32 model would pick after the same prefix: see engine.greedy_agreement."""
+    the fp32 model would pick after the same prefix: see tests.engine.greedy_agreement."""
     bf16 = load_checkpoint(default_model_path(), dtype=torch.bfloat16)
     questions = ["What is the capital of France?", "Explain how a compass works.",
                  "List three uses of copper.", "Write a haiku about rain."]

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core import EngineCore
-from engine.engine_config import EngineConfig
-from engine.loader import Checkpoint
-from engine.protocol import EngineRequest, FinishReason, SamplingParams
+from engine.core.engine_core import EngineCore
+from engine.frontend.engine_config import EngineConfig
+from engine.frontend.protocol import EngineRequest, FinishReason, SamplingParams
+from engine.loading.loader import Checkpoint
 
 TOPICS = [
     "the sea", "a red bicycle", "why the sky is blue, in one sentence", "bread",

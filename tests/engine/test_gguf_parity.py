@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.gguf_file import model_id_from_path
-from engine.gguf_import import unpermute_rope_rows
-from engine.loader import Checkpoint
+from engine.loading.gguf_file import model_id_from_path
+from engine.loading.gguf_import import unpermute_rope_rows
+from engine.loading.loader import Checkpoint
 from tests.engine.helpers import PagedSequences, chunked_logits
 
 transformers = pytest.importorskip("transformers")
@@ -18,7 +18,7 @@ PROMPT = "The capital of France is Paris. The capital of Germany is Berlin, and 
 
 @pytest.fixture(scope="module")
 def hf_model(smollm2: Checkpoint) -> torch.nn.Module:
-    from engine.default_model import default_model_path
+    from engine.loading.default_model import default_model_path
 
     path = default_model_path()
     try:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.loader import load_checkpoint
+from engine.loading.loader import load_checkpoint
 from tests.engine.helpers import chunked_logits, perturb_norms_and_biases, save_tokenizer
 
 transformers = pytest.importorskip("transformers")

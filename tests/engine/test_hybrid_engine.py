@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.core import EngineCore
-from engine.engine_config import EngineConfig
-from engine.loader import Checkpoint, load_checkpoint
-from engine.model_runner import kv_bytes_per_token
-from engine.protocol import EngineOutput, EngineRequest, FinishReason, SamplingParams
+from engine.core.engine_core import EngineCore
+from engine.frontend.engine_config import EngineConfig
+from engine.frontend.protocol import EngineOutput, EngineRequest, FinishReason, SamplingParams
+from engine.loading.loader import Checkpoint, load_checkpoint
+from engine.runner.model_runner import kv_bytes_per_token
 from tests.engine.helpers import RaisesAfterForward
 from tests.engine.hybrid_models import LONG_PROMPT, reference_model, save_hybrid_dir
 

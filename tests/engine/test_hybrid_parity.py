@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.loader import Checkpoint, load_checkpoint
+from engine.loading.loader import Checkpoint, load_checkpoint
 from tests.engine.helpers import (
     assert_mixed_steps_match_each_alone,
     assert_ragged_batch_matches_each_alone,
@@ -88,7 +88,7 @@ def test_checkpoint_pieces_must_fill_each_parameter_once(model_dir: Path,
                                                          checkpoint: Checkpoint) -> None:
     """Per-expert tensors fill slices of one stacked parameter, fused ones are split: a missing
     or surplus piece is an error, never a silently uninitialized (or overwritten) parameter."""
-    from engine.loader import iter_safetensors, load_weights  # noqa: PLC0415
+    from engine.loading.loader import iter_safetensors, load_weights  # noqa: PLC0415
 
     model = checkpoint.model
     weights = list(iter_safetensors(model_dir, torch.float32))

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.core import EngineCore, Arrivals, handle_message
-from engine.engine_config import EngineConfig
-from engine.loader import Checkpoint
-from engine.protocol import (
+from engine.core.engine_core import EngineCore, Arrivals, handle_message
+from engine.frontend.engine_config import EngineConfig
+from engine.loading.loader import Checkpoint
+from engine.frontend.protocol import (
     INT64_MAX,
     INT64_MIN,
     AddRequest,
@@ -23,7 +23,7 @@ from engine.protocol import (
     encode_message,
     is_device_fault,
 )
-from engine.sampler import NO_FINITE_LOGITS
+from engine.runner.sampler import NO_FINITE_LOGITS
 from tests.engine.helpers import RaisesAfterForward
 from tests.engine.test_engine_core import greedy, prompts
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.kv_cache import BlockHash, KVCacheManager, hash_block_tokens
-from engine.protocol import SamplingParams
-from engine.request import Request
+from engine.core.kv_cache import BlockHash, KVCacheManager, hash_block_tokens
+from engine.core.request import Request
+from engine.frontend.protocol import SamplingParams
 
 BLOCK_SIZE = 4
 

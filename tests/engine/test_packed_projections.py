@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.loader import empty_model, load_weights, packed_targets
+from engine.loading.model_config import ModelConfig
+from engine.loading.loader import empty_model, load_weights, packed_targets
 from engine.models.layers import PackedLinear
 from tests.engine.hybrid_models import _config
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.ops import attention, paged_attention
-from engine.ops import kv_store as store_kv
-from engine.step_metadata import AttentionMetadata
+from engine.runner.ops import attention, paged_attention
+from engine.runner.ops import kv_store as store_kv
+from engine.runner.step_metadata import AttentionMetadata
 from tests.engine.helpers import random_block_tables
 
 # (query_len, seq_len) per sequence: whole prefills, chunked continuations, decodes.
@@ -17,10 +17,10 @@ BATCHES = {
     "decode-only": [(1, 5), (1, 17), (1, 1), (1, 40)],
     "prefill-only": [(9, 9), (2, 2), (16, 16)],
     "one-chunk": [(6, 30)],
-    # Decode contexts far apart: more than one length bucket (engine.attention_plan).
+    # Decode contexts far apart: more than one length bucket (engine.runner.attention_plan).
     "spread-decodes": [(1, 3), (1, 300), (4, 9), (1, 5), (1, 290), (1, 1), (1, 310)],
     # Prompts whose first blocks the prefix cache held (the CPU kernel takes their rows), beside a
-    # continuation too long for it (engine.attention_plan.KERNEL_CHUNK_KEYS).
+    # continuation too long for it (engine.runner.attention_plan.KERNEL_CHUNK_KEYS).
     "cached-prompts": [(16, 128), (1, 40), (9, 128), (70, 100), (64, 65)],
 }
 pytestmark = pytest.mark.usefixtures("decode_path")

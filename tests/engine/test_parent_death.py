@@ -1,4 +1,4 @@
-"""A process armed with `engine.parent_death.arm` dies with its parent, even a SIGKILLed one: the
+"""A process armed with `engine.frontend.parent_death.arm` dies with its parent, even a SIGKILLed one: the
 worker's engine core, busy loading a model for a minute, must not outlive a killed worker."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import textwrap
 import psutil
 import pytest
 
-from engine import parent_death
+from engine.frontend import parent_death
 from tests.support import eventually
 
 # The parent starts a child that arms the signal and then blocks on a pipe nobody writes to (as
@@ -19,7 +19,7 @@ from tests.support import eventually
 PARENT = textwrap.dedent("""
     import os, subprocess, sys
     child = subprocess.Popen([sys.executable, "-c",
-        "import os, signal; from engine import parent_death; "
+        "import os, signal; from engine.frontend import parent_death; "
         "parent_death.arm(signal.SIGKILL, os.getppid()); print('armed', flush=True); "
         "os.read(os.pipe()[0], 1)"], stdout=subprocess.PIPE, text=True)
     assert child.stdout.readline().strip() == "armed"

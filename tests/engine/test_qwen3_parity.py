@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.loader import Checkpoint, load_checkpoint
+from engine.loading.loader import Checkpoint, load_checkpoint
 from tests.engine.helpers import (
     assert_mixed_steps_match_each_alone,
     assert_ragged_batch_matches_each_alone,

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import ops
-from engine.default_model import default_model_path
-from engine.loader import Checkpoint, load_checkpoint
-from engine.model_runner import allocate_kv_caches
-from engine.step_metadata import AttentionMetadata
+from engine.loading.default_model import default_model_path
+from engine.loading.loader import Checkpoint, load_checkpoint
+from engine.runner import ops
+from engine.runner.model_runner import allocate_kv_caches
+from engine.runner.step_metadata import AttentionMetadata
 from tests.engine.helpers import PagedSequences
 from tests.engine.test_cpu_linear import _randomized
 

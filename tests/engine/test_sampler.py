@@ -8,8 +8,8 @@ import msgspec
 import pytest
 import torch
 
-from engine.protocol import INT64_MAX, INT64_MIN, SamplingParams
-from engine.sampler import (
+from engine.frontend.protocol import INT64_MAX, INT64_MIN, SamplingParams
+from engine.runner.sampler import (
     NO_FINITE_LOGITS,
     Sampler,
     SamplingRow,

@@ -8,10 +8,10 @@ from collections.abc import Callable
 
 import pytest
 
-from engine.kv_cache import KVCacheManager
-from engine.protocol import FinishReason, SamplingParams
-from engine.request import Request, RequestStatus
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.core.kv_cache import KVCacheManager
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.frontend.protocol import FinishReason, SamplingParams
 
 BLOCK_SIZE = 4
 
@@ -60,7 +60,7 @@ def chunks(output: SchedulerOutput) -> list[tuple[str, int, bool]]:
 
 
 def test_importing_the_scheduler_does_not_import_torch():
-    code = "import sys, engine.scheduler, engine.kv_cache; print('torch' in sys.modules)"
+    code = "import sys, engine.core.scheduler, engine.core.kv_cache; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
 
@@ -362,7 +362,7 @@ def test_max_model_len_ends_with_length():
 def test_state_slots_cap_running_and_are_released_on_finish_preempt_and_abort():
     """Hybrid models: a running request holds one state slot, from admission to finish, abort or
     preemption; with no free slot, nothing more is admitted, whatever max_num_seqs says."""
-    from engine.state_slots import StateSlotPool
+    from engine.core.state_slots import StateSlotPool
 
     slots = StateSlotPool(2)
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=8),

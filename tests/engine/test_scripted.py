@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine.default_model import default_model_path
-from engine.model_source import load_tokenizer
-from engine.protocol import EngineRequest, FinishReason, SamplingParams
-from engine.scripted import ScriptedEngine
+from engine.frontend.model_source import load_tokenizer
+from engine.frontend.protocol import EngineRequest, FinishReason, SamplingParams
+from engine.frontend.scripted import ScriptedEngine
+from engine.loading.default_model import default_model_path
 
 
 async def test_a_duplicate_id_is_refused_and_the_first_stream_goes_on(tmp_path: Path) -> None:

@@ -13,12 +13,12 @@ import jsonschema
 import pytest
 import torch
 
-from engine.core import EngineCore
-from engine.engine_config import EngineConfig
-from engine.loader import Checkpoint
-from engine.protocol import EngineOutput, EngineRequest, FinishReason, SamplingParams, StructuredOutput
-from engine.protocol import StructuredOutputKind as Kind
-from engine.structured_output import apply_masks, unpack_numpy, unpack_torch
+from engine.core.engine_core import EngineCore
+from engine.core.structured_output import apply_masks, unpack_numpy, unpack_torch
+from engine.frontend.engine_config import EngineConfig
+from engine.frontend.protocol import EngineOutput, EngineRequest, FinishReason, SamplingParams, StructuredOutput
+from engine.frontend.protocol import StructuredOutputKind as Kind
+from engine.loading.loader import Checkpoint
 
 PERSON = {
     "type": "object",
@@ -253,7 +253,7 @@ def test_a_grammar_error_is_short_and_never_carries_the_grammar(smollm2: Checkpo
 def test_a_grammar_past_its_bounds_is_refused_without_compiling(smollm2: Checkpoint,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     core = make_core(smollm2)
-    monkeypatch.setattr("engine.structured_output.to_llguidance",
+    monkeypatch.setattr("engine.core.structured_output.to_llguidance",
                         lambda s: pytest.fail("a grammar past its bounds reached the compiler"))
     huge = StructuredOutput(kind=Kind.GRAMMAR, spec='start: "' + "a" * (64 << 10) + '"')
     result = run(core, [EngineRequest("big", chat(smollm2, "Hi"), constrained(huge))])

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.loader import Checkpoint
-from engine.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, Tokenizer
+from engine.frontend.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, Tokenizer
+from engine.loading.loader import Checkpoint
 
 
 @pytest.fixture(scope="module")

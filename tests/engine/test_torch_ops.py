@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import torch_ops
+from engine.runner import torch_ops
 from helexa_kernels.kv_store.naive import naive_kv_store
 from helexa_kernels.rmsnorm.naive import naive_fused_add_rms_norm, naive_rms_norm
 from helexa_kernels.rotary.naive import build_cos_sin_cache, naive_rotary

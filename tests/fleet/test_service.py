@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from apps.bus import topology, wire
-from engine.protocol import SamplingParams
+from engine.frontend.protocol import SamplingParams
 from tests.fleet.conftest import COLD_MODEL, Fleet, wait_events
 from tests.support import REPO
 

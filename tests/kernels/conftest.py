@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from engine import ops  # noqa: E402
+from engine.runner import ops  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

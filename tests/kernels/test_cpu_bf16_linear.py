@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.dtype_cache import cpu_identity
+from helexa_kernels.machine import cpu_identity
 from helexa_kernels import cpu as cpu_kernels
 from tests.kernels.helpers import AMX_FORMS
 

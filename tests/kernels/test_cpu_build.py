@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from apps.embedded.nats_server import NatsServer
-from engine.dtype_choice import supported_candidates
+from engine.cpu.dtype_choice import supported_candidates
 from helexa_kernels import cpu as cpu_kernels
 from helexa_kernels.build_lock import Holder, build_lock
 from tests.support import REPO, AppProcess, eventually

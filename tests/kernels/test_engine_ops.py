@@ -12,13 +12,13 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import WordLevel
 
-from engine import ops
-from engine.config import ModelConfig
-from engine.core import EngineCore
-from engine.engine_config import EngineConfig
-from engine.loader import Checkpoint
+from engine.core.engine_core import EngineCore
+from engine.frontend.engine_config import EngineConfig
+from engine.frontend.tokenizer import Tokenizer
+from engine.loading.loader import Checkpoint
+from engine.loading.model_config import ModelConfig
 from engine.models import build_model
-from engine.tokenizer import Tokenizer
+from engine.runner import ops
 from helexa_kernels import cpu as cpu_kernels
 from tests.engine.helpers import PagedSequences, perturb_norms_and_biases
 from tests.kernels.helpers import DEVICE, assert_close
@@ -113,8 +113,8 @@ def test_the_core_resolves_the_choice_once(monkeypatch: pytest.MonkeyPatch) -> N
 def test_importing_the_engine_does_not_import_triton() -> None:
     """Triton decides interpreter or GPU when it is first imported (the kernel tests set
     TRITON_INTERPRET before that), and a CPU engine has no use for it."""
-    code = ("import sys, engine.ops, engine.core, helexa_kernels.rmsnorm, helexa_kernels.gated_delta_rule; "
-            "print('triton' in sys.modules)")
+    code = ("import sys, engine.runner.ops, engine.core.engine_core, helexa_kernels.rmsnorm, "
+            "helexa_kernels.gated_delta_rule; print('triton' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -183,7 +183,7 @@ def test_triton_path_splits_small_decodes(monkeypatch: pytest.MonkeyPatch) -> No
 def test_cpu_kernels_match_torch_path_for_hybrids(model_type: str, tmp_path) -> None:
     """The hybrids' gated attention and (1 + w) norms through the C++ CPU kernels."""
     transformers = pytest.importorskip("transformers")
-    from engine.loader import load_checkpoint
+    from engine.loading.loader import load_checkpoint
     from tests.engine.hybrid_models import save_hybrid_dir
 
     model = load_checkpoint(save_hybrid_dir(transformers, model_type, tmp_path / model_type)).model
@@ -198,9 +198,9 @@ def test_cpu_kernels_match_torch_path_for_hybrids(model_type: str, tmp_path) -> 
 @pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5"])
 def test_triton_path_matches_torch_path_for_hybrids(model_type: str, tmp_path) -> None:
     """The hybrid models reach the GDN ops (conv, gating, delta rule), the gated and (1+w)
-    norms and MoE through `engine.ops` too; both paths agree over chunked prefill and decode."""
+    norms and MoE through `engine.runner.ops` too; both paths agree over chunked prefill and decode."""
     transformers = pytest.importorskip("transformers")
-    from engine.loader import load_checkpoint
+    from engine.loading.loader import load_checkpoint
     from tests.engine.hybrid_models import save_hybrid_dir
 
     model = load_checkpoint(save_hybrid_dir(transformers, model_type, tmp_path / model_type)).model.to(DEVICE)

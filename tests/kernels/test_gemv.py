@@ -48,9 +48,9 @@ def test_full_size(n: int, k: int) -> None:
 
 
 def test_a_linear_runs_one_row_calls_through_it() -> None:
-    """engine.gpu_linear's form of a Linear: one-row calls on the kernel, any other on F.linear."""
-    from engine.cpu_linear import Linear
-    from engine.gpu_linear import GemvLinear, clear_gemv
+    """engine.runner.gpu_linear's form of a Linear: one-row calls on the kernel, any other on F.linear."""
+    from engine.cpu.cpu_linear import Linear
+    from engine.runner.gpu_linear import GemvLinear, clear_gemv
 
     layer = Linear(96, 40, bias=False).to(DEVICE)
     calls: list[int] = []
@@ -70,8 +70,8 @@ def test_a_linear_runs_one_row_calls_through_it() -> None:
 
 @pytest.mark.gpu
 def test_measured_choice_on_gpu_keeps_the_outputs() -> None:
-    from engine.cpu_linear import Linear
-    from engine.gpu_linear import GemvLinear, use_gemv_where_faster
+    from engine.cpu.cpu_linear import Linear
+    from engine.runner.gpu_linear import GemvLinear, use_gemv_where_faster
 
     model = torch.nn.Sequential(*(Linear(1024, 3072, bias=False) for _ in range(4)),
                                 Linear(3072, 1024, bias=False)).to(DEVICE, torch.bfloat16)

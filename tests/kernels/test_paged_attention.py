@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import paged_attention as engine_paged_attention
-from engine.step_metadata import AttentionMetadata
+from engine.runner.attention import paged_attention as engine_paged_attention
+from engine.runner.step_metadata import AttentionMetadata
 from helexa_kernels.kv_store import naive_kv_store
 from helexa_kernels.paged_attention import naive_paged_attention, paged_attention
 from tests.kernels.helpers import DEVICE, assert_close, tol_for
@@ -103,9 +103,9 @@ def test_long_chunks_are_left_to_the_caller() -> None:
 @pytest.mark.parametrize("min_queries", [4, 10**6], ids=["routed", "kernel-only"])
 def test_engine_triton_path_routes_long_chunks(min_queries: int,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """engine.ops on the Triton path: chunk continuations of at least SDPA_CHUNK_MIN_QUERIES
+    """engine.runner.ops on the Triton path: chunk continuations of at least SDPA_CHUNK_MIN_QUERIES
     queries through SDPA, the rest of the step through the kernel, one correct output."""
-    from engine import attention_plan, ops
+    from engine.runner import attention_plan, ops
 
     monkeypatch.setattr(attention_plan, "SDPA_CHUNK_MIN_QUERIES", min_queries)
     routed: list[tuple[int, int]] = []

@@ -1,0 +1,444 @@
+"""The engine core: schedule → run the model → sample → update, one step at a time.
+
+`EngineCore` is synchronous and owns every torch object through its `ModelRunner`; the scheduler owns
+the request table. `run_core_process` drives the core in its own process behind a pipe of
+`engine.frontend.protocol` messages (the client side is `engine.frontend.core_client`), so the worker's event loop never
+waits on torch and never imports it.
+
+A failure belongs to the request that caused it. Requests that can never run are refused at add
+(the scheduler's rejections); a row the sampler cannot sample ends alone; a step that raises is run
+again one request at a time, so only the request it belongs to ends with `finish_reason: "error"`.
+Only a device fault (`engine.frontend.protocol.device_fault_message`), or an error no request can be blamed
+for, ends every request in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import time
+from multiprocessing.connection import Connection
+
+import msgspec
+import torch
+
+from engine.core.batch_window import gather_burst
+from engine.core.kv_cache import KVCacheManager
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import (
+    ScheduledRequest,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
+from engine.core.state_slots import StateSlotPool
+from engine.core.structured_output import GrammarEnd, StructuredOutputs
+from engine.frontend.engine_config import EngineConfig
+from engine.frontend.protocol import (
+    AbortRequests,
+    AddRequest,
+    CoreFailed,
+    CoreInfo,
+    CoreReady,
+    CoreStats,
+    EngineOutput,
+    EngineRefused,
+    EngineRequest,
+    FinishReason,
+    FromCore,
+    Shutdown,
+    StepOutputs,
+    TokenLogprob,
+    device_fault_message,
+    encode_message,
+    is_device_fault,
+    to_core_decoder,
+)
+from engine.loading.loader import Checkpoint
+from engine.runner import ops
+from engine.runner.model_runner import ModelRunner, StepResult
+
+log = logging.getLogger("helexa.engine")
+
+# How often a core with nothing to step but grammars compiling looks at them again.
+GRAMMAR_POLL_S = 0.005
+
+
+class EngineCore:
+    def __init__(self, checkpoint: Checkpoint, config: EngineConfig) -> None:
+        self.config = config
+        self.checkpoint = checkpoint
+        model_config = checkpoint.config
+        # The kernel choice is made once per engine, for the device its weights are on.
+        ops.use_backend(config.kernels, next(checkpoint.model.parameters()).device)
+        self.runner = ModelRunner(checkpoint.model, model_config, config, checkpoint.model_id)
+        enable_prefix_caching = config.enable_prefix_caching
+        if self.runner.is_hybrid and enable_prefix_caching:
+            # A cached KV prefix is useless without the linear layers' state at that point.
+            log.info("prefix caching disabled for %s: hybrid (linear-attention) model",
+                     checkpoint.model_id)
+            enable_prefix_caching = False
+        # One state slot per sequence that may run at once.
+        self.state_slots = StateSlotPool(config.max_num_seqs) if self.runner.is_hybrid else None
+        self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.runner.max_model_len,
+                vocab_size=model_config.vocab_size,
+            ),
+            self.kv_cache,
+            self.state_slots,
+        )
+        self.info = CoreInfo(
+            model_id=checkpoint.model_id,
+            max_model_len=self.runner.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            num_blocks=self.runner.num_blocks,
+            block_size=config.block_size,
+            eos_token_ids=checkpoint.tokenizer.all_stop_token_ids,
+            max_position_embeddings=model_config.max_position_embeddings,
+            dtype=str(self.runner.dtype).removeprefix("torch."),
+        )
+        # Grammar-constrained requests (engine.core.structured_output): masks before sampling.
+        self.structured = StructuredOutputs(checkpoint.tokenizer, model_config.vocab_size,
+                                            self.info.eos_token_ids, config.max_num_seqs, self.runner.device)
+        self.runner.mask_logits = self.structured.mask_logits
+        # Constrained requests whose grammar is compiling, by id, in arrival order.
+        self._compiling: dict[str, Request] = {}
+        self.stats = CoreStats(num_blocks=self.runner.num_blocks)
+        self._refresh_stats()
+        self._first_scheduled: dict[str, float] = {}
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request; one that can never run comes back as an error output of the next step,
+        and a resumed one that had already ended (its last token a stop, or no tokens left) as a
+        token-less finish. A constrained request waits beside the scheduler until its grammar has
+        compiled (`_admit_compiled`)."""
+        engine_request = Request(request.request_id, request.prompt_token_ids, request.sampling,
+                                 eos_token_ids=self.info.eos_token_ids,
+                                 resumed_token_ids=request.resumed_token_ids)
+        structured = request.sampling.structured
+        if request.request_id in self._compiling:
+            # Its grammar would replace the waiting one's: refused as the scheduler refuses a duplicate.
+            self.scheduler.reject(engine_request, f"duplicate request id {request.request_id!r}: a request "
+                                                  "with that id is already in the engine")
+            return
+        # A duplicate id is the scheduler's to refuse; its grammar must not replace the live one's.
+        if structured is not None and request.request_id not in self.scheduler.requests:
+            self._compiling[request.request_id] = engine_request
+            self.structured.add(request.request_id, structured, request.resumed_token_ids)
+            self._admit_compiled()  # a grammar compiled before goes on at once
+            return
+        self.scheduler.add_request(engine_request)
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar has compiled go to the scheduler; those whose grammar failed (or
+        ran past its budget) end alone, with a short error."""
+        for request_id, error in self.structured.ready():
+            request = self._compiling.pop(request_id)
+            if error is None:
+                self.scheduler.add_request(request)
+            else:
+                self.structured.release(request_id)
+                self.scheduler.reject(request, f"structured output does not compile: {error}")
+
+    @property
+    def only_compiling(self) -> bool:
+        """Nothing to step but grammars compiling: the loop waits for them (or a message)."""
+        return bool(self._compiling) and not self.scheduler.has_unfinished()
+
+    def abort(self, request_ids: list[str]) -> list[EngineOutput]:
+        outputs = []
+        for request_id in request_ids:
+            request = self._compiling.pop(request_id, None)
+            if request is not None:
+                self.structured.release(request_id)
+                request.status = RequestStatus.FINISHED_ABORTED
+                outputs.append(self._end_one(request))
+        return outputs + self._end(self.scheduler.abort_requests(request_ids))
+
+    def fail_all(self, error: str) -> list[EngineOutput]:
+        """A step raised and no request can be blamed: every live request ends with an error; the
+        core itself carries on."""
+        return self._end(self.scheduler.finish_requests(list(self.scheduler.requests),
+                                                        RequestStatus.FINISHED_ERROR, error))
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._compiling)
+
+    def step(self) -> list[EngineOutput]:
+        if self._compiling:
+            self._admit_compiled()
+        step = self.scheduler.schedule()
+        result = StepResult()
+        if step.scheduled:
+            now = time.monotonic()
+            for scheduled in step.scheduled:
+                request = scheduled.request
+                self._first_scheduled.setdefault(request.request_id, now)
+                if request.num_computed_tokens < request.num_prompt_tokens:
+                    self.stats.prompt_tokens_computed += min(
+                        scheduled.num_new_tokens, request.num_prompt_tokens - request.num_computed_tokens)
+            result = self._execute(step)
+        # Rows that failed end now, alone: the update below skips requests no longer running.
+        outputs = []
+        for request_id, error in result.failed.items():
+            log.warning("request %s failed alone: %s", request_id, error)
+            failed = self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ERROR, error)
+            outputs += [self._end_one(request) for request in failed]
+        sampled_tokens = {request_id: token for request_id, (token, _) in result.sampled.items()}
+        grammar_ends = self.structured.consume(sampled_tokens)
+        # Always: it also hands back the requests the scheduler rejected at add.
+        got_token, finished = self.scheduler.update_from_output(step, sampled_tokens)
+        done = time.monotonic()
+        for request in got_token:
+            _, logprob = result.sampled[request.request_id]
+            outputs.append(self._output(request, logprob, done))
+        with_token = {id(request) for request in got_token}
+        for request in finished:
+            if id(request) in with_token:
+                self._forget(request)
+            else:  # ended at add: a request of its own, even when it repeats a live id
+                outputs.append(self._end_one(request))
+        outputs += self._end_by_grammar(grammar_ends)
+        if step.scheduled:
+            self._update_stats(len(got_token))
+        else:
+            self._refresh_stats()
+        return outputs
+
+    def _end_by_grammar(self, ends: list[GrammarEnd]) -> list[EngineOutput]:
+        """Stop the requests whose grammar is complete, fail those whose grammar failed; a request
+        the scheduler already finished this step (an EOS the grammar accepted) needs nothing."""
+        outputs = []
+        for end in ends:
+            status = RequestStatus.FINISHED_STOPPED if end.error is None else RequestStatus.FINISHED_ERROR
+            for request in self.scheduler.finish_requests([end.request_id], status, end.error):
+                outputs.append(self._end_one(request))
+        return outputs
+
+    def _execute(self, step: SchedulerOutput) -> StepResult:
+        """Run the step. If it raises with no device fault, run each request alone: the ones that
+        still raise fail, the rest get their tokens. A device fault propagates (see the module doc)."""
+        try:
+            return self.runner.execute(step)
+        except Exception as exc:
+            message = device_fault_message(exc)
+            if is_device_fault(message):
+                raise
+            if len(step.scheduled) == 1:
+                log.warning("engine step failed for one request", exc_info=True)
+                return StepResult(failed={step.scheduled[0].request.request_id: message})
+            log.warning("engine step failed; running its %d requests one at a time", len(step.scheduled),
+                        exc_info=True)
+        result = StepResult()
+        for item in step.scheduled:
+            try:
+                alone = self._run_alone(item)
+            except Exception as exc:
+                message = device_fault_message(exc)
+                if is_device_fault(message):
+                    raise
+                result.failed[item.request.request_id] = message
+                continue
+            result.sampled.update(alone.sampled)
+            result.failed.update(alone.failed)
+        return result
+
+    def _run_alone(self, item: ScheduledRequest) -> StepResult:
+        request = item.request
+        if not self.runner.is_hybrid:
+            # Re-running a chunk rewrites the same KV slots with the same values: safe to repeat.
+            return self.runner.execute(SchedulerOutput([item], [], item.num_new_tokens))
+        # The failed batch may have advanced this sequence's linear state part way; recompute the
+        # whole sequence up to the same point from a zero state (blocks already cover it).
+        computed = request.num_computed_tokens
+        request.num_computed_tokens = 0
+        try:
+            whole = ScheduledRequest(request, computed + item.num_new_tokens, item.sample)
+            return self.runner.execute(SchedulerOutput([whole], [], whole.num_new_tokens))
+        finally:
+            request.num_computed_tokens = computed
+
+    def _output(self, request: Request, logprob: TokenLogprob | None, now: float) -> EngineOutput:
+        first = request.num_output_tokens == request.num_resumed_tokens + 1
+        prefill_ms = None
+        if first:
+            prefill_ms = (now - self._first_scheduled.get(request.request_id, now)) * 1000.0
+        return EngineOutput(
+            request_id=request.request_id,
+            new_token_ids=[request.output_token_ids[-1]],
+            logprobs=[logprob] if logprob is not None else None,
+            finished=request.is_finished,
+            finish_reason=request.status.finish_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            prefill_ms=prefill_ms,
+        )
+
+    def _end(self, requests: list[Request]) -> list[EngineOutput]:
+        outputs = [self._end_one(request) for request in requests]
+        self._refresh_stats()
+        return outputs
+
+    def _end_one(self, request: Request) -> EngineOutput:
+        """The final, token-less output of a request that ended without a new token."""
+        self._forget(request)
+        return EngineOutput(request_id=request.request_id, new_token_ids=[], finished=True,
+                            finish_reason=request.status.finish_reason or FinishReason.ERROR,
+                            num_prompt_tokens=request.num_prompt_tokens, error=request.error)
+
+    def _forget(self, request: Request) -> None:
+        # A rejected duplicate shares its id with a live request, whose state must stay.
+        if request.request_id in self.scheduler.requests or request.request_id in self._compiling:
+            return
+        self._first_scheduled.pop(request.request_id, None)
+        self.structured.release(request.request_id)
+
+    def _update_stats(self, generated: int) -> None:
+        self.stats.steps += 1
+        self.stats.generated_tokens += generated
+        self._refresh_stats()
+
+    def _refresh_stats(self) -> None:
+        s = self.stats
+        s.num_free_blocks = self.kv_cache.num_free_blocks
+        s.num_running = self.scheduler.num_running
+        s.num_waiting = self.scheduler.num_waiting
+        s.num_preemptions = self.scheduler.num_preemptions
+        s.prefix_queries = self.kv_cache.prefix_queries
+        s.prefix_hits = self.kv_cache.prefix_hits
+        s.grammar_compiles = self.structured.compiles
+        s.grammar_cache_hits = self.structured.cache_hits
+        if self.state_slots is not None:
+            s.num_state_slots = self.state_slots.num_slots
+            s.num_free_state_slots = self.state_slots.num_free
+
+
+def build_core(config: EngineConfig) -> EngineCore:
+    """The engine for `config`, each step of a start that takes seconds announced in the log (the
+    CPU kernels' one-time build, the dtype measurement, the weights). A dtype this CPU cannot run
+    is refused first (`engine.cpu.cpu_support.UnsupportedDtype`), before anything is built."""
+    from engine.cpu import cpu_support
+    from engine.cpu.dtype_cache import default_cache_path
+    from engine.cpu.dtype_choice import choose_dtype
+    from engine.loading.loader import load_checkpoint, read_model_config, weights_bytes
+
+    if config.device == "auto":
+        config = dataclasses.replace(config, device="cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(config.device).type
+    if config.dtype != "auto":
+        cpu_support.require(config.dtype, device)
+    # Picked before the dtype is measured: the linears are timed as this backend runs them.
+    ops.use_backend(config.kernels, config.device)
+    choice = choose_dtype(config, read_model_config(config.model), device, default_cache_path())
+    start = time.perf_counter()
+    log.info("loading weights (%d MiB on disk) as %s from %s ...", weights_bytes(config.model) >> 20,
+             choice.dtype, config.model)
+    checkpoint = load_checkpoint(config.model, dtype=choice.torch_dtype, device=config.device)
+    log.info("weights loaded in %.1f s", time.perf_counter() - start)
+    core = EngineCore(checkpoint, config)
+    core.info = msgspec.structs.replace(core.info, dtype=choice.dtype, dtype_reason=choice.detail,
+                                        dtype_timings_ms=choice.timings_ms)
+    return core
+
+
+@dataclasses.dataclass(slots=True)
+class Arrivals:
+    """What the core loop knows of requests still on their way."""
+
+    more_arriving: bool = False  # the last request taken said others are right behind it
+
+
+def _take(core: EngineCore, conn: Connection, outputs: list[EngineOutput], arrivals: Arrivals) -> bool:
+    """Apply the next message from the client, its outputs into `outputs`; False: shut down."""
+    handled = handle_message(core, conn.recv_bytes(), arrivals)
+    if handled is None:
+        return False
+    outputs.extend(handled)
+    return True
+
+
+def handle_message(core: EngineCore, data: bytes, arrivals: Arrivals) -> list[EngineOutput] | None:
+    """Apply one message from the client; None means shut down. A message that cannot be
+    applied fails the request it carries, never the process."""
+    try:
+        message = to_core_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        request_id = _request_id_of(data)
+        log.warning("undecodable message for request %r: %s", request_id, exc)
+        if request_id is None:
+            return []
+        return [EngineOutput(request_id=request_id, new_token_ids=[], finished=True,
+                             finish_reason=FinishReason.ERROR, error=f"invalid engine request: {exc}")]
+    if isinstance(message, AddRequest):
+        core.add_request(message.request)
+        arrivals.more_arriving = message.request.more_arriving
+    elif isinstance(message, AbortRequests):
+        return core.abort(message.request_ids)
+    elif isinstance(message, Shutdown):
+        return None
+    return []
+
+
+def _request_id_of(data: bytes) -> str | None:
+    """The request id inside an AddRequest that failed validation, if it can be read at all."""
+    try:
+        raw = msgspec.msgpack.decode(data)
+        request_id = raw["request"][0]
+    except (msgspec.DecodeError, KeyError, IndexError, TypeError):
+        return None
+    return request_id if isinstance(request_id, str) else None
+
+
+def run_core_process(conn: Connection, config: EngineConfig) -> None:
+    """The core process: load the model, then step whenever there is work, until told to stop."""
+    # Ctrl-C reaches the whole process group; the worker owns shutdown and stops us through the
+    # pipe (or by closing it), so an interrupted terminal does not look like a crashed engine.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def send(message: FromCore) -> None:
+        conn.send_bytes(encode_message(message))
+
+    try:
+        core = build_core(config)
+    except EngineRefused as exc:  # a configuration this machine cannot run: one line, no traceback
+        send(CoreFailed(error=str(exc), refused=True))
+        return
+    except Exception as exc:  # reported to the parent, which decides what to do
+        send(CoreFailed(error=f"{type(exc).__name__}: {exc}"))
+        return
+    send(CoreReady(info=core.info))
+    window_s = config.batch_window_ms / 1000.0
+    arrivals = Arrivals()
+    while True:
+        outputs: list[EngineOutput] = []
+        try:
+            # Block for commands only when idle; otherwise just take what has arrived.
+            idle = not core.has_work()
+            if idle:
+                conn.poll(None)
+            elif core.only_compiling:
+                conn.poll(GRAMMAR_POLL_S)  # a message, or the next look at the compiles
+            while conn.poll():
+                if not _take(core, conn, outputs, arrivals):
+                    return
+            if idle and window_s and core.has_work() and not gather_burst(
+                    conn.poll, lambda: _take(core, conn, outputs, arrivals), core.scheduler.next_step_is_full,
+                    lambda: arrivals.more_arriving, window_s):
+                return
+        except (EOFError, OSError):
+            return  # the worker is gone; so is our reason to run
+        try:
+            outputs.extend(core.step())
+        except Exception as exc:
+            log.exception("engine step failed")
+            outputs.extend(core.fail_all(device_fault_message(exc)))
+        if outputs:
+            try:
+                send(StepOutputs(outputs=outputs, stats=core.stats))
+            except (EOFError, OSError):
+                return

@@ -1,0 +1,304 @@
+"""What runs this step: continuous batching under one token budget, chunked prefill, preemption.
+
+Each step the running requests go first (a decode is one token; a request still mid-prefill gets its
+next chunk), in arrival order; then waiting requests are admitted first-come first-served while the
+budget, `max_num_seqs` and the KV cache allow. When a running request cannot get a block, the newest
+running request is preempted: its blocks are freed and it is later recomputed from scratch over its
+prompt and outputs so far, cheaply when its blocks are still in the prefix cache.
+
+For hybrid models a running request also holds one linear-attention state slot (`StateSlotPool`):
+taken on admission, so free slots cap the running set, and given back on finish, abort and
+preemption (a recomputed request starts its state from zeros).
+
+The scheduler owns the request table: every live request by id, and the requests that end at add
+(refused because they can never run, without touching any live request's state; or resumed ones whose
+answer was already complete), handed back by the next `update_from_output`. A resumed request (its
+earlier outputs given at add) is scheduled like a preempted one: prompt and outputs recomputed, then
+decoding goes on. It never advances a request at schedule time; `update_from_output` does, once
+the step's tokens are computed. No torch here.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from engine.core.kv_cache import KVCacheManager
+from engine.core.request import Request, RequestStatus
+from engine.core.state_slots import StateSlotPool
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+    # Token ids a prompt may hold are 0..vocab_size-1 (the model's embedding rows); 0: unchecked.
+    vocab_size: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be at least 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be at least 1")
+        if self.max_model_len < 1:
+            raise ValueError("max_model_len must be at least 1")
+        if self.vocab_size < 0:
+            raise ValueError("vocab_size must be >= 0")
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """Compute `request.all_token_ids[request.num_computed_tokens:][:num_new_tokens]` this step."""
+
+    request: Request
+    num_new_tokens: int
+    # The chunk reaches the request's last token, so the runner samples the next one.
+    sample: bool
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    preempted: list[str]
+    num_batched_tokens: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
+                 state_slots: StateSlotPool | None = None) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.state_slots = state_slots
+        self.waiting: deque[Request] = deque()
+        # Kept in arrival order, so the newest running request is always the last one.
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._arrival: dict[str, int] = {}
+        self._next_arrival = 0
+        # Ended at add time (refused, or resumed complete); handed back in the next
+        # update_from_output's finished list.
+        self._ended_at_add: list[Request] = []
+        # One sequence can never outgrow the whole pool.
+        self.max_seq_len = min(config.max_model_len, kv_cache.num_blocks * kv_cache.block_size)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def next_step_is_full(self) -> bool:
+        """The waiting requests alone would fill the next step (its token budget or its seats)."""
+        if len(self.waiting) >= self.config.max_num_seqs:
+            return True
+        tokens = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        return tokens >= self.config.max_num_batched_tokens
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self._ended_at_add)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request. One that can never run is marked FINISHED_ERROR with `request.error` set
+        at once and comes back in the finished list of the next `update_from_output`: a duplicate of
+        a live request's id (the live one is left alone), no prompt or no resolved max_tokens, a
+        prompt longer than max_model_len or than the KV pool, a prompt token outside the vocabulary.
+        A resumed request whose outputs already end it (a stop token last, max_tokens reached) is
+        finished the same way with that reason and no new token."""
+        error = self._never_runs(request)
+        ended = RequestStatus.FINISHED_ERROR if error is not None else self._resumed_complete(request)
+        if ended is not None:
+            request.status = ended
+            request.error = error
+            self._ended_at_add.append(request)
+            return
+        self.requests[request.request_id] = request
+        self._arrival[request.request_id] = self._next_arrival
+        self._next_arrival += 1
+        self.waiting.append(request)
+
+    def reject(self, request: Request, error: str) -> None:
+        """Refuse a request that never entered the engine; it comes back, FINISHED_ERROR with
+        `error`, in the finished list of the next `update_from_output`."""
+        request.status = RequestStatus.FINISHED_ERROR
+        request.error = error
+        self._ended_at_add.append(request)
+
+    def _never_runs(self, request: Request) -> str | None:
+        if request.request_id in self.requests:
+            return f"duplicate request id {request.request_id!r}: a request with that id is already in the engine"
+        if request.status != RequestStatus.WAITING:
+            return f"request {request.request_id!r} is {request.status.name}, not WAITING"
+        if not request.prompt_token_ids:
+            return "a request needs at least one prompt token"
+        if request.sampling.max_tokens is None:
+            return "max_tokens must be resolved before the engine"
+        vocab = self.config.vocab_size
+        if vocab and not all(0 <= token < vocab for token in request.all_token_ids):
+            bad = next(token for token in request.all_token_ids if not 0 <= token < vocab)
+            return f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})"
+        if self._resumed_complete(request) is not None:
+            return None  # it ends at once: it needs no room
+        capacity = self.kv_cache.num_blocks * self.kv_cache.block_size
+        # The prompt plus one generated token must fit: a prompt that fills the window can say nothing.
+        if request.num_tokens >= self.config.max_model_len:
+            return (f"prompt has {request.num_tokens} tokens; max_model_len ({self.config.max_model_len}) "
+                    "leaves no room for a completion")
+        if request.num_tokens > capacity:
+            return f"prompt has {request.num_tokens} tokens, more than the KV cache holds ({capacity})"
+        return None
+
+    def _resumed_complete(self, request: Request) -> RequestStatus | None:
+        """How a resumed request ends before generating anything: what the engine that sampled its
+        last output token would have decided right after it (None: it goes on)."""
+        if not request.output_token_ids:
+            return None
+        return self._check_stop(request, request.output_token_ids[-1])
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        """Finish the given requests as aborted and free their blocks now; unknown ids are ignored."""
+        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus,
+                        error: str | None = None) -> list[Request]:
+        """End the given live requests with `status` (and `error`) and free their blocks now;
+        unknown ids are ignored. The caller reports them: they are not in any finished list."""
+        ended = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.error = error
+            self._finish(request, status)
+            ended.append(request)
+        return ended
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new_tokens, preempted):
+                break  # it was the newest running request, so none is left after it
+            scheduled.append(self._scheduled(request, num_new_tokens))
+            budget -= num_new_tokens
+            index += 1
+
+        # Right after a preemption the cache is full; admitting now would only thrash.
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+            and (self.state_slots is None or self.state_slots.num_free > 0)
+        ):
+            request = self.waiting[0]
+            computed_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+            num_new_tokens = min(request.num_tokens - num_hit_tokens, budget)
+            if not self.kv_cache.allocate_slots(request, num_new_tokens, computed_blocks):
+                break  # FIFO: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            if self.state_slots is not None:
+                request.state_slot = self.state_slots.allocate(request.request_id)
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=lambda r: self._arrival[r.request_id])
+            scheduled.append(self._scheduled(request, num_new_tokens))
+            budget -= num_new_tokens
+
+        return SchedulerOutput(
+            scheduled=scheduled,
+            preempted=preempted,
+            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+        )
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: dict[str, int]
+    ) -> tuple[list[Request], list[Request]]:
+        """Advance the step's requests; `sampled` maps request id to the token sampled for every
+        scheduled request with `sample` set. Returns (requests that got a new token, requests that
+        finished this step, including ones that ended at add time)."""
+        with_new_token: list[Request] = []
+        finished: list[Request] = self._ended_at_add
+        self._ended_at_add = []
+        for item in output.scheduled:
+            request = item.request
+            if request.status != RequestStatus.RUNNING:
+                continue  # aborted since the step was scheduled
+            request.num_computed_tokens += item.num_new_tokens
+            self.kv_cache.cache_blocks(request, request.num_computed_tokens)
+            if not item.sample:
+                continue
+            token_id = sampled[request.request_id]
+            request.append_output_token(token_id)
+            with_new_token.append(request)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                self._finish(request, status)
+                finished.append(request)
+        if finished:
+            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        return with_new_token, finished
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        sampling = request.sampling
+        if request.num_output_tokens >= sampling.min_tokens and (
+            token_id in sampling.stop_token_ids
+            or (not sampling.ignore_eos and token_id in request.eos_token_ids)
+        ):
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= sampling.max_tokens or request.num_tokens >= self.max_seq_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _allocate_or_preempt(self, request: Request, num_new_tokens: int, preempted: list[str]) -> bool:
+        """Preempt the newest running requests until `request` gets its slots; False if that meant
+        preempting `request` itself. The running requests before it are already scheduled and,
+        being older, are never the ones preempted."""
+        while not self.kv_cache.allocate_slots(request, num_new_tokens):
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _scheduled(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
+        sample = request.num_computed_tokens + num_new_tokens == request.num_tokens
+        return ScheduledRequest(request=request, num_new_tokens=num_new_tokens, sample=sample)
+
+    def _release_state_slot(self, request: Request) -> None:
+        if self.state_slots is not None and request.state_slot is not None:
+            self.state_slots.free(request.state_slot)
+        request.state_slot = None
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        self._release_state_slot(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        """Release everything but the running list, which the caller updates."""
+        request.status = status
+        self.kv_cache.free(request)
+        self._release_state_slot(request)
+        del self.requests[request.request_id]
+        del self._arrival[request.request_id]

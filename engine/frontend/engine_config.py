@@ -1,0 +1,54 @@
+"""How an engine is sized and run: batch limits, KV pool, device, kernels. No torch here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# auto: Triton kernels on CUDA, the C++ CPU kernels on CPU; torch (the PyTorch forms), triton or
+# cpu force one (engine.runner.ops).
+KERNEL_CHOICES = ("auto", "torch", "triton", "cpu")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    # A .gguf file or an HF model directory.
+    model: str
+    # "auto": CUDA when the core process finds a GPU, else the CPU (resolved there, with torch).
+    device: str = "cpu"
+    # "auto": measured on CPU (engine.cpu.dtype_choice: the faster of fp32 / bf16 / fp16 for this
+    # model's shapes, among those this CPU runs), bfloat16 on CUDA. Workers ask for "auto" (HELEXA_DTYPE's
+    # default); an engine built directly (tests, in-process benchmarks) is fp32 unless told.
+    dtype: str = "float32"
+    block_size: int = 16
+    # 0 sizes the pool from kv_cache_bytes.
+    num_kv_blocks: int = 0
+    kv_cache_bytes: int = 1 << 30
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    # 0: the model's own limit (also capped by what the KV pool can hold for one sequence).
+    max_model_len: int = 0
+    enable_prefix_caching: bool = True
+    # Decode steps replay CUDA graphs (engine.runner.cuda_graphs); only ever on CUDA.
+    cuda_graphs: bool = True
+    # Which implementation of the hot ops runs (KERNEL_CHOICES); the core resolves it once at build.
+    kernels: str = "auto"
+    # An idle engine that receives a request waits up to this long for the rest of a burst before
+    # its first step (engine.core.batch_window); 0 steps at once.
+    batch_window_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError("block_size must be a power of two")
+        if self.num_kv_blocks < 0 or self.kv_cache_bytes < 0:
+            raise ValueError("num_kv_blocks and kv_cache_bytes must be >= 0")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if not 0 <= self.batch_window_ms <= 1000:
+            raise ValueError("batch_window_ms must be between 0 and 1000")
+        if self.max_model_len < 0:
+            raise ValueError("max_model_len must be >= 0")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"unsupported dtype {self.dtype!r}")
+        if self.kernels not in KERNEL_CHOICES:
+            raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
+
