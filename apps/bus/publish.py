@@ -68,15 +68,19 @@ async def publish(js: JetStreamContext, subject: str, payload: bytes, msg_id: st
             pause = min(pause * 2, 1.0)
 
 
-async def publish_event(js: JetStreamContext, event: wire.AnyEvent, *, required: bool = False) -> bool:
-    """Put one event on EVENTS under `helexa.events.<kind>.<model>`, keyed by its event id.
+async def publish_event(js: JetStreamContext, event: wire.AnyEvent, *, required: bool = False,
+                        subject_kind: str | None = None) -> bool:
+    """Put one event on EVENTS under `helexa.events.<kind>.<model>`, keyed by its event id; under
+    `subject_kind` instead of its own kind when its role reports it on another's behalf
+    (`topology.WORKER_LOST`, `topology.DROPPED`: see `apps.bus.roles`).
 
     Serving never fails for the ledger's sake: a publish that does not get through is logged and
     returns False. `required` (the bench, whose results exist to be recorded) raises instead.
     """
     kind = wire.event_kind(event)
     try:
-        await publish(js, topology.event_subject(kind, event.model), wire.encode(event), event.event_id)
+        await publish(js, topology.event_subject(subject_kind or kind, event.model), wire.encode(event),
+                      event.event_id)
     except (nats.errors.Error, TimeoutError) as exc:
         if required:
             raise
