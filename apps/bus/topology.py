@@ -1,7 +1,9 @@
 """Subjects, streams, consumers and the node registry: the shape of the bus in one place.
 
-`ensure_topology` declares everything idempotently so any app can start first; each app then
-asks this module for the subject or consumer it needs instead of spelling names itself.
+`ensure_topology` declares everything idempotently, as an administrator (`helexa up`, `helexa bus
+setup`): the apps' NATS roles may not create or change streams (`apps.bus.roles`, which derives
+their permissions from the names here), so each app waits for it (`require_topology`), then asks
+this module for the subject or consumer it needs instead of spelling names itself.
 """
 
 from __future__ import annotations
