@@ -197,7 +197,11 @@ def cmd_bus(args: argparse.Namespace) -> None:
         url = GatewaySettings().nats_url
         try:
             asyncio.run(topology.setup(url, bus_limits()))
-        except (OSError, TimeoutError, nats.errors.Error) as exc:
+        except TimeoutError:
+            # JetStream never answers a request NATS refused the user (logged above when it is that).
+            raise SystemExit(f"helexa bus setup: the streams were not declared at {topology.without_password(url)}; "
+                             "NATS_URL must be an administrator's (an app's or the operator's user may not)") from None
+        except (OSError, nats.errors.Error) as exc:
             raise SystemExit(str(operator.unreachable("NATS", "NATS_URL", url, exc))) from None
         log.info("bus topology declared", extra={"nats": topology.without_password(url)})
         return

@@ -96,8 +96,8 @@ async def connect_nats(url: str, name: str, closed_cb: Callable[[], Awaitable[No
 
     try:
         return await asyncio.wait_for(
-            topology.connect(url, name=name, role=roles.OPERATOR, max_reconnect_attempts=CONNECT_RETRIES, error_cb=note,
-                             closed_cb=closed_cb),
+            topology.connect(url, name=name, role=roles.OPERATOR, max_reconnect_attempts=CONNECT_RETRIES,
+                             error_cb=note, closed_cb=closed_cb),
             CONNECT_TIMEOUT_S)
     except (OSError, TimeoutError, nats.errors.Error) as exc:
         raise unreachable("NATS", "NATS_URL", url, errors[-1] if errors else exc) from None
