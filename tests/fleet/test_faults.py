@@ -73,7 +73,7 @@ def test_a_frozen_worker_that_wakes_up_stops_and_the_ledger_names_the_served_att
     model = "frozen-model"
     own_postgres.start()
     asyncio.run(migrate(own_postgres.url))
-    ledger = {"NATS_URL": fleet.nats_url, "DATABASE_URL": own_postgres.url}
+    ledger = {"NATS_URL": fleet.server.url_for("recorder"), "DATABASE_URL": own_postgres.url}
     recorder = AppProcess(["recorder"], ledger)
     recorder.wait_ready()
     with fleet.workers_of([("frozen-a", model, SLOW_LONG), ("frozen-b", model, SLOW_LONG)]) as workers:

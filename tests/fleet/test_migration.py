@@ -202,7 +202,7 @@ PIECES = [("Hello", 1), (" world", 2), ("!", 3)]
 async def _gap_worker(nats_url: str, model: str, node: str, stop: asyncio.Event) -> None:
     """A worker of `model` that loses a frame: the first attempt's frames go 0, 1, 3, 4 (the delta
     with " world" never leaves). A migrated attempt goes on after the tokens its client has."""
-    nc = await topology.connect(nats_url, "gap-worker")
+    nc = await topology.connect(nats_url, "gap-worker", role="worker")
     try:
         js = nc.jetstream()
         limits = bus_limits()
@@ -248,7 +248,7 @@ def gap_worker(fleet: Fleet, model: str) -> Iterator[None]:
         nonlocal stop
         stop = asyncio.Event()
         ready.set()
-        await _gap_worker(fleet.nats_url, model, f"{model}-node", stop)
+        await _gap_worker(fleet.server.url_for("worker"), model, f"{model}-node", stop)
 
     thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
     thread.start()

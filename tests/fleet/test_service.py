@@ -65,7 +65,7 @@ def test_worker_is_a_discoverable_micro_service(fleet: Fleet) -> None:
 def helexa(fleet: Fleet, *args: str) -> dict:
     """Run the `helexa` CLI against the fleet and return its JSON answer."""
     done = subprocess.run([sys.executable, "-m", "apps.cli", "--log-level", "WARNING", *args], cwd=REPO,
-                          env={**__import__("os").environ, **fleet.env}, capture_output=True, text=True,
+                          env={**__import__("os").environ, **fleet.env_for("operator")}, capture_output=True, text=True,
                           timeout=120)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     assert lines, done.stdout + done.stderr
@@ -136,7 +136,8 @@ def test_cold_start_answers_503_when_loading_outlasts_the_wait(fleet: Fleet) -> 
     from tests.support import AppProcess
 
     port = free_port()
-    impatient = AppProcess(["gateway"], {**fleet.env, "HELEXA_PORT": str(port), "HELEXA_COLD_START_WAIT_S": "0.01"})
+    impatient = AppProcess(["gateway"], {**fleet.env_for("gateway"), "HELEXA_PORT": str(port),
+                                         "HELEXA_COLD_START_WAIT_S": "0.01"})
     try:
         impatient.wait_ready()
         with fleet.worker("slow-load", "slow-warm", {"default": "eventually"}):
