@@ -26,7 +26,7 @@ import nats
 import pytest
 from nats.js.api import DeliverPolicy
 
-from apps.bus import wire
+from apps.bus import topology, wire
 from apps.embedded import free_port
 from apps.embedded.nats_server import NatsCluster, NatsServer
 from tests.support import REPO, AppProcess
@@ -151,11 +151,20 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             gateway.stop()
 
 
-async def _collect(nats_url: str, subject: str, until: Callable[[list[wire.Event]], bool],
+def finished_subjects(model: str) -> list[str]:
+    """Where `model`'s `run.finished` events go: the workers' own, and the gateways' reports of runs
+    whose worker was lost (`worker_lost`: run events are the workers')."""
+    return [topology.event_subject("run.finished", model), topology.event_subject(topology.WORKER_LOST, model)]
+
+
+async def _collect(nats_url: str, subject: str | list[str], until: Callable[[list[wire.Event]], bool],
                    timeout_s: float) -> list[wire.Event]:
     nc = await nats.connect(nats_url)
+    wanted = [subject] if isinstance(subject, str) else subject
     try:
-        sub = await nc.jetstream().subscribe(subject, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
+        # Several subjects: the whole stream, kept where it matches one of them.
+        sub = await nc.jetstream().subscribe(wanted[0] if len(wanted) == 1 else "helexa.events.>",
+                                             ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
         events: list[wire.Event] = []
         deadline = time.monotonic() + timeout_s
         while not until(events):
@@ -166,13 +175,15 @@ async def _collect(nats_url: str, subject: str, until: Callable[[list[wire.Event
                 msg = await sub.next_msg(timeout=remaining)
             except TimeoutError:
                 continue
-            events.append(wire.event_decoder.decode(msg.data))
+            if len(wanted) == 1 or msg.subject in wanted:
+                events.append(wire.event_decoder.decode(msg.data))
         return events
     finally:
         await nc.close()
 
 
-def wait_events(nats_url: str, subject: str, until: Callable[[list[wire.Event]], bool],
+def wait_events(nats_url: str, subject: str | list[str], until: Callable[[list[wire.Event]], bool],
                 timeout_s: float = 60.0) -> list[wire.Event]:
-    """EVENTS on `subject` from the stream's start, read until `until(events)` holds."""
+    """EVENTS on `subject` (or on any of several, exact) from the stream's start, read until
+    `until(events)` holds."""
     return asyncio.run(_collect(nats_url, subject, until, timeout_s))

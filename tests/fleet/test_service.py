@@ -14,7 +14,7 @@ import pytest
 
 from apps.bus import topology, wire
 from engine.protocol import SamplingParams
-from tests.fleet.conftest import COLD_MODEL, Fleet, wait_events
+from tests.fleet.conftest import COLD_MODEL, Fleet, finished_subjects, wait_events
 from tests.support import REPO
 
 
@@ -125,7 +125,7 @@ def test_a_request_level_engine_error_does_not_poison(fleet: Fleet) -> None:
         state = next(m for n in helexa(fleet, "models", "ls")["nodes"] for m in n["models"]
                      if m["model"] == "row-model")
         assert state["state"] == "ready" and state["detail"] is None
-        finished = wait_events(fleet.nats_url, "helexa.events.run.finished.row-model",
+        finished = wait_events(fleet.nats_url, finished_subjects("row-model"),
                                lambda es: len([e for e in es if e.node == "row-a"]) >= 2)
         errors = [e.error for e in finished if e.node == "row-a"]
         assert errors == ["injected request error", None]
