@@ -47,6 +47,7 @@ def cmd_gateway(args: argparse.Namespace) -> None:
     import uvicorn
 
     from apps.gateway.app import create_app, end_in_flight
+    from apps.gateway.http_edge import EdgeLimits, protocol_class, raise_fd_limit
     from apps.settings import GatewaySettings
 
     settings = GatewaySettings()
@@ -57,8 +58,12 @@ def cmd_gateway(args: argparse.Namespace) -> None:
 
     async def main(stop: asyncio.Event) -> None:
         app = create_app(settings)
+        raise_fd_limit(settings.max_connections)
         config = uvicorn.Config(
             app, host=settings.host, port=settings.port, log_config=None, access_log=False,
+            # httptools with the edge's limits (connections, header block, header and body time).
+            http=protocol_class(EdgeLimits.of(settings)), ws="none",
+            timeout_keep_alive=settings.keep_alive_s,  # type: ignore[arg-type]  (a float works: call_later)
             # A backstop: answers in flight are ended after the stop grace (`end_in_flight`).
             timeout_graceful_shutdown=settings.stop_grace_s + 5,
         )

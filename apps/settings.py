@@ -56,7 +56,8 @@ def bus_limits() -> BusLimits:
     return BusLimits(
         # Past this many queued requests REQUESTS refuses new ones (503 queue_full), dropping none.
         request_max_msgs=_env_int("HELEXA_REQUESTS_MAX_MSGS", 100_000),
-        # EVENTS drops its oldest events past these; the recorder warns before unrecorded ones go.
+        # EVENTS refuses new events past these (new requests get 503 events_full); the recorder
+        # trims events it has recorded as the stream nears them.
         event_max_age_s=_env_float("HELEXA_EVENTS_MAX_AGE_S", 7 * 24 * 3600.0),
         event_max_bytes=_env_int("HELEXA_EVENTS_MAX_BYTES", 4 << 30),
         node_ttl_s=_env_float("HELEXA_NODE_TTL_S", 15.0),
@@ -128,17 +129,53 @@ class GatewaySettings:
     stream_buffer_frames: int = field(default_factory=lambda: _env_int("HELEXA_STREAM_BUFFER_FRAMES", 4096))
     # PostgreSQL, where stored responses (`previous_response_id`, GET /v1/responses/{id}) are read.
     database_url: str = field(default_factory=lambda: _env("DATABASE_URL", DEFAULT_DATABASE_URL))
-    # How long a response made moments ago (maybe by another gateway) is waited for while the
-    # recorder has not projected it yet; an unknown older id is a 404 at once.
-    response_wait_s: float = field(default_factory=lambda: _env_float("HELEXA_RESPONSE_WAIT_S", 5.0))
+    # How long after its id was made a response this gateway does not know yet (made through
+    # another gateway, maybe still generating) is waited for, until the recorder announces it; an
+    # unknown older id is a 404 at once. A wait costs no queries (PostgreSQL LISTEN).
+    response_wait_s: float = field(default_factory=lambda: _env_float("HELEXA_RESPONSE_WAIT_S", 30.0))
+    # A stored response's input items and echoed settings (413 above, before it runs).
+    max_stored_response_bytes: int = field(
+        default_factory=lambda: _env_int("HELEXA_MAX_STORED_RESPONSE_BYTES", 4 << 20))
+    # A `previous_response_id` conversation (400 above, before it runs).
+    max_chain_responses: int = field(default_factory=lambda: _env_int("HELEXA_MAX_CHAIN_RESPONSES", 1024))
+    max_chain_bytes: int = field(default_factory=lambda: _env_int("HELEXA_MAX_CHAIN_BYTES", 16 << 20))
+    # This gateway's cache of its own recent responses, until the ledger has them.
+    response_cache_bytes: int = field(default_factory=lambda: _env_int("HELEXA_RESPONSE_CACHE_BYTES", 64 << 20))
+    response_cache_ttl_s: float = field(default_factory=lambda: _env_float("HELEXA_RESPONSE_CACHE_TTL_S", 600.0))
     # On SIGTERM, how long answers in flight get to finish (then an error event ends each).
     stop_grace_s: float = field(default_factory=lambda: _env_float("HELEXA_STOP_GRACE_S", 10.0))
+    # The HTTP edge, enforced before authentication (`apps/gateway/http_edge.py`): open sockets,
+    # header count and bytes (request line included), the time a header block and a body may take
+    # to arrive, and how long an idle keep-alive connection stays open.
+    max_connections: int = field(default_factory=lambda: _env_int("HELEXA_MAX_CONNECTIONS", 1024))
+    max_headers: int = field(default_factory=lambda: _env_int("HELEXA_MAX_HEADERS", 100))
+    max_header_bytes: int = field(default_factory=lambda: _env_int("HELEXA_MAX_HEADER_BYTES", 32 << 10))
+    header_timeout_s: float = field(default_factory=lambda: _env_float("HELEXA_HEADER_TIMEOUT_S", 10.0))
+    body_timeout_s: float = field(default_factory=lambda: _env_float("HELEXA_BODY_TIMEOUT_S", 60.0))
+    keep_alive_s: float = field(default_factory=lambda: _env_float("HELEXA_KEEP_ALIVE_S", 5.0))
+    # Host headers served, comma-separated (`*`: any). Empty: any, except that a keyless gateway on a
+    # loopback address serves only localhost, 127.0.0.1 and [::1] at its port (DNS rebinding).
+    allowed_hosts: str = field(default_factory=lambda: _env("HELEXA_ALLOWED_HOSTS", ""))
+    # Requests per second per principal (anonymous callers: per client address), with bursts of up
+    # to `rate_limit_burst`; 0 turns the limit off.
+    rate_limit_rps: float = field(default_factory=lambda: _env_float("HELEXA_RATE_LIMIT_RPS", 100.0))
+    rate_limit_burst: int = field(default_factory=lambda: _env_int("HELEXA_RATE_LIMIT_BURST", 400))
 
     def __post_init__(self) -> None:
+        if min(self.max_connections, self.max_headers, self.max_header_bytes) < 1:
+            raise ValueError("HELEXA_MAX_CONNECTIONS, HELEXA_MAX_HEADERS and HELEXA_MAX_HEADER_BYTES must be >= 1")
+        if min(self.header_timeout_s, self.body_timeout_s, self.keep_alive_s) <= 0:
+            raise ValueError("HELEXA_HEADER_TIMEOUT_S, HELEXA_BODY_TIMEOUT_S and HELEXA_KEEP_ALIVE_S must be > 0")
+        if self.rate_limit_rps < 0 or (self.rate_limit_rps and self.rate_limit_burst < 1):
+            raise ValueError("HELEXA_RATE_LIMIT_RPS must be >= 0 (0: off) and HELEXA_RATE_LIMIT_BURST >= 1")
         if self.response_wait_s < 0:
             raise ValueError("HELEXA_RESPONSE_WAIT_S must be >= 0")
         if self.stop_grace_s < 0:
             raise ValueError("HELEXA_STOP_GRACE_S must be >= 0")
+        if min(self.max_stored_response_bytes, self.max_chain_responses, self.max_chain_bytes,
+               self.response_cache_bytes) < 1 or self.response_cache_ttl_s <= 0:
+            raise ValueError("the stored-response limits (HELEXA_MAX_STORED_RESPONSE_BYTES, HELEXA_MAX_CHAIN_*, "
+                             "HELEXA_RESPONSE_CACHE_*) must be positive")
         if self.max_migrations < 0:
             raise ValueError("HELEXA_MAX_MIGRATIONS must be >= 0")
         if self.stream_buffer_frames < 1:
@@ -185,11 +222,19 @@ class WorkerSettings:
     requester_grace_s: float = field(default_factory=lambda: _env_float("HELEXA_REQUESTER_GRACE_S", 10.0))
     # On SIGTERM, how long streams that have sent text get to finish (then a worker_stopping error).
     stop_grace_s: float = field(default_factory=lambda: _env_float("HELEXA_STOP_GRACE_S", 10.0))
+    # Processes per model that template and tokenize long prompts (the worker's bound on that work).
+    tokenize_processes: int = field(default_factory=lambda: _env_int("HELEXA_TOKENIZE_PROCESSES", 1))
     # A JSON script to reply from instead of running the model (`helexa worker --script`), for
     # testing clients and `helexa up` itself without a model's generation time.
     script: str = field(default_factory=lambda: _env("HELEXA_WORKER_SCRIPT", ""))
+    # An engine core process that dies is started again, at most this many times per window (then
+    # the model is out of service until reloaded); 0 never restarts one.
+    core_restarts: int = field(default_factory=lambda: _env_int("HELEXA_CORE_RESTARTS", 3))
+    core_restart_window_s: float = field(default_factory=lambda: _env_float("HELEXA_CORE_RESTART_WINDOW_S", 600.0))
 
     def __post_init__(self) -> None:
+        if self.core_restarts < 0 or self.core_restart_window_s <= 0:
+            raise ValueError("HELEXA_CORE_RESTARTS must be >= 0 and HELEXA_CORE_RESTART_WINDOW_S positive")
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"HELEXA_KERNELS must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
         if self.heartbeat_s <= 0:
@@ -208,6 +253,8 @@ class WorkerSettings:
             raise ValueError("HELEXA_BATCH_WINDOW_MS must be between 0 and 1000")
         if self.requester_grace_s < 0 or self.stop_grace_s < 0:
             raise ValueError("HELEXA_REQUESTER_GRACE_S and HELEXA_STOP_GRACE_S must be >= 0")
+        if self.tokenize_processes < 1:
+            raise ValueError("HELEXA_TOKENIZE_PROCESSES must be at least 1")
 
     def engine_config(self, model_path: str) -> EngineConfig:
         return EngineConfig(
@@ -230,6 +277,9 @@ class RecorderSettings:
     nats_url: str = field(default_factory=lambda: _env("NATS_URL", DEFAULT_NATS_URL))
     database_url: str = field(default_factory=lambda: _env("DATABASE_URL", DEFAULT_DATABASE_URL))
     batch_size: int = field(default_factory=lambda: _env_int("HELEXA_RECORDER_BATCH", 256))
+    # About how many bytes of events one batch holds at most (pulled, and read from the Object
+    # Store for events stored by reference); never less than one message of the server's max_payload.
+    batch_bytes: int = field(default_factory=lambda: _env_int("HELEXA_RECORDER_BATCH_BYTES", 16 << 20))
     # How long a batch that is not full waits for more events before it is written.
     linger_ms: float = field(default_factory=lambda: _env_float("HELEXA_RECORDER_LINGER_MS", 250.0))
     # How long a batch fetched by a recorder that then died waits before another recorder gets it.
@@ -243,6 +293,8 @@ class RecorderSettings:
     def __post_init__(self) -> None:
         if self.batch_size < 1:
             raise ValueError("HELEXA_RECORDER_BATCH must be at least 1")
+        if self.batch_bytes < 1:
+            raise ValueError("HELEXA_RECORDER_BATCH_BYTES must be at least 1")
         if self.ack_wait_s < 1:
             raise ValueError("HELEXA_RECORDER_ACK_WAIT_S must be at least 1")
         if not 0 <= self.linger_ms <= 5000:

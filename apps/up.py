@@ -38,6 +38,7 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -213,6 +214,22 @@ class Supervisor:
                                                "restarts": child.restarts})
 
 
+# How much of the worker's dtype reason the banner shows (the whole of it is in the worker's log).
+BANNER_REASON_CHARS = 160
+
+
+def _helexa_command() -> str:
+    """How the user runs `helexa` from where they stand: the venv's script (as `make run` does), by
+    a relative path when it is under the current folder, else its name if that is on the PATH."""
+    script = Path(sys.executable).parent / "helexa"
+    if not script.exists() or shutil.which("helexa") == str(script):
+        return "helexa"
+    try:
+        return str(script.relative_to(Path.cwd()))
+    except ValueError:
+        return str(script)
+
+
 def banner(url: str, model: str, env_file: Path, worker: dict, credential_files: list[Path],
            role_folders: list[Path] | None = None) -> str:
     messages = [{"role": "user", "content": "What is the capital of France?"}]
@@ -220,8 +237,11 @@ def banner(url: str, model: str, env_file: Path, worker: dict, credential_files:
     psql = psql_binary() if Path(psql_binary()).exists() else "psql"
     dtype = ""
     if worker.get("dtype"):
-        reason = f" ({worker['dtype_reason']})" if worker.get("dtype_reason") else ""
-        dtype = f"  dtype: {worker['dtype']}{reason}\n"
+        # The reason in the worker's log line ends with the CPU's flags: the banner keeps the why.
+        why = str(worker.get("dtype_reason") or "").split("; CPU:")[0]
+        why = why if len(why) <= BANNER_REASON_CHARS else why[:BANNER_REASON_CHARS - 1] + "…"
+        dtype = f"  dtype: {worker['dtype']}" + (f" ({why})" if why else "") + "\n"
+    helexa = _helexa_command()
     where = "".join(f"  credentials (readable only by you): {path}\n" for path in credential_files)
     if role_folders:
         where += f"  each app's own, in {' and '.join(str(f) for f in role_folders)}\n"
@@ -235,7 +255,7 @@ def banner(url: str, model: str, env_file: Path, worker: dict, credential_files:
         f"  NATS_URL (the operator's: reads everything), DATABASE_URL (read-only) and HELEXA_URL\n"
         f"  (readable only by you): {env_file}\n"
         f"    {source}\n"
-        "    helexa bus sub          # the messages on the bus as they pass\n"
+        f"    {helexa} bus sub          # the messages on the bus as they pass\n"
         f"    {psql} \"$DATABASE_URL\"\n"
         f"{where}"
         "Press Ctrl-C to stop.\n"

@@ -333,6 +333,8 @@ def bench_model(name: str, family: str, sizes: dict, args: argparse.Namespace, d
             continue
         prompts = random_prompts(c, args.prompt, vocab, seed=c)
         core = make_core(checkpoint, device, c, args.prompt, args.new, graphs)
+        # cuBLAS against the Triton one-row product per weight shape (engine.gpu_linear)
+        entry.setdefault("batch1_gemv", core.runner.gemv_choices)
         ours[c] = summarize(timed(lambda: run_ours(core, prompts, args.new, device), args.runs),
                             args.new)
         ours[c]["decode_tokens_per_s"] = round(c * 1e3 / ours[c]["itl_ms_median"], 1)

@@ -203,6 +203,10 @@ def _gdn_case(name: str, lens: list[int], s: dict, dev: str, dt: torch.dtype) ->
     fla = _fla(q, k, v, g, beta, state, idx, cu if chunked else _cu([1] * len(lens), dev), chunked)
     if fla is not None:
         baselines["fla_core"] = fla
+    if chunked:  # the other chunked form (`triton` is wy with V tiles of 64, which beat 32 on the H200:
+        # 0.78 against 0.88 ms, bench/results/gpu-h200-2026-12-04-third)
+        baselines["triton_inline"] = lambda: (op(q, k, v, g, beta, s_t, idx, cu, form="inline"),
+                                              s_t[idx])
     return Case("gated_delta_rule", name, {"seqs": _summary(lens), "k_heads": hk, "v_heads": hv,
                                            "head_dim": dk, "dtype": str(dt)},
                 lambda: (op(q, k, v, g, beta, s_t, idx, cu), s_t[idx]), baselines, _tol(dt), reset)

@@ -13,10 +13,19 @@
 #   gpu_engine.json        the Qwen3-0.6B shape at 1, 64 and 256 streams, graphs on and off at 1
 #
 # The stages run in that order, most wanted first, each under its own time limit in seconds
-# (tests 95, 8B 140, hybrid 100, kernels 60, 0.6B 60; TESTS_S, ENGINE_8B_S, ENGINE_HYBRID_S,
+# (tests 140, 8B 110, hybrid 70, kernels 100, 0.6B 50, sized from the H200 runs of 2026-12-04; TESTS_S, ENGINE_8B_S, ENGINE_HYBRID_S,
 # KERNELS_S, ENGINE_06B_S override them), all under TOTAL_S (470): a stage that would start
 # with less than 20 s left is skipped, and one cut off still leaves the JSON of what it finished
 # (the benchmarks rewrite theirs after each level or case).
+#
+# For a shorter loan: GPU_RUN_STAGES picks stages and their order (default "tests engine-8b
+# engine-hybrid kernels engine-0.6b"), KERNELS_ONLY limits the kernel benchmark to some ops
+# (gpu_kernels.py --only, e.g. "gated_delta_rule,paged_attention"), and ENGINE_8B_PEER sets
+# the 8B stage's HF generate levels ("" for none; default 64). E.g., in at most 285 s (the 8B
+# stage's 115 s give its 64-stream level a 60 s budget to start in):
+#   GPU_RUN_STAGES="tests engine-8b kernels engine-0.6b engine-hybrid" TOTAL_S=285 TESTS_S=80 \
+#   ENGINE_8B_S=115 ENGINE_8B_PEER="" KERNELS_S=45 KERNELS_ONLY=gated_delta_rule \
+#   ENGINE_06B_S=45 ENGINE_HYBRID_S=55 bash bench/gpu_run.sh
 #
 # The GPU image lacks some Python packages: they travel as wheels in .whl/ (Python 3.12,
 # manylinux x86-64; their own dependencies are in the image). Once, in the repository root of
@@ -113,34 +122,42 @@ gpu_tests() {
     local rc=0
     $PY -m pytest -q -p no:cacheprovider --timeout=60 --durations=8 \
         tests/kernels/test_engine_ops.py tests/kernels/test_paged_attention.py \
-        tests/engine/test_cuda_graphs.py tests/engine/test_sampler.py \
+        tests/engine/test_cuda_graphs.py tests/engine/test_sampler.py tests/kernels/test_gemv.py \
         -k "triton_path or test_decode_splits or long_chunks or split_decode_reads_strided or (test_split_decode and gqa4) or full_size or on_gpu or with_and_without_graphs or cuda_matches" \
         2>&1 | tee "$OUT/gpu_tests.log" || rc=1
     $PY -m pytest -q -p no:cacheprovider --timeout=60 --durations=5 -k full_size \
-        tests/kernels/test_{causal_conv1d,gated_delta_rule,gdn_gating,kv_store,moe,rmsnorm,rotary,silu_and_mul}.py \
+        tests/kernels/test_{causal_conv1d,gated_delta_rule,gdn_gating,kv_store,moe,rmsnorm,rotary,rotary_kv_store,silu_and_mul}.py \
         2>&1 | tee -a "$OUT/gpu_tests.log" || rc=1
     return $rc
 }
 
 kernels() {
     PYTHONPATH="$PYTHONPATH:/tmp/site-fla" $PY bench/gpu_kernels.py --runs 3 --iters 10 \
-        --out "$OUT/gpu_kernels.json" >/dev/null
+        --only "${KERNELS_ONLY:-}" --out "$OUT/gpu_kernels.json" >/dev/null
 }
 
 export -f engine gpu_tests kernels
-export PY
+export PY KERNELS_ONLY ENGINE_8B_PEER=${ENGINE_8B_PEER-64}
 
-stage tests "${TESTS_S:-95}" bash -c gpu_tests
-stage engine-8b "${ENGINE_8B_S:-140}" bash -c 'engine 55 --models qwen3-8b --concurrency 1,64 \
-    --runs 2 --new 256 --peer-concurrency 64 --graphs-off "" --profile 1,64 \
-    --out "$OUT/gpu_engine_8b.json"'
-stage engine-hybrid "${ENGINE_HYBRID_S:-100}" bash -c 'engine 40 --models qwen3.5-hybrid \
-    --concurrency 1,64 --runs 1 --new 128 --peer-concurrency 64 --graphs-off "" \
-    --profile 1,64 --out "$OUT/gpu_engine_hybrid.json"'
-stage kernels "${KERNELS_S:-60}" bash -c kernels
-stage engine-0.6b "${ENGINE_06B_S:-60}" bash -c 'engine 25 --models qwen3-0.6b \
-    --concurrency 1,64,256 --runs 2 --new 256 --peer-concurrency "" --graphs-off 1 \
-    --profile 1,64 --out "$OUT/gpu_engine.json"'
+run_stage() {  # NAME
+    case $1 in
+    tests) stage tests "${TESTS_S:-140}" bash -c gpu_tests ;;
+    engine-8b) stage engine-8b "${ENGINE_8B_S:-110}" bash -c 'engine 55 --models qwen3-8b \
+        --concurrency 1,64 --runs 2 --new 256 --peer-concurrency "$ENGINE_8B_PEER" \
+        --graphs-off "" --profile 1,64 --out "$OUT/gpu_engine_8b.json"' ;;
+    engine-hybrid) stage engine-hybrid "${ENGINE_HYBRID_S:-70}" bash -c 'engine 40 \
+        --models qwen3.5-hybrid --concurrency 1,64 --runs 1 --new 128 --peer-concurrency 64 \
+        --graphs-off "" --profile 1,64 --out "$OUT/gpu_engine_hybrid.json"' ;;
+    kernels) stage kernels "${KERNELS_S:-100}" bash -c kernels ;;
+    engine-0.6b) stage engine-0.6b "${ENGINE_06B_S:-50}" bash -c 'engine 25 --models qwen3-0.6b \
+        --concurrency 1,64,256 --runs 2 --new 256 --peer-concurrency "" --graphs-off 1 \
+        --profile 1,64 --out "$OUT/gpu_engine.json"' ;;
+    *) echo "== $1: no such stage"; status=1 ;;
+    esac
+}
+for name in ${GPU_RUN_STAGES:-tests engine-8b engine-hybrid kernels engine-0.6b}; do
+    run_stage "$name"
+done
 echo "gpu_run: done after $((SECONDS - START)) s, exit $status"
 exec >&- 2>&-
 wait "$tee_pid"  # the log complete before the files are collected

@@ -61,6 +61,9 @@ from engine.structured_output import GrammarEnd, StructuredOutputs
 
 log = logging.getLogger("helexa.engine")
 
+# How often a core with nothing to step but grammars compiling looks at them again.
+GRAMMAR_POLL_S = 0.005
+
 
 class EngineCore:
     def __init__(self, checkpoint: Checkpoint, config: EngineConfig) -> None:
@@ -103,6 +106,8 @@ class EngineCore:
         self.structured = StructuredOutputs(checkpoint.tokenizer, model_config.vocab_size,
                                             self.info.eos_token_ids, config.max_num_seqs, self.runner.device)
         self.runner.mask_logits = self.structured.mask_logits
+        # Constrained requests whose grammar is compiling, by id, in arrival order.
+        self._compiling: dict[str, Request] = {}
         self.stats = CoreStats(num_blocks=self.runner.num_blocks)
         self._refresh_stats()
         self._first_scheduled: dict[str, float] = {}
@@ -110,26 +115,50 @@ class EngineCore:
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request; one that can never run comes back as an error output of the next step,
         and a resumed one that had already ended (its last token a stop, or no tokens left) as a
-        token-less finish."""
+        token-less finish. A constrained request waits beside the scheduler until its grammar has
+        compiled (`_admit_compiled`)."""
         engine_request = Request(request.request_id, request.prompt_token_ids, request.sampling,
                                  eos_token_ids=self.info.eos_token_ids,
                                  resumed_token_ids=request.resumed_token_ids)
         structured = request.sampling.structured
+        if request.request_id in self._compiling:
+            # Its grammar would replace the waiting one's: refused as the scheduler refuses a duplicate.
+            self.scheduler.reject(engine_request, f"duplicate request id {request.request_id!r}: a request "
+                                                  "with that id is already in the engine")
+            return
         # A duplicate id is the scheduler's to refuse; its grammar must not replace the live one's.
         if structured is not None and request.request_id not in self.scheduler.requests:
-            error = self.structured.add(request.request_id, structured)
-            # A migrated request's grammar resumes where the client's text ends.
-            for token_id in request.resumed_token_ids:
-                ends = self.structured.consume({request.request_id: token_id})
-                error = error or next((end.error for end in ends if end.error), None)
-            if error is not None:
-                self.structured.release(request.request_id)
-                self.scheduler.reject(engine_request, f"structured output does not compile: {error}")
-                return
+            self._compiling[request.request_id] = engine_request
+            self.structured.add(request.request_id, structured, request.resumed_token_ids)
+            self._admit_compiled()  # a grammar compiled before goes on at once
+            return
         self.scheduler.add_request(engine_request)
 
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar has compiled go to the scheduler; those whose grammar failed (or
+        ran past its budget) end alone, with a short error."""
+        for request_id, error in self.structured.ready():
+            request = self._compiling.pop(request_id)
+            if error is None:
+                self.scheduler.add_request(request)
+            else:
+                self.structured.release(request_id)
+                self.scheduler.reject(request, f"structured output does not compile: {error}")
+
+    @property
+    def only_compiling(self) -> bool:
+        """Nothing to step but grammars compiling: the loop waits for them (or a message)."""
+        return bool(self._compiling) and not self.scheduler.has_unfinished()
+
     def abort(self, request_ids: list[str]) -> list[EngineOutput]:
-        return self._end(self.scheduler.abort_requests(request_ids))
+        outputs = []
+        for request_id in request_ids:
+            request = self._compiling.pop(request_id, None)
+            if request is not None:
+                self.structured.release(request_id)
+                request.status = RequestStatus.FINISHED_ABORTED
+                outputs.append(self._end_one(request))
+        return outputs + self._end(self.scheduler.abort_requests(request_ids))
 
     def fail_all(self, error: str) -> list[EngineOutput]:
         """A step raised and no request can be blamed: every live request ends with an error; the
@@ -138,9 +167,11 @@ class EngineCore:
                                                         RequestStatus.FINISHED_ERROR, error))
 
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._compiling)
 
     def step(self) -> list[EngineOutput]:
+        if self._compiling:
+            self._admit_compiled()
         step = self.scheduler.schedule()
         result = StepResult()
         if step.scheduled:
@@ -262,7 +293,7 @@ class EngineCore:
 
     def _forget(self, request: Request) -> None:
         # A rejected duplicate shares its id with a live request, whose state must stay.
-        if request.request_id in self.scheduler.requests:
+        if request.request_id in self.scheduler.requests or request.request_id in self._compiling:
             return
         self._first_scheduled.pop(request.request_id, None)
         self.structured.release(request.request_id)
@@ -280,6 +311,8 @@ class EngineCore:
         s.num_preemptions = self.scheduler.num_preemptions
         s.prefix_queries = self.kv_cache.prefix_queries
         s.prefix_hits = self.kv_cache.prefix_hits
+        s.grammar_compiles = self.structured.compiles
+        s.grammar_cache_hits = self.structured.cache_hits
         if self.state_slots is not None:
             s.num_state_slots = self.state_slots.num_slots
             s.num_free_state_slots = self.state_slots.num_free
@@ -388,6 +421,8 @@ def run_core_process(conn: Connection, config: EngineConfig) -> None:
             idle = not core.has_work()
             if idle:
                 conn.poll(None)
+            elif core.only_compiling:
+                conn.poll(GRAMMAR_POLL_S)  # a message, or the next look at the compiles
             while conn.poll():
                 if not _take(core, conn, outputs, arrivals):
                     return

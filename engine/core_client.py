@@ -1,7 +1,8 @@
 """The engine as the worker sees it: an `Engine` whose core runs in its own process.
 
-Typed messages (`engine.protocol`, msgpack) go down a pipe; a reader thread hands each step's
-outputs to the request's asyncio queue. When a consumer falls behind, its queued outputs are
+Typed messages (`engine.protocol`, msgpack) go down a pipe through a writer thread, so a request
+of megabytes, or a core busy in a long step that leaves the pipe full, never blocks the event loop
+(its heartbeats and acks); a reader thread hands each step's outputs to the request's asyncio queue. When a consumer falls behind, its queued outputs are
 merged into one (coalescing), so a slow client costs one bigger delta rather than a backlog.
 This module imports no torch: the core process (`engine.core.run_core_process`) does.
 """
@@ -12,6 +13,7 @@ import asyncio
 import logging
 import multiprocessing as mp
 import os
+import queue
 import signal
 import threading
 from collections.abc import Callable
@@ -37,6 +39,7 @@ from engine.protocol import (
     ToCore,
     encode_message,
     from_core_decoder,
+    is_device_fault,
 )
 
 log = logging.getLogger("helexa.engine")
@@ -56,6 +59,14 @@ class AsyncEngine:
         self._conn: Connection | None = None
         self._process: Any = None
         self._closed = False
+        # Encoded messages for the core, in order; None stops the writer thread.
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        # Called on the event loop when the core process dies unasked, with how many requests it
+        # held, once each has had its error output (the worker restarts it: `apps.worker.restarts`).
+        self.on_death: Callable[[int], None] | None = None
+        # The first device fault the core reported, if any: a core that dies after one is not
+        # restarted (the model is poisoned until it is reloaded).
+        self.device_fault: str | None = None
 
     @classmethod
     async def start(cls, config: EngineConfig, process_setup: Callable[[], None] | None = None) -> AsyncEngine:
@@ -64,7 +75,13 @@ class AsyncEngine:
         what the core says while it starts (kernel build, dtype, weights) reaches the worker's log.
         Raises `EngineRefused` where the core refuses the configuration on this machine."""
         engine = cls(config, process_setup)
-        await engine._spawn()
+        try:
+            await engine._spawn()
+        except asyncio.CancelledError:
+            # A start given up on (the worker stops, the model is unloaded) leaves no core behind.
+            if engine._process is not None and engine._process.is_alive():
+                engine._process.kill()
+            raise
         return engine
 
     async def _spawn(self) -> None:
@@ -83,10 +100,16 @@ class AsyncEngine:
             if message.refused:
                 raise EngineRefused(message.error)
             raise RuntimeError(f"engine core failed to start: {message.error}")
-        self._info = message.info
-        self._stats = CoreStats(num_blocks=message.info.num_blocks, num_free_blocks=message.info.num_blocks)
+        self._attach(parent, message.info)
+
+    def _attach(self, conn: Connection, info: CoreInfo) -> None:
+        """Talk to a started core over `conn`: its reader and writer threads start here."""
+        self._conn = conn
+        self._info = info
+        self._stats = CoreStats(num_blocks=info.num_blocks, num_free_blocks=info.num_blocks)
         self._loop = asyncio.get_running_loop()
         threading.Thread(target=self._read, daemon=True, name="helexa-engine-reader").start()
+        threading.Thread(target=self._write, daemon=True, name="helexa-engine-writer").start()
 
     def _recv_startup(self) -> CoreReady | CoreFailed:
         assert self._conn is not None
@@ -105,6 +128,15 @@ class AsyncEngine:
     @property
     def stats(self) -> CoreStats:
         return self._stats
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    @property
+    def exitcode(self) -> int | None:
+        """The core process's exit code once it has ended and been joined (negative: a signal)."""
+        return self._process.exitcode if self._process is not None else None
 
     @property
     def model_id(self) -> str:
@@ -137,6 +169,8 @@ class AsyncEngine:
     def _dispatch(self, message: StepOutputs) -> None:
         self._stats = message.stats
         for output in message.outputs:
+            if output.error is not None and self.device_fault is None and is_device_fault(output.error):
+                self.device_fault = output.error
             queue = self._queues.get(output.request_id)
             if queue is not None:
                 queue.put_nowait(output)
@@ -151,14 +185,25 @@ class AsyncEngine:
         for request_id, queue in self._queues.items():
             queue.put_nowait(EngineOutput(request_id=request_id, new_token_ids=[], finished=True,
                                           finish_reason=FinishReason.ERROR, error=self._dead))
+        if self.on_death is not None:
+            self.on_death(len(self._queues))
+
+    def _write(self) -> None:
+        """The writer thread: sends what `_send` queued, in order, blocking here (never on the
+        loop) while the core is busy and the pipe is full."""
+        assert self._conn is not None and self._loop is not None
+        while (data := self._outbox.get()) is not None:
+            try:
+                self._conn.send_bytes(data)
+            except (OSError, ValueError):
+                self._loop.call_soon_threadsafe(self._core_died)
+                return
 
     def _send(self, message: ToCore) -> None:
+        """Queue a message for the core; it never waits for the pipe."""
         if self._dead or self._conn is None:
             return
-        try:
-            self._conn.send_bytes(encode_message(message))
-        except (OSError, ValueError):
-            self._core_died()
+        self._outbox.put(encode_message(message))
 
     def generate(self, request: EngineRequest) -> OutputStream:
         """Send `request` to the core now, before anything awaits; its outputs come through the
@@ -191,6 +236,7 @@ class AsyncEngine:
             return
         self._closed = True
         self._send(Shutdown())
+        self._outbox.put(None)
         if self._process is not None:
             await asyncio.to_thread(self._process.join, 10)
             if self._process.is_alive():

@@ -1,9 +1,17 @@
-"""From a `StructuredOutput` to an llguidance grammar, and whether that grammar compiles.
+"""From a `StructuredOutput` to an llguidance grammar, whether that grammar compiles, and the bounds
+every grammar a client sends is held to.
 
-One translation for every side: the gateway validates a request's constraint with
-`grammar_error` before publishing it, the worker validates the tool-call grammars it composes, and
-the engine core compiles the very same grammar text into a matcher (`engine.structured_output`).
-Validation here needs no tokenizer and no torch.
+One translation for every side: the gateway checks a request's constraint (`GrammarChecker`)
+before publishing it, the worker checks the tool-call grammars it composes, and the engine core
+compiles the very same grammar text into a matcher (`engine.structured_output`). Checking here
+needs no tokenizer and no torch.
+
+Compiling costs time that grows faster than the grammar (an alternation of choices is quadratic,
+GBNF's conversion to Lark too), so every kind has a byte bound (`GrammarBounds`: the one place they
+are), checked before anything compiles, and every compile runs off the event loop with a deadline:
+llguidance drops the GIL while it compiles, so a thread keeps the loop answering. Its error texts
+are short: llguidance's verbose errors carry the whole grammar and the parser's state, so they are
+turned off, and what is left is cut to `MAX_ERROR_BYTES`.
 
 JSON schemas compile without free whitespace (", " between items, ": " after keys), the way
 `json.dumps` writes: a small model given the freedom of any whitespace can spend its whole budget
@@ -12,18 +20,116 @@ on newlines. A schema may still ask for more through llguidance's own `x-guidanc
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import json
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
 
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
-from engine.protocol import StructuredOutput, StructuredOutputKind
+from engine.protocol import MAX_GRAMMAR_CHARS, StructuredOutput, StructuredOutputKind
 
 JSON_DEFAULTS: dict[str, object] = {
     "whitespace_flexible": False,
     "item_separator": ", ",
     "key_separator": ": ",
 }
+# Longest error text (UTF-8 bytes) a grammar failure may carry into a reply, an event or a log line.
+MAX_ERROR_BYTES = 512
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarBounds:
+    """What a client's grammar may weigh, in UTF-8 bytes and counts. Picked so that the largest
+    allowed grammar of each kind compiles in well under a second on one core (measured with
+    llguidance 1.9 and a 49k-token vocabulary), and so that real use fits with room to spare:
+    OpenAI caps an enum at 1000 values; the JSON and SQL grammars people send are a few KiB."""
+
+    # guided_choice / structured_outputs.choice: llguidance allows 2000 alternatives in a row.
+    choices: int = 1024
+    choice_bytes: int = 1024
+    choices_total_bytes: int = 64 << 10
+    # A JSON schema (response_format, guided_json, text.format, ...), as the JSON text compiled.
+    schema_bytes: int = 128 << 10
+    # Nesting of a schema given as a string (one given as an object is bounded with the body).
+    schema_depth: int = 64
+    # A regex, and a JSON whitespace pattern.
+    regex_bytes: int = 16 << 10
+    # A Lark or GBNF grammar (GBNF's conversion to Lark is quadratic in its rules).
+    grammar_bytes: int = 32 << 10
+    # Tools whose calls are held to their parameter schemas (strict, or a forced call).
+    tool_schema_bytes: int = 64 << 10
+    tool_schemas_total_bytes: int = 256 << 10
+    # The grammar a worker composes from a request's tools and its own constraint.
+    composed_bytes: int = 512 << 10
+
+    def __post_init__(self) -> None:
+        if self.composed_bytes > MAX_GRAMMAR_CHARS:
+            raise ValueError("a composed grammar must fit what the bus and the core pipe carry")
+
+
+BOUNDS = GrammarBounds()
+# A compile that takes longer fails its request alone: at the gateway a 400, in the core an error.
+CHECK_DEADLINE_S = 5.0
+COMPILE_BUDGET_S = 10.0
+
+
+def parser_limits() -> llguidance.LLParserLimits:
+    """llguidance's own limits, with short errors: verbose ones embed the grammar and parser state."""
+    return llguidance.LLParserLimits(verbose_errors=False)
+
+
+def short_error(text: str, limit: int = MAX_ERROR_BYTES) -> str:
+    """An error text on one line, cut to `limit` bytes of UTF-8."""
+    text = " ".join(text.split())
+    raw = text.encode()
+    if len(raw) <= limit:
+        return text
+    return raw[: limit - 3].decode(errors="ignore") + "..."
+
+
+def grammar_key(structured: StructuredOutput) -> str:
+    """The content hash compiled grammars are cached under."""
+    return hashlib.sha256(f"{structured.kind.value}\0{structured.spec}".encode()).hexdigest()
+
+
+def utf8_len(text: str) -> int:
+    # Cheap for ASCII, which is what grammars mostly are: a char is a byte.
+    return len(text) if text.isascii() else len(text.encode())
+
+
+def bounds_error(structured: StructuredOutput) -> str | None:
+    """Why a constraint is past the grammar bounds, or None. The gateway holds each request field to
+    its bound with a message naming it; this is the same rule for a constraint from anywhere else
+    (a bus client's, a worker's composition), checked again before anything compiles it."""
+    kind, size = structured.kind, utf8_len(structured.spec)
+    limit = {
+        StructuredOutputKind.JSON_SCHEMA: BOUNDS.schema_bytes,
+        StructuredOutputKind.REGEX: BOUNDS.regex_bytes,
+        StructuredOutputKind.GRAMMAR: BOUNDS.grammar_bytes,
+        StructuredOutputKind.LLGUIDANCE: BOUNDS.composed_bytes,
+        # The choices as a JSON list: quotes and separators besides their own bytes.
+        StructuredOutputKind.CHOICE: BOUNDS.choices_total_bytes + 4 * BOUNDS.choices + 2,
+    }[kind]
+    if size > limit:
+        return f"the {kind.value.replace('_', ' ')} is {size} bytes; at most {limit} are allowed"
+    if kind is StructuredOutputKind.CHOICE:
+        try:
+            choices = json.loads(structured.spec)
+        except ValueError:
+            return None  # not a list at all: compiling it says so
+        if isinstance(choices, list) and len(choices) > BOUNDS.choices:
+            return f"{len(choices)} choices; at most {BOUNDS.choices} are allowed"
+        if isinstance(choices, list) and any(isinstance(c, str) and utf8_len(c) > BOUNDS.choice_bytes
+                                             for c in choices):
+            return f"a choice is longer than {BOUNDS.choice_bytes} bytes"
+    return None
 
 
 def lark_literal(text: str) -> str:
@@ -57,8 +163,10 @@ def _choices(spec: str) -> list[str]:
 def _json_schema(spec: str) -> dict[str, object]:
     try:
         schema = json.loads(spec)
+    except RecursionError:
+        raise ValueError("the JSON schema nests too deeply") from None
     except ValueError as exc:
-        raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
+        raise ValueError(short_error(f"the JSON schema is not valid JSON: {exc}")) from None
     if schema is True:
         return {}  # the schema every JSON value matches
     if not isinstance(schema, dict):
@@ -79,8 +187,8 @@ def to_llguidance(structured: StructuredOutput) -> str:
     if kind is StructuredOutputKind.GRAMMAR:
         try:
             lark = any_to_lark(spec)  # Lark passes through; GBNF is converted
-        except Exception as exc:  # the converter raises whatever its parser hit
-            raise ValueError(f"the grammar is neither Lark nor GBNF: {exc}") from None
+        except Exception as exc:  # the converter raises whatever its parser hit (RecursionError too)
+            raise ValueError(short_error(f"the grammar is neither Lark nor GBNF: {exc}")) from None
         return llguidance.LLMatcher.grammar_from_lark(lark)
     if kind is StructuredOutputKind.LLGUIDANCE:
         return spec
@@ -88,10 +196,78 @@ def to_llguidance(structured: StructuredOutput) -> str:
 
 
 def grammar_error(structured: StructuredOutput) -> str | None:
-    """Why the constraint cannot be compiled, or None when it can."""
+    """Why the constraint cannot be compiled, or None when it can (blocking: see `GrammarChecker`)."""
     try:
         grammar = to_llguidance(structured)
     except ValueError as exc:
-        return str(exc)
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    return (messages[0] if messages else "invalid grammar") if is_error else None
+        return short_error(str(exc))
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, limits=parser_limits())
+    return short_error(messages[0] if messages else "invalid grammar") if is_error else None
+
+
+class CheckBusy(Exception):
+    """No thread was free to check the grammar before the deadline (the checker is overloaded)."""
+
+
+class CheckTimeout(Exception):
+    """The grammar's check ran past the deadline: too costly to compile."""
+
+
+class GrammarChecker:
+    """`grammar_error` in a few threads off the event loop, with a deadline.
+
+    A check that runs past `deadline_s` raises CheckTimeout; one still queued then (every thread
+    busy) is dropped and raises CheckBusy. A thread cannot be stopped, so a check past its
+    deadline runs on to its end; the bounds keep that end near. `started` counts the checks that
+    began compiling (Prometheus reads it)."""
+
+    def __init__(self, threads: int = 2, deadline_s: float = CHECK_DEADLINE_S,
+                 check: Callable[[StructuredOutput], str | None] = grammar_error) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="helexa-grammar")
+        self.deadline_s = deadline_s
+        self._check = check
+        self._lock = threading.Lock()
+        self.started = 0
+
+    def _run(self, structured: StructuredOutput, began: list[float]) -> str | None:
+        with self._lock:
+            self.started += 1
+        began.append(time.monotonic())
+        return self._check(structured)
+
+    async def error(self, structured: StructuredOutput) -> str | None:
+        """Why `structured` cannot be compiled, or None when it can."""
+        began: list[float] = []
+        future: Future[str | None] = self._pool.submit(self._run, structured, began)
+        waiting = asyncio.wrap_future(future)
+        # A check given up on may still fail later: its exception is read, never left unretrieved.
+        waiting.add_done_callback(lambda done: done.cancelled() or done.exception())
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiting), self.deadline_s)
+        except TimeoutError:
+            pass
+        if future.cancel():
+            raise CheckBusy(f"no grammar check could start within {self.deadline_s:g} s") from None
+        # It started late (every thread was busy): it gets its own deadline from its start.
+        left = (began[0] if began else time.monotonic()) + self.deadline_s - time.monotonic()
+        if left > 0:
+            try:
+                return await asyncio.wait_for(asyncio.shield(waiting), left)
+            except TimeoutError:
+                pass
+        raise CheckTimeout(f"the grammar did not compile within {self.deadline_s:g} s")
+
+
+def function_schemas(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """The function definitions among a request's tools (OpenAI's `{"type": "function", ...}`)."""
+    return [tool["function"] for tool in tools or [] if tool.get("type") == "function"]
+
+
+def constrained_functions(tools: list[dict[str, Any]] | None, tool_required: bool,
+                          tool_name: str | None) -> list[dict[str, Any]]:
+    """The functions whose call arguments a reply is held to: every one under a forced call (or the
+    named one), else the strict ones."""
+    functions = function_schemas(tools)
+    if tool_required:
+        return [f for f in functions if tool_name in (None, f.get("name"))]
+    return [f for f in functions if f.get("strict")]

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine import cpu_linear, cpu_memory
+from engine import cpu_linear, cpu_memory, gpu_linear
 from engine.config import ModelConfig
 from engine.cpu_decode_stack import CpuDecodeStack
 from engine.cuda_graphs import DecodeGraphs, graphs_wanted
@@ -98,9 +98,14 @@ class ModelRunner:
             log.info("%s: %d linear-attention state slots, %.1f MiB beside the KV cache", model_id,
                      engine.max_num_seqs, engine.max_num_seqs
                      * self.hybrid_caches.states.shape.bytes_per_slot(self.dtype) / (1 << 20))
-        # Pure decode steps replay from these when set.
+        # Pure decode steps replay from these when set; batch-1 projections take the Triton
+        # one-row product where it measures faster than cuBLAS (engine.gpu_linear), inside them.
         self.decode_graphs: DecodeGraphs | None = None
+        self.gemv_choices: dict[str, object] = {}
+        if self.device.type == "cuda":
+            gpu_linear.clear_gemv(model)
         if graphs_wanted(engine.cuda_graphs, self.device):
+            self.gemv_choices = gpu_linear.use_gemv_where_faster(model, self.device)
             self.decode_graphs = DecodeGraphs.capture(model, caches,
                                                       engine.max_num_seqs, self.max_model_len,
                                                       self.block_size, self.device)

@@ -194,6 +194,30 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
     return paged_attention(q, k_cache, v_cache, meta, scale)
 
 
+def rotary_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                     cos_sin_cache: torch.Tensor,
+                     step_tables: tuple[torch.Tensor, torch.Tensor] | None,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                     scale: float, *, q_norm_weight: torch.Tensor | None = None,
+                     k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                     unit_offset: bool = False) -> torch.Tensor:
+    """An attention layer between its projections: q and k normalized per head (when given their
+    norm weights, Qwen3's q_norm/k_norm), rotated (`rotary`), k/v stored, then attention.
+
+    The Triton path runs the first three as one kernel (`helexa_kernels.rotary_kv_store`), in
+    place on q and k; the other paths run `rms_norm`, `rotary` and `attention` as before."""
+    if _use_triton(q):
+        _triton("rotary_kv_store").rotary_kv_store(
+            q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping,
+            q_norm_weight, k_norm_weight, eps, unit_offset=unit_offset)
+        return paged_attention(q, k_cache, v_cache, meta, scale)
+    if q_norm_weight is not None and k_norm_weight is not None:
+        q = rms_norm(q, q_norm_weight, eps, unit_offset=unit_offset)
+        k = rms_norm(k, k_norm_weight, eps, unit_offset=unit_offset)
+    q, k = rotary(q, k, positions, cos_sin_cache, step_tables)
+    return attention(q, k, v, k_cache, v_cache, meta, scale)
+
+
 # --- MLP -------------------------------------------------------------------------------------
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -212,6 +212,9 @@ class CoreStats(msgspec.Struct, kw_only=True):
     prompt_tokens_computed: int = 0
     generated_tokens: int = 0
     steps: int = 0
+    # Grammar compiles started, and constrained requests that shared one done or under way.
+    grammar_compiles: int = 0
+    grammar_cache_hits: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -288,8 +291,9 @@ def device_fault_message(exc: BaseException) -> str:
 
 
 def is_device_fault(error: str | None) -> bool:
-    """Whether an engine's error output means the model can no longer serve until reloaded."""
-    return bool(error) and (error.startswith(DEVICE_FAULT_PREFIX) or error == ENGINE_STOPPED)
+    """Whether an engine's error output means the model can no longer serve until reloaded. A core
+    process that died (`ENGINE_STOPPED`) is not one: the worker starts it again."""
+    return bool(error) and error.startswith(DEVICE_FAULT_PREFIX)
 
 
 class EngineOutputs(Protocol):

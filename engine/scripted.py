@@ -8,7 +8,8 @@ resumed request (`resumed_token_ids`) goes on from where those tokens leave the 
 A rule may also set `first_token_delay_s` and `token_delay_s` (a slow model, so tests can act
 mid-request) and `fault`: fault injection for delivery tests, `"exit"` kills the worker process
 as a crash would, `"device"` raises DeviceFault as a failing accelerator would, `"error"` ends
-that request alone with an engine error (a bad row, as the sampler reports one).
+that request alone with an engine error (a bad row, as the sampler reports one), whose text is the
+rule's `error_text` when given (e.g. as long as a grammar an engine's error might quote).
 Output-side features (detokenization, stop strings, reasoning and tool-call parsing, usage)
 therefore behave exactly as with a model, without running one.
 """
@@ -33,6 +34,7 @@ class Rule:
     first_token_delay_s: float = 0.0
     token_delay_s: float = 0.0
     fault: str | None = None
+    error_text: str = "injected request error"
 
 
 class ScriptedEngine:
@@ -79,7 +81,7 @@ class ScriptedEngine:
             raise DeviceFault("injected device fault")
         if rule.fault == "error":
             yield EngineOutput(request.request_id, [], finished=True, finish_reason=FinishReason.ERROR,
-                               num_prompt_tokens=len(request.prompt_token_ids), error="injected request error")
+                               num_prompt_tokens=len(request.prompt_token_ids), error=rule.error_text)
             return
         tokens = self.tokenizer.encode(rule.reply, add_special_tokens=False)
         tokens.append(self.tokenizer.eos_token_id)

@@ -1,9 +1,17 @@
 """Grammar-constrained decoding in the engine core, with llguidance.
 
-Each constrained request gets one `llguidance.LLMatcher`, compiled when the request is added (the
-core holds the tokenizer) and kept until the core forgets the request. A token reaches the matcher
-only when it is sampled, so a preempted request, recomputed later over its prompt and outputs,
-never feeds a token twice.
+Each constrained request gets one `llguidance.LLMatcher`, kept until the core forgets the request.
+Grammars compile in a thread beside the step loop (llguidance drops the GIL while it compiles), so
+the model keeps stepping for everyone else meanwhile: `add` starts (or joins) the compile of a
+request's grammar and `ready` hands back the requests whose matcher is ready, or why not. A compile
+is cached by the grammar's content hash (`engine.grammars.grammar_key`, a bounded LRU), so the `n`
+choices of a request, and requests repeating a grammar, share one compile: each gets a copy of the
+compiled matcher. A compile that runs past its budget fails the requests waiting on it, alone,
+with a short error; its thread runs on to the end (llguidance cannot be interrupted), bounded by
+the grammar bounds the gateway enforced and llguidance's own limits.
+
+A token reaches the matcher only when it is sampled, so a preempted request, recomputed later over
+its prompt and outputs, never feeds a token twice.
 
 Each step `mask_logits` fills a token bitmask for the constrained rows only and sets the logits of
 the tokens their grammars forbid to -inf before the sampler sees them: greedy and random rows
@@ -19,18 +27,43 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
-from dataclasses import dataclass
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import llguidance
 import numpy as np
 import torch
 
-from engine.grammars import to_llguidance
+from engine.grammars import (
+    COMPILE_BUDGET_S,
+    bounds_error,
+    grammar_key,
+    parser_limits,
+    short_error,
+    to_llguidance,
+)
 from engine.protocol import StructuredOutput
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("helexa.engine")
+
+# Compiled grammars kept for reuse (each a matcher in its start state; copies serve requests).
+GRAMMAR_CACHE_SIZE = 32
+# Threads compiling at once, beside the step loop.
+COMPILE_THREADS = 2
+
+
+@dataclass(slots=True)
+class _Waiting:
+    """A request whose grammar is compiling: the grammar's key, the tokens a migrated request had
+    generated already (fed once the matcher is there), and since when it waits."""
+
+    key: str
+    resumed_token_ids: list[int] = field(default_factory=list)
+    since: float = 0.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -42,10 +75,12 @@ class GrammarEnd:
 
 
 class StructuredOutputs:
-    """The matchers of one core's constrained requests and the bitmask their rows share."""
+    """The matchers of one core's constrained requests, their compiles, and the bitmask their rows
+    share."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: list[int], max_rows: int,
-                 device: torch.device) -> None:
+                 device: torch.device, compile_budget_s: float = COMPILE_BUDGET_S,
+                 cache_size: int = GRAMMAR_CACHE_SIZE) -> None:
         self._tokenizer = tokenizer
         # At least the logits' width: a model may pad its vocabulary past the tokenizer's.
         self._vocab_size = max(vocab_size, tokenizer.vocab_size)
@@ -53,50 +88,126 @@ class StructuredOutputs:
         self._max_rows = max(max_rows, 1)
         self._device = device
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
+        self._tokenizer_lock = threading.Lock()
         self._bitmask: torch.Tensor | None = None
         self._bit_shifts = torch.arange(32, dtype=torch.int32, device=device)
         self._matchers: dict[str, llguidance.LLMatcher] = {}
         # Failures noticed while masking; `consume` reports them after the step.
         self._failed: dict[str, str] = {}
+        self.compile_budget_s = compile_budget_s
+        # Grammar key -> its compiled matcher (start state) or why it does not compile; LRU.
+        self._compiled: OrderedDict[str, llguidance.LLMatcher | str] = OrderedDict()
+        self._cache_size = max(cache_size, 1)
+        self._compiling: dict[str, Future[llguidance.LLMatcher | str]] = {}
+        self._waiting: dict[str, _Waiting] = {}
+        self._pool = ThreadPoolExecutor(max_workers=COMPILE_THREADS, thread_name_prefix="helexa-grammar")
+        # Compiles started, and requests served by one already done or under way (CoreStats).
+        self.compiles = 0
+        self.cache_hits = 0
         # Seconds spent in llguidance computing masks, all steps together (bench/structured_outputs.py).
         self.fill_s = 0.0
 
     @property
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
-        """Built on the first constrained request (a fraction of a second per 50k tokens)."""
-        if self._ll_tokenizer is None:
-            start = time.perf_counter()
-            self._ll_tokenizer = llguidance.LLTokenizer(
-                self._tokenizer.hf.to_str(), n_vocab=self._vocab_size, eos_token=self._eos_token_ids or None)
-            words = (self._ll_tokenizer.vocab_size + 31) // 32
-            # Pinned on CUDA so the per-step copy to the device does not wait on the host.
-            self._bitmask = torch.zeros((self._max_rows, words), dtype=torch.int32,
-                                        pin_memory=self._device.type == "cuda")
-            log.info("llguidance tokenizer ready: %d tokens in %.0f ms", self._ll_tokenizer.vocab_size,
-                     (time.perf_counter() - start) * 1000.0)
-        return self._ll_tokenizer
+        """Built on the first constrained request (a fraction of a second per 50k tokens), by
+        whichever thread needs it first."""
+        with self._tokenizer_lock:
+            if self._ll_tokenizer is None:
+                start = time.perf_counter()
+                ll_tokenizer = llguidance.LLTokenizer(
+                    self._tokenizer.hf.to_str(), n_vocab=self._vocab_size, eos_token=self._eos_token_ids or None)
+                words = (ll_tokenizer.vocab_size + 31) // 32
+                # Pinned on CUDA so the per-step copy to the device does not wait on the host.
+                self._bitmask = torch.zeros((self._max_rows, words), dtype=torch.int32,
+                                            pin_memory=self._device.type == "cuda")
+                self._ll_tokenizer = ll_tokenizer
+                log.info("llguidance tokenizer ready: %d tokens in %.0f ms", ll_tokenizer.vocab_size,
+                         (time.perf_counter() - start) * 1000.0)
+            return self._ll_tokenizer
 
     def __len__(self) -> int:
         return len(self._matchers)
 
-    def add(self, request_id: str, structured: StructuredOutput) -> str | None:
-        """Compile the request's grammar; the reason when it does not compile."""
+    @property
+    def num_waiting(self) -> int:
+        """Requests whose grammar is still compiling."""
+        return len(self._waiting)
+
+    def compile(self, structured: StructuredOutput) -> llguidance.LLMatcher | str:
+        """The grammar's matcher in its start state, or why it has none (blocking: `add` runs it in a
+        compile thread)."""
+        start = time.perf_counter()
+        past_bounds = bounds_error(structured)
+        if past_bounds is not None:
+            return past_bounds
         try:
             grammar = to_llguidance(structured)
+            matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=parser_limits())
         except ValueError as exc:
-            return str(exc)
-        start = time.perf_counter()
-        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+            return short_error(str(exc))
+        except Exception as exc:  # llguidance refusing the grammar at the API level: this grammar's fault
+            return short_error(f"{type(exc).__name__}: {exc}")
         if matcher.is_error():
-            return matcher.get_error()
-        log.debug("grammar compiled", extra={"request_id": request_id, "kind": structured.kind.value,
+            return short_error(matcher.get_error())
+        log.debug("grammar compiled", extra={"kind": structured.kind.value,
                                              "ms": round((time.perf_counter() - start) * 1000.0, 3)})
-        self._matchers[request_id] = matcher
-        return None
+        return matcher
+
+    def add(self, request_id: str, structured: StructuredOutput, resumed_token_ids: list[int] | None = None) -> None:
+        """Start the compile of the request's grammar, or join one done or under way; `ready`
+        says when its matcher is there."""
+        key = grammar_key(structured)
+        self._waiting[request_id] = _Waiting(key, list(resumed_token_ids or []), time.monotonic())
+        if key in self._compiled or key in self._compiling:
+            self.cache_hits += 1
+            return
+        self.compiles += 1
+        self._compiling[key] = self._pool.submit(self.compile, structured)
+
+    def ready(self) -> list[tuple[str, str | None]]:
+        """The waiting requests that may go on now, each with None (its matcher is set) or why it
+        cannot (its grammar does not compile, or not within the budget), in arrival order."""
+        for key, future in list(self._compiling.items()):
+            if future.done():
+                del self._compiling[key]
+                self._remember(key, future.result())
+        if not self._waiting:
+            return []
+        now = time.monotonic()
+        done = []
+        for request_id, waiting in list(self._waiting.items()):
+            compiled = self._compiled.get(waiting.key)
+            if compiled is None:
+                if now - waiting.since > self.compile_budget_s:
+                    done.append((request_id, f"the grammar did not compile within {self.compile_budget_s:g} s"))
+                    del self._waiting[request_id]
+                continue
+            del self._waiting[request_id]
+            self._compiled.move_to_end(waiting.key)
+            if isinstance(compiled, str):
+                done.append((request_id, compiled))
+                continue
+            matcher = compiled.deep_copy()
+            # A migrated request's grammar resumes where the client's text ends.
+            if waiting.resumed_token_ids and not matcher.consume_tokens(waiting.resumed_token_ids):
+                done.append((request_id, short_error(matcher.get_error() or "the resumed tokens do not match")))
+                continue
+            self._matchers[request_id] = matcher
+            done.append((request_id, None))
+        return done
+
+    def _remember(self, key: str, compiled: llguidance.LLMatcher | str) -> None:
+        self._compiled[key] = compiled
+        while len(self._compiled) > self._cache_size:
+            self._compiled.popitem(last=False)
 
     def release(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
         self._failed.pop(request_id, None)
+        self._waiting.pop(request_id, None)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def mask_logits(self, logits: torch.Tensor, request_ids: list[str]) -> None:
         """logits: [rows, vocab], row i sampled for request_ids[i]; masked in place."""
@@ -141,10 +252,10 @@ class StructuredOutputs:
                 continue
             failed = self._failed.pop(request_id, None)
             if failed is not None:
-                ends.append(GrammarEnd(request_id, f"structured output failed: {failed}"))
+                ends.append(GrammarEnd(request_id, f"structured output failed: {short_error(failed)}"))
             elif not matcher.consume_token(token_id):
                 error = matcher.get_error() or f"token {token_id} is not allowed by the grammar"
-                ends.append(GrammarEnd(request_id, f"structured output failed: {error}"))
+                ends.append(GrammarEnd(request_id, f"structured output failed: {short_error(error)}"))
             elif matcher.is_stopped():
                 ends.append(GrammarEnd(request_id))
         return ends

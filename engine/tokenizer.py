@@ -66,6 +66,12 @@ class Tokenizer:
         self.stop_token_ids = [i for i in dict.fromkeys(stop_token_ids or []) if i != eos_token_id]
         self.chat_template = chat_template
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled for the worker's tokenizing processes: the compiled template is rebuilt there.
+        state = self.__dict__.copy()
+        state.pop("_template", None)
+        return state
+
     @property
     def vocab_size(self) -> int:
         return self.hf.get_vocab_size(with_added_tokens=True)

@@ -86,7 +86,8 @@ def system(nats_server: NatsServer, postgres: PostgresServer) -> Iterator[System
 
 
 @contextmanager
-def scripted_worker(system: System, folder: Path, name: str, script: dict) -> Iterator[AppProcess]:
+def scripted_worker(system: System, folder: Path, name: str, script: dict,
+                    env: dict[str, str] | None = None) -> Iterator[AppProcess]:
     """A worker that replies from `script` (same tokenizer, parsers and frames as a real one), so
     tool calls and thoughts happen when a test says; the reasoning parser is forced on because
     SmolLM2's template has no <think>."""
@@ -94,7 +95,8 @@ def scripted_worker(system: System, folder: Path, name: str, script: dict) -> It
     path.write_text(json.dumps(script), encoding="utf-8")
     worker = AppProcess(["worker", "--script", str(path), "--served-model-name", name],
                         {**system.env_for("worker"), "HELEXA_NODE_ID": f"e2e-{name}",
-                         "HELEXA_REASONING_PARSER": "on", "HELEXA_STATUS_INTERVAL_S": str(STATUS_INTERVAL_S)})
+                         "HELEXA_REASONING_PARSER": "on", "HELEXA_STATUS_INTERVAL_S": str(STATUS_INTERVAL_S)},
+                         **(env or {})})
     try:
         worker.wait_ready()
         yield worker

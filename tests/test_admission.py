@@ -9,6 +9,7 @@ import random
 import pytest
 
 from apps.bus import wire
+from apps.bus.codes import ServingError
 from apps.gateway.admission import Admission, AdmissionLimits, Admissions, Rejected
 from apps.gateway.metrics import GatewayMetrics
 from engine.protocol import SamplingParams
@@ -181,3 +182,34 @@ async def test_admission_is_released_whenever_the_caller_is_cancelled() -> None:
     assert (admission.pending, admission.in_flight, admission.by_principal) == (0, 0, {})
     assert {e.decision for e in emitted} <= {"admitted", "cancelled", "queue_full", "principal_cap"}
     assert sum(e.decision == "cancelled" for e in emitted) > 0
+
+
+async def test_calls_are_admitted_in_pools_of_their_own_kind() -> None:
+    """Token counts and stored-response reads take slots of their own kind, under the model's
+    limits: they queue and shed like generations, and never wait behind one."""
+    emitted: list[wire.AdmissionDecided] = []
+    admissions = Admissions(AdmissionLimits(max_in_flight=1, max_queue_depth=1, max_per_principal=1), None,
+                            GatewayMetrics(), emitted.append)
+    generation = await admissions.admit(wire.GenerateRequest(request_id="g", model="m", reply_subject="",
+                                                             sampling=SamplingParams()))
+    count = await admissions.admit_call("tokenize", "m", "t1", None)  # the generation holds "m", not this
+    queued = asyncio.create_task(admissions.admit_call("tokenize", "m", "t2", None))
+    await settle()
+    assert not queued.done()
+    with pytest.raises(ServingError) as full:
+        await admissions.admit_call("tokenize", "m", "t3", None)
+    assert (full.value.status, full.value.code, full.value.retry_after_s) == (503, "queue_full", 4)
+    read = await admissions.admit_call("responses.get", "-", "resp_1", "alice")
+    with pytest.raises(ServingError) as capped:
+        await admissions.admit_call("responses.get", "-", "resp_2", "alice")
+    assert capped.value.status == 429
+    count.release()
+    (await asyncio.wait_for(queued, 5)).release()
+    for ticket in (generation, read):
+        ticket.release()
+    assert all((a.pending, a.in_flight) == (0, 0) for a in (*admissions.by_model.values(),
+                                                             *admissions.by_call.values()))
+    assert [(e.request_id, e.decision, e.detail) for e in emitted] == [
+        ("g", "admitted", None), ("t1", "admitted", "tokenize"), ("t3", "queue_full", "tokenize"),
+        ("resp_1", "admitted", "responses.get"), ("resp_2", "principal_cap", "responses.get"),
+        ("t2", "admitted", "tokenize")]

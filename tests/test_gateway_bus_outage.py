@@ -41,8 +41,10 @@ def worker(own_nats: NatsServer, tmp_path: Path) -> Iterator[AppProcess]:
 
 @pytest.fixture
 async def gateway(own_nats: NatsServer, worker: AppProcess) -> AsyncIterator[tuple[AsyncTestClient, object]]:
-    app = create_app(GatewaySettings(nats_url=own_nats.url))
-    async with AsyncTestClient(app=app, timeout=30) as http:
+    settings = GatewaySettings(nats_url=own_nats.url)
+    app = create_app(settings)
+    # The Host a keyless loopback gateway answers (the test client's own would be a 421).
+    async with AsyncTestClient(app=app, base_url=f"http://127.0.0.1:{settings.port}", timeout=30) as http:
         await eventually_async(lambda: _status(http, "/ready", 200), 30)
         yield http, app
 

@@ -16,9 +16,18 @@ from apps.bus import wire
 from apps.bus.codes import ServingError
 from apps.bus.topology import event_subject
 from apps.embedded.postgres import PostgresServer
-from apps.gateway.response_store import ResponseStore, StoredResponse, created_at_s, new_response_id
+from apps.gateway.response_store import (
+    ResponseStore,
+    StoredResponse,
+    StoreLimits,
+    _Recent,
+    created_at_s,
+    new_response_id,
+    valid_id,
+)
 from apps.recorder.migrate import migrate
 from apps.recorder.projector import project
+from tests.support import eventually_async
 
 
 class Emitted:
@@ -29,6 +38,9 @@ class Emitted:
 
     def emit(self, event: wire.AnyEvent) -> None:
         self.events.append(event)
+
+    def check_room(self, model: str | None = None) -> None:
+        pass
 
 
 @pytest.fixture
@@ -155,3 +167,121 @@ async def test_an_unreachable_ledger_is_503_unless_the_response_is_this_gateways
         assert caught.value.status == 503 and caught.value.retry_after_s
     finally:
         await store.close()
+
+
+def test_ids_carry_128_fresh_random_bits_after_their_time() -> None:
+    """The id is the capability: ids made in the same millisecond share their time prefix and
+    nothing else, so neither a neighbour's id nor a creation time leads to another's id."""
+    ids = [new_response_id() for _ in range(2000)]
+    assert all(len(i) == len("resp_") + 12 + 32 and valid_id(i) for i in ids)
+    by_ms: dict[str, list[int]] = {}
+    for i in ids:
+        by_ms.setdefault(i[5:17], []).append(int(i[17:], 16))
+    same_ms = max(by_ms.values(), key=len)
+    assert len(same_ms) > 1, "ids of one millisecond"
+    assert len(set(same_ms)) == len(same_ms)
+    # Fresh draws differ in about half of 128 bits; a counter (previous + 1) differs in one or two.
+    assert min(bin(a ^ b).count("1") for a, b in zip(same_ms, same_ms[1:])) > 20
+    assert not valid_id("resp_" + "0" * 43) and not valid_id("resp_" + "g" * 44) and not valid_id("x" * 5000)
+
+
+def test_the_cache_is_bounded_in_bytes_and_forgets_by_age(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    recent = _Recent(max_bytes=10_000, ttl_s=60.0)
+    for i in range(30):
+        recent.put(StoredResponse(f"resp_{i}", "alice", None, [], {}, size=1_000))
+    assert recent.bytes <= 10_000 and len(recent.kept) == 10
+    assert recent.get("resp_0") is None and recent.get("resp_29") is not None
+    recent.put(StoredResponse("huge", "alice", None, [], {}, size=20_000))
+    assert recent.get("huge") is None and recent.bytes <= 10_000
+    now[0] += 61.0
+    assert recent.get("resp_29") is None and recent.bytes == 0 and not recent.kept
+
+
+async def test_a_conversation_past_its_limits_is_refused_before_it_is_loaded(database_url: str) -> None:
+    emitted = Emitted()
+    limits = StoreLimits(max_chain_responses=5, max_chain_bytes=200_000)
+    writer = ResponseStore(database_url, emitted, projection_wait_s=0.0, limits=limits)
+    ids = [new_response_id() for _ in range(8)]
+    for i, response_id in enumerate(ids):
+        writer.keep(stored(response_id, previous=ids[i - 1] if i else None), "tiny")
+    await record(database_url, emitted.events)
+    await writer.close()
+    store = ResponseStore(database_url, Emitted(), projection_wait_s=0.0, limits=limits)  # type: ignore[arg-type]
+    try:
+        assert len(await store.conversation(ids[4], "alice")) == 5 * 2  # five turns: the limit
+        with pytest.raises(ServingError) as caught:
+            await store.conversation(ids[5], "alice")
+        assert (caught.value.status, caught.value.param) == (400, "previous_response_id")
+        assert "at most 5 responses" in caught.value.message
+        conn = await asyncpg.connect(database_url)
+        try:
+            three = await conn.fetchval("SELECT sum(stored_bytes) FROM responses WHERE response_id = ANY($1)", ids[:3])
+        finally:
+            await conn.close()
+        small = ResponseStore(database_url, Emitted(), projection_wait_s=0.0,  # type: ignore[arg-type]
+                              limits=StoreLimits(max_chain_bytes=three))
+        try:
+            assert len(await small.conversation(ids[2], "alice")) == 3 * 2
+            with pytest.raises(ServingError) as caught:
+                await small.conversation(ids[3], "alice")
+            assert caught.value.status == 400 and "stored bytes" in caught.value.message
+        finally:
+            await small.close()
+    finally:
+        await store.close()
+
+
+async def test_a_conversation_through_a_deleted_response_is_gone_with_it(database_url: str) -> None:
+    emitted = Emitted()
+    store = ResponseStore(database_url, emitted, projection_wait_s=0.0)  # type: ignore[arg-type]
+    try:
+        first, second = new_response_id(), new_response_id()
+        store.keep(stored(first), "tiny")
+        store.keep(stored(second, previous=first), "tiny")
+        await record(database_url, emitted.events)
+        await store.delete(first, "alice")
+        await record(database_url, emitted.events[2:])
+        fresh = ResponseStore(database_url, Emitted(), projection_wait_s=0.0)  # type: ignore[arg-type]
+        try:
+            assert (await fresh.get(second, "alice")).response_id == second
+            with pytest.raises(ServingError) as caught:
+                await fresh.conversation(second, "alice")
+            assert (caught.value.status, caught.value.param) == (404, "previous_response_id")
+            assert first in caught.value.message
+        finally:
+            await fresh.close()
+    finally:
+        await store.close()
+
+
+async def test_a_read_from_elsewhere_waits_for_the_recorders_notice_not_by_polling(database_url: str) -> None:
+    """Listening, the waiting read queries the ledger on arrival and on the recorder's notice only,
+    however long the recorder takes."""
+    store = ResponseStore(database_url, Emitted(), projection_wait_s=600.0)  # type: ignore[arg-type]
+    queries = 0
+    query = store._query
+
+    async def counted(*args: object) -> list[StoredResponse]:
+        nonlocal queries
+        queries += 1
+        return await query(*args)  # type: ignore[arg-type]
+
+    store._query = counted  # type: ignore[method-assign]
+    try:
+        response_id = new_response_id()
+        waiting = asyncio.create_task(store.get(response_id, "alice"))
+        await eventually_async(lambda: _waiting(store), 10, message="the read waits")
+        assert store._notices.listening
+        event = wire.ResponseStored(model="tiny", node="gateway", response_id=response_id, principal="alice",
+                                    input_items=[], response=stored(response_id).response)
+        await record(database_url, [event])
+        assert (await asyncio.wait_for(waiting, 30)).response_id == response_id
+        assert queries <= 3
+    finally:
+        await store.close()
+
+
+async def _waiting(store: ResponseStore) -> bool:
+    return store._notices.waiters == 1

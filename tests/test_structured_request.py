@@ -1,8 +1,10 @@
 """The gateway's structured-output fields: each spelling becomes the one `StructuredOutput` on
-`SamplingParams`, and nothing that cannot be enforced gets through (a 400 naming the field)."""
+`SamplingParams`, and nothing that cannot be enforced gets through (a 400 naming the field): past
+the grammar bounds before anything compiles, and what does not compile."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -10,8 +12,11 @@ import msgspec
 import pytest
 
 from apps.bus.codes import ServingError
+from apps.gateway import chat as chat_route
 from apps.gateway import openai_schema as oa
+from apps.gateway.structured import CHECKER, check_enforceable
 from apps.gateway.validate import decode_body
+from engine.grammars import BOUNDS
 from engine.protocol import StructuredOutput
 from engine.protocol import StructuredOutputKind as Kind
 
@@ -27,9 +32,15 @@ def structured(**fields: Any) -> StructuredOutput | None:
     return chat(**fields).sampling_params().structured
 
 
+def enforceable(**fields: Any) -> None:
+    """What the chat route checks before it serves: the bounds, then the compile."""
+    req = chat(**fields)
+    asyncio.run(check_enforceable(chat_route.to_bus_request(req, "r"), req.constraint_param()))
+
+
 def refused(**fields: Any) -> ServingError:
     with pytest.raises(ServingError) as caught:
-        chat(**fields).sampling_params()
+        enforceable(**fields)
     assert caught.value.status == 400
     return caught.value
 
@@ -116,11 +127,82 @@ def test_tool_schemas_that_will_be_enforced_must_compile() -> None:
     assert refused(tools=[strict_tool(bad)]).param == "tools"
     assert refused(tools=[strict_tool(bad, strict=None)], tool_choice="required").param == "tools"
     # Not strict and not forced: the tool's calls are not constrained, so the schema is not compiled.
-    assert structured(tools=[strict_tool(bad, strict=None)]) is None
-    assert structured(tools=[strict_tool(bad)], tool_choice="none") is None
+    enforceable(tools=[strict_tool(bad, strict=None)])
+    enforceable(tools=[strict_tool(bad)], tool_choice="none")
 
 
 def test_strict_reaches_the_template_only_when_the_client_set_it() -> None:
     ok = {"type": "object"}
     assert chat(tools=[strict_tool(ok)]).tool_dicts()[0]["function"]["strict"] is True
     assert "strict" not in chat(tools=[strict_tool(ok, strict=None)]).tool_dicts()[0]["function"]
+
+
+def compiles_started() -> int:
+    return CHECKER.started
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"guided_choice": [f"c{i}" for i in range(BOUNDS.choices + 1)]}, "guided_choice"),
+    ({"structured_outputs": {"choice": ["x" * (BOUNDS.choice_bytes + 1)]}}, "structured_outputs"),
+    ({"guided_choice": ["é" * 500] * 100}, "guided_choice"),
+    ({"guided_regex": "a" * (BOUNDS.regex_bytes + 1)}, "guided_regex"),
+    ({"guided_grammar": 'start: "' + "a" * BOUNDS.grammar_bytes + '"'}, "guided_grammar"),
+    ({"guided_json": {"type": "object", "description": "d" * BOUNDS.schema_bytes}}, "guided_json"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"enum": ["e" * BOUNDS.schema_bytes]}}}},
+     "response_format"),
+    ({"guided_json": "[" * 5000}, "guided_json"),
+    ({"structured_outputs": {"json": "{" * 100 + "}" * 100}}, "structured_outputs"),
+    ({"guided_json": {"type": "object"}, "guided_whitespace_pattern": " " * (BOUNDS.regex_bytes + 1)}, "guided_json"),
+    ({"tools": [strict_tool({"type": "object", "description": "d" * BOUNDS.tool_schema_bytes})]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": f"f{i}", "strict": True,
+                                                  "parameters": {"description": "d" * (60 << 10)}}}
+                for i in range(5)]}, "tools"),
+], ids=["choices-count", "choice-bytes", "choices-total", "regex", "grammar", "schema", "response_format-schema",
+        "string-schema-deep", "string-schema-deep-object", "whitespace-pattern", "tool-schema", "tool-schemas-total"])
+def test_past_a_grammar_bound_is_a_400_naming_the_field_before_any_compile(fields: dict[str, Any], param: str) -> None:
+    before = compiles_started()
+    error = refused(**fields)
+    assert error.param == param, error.message
+    assert compiles_started() == before, "a grammar past its bounds was compiled"
+
+
+def test_grammars_at_their_bounds_are_accepted() -> None:
+    enforceable(guided_choice=[f"{i:07d}" for i in range(BOUNDS.choices)])
+    enforceable(guided_regex="(" + "|".join(f"a{i}" for i in range(1500)) + ")")
+    enforceable(guided_json=json.dumps({"type": "object", "properties": {f"p{i}": {"type": "integer"}
+                                                                         for i in range(2000)}}))
+
+
+def test_a_check_past_its_deadline_is_a_400_naming_the_field(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from engine import grammars
+
+    release = threading.Event()
+    checker = grammars.GrammarChecker(threads=1, deadline_s=0.2, check=lambda s: release.wait(30) and None)
+    monkeypatch.setattr("apps.gateway.structured.CHECKER", checker)
+    try:
+        error = refused(guided_regex="[a-z]+")
+    finally:
+        release.set()
+    assert error.param == "guided_regex" and error.code == "grammar_too_complex"
+
+
+def test_a_check_that_cannot_start_before_its_deadline_is_busy_not_too_complex() -> None:
+    import threading
+
+    from engine import grammars
+
+    release = threading.Event()
+    checker = grammars.GrammarChecker(threads=1, deadline_s=0.2, check=lambda s: release.wait(30) and None)
+    regex = StructuredOutput(kind=Kind.REGEX, spec="[a-z]+")
+
+    async def two() -> list[BaseException | str | None]:
+        return await asyncio.gather(checker.error(regex), checker.error(regex), return_exceptions=True)
+
+    try:
+        first, second = asyncio.run(two())
+    finally:
+        release.set()
+    assert isinstance(first, grammars.CheckTimeout) and isinstance(second, grammars.CheckBusy)
+    assert checker.started == 1

@@ -4,6 +4,7 @@ schemas inside free text, and a request's own constraint composes with strict to
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -13,8 +14,9 @@ import pytest
 from apps.bus import wire
 from apps.bus.codes import ServingError
 from apps.worker.prompt import build_prompt, resolve_sampling
+from apps.worker.tool_grammar import check_composed
 from engine.default_model import default_model_path
-from engine.grammars import to_llguidance
+from engine.grammars import BOUNDS, GrammarChecker, to_llguidance
 from engine.model_source import load_tokenizer
 from engine.protocol import SamplingParams, StructuredOutput, StructuredOutputKind
 from engine.tokenizer import Tokenizer
@@ -96,8 +98,43 @@ def test_no_strict_or_forced_tool_leaves_the_request_constraint_alone() -> None:
     assert resolve_sampling(request([CLOCK]), 10, 2048).structured is None
 
 
+def checked(req: wire.GenerateRequest, checker: GrammarChecker | None = None) -> None:
+    """What a run does before any work: compose the grammar, then check it compiles."""
+    sampling = resolve_sampling(req, 10, 2048)
+    asyncio.run(check_composed(req, sampling, checker or GrammarChecker()))
+
+
 def test_a_tool_schema_that_cannot_compile_is_refused_before_any_work() -> None:
     broken = {"type": "function", "function": {"name": "x", "parameters": {"type": "strin"}, "strict": True}}
     with pytest.raises(ServingError) as caught:
-        resolve_sampling(request([broken]), 10, 2048)
-    assert caught.value.status == 400
+        checked(request([broken]))
+    assert (caught.value.status, caught.value.param) == (400, "tools")
+    assert len(caught.value.message.encode()) < 1024
+
+
+def test_a_composed_grammar_past_its_bound_is_refused_before_it_compiles() -> None:
+    big = {"type": "object", "description": "d" * (BOUNDS.composed_bytes // 4)}
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": big, "strict": True}} for i in range(5)]
+    checker = GrammarChecker()
+    with pytest.raises(ServingError) as caught:
+        checked(request(tools), checker)
+    assert (caught.value.status, caught.value.param) == (400, "tools")
+    assert checker.started == 0
+
+
+def test_a_composed_grammar_is_checked_once_and_the_own_one_not_again() -> None:
+    checker = GrammarChecker()
+    checked(request([WEATHER]), checker)
+    assert checker.started == 1
+    checked(request([CLOCK], StructuredOutput(kind=StructuredOutputKind.REGEX, spec="[a-z]+")), checker)
+    assert checker.started == 1  # the gateway checked the request's own constraint
+
+
+def test_a_constraint_past_its_bounds_from_the_bus_is_refused_before_it_compiles() -> None:
+    own = StructuredOutput(kind=StructuredOutputKind.CHOICE, spec=json.dumps([f"c{i}" for i in range(BOUNDS.choices + 1)]))
+    with pytest.raises(ServingError) as caught:
+        resolve_sampling(request([CLOCK], own), 10, 2048)
+    assert caught.value.status == 400 and "choices" in caught.value.message
+    regex = StructuredOutput(kind=StructuredOutputKind.REGEX, spec="a" * (BOUNDS.regex_bytes + 1))
+    with pytest.raises(ServingError):
+        resolve_sampling(request([], regex), 10, 2048)

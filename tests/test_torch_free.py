@@ -14,7 +14,7 @@ TORCH_FREE = [
     "apps.bus.wire", "apps.bus.topology", "apps.bus.publish", "apps.bus.codes", "apps.bus.pull",
     "engine.protocol", "engine.core_client", "engine.model_source", "engine.scripted", "engine.grammars",
     "apps.worker.process", "apps.worker.model_loop", "apps.worker.run", "apps.worker.liveness",
-    "apps.worker.loading", "apps.worker.tool_grammar", "apps.gateway.structured",
+    "apps.worker.loading", "apps.worker.tool_grammar", "apps.worker.tokenizing", "apps.gateway.structured",
     "apps.gateway.app", "apps.recorder.app",
 ]
 

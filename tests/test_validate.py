@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from apps.bus import wire
-from apps.bus.codes import ErrorCode, ServingError
+from apps.bus.codes import Api, ErrorCode, ServingError
 from apps.bus.topology import BusLimits
 from apps.embedded.nats_server import NatsServer
 from apps.gateway.bus_client import GatewayBus
@@ -16,7 +16,9 @@ from apps.gateway.metrics import GatewayMetrics
 from apps.gateway.node_registry import NodeRegistry
 from apps.gateway.validate import (
     MAX_JSON_DEPTH,
+    PROMPT_CHARS_PER_TOKEN,
     bound_output,
+    check_prompt_size,
     check_stop_strings,
     check_token_ids,
     json_too_deep,
@@ -114,3 +116,34 @@ async def test_unknown_model_names_are_looked_up_once_per_ttl(own_nats: NatsServ
         assert await api_calls() - before == 2
     finally:
         await bus.close()
+
+
+def _prompted(api: Api, text: str = "", ids: list[int] | None = None, tools: list | None = None) -> wire.GenerateRequest:
+    messages = [wire.ChatMessage(role="user", content=text)] if api != Api.COMPLETIONS else None
+    prompt = text if api == Api.COMPLETIONS and ids is None else None
+    return wire.GenerateRequest(request_id="r", model="m", reply_subject="", sampling=SamplingParams(), api=api,
+                                messages=messages, prompt=prompt, prompt_token_ids=ids, tools=tools)
+
+
+@pytest.mark.parametrize(("api", "param"), [(Api.CHAT_COMPLETIONS, "messages"), (Api.COMPLETIONS, "prompt"),
+                                            (Api.MESSAGES, "messages"), (Api.RESPONSES, "input")])
+def test_a_prompt_longer_than_the_context_allows_is_refused_before_tokenizing(api: Api, param: str) -> None:
+    nodes = [_limits("a", 256, context=1024)]
+    limit = 1024 * PROMPT_CHARS_PER_TOKEN
+    check_prompt_size(_prompted(api, "x" * limit), nodes)
+    with pytest.raises(ServingError) as caught:
+        check_prompt_size(_prompted(api, "x" * (limit + 1)), nodes)
+    assert (caught.value.param, caught.value.code) == (param, ErrorCode.CONTEXT_LENGTH_EXCEEDED)
+    # Nothing advertised: the worker decides.
+    check_prompt_size(_prompted(api, "x" * (limit + 1)), [])
+
+
+def test_tools_count_toward_the_prompt_and_token_ids_against_the_context() -> None:
+    nodes = [_limits("a", 256, context=1024)]
+    tools = [{"type": "function", "function": {"name": "f", "description": "d" * (1024 * PROMPT_CHARS_PER_TOKEN)}}]
+    with pytest.raises(ServingError):
+        check_prompt_size(_prompted(Api.CHAT_COMPLETIONS, "hi", tools=tools), nodes)
+    check_prompt_size(_prompted(Api.COMPLETIONS, ids=[1] * 1024), nodes)
+    with pytest.raises(ServingError) as caught:
+        check_prompt_size(_prompted(Api.COMPLETIONS, ids=[1] * 1025), nodes)
+    assert caught.value.param == "prompt"

@@ -63,6 +63,9 @@ class ErrorCode(enum.StrEnum):
     # The worker was stopped (SIGTERM) while this stream ran past its grace: the answer is cut
     # short; a requester may migrate it.
     WORKER_STOPPING = "worker_stopping"
+    # The engine core process serving this request died (not a device fault): the worker starts it
+    # again; the answer is cut short, and a requester may migrate it.
+    ENGINE_LOST = "engine_lost"
     # The gateway was stopped (SIGTERM, Ctrl-C on `helexa up`) while this answer ran past its
     # grace: the answer is cut short, and nothing goes on with it.
     GATEWAY_STOPPING = "gateway_stopping"
@@ -77,10 +80,15 @@ class ErrorCode(enum.StrEnum):
     REQUEST_TOO_LARGE = "request_too_large"
     # A streaming client read so slowly that its frames filled the gateway's bounded buffer.
     CLIENT_TOO_SLOW = "client_too_slow"
+    # A grammar (structured output, enforced tool calls) that did not compile within its deadline.
+    GRAMMAR_TOO_COMPLEX = "grammar_too_complex"
     # A stored response (`previous_response_id`, GET /v1/responses/{id}) that does not exist here.
     RESPONSE_NOT_FOUND = "response_not_found"
     # PostgreSQL, where stored responses are read back from, cannot be reached.
     LEDGER_UNAVAILABLE = "ledger_unavailable"
+    # EVENTS is (nearly) full of events not yet recorded: new requests wait until the recorder
+    # catches up rather than any event being dropped (a 503 with Retry-After).
+    EVENTS_FULL = "events_full"
 
 
 class NodeState(enum.StrEnum):
@@ -119,3 +127,7 @@ class ServingError(Exception):
         self.param = param
         self.retry_after_s = retry_after_s
         self.context = context or {}
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Raised in a worker's tokenizing process, it crosses back whole.
+        return (type(self), (self.status, self.code, self.message), self.__dict__)

@@ -4,9 +4,9 @@ JetStream Object Store, and the message on `helexa.req.<model>` carries a `wire.
 A NATS server refuses a message whose headers plus body exceed its `max_payload` (1 MiB by
 default; the embedded server takes 8 MiB) and closes, for good, the connection that sent it;
 nats-py checks only the body, so a body just under the limit whose headers push it over used to
-cost the publisher its connection. `publish_request` measures the whole message (headers, body
-and a margin) against the limit of the server it is connected to, publishes the request as it is
-when it fits, and otherwise stores the encoded request as an object of the `helexa_requests`
+cost the publisher its connection. `publish_request` measures the whole message (headers and
+body, `apps.bus.publish.message_size`) against the limit of the server it is connected to,
+publishes the request as it is when it fits, and otherwise stores the encoded request as an object of the `helexa_requests`
 bucket and publishes the small reference, under the same `Nats-Msg-Id`.
 
 The worker that takes a reference `fetch`es the request (only an object named for the reference's
@@ -29,13 +29,11 @@ from nats.js.api import PubAck
 from nats.js.errors import ObjectNotFoundError
 
 from apps.bus import topology, wire
-from apps.bus.publish import StreamFull, is_stream_full, publish
+from apps.bus.publish import StreamFull, fits, is_stream_full, message_size, publish
+
+__all__ = ["RequestGone", "RequestRefused", "delete", "fetch", "fits", "message_size", "publish_request"]
 
 log = logging.getLogger("helexa.bus")
-
-# Room left for headers a client library adds on its own and for rounding in what we measure.
-MESSAGE_MARGIN_BYTES = 512
-_HEADER_LINE = b"NATS/1.0\r\n"
 
 
 class RequestGone(Exception):
@@ -51,20 +49,6 @@ def names_its_own_object(ref: wire.RequestRef) -> bool:
     or the request id and a migrated attempt's number."""
     attempt = ref.object.removeprefix(f"{ref.request_id}.")
     return ref.object == ref.request_id or (attempt != ref.object and attempt.isdigit())
-
-
-def message_size(payload: bytes, headers: dict[str, str] | None) -> int:
-    """What the server counts against max_payload: the header block as nats-py writes it
-    (`NATS/1.0`, one `key: value` line each, a blank line), plus the body."""
-    if not headers:
-        return len(payload)
-    header_bytes = len(_HEADER_LINE) + sum(len(f"{k}: {v}\r\n".encode()) for k, v in headers.items()) + 2
-    return header_bytes + len(payload)
-
-
-def fits(nc: NatsClient, payload: bytes, headers: dict[str, str] | None) -> bool:
-    """Whether one message can carry this on the server `nc` is connected to now."""
-    return message_size(payload, headers) + MESSAGE_MARGIN_BYTES <= nc.max_payload
 
 
 async def publish_request(js: JetStreamContext, nc: NatsClient, request: wire.GenerateRequest,

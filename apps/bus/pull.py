@@ -7,7 +7,9 @@ on a private inbox through one callback, so a batch costs one wait. The messages
 JetStream messages: ack, nak, term, in_progress and metadata work as usual.
 
 A pull request ends when its batch is full or with a status message (404 no messages, 408 expired,
-409 consumer changed, ...). Messages that arrive after a request was given up on (a reply slower
+409 consumer changed or max_bytes reached, ...). A pull may be bounded in bytes as well as in
+messages (`max_bytes`): the server then stops before the message that would exceed it, which stays
+for the next pull. Messages that arrive after a request was given up on (a reply slower
 than our wait) are kept and handed out with the next batch; they are delivered and waiting for an
 ack like any other.
 """
@@ -57,12 +59,15 @@ class BatchPuller:
         elif status != _HEARTBEAT:
             self._settled.set()
 
-    async def _pull(self, batch: int, wait_s: float, no_wait: bool) -> None:
+    async def _pull(self, batch: int, wait_s: float, no_wait: bool, max_bytes: int | None = None) -> None:
         """One pull request; returns when it ended or after `wait_s`, whichever is first."""
         self._wanted = len(self._arrived) + batch
         self._settled.clear()
         # The server ignores no_wait when expires is present, so they never go together.
-        request = {"batch": batch, "no_wait": True} if no_wait else {"batch": batch, "expires": int(wait_s * 1e9)}
+        request: dict[str, int | bool] = (
+            {"batch": batch, "no_wait": True} if no_wait else {"batch": batch, "expires": int(wait_s * 1e9)})
+        if max_bytes is not None:
+            request["max_bytes"] = max_bytes
         await self.nc.publish(self._next_subject, json.dumps(request).encode(), reply=self._inbox)
         try:
             # A little past expires, so an idle request usually ends on the server's 408.
@@ -70,28 +75,36 @@ class BatchPuller:
         except TimeoutError:
             pass
 
-    async def fetch(self, batch: int, timeout: float) -> list[Msg]:
-        """Up to about `batch` messages: what is there now, else the first to arrive within `timeout`.
+    async def fetch(self, batch: int, timeout: float, max_bytes: int | None = None) -> list[Msg]:
+        """Up to about `batch` messages (and about `max_bytes`): what is there now, else the first to
+        arrive within `timeout`.
 
         Returns [] when nothing came; never raises on a timeout.
         """
-        msgs = await self.take_ready(batch, timeout)
+        msgs = await self.take_ready(batch, timeout, max_bytes)
         if msgs:
             return msgs
         # Nothing there: wait for the first to arrive, then take what came with it.
-        await self._pull(1, timeout, no_wait=False)
+        await self._pull(1, timeout, no_wait=False, max_bytes=max_bytes)
         if self._arrived and batch > 1:
-            await self._pull(batch - 1, timeout, no_wait=True)
+            left = None if max_bytes is None else max_bytes - _size(self._arrived)
+            if left is None or left > 0:
+                await self._pull(batch - 1, timeout, no_wait=True, max_bytes=left)
         msgs, self._arrived = self._arrived, []
         return msgs
 
-    async def take_ready(self, batch: int, reply_wait_s: float = 1.0) -> list[Msg]:
-        """Up to about `batch` messages that are there now; never waits for one to arrive (only,
-        at most `reply_wait_s`, for the server's answer)."""
-        if batch > len(self._arrived):
-            await self._pull(batch - len(self._arrived), reply_wait_s, no_wait=True)
+    async def take_ready(self, batch: int, reply_wait_s: float = 1.0, max_bytes: int | None = None) -> list[Msg]:
+        """Up to about `batch` messages (and about `max_bytes`) that are there now; never waits for
+        one to arrive (only, at most `reply_wait_s`, for the server's answer)."""
+        left = None if max_bytes is None else max_bytes - _size(self._arrived)
+        if batch > len(self._arrived) and (left is None or left > 0):
+            await self._pull(batch - len(self._arrived), reply_wait_s, no_wait=True, max_bytes=left)
         msgs, self._arrived = self._arrived, []
         return msgs
+
+
+def _size(msgs: list[Msg]) -> int:
+    return sum(len(msg.data) for msg in msgs)
 
 
 def stream_sequence(msg: Msg) -> int:

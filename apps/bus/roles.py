@@ -15,7 +15,12 @@ JetStream API subjects below (`$JS.API.…`, `$KV.…`, `$O.…`) are NATS's own
   `helexa.req.>` nor read REQUESTS otherwise), reads and deletes large requests, writes the node
   registry, publishes run and node events and `dropped` admissions, answers its micro-service
   endpoints and publishes reply frames to gateways' inboxes (which it may not read).
-- **recorder** reads EVENTS through its consumers. **bench** publishes bench runs and scores.
+- **recorder** reads EVENTS through its consumers, trims what it recorded, erases a deleted
+  response's event, and reads and deletes large events' objects. **bench** publishes bench runs
+  and scores.
+- Every role that publishes events may write the `helexa_events` bucket (an event too large for
+  one message goes there): its reference carries the object's digest, so only the object the
+  event's own role stored is recorded.
 - **operator** subscribes to everything; it publishes only to the workers' endpoints (models
   load and unload) and to the read-only JetStream API.
 
@@ -45,6 +50,8 @@ _API = "$JS.API"
 _KV_STREAM = f"KV_{topology.NODES_BUCKET}"
 _OBJ_STREAM = OBJ_STREAM_TEMPLATE.format(bucket=topology.LARGE_REQUESTS_BUCKET)
 _OBJ_SUBJECTS = f"$O.{topology.LARGE_REQUESTS_BUCKET}"
+_EVENTS_OBJ_STREAM = OBJ_STREAM_TEMPLATE.format(bucket=topology.LARGE_EVENTS_BUCKET)
+_EVENTS_OBJ_SUBJECTS = f"$O.{topology.LARGE_EVENTS_BUCKET}"
 
 def _kind(event_type: type[wire.Event]) -> str:
     return event_type.__struct_config__.tag  # type: ignore[return-value]
@@ -58,6 +65,7 @@ EVENT_SUBJECTS: dict[str, dict[str, str]] = {
     _kind(wire.RunFinished): {_kind(wire.RunFinished): WORKER,
                               topology.WORKER_LOST: GATEWAY},
     _kind(wire.NodeStatusChanged): {_kind(wire.NodeStatusChanged): WORKER},
+    _kind(wire.CoreRestarted): {_kind(wire.CoreRestarted): WORKER},
     _kind(wire.AdmissionDecided): {_kind(wire.AdmissionDecided): GATEWAY,
                                                 topology.DROPPED: WORKER},
     _kind(wire.ResponseStored): {_kind(wire.ResponseStored): GATEWAY},
@@ -76,10 +84,15 @@ def event_subject_kinds(role: str) -> list[str]:
 def event_refused(subject: str, event: wire.Event) -> str | None:
     """Why an event must not be recorded as it came (None: it may): its body is not a kind its
     subject carries, or a routed one says more than its publisher may (a gateway reports only a
-    failed run, a worker only a dropped request)."""
+    failed run, a worker only a dropped request). A reference to a large event is checked for the
+    kind it names here, and the event it resolves to again once read."""
     kind, on = wire.event_kind(event), topology.kind_of_subject(subject)
+    if isinstance(event, wire.EventRef):
+        kind = event.ref_kind
     if on not in EVENT_SUBJECTS.get(kind, {}):
         return f"a {kind} event on {subject!r}: events are accepted on their own kind's subjects only"
+    if isinstance(event, wire.EventRef):
+        return None
     if on == topology.WORKER_LOST and getattr(event, "status", None) != RunStatus.ERROR:
         return f"a {topology.WORKER_LOST} event must report a failed run"
     if on == topology.DROPPED and getattr(event, "decision", None) not in (
@@ -98,6 +111,15 @@ def _read_bucket(stream: str) -> list[str]:
     return [f"{_API}.STREAM.NAMES", f"{_API}.STREAM.MSG.GET.{stream}",
             f"{_API}.DIRECT.GET.{stream}", f"{_API}.DIRECT.GET.{stream}.>", f"{_API}.CONSUMER.CREATE.{stream}", f"{_API}.CONSUMER.CREATE.{stream}.>",
             f"{_API}.CONSUMER.INFO.{stream}.*", f"{_API}.CONSUMER.DELETE.{stream}.*", f"$JS.FC.{stream}.>"]
+
+
+def _write_large_events() -> list[str]:
+    """Putting an event too large for one message into the `helexa_events` bucket (see
+    `apps.bus.publish.publish_event`): its chunks and meta, and the look-up and purge a put of an
+    existing name makes. Its reference, on the event's own subject, names the object's digest, so
+    an object another role replaced is not recorded (`apps.recorder.large_events`)."""
+    return [f"{_EVENTS_OBJ_SUBJECTS}.>", *_read_bucket(_EVENTS_OBJ_STREAM),
+            f"{_API}.STREAM.PURGE.{_EVENTS_OBJ_STREAM}"]
 
 
 def _own_inbox(role: str, user: str | None) -> str:
@@ -122,6 +144,7 @@ def permissions(role: str, user: str | None) -> dict[str, Any]:
             f"{_API}.CONSUMER.INFO.{topology.REQUESTS_STREAM}.*",
             *_read_bucket(_KV_STREAM),
             f"{_OBJ_SUBJECTS}.>", *_read_bucket(_OBJ_STREAM), f"{_API}.STREAM.PURGE.{_OBJ_STREAM}",
+            *_write_large_events(),
         ]
         subscribe = [inbox, topology.max_deliveries_advisories()]
         return _permissions(publish, subscribe, responses=True)
@@ -138,6 +161,7 @@ def permissions(role: str, user: str | None) -> dict[str, Any]:
             f"$KV.{topology.NODES_BUCKET}.>",
             # Large requests: read, then deleted once settled (a delete marker and a purge of the chunks).
             *_read_bucket(_OBJ_STREAM), f"{_OBJ_SUBJECTS}.M.>", f"{_API}.STREAM.PURGE.{_OBJ_STREAM}",
+            *_write_large_events(),
         ]
         subscribe = [inbox, topology.cancel_wildcard(), topology.node_endpoint_wildcard(), "$SRV.>"]
         deny = [topology.request_wildcard(), f"{topology.inbox_root(GATEWAY)}.>"]
@@ -148,10 +172,14 @@ def permissions(role: str, user: str | None) -> dict[str, Any]:
             *every_stream, f"{_API}.CONSUMER.CREATE.{events}.>", f"{_API}.CONSUMER.INFO.{events}.*",
             f"{_API}.CONSUMER.MSG.NEXT.{events}.*", f"{_API}.CONSUMER.DELETE.{events}.*", f"$JS.ACK.{events}.>",
             f"{_API}.STREAM.MSG.GET.{events}", f"{_API}.DIRECT.GET.{events}", f"{_API}.DIRECT.GET.{events}.>",
+            # Trimming what it recorded, erasing a deleted response's event and large events' objects.
+            f"{_API}.STREAM.PURGE.{events}", f"{_API}.STREAM.MSG.DELETE.{events}",
+            *_read_bucket(_EVENTS_OBJ_STREAM), f"{_EVENTS_OBJ_SUBJECTS}.M.>",
+            f"{_API}.STREAM.PURGE.{_EVENTS_OBJ_STREAM}",
         ]
         return _permissions(publish, [inbox])
     if role == BENCH:
-        return _permissions([*_events(BENCH), *every_stream], [inbox])
+        return _permissions([*_events(BENCH), *every_stream, *_write_large_events()], [inbox])
     if role == OPERATOR:
         publish = [
             topology.node_endpoint_wildcard(), "$SRV.>",
@@ -160,6 +188,7 @@ def permissions(role: str, user: str | None) -> dict[str, Any]:
             f"{_API}.STREAM.MSG.GET.*", f"{_API}.DIRECT.GET.>",
             # Reading EVENTS, the node registry and large requests through ordered consumers of its own.
             *_read_bucket(topology.EVENTS_STREAM), *_read_bucket(_KV_STREAM), *_read_bucket(_OBJ_STREAM),
+            *_read_bucket(_EVENTS_OBJ_STREAM),
         ]
         return _permissions(publish, [">"])
     raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)}")

@@ -45,6 +45,8 @@ EVENTS_STREAM = "EVENTS"
 NODES_BUCKET = "helexa_nodes"
 # JetStream Object Store bucket of requests too large for one message (`apps.bus.large_requests`).
 LARGE_REQUESTS_BUCKET = "helexa_requests"
+# Object Store bucket of events too large for one message, referenced from EVENTS (`wire.EventRef`).
+LARGE_EVENTS_BUCKET = "helexa_events"
 RECORDER_CONSUMER = "recorder"
 
 _REQUEST_PREFIX = "helexa.req"
@@ -163,6 +165,10 @@ def events_stream_config(limits: BusLimits) -> StreamConfig:
         description="Run lifecycle, admission, node and bench events: the ledger's source of truth",
         subjects=[f"{_EVENT_PREFIX}.>"],
         retention=RetentionPolicy.LIMITS,
+        # Full means new events are refused (gateways answer new requests 503 events_full, and the
+        # events refused are held by their publishers), never that old ones, recorded or not, go:
+        # the recorder trims what it has recorded when the stream nears its limit.
+        discard=DiscardPolicy.NEW,
         storage=StorageType.FILE,
         max_age=limits.event_max_age_s,
         max_bytes=limits.event_max_bytes,
@@ -227,12 +233,14 @@ async def ensure_topology(js: JetStreamContext, limits: BusLimits) -> None:
     await _ensure_stream(js, events_stream_config(limits))
     await node_registry(js, limits)
     await large_request_store(js, limits)
+    await _object_store(js, LARGE_EVENTS_BUCKET, large_events_config(limits))
 
 
 def topology_streams() -> tuple[str, ...]:
-    """The streams `ensure_topology` declares, the node registry's and the bucket's included."""
+    """The streams `ensure_topology` declares, the node registry's and the buckets' included."""
     return (REQUESTS_STREAM, EVENTS_STREAM, f"KV_{NODES_BUCKET}",
-            OBJ_STREAM_TEMPLATE.format(bucket=LARGE_REQUESTS_BUCKET))
+            OBJ_STREAM_TEMPLATE.format(bucket=LARGE_REQUESTS_BUCKET),
+            OBJ_STREAM_TEMPLATE.format(bucket=LARGE_EVENTS_BUCKET))
 
 
 class TopologyMissing(nats.errors.Error):
@@ -294,18 +302,54 @@ def large_requests_config(limits: BusLimits) -> ObjectStoreConfig:
     )
 
 
+def large_events_config(limits: BusLimits) -> ObjectStoreConfig:
+    """Objects live as long as the events referring to them (EVENTS' max_age), so a replay finds them."""
+    return ObjectStoreConfig(
+        description="Events too large for one bus message, referenced from EVENTS",
+        ttl=limits.event_max_age_s,
+        max_bytes=limits.event_max_bytes,
+        storage=StorageType.FILE,
+        replicas=limits.replicas,
+    )
+
+
 async def large_request_store(js: JetStreamContext, limits: BusLimits) -> ObjectStore:
     """The large-request bucket, declared (or its limits converged on ours)."""
-    config = large_requests_config(limits)
+    return await _object_store(js, LARGE_REQUESTS_BUCKET, large_requests_config(limits))
+
+
+async def _object_store(js: JetStreamContext, bucket: str, config: ObjectStoreConfig) -> ObjectStore:
     try:
-        return await js.create_object_store(LARGE_REQUESTS_BUCKET, config=config)
+        return await js.create_object_store(bucket, config=config)
     except BadRequestError:
         # It exists with other limits: converge the stream under it, as `_ensure_stream` does.
-        info = await js.stream_info(OBJ_STREAM_TEMPLATE.format(bucket=LARGE_REQUESTS_BUCKET))
+        info = await js.stream_info(OBJ_STREAM_TEMPLATE.format(bucket=bucket))
         stream = info.config
         stream.max_age, stream.max_bytes, stream.num_replicas = config.ttl, config.max_bytes, config.replicas
         await js.update_stream(stream)
-        return await js.object_store(LARGE_REQUESTS_BUCKET)
+        return await js.object_store(bucket)
+
+
+@dataclass(slots=True, frozen=True)
+class EventsRoom:
+    """How full EVENTS is: bytes and messages held against its limits (<= 0: no limit)."""
+
+    bytes: int
+    messages: int
+    max_bytes: int
+    max_msgs: int
+
+    def share(self) -> float:
+        """The larger of the two fills, 0 to 1 (and past 1 only if an operator lowered a limit)."""
+        shares = [used / limit for used, limit in ((self.bytes, self.max_bytes), (self.messages, self.max_msgs))
+                  if limit > 0]
+        return max(shares, default=0.0)
+
+
+async def events_room(js: JetStreamContext) -> EventsRoom:
+    info = await js.stream_info(EVENTS_STREAM)
+    return EventsRoom(bytes=info.state.bytes, messages=info.state.messages,
+                      max_bytes=info.config.max_bytes or -1, max_msgs=info.config.max_msgs or -1)
 
 
 async def node_registry(js: JetStreamContext, limits: BusLimits) -> KeyValue:

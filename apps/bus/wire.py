@@ -22,6 +22,21 @@ class Wire(msgspec.Struct, frozen=True, kw_only=True):
     """Base of every message body on the bus."""
 
 
+# Longest error or detail text an event, a frame or a log line carries (UTF-8 bytes): an engine's
+# error may quote a whole grammar, a client's input or a parser's state, and none of that belongs
+# in a message whose size a client could then choose.
+MAX_TEXT_BYTES = 1024
+
+
+def bounded_text(text: str, limit: int = MAX_TEXT_BYTES) -> str:
+    """`text` cut to at most `limit` UTF-8 bytes (on a character boundary), saying how much was cut."""
+    raw = text.encode("utf-8", "replace")
+    if len(raw) <= limit:
+        return text
+    note = f" … [{len(raw)} bytes, cut]"
+    return raw[: max(limit - len(note.encode()), 0)].decode("utf-8", "ignore") + note
+
+
 class ChatMessage(Wire, kw_only=True):
     role: str
     content: str
@@ -274,14 +289,46 @@ class ResponseStored(Event, tag="response.stored", kw_only=True):
 
 
 class ResponseDeleted(Event, tag="response.deleted", kw_only=True):
-    """`DELETE /v1/responses/{id}`: the stored response is no longer served (it stays in `events`)."""
+    """`DELETE /v1/responses/{id}`: the recorder erases the stored response's content (its row's
+    columns, its response.stored payloads in `events`, its messages on EVENTS)."""
 
     response_id: str
     principal: str | None
 
 
+class EventRef(Event, tag="event.ref", kw_only=True):
+    """Published on EVENTS instead of an event too large for one bus message (a stored response
+    of a long conversation, a bench run's artifacts): the encoded event is object `object` of the
+    Object Store bucket `helexa_events` (`size` bytes, SHA-256 `digest` in hex). Same `event_id`,
+    `ts`, `model` and `node` as the event, on the event's own subject; the recorder records the
+    event itself, only if the object is still the one the reference names (the bucket is written by
+    every role that publishes events; the subject, and so the digest, only by the event's own)."""
+
+    ref_kind: str
+    object: str
+    size: int
+    digest: str
+
+
+class CoreRestarted(Event, tag="engine.restart", kw_only=True):
+    """A model's engine core process died (not asked to) and what its worker did: started a new one
+    (`restarted`), or not, `detail` saying why (a device fault, the restart budget spent, a new core
+    that would not start): the model is then out of service on that worker until it is reloaded."""
+
+    restarted: bool
+    # The dead process's exit code (negative: the signal that ended it), if it could be read.
+    exitcode: int | None = None
+    # Requests the dead core held; each ended with an `engine_lost` error frame (which a gateway migrates).
+    held_requests: int = 0
+    # Restarts of this model's core within the budget's window, this one included, and the budget.
+    restarts: int = 0
+    max_restarts: int = 0
+    restart_ms: float | None = None
+    detail: str | None = None
+
+
 AnyEvent = (RunStarted | RunFinished | AdmissionDecided | NodeStatusChanged | BenchRunRecorded | ScoreRecorded
-            | ResponseStored | ResponseDeleted)
+            | ResponseStored | ResponseDeleted | EventRef | CoreRestarted)
 
 
 def event_kind(event: Event) -> str:
@@ -316,6 +363,10 @@ class ModelStatus(Wire, kw_only=True):
     dtype: str = ""
     # Why that dtype, in a sentence ("" unknown): measured figures, or "bf16 unsupported here (...)".
     dtype_reason: str = ""
+    # Grammar compiles started for this model (the engine's, and the worker's checks of the tool
+    # grammars it composes), and constrained requests that shared a compile done or under way.
+    grammar_compiles: int = 0
+    grammar_cache_hits: int = 0
 
 
 class NodeStatus(Wire, kw_only=True):

@@ -184,7 +184,12 @@ _REFUSALS = {
 
 class Admissions:
     """This gateway's admission control: one `Admission` per model, with its own limits if
-    configured; every decision is emitted (`emit` never blocks) and refusals are counted."""
+    configured; every decision is emitted (`emit` never blocks) and refusals are counted.
+
+    Generations are admitted by `admit`. The calls that cost work but generate nothing (token
+    counts, stored responses read or deleted) are admitted by `admit_call`, each kind in a pool of
+    its own under the same limits, so that a count never waits behind a long generation while
+    a flood of counts still queues, sheds and is capped per principal like generations are."""
 
     def __init__(self, defaults: AdmissionLimits, per_model: dict[str, AdmissionLimits] | None,
                  metrics: GatewayMetrics, emit: Callable[[wire.AnyEvent], None]) -> None:
@@ -193,25 +198,38 @@ class Admissions:
         self._metrics = metrics
         self._emit = emit
         self.by_model: dict[str, Admission] = {}
+        self.by_call: dict[tuple[str, str], Admission] = {}
 
     def for_model(self, model: str) -> Admission:
         if model not in self.by_model:
             self.by_model[model] = Admission(self._per_model.get(model, self._defaults))
         return self.by_model[model]
 
+    def for_call(self, kind: str, model: str) -> Admission:
+        if (kind, model) not in self.by_call:
+            self.by_call[kind, model] = Admission(self._per_model.get(model, self._defaults))
+        return self.by_call[kind, model]
+
     async def admit(self, request: wire.GenerateRequest) -> Ticket:
         """Take the request's admission slots (one per choice), or refuse it (429/503 with Retry-After)."""
-        admission = self.for_model(request.model)
+        return await self._admit(self.for_model(request.model), request.model, request.request_id,
+                                 request.principal, request.sampling.n)
 
+    async def admit_call(self, kind: str, model: str, request_id: str, principal: str | None) -> Ticket:
+        """One slot of `kind` calls (`tokenize`, `responses.get`, ...) for `model` (`-`: none), or a
+        refusal as for generations; the decision's event says the kind in `detail`."""
+        return await self._admit(self.for_call(kind, model), model, request_id, principal, 1, kind)
+
+    async def _admit(self, admission: Admission, model: str, request_id: str, principal: str | None,
+                     weight: int, kind: str | None = None) -> Ticket:
         def decided(decision: AdmissionDecision, **fields: object) -> wire.AdmissionDecided:
-            return wire.AdmissionDecided(model=request.model, node="gateway", request_id=request.request_id,
-                                         principal=request.principal, decision=decision,
-                                         **fields)  # type: ignore[arg-type]
+            return wire.AdmissionDecided(model=model, node="gateway", request_id=request_id, principal=principal,
+                                         decision=decision, detail=kind, **fields)  # type: ignore[arg-type]
 
         try:
-            ticket = await admission.acquire(request.principal, request.sampling.n)
+            ticket = await admission.acquire(principal, weight)
         except Rejected as exc:
-            self._metrics.rejections.labels(request.model, exc.decision).inc()
+            self._metrics.rejections.labels(model, exc.decision).inc()
             self._emit(decided(exc.decision, pending=exc.pending, in_flight=exc.in_flight,
                                retry_after_s=exc.retry_after))
             message, code = _REFUSALS[exc.decision]
@@ -220,7 +238,7 @@ class Admissions:
                 code,
                 message,
                 retry_after_s=exc.retry_after,
-                context={"model": request.model, "request_id": request.request_id, "detail": exc.decision},
+                context={"model": model, "request_id": request_id, "detail": exc.decision},
             ) from None
         except asyncio.CancelledError:
             self._emit(decided(AdmissionDecision.CANCELLED, pending=admission.pending, in_flight=admission.in_flight))

@@ -21,6 +21,7 @@ from apps.bus.codes import Api, ErrorCode, FinishReason, ServingError
 from apps.gateway import anthropic_schema as an
 from apps.gateway.errors import http_error_handler, internal_error_handler, serving_error_handler
 from apps.gateway.openapi_docs import operation_for
+from apps.gateway.structured import check_enforceable
 
 HANDLER = "messages"
 _encode = msgspec.json.encode
@@ -248,6 +249,7 @@ ANTHROPIC_ERRORS = {
 async def messages(request: Request, state: State) -> Response | Stream:
     req = await state.generations.read(request, an.MessagesRequest)
     bus_request = to_bus_request(req, f"msg_{uuid.uuid4().hex}", request.state.principal)
+    await check_enforceable(bus_request, None)
     return await state.generations.serve(request, bus_request, MessagesFormatter(bus_request), HANDLER)
 
 

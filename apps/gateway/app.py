@@ -1,23 +1,34 @@
 """The gateway's Litestar app: routes, error handlers, and the parts a request passes through,
-built once per process and wired together here (nothing else constructs them)."""
+built once per process and wired together here (nothing else constructs them).
+
+Before any route runs, `edge_guard` checks who calls: the `Host` header (`auth.AllowedHosts`),
+the API key on the guarded routes (`auth.ApiKeys`, which names the principal), and the caller's
+request rate (`rate_limit.RateLimiter`). The routes that cost work but generate nothing pass
+admission too: stored responses read or deleted here, token counts where the model is known
+(`AdmittedTokenCounter`). Below the app, `http_edge` bounds connections, headers and read times.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
-from litestar import Litestar, Request
+from litestar import Litestar
+from litestar.datastructures import Headers
 from litestar.exceptions import HTTPException, NotFoundException
 from litestar.openapi import OpenAPIConfig
+from litestar.types import ASGIApp, Receive, Scope, Send
 
-from apps.bus.codes import ErrorCode, ServingError
+from apps.bus import wire
+from apps.bus.codes import Api, ErrorCode, ServingError
 from apps.fleet.catalogue import load_catalogue
 from apps.gateway.admission import AdmissionLimits, Admissions, load_per_model
 from apps.gateway.anthropic import messages
-from apps.gateway.auth import ApiKeys
+from apps.gateway.auth import AllowedHosts, ApiKeys
 from apps.gateway.bus_client import GatewayBus
 from apps.gateway.chat import chat_completions
 from apps.gateway.cold_start import ColdStarts
@@ -32,25 +43,88 @@ from apps.gateway.metrics import GatewayMetrics
 from apps.gateway.models import list_models
 from apps.gateway.node_registry import NodeRegistry
 from apps.gateway.openapi_docs import add_components
-from apps.gateway.response_store import ResponseStore
+from apps.gateway.rate_limit import RateLimiter
+from apps.gateway.response_store import ResponseStore, StoreLimits
 from apps.gateway.responses import create_response, delete_response, retrieve_response
 from apps.gateway.tokens import TokenCounter, count_tokens, detokenize, tokenize
 from apps.settings import GatewaySettings, bus_limits, catalogue_file
 
 log = logging.getLogger("helexa.gateway")
 
-# Routes that need an API key when keys are configured (vLLM's token routes live outside /v1).
+# Routes that need an API key when keys are configured (vLLM's token routes live outside /v1),
+# and whose callers' request rates are limited.
 _GUARDED = ("/v1/", "/tokenize", "/detokenize")
+_STORED_RESPONSE = "/v1/responses/"
+# Of a stored response's id, what an admission event keeps.
+_ID_CHARS = 128
+
+
+class AdmittedTokenCounter(TokenCounter):
+    """Token counts admitted like any work on their model (`Admissions.admit_call`), each kind
+    (tokenize, count_tokens, detokenize) in its own pool."""
+
+    def __init__(self, admissions: Admissions, bus: GatewayBus, registry: NodeRegistry,
+                 cold_starts: ColdStarts) -> None:
+        super().__init__(bus, registry, cold_starts)
+        self._admissions = admissions
+
+    async def ask(self, question: wire.TokenizeRequest) -> wire.TokenizeReply:
+        request = question.request
+        if request is None:
+            kind, request_id, principal = "detokenize", f"detokenize-{uuid.uuid4().hex}", None
+        else:
+            kind = "count_tokens" if request.api == Api.MESSAGES else "tokenize"
+            request_id, principal = request.request_id, request.principal
+        ticket = await self._admissions.admit_call(kind, question.model, request_id, principal)
+        try:
+            return await super().ask(question)
+        finally:
+            ticket.release()
+
+
+def edge_guard(keys: ApiKeys | None, hosts: AllowedHosts, limiter: RateLimiter | None,
+               admissions: Callable[[], Admissions]) -> Callable[[ASGIApp], ASGIApp]:
+    """The middleware every route runs in: Host check (421), API key (401) and request rate (429)
+    on the guarded routes, then admission for a stored response read or deleted. The principal
+    (None for anonymous callers, and everywhere when no keys are configured) is left in the
+    request's state for the routes."""
+
+    def middleware(app: ASGIApp) -> ASGIApp:
+        async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] != "http":
+                await app(scope, receive, send)
+                return
+            headers = Headers.from_scope(scope)
+            hosts.check(headers.get("host"))
+            path, principal = scope["path"], None
+            if path.startswith(_GUARDED):
+                principal = keys.principal(headers) if keys is not None else None
+                if limiter is not None:
+                    client = scope.get("client")
+                    limiter.take(principal, client[0] if client else None)
+            scope.setdefault("state", {})["principal"] = principal
+            method = scope["method"]
+            if not path.startswith(_STORED_RESPONSE) or method not in ("GET", "DELETE"):
+                await app(scope, receive, send)
+                return
+            kind = f"responses.{method.lower()}"
+            ticket = await admissions().admit_call(kind, "-", path.removeprefix(_STORED_RESPONSE)[:_ID_CHARS],
+                                                   principal)
+            try:
+                await app(scope, receive, send)
+            finally:
+                ticket.release()
+
+        return guarded
+
+    return middleware
 
 
 def create_app(settings: GatewaySettings | None = None) -> Litestar:
     settings = settings or GatewaySettings()
     keys = ApiKeys.load(settings.api_keys_file) if settings.api_keys_file else None
-
-    async def authenticate(request: Request) -> None:
-        # Principals exist only when keys are configured; anonymous callers are None.
-        guarded = keys is not None and request.url.path.startswith(_GUARDED)
-        request.state.principal = keys.principal(request) if guarded else None
+    hosts = AllowedHosts.for_gateway(settings.allowed_hosts, keys is None, settings.host, settings.port)
+    limiter = RateLimiter(settings.rate_limit_rps, settings.rate_limit_burst) if settings.rate_limit_rps else None
 
     @asynccontextmanager
     async def bus_lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -75,8 +149,10 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
         app.state.metrics, app.state.admissions = gateway_metrics, admissions
         app.state.generations = GenerationPipeline(bus, cold_starts, admissions, Canceller(lambda: bus.nc), events,
                                                    gateway_metrics, settings)
-        app.state.token_counter = TokenCounter(bus, registry, cold_starts)
-        app.state.responses = ResponseStore(settings.database_url, events, settings.response_wait_s)
+        app.state.token_counter = AdmittedTokenCounter(admissions, bus, registry, cold_starts)
+        app.state.responses = ResponseStore(settings.database_url, events, settings.response_wait_s, StoreLimits(
+            settings.max_stored_response_bytes, settings.max_chain_responses, settings.max_chain_bytes,
+            settings.response_cache_bytes, settings.response_cache_ttl_s))
         try:
             yield
         finally:
@@ -89,7 +165,7 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
         route_handlers=[chat_completions, completions, messages, create_response, retrieve_response, delete_response,
                         list_models, tokenize, detokenize, count_tokens, health, ready, metrics, index],
         lifespan=[bus_lifespan],
-        before_request=authenticate,
+        middleware=[edge_guard(keys, hosts, limiter, lambda: app.state.admissions)],
         exception_handlers={
             ServingError: serving_error_handler,
             NotFoundException: not_found,

@@ -31,6 +31,7 @@ from nats.js import JetStreamContext
 
 from apps.bus import large_requests, roles, topology, wire
 from apps.bus.codes import ErrorCode, ServingError
+from apps.bus.publish import publish_core
 from apps.bus.topology import BusLimits
 from apps.gateway.liveness import answer_probes
 from apps.gateway.metrics import GatewayMetrics
@@ -212,7 +213,7 @@ class GatewayBus:
             message=f"The request was tried {deliveries} times and every worker serving it stopped; "
                     "it will not be tried again.",
         )
-        await self.nc.publish(request.reply_subject, wire.encode(frame))
+        await publish_core(self.nc, request.reply_subject, wire.encode(frame))
         try:
             await self.js.delete_msg(topology.REQUESTS_STREAM, seq)
         except (nats.errors.Error, TimeoutError) as exc:

@@ -18,6 +18,7 @@ from apps.gateway import openai_schema as oa
 from apps.gateway.errors import error_body
 from apps.gateway.generation import new_request_id
 from apps.gateway.openapi_docs import operation_for
+from apps.gateway.structured import check_enforceable
 
 HANDLER = "chat_completions"
 _encode = msgspec.json.encode
@@ -88,6 +89,7 @@ def tool_calls_out(calls: list[wire.ToolCallDelta]) -> list[oa.ToolCallOut]:
 async def chat_completions(request: Request, state: State) -> Response | Stream:
     req = await state.generations.read(request, oa.ChatCompletionRequest)
     bus_request = to_bus_request(req, new_request_id("chatcmpl"), request.state.principal)
+    await check_enforceable(bus_request, req.constraint_param())
     return await state.generations.serve(request, bus_request, ChatFormatter(bus_request, req.include_usage()),
                                          HANDLER, output_param=req.completion_limit_param())
 

@@ -15,6 +15,7 @@ from apps.gateway import openai_schema as oa
 from apps.gateway.chat import OpenAIFormatting, sse_data, usage_out
 from apps.gateway.generation import new_request_id
 from apps.gateway.openapi_docs import operation_for
+from apps.gateway.structured import check_enforceable
 
 HANDLER = "completions"
 
@@ -53,6 +54,7 @@ def to_bus_request(req: oa.CompletionRequest, request_id: str, principal: str | 
 async def completions(request: Request, state: State) -> Response | Stream:
     req = await state.generations.read(request, oa.CompletionRequest)
     bus_request = to_bus_request(req, new_request_id("cmpl"), request.state.principal)
+    await check_enforceable(bus_request, req.constraint_param())
     return await state.generations.serve(request, bus_request,
                                          CompletionFormatter(bus_request, req.include_usage()), HANDLER)
 

@@ -3,7 +3,14 @@
 Admission decisions and the runs no worker can report go to EVENTS for the ledger, but a request
 never waits for that: an await there would be a point where a client that leaves could strand its
 admission slot, and a slow bus would slow serving. `emit` never blocks; when the queue is full the
-event is dropped and counted. The backlog is the `helexa:gateway_event_backlog` gauge.
+event is dropped and counted. The backlog is the `helexa:gateway_event_backlog` gauge; events
+EVENTS refused (full, or the bus away) are held and published again (`helexa:gateway_events_held`).
+
+EVENTS refuses new events when full rather than dropping old ones, so the gateway stops taking new
+work before it gets there: the publisher reads how full EVENTS is every `ROOM_CHECK_S`, and past
+`EVENTS_FULL_AT` of a limit (or as soon as EVENTS refuses one of its events) `check_room` answers
+new requests 503 `events_full` with `Retry-After`, until the recorder has caught up and trimmed
+what it recorded (`helexa:gateway_events_full` is 1 meanwhile).
 """
 
 from __future__ import annotations
@@ -11,8 +18,11 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from apps.bus import wire
-from apps.bus.publish import publish_event
+import nats.errors
+
+from apps.bus import topology, wire
+from apps.bus.codes import ErrorCode, ServingError
+from apps.bus.publish import held_events, publish_event
 from apps.gateway.bus_client import GatewayBus
 from apps.gateway.metrics import GatewayMetrics
 
@@ -20,6 +30,12 @@ log = logging.getLogger("helexa.gateway")
 
 # Publishes in flight at once: each waits for its JetStream ack.
 _PUBLISHERS = 4
+# Share of an EVENTS limit past which new requests are refused: the rest is room for the events
+# of the requests already running.
+EVENTS_FULL_AT = 0.95
+ROOM_CHECK_S = 1.0
+# What a refused client is told to wait: about how long the recorder takes to trim what it recorded.
+EVENTS_FULL_RETRY_S = 5
 
 
 class EventPublisher:
@@ -29,7 +45,10 @@ class EventPublisher:
         # Each event with the subject kind it goes under (None: its own kind).
         self._queue: asyncio.Queue[tuple[wire.AnyEvent, str | None]] = asyncio.Queue(max_backlog)
         self._tasks: list[asyncio.Task[None]] = []
+        self.events_full = False
         metrics.event_backlog.set_function(lambda: self._queue.qsize())
+        metrics.events_held.set_function(held_events)
+        metrics.events_full.set_function(lambda: float(self.events_full))
 
     @property
     def backlog(self) -> int:
@@ -37,6 +56,37 @@ class EventPublisher:
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._publish_forever()) for _ in range(_PUBLISHERS)]
+        self._tasks.append(asyncio.create_task(self._watch_room()))
+
+    def check_room(self, model: str | None = None) -> None:
+        """Refuse new work (503 events_full) while EVENTS has no room for its events."""
+        if not self.events_full:
+            return
+        self._metrics.rejections.labels(model or "-", ErrorCode.EVENTS_FULL).inc()
+        raise ServingError(503, ErrorCode.EVENTS_FULL,
+                           "The event ledger is full of events not yet recorded; retry shortly.",
+                           retry_after_s=EVENTS_FULL_RETRY_S,
+                           context={"model": model, "detail": "EVENTS near its limit with unrecorded events"})
+
+    def _refused(self) -> None:
+        if not self.events_full:
+            log.error("EVENTS refused an event: it is full; new requests are refused until it has room")
+        self.events_full = True
+
+    async def _watch_room(self) -> None:
+        while True:
+            try:
+                room = await topology.events_room(self._bus.js)
+            except (nats.errors.Error, TimeoutError) as exc:
+                log.debug("could not read how full EVENTS is", extra={"error": repr(exc)})
+            else:
+                full = room.share() >= EVENTS_FULL_AT
+                if full != self.events_full:
+                    log.warning("EVENTS full: new requests refused" if full else "EVENTS has room again",
+                                extra={"bytes": room.bytes, "max_bytes": room.max_bytes, "messages": room.messages,
+                                       "max_msgs": room.max_msgs})
+                self.events_full = full
+            await asyncio.sleep(ROOM_CHECK_S)
 
     async def stop(self, drain_s: float = 2.0) -> None:
         """Give the backlog a moment to go out, then stop."""
@@ -44,6 +94,8 @@ class EventPublisher:
             await asyncio.wait_for(self._queue.join(), drain_s)
         except TimeoutError:
             log.warning("events left unpublished at shutdown", extra={"backlog": self._queue.qsize()})
+        if held_events():
+            log.warning("events EVENTS did not take are lost at shutdown", extra={"held": held_events()})
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -60,7 +112,9 @@ class EventPublisher:
         while True:
             event, subject_kind = await self._queue.get()
             try:
-                await publish_event(self._bus.js, event, subject_kind=subject_kind)  # logs a bus failure itself
+                # Held and published again if EVENTS does not take it now (full, or the bus away).
+                await publish_event(self._bus.js, event, on_full=self._refused, current=lambda: self._bus.js,
+                                    subject_kind=subject_kind)
             except Exception:  # one bad event must not stop the publisher
                 log.exception("event dropped", extra={"kind": wire.event_kind(event)})
             finally:

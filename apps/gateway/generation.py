@@ -47,7 +47,7 @@ from apps.gateway.liveness import (
 from apps.gateway.metrics import GatewayMetrics
 from apps.gateway.migration import MIGRATABLE, Delivered, migrated
 from apps.gateway.reply_stream import ReplyStream, ReplyTimeout
-from apps.gateway.validate import bound_output, check_token_ids, decode_request
+from apps.gateway.validate import bound_output, check_prompt_size, check_token_ids, decode_request
 from apps.settings import GatewaySettings
 
 # Failures where the worker is gone and cannot report the run itself.
@@ -154,6 +154,7 @@ class GenerationPipeline:
     async def _routed_start(self, request: wire.GenerateRequest, handler: str, output_param: str) -> Generation:
         nodes = await self._cold_starts.nodes_for(request.model)
         check_token_ids(request, nodes)
+        check_prompt_size(request, nodes)
         try:
             request = bound_output(request, nodes, output_param)
         except ServingError as exc:
@@ -165,6 +166,7 @@ class GenerationPipeline:
     async def start(self, request: wire.GenerateRequest, handler: str) -> Generation:
         """Admit, publish and wait for the worker's first frame; any failure so far is a ServingError.
         Cancelled at any await, it gives back what it holds (slots, subscriptions) and cancels."""
+        self._events.check_room(request.model)
         ticket = await self._admissions.admit(request)
         try:
             # The wait for a worker starts once admitted: the one place the deadline is set.

@@ -41,6 +41,7 @@ from nats.aio.subscription import Subscription
 
 from apps.bus import topology, wire
 from apps.bus.codes import ErrorCode, ServingError
+from apps.bus.publish import publish_core, respond
 from apps.gateway.reply_stream import ReplyStream, ReplyTimeout
 
 log = logging.getLogger("helexa.gateway")
@@ -63,7 +64,7 @@ async def answer_probes(nc: NatsClient, reply: ReplyStream, reply_subject: str) 
 
     async def still_listening(msg: Msg) -> None:
         taken = attempt_taken(msg.data, reply.locked_attempt, reply.base_attempt)
-        await msg.respond(topology.ATTEMPT_TAKEN if taken else b"")
+        await respond(msg, topology.ATTEMPT_TAKEN if taken else b"")
 
     return await nc.subscribe(topology.alive_subject(reply_subject), cb=still_listening)
 
@@ -99,7 +100,7 @@ class Canceller:
 
     async def _cancel(self, request_id: str) -> None:
         try:
-            await self._connection().publish(topology.cancel_subject(request_id), b"")
+            await publish_core(self._connection(), topology.cancel_subject(request_id))
         except nats.errors.Error as exc:
             log.warning("cancel publish failed", extra={"request_id": request_id, "error": str(exc)})
 

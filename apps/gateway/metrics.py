@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from apps.bus import wire
+from apps.gateway.structured import CHECKER
 
 if TYPE_CHECKING:
     from apps.gateway.admission import Admission
@@ -45,6 +46,11 @@ class GatewayMetrics:
                                   ["model", "reason"], registry=r)
         self.event_backlog = Gauge("helexa:gateway_event_backlog", "Events queued for publishing on EVENTS",
                                    registry=r)
+        self.events_held = Gauge("helexa:gateway_events_held",
+                                 "Events EVENTS did not take yet (full, or the bus away), held to be published again",
+                                 registry=r)
+        self.events_full = Gauge("helexa:gateway_events_full",
+                                 "1 while EVENTS is too full for new requests (they get 503 events_full)", registry=r)
         self.events_dropped = Counter("helexa:gateway_events_dropped", "Events dropped: the publish queue was full",
                                       registry=r)
         self.bus_connections_lost = Counter("helexa:gateway_bus_connections_lost",
@@ -83,6 +89,11 @@ class _NodeCollector(Collector):
         state_slots = GaugeMetricFamily("helexa:state_slots_in_use",
                                         "Linear-attention state slots held by sequences (hybrid models)",
                                         labels=["model"])
+        compiles = CounterMetricFamily("helexa:grammar_compiles",
+                                       "Grammar compiles started on workers (engine, and tool-grammar checks)",
+                                       labels=["model"])
+        compile_hits = CounterMetricFamily("helexa:grammar_compile_cache_hits",
+                                           "Constrained requests that shared a grammar compile", labels=["model"])
         per_model: dict[str, list[wire.ModelStatus]] = {}
         for node in self.metrics._nodes:
             for status in node.models:
@@ -94,7 +105,13 @@ class _NodeCollector(Collector):
             queries.add_metric([model], sum(s.prefix_queries for s in statuses))
             hits.add_metric([model], sum(s.prefix_hits for s in statuses))
             state_slots.add_metric([model], sum(s.state_slots - s.free_state_slots for s in statuses))
-        yield from (running, waiting, kv, queries, hits, state_slots)
+            compiles.add_metric([model], sum(s.grammar_compiles for s in statuses))
+            compile_hits.add_metric([model], sum(s.grammar_cache_hits for s in statuses))
+        yield from (running, waiting, kv, queries, hits, state_slots, compiles, compile_hits)
+        gateway_compiles = CounterMetricFamily("helexa:gateway_grammar_compiles",
+                                               "Grammar checks this gateway started compiling")
+        gateway_compiles.add_metric([], CHECKER.started)
+        yield gateway_compiles
         pending = GaugeMetricFamily("helexa:admission_pending", "Requests admitted or queued at this gateway",
                                     labels=["model"])
         in_flight = GaugeMetricFamily("helexa:admission_in_flight", "Requests holding a slot at this gateway",

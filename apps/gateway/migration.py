@@ -19,7 +19,8 @@ from apps.bus import wire
 from apps.bus.codes import ErrorCode, FinishReason
 
 # The failures after which the answer can go on elsewhere: the worker, not the request, failed.
-MIGRATABLE = frozenset({ErrorCode.WORKER_LOST, ErrorCode.WORKER_STOPPING, ErrorCode.FRAMES_LOST})
+MIGRATABLE = frozenset({ErrorCode.WORKER_LOST, ErrorCode.WORKER_STOPPING, ErrorCode.FRAMES_LOST,
+                        ErrorCode.ENGINE_LOST})
 
 
 class Delivered:

@@ -4,18 +4,25 @@ PostgreSQL ledger.
 Writing goes through the event stream like everything else the ledger knows: the gateway
 publishes `response.stored` (this request's input items, the response object, the model and the
 principal) and `response.deleted` onto EVENTS, and the recorder projects them into the
-`responses` table (migration 0005). Reading is a query on that table; a conversation is rebuilt
-by following `previous_response_id` back to its first response (one recursive query). A
+`responses` table (migrations 0005, 0006); a deletion erases the content. Reading is a query on
+that table; a conversation is rebuilt by following `previous_response_id` back to its first
+response (one recursive query, cut at `StoreLimits.max_chain_responses` responses and
+`max_chain_bytes` bytes, so a long chain is refused before any work rather than loaded). A
 response that does not exist, was deleted, or belongs to another principal is a 404 — the same
 404, so ids of others cannot be probed.
 
+Ids are `resp_` + 12 hex digits of the Unix milliseconds the id was made (not secret) + 32 hex
+digits (128 bits) drawn fresh from `secrets`: the id is the capability, as at OpenAI, so keyless
+`previous_response_id` works and nobody can guess another's id from their own or from a time.
+
 The race between publishing and projecting (a client that asks for turn 2 right after turn 1):
-- this gateway keeps its own recent responses in a small cache (and its deletions as
-  tombstones), consulted when the ledger does not have a response yet; the ledger stays the
-  authority, so a response deleted through another gateway is gone here too once projected;
-- another gateway may be asked for a response it never saw: ids are `resp_<UUIDv7>`, which say
-  when they were made, so a response made less than `projection_wait_s` ago is waited for (the
-  ledger polled) until that age, while an older unknown id is a 404 at once.
+- this gateway keeps its own recent responses in a cache bounded in bytes with real expiry (and
+  its deletions as tombstones), consulted when the ledger does not have a response yet; the
+  ledger stays the authority, so a response deleted through another gateway is gone here too;
+- another gateway may be asked for a response it never saw: an id made less than
+  `projection_wait_s` ago is waited for until the recorder announces it (`projection_notices`,
+  NOTIFY at the commit that projects it), however long the recorder takes within that window; an
+  older unknown id is a 404 at once.
 A restarted gateway has an empty cache and reads everything from the ledger.
 """
 
@@ -24,58 +31,105 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
+import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import asyncpg
 
 from apps.bus import wire
 from apps.bus.codes import ErrorCode, ServingError
-from apps.bus.uuid7 import uuid7_hex
 from apps.gateway.errors import retry_after_s
-from apps.gateway.events import EventPublisher
+from apps.gateway.projection_notices import FALLBACK_RECHECK_S, ProjectionNotices
 
 log = logging.getLogger("helexa.gateway")
 
 ID_PREFIX = "resp_"
-# Responses one conversation may chain through (a guard against a cycle in a corrupted ledger).
-MAX_CHAIN = 10_000
-POLL_S = 0.05
+_RANDOM_BYTES = 16
+# Ids made now (44 hex digits), and the UUIDv7 ids of earlier versions (32) still in ledgers.
+_ID = re.compile(r"resp_(?:[0-9a-f]{44}|[0-9a-f]{32})")
 
 _ONE = """
-SELECT response_id, principal, previous_response_id, input_items, response, deleted_at, event_id
+SELECT response_id, principal, previous_response_id, input_items, response, deleted_at, event_id, stored_bytes
 FROM responses WHERE response_id = $1
 """
-# From a response back through its predecessors, as far as the ledger has them, newest first.
-_CHAIN = f"""
+# From a response back through its predecessors, newest first, while within $2 responses and
+# until past $3 bytes (the row that crosses it is read, so the caller sees the chain goes on).
+_CHAIN = """
 WITH RECURSIVE chain AS (
-    SELECT response_id, principal, previous_response_id, input_items, response, deleted_at, event_id, 0 AS depth
+    SELECT response_id, principal, previous_response_id, input_items, response, deleted_at, event_id, stored_bytes,
+           stored_bytes AS total, 0 AS depth
     FROM responses WHERE response_id = $1
   UNION ALL
     SELECT r.response_id, r.principal, r.previous_response_id, r.input_items, r.response, r.deleted_at,
-           r.event_id, c.depth + 1
+           r.event_id, r.stored_bytes, c.total + r.stored_bytes, c.depth + 1
     FROM responses r JOIN chain c ON r.response_id = c.previous_response_id
-    WHERE c.depth < {MAX_CHAIN}
+    WHERE c.depth + 1 < $2 AND c.total <= $3
 )
 SELECT * FROM chain ORDER BY depth
 """
 
 
+@dataclass(slots=True, frozen=True)
+class StoreLimits:
+    """What one stored response and one conversation may hold, and this gateway's cache."""
+
+    # A response's stored input items and echoed request fields (413 above, before it runs).
+    max_response_bytes: int = 4 << 20
+    # A `previous_response_id` conversation: responses and stored bytes (400 above, before it runs).
+    max_chain_responses: int = 1024
+    max_chain_bytes: int = 16 << 20
+    # This gateway's recent responses, until the ledger has them.
+    cache_bytes: int = 64 << 20
+    cache_ttl_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if min(self.max_response_bytes, self.max_chain_responses, self.max_chain_bytes, self.cache_bytes) < 1:
+            raise ValueError("stored-response limits must be positive")
+        if self.cache_ttl_s <= 0:
+            raise ValueError("the response cache's TTL must be positive")
+
+
+class Events(Protocol):
+    """Where the store's events go (`apps.gateway.events.EventPublisher`)."""
+
+    def emit(self, event: wire.AnyEvent) -> None: ...
+
+    def check_room(self, model: str | None = None) -> None: ...
+
+
 def new_response_id() -> str:
-    return ID_PREFIX + uuid7_hex()
+    return f"{ID_PREFIX}{time.time_ns() // 1_000_000:012x}{secrets.token_hex(_RANDOM_BYTES)}"
+
+
+def valid_id(response_id: str) -> bool:
+    return _ID.fullmatch(response_id) is not None
 
 
 def created_at_s(response_id: str) -> float | None:
-    """When a `resp_<UUIDv7>` id was made (its first 48 bits are Unix milliseconds); None otherwise."""
-    digits = response_id.removeprefix(ID_PREFIX)
-    if len(digits) != 32 or not response_id.startswith(ID_PREFIX):
+    """When an id was made (its first 48 bits are Unix milliseconds); None for a malformed id."""
+    if not valid_id(response_id):
         return None
-    try:
-        return int(digits[:12], 16) / 1000.0
-    except ValueError:
-        return None
+    return int(response_id[len(ID_PREFIX):len(ID_PREFIX) + 12], 16) / 1000.0
+
+
+def stored_size(input_items: list[dict[str, Any]], response: dict[str, Any]) -> int:
+    """A stored response's bytes as the ledger counts them (`responses.stored_bytes`), about."""
+    return len(wire.encode(input_items)) + len(wire.encode(response))
+
+
+def without_nul(value: Any) -> Any:
+    """`value` with every NUL in its strings replaced by U+FFFD, as the ledger records them."""
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd")
+    if isinstance(value, list):
+        return [without_nul(v) for v in value]
+    if isinstance(value, dict):
+        return {without_nul(k): without_nul(v) for k, v in value.items()}
+    return value
 
 
 @dataclass(slots=True, frozen=True)
@@ -86,6 +140,7 @@ class StoredResponse:
     input_items: list[dict[str, Any]]
     response: dict[str, Any]
     deleted: bool = False
+    size: int = 0
 
     @property
     def items(self) -> list[dict[str, Any]]:
@@ -94,69 +149,106 @@ class StoredResponse:
 
 
 def _from_row(row: asyncpg.Record) -> StoredResponse:
-    # A row known only by its deletion has no stored columns.
-    if row["event_id"] is None:
-        return StoredResponse(row["response_id"], row["principal"], None, [], {}, deleted=True)
+    # A deleted response's content is erased; a row known only by its deletion has no stored columns.
+    if row["event_id"] is None or row["deleted_at"] is not None or row["response"] is None:
+        return StoredResponse(row["response_id"], row["principal"], row["previous_response_id"], [], {},
+                              deleted=True)
     return StoredResponse(row["response_id"], row["principal"], row["previous_response_id"],
-                          json.loads(row["input_items"]), json.loads(row["response"]),
-                          deleted=row["deleted_at"] is not None)
+                          json.loads(row["input_items"]), json.loads(row["response"]), size=row["stored_bytes"])
 
 
 def not_found(response_id: str, param: str | None = None) -> ServingError:
-    return ServingError(404, ErrorCode.RESPONSE_NOT_FOUND, f"No response found with id '{response_id}'.",
+    shown = response_id if valid_id(response_id) else wire.bounded_text(response_id, 64)
+    return ServingError(404, ErrorCode.RESPONSE_NOT_FOUND, f"No response found with id '{shown}'.",
                         param=param, context={"detail": "unknown, deleted or another principal's response"})
 
 
 @dataclass(slots=True)
 class _Recent:
-    """This gateway's own responses until the ledger has them, and its own deletions (bounded,
-    oldest dropped first; entries older than `ttl_s` are ignored)."""
+    """This gateway's own responses until the ledger has them, and its own deletions: at most
+    `max_bytes` of responses, each forgotten `ttl_s` after it was kept (oldest first either way)."""
 
-    max_entries: int
+    max_bytes: int
     ttl_s: float
     kept: OrderedDict[str, tuple[float, StoredResponse]] = field(default_factory=OrderedDict)
     deleted: OrderedDict[str, float] = field(default_factory=OrderedDict)
+    bytes: int = 0
 
-    @staticmethod
-    def _bounded(entries: OrderedDict[str, Any], key: str, value: Any, limit: int) -> None:
-        entries[key] = value
-        entries.move_to_end(key)
-        while len(entries) > limit:
-            entries.popitem(last=False)
+    def _expire(self, now: float) -> None:
+        while self.kept and now - next(iter(self.kept.values()))[0] > self.ttl_s:
+            self.bytes -= self.kept.popitem(last=False)[1][1].size
+        while self.deleted and now - next(iter(self.deleted.values())) > self.ttl_s:
+            self.deleted.popitem(last=False)
 
     def put(self, stored: StoredResponse) -> None:
-        self._bounded(self.kept, stored.response_id, (time.monotonic(), stored), self.max_entries)
+        now = time.monotonic()
+        self._expire(now)
+        self.forget(stored.response_id)
+        if stored.size > self.max_bytes:
+            return
+        self.kept[stored.response_id] = (now, stored)
+        self.bytes += stored.size
+        while self.bytes > self.max_bytes:
+            self.bytes -= self.kept.popitem(last=False)[1][1].size
+
+    def forget(self, response_id: str) -> None:
+        entry = self.kept.pop(response_id, None)
+        if entry is not None:
+            self.bytes -= entry[1].size
 
     def delete(self, response_id: str) -> None:
-        self._bounded(self.deleted, response_id, time.monotonic(), self.max_entries)
+        self.forget(response_id)
+        self._expire(time.monotonic())
+        self.deleted[response_id] = time.monotonic()
+        self.deleted.move_to_end(response_id)
 
     def get(self, response_id: str) -> StoredResponse | None:
+        self._expire(time.monotonic())
         entry = self.kept.get(response_id)
-        if entry is None or time.monotonic() - entry[0] > self.ttl_s:
-            return None
-        return entry[1]
+        return entry[1] if entry is not None else None
 
     def was_deleted(self, response_id: str) -> bool:
-        at = self.deleted.get(response_id)
-        return at is not None and time.monotonic() - at <= self.ttl_s
+        self._expire(time.monotonic())
+        return response_id in self.deleted
 
 
 class ResponseStore:
-    def __init__(self, database_url: str, events: EventPublisher, projection_wait_s: float = 5.0,
-                 cache_entries: int = 2048, cache_ttl_s: float = 600.0) -> None:
+    def __init__(self, database_url: str, events: Events, projection_wait_s: float = 30.0,
+                 limits: StoreLimits | None = None) -> None:
         self._database_url = database_url
         self._events = events
         self.projection_wait_s = projection_wait_s
-        self._recent = _Recent(cache_entries, cache_ttl_s)
+        self.limits = limits or StoreLimits()
+        self._recent = _Recent(self.limits.cache_bytes, self.limits.cache_ttl_s)
+        self._notices = ProjectionNotices(database_url)
         self._pool: asyncpg.Pool | None = None
         self._pool_lock = asyncio.Lock()
 
+    @property
+    def cached_bytes(self) -> int:
+        return self._recent.bytes
+
     async def close(self) -> None:
+        await self._notices.close()
         if self._pool is not None:
             await self._pool.close()
 
+    def check_storable(self, input_items: list[dict[str, Any]], response: dict[str, Any]) -> None:
+        """Before a `store` request runs: its stored part within `max_response_bytes` (413)."""
+        size = stored_size(input_items, response)
+        if size > self.limits.max_response_bytes:
+            raise ServingError(
+                413, ErrorCode.REQUEST_TOO_LARGE,
+                f"This response would store {size} bytes of input and settings; at most "
+                f"{self.limits.max_response_bytes} bytes are stored per response (send less, or 'store': false).",
+                param="input")
+
     def keep(self, stored: StoredResponse, model: str) -> None:
-        """Store a response: on the ledger (through EVENTS) and in the recent cache."""
+        """Store a response: on the ledger (through EVENTS) and in the recent cache. A NUL in its
+        output is kept as U+FFFD, as the ledger records it."""
+        response = without_nul(stored.response)
+        stored = StoredResponse(stored.response_id, stored.principal, stored.previous_response_id,
+                                stored.input_items, response, size=stored_size(stored.input_items, response))
         self._recent.put(stored)
         self._events.emit(wire.ResponseStored(
             model=model, node="gateway", response_id=stored.response_id, principal=stored.principal,
@@ -164,60 +256,94 @@ class ResponseStore:
             response=stored.response))
 
     async def delete(self, response_id: str, principal: str | None) -> StoredResponse:
-        """Delete one of `principal`'s responses (404 if it has none of that id)."""
+        """Delete one of `principal`'s responses (404 if it has none of that id): its content is
+        erased from the ledger once the recorder projects the deletion."""
         stored = await self.get(response_id, principal)
+        self._events.check_room(stored.response.get("model"))
         self._recent.delete(response_id)
         self._events.emit(wire.ResponseDeleted(model=stored.response.get("model") or "-", node="gateway",
                                                response_id=response_id, principal=principal))
         return stored
 
     async def get(self, response_id: str, principal: str | None, param: str | None = None) -> StoredResponse:
-        chain = await self._chain(response_id, principal, param, length=1)
-        return chain[0]
+        head = await self._head(response_id, principal, param)
+        return head[0]
 
     async def conversation(self, response_id: str, principal: str | None) -> list[dict[str, Any]]:
-        """Every item of the conversation `response_id` ends, oldest first (inputs and outputs)."""
-        chain = await self._chain(response_id, principal, "previous_response_id", length=MAX_CHAIN)
-        return [item for stored in reversed(chain) for item in stored.items]
-
-    async def _chain(self, response_id: str, principal: str | None, param: str | None,
-                     length: int) -> list[StoredResponse]:
-        """`response_id` and up to `length - 1` of its predecessors, newest first; the first one must
-        be `principal`'s and not deleted (its predecessors may be deleted: they still make up the
-        conversation)."""
-        chain: list[StoredResponse] = []
-        wanted: str | None = response_id
-        while wanted is not None and len(chain) < length:
-            found = await self._read(wanted, length - len(chain))
+        """Every item of the conversation `response_id` ends, oldest first (inputs and outputs);
+        a 400 past the chain limits, a 404 if a response of it was deleted."""
+        param = "previous_response_id"
+        limits = self.limits
+        chain = await self._head(response_id, principal, param, limits.max_chain_responses, limits.max_chain_bytes)
+        while chain[-1].previous_response_id is not None:
+            total = sum(s.size for s in chain)
+            if len(chain) >= limits.max_chain_responses or total > limits.max_chain_bytes:
+                break
+            wanted = chain[-1].previous_response_id
+            found = await self._read(wanted, limits.max_chain_responses - len(chain), limits.max_chain_bytes - total)
             if not found:
-                if chain:
-                    log.warning("a stored response's predecessor is missing",
-                                extra={"response_id": chain[-1].response_id, "previous": wanted})
+                log.warning("a stored response's predecessor is missing",
+                            extra={"response_id": chain[-1].response_id, "previous": wanted})
                 raise not_found(response_id, param)
             chain += found
-            wanted = chain[-1].previous_response_id
+        if any(s.principal != principal for s in chain):
+            raise not_found(response_id, param)
+        total = sum(s.size for s in chain)
+        if (len(chain) > limits.max_chain_responses or total > limits.max_chain_bytes
+                or (len(chain) == limits.max_chain_responses and chain[-1].previous_response_id is not None)):
+            raise ServingError(
+                400, ErrorCode.INVALID_REQUEST,
+                f"The conversation of '{response_id}' is too long to continue here: at most "
+                f"{limits.max_chain_responses} responses and {limits.max_chain_bytes} stored bytes.", param=param)
+        gone = next((s for s in chain if s.deleted or self._recent.was_deleted(s.response_id)), None)
+        if gone is not None:
+            raise ServingError(404, ErrorCode.RESPONSE_NOT_FOUND,
+                               f"Response '{gone.response_id}' of this conversation was deleted; its turns are gone.",
+                               param=param)
+        return [item for stored in reversed(chain) for item in stored.items]
+
+    async def _head(self, response_id: str, principal: str | None, param: str | None, length: int = 1,
+                    max_bytes: int = 0) -> list[StoredResponse]:
+        """`response_id` (and predecessors the same read found), which must be `principal`'s and not deleted."""
+        if not valid_id(response_id):
+            raise not_found(response_id, param)
+        chain = await self._read(response_id, length, max_bytes)
+        if not chain:
+            raise not_found(response_id, param)
         head = chain[0]
-        if head.deleted or self._recent.was_deleted(response_id) or any(s.principal != principal for s in chain):
+        if head.deleted or self._recent.was_deleted(response_id) or head.principal != principal:
             raise not_found(response_id, param)
         return chain
 
-    async def _read(self, response_id: str, length: int) -> list[StoredResponse]:
+    async def _read(self, response_id: str, length: int, max_bytes: int) -> list[StoredResponse]:
         """The response and its predecessors as far as one source has them: the ledger, else this
-        gateway's recent ones, else — for an id made moments ago — the ledger once it has it."""
-        found = await self._query_or_recent(response_id, length)
+        gateway's recent ones, else — for an id made moments ago — the ledger once the recorder
+        announces it."""
+        found = await self._query_or_recent(response_id, length, max_bytes)
         created = created_at_s(response_id)
         if found or created is None or not created - 1.0 <= time.time() < created + self.projection_wait_s:
             return found
-        # Made moments ago, probably by another gateway: the recorder has not projected it yet.
-        while not found and time.time() < created + self.projection_wait_s:
-            await asyncio.sleep(POLL_S)
-            found = await self._query_or_recent(response_id, length)
+        # Made moments ago, probably through another gateway: the recorder has not projected it yet.
+        async with self._notices.expecting(response_id) as arrived:
+            while arrived is not None:
+                arrived.clear()  # before the read: a notice during it is not missed
+                found = await self._query_or_recent(response_id, length, max_bytes)
+                remaining = created + self.projection_wait_s - time.time()
+                if found or remaining <= 0:
+                    break
+                if not self._notices.listening:
+                    await self._notices.listen()
+                wait = remaining if self._notices.listening else min(remaining, FALLBACK_RECHECK_S)
+                try:
+                    await asyncio.wait_for(arrived.wait(), wait)
+                except TimeoutError:
+                    pass
         return found
 
-    async def _query_or_recent(self, response_id: str, length: int) -> list[StoredResponse]:
+    async def _query_or_recent(self, response_id: str, length: int, max_bytes: int) -> list[StoredResponse]:
         recent = self._recent.get(response_id)
         try:
-            found = await self._query(response_id, length)
+            found = await self._query(response_id, length, max_bytes)
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
             if recent is not None:
                 return [recent]
@@ -226,13 +352,13 @@ class ResponseStore:
                                retry_after_s=retry_after_s(), context={"detail": f"postgres: {exc!r}"}) from None
         return found or ([recent] if recent is not None else [])
 
-    async def _query(self, response_id: str, length: int) -> list[StoredResponse]:
+    async def _query(self, response_id: str, length: int, max_bytes: int) -> list[StoredResponse]:
         pool = await self._connected()
         async with pool.acquire() as conn:
             if length == 1:
                 row = await conn.fetchrow(_ONE, response_id)
                 return [_from_row(row)] if row is not None else []
-            return [_from_row(row) for row in await conn.fetch(_CHAIN, response_id)]
+            return [_from_row(row) for row in await conn.fetch(_CHAIN, response_id, length, max_bytes)]
 
     async def _connected(self) -> asyncpg.Pool:
         async with self._pool_lock:
@@ -240,3 +366,4 @@ class ResponseStore:
                 self._pool = await asyncpg.create_pool(self._database_url, min_size=0, max_size=4, timeout=5,
                                                        command_timeout=10)
             return self._pool
+

@@ -6,6 +6,12 @@ their outputs, reasoning) become one chat conversation, published like any chat 
 through the generation pipeline; `responses_output` shapes the answer. With `store` (the
 default, as at OpenAI) the finished response is kept for its principal.
 
+A stored response is bounded before it runs: `metadata` as at OpenAI (16 pairs, keys of at most 64
+characters, values of at most 512), ids and names in input items by the schema, a NUL anywhere in
+what would be stored is a 400 (PostgreSQL cannot hold it), and the stored input and settings
+together at most `StoreLimits.max_response_bytes` (413); a `previous_response_id` conversation is
+bounded in responses and bytes (400), all before admission.
+
 What cannot be honoured is refused by name: tools other than functions, image and file inputs,
 item references, background runs, conversation objects, prompt templates, `truncation: auto`.
 A JSON `text.format` (json_object, json_schema) is enforced with the same grammar as chat's
@@ -31,11 +37,14 @@ from apps.gateway.openapi_docs import operation_for
 from apps.gateway.response_store import ResponseStore, StoredResponse, new_response_id
 from apps.gateway.responses_output import ResponsesFormatter
 from apps.gateway.validate import check_json_depth
-from apps.gateway.structured import json_constraint
+from apps.gateway.structured import check_enforceable, json_constraint
 from engine.protocol import SamplingParams, StructuredOutput
 
 HANDLER = "responses"
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
 
 
 def _refuse(message: str, param: str | None) -> ServingError:
@@ -133,6 +142,36 @@ def _check_supported(req: rs.ResponsesRequest) -> None:
         raise _refuse("'truncation: auto' is not supported; an input past the context is a 400.", "truncation")
 
 
+def _has_nul(value: Any) -> bool:
+    """Whether a NUL is in any string (key or value) of decoded JSON."""
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, list):
+        return any(_has_nul(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
+    return False
+
+
+def check_storable(req: rs.ResponsesRequest, store: ResponseStore, items: list[dict[str, Any]],
+                   template: dict[str, Any]) -> None:
+    """What a `store` request would keep: metadata within OpenAI's bounds, no NUL, and within the
+    store's byte cap (413); checked before the request is accepted."""
+    metadata = req.metadata or {}
+    if len(metadata) > MAX_METADATA_PAIRS or any(
+            len(k) > MAX_METADATA_KEY_CHARS or len(v) > MAX_METADATA_VALUE_CHARS for k, v in metadata.items()):
+        raise _refuse(f"'metadata' holds at most {MAX_METADATA_PAIRS} pairs, with keys of at most "
+                      f"{MAX_METADATA_KEY_CHARS} characters and values of at most {MAX_METADATA_VALUE_CHARS}.",
+                      "metadata")
+    stored = {"input": items, "instructions": req.instructions, "metadata": req.metadata, "user": req.user,
+              "tools": template.get("tools"), "text": template.get("text")}
+    for param, value in stored.items():
+        if _has_nul(value):
+            raise _refuse(f"'{param}' holds a NUL character, which a stored response cannot hold "
+                          "(or send 'store': false).", param)
+    store.check_storable(items, template)
+
+
 def wants_logprobs(req: rs.ResponsesRequest) -> bool:
     return req.top_logprobs is not None or LOGPROBS_INCLUDE in (req.include or [])
 
@@ -190,19 +229,21 @@ async def create_response(request: Request, state: State) -> Response | Stream:
     principal = request.state.principal
     response_id = new_response_id()
     items = parse_items(req.input, "input")
+    stored_items = [msgspec.to_builtins(item) for item in items]
+    template = response_template(req, response_id)
+    if req.store:
+        check_storable(req, store, stored_items, msgspec.to_builtins(template))
     history = []
     if req.previous_response_id is not None:
-        stored_items = await store.conversation(req.previous_response_id, principal)
-        history = parse_items(stored_items, "previous_response_id")
+        history = parse_items(await store.conversation(req.previous_response_id, principal), "previous_response_id")
     bus_request = to_bus_request(req, response_id, principal, history, items)
+    await check_enforceable(bus_request, "text.format")
 
     def keep(response: rs.ResponseObject) -> None:
-        store.keep(StoredResponse(response_id, principal, req.previous_response_id,
-                                  [msgspec.to_builtins(item) for item in items], msgspec.to_builtins(response)),
-                   req.model)
+        store.keep(StoredResponse(response_id, principal, req.previous_response_id, stored_items,
+                                  msgspec.to_builtins(response)), req.model)
 
-    formatter = ResponsesFormatter(response_template(req, response_id), wants_logprobs(req),
-                                   on_complete=keep if req.store else None)
+    formatter = ResponsesFormatter(template, wants_logprobs(req), on_complete=keep if req.store else None)
     return await state.generations.serve(request, bus_request, formatter, HANDLER, output_param="max_output_tokens")
 
 

@@ -17,6 +17,14 @@ from apps.gateway.validate import MAX_MESSAGES, MAX_TOOLS, ModelId
 from engine import protocol as p
 
 MAX_RESPONSE_ID_BYTES = 128
+# Ids, call ids and names a client sends in input items, and their statuses: stored with the
+# response, so bounded (OpenAI's own are a few dozen characters).
+MAX_ITEM_ID_CHARS = 256
+MAX_STATUS_CHARS = 32
+# `user`, echoed and stored (OpenAI's `safety_identifier`, its successor, is at most 64).
+MAX_USER_CHARS = 256
+ItemId = Annotated[str, Meta(max_length=MAX_ITEM_ID_CHARS)]
+Status = Annotated[str, Meta(max_length=MAX_STATUS_CHARS)]
 
 
 class InputText(msgspec.Struct, kw_only=True, tag_field="type", tag="input_text"):
@@ -47,25 +55,25 @@ ContentPart = InputText | OutputText | Refusal | InputImage | InputFile
 class MessageItem(msgspec.Struct, kw_only=True, tag_field="type", tag="message"):
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[ContentPart]
-    id: str | None = None
-    status: str | None = None
+    id: ItemId | None = None
+    status: Status | None = None
 
 
 class FunctionCallItem(msgspec.Struct, kw_only=True, tag_field="type", tag="function_call"):
     """A function call the model made, as an output item and as input sent back in a later turn."""
 
-    call_id: str
-    name: str
+    call_id: ItemId
+    name: ItemId
     arguments: str
-    id: str | None = None
-    status: str | None = None
+    id: ItemId | None = None
+    status: Status | None = None
 
 
 class FunctionCallOutputItem(msgspec.Struct, kw_only=True, tag_field="type", tag="function_call_output"):
-    call_id: str
+    call_id: ItemId
     output: str | list[ContentPart]
-    id: str | None = None
-    status: str | None = None
+    id: ItemId | None = None
+    status: Status | None = None
 
 
 class ReasoningText(msgspec.Struct, kw_only=True, tag_field="type", tag="reasoning_text"):
@@ -76,17 +84,17 @@ class ReasoningItem(msgspec.Struct, kw_only=True, tag_field="type", tag="reasoni
     """Reasoning (text inside `<think>`): an output item, and input that is not shown to the model
     again (as with Anthropic thinking blocks)."""
 
-    id: str | None = None
+    id: ItemId | None = None
     summary: list[dict[str, Any]] = []
     content: list[ReasoningText] | None = None
     encrypted_content: str | None = None
-    status: str | None = None
+    status: Status | None = None
 
 
 class ItemReference(msgspec.Struct, kw_only=True, tag_field="type", tag="item_reference"):
     """Accepted by the schema only so that it can be refused by name."""
 
-    id: str = ""
+    id: ItemId = ""
 
 
 InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem | ItemReference
@@ -146,7 +154,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     include: list[str] | None = None
     metadata: Annotated[dict[str, str], Meta(max_length=16)] | None = None
     truncation: Literal["disabled", "auto"] | None = None
-    user: str | None = None
+    user: Annotated[str, Meta(max_length=MAX_USER_CHARS)] | None = None
     # Refused when set: nothing here runs a response in the background, holds a conversation
     # object or a stored prompt template.
     background: bool | None = None

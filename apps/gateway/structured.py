@@ -1,5 +1,6 @@
 """Structured outputs at the edge: the request fields that constrain a reply, turned into the
-engine's one `StructuredOutput` and checked to compile before anything is published.
+engine's one `StructuredOutput`, held to the grammar bounds (`engine.grammars.BOUNDS`) and checked to
+compile before anything is published.
 
 The fields, all optional, of chat and text completions:
 - OpenAI `response_format`: `{"type": "text"}` (no constraint), `{"type": "json_object"}`, or
@@ -10,12 +11,19 @@ The fields, all optional, of chat and text completions:
 - vLLM's older spellings `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`,
   `guided_whitespace_pattern`.
 One constraint per request. A field that cannot be honoured is a 400 naming it, never ignored:
-an unknown `structured_outputs` key, a second constraint, a schema llguidance cannot compile.
+an unknown `structured_outputs` key, a second constraint, a grammar past its bounds, a schema
+llguidance cannot compile (or not within `CHECK_DEADLINE_S`).
 
-Tool calls (chat): a forced `tool_choice` or a tool with `strict: true` has its calls constrained
-to the tool's parameter schema by the worker, which writes the call's opening into the prompt and
-owns the tool-call format (`apps/worker/tool_grammar.py`); here those schemas are checked to
-compile (a 400 naming `tools`).
+Two steps, because compiling costs: building the constraint (`structured_output`, while the bus
+request is built) checks only its shape and bounds, which costs nothing, so the token endpoints,
+which never need the grammar, never compile one; `check_enforceable`, awaited by each generation
+route before it serves, compiles in a thread off the event loop (llguidance drops the GIL) with a
+deadline.
+
+Tool calls: a forced tool call or a tool with `strict: true` has its calls constrained to the
+tool's parameter schema by the worker, which writes the call's opening into the prompt and owns
+the tool-call format (`apps/worker/tool_grammar.py`); here those schemas are held to their bounds
+and checked to compile (a 400 naming `tools`), whichever API the tools came through.
 """
 
 from __future__ import annotations
@@ -26,11 +34,23 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
+from apps.bus import wire
 from apps.bus.codes import ErrorCode, ServingError
-from engine.grammars import grammar_error
+from apps.gateway.errors import retry_after_s
+from apps.gateway.validate import json_too_deep
+from engine.grammars import (
+    BOUNDS,
+    CheckBusy,
+    CheckTimeout,
+    GrammarChecker,
+    constrained_functions,
+    utf8_len,
+)
 from engine.protocol import StructuredOutput, StructuredOutputKind
 
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
+# This gateway's grammar checks: two threads; its `started` count is on /metrics.
+CHECKER = GrammarChecker(threads=2)
 
 
 class TextFormat(msgspec.Struct, tag_field="type", tag="text", kw_only=True):
@@ -82,33 +102,67 @@ class StructuredOutputFields(msgspec.Struct, kw_only=True):
     guided_whitespace_pattern: str | None = None
 
     def structured_output(self) -> StructuredOutput | None:
-        """The request's one constraint, compiled once to prove it can be enforced."""
+        """The request's one constraint, held to its bounds (compiling it is `check_enforceable`'s)."""
         found = _constraints(self)
         if len(found) > 1:
             names = ", ".join(f"'{param}'" for param, _ in found)
             raise _refuse(found[1][0], f"Only one structured-output constraint per request; got {names}.")
-        # Only chat requests have tools.
-        tools = getattr(self, "tools", None)
-        if tools:
-            check_tool_constraints(tools, getattr(self, "tool_choice", None))
-        if not found:
-            return None
-        param, constraint = found[0]
-        error = grammar_error(constraint)
-        if error is not None:
-            raise _refuse(param, f"The {constraint.kind.value.replace('_', ' ')} in '{param}' cannot be "
-                                 f"enforced: {error}")
-        return constraint
+        return found[0][1] if found else None
+
+    def constraint_param(self) -> str | None:
+        """The field the request's constraint came in (for a 400 that names it)."""
+        found = _constraints(self)
+        return found[0][0] if found else None
 
 
 def json_constraint(schema: str | dict[str, Any] | None, param: str) -> StructuredOutput:
-    """A JSON constraint from one schema (any JSON object when None), checked to compile: what the
-    Responses API's `text.format` asks for."""
-    constraint = _json(JSON_OBJECT_SCHEMA if schema is None else _schema_text(schema, None, param))
-    error = grammar_error(constraint)
-    if error is not None:
-        raise _refuse(param, f"The JSON schema in '{param}' cannot be enforced: {error}")
-    return constraint
+    """A JSON constraint from one schema (any JSON object when None), held to its bounds: what
+    the Responses API's `text.format` asks for."""
+    return _json(JSON_OBJECT_SCHEMA if schema is None else _schema_text(schema, None, param), param)
+
+
+async def check_enforceable(request: wire.GenerateRequest, param: str | None) -> None:
+    """The request's constraint (which came in `param`) and the parameter schemas of the tools whose
+    calls will be constrained compile, each checked in a thread with a deadline: a 400 naming the
+    field when one does not (or not in time), a 503 when the checker is too busy to start."""
+    checks: list[tuple[str, StructuredOutput, str]] = []
+    if request.sampling.structured is not None:
+        constraint = request.sampling.structured
+        where = param or "response_format"
+        checks.append((where, constraint, f"The {constraint.kind.value.replace('_', ' ')} in '{where}'"))
+    for name, schema in _tool_schemas(request):
+        checks.append(("tools", _json(schema, "tools"), f"The parameters of tool '{name}'"))
+    for where, constraint, what in checks:
+        try:
+            error = await CHECKER.error(constraint)
+        except CheckTimeout as exc:
+            raise ServingError(400, ErrorCode.GRAMMAR_TOO_COMPLEX, f"{what} cannot be enforced: {exc}.",
+                               param=where) from None
+        except CheckBusy as exc:
+            raise ServingError(503, ErrorCode.MODEL_UNAVAILABLE, "The gateway is too busy checking grammars; "
+                               "retry shortly.", retry_after_s=retry_after_s(), context={"detail": str(exc)}) from None
+        if error is not None:
+            raise _refuse(where, f"{what} cannot be enforced: {error}")
+
+
+def _tool_schemas(request: wire.GenerateRequest) -> list[tuple[str, str]]:
+    """(name, schema text) of each tool whose calls the worker will constrain, held to the bounds."""
+    functions = constrained_functions(request.tools, request.tool_required, request.tool_name)
+    schemas, total = [], 0
+    for function in functions:
+        parameters = function.get("parameters")
+        schema = json.dumps(parameters if isinstance(parameters, dict) else {"type": "object"})
+        size = utf8_len(schema)
+        if size > BOUNDS.tool_schema_bytes:
+            raise _refuse("tools", f"The parameters of tool '{function.get('name')}' are {size} bytes of JSON "
+                                   f"schema; a tool whose calls are enforced may have at most "
+                                   f"{BOUNDS.tool_schema_bytes}.")
+        total += size
+        schemas.append((str(function.get("name")), schema))
+    if total > BOUNDS.tool_schemas_total_bytes:
+        raise _refuse("tools", f"The tools whose calls are enforced have {total} bytes of parameter schemas "
+                               f"together; at most {BOUNDS.tool_schemas_total_bytes} are allowed.")
+    return schemas
 
 
 def _refuse(param: str, message: str) -> ServingError:
@@ -118,6 +172,11 @@ def _refuse(param: str, message: str) -> ServingError:
 def _schema_text(schema: str | dict[str, Any], whitespace_pattern: str | None, param: str) -> str:
     """A JSON schema as text, with a whitespace pattern put where llguidance reads its options."""
     if isinstance(schema, str):
+        if utf8_len(schema) > BOUNDS.schema_bytes:
+            raise _too_large(param, "JSON schema", utf8_len(schema), BOUNDS.schema_bytes)
+        # The decoder recurses once per level: a string of 5000 '[' must not reach it.
+        if json_too_deep(schema, BOUNDS.schema_depth):
+            raise _refuse(param, f"The JSON schema in '{param}' nests deeper than {BOUNDS.schema_depth} levels.")
         try:
             schema = json.loads(schema)
         except ValueError:
@@ -125,19 +184,49 @@ def _schema_text(schema: str | dict[str, Any], whitespace_pattern: str | None, p
         if not isinstance(schema, dict):
             raise _refuse(param, f"'{param}' must be a JSON schema object.")
     if whitespace_pattern is not None:
+        _check_bytes(whitespace_pattern, BOUNDS.regex_bytes, param, "whitespace pattern")
         options = dict(schema.get("x-guidance") or {})
         options.update(whitespace_flexible=True, whitespace_pattern=whitespace_pattern)
         schema = {**schema, "x-guidance": options}
     return json.dumps(schema)
 
 
-def _json(spec: str) -> StructuredOutput:
+def _too_large(param: str, what: str, size: int, limit: int) -> ServingError:
+    return _refuse(param, f"The {what} in '{param}' is {size} bytes; at most {limit} are allowed.")
+
+
+def _check_bytes(text: str, limit: int, param: str, what: str) -> str:
+    size = utf8_len(text)
+    if size > limit:
+        raise _too_large(param, what, size, limit)
+    return text
+
+
+def _json(spec: str, param: str) -> StructuredOutput:
+    _check_bytes(spec, BOUNDS.schema_bytes, param, "JSON schema")
     return StructuredOutput(kind=StructuredOutputKind.JSON_SCHEMA, spec=spec)
+
+
+def _regex(spec: str, param: str) -> StructuredOutput:
+    return StructuredOutput(kind=StructuredOutputKind.REGEX, spec=_check_bytes(spec, BOUNDS.regex_bytes, param, "regex"))
+
+
+def _grammar(spec: str, param: str) -> StructuredOutput:
+    return StructuredOutput(kind=StructuredOutputKind.GRAMMAR,
+                            spec=_check_bytes(spec, BOUNDS.grammar_bytes, param, "grammar"))
 
 
 def _choice(choices: list[str], param: str) -> StructuredOutput:
     if not choices or not all(choices):
         raise _refuse(param, f"'{param}' must list at least one non-empty string.")
+    if len(choices) > BOUNDS.choices:
+        raise _refuse(param, f"'{param}' lists {len(choices)} choices; at most {BOUNDS.choices} are allowed.")
+    sizes = [utf8_len(choice) for choice in choices]
+    if max(sizes) > BOUNDS.choice_bytes:
+        raise _refuse(param, f"Each choice in '{param}' may be at most {BOUNDS.choice_bytes} bytes long.")
+    if sum(sizes) > BOUNDS.choices_total_bytes:
+        raise _refuse(param, f"The choices in '{param}' are {sum(sizes)} bytes together; at most "
+                             f"{BOUNDS.choices_total_bytes} are allowed.")
     return StructuredOutput(kind=StructuredOutputKind.CHOICE, spec=json.dumps(choices))
 
 
@@ -146,13 +235,13 @@ def _constraints(fields: StructuredOutputFields) -> list[tuple[str, StructuredOu
     found: list[tuple[str, StructuredOutput]] = []
     fmt = fields.response_format
     if isinstance(fmt, JsonObjectFormat):
-        found.append(("response_format", _json(JSON_OBJECT_SCHEMA)))
+        found.append(("response_format", _json(JSON_OBJECT_SCHEMA, "response_format")))
     elif isinstance(fmt, JsonSchemaFormat):
         if fmt.json_schema is None:
             raise _refuse("response_format", "'response_format' of type 'json_schema' needs 'json_schema'.")
         schema = fmt.json_schema.schema
         found.append(("response_format", _json(JSON_OBJECT_SCHEMA if schema is None
-                                                else _schema_text(schema, None, "response_format"))))
+                                                else _schema_text(schema, None, "response_format"), "response_format")))
     so = fields.structured_outputs
     if so is not None:
         param = "structured_outputs"
@@ -164,43 +253,24 @@ def _constraints(fields: StructuredOutputFields) -> list[tuple[str, StructuredOu
         if so.whitespace_pattern is not None and asked[0] not in ("json", "json_object"):
             raise _refuse(param, f"'{param}.whitespace_pattern' applies to JSON only.")
         if so.json is not None:
-            found.append((param, _json(_schema_text(so.json, so.whitespace_pattern, param))))
+            found.append((param, _json(_schema_text(so.json, so.whitespace_pattern, param), param)))
         elif so.json_object:
-            found.append((param, _json(_schema_text(JSON_OBJECT_SCHEMA, so.whitespace_pattern, param))))
+            found.append((param, _json(_schema_text(JSON_OBJECT_SCHEMA, so.whitespace_pattern, param), param)))
         elif so.regex is not None:
-            found.append((param, StructuredOutput(kind=StructuredOutputKind.REGEX, spec=so.regex)))
+            found.append((param, _regex(so.regex, param)))
         elif so.choice is not None:
             found.append((param, _choice(so.choice, param)))
         elif so.grammar is not None:
-            found.append((param, StructuredOutput(kind=StructuredOutputKind.GRAMMAR, spec=so.grammar)))
+            found.append((param, _grammar(so.grammar, param)))
     if fields.guided_json is not None:
         found.append(("guided_json", _json(_schema_text(fields.guided_json, fields.guided_whitespace_pattern,
-                                                        "guided_json"))))
+                                                        "guided_json"), "guided_json")))
     elif fields.guided_whitespace_pattern is not None:
         raise _refuse("guided_whitespace_pattern", "'guided_whitespace_pattern' applies to 'guided_json' only.")
     if fields.guided_regex is not None:
-        found.append(("guided_regex", StructuredOutput(kind=StructuredOutputKind.REGEX, spec=fields.guided_regex)))
+        found.append(("guided_regex", _regex(fields.guided_regex, "guided_regex")))
     if fields.guided_choice is not None:
         found.append(("guided_choice", _choice(fields.guided_choice, "guided_choice")))
     if fields.guided_grammar is not None:
-        found.append(("guided_grammar", StructuredOutput(kind=StructuredOutputKind.GRAMMAR,
-                                                         spec=fields.guided_grammar)))
+        found.append(("guided_grammar", _grammar(fields.guided_grammar, "guided_grammar")))
     return found
-
-
-def check_tool_constraints(tools: list[Any], tool_choice: Any) -> None:
-    """The tools whose calls the worker will constrain (every tool under tool_choice "required",
-    the named one, and the strict ones) must have parameter schemas that compile."""
-    if tool_choice == "none":
-        return  # no tools reach the model
-    named = getattr(tool_choice, "function", None)
-    forced_name = named.get("name") if isinstance(named, dict) else None
-    forced = tool_choice == "required" or forced_name is not None
-    for tool in tools:
-        function = tool.function
-        if not (getattr(function, "strict", None) or (forced and forced_name in (None, function.name))):
-            continue
-        schema = function.parameters if function.parameters is not None else json.loads(JSON_OBJECT_SCHEMA)
-        error = grammar_error(_json(json.dumps(schema)))
-        if error is not None:
-            raise _refuse("tools", f"The parameters of tool '{function.name}' cannot be enforced: {error}")

@@ -5,8 +5,12 @@ translates the body exactly as the generation route would (chat, text completion
 Messages into a bus `GenerateRequest`) and asks a worker serving the model, over its `tokenize`
 micro-service endpoint, for the prompt token ids that request would get (`apps.worker.token_service`,
 which uses the run's own `build_prompt`). A count therefore equals `usage.prompt_tokens`
-(`usage.input_tokens`) of the same request. Nothing here is admitted or queued: a count takes
-no slot and generates nothing.
+(`usage.input_tokens`) of the same request. A count generates nothing, but it is admitted like
+other work on its model, in a pool of its own kind (`app.AdmittedTokenCounter`); it never compiles
+a grammar (a request's constraint is held to its bounds as it is translated, nothing more). A prompt
+too long for the model's context is refused here before any worker tokenizes it
+(`validate.check_prompt_size`), and a worker's reply too large for the bus is a 413 from the worker
+(`apps.worker.token_service`).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from apps.gateway.cold_start import ColdStarts
 from apps.gateway.errors import retry_after_s
 from apps.gateway.node_registry import NodeRegistry
 from apps.gateway.openapi_docs import operation_for
-from apps.gateway.validate import decode_body, decode_request
+from apps.gateway.validate import check_prompt_size, decode_body, decode_request
 from engine.protocol import SamplingParams
 
 # How long one worker may take to answer (a template and a tokenizer pass, nothing more).
@@ -72,6 +76,8 @@ class TokenCounter:
 
     async def ask(self, question: wire.TokenizeRequest) -> wire.TokenizeReply:
         nodes = await self._cold_starts.nodes_for(question.model)
+        if question.request is not None:
+            check_prompt_size(question.request, nodes)
         payload = wire.encode(question)
         ctx = {"model": question.model}
         for node in random.sample(nodes, min(len(nodes), MAX_TRIES)):

@@ -17,6 +17,11 @@ nothing is sent on the bus. The bounds:
 - The answer's length (`max_tokens`, `max_completion_tokens`, `max_output_tokens`): at most the
   output limit the workers serving the model advertise (`/v1/models` `max_output_tokens`), and
   that limit when the client gives none, so no answer is unbounded by default (`bound_output`).
+- The prompt's length, before any worker tokenizes it (`check_prompt_size`): at most
+  PROMPT_CHARS_PER_TOKEN (16) characters per token of the context the workers advertise, and, as
+  token ids, at most the context. Tokenizing costs time in the length of the text, and a prompt
+  past that many characters could never fit (tokens average about 4 characters).
+- Grammars (structured outputs, enforced tool calls): `apps/gateway/structured.py`.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from litestar import Request
 from msgspec import Meta
 
 from apps.bus import wire
-from apps.bus.codes import ErrorCode, ServingError
+from apps.bus.codes import Api, ErrorCode, ServingError
 from engine.protocol import MAX_STOP_STRING_BYTES
 
 MAX_MODEL_ID_BYTES = 256
@@ -38,6 +43,8 @@ MODEL_ID_PATTERN = r"^[A-Za-z0-9._:/@+-]+$"
 ModelId = Annotated[str, Meta(min_length=1, max_length=MAX_MODEL_ID_BYTES, pattern=MODEL_ID_PATTERN,
                               description="The model id: 1-256 bytes of A-Z a-z 0-9 . _ : / @ + -")]
 MAX_MESSAGES = 2048
+# Characters a prompt may have per token of the model's context (tokens average ~4 characters).
+PROMPT_CHARS_PER_TOKEN = 16
 MAX_TOOLS = 128
 MAX_JSON_DEPTH = 64
 
@@ -139,6 +146,41 @@ def check_token_ids(request: wire.GenerateRequest, nodes: list[wire.NodeStatus])
             raise _refuse(f"'{param}' holds a token id outside the model's vocabulary (ids are 0 to {vocab - 1}).",
                           param, code)
 
+
+
+# The field a prompt is in, per API, for the 400 that names it.
+_PROMPT_PARAM = {Api.CHAT_COMPLETIONS: "messages", Api.COMPLETIONS: "prompt", Api.MESSAGES: "messages",
+                 Api.RESPONSES: "input"}
+
+
+def prompt_chars(request: wire.GenerateRequest) -> int:
+    """Characters of text the worker will template and tokenize for `request` (its tools' JSON too)."""
+    chars = len(request.prompt or "") + (len(msgspec.json.encode(request.tools)) if request.tools else 0)
+    for message in request.messages or []:
+        chars += len(message.content)
+        for call in message.tool_calls or []:
+            chars += len(str(call.get("function", {}).get("arguments", "")))
+    return chars
+
+
+def check_prompt_size(request: wire.GenerateRequest, nodes: list[wire.NodeStatus]) -> None:
+    """A prompt that could never fit the context of the workers serving its model is refused before
+    any of them tokenizes it: tokenizing costs time in its length, and its ids the bus's room."""
+    context = _smallest([m.max_model_len for n in nodes for m in n.models if m.model == request.model])
+    if context is None:
+        return
+    param = _PROMPT_PARAM.get(request.api, "prompt")
+    if request.prompt_token_ids is not None and len(request.prompt_token_ids) > context:
+        raise _refuse(f"This model's maximum context length is {context} tokens. However, the prompt has "
+                      f"{len(request.prompt_token_ids)} tokens. Please shorten '{param}'.", param,
+                      ErrorCode.CONTEXT_LENGTH_EXCEEDED)
+    limit = context * PROMPT_CHARS_PER_TOKEN
+    chars = prompt_chars(request)
+    if chars > limit:
+        raise _refuse(f"This model's maximum context length is {context} tokens, and a prompt may have at most "
+                      f"{limit} characters ({PROMPT_CHARS_PER_TOKEN} per token) before it is tokenized. However, "
+                      f"the prompt has {chars} characters. Please shorten '{param}'.", param,
+                      ErrorCode.CONTEXT_LENGTH_EXCEEDED)
 
 
 def _smallest(values: list[int | None]) -> int | None:

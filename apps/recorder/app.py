@@ -10,6 +10,12 @@ for any reason that is not an outage (a bad value, an index row too large, ...),
 halving its batch and goes to the `dead_letters` table with its error and stream sequence, and the
 events around it are recorded as usual (see `dead_letters.py`; counted in `metrics.py`).
 
+Events too large for one message come by reference and are read from the Object Store within a
+byte budget per batch (`large_events.py`), and batches are pulled with a byte bound too
+(HELEXA_RECORDER_BATCH_BYTES), so a batch's memory is bounded whatever clients stored. After a
+batch that deleted responses commits, their events are removed from EVENTS as well; and EVENTS
+(which refuses new events when full) is trimmed of recorded events as it nears its limits.
+
 With `rebuild`, the recorder first recomputes the projections from the `events` table, then
 replays the EVENTS stream from its first message through a private consumer (recording any event
 the table lacks, e.g. after restoring an older backup), then goes on as usual.
@@ -29,6 +35,7 @@ import msgspec
 import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 
 from apps.bus.pull import BatchPuller, stream_sequence
 from apps.bus.roles import RECORDER, event_refused
@@ -41,9 +48,9 @@ from apps.bus.topology import (
     replay_puller,
     require_topology,
 )
-from apps.bus.wire import Event, event_decoder, event_kind
+from apps.bus.wire import Event, EventRef, ResponseDeleted, event_decoder, event_kind
 from apps.logs import announce_ready, monotonic_ms
-from apps.recorder import dead_letters, projector
+from apps.recorder import dead_letters, large_events, projector
 from apps.recorder.dead_letters import DeadLetter, Reason, kind_from_subject
 from apps.recorder.metrics import LagWatch, MetricsServer, RecorderMetrics
 from apps.recorder.migrate import migrate
@@ -54,6 +61,8 @@ log = logging.getLogger("helexa.recorder")
 FIRST_RETRY_S = 0.2
 MAX_RETRY_S = 5.0
 REPLAY_BATCH = 1000
+# What JetStream counts of a message beyond its body (subject, headers, reply) in a pull's max_bytes.
+PULL_OVERHEAD_BYTES = 64 << 10
 # Batches committing at once. Their transactions overlap, so one batch's WAL flush runs while the next
 # is copied and projected; the projections are written for recorders side by side, so this is safe.
 WRITERS = 2
@@ -108,6 +117,8 @@ class Recorder:
         self.metrics = metrics or RecorderMetrics()
         self.pool: asyncpg.Pool | None = None
         self._pool_lock = asyncio.Lock()
+        # The bus, once connected: references are read and deleted responses erased through it.
+        self.js: JetStreamContext | None = None
         # Well inside the consumer's ack_wait.
         self.in_progress_every_s = settings.ack_wait_s / 4
 
@@ -193,7 +204,36 @@ class Recorder:
             await _each(msgs, Msg.ack if committed else Msg.nak)
         if committed:
             self.metrics.events_recorded.inc(new)
+            deleted = [e.response_id for _, e in pending if isinstance(e, ResponseDeleted)]
+            if deleted:
+                await self.erase_from_bus(deleted)
         return new
+
+    async def erase_from_bus(self, response_ids: list[str]) -> None:
+        """The deleted responses' events off EVENTS (best effort: they expire with it otherwise)."""
+        if self.js is None:
+            return
+        try:
+            async with self.connection() as conn:
+                await large_events.erase_from_bus(self.js, conn, response_ids)
+        except Exception as exc:  # the ledger is erased already; the bus copy expires with EVENTS
+            log.warning("deleted responses left on EVENTS until they expire",
+                        extra={"responses": len(response_ids), "error": repr(exc)})
+
+    async def resolved(self, pending: Pending, acks: bool = True) -> Pending:
+        """`pending` with references replaced by their events (`large_events.resolve`), within the
+        batch byte budget: the references past it are handed back (`acks`) or resolved in rounds."""
+        if self.js is None or not any(isinstance(e, EventRef) for _, e in pending):
+            return pending
+        events, buried, later = await large_events.resolve(self.js, pending, self.settings.batch_bytes)
+        await self.bury(buried, acks)
+        if later and acks:
+            await _each([msg for msg, _ in later], Msg.nak)
+        elif later:
+            # A replay acks nothing: what is left over is recorded in a round of its own.
+            await self.record(events, acks=False)
+            return await self.resolved(later, acks=False)
+        return events
 
     async def bury(self, buried: Buried, acks: bool = True) -> None:
         """Keep events that cannot be recorded in `dead_letters`, then terminate them (when `acks`)."""
@@ -247,12 +287,14 @@ class Recorder:
         replayed = recorded = 0
         try:
             while not self.stop.is_set():
-                msgs = await puller.fetch(REPLAY_BATCH, timeout=5)
+                msgs = await puller.fetch(REPLAY_BATCH, timeout=5, max_bytes=max(
+                    self.settings.batch_bytes, nc.max_payload + PULL_OVERHEAD_BYTES))
                 if not msgs:
                     break  # the tail expired from the stream meanwhile
                 replayed += len(msgs)
                 pending, undecodable = decode(msgs)
                 await self.bury(undecodable, acks=False)
+                pending = await self.resolved(pending, acks=False)
                 if pending:
                     recorded += await self.record(pending, acks=False)
                 if stream_sequence(msgs[-1]) >= state.last_seq:
@@ -332,12 +374,13 @@ async def _close(nc: NatsClient) -> None:
     await nc.close()
 
 
-async def _fetch(puller: BatchPuller, batch_size: int, linger_s: float, stop: asyncio.Event) -> list[Msg]:
-    """The next batch. One that is not full waits `linger_s` from its first event for the rest
-    of its burst, so a burst of requests costs one commit, made after its prefill, not several
-    made during it, on the cores the engine is using."""
+async def _fetch(puller: BatchPuller, batch_size: int, linger_s: float, stop: asyncio.Event,
+                 batch_bytes: int) -> list[Msg]:
+    """The next batch, of at most `batch_size` events and about `batch_bytes`. One that is not full
+    waits `linger_s` from its first event for the rest of its burst, so a burst of requests costs
+    one commit, made after its prefill, not several made during it, on the cores the engine is using."""
     try:
-        msgs = await puller.fetch(batch_size, timeout=1)
+        msgs = await puller.fetch(batch_size, timeout=1, max_bytes=batch_bytes)
     except nats.errors.Error as exc:
         # NATS restarting or unreachable: the client reconnects by itself, the consumer is durable.
         log.warning("fetch failed, retrying", extra={"error": repr(exc)})
@@ -347,7 +390,8 @@ async def _fetch(puller: BatchPuller, batch_size: int, linger_s: float, stop: as
         await _pause(stop, linger_s)
         # The batch in hand is kept whatever happens to the top-up (a failed pull takes nothing).
         with contextlib.suppress(nats.errors.Error):
-            msgs += await puller.take_ready(batch_size - len(msgs))
+            left = batch_bytes - sum(len(msg.data) for msg in msgs)
+            msgs += await puller.take_ready(batch_size - len(msgs), max_bytes=left)
     return msgs
 
 
@@ -355,14 +399,17 @@ async def _consume(recorder: Recorder, puller: BatchPuller) -> None:
     """Record batch after batch, up to WRITERS at once; the next batch is fetched while they commit.
     Each batch is acked after its own commit, whatever order the commits finish in."""
     stop, batch_size, linger_s = recorder.stop, recorder.settings.batch_size, recorder.settings.linger_ms / 1000
+    # Never below one message of the largest size the server takes, which would never be pulled.
+    batch_bytes = max(recorder.settings.batch_bytes, puller.nc.max_payload + PULL_OVERHEAD_BYTES)
     writing: set[asyncio.Task[int]] = set()
-    ahead = asyncio.create_task(_fetch(puller, batch_size, linger_s, stop))
+    ahead = asyncio.create_task(_fetch(puller, batch_size, linger_s, stop, batch_bytes))
     try:
         while not stop.is_set():
             msgs = await ahead
-            ahead = asyncio.create_task(_fetch(puller, batch_size, linger_s, stop))
+            ahead = asyncio.create_task(_fetch(puller, batch_size, linger_s, stop, batch_bytes))
             pending, undecodable = decode(msgs)
             await recorder.bury(undecodable)
+            pending = await recorder.resolved(pending)
             if not pending:
                 continue
             if len(writing) >= WRITERS:
@@ -379,11 +426,13 @@ async def _consume(recorder: Recorder, puller: BatchPuller) -> None:
 
 
 async def _watch(recorder: Recorder, nc: NatsClient) -> None:
-    """Read the lag and the EVENTS limits every `watch_interval_s` until stopped."""
+    """Read the lag and the EVENTS limits every `watch_interval_s` until stopped, and trim recorded
+    events off EVENTS as it nears a limit."""
     watch = LagWatch(recorder.metrics)
     while not recorder.stop.is_set():
         try:
             await watch.check(nc.jetstream())
+            recorder.metrics.events_trimmed.inc(await large_events.trim_recorded(nc.jetstream()))
         except (nats.errors.Error, TimeoutError) as exc:
             log.warning("could not read the recorder's lag", extra={"error": repr(exc)})
         await _pause(recorder.stop, recorder.settings.watch_interval_s)
@@ -398,6 +447,7 @@ async def run_recorder(settings: RecorderSettings, stop: asyncio.Event, rebuild:
         nc = await connect(settings.nats_url, "helexa-recorder", role=RECORDER, stop=stop)
     except Stopped:
         return
+    recorder.js = nc.jetstream()
     watching: asyncio.Task[None] | None = None
     try:
         try:

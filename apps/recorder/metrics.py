@@ -3,9 +3,9 @@
 Served at `http://HELEXA_RECORDER_METRICS_HOST:HELEXA_RECORDER_METRICS_PORT/metrics` when the port is
 set. Every `HELEXA_RECORDER_WATCH_S` the watch reads the EVENTS stream and the recorders' shared
 consumer: the lag (events not yet recorded, and the age of the oldest of them) and how close those
-unrecorded events are to the stream's limits. EVENTS drops its oldest messages past `max_bytes` or
-`max_age`; once the unrecorded backlog reaches 80% of either, the watch logs a warning and counts
-it, before the stream starts dropping events nobody recorded.
+unrecorded events are to the stream's limits. EVENTS refuses new events past `max_bytes` (and
+gateways then refuse new requests) and drops messages past `max_age`; once the unrecorded backlog
+reaches 80% of either, the watch logs a warning and counts it.
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ class RecorderMetrics:
                                  ["limit"], registry=r)
         self.limit_warnings = Counter("helexa:events_limit_warnings",
                                       "Watches that found unrecorded EVENTS near a stream limit", ["limit"], registry=r)
+        self.events_trimmed = Counter("helexa:events_trimmed",
+                                      "Recorded events purged from EVENTS as it neared a limit", registry=r)
         for reason in ("undecodable", "rejected"):
             self.dead_letters.labels(reason)
         for limit in ("bytes", "age"):

@@ -20,11 +20,20 @@ request inside one batch are applied in rounds, one event per request per round,
 order.
 
 `responses` merges response.stored (the latest wins) and response.deleted (the earliest wins) per
-response id, in either order, so a deletion projected before its response still hides it.
+response id, in either order, so a deletion projected before its response still hides it. A
+deleted response's content is erased, whichever came first: its row keeps ids, owner and dates
+only, and its response.stored payloads in `events` lose their input items and response object.
+Each stored or deleted response is announced on the `helexa_responses` channel (NOTIFY, delivered
+at commit), so a gateway waiting for a response made elsewhere learns the moment it is readable.
+
+PostgreSQL's jsonb holds no NUL character: a `\u0000` in an event's strings is recorded as U+FFFD
+(the replacement character), the one lossy step between the bus and the ledger, so an event with
+one is recorded rather than dead-lettered.
 """
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -46,7 +55,12 @@ from apps.bus.wire import (
     event_kind,
 )
 
-__all__ = ["PROJECTIONS", "Recorded", "event_kind", "project", "rebuild"]
+__all__ = ["PROJECTIONS", "RESPONSES_CHANNEL", "Recorded", "event_kind", "ledger_json", "project", "rebuild"]
+
+# The NOTIFY channel of stored and deleted responses (payload: the response id).
+RESPONSES_CHANNEL = "helexa_responses"
+# A JSON `\u0000` escape (not an escaped backslash followed by "u0000"): an odd run of backslashes.
+_NUL_ESCAPE = re.compile(rb"(?<!\\)((?:\\\\)*)\\u0000")
 
 RUNNING = "running"
 PROJECTIONS = ("runs", "run_attempts", "admission_events", "nodes", "bench_runs", "scores", "responses")
@@ -222,17 +236,18 @@ def _responses_stored(source: str) -> str:
     # The latest (ts, event_id) stored event wins; a deletion already projected is kept.
     return f"""
 INSERT INTO responses AS r (
-    response_id, event_id, ts, model, principal, previous_response_id, status, input_items, response
+    response_id, event_id, ts, model, principal, previous_response_id, status, input_items, response, stored_bytes
 )
 SELECT DISTINCT ON (p->>'response_id')
        p->>'response_id', event_id, ts, model, p->>'principal', p->>'previous_response_id',
-       p->'response'->>'status', p->'input_items', p->'response'
+       p->'response'->>'status', p->'input_items', p->'response',
+       octet_length((p->'input_items')::text) + octet_length((p->'response')::text)
 FROM (SELECT *, payload AS p FROM {source} WHERE kind = '{_RESPONSE_STORED}') AS e
 ORDER BY p->>'response_id', ts DESC, event_id DESC
 ON CONFLICT (response_id) DO UPDATE SET
     event_id = EXCLUDED.event_id, ts = EXCLUDED.ts, model = EXCLUDED.model, principal = EXCLUDED.principal,
     previous_response_id = EXCLUDED.previous_response_id, status = EXCLUDED.status,
-    input_items = EXCLUDED.input_items, response = EXCLUDED.response
+    input_items = EXCLUDED.input_items, response = EXCLUDED.response, stored_bytes = EXCLUDED.stored_bytes
 WHERE r.event_id IS NULL OR (EXCLUDED.ts, EXCLUDED.event_id) > (r.ts, r.event_id)
 """
 
@@ -249,10 +264,37 @@ WHERE r.deleted_at IS NULL OR (EXCLUDED.deleted_at, EXCLUDED.deleted_by) < (r.de
 """
 
 
+def _responses_erased(source: str) -> str:
+    # The content of every deleted response this source mentions goes, in its row and in `events`.
+    return f"""
+WITH gone AS (
+    SELECT response_id FROM responses
+    WHERE deleted_at IS NOT NULL AND response_id IN (
+        SELECT payload->>'response_id' FROM {source} WHERE kind IN ('{_RESPONSE_STORED}', '{_RESPONSE_DELETED}'))
+), rows AS (
+    UPDATE responses SET input_items = NULL, response = NULL, status = NULL, stored_bytes = 0
+    WHERE response_id IN (SELECT response_id FROM gone) AND (input_items IS NOT NULL OR response IS NOT NULL)
+)
+UPDATE events SET payload = (payload - 'input_items' - 'response') || '{ERASED_CONTENT}'::jsonb
+WHERE kind = '{_RESPONSE_STORED}' AND payload->>'response_id' IN (SELECT response_id FROM gone)
+  AND NOT payload @> '{ERASED_CONTENT}'::jsonb
+"""
+
+
+# What an erased response.stored payload holds instead of its input items and response object.
+ERASED_CONTENT = '{"input_items": [], "response": {}, "erased": true}'
+
+_NOTIFY_RESPONSES = f"""
+SELECT pg_notify('{RESPONSES_CHANNEL}', left(payload->>'response_id', 256)) FROM {_STAGING}
+WHERE kind IN ('{_RESPONSE_STORED}', '{_RESPONSE_DELETED}')
+"""
+
+
 class _Statements:
     """The projection statements reading one source table."""
 
     def __init__(self, source: str) -> None:
+        self.responses_erased = _responses_erased(source)
         self.run_rounds = (_runs_round(source), _attempts_round(source))
         self.by_kind = {
             _ADMISSION: _admission(source),
@@ -281,9 +323,16 @@ async def _apply(conn: asyncpg.Connection, statements: _Statements, kinds: set[s
     for kind, sql in statements.by_kind.items():
         if kind in kinds:
             await conn.execute(sql)
+    if kinds & {_RESPONSE_STORED, _RESPONSE_DELETED}:
+        await conn.execute(statements.responses_erased)
     for round_ in range(1, rounds + 1):
         for statement in statements.run_rounds:
             await conn.execute(statement, round_)
+
+
+def ledger_json(event: Event) -> str:
+    """The event's JSON as the `events` table holds it: NUL escapes become U+FFFD (see above)."""
+    return _NUL_ESCAPE.sub(rb"\1\\ufffd", encode(event)).decode()
 
 
 async def project(conn: asyncpg.Connection, batch: Sequence[Recorded | tuple[str, Event]]) -> int:
@@ -304,13 +353,15 @@ async def project(conn: asyncpg.Connection, batch: Sequence[Recorded | tuple[str
             _STAGING,
             columns=_EVENT_COLUMNS,
             records=[
-                (e.event_id, event_kind(e), subject, e.model, e.node, _time(e.ts), encode(e).decode(), seq)
+                (e.event_id, event_kind(e), subject, e.model, e.node, _time(e.ts), ledger_json(e), seq)
                 for subject, e, seq in unique.values()
             ],
         )
         stale = int((await conn.execute(_INSERT_NEW)).split()[-1])
         if stale < len(unique):
             await _apply(conn, _LIVE, kinds, max(per_request.values(), default=0))
+            if kinds & {_RESPONSE_STORED, _RESPONSE_DELETED}:
+                await conn.execute(_NOTIFY_RESPONSES)
     return len(unique) - stale
 
 

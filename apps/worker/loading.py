@@ -4,12 +4,14 @@ One function so `helexa worker` and a load from the catalogue build engines the 
 `script`, the engine replies from that script (tests) but the tokenizer is still the model's.
 The engine core's process logs as the worker does (JSON lines on the same stderr), so the steps of
 a start that take long (the CPU kernels' one-time build, a wait on another start's build, the
-dtype measurement, the weights) each say so while they run.
+dtype measurement, the weights) each say so while they run. A core that dies is started again the
+same way, with the dtype the first one chose (`apps.worker.restarts`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 
@@ -17,6 +19,7 @@ from apps import logs
 from apps.fleet.catalogue import DEFAULT_SOURCE
 from apps.settings import WorkerSettings
 from apps.worker.model_loop import ModelLoop
+from apps.worker.restarts import RestartBudget, SupervisedEngine
 from engine.core_client import AsyncEngine
 from engine.default_model import default_model_path
 from engine.model_source import load_tokenizer
@@ -43,7 +46,22 @@ async def open_model(settings: WorkerSettings, source: str, served_name: str = "
         engine = ScriptedEngine(script, tokenizer, model_id, max_model_len=settings.max_model_len or 8192,
                                 max_num_seqs=settings.max_num_seqs)
     else:
-        level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
-        engine = await AsyncEngine.start(settings.engine_config(path), functools.partial(logs.configure, level))
+        engine = await _supervised_core(settings, path)
     return ModelLoop(settings, engine, tokenizer, served_name or model_id, source=source or DEFAULT_SOURCE,
                        memory_mb=memory_mb)
+
+
+async def _supervised_core(settings: WorkerSettings, path: str) -> SupervisedEngine:
+    level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+    setup = functools.partial(logs.configure, level)
+    config = settings.engine_config(path)
+    first = await AsyncEngine.start(config, setup)
+    log.info("engine core started", extra={"source": path, "pid": first.pid})
+    if first.info.dtype:
+        # A restart runs what the first core chose: no second measurement, the same numbers.
+        config = dataclasses.replace(config, dtype=first.info.dtype)
+
+    async def start() -> AsyncEngine:
+        return await AsyncEngine.start(config, setup)
+
+    return SupervisedEngine(first, start, RestartBudget(settings.core_restarts, settings.core_restart_window_s))

@@ -49,6 +49,7 @@ from apps.worker.choices import engine_request_ids
 from apps.worker.context_limit import ContextLimit
 from apps.worker.replies import Replier
 from apps.worker.run import ModelHealth, ServedModel, abort_request, run_request
+from apps.worker.tokenizing import Tokenizing
 from engine.protocol import Engine
 from engine.tokenizer import Tokenizer
 
@@ -121,6 +122,7 @@ class ModelLoop:
         )
         self.health = ModelHealth(model_id)
         self.model = ServedModel(model_id, engine, tokenizer, self.context, self.health,
+                                 Tokenizing(tokenizer, processes=settings.tokenize_processes),
                                  reasoning_parser=settings.reasoning_parser)
 
     @property
@@ -157,6 +159,7 @@ class ModelLoop:
             await self.abort(held.request)
         if self.active:
             await asyncio.wait(set(self.active.values()), timeout=5.0)
+        self.model.tokenizing.close()
         await self.engine.shutdown()
 
     async def _hand_back(self, held: Held) -> None:
@@ -380,6 +383,10 @@ class ModelLoop:
     async def abort(self, request: wire.GenerateRequest) -> None:
         await abort_request(self.engine, request)
 
+    def wake(self) -> None:
+        """Look for requests again now: the engine has slots again (a new core after a restart)."""
+        self._slot_freed.set()
+
     def free_slots(self) -> int:
         """Engine sequences not promised to a pulled request (a request takes one per choice)."""
         if self.engine.free_slots() <= 0:
@@ -409,10 +416,13 @@ class ModelLoop:
             state_slots=stats.num_state_slots,
             free_state_slots=stats.num_free_state_slots,
             state=ModelState.POISONED if self.poisoned is not None else ModelState.READY,
-            detail=self.poisoned,
+            # The node entry (a KV write) carries it: bounded like every error text.
+            detail=wire.bounded_text(self.poisoned) if self.poisoned is not None else None,
             prefill_tok_per_s=round(self.context.prefill_tok_per_s, 1),
             memory_mb=self.memory_mb,
             vocab_size=self.tokenizer.vocab_size,
             dtype=self.engine.info.dtype,
             dtype_reason=self.engine.info.dtype_reason,
+            grammar_compiles=stats.grammar_compiles + self.model.grammars.started,
+            grammar_cache_hits=stats.grammar_cache_hits,
         )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib.metadata
 import json
 import logging
@@ -31,7 +32,7 @@ from nats.micro.request import Request as ServiceRequest
 
 from apps.bus import roles, topology, wire
 from apps.bus.codes import ErrorCode, ModelState, NodeState, ServingError
-from apps.bus.publish import publish_event
+from apps.bus.publish import TooLarge, held_events, publish_event, respond
 from apps.bus.topology import BusLimits
 from apps.fleet.catalogue import CatalogueEntry
 from apps.logs import announce_ready
@@ -40,6 +41,7 @@ from apps.worker import token_service
 from apps.worker.liveness import Cancellations
 from apps.worker.model_loop import ModelLoop, NodeBus
 from apps.worker.replies import CollectingReplier
+from apps.worker.restarts import CoreExit, SupervisedEngine
 from apps.worker.run import ServedModel
 from engine.protocol import EngineRefused
 
@@ -59,6 +61,15 @@ def _version() -> str:
 def _machine_memory_mb() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20
 
+
+
+async def _answer(req: ServiceRequest, data: bytes) -> None:
+    """A service reply measured first (`apps.bus.publish.respond`): one past the server's
+    max_payload is answered with a 413 error instead of costing the worker its connection."""
+    try:
+        await respond(req._msg, data)  # noqa: SLF001  (nats.micro's Request.respond sends unmeasured)
+    except TooLarge as exc:
+        await req.respond_error("413", f"the answer ({exc.size} bytes) is larger than the bus carries ({exc.limit})")
 
 class WorkerProcess:
     def __init__(self, settings: WorkerSettings, limits: BusLimits, opener: Opener | None = None,
@@ -147,6 +158,8 @@ class WorkerProcess:
         await asyncio.gather(*(loop.stop() for loop in self.models.values()))
         with contextlib.suppress(nats.errors.Error):
             await self.kv.delete(self.node)
+        if held_events():
+            log.warning("events EVENTS did not take are lost at shutdown", extra={"held": held_events()})
         # drain() waits out pull subscriptions (30 s in nats-py); flush what we sent and close.
         await self.nc.flush()
         await self.nc.close()
@@ -170,6 +183,21 @@ class WorkerProcess:
                                  cancelled=self.cancellations, status_changed=self._status_changed))
         self.models[loop.model_id] = loop
         self.sources[loop.model_id] = (loop.source, loop.memory_mb)
+        if isinstance(loop.engine, SupervisedEngine):
+            loop.engine.on_exit = functools.partial(self._core_exited, loop)
+
+    async def _core_exited(self, loop: ModelLoop, report: CoreExit) -> None:
+        """A model's engine core died (`apps.worker.restarts`): the ledger hears of it; the model
+        pulls again on its new core, or is out of service until reloaded."""
+        if report.restarted:
+            loop.wake()
+        elif report.out_of_service is not None:
+            loop.health.poison(report.out_of_service)  # a no-op where its runs saw the device fault first
+        await publish_event(self.js, wire.CoreRestarted(
+            model=loop.model_id, node=self.node, restarted=report.restarted, exitcode=report.exitcode,
+            held_requests=report.held_requests, restarts=report.restarts, max_restarts=report.max_restarts,
+            restart_ms=report.restart_ms, detail=report.out_of_service,
+        ))
 
     async def _abort_held(self, request_id: str) -> bool:
         for loop in self.models.values():
@@ -195,28 +223,29 @@ class WorkerProcess:
         try:
             request = wire.request_decoder.decode(req.data)
         except msgspec.DecodeError as exc:
-            await req.respond_error("400", f"the body is not a GenerateRequest: {exc}")
+            await req.respond_error("400", wire.bounded_text(f"the body is not a GenerateRequest: {exc}"))
             return
         loop = self.models.get(request.model)
         if loop is None:
-            await req.respond_error("404", f"this worker does not serve the model '{request.model}'")
+            await req.respond_error("404", wire.bounded_text(f"this worker does not serve the model '{request.model}'"))
             return
         replier = CollectingReplier(attempt=1, node=self.node)
         try:
             outcome = await loop.serve_once(request, replier)
         except ServingError as exc:
-            await req.respond_error(str(exc.status), exc.message)
+            await req.respond_error(str(exc.status), wire.bounded_text(exc.message))
             return
         await publish_event(self.js, outcome)
         errors = [f for f in replier.frames if isinstance(f, wire.ErrorFrame)]
         if errors:
-            await req.respond_error(str(errors[0].status), errors[0].message, data=wire.encode(errors[0]))
+            await req.respond_error(str(errors[0].status), wire.bounded_text(errors[0].message),
+                                    data=wire.encode(errors[0]))
             return
         final = next(f for f in replier.frames if isinstance(f, wire.Final))
         text = "".join(f.text for f in replier.frames if isinstance(f, wire.Delta) and f.index == 0)
-        await req.respond(json.dumps({"model": request.model, "node": self.node, "text": text,
-                                      "finish_reason": final.finish_reason,
-                                      "usage": msgspec.to_builtins(final.usage)}).encode())
+        await _answer(req, json.dumps({"model": request.model, "node": self.node, "text": text,
+                                       "finish_reason": final.finish_reason,
+                                       "usage": msgspec.to_builtins(final.usage)}).encode())
 
     async def _on_tokenize(self, req: ServiceRequest) -> None:
         self._in_background(self._tokenize(req))
@@ -228,7 +257,14 @@ class WorkerProcess:
             loop = self.models.get(model)
             return loop.model if loop is not None else None
 
-        await req.respond(await token_service.answer(served, req.data))
+        answer = await token_service.answer(served, req.data)
+        try:
+            await respond(req._msg, answer)  # noqa: SLF001  (measured: a reply past max_payload is refused here)
+        except TooLarge as exc:
+            error = wire.TokenizeError(status=413, code=ErrorCode.REQUEST_TOO_LARGE,
+                                       message=f"The answer ({exc.size} bytes) is larger than the message bus "
+                                               f"carries ({exc.limit} bytes).")
+            await respond(req._msg, wire.encode(wire.TokenizeReply(model="", error=error)))  # noqa: SLF001
 
     async def _on_control(self, req: ServiceRequest) -> None:
         self._in_background(self._control(req))
@@ -252,7 +288,7 @@ class WorkerProcess:
             reply = {"ok": False, "error": exc.message}
         reply.update(node=self.node, models=[msgspec.to_builtins(s.status()) for s in self.models.values()],
                      loading=sorted(self.loading))
-        await req.respond(json.dumps(reply).encode())
+        await _answer(req, json.dumps(reply).encode())
 
     # -- model lifecycle -----------------------------------------------------------------------
 

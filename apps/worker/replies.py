@@ -1,12 +1,23 @@
 """Frames from a worker to the client waiting on one request's reply subject (or, for the
-one-shot `generate` endpoint, kept in memory and answered at once)."""
+one-shot `generate` endpoint, kept in memory and answered at once).
+
+Every frame is measured before it is sent (`apps.bus.publish.publish_core`): one the server would
+refuse (a tool call's arguments past max_payload) is replaced by an error frame, so the client
+learns its answer could not be delivered and the worker keeps its connection. Error messages are
+bounded (`wire.bounded_text`).
+"""
 
 from __future__ import annotations
+
+import logging
 
 from nats.aio.client import Client as NatsClient
 
 from apps.bus import wire
 from apps.bus.codes import ErrorCode, FinishReason
+from apps.bus.publish import TooLarge, publish_core
+
+log = logging.getLogger("helexa.worker")
 
 
 class Replier:
@@ -36,7 +47,16 @@ class Replier:
         if self.silenced is not None:
             return
         self._seq += 1
-        await self.nc.publish(self.subject, wire.encode(frame))
+        try:
+            await publish_core(self.nc, self.subject, wire.encode(frame))
+        except TooLarge as exc:
+            log.warning("reply frame too large for the bus; the client gets an error instead",
+                        extra={"subject": self.subject, "size": exc.size, "max_payload": exc.limit})
+            error = wire.ErrorFrame(seq=frame.seq, attempt=self.attempt, status=500, code=ErrorCode.GENERATION_FAILED,
+                                    message=f"A part of the answer ({exc.size} bytes) is larger than the message "
+                                            f"bus carries ({exc.limit} bytes).")
+            # In the refused frame's place in the sequence; the gateway ends the answer and cancels the run.
+            await publish_core(self.nc, self.subject, wire.encode(error))
 
     def _next(self) -> dict[str, int]:
         return {"seq": self._seq, "attempt": self.attempt}
@@ -72,7 +92,7 @@ class Replier:
         await self._send(wire.Final(**self._next(), finish_reason=finish_reason, usage=usage))
 
     async def error(self, status: int, code: ErrorCode, message: str) -> None:
-        await self._send(wire.ErrorFrame(**self._next(), status=status, code=code, message=message))
+        await self._send(wire.ErrorFrame(**self._next(), status=status, code=code, message=wire.bounded_text(message)))
 
 
 class CollectingReplier(Replier):

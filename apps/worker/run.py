@@ -31,15 +31,18 @@ from apps.worker.context_limit import ContextLimit
 from apps.worker.prompt import build_prompt, check_resume, resolve_sampling
 from apps.worker.replies import Replier
 from apps.worker.run_record import RunRecord
-from engine.protocol import DeviceFault, Engine, FinishReason, is_device_fault
+from apps.worker.tokenizing import Tokenizing, request_chars
+from apps.worker.tool_grammar import check_composed
+from engine.grammars import GrammarChecker
+from engine.protocol import ENGINE_STOPPED, DeviceFault, Engine, FinishReason, is_device_fault
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("helexa.worker")
 
 
 def poisoned_message(model: str) -> str:
-    return (f"The model '{model}' hit a device fault on this worker and is out of service; "
-            f"reload it (helexa models load {model}).")
+    return (f"The model '{model}' is out of service on this worker after a device fault (or an engine "
+            f"that kept failing); reload it (helexa models load {model}).")
 
 
 @dataclass(slots=True)
@@ -68,7 +71,11 @@ class ServedModel:
     tokenizer: Tokenizer
     context: ContextLimit
     health: ModelHealth
+    # Where long prompts are templated and tokenized (a process pool), and the checks of the tool
+    # grammars the worker composes (threads with a deadline): never on the event loop.
+    tokenizing: Tokenizing
     reasoning_parser: str = "auto"
+    grammars: GrammarChecker = field(default_factory=GrammarChecker)
 
 
 @dataclass(slots=True, frozen=True)
@@ -80,14 +87,6 @@ class RunOutcome:
 
     finished: wire.RunFinished
     terminate: bool = False
-
-
-# Prompts longer than this (in characters) are prepared in a thread.
-LARGE_PROMPT_CHARS = 1 << 18
-
-
-def _prompt_chars(request: wire.GenerateRequest) -> int:
-    return len(request.prompt or "") + sum(len(m.content) for m in request.messages or [])
 
 
 def check_resume_fits(request: wire.GenerateRequest, max_tokens: int | None) -> None:
@@ -120,14 +119,12 @@ async def run_request(model: ServedModel, request: wire.GenerateRequest, replier
         await replier.error(503, ErrorCode.MODEL_POISONED, poisoned_message(model.model_id))
         return RunOutcome(record.finished_event(RunStatus.REJECTED, FinishReason.ERROR, ErrorCode.MODEL_POISONED))
     try:
-        if _prompt_chars(request) > LARGE_PROMPT_CHARS:
-            # Templating and tokenizing megabytes takes seconds: off the loop, so the other
-            # streams' frames and every request's heartbeats keep going meanwhile.
-            prompt = await asyncio.to_thread(build_prompt, model.tokenizer, request, model.reasoning_parser)
-        else:
-            prompt = build_prompt(model.tokenizer, request, model.reasoning_parser)
+        # Templating and tokenizing megabytes takes seconds: long prompts go to processes, so the
+        # other streams' frames and every request's heartbeats keep going meanwhile.
+        prompt = await model.tokenizing.run(request_chars(request), build_prompt, request, model.reasoning_parser)
         record.prompt_tokens = len(prompt.token_ids)
         sampling = resolve_sampling(request, len(prompt.token_ids), model.context.derive().context)
+        await check_composed(request, sampling, model.grammars)
         check_resume(request, model.tokenizer.vocab_size)
         check_resume_fits(request, sampling.max_tokens)
     except ServingError as exc:
@@ -176,6 +173,12 @@ async def run_request(model: ServedModel, request: wire.GenerateRequest, replier
     if error == ErrorCode.DEVICE_FAULT:
         await replier.error(503, ErrorCode.MODEL_POISONED, poisoned_message(model.model_id))
         return RunOutcome(record.finished_event(RunStatus.ERROR, finish_reason, error))
+    if error == ENGINE_STOPPED:
+        # The engine core died under this run (`apps.worker.restarts` starts it again): the
+        # requester may go on with the answer on a core that runs (migration).
+        await replier.error(503, ErrorCode.ENGINE_LOST, "The engine serving this request stopped before the answer "
+                                                        "was complete; it is being restarted.")
+        return RunOutcome(record.finished_event(RunStatus.ERROR, finish_reason, ErrorCode.ENGINE_LOST))
     if error is not None:
         await replier.error(500, ErrorCode.GENERATION_FAILED, "The generation failed on the worker.")
         return RunOutcome(record.finished_event(RunStatus.ERROR, finish_reason, error))

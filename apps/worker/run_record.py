@@ -11,6 +11,12 @@ from apps.bus.codes import RunStatus
 from engine.protocol import FinishReason
 
 
+def _engine_error(error: str | None) -> str | None:
+    """An engine's error as the ledger keeps it: its first line, at most 1 KB. llguidance's runtime
+    errors go on with the parser's state and the whole grammar (as large as the client likes)."""
+    return None if error is None else wire.bounded_text(error.split("\n", 1)[0])
+
+
 @dataclass(slots=True)
 class RunRecord:
     """What the ledger learns about one run, filled in as it goes."""
@@ -77,7 +83,7 @@ class RunRecord:
             prefill_ms=usage.prefill_ms,
             decode_ms=usage.decode_ms,
             e2e_ms=round((end - self.request.created_at) * 1000.0, 3),
-            error=error,
+            error=_engine_error(error),
             reasoning_tokens=self.reasoning_tokens,
             served=served,
         )

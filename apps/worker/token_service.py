@@ -6,11 +6,14 @@ through the very function a run uses (`prompt.build_prompt`: the chat template, 
 tool call's opening, a continued assistant turn) on the model's own tokenizer. The gateway's
 `/tokenize`, `/detokenize` and `/v1/messages/count_tokens` are answered from here, and a count
 equals the `prompt_tokens` that a generation of the same request reports.
+
+Long text is tokenized in the model's tokenizing processes (`tokenizing.Tokenizing`), never on the
+worker's event loop; the worker measures the reply before it sends it (`apps.bus.publish.respond`):
+one larger than the bus carries is a 413, never a publish the server refuses.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 
@@ -20,6 +23,8 @@ from apps.bus import wire
 from apps.bus.codes import ErrorCode, ServingError
 from apps.worker.prompt import build_prompt
 from apps.worker.run import ServedModel
+from apps.worker.tokenizing import request_chars
+from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("helexa.worker")
 
@@ -28,10 +33,10 @@ def _refusal(model: str, status: int, code: ErrorCode, message: str) -> wire.Tok
     return wire.TokenizeReply(model=model, error=wire.TokenizeError(status=status, code=code, message=message))
 
 
-def tokenize(model: ServedModel, ask: wire.TokenizeRequest) -> wire.TokenizeReply:
-    """Answer one question about `model`'s tokens; a request's own fault raises ServingError."""
-    tokenizer = model.tokenizer
-    max_model_len = model.context.derive().context
+def tokenize(tokenizer: Tokenizer, ask: wire.TokenizeRequest, reasoning_parser: str,
+             max_model_len: int) -> wire.TokenizeReply:
+    """Answer one question about a model's tokens (in its tokenizing pool when the text is long);
+    a request's own fault raises ServingError."""
     if ask.token_ids is not None:
         vocab = tokenizer.vocab_size
         if any(not 0 <= t < vocab for t in ask.token_ids):
@@ -42,12 +47,19 @@ def tokenize(model: ServedModel, ask: wire.TokenizeRequest) -> wire.TokenizeRepl
                                   max_model_len=max_model_len)
     if ask.request is None:
         raise ServingError(400, ErrorCode.INVALID_REQUEST, "Nothing to tokenize: give a request or token ids.")
-    prompt = build_prompt(tokenizer, ask.request, model.reasoning_parser,
+    prompt = build_prompt(tokenizer, ask.request, reasoning_parser,
                           add_generation_prompt=ask.add_generation_prompt,
                           add_special_tokens=ask.add_special_tokens)
     token_strs = [tokenizer.hf.id_to_token(i) for i in prompt.token_ids] if ask.return_token_strs else None
     return wire.TokenizeReply(model=ask.model, token_ids=prompt.token_ids, token_strs=token_strs,
                               max_model_len=max_model_len)
+
+
+def _text_chars(ask: wire.TokenizeRequest) -> int:
+    """About how much text answering `ask` handles (a token is a few characters)."""
+    if ask.token_ids is not None:
+        return 4 * len(ask.token_ids)
+    return request_chars(ask.request) if ask.request is not None else 0
 
 
 async def answer(served: Callable[[str], ServedModel | None], data: bytes) -> bytes:
@@ -61,8 +73,9 @@ async def answer(served: Callable[[str], ServedModel | None], data: bytes) -> by
         return wire.encode(_refusal(ask.model, 404, ErrorCode.MODEL_NOT_FOUND,
                                     f"This worker does not serve the model '{ask.model}'."))
     try:
-        # Off the event loop: a long prompt must not delay the heartbeats of running requests.
-        reply = await asyncio.to_thread(tokenize, model, ask)
+        # Long text goes to the model's tokenizing processes: the loop keeps every stream's frames going.
+        reply = await model.tokenizing.run(_text_chars(ask), tokenize, ask, model.reasoning_parser,
+                                           model.context.derive().context)
     except ServingError as exc:
         reply = _refusal(ask.model, exc.status, exc.code or ErrorCode.INVALID_REQUEST, exc.message)
     except Exception:  # a template or tokenizer that breaks on this request: its own failure

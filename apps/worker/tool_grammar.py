@@ -10,7 +10,9 @@ request forces a tool call or has strict tools, in the Qwen-style format the out
   opens a call to one of the tools, with arguments matching its schema when it is strict (any
   JSON object when not); with a constraint of its own the reply is either that or tool calls.
 
-No torch: the worker's asyncio side builds these, and checks that they compile, before any work.
+No torch: the worker's asyncio side builds these before any work, holds them to the bound of a
+composed grammar (`engine.grammars.BOUNDS.composed_bytes`) and checks that they compile, in a thread
+with a deadline (`check_composed`), never on its event loop.
 """
 
 from __future__ import annotations
@@ -21,8 +23,19 @@ from typing import Any
 from apps.bus import wire
 from apps.bus.codes import ErrorCode, ServingError
 from apps.worker.parsers import TOOL_CLOSE, TOOL_OPEN
-from engine.grammars import grammar_error, lark_json, lark_literal, to_llguidance
-from engine.protocol import StructuredOutput, StructuredOutputKind
+from engine.grammars import (
+    BOUNDS,
+    CheckBusy,
+    CheckTimeout,
+    GrammarChecker,
+    bounds_error,
+    function_schemas,
+    lark_json,
+    lark_literal,
+    to_llguidance,
+    utf8_len,
+)
+from engine.protocol import SamplingParams, StructuredOutput, StructuredOutputKind
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 # The name of the request's own constraint when it is composed with tool calls.
@@ -32,10 +45,6 @@ RESPONSE_GRAMMAR = "response"
 def call_opening(name: str) -> str:
     """A call's JSON up to its arguments: what a forced call to `name` starts with."""
     return '{"name": ' + json.dumps(name) + ', "arguments": '
-
-
-def _functions(request: wire.GenerateRequest) -> list[dict[str, Any]]:
-    return [tool["function"] for tool in request.tools or [] if tool.get("type") == "function"]
 
 
 def _arguments(function: dict[str, Any], constrained: bool) -> str:
@@ -88,15 +97,36 @@ def _grammar(top_lark: str, own: StructuredOutput | None) -> str:
 def reply_constraint(request: wire.GenerateRequest) -> StructuredOutput | None:
     """What the reply must match: the request's own constraint, unless its tools say more."""
     own = request.sampling.structured
-    functions = _functions(request)
+    if own is not None and (past_bounds := bounds_error(own)) is not None:
+        # A gateway refuses these; a client on the bus gets the same answer here.
+        raise ServingError(400, ErrorCode.INVALID_REQUEST, f"The structured output cannot be enforced: {past_bounds}.")
+    functions = function_schemas(request.tools)
     if request.tool_required and functions:
         constraint = _grammar(_forced_call(functions, request.tool_name), None)
     elif any(f.get("strict") for f in functions):
         constraint = _grammar(_strict_calls(functions, own is not None), own)
     else:
         return own
-    structured = StructuredOutput(kind=StructuredOutputKind.LLGUIDANCE, spec=constraint)
-    error = grammar_error(structured)
+    if utf8_len(constraint) > BOUNDS.composed_bytes:
+        raise ServingError(400, ErrorCode.INVALID_REQUEST,
+                           f"The grammar of the tool calls is {utf8_len(constraint)} bytes; at most "
+                           f"{BOUNDS.composed_bytes} are allowed: enforce fewer or smaller tool schemas.", param="tools")
+    return StructuredOutput(kind=StructuredOutputKind.LLGUIDANCE, spec=constraint)
+
+
+async def check_composed(request: wire.GenerateRequest, sampling: SamplingParams, checker: GrammarChecker) -> None:
+    """A grammar composed here from the request's tools (`reply_constraint`) compiles, or the request
+    is refused naming `tools`; the request's own constraint was checked where it came in."""
+    structured = sampling.structured
+    if structured is None or structured == request.sampling.structured:
+        return
+    try:
+        error = await checker.error(structured)
+    except CheckTimeout as exc:
+        raise ServingError(400, ErrorCode.GRAMMAR_TOO_COMPLEX, f"The tools' parameters cannot be enforced: {exc}.",
+                           param="tools") from None
+    except CheckBusy as exc:
+        raise ServingError(503, ErrorCode.MODEL_UNAVAILABLE, f"The worker is too busy to check grammars: {exc}.") from None
     if error is not None:
-        raise ServingError(400, ErrorCode.INVALID_REQUEST, f"The tools' parameters cannot be enforced: {error}")
-    return structured
+        raise ServingError(400, ErrorCode.INVALID_REQUEST, f"The tools' parameters cannot be enforced: {error}",
+                           param="tools")

@@ -101,12 +101,17 @@ class RotaryEmbedding(nn.Module):
         positions once, not once per layer."""
         self._step = (positions, ops.rotary_step_tables(positions, self.cos_sin_cache(positions.device)))
 
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """(the cos|sin table, this step's gathered cos/sin when `begin_step` made them for these
+        positions): what `ops.rotary` and `ops.rotary_attention` take."""
+        step = self._step
+        return (self.cos_sin_cache(positions.device),
+                step[1] if step is not None and step[0] is positions else None)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor,
                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [num_tokens, num_heads, head_dim], k [num_tokens, num_kv_heads, head_dim]."""
-        step = self._step
-        tables = step[1] if step is not None and step[0] is positions else None
-        return ops.rotary(q, k, positions, self.cos_sin_cache(positions.device), tables)
+        return ops.rotary(q, k, positions, *self.tables(positions))
 
 
 class PackedLinear(Linear):

@@ -46,10 +46,12 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)  # over head_dim, each head on its own
-        q, k = rotary_emb(q, k, positions)
-        out = ops.attention(q, k, v, *kv_cache, meta, self.scale)
+        # Qwen3's norms run over head_dim, each head on its own, before RoPE.
+        norms = {} if self.q_norm is None or self.k_norm is None else {
+            "q_norm_weight": self.q_norm.weight, "k_norm_weight": self.k_norm.weight,
+            "eps": self.q_norm.eps}
+        out = ops.rotary_attention(q, k, v, positions, *rotary_emb.tables(positions), *kv_cache,
+                                   meta, self.scale, **norms)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 

@@ -69,9 +69,11 @@ class GatedAttention(nn.Module):
         q, gate = q_gate.view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, -1)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary_emb(q, k, positions)
-        out = ops.attention(q, k, v, *kv_cache, meta, self.scale) * torch.sigmoid(gate)
+        out = ops.rotary_attention(q, k, v, positions, *rotary_emb.tables(positions), *kv_cache,
+                                   meta, self.scale, q_norm_weight=self.q_norm.weight,
+                                   k_norm_weight=self.k_norm.weight, eps=self.q_norm.eps,
+                                   unit_offset=True)
+        out = out * torch.sigmoid(gate)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 

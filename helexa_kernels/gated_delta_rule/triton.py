@@ -1,11 +1,14 @@
 """The gated delta rule in Triton: recurrent (decode) and chunked (prefill), on state slots.
 
-Both kernels give one program a (sequence, value head, V tile): it holds its [K, BV] slice of
-the fp32 state in registers from the slot it reads to the slot it writes, and walks the
-sequence's tokens in order. The recurrent kernel takes a token per step; the chunked kernel
-takes BT tokens per step and turns the chunk's sequential updates into dot products by solving
-the chunk's unit lower triangular system (see naive.py for the algebra): it inverts (I + L)
-by forward substitution over the BT rows (independent of V), then applies it with one dot.
+Both kernels here give one program a (sequence, value head, V tile): it holds its [K, BV] slice
+of the fp32 state in registers from the slot it reads to the slot it writes, and walks the
+sequence's tokens in order. The recurrent kernel takes a token per step; the inline chunked
+kernel takes BT tokens per step and turns the chunk's sequential updates into dot products by
+solving the chunk's unit lower triangular system (see naive.py for the algebra): it inverts
+(I + L) by forward substitution over the BT rows (independent of V), then applies it with one
+dot. The default chunked form, `triton_chunk.py`, solves every chunk's system in a parallel
+first pass instead (8.6 ms for the inline kernel against fla-core's 1.18 ms on an H200, 4 x 2048
+tokens, 32 value heads of 128).
 
 Layouts (flat tokens, as the engine lays out a step): q, k [num_tokens, HK, K],
 v [num_tokens, HV, V], g, beta [num_tokens, HV], state [num_slots, HV, K, V] fp32.
@@ -18,11 +21,14 @@ parallelism is sequences x heads x V tiles, with chunks in order inside a progra
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from helexa_kernels.utils import dot_args
+from helexa_kernels.gated_delta_rule import triton_chunk
+from helexa_kernels.utils import dot_args, interpreting
 
 
 @triton.jit
@@ -220,14 +226,56 @@ def recurrent_gated_delta_rule(
     return o
 
 
+# The chunked forms: "wy" (triton_chunk.py, two passes) and "inline" (the single kernel below).
+# `chunk_gated_delta_rule` runs HELEXA_GDN_CHUNK's where it is set, else wy for 16-bit inputs and
+# inline for fp32 ones on a GPU: the wy kernels' exact fp32 dots spill ~10 KB per thread on sm_90
+# (tests/kernels/compile_sm90.py), where its bf16 ones fit.
+CHUNK_FORMS = ("wy", "inline")
+
+
+def _default_form(dtype: torch.dtype) -> str:
+    form = os.environ.get("HELEXA_GDN_CHUNK")
+    if form:
+        return form
+    return "inline" if dtype == torch.float32 and not interpreting() else "wy"
+
+
 def chunk_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor, state_indices: torch.Tensor, cu_seqlens: torch.Tensor, *,
+    scale: float | None = None, use_qk_l2norm: bool = True,
+    has_initial_state: torch.Tensor | None = None, chunk_size: int = 64,
+    block_v: int | None = None, form: str | None = None,
+) -> torch.Tensor:
+    """Chunked gated delta rule for prefill; same contract as `recurrent_gated_delta_rule`,
+    with cu_seqlens [num_seqs + 1] required and sequences of any length. `form`: "wy" (chunks
+    of 64 only) or "inline"; default HELEXA_GDN_CHUNK, else `_default_form`. `block_v`: the state's V tile
+    per program (default 64 for wy, 32 for inline)."""
+    form = form or _default_form(q.dtype)
+    if form not in CHUNK_FORMS:
+        raise ValueError(f"form must be one of {', '.join(CHUNK_FORMS)}, got {form!r}")
+    if form == "inline":
+        return chunk_gated_delta_rule_inline(
+            q, k, v, g, beta, state, state_indices, cu_seqlens, scale=scale,
+            use_qk_l2norm=use_qk_l2norm, has_initial_state=has_initial_state,
+            chunk_size=chunk_size, block_v=block_v or 32)
+    if chunk_size != triton_chunk.CHUNK:
+        raise ValueError(f"the wy form takes chunks of {triton_chunk.CHUNK} tokens")
+    _check(q, k, v, g, beta, state)
+    return triton_chunk.chunk_gated_delta_rule_wy(
+        q, k, v, g, beta, state, state_indices, cu_seqlens,
+        scale=scale if scale is not None else q.shape[-1] ** -0.5, use_qk_l2norm=use_qk_l2norm,
+        has_initial_state=_flags(has_initial_state, state_indices),
+        has_init_flags=has_initial_state is not None, block_v=block_v or 64)
+
+
+def chunk_gated_delta_rule_inline(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: torch.Tensor, state_indices: torch.Tensor, cu_seqlens: torch.Tensor, *,
     scale: float | None = None, use_qk_l2norm: bool = True,
     has_initial_state: torch.Tensor | None = None, chunk_size: int = 64, block_v: int = 32,
 ) -> torch.Tensor:
-    """Chunked gated delta rule for prefill; same contract as `recurrent_gated_delta_rule`,
-    with cu_seqlens [num_seqs + 1] required and sequences of any length."""
+    """The single-kernel chunked form: each chunk's system solved inside the sequential walk."""
     _check(q, k, v, g, beta, state)
     T, HK, K = q.shape
     HV, V = v.shape[1:]

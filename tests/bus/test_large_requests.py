@@ -136,7 +136,7 @@ async def test_sizes_around_the_header_window_never_close_the_connection(small_s
         js = nc.jetstream()
         limit = nc.max_payload
         header_bytes = large_requests.message_size(b"", {"Nats-Msg-Id": "fuzz-000"})
-        low, high = limit - header_bytes - large_requests.MESSAGE_MARGIN_BYTES - 16, limit + 16
+        low, high = limit - header_bytes - 16, limit + 16
         rng = random.Random(14)
         sizes = sorted({low, high, limit, limit - 1, limit - header_bytes, limit - header_bytes + 1,
                         *rng.sample(range(low, high + 1), 24)})
@@ -232,7 +232,8 @@ async def test_a_worker_serves_a_3_mib_prompt_through_a_1_mib_server_and_deletes
         assert len(wire.encode(request)) > 3 << 20
         await large_requests.publish_request(nc.jetstream(), nc, request)
         await asyncio.wait_for(ended.wait(), 300)
-        accepted, final = frames[0], frames[-1]
+        # Heartbeats may come first: the worker's loop goes on while the prompt is tokenized.
+        accepted, final = next(f for f in frames if not isinstance(f, wire.Heartbeat)), frames[-1]
         assert isinstance(accepted, wire.Accepted) and accepted.prompt_tokens > 500_000
         assert isinstance(final, wire.Final), final
         assert "".join(f.text for f in frames if isinstance(f, wire.Delta)) == "read it all"

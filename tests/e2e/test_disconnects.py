@@ -51,9 +51,10 @@ def body_for(path: str, model: str, stream: bool, max_tokens: int = 80) -> dict:
             "stream": stream}
 
 
-def request_bytes(path: str, body: dict) -> bytes:
+def request_bytes(path: str, body: dict, port: int) -> bytes:
     data = json.dumps(body).encode()
-    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    # The Host a keyless loopback gateway answers (any other is a 421).
+    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(data)}\r\n\r\n").encode() + data
 
 
@@ -63,7 +64,7 @@ async def leave_at_random(port: int, rng: random.Random, model: str) -> str:
     phase = rng.choice(["queued", "waiting", "started" if stream else "generating"])
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
-        writer.write(request_bytes(path, body_for(path, model, stream)))
+        writer.write(request_bytes(path, body_for(path, model, stream), port))
         await writer.drain()
         if phase == "queued":
             await asyncio.sleep(rng.uniform(0.0, 0.2))
@@ -120,7 +121,7 @@ def test_a_non_streamed_client_that_leaves_frees_its_kv_within_2_s(system: Syste
     host, port = system.base_url.removeprefix("http://").split(":")
     conn = socket.create_connection((host, int(port)))
     try:
-        conn.sendall(request_bytes("/v1/chat/completions", body))
+        conn.sendall(request_bytes("/v1/chat/completions", body, int(port)))
         eventually(lambda: (g := gauges(system.base_url, system.model))["helexa:num_requests_running"] >= 1
                    and g["helexa:kv_cache_usage_perc"] > 0, 60, message="the request never ran")
     finally:

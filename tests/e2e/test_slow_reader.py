@@ -18,13 +18,16 @@ from tests.e2e.test_chat import finished_run
 from tests.support import AppProcess, eventually
 
 FAST = "slow-reader-fast"
-TOKENS = 6000
+# More than the socket buffers hold, so the gateway's 16-frame buffer must overflow; the worker's context
+# is set so that its output limit (a quarter of it, at most 8192) allows that many.
+TOKENS = 8000
 
 
 @pytest.fixture(scope="module")
 def fast_model(system: System, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     reply = " ".join(f"w{i}" for i in range(TOKENS))  # no delays: frames come as fast as they can
-    with scripted_worker(system, tmp_path_factory.mktemp("script"), FAST, {"rules": [], "default": reply}):
+    with scripted_worker(system, tmp_path_factory.mktemp("script"), FAST, {"rules": [], "default": reply},
+                         {"HELEXA_MAX_MODEL_LEN": "65536"}):
         yield FAST
 
 
@@ -43,14 +46,15 @@ def test_a_client_that_stops_reading_is_cancelled_not_buffered(system: System, f
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         conn.connect(("127.0.0.1", port))
         try:
-            conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            conn.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n".encode()
+                         + b"Content-Type: application/json\r\n"
                          + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
             head = b""
             while b"\r\n\r\n" not in head:
                 head += conn.recv(1)
             request_id = next(line.split(b":", 1)[1].strip().decode() for line in head.split(b"\r\n")
                               if line.lower().startswith(b"x-request-id:"))
-            # Not reading any more: the run must end, cancelled, long before its 6000 tokens.
+            # Not reading any more: the run must end, cancelled, long before its 8000 tokens.
             row = asyncio.run(finished_run(system, request_id, timeout_s=120))
             assert row["status"] == "cancelled" and row["completion_tokens"] < TOKENS
             rest = b""

@@ -146,3 +146,39 @@ async def test_closing_a_stream_never_read_aborts_its_request(engine: AsyncEngin
 async def _until(condition) -> None:
     while not condition():
         await asyncio.sleep(0.01)
+
+
+async def test_a_large_request_to_a_busy_core_never_blocks_the_event_loop() -> None:
+    """A core in a long step reads nothing; its pipe holds ~64 KiB. Sending a request of a few MiB
+    must not wait on the loop for the core to read it (heartbeats and acks run there)."""
+    import multiprocessing
+    import threading
+
+    from engine.engine_config import EngineConfig
+    from engine.protocol import AddRequest, CoreInfo, to_core_decoder
+
+    worker_end, core_end = multiprocessing.Pipe(duplex=True)
+    engine = AsyncEngine(EngineConfig(model="unused"))
+    engine._attach(worker_end, CoreInfo(model_id="m", max_model_len=1 << 20, max_num_seqs=4, num_blocks=0,
+                                        block_size=16))
+    prompt = list(range(1, 500_000))  # ~1.5 MiB of msgpack
+    sent, stalled = threading.Event(), threading.Event()
+    received: list[bytes] = []
+
+    def busy_core() -> None:
+        # Busy for 5 s, then it reads; had generate() waited for that, the loop stalled meanwhile.
+        if not sent.wait(5.0):
+            stalled.set()
+        received.append(core_end.recv_bytes())
+
+    core = threading.Thread(target=busy_core)
+    core.start()
+    engine.generate(EngineRequest("big", prompt, greedy(4)))  # on the loop, as the worker calls it
+    sent.set()
+    await asyncio.to_thread(core.join, 30)
+    assert not stalled.is_set(), "generate() waited for the core to read its request"
+    # The core, once free, reads the request whole.
+    message = to_core_decoder.decode(received[0])
+    assert isinstance(message, AddRequest) and message.request.prompt_token_ids == prompt
+    engine._outbox.put(None)
+    core_end.close()

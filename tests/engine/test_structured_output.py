@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import jsonschema
 import pytest
@@ -59,6 +60,12 @@ def run(core: EngineCore, requests: list[EngineRequest]) -> dict[str, tuple[list
                 finals[out.request_id] = out
     assert set(finals) == set(tokens)
     return {request_id: (tokens[request_id], finals[request_id]) for request_id in tokens}
+
+
+def compiled(core: EngineCore) -> None:
+    """Wait for the grammars compiling beside the core (its next step admits their requests)."""
+    for future in list(core.structured._compiling.values()):
+        future.result(timeout=60)
 
 
 def text(checkpoint: Checkpoint, token_ids: list[int]) -> str:
@@ -149,6 +156,7 @@ def test_grammar_failing_mid_generation_ends_only_its_request(smollm2: Checkpoin
     core.add_request(EngineRequest("broken", prompt, constrained(PERSON_JSON, temperature=0.0)))
     core.add_request(EngineRequest("fine", prompt, constrained(PERSON_JSON, temperature=0.0)))
     core.add_request(EngineRequest("free", prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)))
+    compiled(core)
     core.step()  # prefill: one token each
     # Drive one matcher into its error state as a run-time failure (a limit hit) would.
     assert not core.structured._matchers["broken"].consume_token(smollm2.tokenizer.eos_token_id)
@@ -179,3 +187,75 @@ def test_bitmask_unpacking_agrees_with_the_bit_layout() -> None:
     for k, row in enumerate([0, 2, 4]):
         assert torch.equal(logits[row, :128] == 0, expected[k]) and logits[row, 128] == float("-inf")
     assert torch.equal(logits[[1, 3]], torch.zeros(2, 129))
+
+
+def test_choices_of_one_grammar_share_one_compile(smollm2: Checkpoint) -> None:
+    core = make_core(smollm2)
+    prompt = chat(smollm2, "Is the sea blue?")
+    requests = [EngineRequest(f"a/{i}", prompt, constrained(ANSWERS, temperature=1.0, seed=i)) for i in range(16)]
+    for token_ids, final in run(core, requests).values():
+        assert final.finish_reason is FinishReason.STOP
+        assert text(smollm2, token_ids) in ("yes", "no", "it depends")
+    assert (core.stats.grammar_compiles, core.stats.grammar_cache_hits) == (1, 15)
+    # A later request with the same grammar takes the cached one; a new grammar compiles.
+    run(core, [EngineRequest("again", prompt, constrained(ANSWERS, temperature=0.0)),
+               EngineRequest("phone", prompt, constrained(PHONE, temperature=0.0))])
+    assert (core.stats.grammar_compiles, core.stats.grammar_cache_hits) == (2, 16)
+
+
+def test_a_compile_past_its_budget_fails_its_request_alone(smollm2: Checkpoint,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    core = make_core(smollm2)
+    core.structured.compile_budget_s = 0.2
+    release = threading.Event()
+    real_compile = core.structured.compile
+
+    def stuck(structured: StructuredOutput) -> object:
+        release.wait(60)  # a compile that takes as long as the test says
+        return real_compile(structured)
+
+    monkeypatch.setattr(core.structured, "compile", stuck)
+    prompt = chat(smollm2, "Hello")
+    core.add_request(EngineRequest("slow", prompt, constrained(PHONE)))
+    core.add_request(EngineRequest("free", prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)))
+    finals: dict[str, EngineOutput] = {}
+    while core.has_work():
+        finals.update({out.request_id: out for out in core.step() if out.finished})
+    release.set()
+    assert finals["free"].finish_reason is FinishReason.LENGTH
+    assert finals["slow"].finish_reason is FinishReason.ERROR
+    assert "did not compile within 0.2 s" in (finals["slow"].error or "")
+    assert core.kv_cache.num_free_blocks == core.info.num_blocks
+
+
+def test_a_request_aborted_while_its_grammar_compiles_ends_at_once(smollm2: Checkpoint,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    core = make_core(smollm2)
+    release = threading.Event()
+    real_compile = core.structured.compile
+    monkeypatch.setattr(core.structured, "compile", lambda s: (release.wait(60), real_compile(s))[1])
+    core.add_request(EngineRequest("a", chat(smollm2, "Hello"), constrained(PHONE)))
+    assert core.has_work() and core.only_compiling
+    [out] = core.abort(["a"])
+    assert out.finished and out.finish_reason is FinishReason.ABORT
+    release.set()
+    assert not core.has_work() and core.structured.num_waiting == 0
+
+
+def test_a_grammar_error_is_short_and_never_carries_the_grammar(smollm2: Checkpoint) -> None:
+    huge = "(" * 20_000 + "a"  # llguidance's own error quotes the whole regex
+    result = run(make_core(smollm2), [EngineRequest("bad", chat(smollm2, "Hi"),
+                                                    constrained(StructuredOutput(kind=Kind.REGEX, spec=huge)))])
+    error = result["bad"][1].error or ""
+    assert "does not compile" in error and len(error.encode()) <= 600
+
+
+def test_a_grammar_past_its_bounds_is_refused_without_compiling(smollm2: Checkpoint,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    core = make_core(smollm2)
+    monkeypatch.setattr("engine.structured_output.to_llguidance",
+                        lambda s: pytest.fail("a grammar past its bounds reached the compiler"))
+    huge = StructuredOutput(kind=Kind.GRAMMAR, spec='start: "' + "a" * (64 << 10) + '"')
+    result = run(core, [EngineRequest("big", chat(smollm2, "Hi"), constrained(huge))])
+    assert result["big"][1].finish_reason is FinishReason.ERROR
+    assert "at most" in (result["big"][1].error or "")

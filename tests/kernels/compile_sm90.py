@@ -67,6 +67,15 @@ def _arg_type(value: object) -> str:
     raise TypeError(f"no Triton type for {type(value).__name__}")
 
 
+def _divisible_by_16(value: object) -> bool:
+    """What Triton's JIT tells the compiler about an argument on the GPU (tt.divisibility 16: a
+    pointer 16-byte aligned, an int a multiple of 16), which lets loads vectorize: without it
+    the registers and spills reported here would be a worse case than the GPU's."""
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr() % 16 == 0
+    return isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0
+
+
 def _resource_usage(cubin: bytes) -> dict[str, int]:
     cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -82,14 +91,16 @@ def compile_launch(kernel: JITFunction, args: tuple, kwargs: dict) -> dict[str, 
     kwargs = dict(kwargs)
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
     values = dict(zip(kernel.arg_names, args)) | kwargs
-    signature, constexprs = {}, {}
+    signature, constexprs, attrs = {}, {}, {}
     for i, param in enumerate(kernel.params):
         if param.is_constexpr:
             signature[param.name] = "constexpr"
             constexprs[(i,)] = values[param.name]
         else:
             signature[param.name] = _arg_type(values[param.name])
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=TARGET,
+            if _divisible_by_16(values[param.name]):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET,
                               options=options)
     blocks = {name: str(v) for (i,), v in constexprs.items()
               if (name := kernel.params[i].name).startswith(("B", "GROUP", "DOT"))}
@@ -120,6 +131,25 @@ def record_all() -> list[Recorder]:
                cache.clone(), torch.zeros(2, dtype=i64))
     recorders += r
 
+    m, r = _record("helexa_kernels.rotary_kv_store.triton", "rotary_kv_store_fwd_kernel")
+    q = torch.zeros(2, 32, 128, dtype=bf)
+    m.rotary_kv_store(q, q[:, :8], q[:, 8:16], torch.zeros(2, dtype=i64), torch.zeros(8, 128),
+                      cache, cache.clone(), torch.zeros(2, dtype=i64), w[:128], w[:128])
+    q = torch.zeros(2, 16, 256, dtype=bf)  # Qwen3.5's gated attention: (1 + w), partial rotary
+    m.rotary_kv_store(q, q[:, :2], q[:, 2:4], torch.zeros(2, dtype=i64), torch.zeros(8, 64),
+                      torch.zeros(4, 16, 2, 256, dtype=bf), torch.zeros(4, 16, 2, 256, dtype=bf),
+                      torch.zeros(2, dtype=i64), w[:256], w[:256], unit_offset=True)
+    m.rotary_kv_store(q, q[:, :2], q[:, 2:4], torch.zeros(2, dtype=i64), torch.zeros(8, 256),
+                      torch.zeros(4, 16, 2, 256, dtype=bf), torch.zeros(4, 16, 2, 256, dtype=bf),
+                      torch.zeros(2, dtype=i64))  # Llama: no norm
+    recorders += r
+
+    m, r = _record("helexa_kernels.gemv.triton", "gemv_fwd_kernel")
+    for config in m.CONFIGS:
+        m.gemv(torch.zeros(1, 4096, dtype=bf), torch.zeros(6144, 4096, dtype=bf), config)
+    m.gemv(torch.zeros(1, 1100, dtype=bf), torch.zeros(64, 1100, dtype=bf))  # ragged K
+    recorders += r
+
     m, r = _record("helexa_kernels.paged_attention.triton", "paged_attention_fwd_kernel",
                    "paged_attention_split_fwd_kernel", "paged_attention_split_reduce_kernel")
     meta = (torch.tensor([0, 1, 2], dtype=i32), torch.tensor([5, 5], dtype=i32),
@@ -139,7 +169,15 @@ def record_all() -> list[Recorder]:
     g, state = torch.zeros(3, 32), torch.zeros(4, 32, 128, 128)
     slots, cu, init = torch.zeros(3, dtype=i64), torch.tensor([0, 3], dtype=i32), torch.ones(1, dtype=torch.bool)
     m.recurrent_gated_delta_rule(q, q, v, g, g, state, slots)
-    m.chunk_gated_delta_rule(q, q, v, g, g, state, slots[:1], cu, has_initial_state=init)
+    m.chunk_gated_delta_rule(q, q, v, g, g, state, slots[:1], cu, has_initial_state=init,
+                             form="inline")
+    recorders += r
+    m, r = _record("helexa_kernels.gated_delta_rule.triton_chunk",
+                   "chunk_gated_delta_rule_wy_prepare_fwd_kernel", "chunk_gated_delta_rule_wy_fwd_kernel")
+    for block_v in (64, 32):  # bf16 only: fp32 inputs take the inline form on a GPU
+        m.chunk_gated_delta_rule_wy(q, q, v, g, g, state, slots[:1], cu, scale=0.1,
+                                    use_qk_l2norm=True, has_initial_state=init.int(),
+                                    has_init_flags=True, block_v=block_v)
     recorders += r
 
     m, r = _record("helexa_kernels.causal_conv1d.triton", "causal_conv1d_fwd_kernel",

@@ -152,9 +152,9 @@ def test_triton_path_matches_torch_path(model_type: str) -> None:
     ops.use_backend("triton")
     ops._triton.cache_clear()
     triton_logits, triton_tokens = _run(model)
-    # The five ops the dense models route (norms, rotary, silu_and_mul, kv store, attention)
-    # each loaded its Triton module.
-    assert ops._triton.cache_info().currsize == 5
+    # The four ops the dense models route (norms, the attention prologue: q/k norms, rotary
+    # and the KV store in one kernel; silu_and_mul, attention) each loaded its Triton module.
+    assert ops._triton.cache_info().currsize == 4
     assert_close(triton_logits, torch_logits, 1e-4, "logits")
     assert triton_tokens == torch_tokens
 
@@ -210,6 +210,8 @@ def test_triton_path_matches_torch_path_for_hybrids(model_type: str, tmp_path) -
     ops._triton.cache_clear()
     triton_logits, triton_tokens = _run(model)
     loaded = ops._triton.cache_info().currsize
-    assert loaded >= 8, f"only {loaded} Triton op modules were used"
+    # norms, the attention prologue, attention, silu_and_mul, conv, gating, the delta rule
+    # (and MoE for qwen3_next)
+    assert loaded >= 7, f"only {loaded} Triton op modules were used"
     assert_close(triton_logits, torch_logits, 1e-4, "logits")
     assert triton_tokens == torch_tokens

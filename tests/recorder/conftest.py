@@ -146,15 +146,16 @@ async def publish(js: JetStreamContext, *events: Event) -> None:
 
 
 async def publish_fast(nc: NatsClient, events: list[Event]) -> None:
-    """Core-NATS publishes (no per-message ack), then wait until the stream holds every one."""
+    """Core-NATS publishes (no per-message ack), then wait until the stream has taken every one
+    (by sequence: the recorder removes deleted responses' events from the stream meanwhile)."""
     js = nc.jetstream()
-    before = (await js.stream_info(EVENTS_STREAM)).state.messages
+    before = (await js.stream_info(EVENTS_STREAM)).state.last_seq
     for event in events:
         await nc.publish(event_subject(event_kind(event), event.model), encode(event))
     await nc.flush()
 
     async def stored() -> bool:
-        return (await js.stream_info(EVENTS_STREAM)).state.messages >= before + len(events)
+        return (await js.stream_info(EVENTS_STREAM)).state.last_seq >= before + len(events)
 
     await eventually(stored, what=f"{len(events)} events stored")
 

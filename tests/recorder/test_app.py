@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 import uuid
 
 import asyncpg
@@ -92,20 +93,23 @@ async def test_undecodable_and_rejected_events_do_not_block_the_stream(
     anonymous = msgspec.json.decode(encode(started("req-no-id")))
     del anonymous["event_id"]
     await js.publish(event_subject("run.started", "tiny"), msgspec.json.encode(anonymous))
-    # Decodes fine, but PostgreSQL refuses a NUL character in text and jsonb.
-    poison = started("req-poison", principal="nul\x00byte")
+    # Decodes fine, but PostgreSQL refuses it: a request id past what a btree index row holds.
+    poison = started("req-poison-" + secrets.token_hex(5000))
+    # A NUL, which jsonb cannot hold, is recorded as U+FFFD rather than refused.
+    nul = started("req-nul", principal="nul\x00byte")
     good = [started(f"req-{i}") for i in range(5)]
-    await publish(js, *good[:2], poison, *good[2:])
+    await publish(js, *good[:2], poison, nul, *good[2:])
 
     async with recording(_settings(own_nats, database_url), log_watch) as task:
         await log_watch.wait_for("ready", task=task)
-        await eventually(lambda: _is(database_url, "SELECT count(*) FROM runs", 5), what="the good events")
+        await eventually(lambda: _is(database_url, "SELECT count(*) FROM runs", 6), what="the good events")
         await wait_all_acked(js)
 
     assert len(log_watch.matching("event dead-lettered", reason="undecodable")) == 3
     assert len(log_watch.matching("event dead-lettered", reason="rejected")) == 1
-    assert await fetchval(database_url, "SELECT count(*) FROM events") == 5
-    assert await fetchval(database_url, "SELECT count(*) FROM runs WHERE request_id = 'req-poison'") == 0
+    assert await fetchval(database_url, "SELECT count(*) FROM events") == 6
+    assert await fetchval(database_url, "SELECT count(*) FROM runs WHERE request_id LIKE 'req-poison%'") == 0
+    assert await fetchval(database_url, "SELECT principal FROM runs WHERE request_id = 'req-nul'") == "nul\ufffdbyte"
     conn = await asyncpg.connect(database_url)
     try:
         letters = await conn.fetch("SELECT * FROM dead_letters ORDER BY stream_seq")
@@ -115,7 +119,7 @@ async def test_undecodable_and_rejected_events_do_not_block_the_stream(
         (1, "undecodable"), (2, "undecodable"), (3, "undecodable"), (6, "rejected")]
     assert letters[0]["payload"] == b"not json" and letters[0]["kind"] == "run.started"
     assert letters[3]["event_id"] == poison.event_id and letters[3]["sqlstate"] is not None
-    assert msgspec.json.decode(letters[3]["payload"])["principal"] == "nul\x00byte"
+    assert msgspec.json.decode(letters[3]["payload"])["request_id"] == poison.request_id
 
 
 async def test_started_before_postgres_records_everything_once_it_is_up(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from collections.abc import AsyncIterator
 
 import asyncpg
@@ -177,9 +179,13 @@ async def test_a_deleted_response_stays_deleted_whatever_the_order(conn: asyncpg
         for event in first + ([early, late] if order == "stored_first" else [stored]):
             await project(conn, _batch(event))
     row = await conn.fetchrow("SELECT * FROM responses")
-    assert (row["event_id"], row["previous_response_id"], row["status"], row["principal"]) == (
-        stored.event_id, "resp_8", "completed", "alice")
+    assert (row["event_id"], row["previous_response_id"], row["principal"]) == (stored.event_id, "resp_8", "alice")
     assert (row["deleted_at"].timestamp(), row["deleted_by"]) == (20.0, early.event_id)
+    # Its content is erased, from its row and from the ledger's copy of its event, whatever the order.
+    assert (row["status"], row["input_items"], row["response"], row["stored_bytes"]) == (None, None, None, 0)
+    payload = json.loads(await conn.fetchval("SELECT payload FROM events WHERE event_id = $1", stored.event_id))
+    assert (payload["input_items"], payload["response"], payload["erased"]) == ([], {}, True)
+    assert payload["response_id"] == "resp_9" and stored.input_items and stored.response
 
 
 async def test_a_response_stored_again_keeps_its_latest_copy(conn: asyncpg.Connection) -> None:

@@ -1,0 +1,100 @@
+"""Waiting for the recorder to project a stored response, by its word rather than by polling.
+
+The recorder announces every response.stored and response.deleted it commits on the PostgreSQL
+channel `helexa_responses` (NOTIFY, payload: the response id, delivered at commit). A gateway asked
+for a response it has never seen (made moments ago through another gateway) listens on one
+connection of its own and wakes the readers waiting for that id, which then read the ledger once.
+
+While the listening connection is down, readers fall back to reading the ledger every
+`FALLBACK_RECHECK_S`; a reconnect wakes every waiter so none misses a notice sent meanwhile. At
+most `max_waiters` reads wait at once; past that a read does not wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import asyncpg
+
+from apps.recorder.projector import RESPONSES_CHANNEL
+
+log = logging.getLogger("helexa.gateway")
+
+FALLBACK_RECHECK_S = 1.0
+
+
+class ProjectionNotices:
+    def __init__(self, database_url: str, max_waiters: int = 1024) -> None:
+        self._database_url = database_url
+        self.max_waiters = max_waiters
+        self._conn: asyncpg.Connection | None = None
+        self._lock = asyncio.Lock()
+        self._waiting: dict[str, set[asyncio.Event]] = {}
+        self._count = 0
+
+    @property
+    def listening(self) -> bool:
+        return self._conn is not None and not self._conn.is_closed()
+
+    @property
+    def waiters(self) -> int:
+        return self._count
+
+    @asynccontextmanager
+    async def expecting(self, response_id: str) -> AsyncIterator[asyncio.Event | None]:
+        """An event set when the recorder announces `response_id` (or the listener reconnects);
+        None when too many reads wait already."""
+        if self._count >= self.max_waiters:
+            yield None
+            return
+        arrived = asyncio.Event()
+        self._waiting.setdefault(response_id, set()).add(arrived)
+        self._count += 1
+        try:
+            await self.listen()
+            yield arrived
+        finally:
+            self._count -= 1
+            waiting = self._waiting.get(response_id)
+            if waiting is not None:
+                waiting.discard(arrived)
+                if not waiting:
+                    del self._waiting[response_id]
+
+    async def listen(self) -> None:
+        """Listen on the channel, unless already listening; on failure, readers fall back to rechecks."""
+        async with self._lock:
+            if self.listening:
+                return
+            try:
+                conn = await asyncpg.connect(self._database_url, timeout=5)
+                await conn.add_listener(RESPONSES_CHANNEL, self._on_notice)
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
+                log.warning("not listening for projected responses; reading the ledger every second instead",
+                            extra={"error": repr(exc)})
+                return
+            conn.add_termination_listener(self._on_lost)
+            self._conn = conn
+            # A notice sent before this connection listened is not heard: everyone reads again.
+            self._wake_all()
+
+    def _on_notice(self, _conn: object, _pid: int, _channel: str, payload: str) -> None:
+        for arrived in self._waiting.get(payload, ()):
+            arrived.set()
+
+    def _on_lost(self, _conn: object) -> None:
+        self._conn = None
+        self._wake_all()
+
+    def _wake_all(self) -> None:
+        for waiting in self._waiting.values():
+            for arrived in waiting:
+                arrived.set()
+
+    async def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None and not conn.is_closed():
+            await conn.close()

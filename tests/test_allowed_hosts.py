@@ -1,0 +1,43 @@
+"""Host checking (apps/gateway/auth.py): a keyless gateway on loopback answers only loopback names
+at its port (DNS rebinding), a configured list replaces that, and keyed or public gateways take any."""
+
+from __future__ import annotations
+
+import pytest
+
+from apps.bus.codes import ServingError
+from apps.gateway.auth import AllowedHosts
+
+
+def refused(hosts: AllowedHosts, host: str | None) -> bool:
+    try:
+        hosts.check(host)
+    except ServingError as exc:
+        assert (exc.status, exc.param) == (421, "Host")
+        return True
+    return False
+
+
+@pytest.mark.parametrize("bind", ["127.0.0.1", "localhost", "::1", "127.0.0.2"])
+def test_keyless_loopback_answers_loopback_names_at_its_port(bind: str) -> None:
+    hosts = AllowedHosts.for_gateway("", keyless=True, bind_host=bind, port=8000)
+    for host in ("localhost:8000", "127.0.0.1:8000", "[::1]:8000", "LOCALHOST:8000"):
+        assert not refused(hosts, host), host
+    for host in ("evil.example", "evil.example:8000", "localhost:8001", "localhost", "127.0.0.1.evil.example:8000",
+                 "", None, "[::1]"):
+        assert refused(hosts, host), host
+
+
+def test_keyed_or_public_gateways_answer_any_host() -> None:
+    assert not refused(AllowedHosts.for_gateway("", keyless=False, bind_host="127.0.0.1", port=8000), "evil.example")
+    assert not refused(AllowedHosts.for_gateway("", keyless=True, bind_host="0.0.0.0", port=8000), "evil.example")
+    assert not refused(AllowedHosts.for_gateway("*", keyless=True, bind_host="127.0.0.1", port=8000), "x")
+
+
+def test_a_configured_list_replaces_the_default() -> None:
+    hosts = AllowedHosts.for_gateway("api.example.com, *.internal, proxy:9000", keyless=True,
+                                     bind_host="127.0.0.1", port=8000)
+    for host in ("api.example.com", "api.example.com:443", "gw.internal:8000", "proxy:9000"):
+        assert not refused(hosts, host), host
+    for host in ("localhost:8000", "example.com", "internal", "proxy:9001", "evil.example"):
+        assert refused(hosts, host), host
