@@ -95,7 +95,7 @@ def scripted_worker(system: System, folder: Path, name: str, script: dict,
     path.write_text(json.dumps(script), encoding="utf-8")
     worker = AppProcess(["worker", "--script", str(path), "--served-model-name", name],
                         {**system.env_for("worker"), "HELEXA_NODE_ID": f"e2e-{name}",
-                         "HELEXA_REASONING_PARSER": "on", "HELEXA_STATUS_INTERVAL_S": str(STATUS_INTERVAL_S)},
+                         "HELEXA_REASONING_PARSER": "on", "HELEXA_STATUS_INTERVAL_S": str(STATUS_INTERVAL_S),
                          **(env or {})})
     try:
         worker.wait_ready()
