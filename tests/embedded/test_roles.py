@@ -11,15 +11,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import asyncpg
+import msgspec
 import nats.errors
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from apps.bus import roles, topology, wire
+from apps.bus import publish, roles, topology, wire
 from apps.bus.codes import RunStatus
 from apps.embedded import free_port
 from apps.embedded.nats_server import NatsServer, nats_server_binary
 from apps.embedded.postgres import PostgresServer
+from apps.recorder import large_events
 from apps.recorder.migrate import discover, migrate
 from apps.settings import migrations_dir
 from engine.protocol import SamplingParams
@@ -270,3 +272,36 @@ def test_the_fleet_configuration_in_the_docs_is_the_one_the_roles_make(tmp_path:
     checked = subprocess.run([nats_server_binary(), "-c", str(config), "-t"], capture_output=True, text=True,
                              timeout=30)
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+async def test_a_large_event_is_recorded_only_as_its_own_role_stored_it(
+        nats_server: NatsServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The `helexa_events` bucket is written by every role that publishes events, so a worker can
+    replace a gateway's large event's object; the reference's digest keeps the forgery out, and the
+    recorder, as its role, reads, erases and trims what it recorded."""
+    monkeypatch.setattr(publish, "fits", lambda *_: False)  # every event by reference
+    async with as_role(nats_server, roles.GATEWAY) as gateway, as_role(nats_server, roles.WORKER) as worker, \
+            as_role(nats_server, roles.RECORDER) as recorder:
+        kept, replaced = response_stored("resp_kept", model=MODEL), response_stored("resp_replaced", model=MODEL)
+        for event in (kept, replaced):
+            assert await publish.publish_event(gateway.nc.jetstream(), event, required=True)
+        assert await gateway.refused_nothing()
+        forged = msgspec.structs.replace(replaced, principal="mallory")
+        await (await worker.nc.jetstream().object_store(topology.LARGE_EVENTS_BUCKET)).put(
+            replaced.event_id, wire.encode(forged))
+        assert await worker.refused_nothing()
+
+        js = recorder.nc.jetstream()
+        puller = await js.pull_subscribe(topology.event_subject("response.stored", MODEL), durable=None)
+        msgs = await puller.fetch(2, timeout=10)
+        pending = [(msg, wire.event_decoder.decode(msg.data)) for msg in msgs]
+        assert all(roles.event_refused(msg.subject, ref) is None for msg, ref in pending)
+        events, buried, later = await large_events.resolve(js, pending, 1 << 20)
+        assert [event for _, event in events] == [kept] and not later
+        assert len(buried) == 1 and "digest" in buried[0][1].error
+        store = await js.object_store(topology.LARGE_EVENTS_BUCKET)
+        await store.delete(kept.event_id)
+        await js.delete_msg(topology.EVENTS_STREAM, msgs[0].metadata.sequence.stream)
+        await js.purge_stream(topology.EVENTS_STREAM, seq=msgs[1].metadata.sequence.stream + 1)
+        assert await recorder.refused_nothing()
+        assert await _stored_on(nats_server, topology.event_subject("response.stored", MODEL)) == 0
