@@ -181,10 +181,35 @@ def cmd_models(args: argparse.Namespace) -> None:
 
 
 def cmd_bus(args: argparse.Namespace) -> None:
-    """`helexa bus sub [SUBJECT]`: print the bus's messages as they pass (see apps.fleet.bus_watch)."""
-    from apps.bus import topology
+    """`helexa bus sub [SUBJECT]`: print the bus's messages as they pass (see apps.fleet.bus_watch);
+    `helexa bus setup`: declare the streams, as the administrator NATS_URL names; `helexa bus roles
+    [ROLE=USER ...]`: print a nats-server authorization block of the roles (apps.bus.roles)."""
+    import nats.errors
+
+    from apps.bus import roles, topology
     from apps.fleet import bus_watch, operator
-    from apps.settings import GatewaySettings
+    from apps.settings import GatewaySettings, bus_limits
+
+    if args.action == "roles":
+        pairs = [args.subject, *args.users] if args.subject else []
+        named = [pair.split("=", 1) for pair in pairs] or [[role, role] for role in roles.ROLES]
+        if any(len(pair) != 2 or pair[0] not in roles.ROLES for pair in named):
+            raise SystemExit(f"helexa bus roles: give ROLE=USER pairs, ROLE one of {', '.join(roles.ROLES)}")
+        print(roles.authorization(("admin", "ADMIN_PASSWORD"),
+                                  [(role, user, f"{user.upper()}_PASSWORD") for role, user in named]))
+        return
+    if args.action == "setup":
+        url = GatewaySettings().nats_url
+        try:
+            asyncio.run(topology.setup(url, bus_limits()))
+        except TimeoutError:
+            # JetStream never answers a request NATS refused the user (logged above when it is that).
+            raise SystemExit(f"helexa bus setup: the streams were not declared at {topology.without_password(url)}; "
+                             "NATS_URL must be an administrator's (an app's or the operator's user may not)") from None
+        except (OSError, nats.errors.Error) as exc:
+            raise SystemExit(str(operator.unreachable("NATS", "NATS_URL", url, exc))) from None
+        log.info("bus topology declared", extra={"nats": topology.without_password(url)})
+        return
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -261,9 +286,13 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the workers")
     models.set_defaults(func=cmd_models)
 
-    bus = sub.add_parser("bus", help="watch the bus: `helexa bus sub [SUBJECT]` prints its messages")
-    bus.add_argument("action", choices=["sub"])
-    bus.add_argument("subject", nargs="?", default="", help="a subject or wildcard (default: helexa.>)")
+    bus = sub.add_parser("bus", help="watch the bus: `helexa bus sub [SUBJECT]` prints its messages; "
+                                     "`setup` declares its streams; `roles` prints its users' permissions")
+    bus.add_argument("action", choices=["sub", "setup", "roles"])
+    bus.add_argument("subject", nargs="?", default="",
+                     help="`sub`: a subject or wildcard (default: helexa.>); `roles`: ROLE=USER pairs "
+                          "(default: one user per role, named after it)")
+    bus.add_argument("users", nargs="*", default=[], help=argparse.SUPPRESS)
     bus.set_defaults(func=cmd_bus)
 
     recorder = sub.add_parser("recorder", help="project EVENTS into PostgreSQL")

@@ -18,6 +18,10 @@ if TYPE_CHECKING:
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
+# Each app's NATS_URL and DATABASE_URL are its own role's (`apps.bus.roles`, migrations/0007):
+# `helexa up` hands each child only its own. The bench publishes as a role of its own, so where
+# NATS_URL is the operator's (the env file of `helexa up`), its URL comes from this variable.
+BENCH_NATS_URL = "HELEXA_BENCH_NATS_URL"
 
 
 def _env(name: str, default: str) -> str:
@@ -305,7 +309,7 @@ class RecorderSettings:
 class BenchSettings:
     """Where `helexa bench` publishes its events and where `bench report` / `bench score` read runs."""
 
-    nats_url: str = field(default_factory=lambda: _env("NATS_URL", DEFAULT_NATS_URL))
+    nats_url: str = field(default_factory=lambda: _env(BENCH_NATS_URL, _env("NATS_URL", DEFAULT_NATS_URL)))
     database_url: str = field(default_factory=lambda: _env("DATABASE_URL", DEFAULT_DATABASE_URL))
 
 

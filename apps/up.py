@@ -5,11 +5,18 @@ checks that the gateway's port is free; either failure is one line and exit 1. T
 (unless NATS_URL / DATABASE_URL point elsewhere: an exported URL of this data directory's own
 servers, from `source .helexa/env`, does not count) an embedded NATS server and an embedded
 PostgreSQL under the data directory, both locked with credentials kept there and on the ports they
-had last time (see `apps.embedded`), writes `<data>/env` with the URLs, migrates, then supervises
-gateway, worker and recorder as child processes and prints how to reach everything. An app that
-exits before it is ready ends `up` with one line; one that exits once the system is up is started
-again after a backoff (1 s, doubling up to 30 s; back to 1 s after a minute of running), so one
-crash does not stop the rest.
+had last time (see `apps.embedded`), declares the bus's streams and migrates (as the servers'
+administrators: the only places anything does), writes `<data>/env`, then supervises gateway,
+worker and recorder as child processes and prints how to reach everything. An app that exits
+before it is ready ends `up` with one line; one that exits once the system is up is started again
+after a backoff (1 s, doubling up to 30 s; back to 1 s after a minute of running), so one crash
+does not stop the rest.
+
+Least privilege: each child gets only its own role's credentials in its environment (`NATS_URL`
+with its NATS user's allow-lists, `apps.bus.roles`; `DATABASE_URL` with its PostgreSQL role, the
+worker none), kept in 0600 files under the data directory. The env file gets the operator's NATS
+URL (reads everything, writes nothing an app owns), the read-only ledger role's DATABASE_URL (for
+`psql`) and the bench's NATS URL (HELEXA_BENCH_NATS_URL). No password is printed or logged.
 
 Every child runs in a process group of its own, so the terminal's Ctrl-C reaches `up` alone: it
 stops the gateway (answers in flight get HELEXA_STOP_GRACE_S, 2 s here, then an error event), the
@@ -42,7 +49,9 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import asyncpg
+import nats.errors
 
+from apps.bus import roles, topology
 from apps.embedded import port_is_free, stable_port, stored_port
 from apps.embedded.data_dir import AlreadyRunning, UpLock, display_path, write_env
 from apps.embedded.nats_server import NatsServer
@@ -50,7 +59,7 @@ from apps.embedded.postgres import PostgresServer, psql_binary
 from apps.embedded.tether import dies_with_us
 from apps.fleet.operator import without_password
 from apps.logs import announce_ready
-from apps.settings import GatewaySettings, data_dir, services_nice
+from apps.settings import BENCH_NATS_URL, GatewaySettings, bus_limits, data_dir, services_nice
 
 log = logging.getLogger("helexa.up")
 
@@ -64,6 +73,11 @@ UP_STOP_GRACE_S = 2.0
 SAMPLE_MAX_TOKENS = 64
 # The apps that generate: they keep up's own priority (their engine processes inherit it).
 ENGINE_APPS = frozenset({"worker"})
+# The apps with a ledger role of their own (the worker has no DATABASE_URL at all).
+LEDGER_APPS = frozenset({"gateway", "recorder"})
+# How long declaring the topology on a NATS server `up` did not start may take (its URL may not
+# be an administrator's: then the apps wait for someone who is to declare it).
+EXTERNAL_SETUP_S = 15.0
 FIRST_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 30.0
 # A child running this long counts as healthy again: its next crash restarts it after FIRST_BACKOFF_S.
@@ -216,7 +230,8 @@ def _helexa_command() -> str:
         return str(script)
 
 
-def banner(url: str, model: str, env_file: Path, worker: dict, credential_files: list[Path]) -> str:
+def banner(url: str, model: str, env_file: Path, worker: dict, credential_files: list[Path],
+           role_folders: list[Path] | None = None) -> str:
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     body = json.dumps({"model": model, "messages": messages, "temperature": 0, "max_tokens": SAMPLE_MAX_TOKENS})
     psql = psql_binary() if Path(psql_binary()).exists() else "psql"
@@ -228,6 +243,8 @@ def banner(url: str, model: str, env_file: Path, worker: dict, credential_files:
         dtype = f"  dtype: {worker['dtype']}" + (f" ({why})" if why else "") + "\n"
     helexa = _helexa_command()
     where = "".join(f"  credentials (readable only by you): {path}\n" for path in credential_files)
+    if role_folders:
+        where += f"  each app's own, in {' and '.join(str(f) for f in role_folders)}\n"
     source = f"source {display_path(env_file)}"
     return (
         f"\nhelexa is up: {url}/v1 serving {model}\n{dtype}\n"
@@ -235,7 +252,8 @@ def banner(url: str, model: str, env_file: Path, worker: dict, credential_files:
         f"    -d '{body}'\n\n"
         f"  OpenAI SDK: OpenAI(base_url=\"{url}/v1\", api_key=\"unused\").chat.completions.create(\n"
         f"    model=\"{model}\", messages={messages!r}, temperature=0, max_tokens={SAMPLE_MAX_TOKENS})\n\n"
-        f"  NATS_URL, DATABASE_URL and HELEXA_URL (readable only by you): {env_file}\n"
+        f"  NATS_URL (the operator's: reads everything), DATABASE_URL (read-only) and HELEXA_URL\n"
+        f"  (readable only by you): {env_file}\n"
         f"    {source}\n"
         f"    {helexa} bus sub          # the messages on the bus as they pass\n"
         f"    {psql} \"$DATABASE_URL\"\n"
@@ -260,13 +278,35 @@ def _wait_until_ready(children: list[Child], stop: threading.Event) -> None:
                 raise StartFailed(f"helexa: the {child.app} did not start (exit {child.process.returncode}){said}")
 
 
-def _embedded(exported: str, server_dir: Path, url_at: Callable[[int], str]) -> bool:
+def _embedded(exported: str, server_dir: Path, urls_at: Callable[[int], set[str]]) -> bool:
     """Whether `up` runs this server itself: nothing is exported, or what is exported is this
-    data directory's own server (a sourced env file), rather than an external server."""
+    data directory's own server (a sourced env file, of now or from before the roles), rather
+    than an external server."""
     if not exported:
         return True
     port = stored_port(server_dir)
-    return port is not None and (server_dir / "credentials.json").exists() and exported == url_at(port)
+    return port is not None and (server_dir / "credentials.json").exists() and exported in urls_at(port)
+
+
+def _child_env(base: dict[str, str], app: str, nats_urls: dict[str, str],
+               database_urls: dict[str, str]) -> dict[str, str]:
+    """`base` with `app`'s own credentials and nobody else's."""
+    env = {k: v for k, v in base.items() if k not in ("NATS_URL", "DATABASE_URL", BENCH_NATS_URL)}
+    env["NATS_URL"] = nats_urls[app]
+    if app in database_urls:
+        env["DATABASE_URL"] = database_urls[app]
+    return env
+
+
+def _declare_topology(url: str, embedded: bool) -> None:
+    """The streams, as the administrator (of `up`'s own server), or tried with an external NATS_URL."""
+    try:
+        asyncio.run(asyncio.wait_for(topology.setup(url, bus_limits()), None if embedded else EXTERNAL_SETUP_S))
+    except (OSError, TimeoutError, nats.errors.Error) as exc:
+        if embedded:
+            raise StartFailed(f"helexa: cannot declare the bus topology on NATS: {exc!r}") from None
+        log.warning("could not declare the bus topology with NATS_URL; the apps wait until an "
+                    "administrator does (helexa bus setup)", extra={"error": repr(exc)[:300]})
 
 
 def _stop_apps(children: list[Child]) -> None:
@@ -308,6 +348,7 @@ def run_up(args: argparse.Namespace) -> int:
     gateway = GatewaySettings(port=args.port) if args.port else GatewaySettings()
     nice = services_nice()
     credential_files: list[Path] = []
+    role_folders: list[Path] = []
     lock = UpLock(folder)
     try:
         lock.acquire()
@@ -326,17 +367,28 @@ def run_up(args: argparse.Namespace) -> int:
             return 1
         try:
             nats_dir, pg_dir = folder / "nats", folder / "postgres"
-            if _embedded(os.environ.get("NATS_URL", "").strip(), nats_dir, lambda p: NatsServer(nats_dir, p).url):
+            exported_nats = os.environ.get("NATS_URL", "").strip()
+            nats_embedded = _embedded(exported_nats, nats_dir, lambda p: {
+                NatsServer(nats_dir, p).url, NatsServer(nats_dir, p).url_for(roles.OPERATOR)})
+            if nats_embedded:
                 log.info("starting NATS", extra={"data_dir": str(nats_dir)})
                 servers.callback(log.info, "stopped", extra={"app": "nats"})
                 nats_server = servers.enter_context(
                     NatsServer(nats_dir, port=stable_port(nats_dir, "nats"), tethered=True))
                 if nats_server.process is not None:
                     lower_priority(nats_server.process.pid, nice)
-                env["NATS_URL"] = nats_server.url
+                admin_nats = nats_server.url
+                nats_urls = {role: nats_server.url_for(role) for role in roles.ROLES}
                 credential_files.append(nats_server.credentials_file)
-            if _embedded(os.environ.get("DATABASE_URL", "").strip(), pg_dir,
-                         lambda p: PostgresServer(pg_dir, p).url):
+                role_folders.append(nats_server.users_dir)
+            else:
+                admin_nats = exported_nats
+                nats_urls = dict.fromkeys(roles.ROLES, exported_nats)
+            _declare_topology(admin_nats, nats_embedded)
+            exported_database = os.environ.get("DATABASE_URL", "").strip()
+            postgres: PostgresServer | None = None
+            if _embedded(exported_database, pg_dir, lambda p: {
+                    PostgresServer(pg_dir, p).url, PostgresServer(pg_dir, p).role_url("reader")}):
                 first = not (pg_dir / "pgdata" / "PG_VERSION").exists()
                 log.info("creating PostgreSQL's database (first start)" if first else "starting PostgreSQL",
                          extra={"data_dir": str(pg_dir)})
@@ -345,23 +397,38 @@ def run_up(args: argparse.Namespace) -> int:
                     PostgresServer(pg_dir, port=stable_port(pg_dir, "postgres"), tethered=True))
                 if postgres.process is not None:  # its backends, forked later, inherit it
                     lower_priority(postgres.process.pid, nice)
-                env["DATABASE_URL"] = postgres.url
+                owner_database = postgres.url
                 credential_files.append(postgres.credentials_file)
+                role_folders.append(postgres.data_dir / "roles")
+            else:
+                owner_database = exported_database
             url = f"http://{gateway.host}:{gateway.port}"
-            env_file = write_env(folder, {"NATS_URL": env["NATS_URL"], "DATABASE_URL": env["DATABASE_URL"],
-                                          "HELEXA_URL": url})
             log.info("applying migrations")
             try:
-                asyncio.run(migrate(env["DATABASE_URL"]))
+                asyncio.run(migrate(owner_database))
+                if postgres is not None:
+                    asyncio.run(postgres.open_app_roles())
             except (OSError, asyncpg.PostgresError) as exc:
-                raise StartFailed(f"helexa: cannot migrate PostgreSQL at {without_password(env['DATABASE_URL'])} "
+                raise StartFailed(f"helexa: cannot migrate PostgreSQL at {without_password(owner_database)} "
                                   f"(DATABASE_URL): {exc}") from None
+            if postgres is not None:
+                database_urls = {app: postgres.role_url(app) for app in LEDGER_APPS}
+                reader_database = postgres.role_url("reader")
+            else:
+                database_urls = dict.fromkeys(LEDGER_APPS, owner_database)
+                reader_database = owner_database
+            env_values = {"NATS_URL": nats_urls[roles.OPERATOR], "DATABASE_URL": reader_database,
+                          "HELEXA_URL": url}
+            if nats_embedded:
+                env_values[BENCH_NATS_URL] = nats_urls[roles.BENCH]
+            env_file = write_env(folder, env_values)
             for app in APPS:
-                children.append(Child(app, env, 0 if app in ENGINE_APPS else nice))
+                children.append(Child(app, _child_env(env, app, nats_urls, database_urls),
+                                      0 if app in ENGINE_APPS else nice))
             _wait_until_ready(children, stop)
             worker = next(c.ready_fields for c in children if c.app == "worker")
             model = worker.get("model")
-            print(banner(url, model, env_file, worker, credential_files), flush=True)
+            print(banner(url, model, env_file, worker, credential_files, role_folders), flush=True)
             announce_ready("up", url=url, model=model, data_dir=str(folder), env_file=str(env_file))
             Supervisor(children, stop).run()
         except (StartFailed, RuntimeError, TimeoutError, OSError) as exc:

@@ -1,5 +1,9 @@
 """Shared fixtures: a real NATS server and a real PostgreSQL, each from its wheel, on free ports;
-and the `gpu` marker's auto-skip (`pytest -m gpu` selects every test that needs a CUDA device)."""
+and the `gpu` marker's auto-skip (`pytest -m gpu` selects every test that needs a CUDA device).
+
+The NATS servers come as `helexa up` leaves its own: locked, with a user per role
+(`server.url_for(role)`; `server.url` is the administrator's) and the topology declared, so apps
+started on them run with their own role's permissions, as they do in production."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import pytest
 
 from apps.embedded.nats_server import NatsServer
 from apps.embedded.postgres import PostgresServer
+from tests.support import declared
 from tests.system import system  # noqa: F401  (the whole system, one per session for e2e and compat tests)
 
 # Workers the tests start compare their text with fp32 references (transformers, earlier runs):
@@ -50,6 +55,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
     with NatsServer(tmp_path_factory.mktemp("nats")) as server:
+        declared(server)
         yield server
 
 
@@ -71,8 +77,9 @@ def postgres() -> Iterator[PostgresServer]:
 
 @pytest.fixture
 def own_nats(tmp_path: Path) -> Iterator[NatsServer]:
-    """A NATS server for one test, for tests that need an empty bus."""
+    """A NATS server for one test, for tests that need an empty bus (the topology declared)."""
     with NatsServer(tmp_path / "nats") as server:
+        declared(server)
         yield server
 
 

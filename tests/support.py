@@ -16,7 +16,16 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
+from apps.bus import topology
+from apps.bus.topology import BusLimits
+from apps.embedded.nats_server import NatsCluster, NatsServer
+
 REPO = Path(__file__).resolve().parent.parent
+
+
+def declared(server: NatsServer | NatsCluster, limits: BusLimits | None = None) -> None:
+    """Declare the topology on `server` as its administrator, as `helexa up` does (apps may not)."""
+    asyncio.run(topology.setup(server.url, limits or BusLimits()))
 
 T = TypeVar("T")
 

@@ -1,6 +1,10 @@
 """The whole system for end-to-end and client-compatibility tests: recorder, worker (default model)
 and gateway as real processes on a real NATS server and a real PostgreSQL. The `system` fixture is
-registered in the root conftest, so `tests/e2e` and `tests/compat` share one per session."""
+registered in the root conftest, so `tests/e2e` and `tests/compat` share one per session.
+
+Each app runs as `helexa up` runs it: with its own role's NATS user and PostgreSQL role
+(`System.env_for(app)`), never the administrators'. `nats_url` and `database_url` are the
+administrators', for tests that look at the bus or the ledger from outside."""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import pytest
 
 from apps.embedded import free_port
 from apps.embedded.nats_server import NatsServer
-from apps.embedded.postgres import PostgresServer
+from apps.embedded.postgres import APP_ROLES, PostgresServer
 from apps.recorder.migrate import migrate
 from tests.support import AppProcess
 
@@ -32,21 +36,35 @@ class System:
     gateway: AppProcess
     worker: AppProcess
     recorder: AppProcess
+    nats_server: NatsServer
+    postgres: PostgresServer
+
+    def env_for(self, app: str) -> dict[str, str]:
+        """NATS_URL (and DATABASE_URL, for the apps with a ledger role) of `app`'s own role."""
+        return role_env(self.nats_server, self.postgres, app)
+
+
+def role_env(nats_server: NatsServer, postgres: PostgresServer | None, app: str) -> dict[str, str]:
+    """`app`'s own credentials, as `helexa up` hands them to it."""
+    env = {"NATS_URL": nats_server.url_for(app)}
+    if postgres is not None and app in APP_ROLES:
+        env["DATABASE_URL"] = postgres.role_url(app)
+    return env
 
 
 @pytest.fixture(scope="session")
 def system(nats_server: NatsServer, postgres: PostgresServer) -> Iterator[System]:
     asyncio.run(migrate(postgres.url))
+    asyncio.run(postgres.open_app_roles())
     port = free_port()
-    env = {"NATS_URL": nats_server.url, "DATABASE_URL": postgres.url, "HELEXA_PORT": str(port)}
     apps: list[AppProcess] = []
     try:
-        recorder = AppProcess(["recorder"], env)
+        recorder = AppProcess(["recorder"], role_env(nats_server, postgres, "recorder"))
         apps.append(recorder)
-        worker = AppProcess(["worker"], {**env, "HELEXA_NODE_ID": "e2e-worker",
+        worker = AppProcess(["worker"], {**role_env(nats_server, postgres, "worker"), "HELEXA_NODE_ID": "e2e-worker",
                                          "HELEXA_STATUS_INTERVAL_S": str(STATUS_INTERVAL_S)})
         apps.append(worker)
-        gateway = AppProcess(["gateway"], env)
+        gateway = AppProcess(["gateway"], {**role_env(nats_server, postgres, "gateway"), "HELEXA_PORT": str(port)})
         apps.append(gateway)
         recorder.wait_ready()
         ready = worker.wait_ready()
@@ -59,6 +77,8 @@ def system(nats_server: NatsServer, postgres: PostgresServer) -> Iterator[System
             gateway=gateway,
             worker=worker,
             recorder=recorder,
+            nats_server=nats_server,
+            postgres=postgres,
         )
     finally:
         for app in reversed(apps):
@@ -74,7 +94,7 @@ def scripted_worker(system: System, folder: Path, name: str, script: dict,
     path = folder / f"{name}.json"
     path.write_text(json.dumps(script), encoding="utf-8")
     worker = AppProcess(["worker", "--script", str(path), "--served-model-name", name],
-                        {"NATS_URL": system.nats_url, "HELEXA_NODE_ID": f"e2e-{name}",
+                        {**system.env_for("worker"), "HELEXA_NODE_ID": f"e2e-{name}",
                          "HELEXA_REASONING_PARSER": "on", "HELEXA_STATUS_INTERVAL_S": str(STATUS_INTERVAL_S),
                          **(env or {})})
     try:

@@ -61,7 +61,7 @@ def whole_answer(attempt: int = 1) -> list[wire.ReplyFrame]:
 
 
 def new_request(bus: GatewayBus, request_id: str, model: str) -> wire.GenerateRequest:
-    return wire.GenerateRequest(request_id=request_id, model=model, reply_subject=bus.new_inbox(),
+    return wire.GenerateRequest(request_id=request_id, model=model, reply_subject=bus.new_reply_subject(),
                                 sampling=SamplingParams(), prompt="hi", deadline=time.time() + 30)
 
 

@@ -5,11 +5,13 @@ A NATS server refuses a message whose headers plus body exceed its `max_payload`
 default; the embedded server takes 8 MiB) and closes, for good, the connection that sent it;
 nats-py checks only the body, so a body just under the limit whose headers push it over used to
 cost the publisher its connection. `publish_request` measures the whole message (headers and
-body, `apps.bus.publish.message_size`) against the limit of the server it is connected to, publishes the request as it is
-when it fits, and otherwise stores the encoded request as an object of the `helexa_requests`
+body, `apps.bus.publish.message_size`) against the limit of the server it is connected to,
+publishes the request as it is when it fits, and otherwise stores the encoded request as an object of the `helexa_requests`
 bucket and publishes the small reference, under the same `Nats-Msg-Id`.
 
-The worker that takes a reference `fetch`es the request, and `delete`s the object once it has
+The worker that takes a reference `fetch`es the request (only an object named for the reference's
+request, `<request id>` or `<request id>.<attempt>`, and only if it holds that request: a reference
+cannot point a worker at another request's body), and `delete`s the object once it has
 settled the message for good (acked or terminated; not when it hands the message back or loses it
 to another attempt: the next delivery needs it). The bucket's TTL, REQUESTS' max_age, removes any
 object nobody deleted (its gateway died after storing it), with the message it belonged to.
@@ -29,12 +31,24 @@ from nats.js.errors import ObjectNotFoundError
 from apps.bus import topology, wire
 from apps.bus.publish import StreamFull, fits, is_stream_full, message_size, publish
 
-__all__ = ["RequestGone", "delete", "fetch", "fits", "message_size", "publish_request"]
+__all__ = ["RequestGone", "RequestRefused", "delete", "fetch", "fits", "message_size", "publish_request"]
 
 log = logging.getLogger("helexa.bus")
 
+
 class RequestGone(Exception):
     """The referenced request is no longer in the Object Store (deleted, or past its TTL)."""
+
+
+class RequestRefused(Exception):
+    """A reference to an object not named for its request, or whose object holds another request."""
+
+
+def names_its_own_object(ref: wire.RequestRef) -> bool:
+    """Whether `ref.object` is a name `publish_request` gives its request's object: the request id,
+    or the request id and a migrated attempt's number."""
+    attempt = ref.object.removeprefix(f"{ref.request_id}.")
+    return ref.object == ref.request_id or (attempt != ref.object and attempt.isdigit())
 
 
 async def publish_request(js: JetStreamContext, nc: NatsClient, request: wire.GenerateRequest,
@@ -65,13 +79,19 @@ async def publish_request(js: JetStreamContext, nc: NatsClient, request: wire.Ge
 
 
 async def fetch(js: JetStreamContext, ref: wire.RequestRef) -> wire.GenerateRequest:
-    """The request a reference names; RequestGone if its object is no longer there."""
+    """The request a reference names; RequestGone if its object is no longer there, RequestRefused
+    if the reference names another request's object or the object holds another request."""
+    if not names_its_own_object(ref):
+        raise RequestRefused(f"request {ref.request_id!r}: object {ref.object!r} is not named for it")
     store = await js.object_store(topology.LARGE_REQUESTS_BUCKET)
     try:
         result = await store.get(ref.object)
     except ObjectNotFoundError:
         raise RequestGone(f"request {ref.request_id!r}: object {ref.object!r} is not in the store") from None
-    return wire.request_decoder.decode(result.data)
+    request = wire.request_decoder.decode(result.data)
+    if (request.request_id, request.model) != (ref.request_id, ref.model):
+        raise RequestRefused(f"request {ref.request_id!r}: object {ref.object!r} holds another request")
+    return request
 
 
 async def delete(js: JetStreamContext, ref: wire.RequestRef) -> None:

@@ -21,6 +21,7 @@ until EVENTS takes it (`held_events` counts them), so nothing is dropped in sile
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -154,9 +155,12 @@ def held_events() -> int:
 
 async def publish_event(js: JetStreamContext, event: wire.AnyEvent, *, required: bool = False,
                         on_full: Callable[[], None] | None = None,
-                        current: Callable[[], JetStreamContext] | None = None) -> bool:
-    """Put one event on EVENTS under `helexa.events.<kind>.<model>`, keyed by its event id; an
-    event too large for one message goes through the Object Store (`wire.EventRef`).
+                        current: Callable[[], JetStreamContext] | None = None,
+                        subject_kind: str | None = None) -> bool:
+    """Put one event on EVENTS under `helexa.events.<kind>.<model>`, keyed by its event id; under
+    `subject_kind` instead of its own kind when its role reports it on another's behalf
+    (`topology.WORKER_LOST`, `topology.DROPPED`: see `apps.bus.roles`). An event too large for one
+    message goes through the Object Store (`wire.EventRef`).
 
     Serving never fails for the ledger's sake: an event EVENTS does not take now (full, or the bus
     unreachable) is held and published again in the background until it is stored, and False is
@@ -164,8 +168,7 @@ async def publish_event(js: JetStreamContext, event: wire.AnyEvent, *, required:
     connection) gives the context to publish the held event on later. `required` (the bench, whose
     results exist to be recorded) raises instead.
     """
-    kind = wire.event_kind(event)
-    subject = topology.event_subject(kind, event.model)
+    subject = topology.event_subject(subject_kind or wire.event_kind(event), event.model)
     try:
         await _publish_event_once(js, subject, event)
     except (nats.errors.Error, TimeoutError) as exc:
@@ -192,7 +195,8 @@ async def _publish_event_once(js: JetStreamContext, subject: str, event: wire.An
             raise StreamFull(topology.LARGE_EVENTS_BUCKET, exc.description or "") from exc
         raise
     ref = wire.EventRef(event_id=event.event_id, ts=event.ts, model=event.model, node=event.node,
-                        ref_kind=wire.event_kind(event), object=event.event_id, size=len(body))
+                        ref_kind=wire.event_kind(event), object=event.event_id, size=len(body),
+                        digest=hashlib.sha256(body).hexdigest())
     await publish(js, subject, wire.encode(ref), event.event_id)
 
 

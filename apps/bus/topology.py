@@ -1,7 +1,9 @@
 """Subjects, streams, consumers and the node registry: the shape of the bus in one place.
 
-`ensure_topology` declares everything idempotently so any app can start first; each app then
-asks this module for the subject or consumer it needs instead of spelling names itself.
+`ensure_topology` declares everything idempotently, as an administrator (`helexa up`, `helexa bus
+setup`): the apps' NATS roles may not create or change streams (`apps.bus.roles`, which derives
+their permissions from the names here), so each app waits for it (`require_topology`), then asks
+this module for the subject or consumer it needs instead of spelling names itself.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import nats
+import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 from nats.js.api import (
@@ -49,6 +52,7 @@ RECORDER_CONSUMER = "recorder"
 _REQUEST_PREFIX = "helexa.req"
 _EVENT_PREFIX = "helexa.events"
 _CANCEL_PREFIX = "helexa.cancel"
+_NODE_PREFIX = "helexa.node"
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 
 
@@ -232,6 +236,60 @@ async def ensure_topology(js: JetStreamContext, limits: BusLimits) -> None:
     await _object_store(js, LARGE_EVENTS_BUCKET, large_events_config(limits))
 
 
+def topology_streams() -> tuple[str, ...]:
+    """The streams `ensure_topology` declares, the node registry's and the buckets' included."""
+    return (REQUESTS_STREAM, EVENTS_STREAM, f"KV_{NODES_BUCKET}",
+            OBJ_STREAM_TEMPLATE.format(bucket=LARGE_REQUESTS_BUCKET),
+            OBJ_STREAM_TEMPLATE.format(bucket=LARGE_EVENTS_BUCKET))
+
+
+class TopologyMissing(nats.errors.Error):
+    """The bus lacks streams that only an administrator declares (`helexa bus setup`, `helexa up`);
+    a `nats.errors.Error`, so code that treats any bus error as "unavailable" catches it."""
+
+
+async def require_topology(js: JetStreamContext, *, wait: bool = True, stop: asyncio.Event | None = None,
+                           every_s: float = 1.0) -> None:
+    """Return once every stream of the topology exists. The apps do not declare them (their NATS
+    roles may not create or change streams): an administrator does, with the fleet's limits. While
+    some are missing this waits, saying so in one log line (`wait`; else TopologyMissing at once);
+    `stop` set meanwhile raises Stopped."""
+    said = False
+    while True:
+        missing = []
+        for stream in topology_streams():
+            try:
+                await js.stream_info(stream)
+            except NotFoundError:
+                missing.append(stream)
+        if not missing:
+            return
+        what = (f"the bus has no {', '.join(missing)}: declare the topology with the administrator's "
+                "credentials (`helexa bus setup`; `helexa up` does it)")
+        if not wait:
+            raise TopologyMissing(what)
+        if not said:
+            log.warning("waiting for the bus topology", extra={"missing": missing, "error": what})
+            said = True
+        if stop is None:
+            await asyncio.sleep(every_s)
+        else:
+            try:
+                await asyncio.wait_for(stop.wait(), every_s)
+            except TimeoutError:
+                continue
+            raise Stopped("stopped while waiting for the bus topology")
+
+
+async def setup(url: str, limits: BusLimits) -> None:
+    """Declare (or converge) the topology with `limits`, as the administrator whose `url` it is."""
+    nc = await connect(url, "helexa-bus-setup", max_reconnect_attempts=3)
+    try:
+        await ensure_topology(nc.jetstream(), limits)
+    finally:
+        await nc.close()
+
+
 def large_requests_config(limits: BusLimits) -> ObjectStoreConfig:
     """Objects live as long as a queued request may (REQUESTS' max_age), so one nobody deletes
     (its gateway died between storing it and publishing the reference) goes with its message."""
@@ -321,7 +379,7 @@ WORKER_SERVICE = "helexa-worker"
 
 def node_endpoint(node: str, endpoint: str) -> str:
     """A worker's own micro-service endpoint subject (`generate`, `control`): one node, addressed."""
-    return f"helexa.node.{model_token(node)}.{endpoint}"
+    return f"{_NODE_PREFIX}.{model_token(node)}.{endpoint}"
 
 
 async def recorder_puller(nc: NatsClient, ack_wait_s: float = 60.0) -> BatchPuller:
@@ -387,7 +445,11 @@ def _quiet_errors(url: str, name: str) -> Callable[[Exception], Awaitable[None]]
 
     async def note(exc: Exception) -> None:
         said = f"{type(exc).__name__}: {exc}"[:300]
-        if said != last[0]:
+        if is_permission_violation(exc):
+            # Not an outage: this app's role may not do what it tried (its NATS user's permissions).
+            log.error("NATS refused this app's role a publish or subscribe",
+                      extra={"client": name, "error": said})
+        elif said != last[0]:
             last[0] = said
             log.warning("cannot reach NATS, retrying", extra={"client": name, "servers": without_password(url),
                                                               "error": said})
@@ -395,7 +457,18 @@ def _quiet_errors(url: str, name: str) -> Callable[[Exception], Awaitable[None]]
     return note
 
 
-async def connect(url: str, name: str, *, max_reconnect_attempts: int = -1,
+def is_permission_violation(exc: BaseException) -> bool:
+    """Whether an error the server sent says the user may not publish or subscribe there."""
+    return "permissions violation" in str(exc).lower()
+
+
+def user_of(url: str) -> str | None:
+    """The NATS user a URL connects as (None: no user, or a token, which is never shown)."""
+    found = _credentials(server_urls(url))
+    return found.get("user")
+
+
+async def connect(url: str, name: str, *, role: str | None = None, max_reconnect_attempts: int = -1,
                   error_cb: Callable[[Exception], Awaitable[None]] | None = None,
                   closed_cb: Callable[[], Awaitable[None]] | None = None,
                   stop: asyncio.Event | None = None) -> NatsClient:
@@ -406,9 +479,13 @@ async def connect(url: str, name: str, *, max_reconnect_attempts: int = -1,
     is closed for good only by us or by a server's `-ERR` (nats-py never reconnects then);
     `closed_cb` hears of both. While no server answers, one line says why (not a traceback per
     attempt); an app asked to stop meanwhile (`stop` set) gets `Stopped` instead of waiting on.
+    An app of a `role` (`apps.bus.roles`) gets its replies under that role's inbox prefix, the one
+    its NATS user may subscribe to (`inbox_prefix`).
     """
     servers = server_urls(url)
     options: dict[str, Any] = {"error_cb": error_cb or _quiet_errors(url, name)}
+    if role is not None:
+        options["inbox_prefix"] = inbox_prefix(role, user_of(url))
     if closed_cb is not None:
         options["closed_cb"] = closed_cb
     options.update(_credentials(servers))
@@ -437,6 +514,53 @@ async def connect(url: str, name: str, *, max_reconnect_attempts: int = -1,
 def cancel_wildcard() -> str:
     """Workers listen here for every cancellation and abort the ones they hold."""
     return f"{_CANCEL_PREFIX}.*"
+
+
+def request_wildcard(wildcard: str = ">") -> str:
+    """Every model's request subject (`*`: as one token, which a model's always is): what only
+    gateways publish, and nobody reads but through a consumer."""
+    return f"{_REQUEST_PREFIX}.{wildcard}"
+
+
+def event_wildcard(kind: str) -> str:
+    """Every model's subject of one event kind, e.g. `helexa.events.run.finished.*`."""
+    return f"{_EVENT_PREFIX}.{kind}.*"
+
+
+def node_endpoint_wildcard(endpoint: str = "*") -> str:
+    """Every node's `endpoint` (`generate`, `control`, `tokenize`), or all of them."""
+    return f"{_NODE_PREFIX}.*.{endpoint}"
+
+
+def kind_of_subject(subject: str) -> str | None:
+    """`helexa.events.<kind>.<model>` → kind (kinds may hold dots, model tokens never do)."""
+    parts = subject.split(".")
+    if len(parts) < 4 or f"{parts[0]}.{parts[1]}" != _EVENT_PREFIX:
+        return None
+    return ".".join(parts[2:-1])
+
+
+# Subjects whose events carry another kind's body: what one role reports on another's behalf goes
+# on a subject of its own, so subject permissions tell the two publishers apart.
+# A gateway's `run.finished` for a run whose worker was lost (the worker cannot report it):
+WORKER_LOST = "worker_lost"
+# A worker's `admission` event for a request it dropped because nobody waited for it any more:
+DROPPED = "dropped"
+
+
+_INBOX_ROOT = "_INBOX"
+
+
+def inbox_root(role: str) -> str:
+    """Where every connection of `role` gets its replies; `inbox_prefix` adds the user."""
+    return f"{_INBOX_ROOT}.{role}"
+
+
+def inbox_prefix(role: str, user: str | None) -> str:
+    """The inbox prefix of a `role` app connected as NATS `user` (`_INBOX.<role>.<user>`). A role's
+    user may subscribe under its own prefix only: no other role reads its replies, and gateways
+    with users of their own do not read each other's."""
+    return f"{inbox_root(role)}.{model_token(user) if user else '-'}"
 
 
 def every_subject() -> str:

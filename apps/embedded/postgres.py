@@ -9,7 +9,11 @@ Locked: TCP on 127.0.0.1 only, the socket directory private, and every connectio
 line is left in `pg_hba.conf`, which is rewritten at each start. The password is generated on first
 start and kept in `credentials.json` in the data directory (0600); a cluster made before that (with
 `trust`) gets its password set in single-user mode, without ever listening unlocked. `url` carries
-the credentials, as DATABASE_URL does.
+the credentials, as DATABASE_URL does. Its log is 0600.
+
+The superuser is for migrations only. Each app gets a role of its own (made by migration 0007 with
+its grants, `APP_ROLES`): `open_app_roles` lets them log in with passwords generated on first use
+and kept in `roles/<app>.json` (0600), and `role_url(app)` is what that app connects with.
 """
 
 from __future__ import annotations
@@ -23,13 +27,18 @@ import subprocess
 import time
 from pathlib import Path
 
+import asyncpg
+
 from apps.embedded import free_port
-from apps.embedded.credentials import FILE_MODE, Credentials, generate, read, write
+from apps.embedded.credentials import FILE_MODE, Credentials, generate, load_or_create, read, write
 from apps.embedded.tether import dies_with_us
 from apps.settings import postgres_fsync
 
 SYSTEM_USER = "embedded_postgres"
 SUPERUSER = "postgres"
+# The role each app connects as (made, with its grants, by migrations/0007_app_roles.sql); the
+# reader is for people: `psql` from `.helexa/env`, `helexa bench report`.
+APP_ROLES = {"gateway": "helexa_gateway", "recorder": "helexa_recorder", "reader": "helexa_reader"}
 
 _PG_HBA = """\
 # Written by helexa at each start: a password (SCRAM) for every connection, loopback only, no trust.
@@ -117,6 +126,26 @@ class PostgresServer:
         c = self.credentials
         return f"postgresql://{c.user}:{c.password}@127.0.0.1:{self.port}/postgres"
 
+    def role_credentials(self, app: str) -> Credentials:
+        """The role of `app` (one of APP_ROLES) and its password, made on first use."""
+        found, _ = load_or_create(self.data_dir / "roles" / f"{app}.json", APP_ROLES[app])
+        return found
+
+    def role_url(self, app: str) -> str:
+        c = self.role_credentials(app)
+        return f"postgresql://{c.user}:{c.password}@127.0.0.1:{self.port}/postgres"
+
+    async def open_app_roles(self) -> None:
+        """Let every app's role log in with its password (after the migrations made the roles)."""
+        conn = await asyncpg.connect(self.url, timeout=10)
+        try:
+            for app in APP_ROLES:
+                c = self.role_credentials(app)
+                secret = c.password.replace("'", "''")
+                await conn.execute(f'ALTER ROLE "{c.user}" WITH LOGIN PASSWORD \'{secret}\'')
+        finally:
+            await conn.close()
+
     def _give_to_server(self, path: Path) -> None:
         """Let the server's own user (not just root) read a file we wrote."""
         if self._user:
@@ -177,7 +206,9 @@ class PostgresServer:
     def start(self, timeout_s: float = 60.0) -> PostgresServer:
         self._user = run_as()
         self._init_cluster()
-        log = open(self.data_dir / "postgres.log", "ab")
+        log_path = self.data_dir / "postgres.log"
+        log = open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, FILE_MODE), "ab")
+        os.chmod(log_path, FILE_MODE)  # a log from before was made 0644
         self.process = subprocess.Popen(
             [
                 postgres_bin("postgres"),

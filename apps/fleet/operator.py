@@ -21,9 +21,9 @@ from pathlib import Path
 import nats.errors
 from nats.aio.client import Client as NatsClient
 
-from apps.bus import topology
+from apps.bus import roles, topology
 from apps.bus.topology import without_password
-from apps.embedded.data_dir import ENV_FILE, display_path, live_pid, read_env
+from apps.embedded.data_dir import ENV_FILE, ENV_NAMES, display_path, live_pid, read_env
 
 # A CLI gives up on NATS after this long (a server that does not answer at all, not just refuses).
 CONNECT_TIMEOUT_S = 10.0
@@ -46,7 +46,7 @@ def use_data_dir(folder: Path) -> None:
     _folder = folder
     values = read_env(folder)
     live = live_pid(folder) is not None if values else False
-    for name in ("NATS_URL", "DATABASE_URL", "HELEXA_URL"):
+    for name in ENV_NAMES:
         exported = os.environ.get(name, "").strip()
         if name not in values:
             _sources[name] = "exported" if exported else "unset"
@@ -96,8 +96,8 @@ async def connect_nats(url: str, name: str, closed_cb: Callable[[], Awaitable[No
 
     try:
         return await asyncio.wait_for(
-            topology.connect(url, name=name, max_reconnect_attempts=CONNECT_RETRIES, error_cb=note,
-                             closed_cb=closed_cb),
+            topology.connect(url, name=name, role=roles.OPERATOR, max_reconnect_attempts=CONNECT_RETRIES,
+                             error_cb=note, closed_cb=closed_cb),
             CONNECT_TIMEOUT_S)
     except (OSError, TimeoutError, nats.errors.Error) as exc:
         raise unreachable("NATS", "NATS_URL", url, errors[-1] if errors else exc) from None

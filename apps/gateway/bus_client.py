@@ -1,5 +1,10 @@
 """The gateway's NATS connection, and putting a request on the bus: listen, then publish.
 
+A request's reply subject is this connection's inbox plus 128 random bits (`new_reply_subject`):
+only a worker delivered the request learns it, and workers may not subscribe to gateways' inboxes
+(`apps.bus.roles`), so frames on it come from the worker that took the request, and no other can
+take the stream over with a later attempt number. A migrated request gets a new one.
+
 `submit` returns the request's `ReplyStream`; a max-deliveries advisory (JetStream gave up on a
 request) is turned into an error frame on that stream, so its client is answered at once.
 
@@ -15,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 from collections.abc import Callable
 
 import msgspec
@@ -23,7 +29,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from apps.bus import large_requests, topology, wire
+from apps.bus import large_requests, roles, topology, wire
 from apps.bus.codes import ErrorCode, ServingError
 from apps.bus.publish import publish_core
 from apps.bus.topology import BusLimits
@@ -52,8 +58,8 @@ class GatewayBus:
         # Stream sequence of each request message this gateway waits on -> the request, so a
         # max-deliveries advisory (which names only the sequence) reaches the right client.
         self._waiting: dict[int, wire.GenerateRequest] = {}
-        # The newest message published for each open reply subject (its stream sequence).
-        self._message_of: dict[str, int] = {}
+        # The newest message published for each open reply stream (its stream sequence).
+        self._message_of: dict[ReplyStream, int] = {}
 
     @classmethod
     async def connect(cls, url: str, limits: BusLimits, metrics: GatewayMetrics) -> GatewayBus:
@@ -67,9 +73,9 @@ class GatewayBus:
         async def closed() -> None:
             await self._on_closed(generation)
 
-        nc = await topology.connect(self.url, name="helexa-gateway", closed_cb=closed)
+        nc = await topology.connect(self.url, name="helexa-gateway", role=roles.GATEWAY, closed_cb=closed)
         try:
-            await topology.ensure_topology(nc.jetstream(), self.limits)
+            await topology.require_topology(nc.jetstream())
             await nc.subscribe(topology.max_deliveries_advisories(), cb=self._on_max_deliveries)
         except BaseException:
             await nc.close()
@@ -143,7 +149,7 @@ class GatewayBus:
         Raises what `large_requests.publish_request` raises (`StreamFull` among them)."""
         nc = self.nc
         stream = ReplyStream(max_frames, on_overflow)
-        stream.subscriptions.append(await nc.subscribe(request.reply_subject, cb=stream.on_message))
+        await stream.follow(await nc.subscribe(request.reply_subject, cb=stream.on_message))
         self._streams.add(stream)
         stream.on_close = lambda: self._streams.discard(stream)
         try:
@@ -155,11 +161,17 @@ class GatewayBus:
             raise
         return stream
 
-    async def resubmit(self, stream: ReplyStream, request: wire.GenerateRequest) -> None:
+    async def resubmit(self, stream: ReplyStream, request: wire.GenerateRequest) -> wire.GenerateRequest:
         """Publish a migrated attempt of a request whose `stream` is open (a new message, with its
-        own dedupe id): frames of the attempts before `request.attempt` are dropped from now."""
+        own dedupe id) on a new reply subject, and return it as published: frames of the attempts
+        before `request.attempt` are dropped from now, and the worker that lost the request, which
+        knows only the old subject, cannot reach the stream any more (its alive probes there are
+        still answered: that attempt was taken)."""
         stream.migrate(request.attempt)
-        previous = self._message_of.get(request.reply_subject)
+        request = msgspec.structs.replace(request, reply_subject=self.new_reply_subject())
+        await stream.follow(await self.nc.subscribe(request.reply_subject, cb=stream.on_message))
+        stream.subscriptions.append(await answer_probes(self.nc, stream, request.reply_subject))
+        previous = self._message_of.get(stream)
         await self._publish(stream, request, f"{request.request_id}.{request.attempt}")
         if previous is not None:
             # Nobody is to serve the old message again (a redelivery would only be refused).
@@ -167,18 +179,19 @@ class GatewayBus:
                 await self.js.delete_msg(topology.REQUESTS_STREAM, previous)
             except (nats.errors.Error, TimeoutError) as exc:
                 log.info("the migrated request's old message stays until refused", extra={"error": repr(exc)})
+        return request
 
     async def _publish(self, stream: ReplyStream, request: wire.GenerateRequest, msg_id: str) -> None:
         ack = await large_requests.publish_request(self.js, self.nc, request, msg_id)
         # Advisories are watched for the newest message only: an older one lost the request.
-        self._waiting.pop(self._message_of.get(request.reply_subject, -1), None)
+        self._waiting.pop(self._message_of.get(stream, -1), None)
         self._waiting[ack.seq] = request
-        self._message_of[request.reply_subject] = ack.seq
+        self._message_of[stream] = ack.seq
 
         def forget() -> None:
             self._streams.discard(stream)
             self._waiting.pop(ack.seq, None)
-            self._message_of.pop(request.reply_subject, None)
+            self._message_of.pop(stream, None)
 
         stream.on_close = forget
 
@@ -206,5 +219,7 @@ class GatewayBus:
         except (nats.errors.Error, TimeoutError) as exc:
             log.warning("could not drop an undeliverable request", extra={"seq": seq, "error": str(exc)})
 
-    def new_inbox(self) -> str:
-        return self.nc.new_inbox()
+    def new_reply_subject(self) -> str:
+        """A reply subject for one request: an inbox of this connection (whose prefix only this
+        gateway's NATS user may subscribe to) and 128 random bits nobody can guess."""
+        return f"{self.nc.new_inbox()}.{secrets.token_urlsafe(16)}"

@@ -42,7 +42,8 @@ class EventPublisher:
     def __init__(self, bus: GatewayBus, metrics: GatewayMetrics, max_backlog: int = 10_000) -> None:
         self._bus = bus
         self._metrics = metrics
-        self._queue: asyncio.Queue[wire.AnyEvent] = asyncio.Queue(max_backlog)
+        # Each event with the subject kind it goes under (None: its own kind).
+        self._queue: asyncio.Queue[tuple[wire.AnyEvent, str | None]] = asyncio.Queue(max_backlog)
         self._tasks: list[asyncio.Task[None]] = []
         self.events_full = False
         metrics.event_backlog.set_function(lambda: self._queue.qsize())
@@ -99,19 +100,21 @@ class EventPublisher:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    def emit(self, event: wire.AnyEvent) -> None:
-        """Queue `event` for publishing; never blocks, never raises."""
+    def emit(self, event: wire.AnyEvent, subject_kind: str | None = None) -> None:
+        """Queue `event` for publishing (under `subject_kind`, see `publish_event`); never blocks,
+        never raises."""
         try:
-            self._queue.put_nowait(event)
+            self._queue.put_nowait((event, subject_kind))
         except asyncio.QueueFull:
             self._metrics.events_dropped.inc()
 
     async def _publish_forever(self) -> None:
         while True:
-            event = await self._queue.get()
+            event, subject_kind = await self._queue.get()
             try:
                 # Held and published again if EVENTS does not take it now (full, or the bus away).
-                await publish_event(self._bus.js, event, on_full=self._refused, current=lambda: self._bus.js)
+                await publish_event(self._bus.js, event, on_full=self._refused, current=lambda: self._bus.js,
+                                    subject_kind=subject_kind)
             except Exception:  # one bad event must not stop the publisher
                 log.exception("event dropped", extra={"kind": wire.event_kind(event)})
             finally:

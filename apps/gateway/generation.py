@@ -30,7 +30,7 @@ import nats.errors
 from litestar import Request
 from litestar.response import Response, Stream
 
-from apps.bus import wire
+from apps.bus import topology, wire
 from apps.bus.codes import ErrorCode, FinishReason, RunStatus, ServingError
 from apps.bus.publish import StreamFull
 from apps.gateway.admission import Admissions, Ticket
@@ -170,7 +170,7 @@ class GenerationPipeline:
         ticket = await self._admissions.admit(request)
         try:
             # The wait for a worker starts once admitted: the one place the deadline is set.
-            request = msgspec.structs.replace(request, reply_subject=self._bus.new_inbox(),
+            request = msgspec.structs.replace(request, reply_subject=self._bus.new_reply_subject(),
                                               deadline=time.time() + self._settings.accept_timeout_s)
             generation = await self.first_frame(request, handler)
         except BaseException:
@@ -357,7 +357,7 @@ class GenerationPipeline:
                     extra={"request_id": lost.request_id, "node": generation.node, "error": error.code,
                            "attempt": lost_attempt, "next_attempt": request.attempt})
         try:
-            await self._bus.resubmit(reply, request)
+            request = await self._bus.resubmit(reply, request)
         except (nats.errors.Error, TimeoutError) as exc:
             log.warning("migration failed", extra={"request_id": lost.request_id, "error": repr(exc)})
             raise error from None
@@ -410,7 +410,8 @@ class GenerationPipeline:
 
     def _record_failed_run(self, request: wire.GenerateRequest, node: str, attempt: int, error: str,
                            prompt_tokens: int = 0, completion_tokens: int = 0, served: bool | None = None) -> None:
-        """The ledger's RunFinished for a run no worker can report: it died serving it."""
+        """The ledger's RunFinished for a run no worker can report: it died serving it (under
+        `worker_lost`: run events are the workers' own)."""
         self._events.emit(wire.RunFinished(
             model=request.model, node=node, request_id=request.request_id, api=request.api,
             principal=request.principal, status=RunStatus.ERROR, finish_reason=FinishReason.ERROR,
@@ -418,4 +419,4 @@ class GenerationPipeline:
             completion_tokens=completion_tokens, cached_tokens=0, attempt=max(attempt, 1), queue_ms=0.0,
             ttft_ms=None, prefill_ms=0.0, decode_ms=0.0,
             e2e_ms=round((time.time() - request.created_at) * 1000.0, 3), error=error, served=served,
-        ))
+        ), subject_kind=topology.WORKER_LOST)

@@ -7,6 +7,10 @@ read, or a new attempt whose first frame to arrive is not its frame 0, means fra
 `next` raises `frames_lost` rather than hand on an answer with a hole in it. A migrated request goes on as a
 newer attempt (`migrate`): from then on, frames of the attempts before it are dropped.
 
+Which frames arrive at all is decided before this: a request's reply subject is a secret only the
+worker delivered it learns (`apps.gateway.bus_client`), and a migrated request moves to a new one
+(`follow`), so the worker that lost it cannot send a later attempt's frames here.
+
 Frames arrive as fast as the worker makes them and leave as fast as the client reads. A client
 that reads too slowly would make the gateway hold every frame in between, so the buffer is
 bounded (frames and bytes): when it overflows, `on_overflow` runs at once (the request is
@@ -44,11 +48,14 @@ class ReplyStream:
 
     Once the client has been sent text, `lock()` pins the attempt that sent it: a later attempt
     (JetStream redelivered the request) would start the text again, so its frames are dropped.
-    The owner subscribes `on_message` to the reply subject and sets `subscriptions` and `on_close`.
+    The owner subscribes `on_message` to the reply subject (`follow`) and sets `subscriptions`
+    and `on_close`.
     """
 
     def __init__(self, max_frames: int = DEFAULT_MAX_FRAMES, on_overflow: Callable[[], None] | None = None) -> None:
         self.subscriptions: list[Subscription] = []
+        # Where frames come from now: the current reply subject's subscription.
+        self._frames: Subscription | None = None
         self.on_close: Callable[[], None] | None = None
         self.node: str | None = None
         self._max_frames = max_frames
@@ -85,6 +92,18 @@ class ReplyStream:
         self._base_attempt = self._attempt = base_attempt
         self._next_seq = 0
         self._locked = False
+
+    async def follow(self, frames: Subscription) -> None:
+        """Read frames from `frames` (a subscription of `on_message` to the current reply subject)
+        and no longer from the previous one: what the lost attempt's worker sends there is gone."""
+        previous, self._frames = self._frames, frames
+        self.subscriptions.append(frames)
+        if previous is not None:
+            self.subscriptions.remove(previous)
+            try:
+                await previous.unsubscribe()
+            except nats.errors.Error:
+                pass
 
     async def on_message(self, msg: Msg) -> None:
         if self._failure is not None:
@@ -155,3 +174,4 @@ class ReplyStream:
             except nats.errors.Error:
                 pass
         self.subscriptions = []
+        self._frames = None

@@ -38,15 +38,23 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from apps.bus.pull import BatchPuller, stream_sequence
-from apps.bus.topology import (EVENTS_STREAM, RECORDER_CONSUMER, Stopped, connect, ensure_topology,
-                                 recorder_puller, replay_puller)
+from apps.bus.roles import RECORDER, event_refused
+from apps.bus.topology import (
+    EVENTS_STREAM,
+    RECORDER_CONSUMER,
+    Stopped,
+    connect,
+    recorder_puller,
+    replay_puller,
+    require_topology,
+)
 from apps.bus.wire import Event, EventRef, ResponseDeleted, event_decoder, event_kind
 from apps.logs import announce_ready, monotonic_ms
 from apps.recorder import dead_letters, large_events, projector
 from apps.recorder.dead_letters import DeadLetter, Reason, kind_from_subject
 from apps.recorder.metrics import LagWatch, MetricsServer, RecorderMetrics
 from apps.recorder.migrate import migrate
-from apps.settings import RecorderSettings, bus_limits
+from apps.settings import RecorderSettings
 
 log = logging.getLogger("helexa.recorder")
 
@@ -335,7 +343,11 @@ def decode(msgs: list[Msg]) -> tuple[Pending, Buried]:
                 raise msgspec.ValidationError("an event needs its own `event_id` and `ts`")
             if not 0 <= identity.ts < _MAX_TS:
                 raise msgspec.ValidationError(f"`ts` {identity.ts} is not a time PostgreSQL can record")
-            pending.append((msg, event_decoder.decode(msg.data)))
+            event = event_decoder.decode(msg.data)
+            refused = event_refused(msg.subject, event)  # only its kind's publishers may send it there
+            if refused is not None:
+                raise msgspec.ValidationError(refused)
+            pending.append((msg, event))
         except msgspec.DecodeError as exc:
             undecodable.append((msg, DeadLetter(
                 Reason.UNDECODABLE, msg.subject, msg.data, str(exc), stream_sequence(msg),
@@ -432,13 +444,17 @@ async def run_recorder(settings: RecorderSettings, stop: asyncio.Event, rebuild:
     exposition = (MetricsServer(recorder.metrics, settings.metrics_host, settings.metrics_port)
                   if settings.metrics_port else None)
     try:
-        nc = await connect(settings.nats_url, "helexa-recorder", stop=stop)
+        nc = await connect(settings.nats_url, "helexa-recorder", role=RECORDER, stop=stop)
     except Stopped:
         return
     recorder.js = nc.jetstream()
     watching: asyncio.Task[None] | None = None
     try:
-        await ensure_topology(nc.jetstream(), bus_limits())
+        try:
+            await require_topology(nc.jetstream(), stop=stop)
+        except Stopped:
+            return
+        # Applied by the database's owner (`helexa up`, `helexa migrate`) unless this role may.
         if not await recorder.until_done("migrate", lambda: migrate(settings.database_url)):
             return
         if rebuild and not await recorder.rebuild(nc):

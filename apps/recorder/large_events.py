@@ -17,6 +17,7 @@ consumer's ack floor), so only unrecorded events can ever fill it.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Sequence
 
@@ -30,6 +31,7 @@ from nats.js.errors import NotFoundError, ObjectNotFoundError
 
 from apps.bus import topology, wire
 from apps.bus.pull import stream_sequence
+from apps.bus.roles import event_refused
 from apps.recorder.dead_letters import DeadLetter, Reason
 
 log = logging.getLogger("helexa.recorder")
@@ -65,9 +67,14 @@ async def resolve(js: JetStreamContext, pending: Sequence[tuple[Msg, wire.Event]
         spent += event.size
         try:
             data = (await (await js.object_store(topology.LARGE_EVENTS_BUCKET)).get(event.object)).data or b""
+            if hashlib.sha256(data).hexdigest() != event.digest:
+                raise msgspec.ValidationError("the object is not the one its reference names (digest)")
             resolved = wire.event_decoder.decode(data)
             if resolved.event_id != event.event_id or wire.event_kind(resolved) != event.ref_kind:
                 raise msgspec.ValidationError("the object is not the event its reference names")
+            refused = event_refused(msg.subject, resolved)  # as for an event that came inline
+            if refused is not None:
+                raise msgspec.ValidationError(refused)
         except (ObjectNotFoundError, msgspec.DecodeError) as exc:
             error = "its object is gone from the store" if isinstance(exc, ObjectNotFoundError) else str(exc)
             buried.append((msg, DeadLetter(Reason.UNDECODABLE, msg.subject, msg.data, f"event reference: {error}",

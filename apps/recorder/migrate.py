@@ -52,11 +52,24 @@ def discover(folder: Path) -> list[Migration]:
     return [found[v] for v in sorted(found)]
 
 
+async def _applied(conn: asyncpg.Connection) -> set[int]:
+    if await conn.fetchval("SELECT to_regclass('schema_migrations')") is None:
+        return set()
+    return {row["version"] for row in await conn.fetch("SELECT version FROM schema_migrations")}
+
+
 async def migrate(database_url: str, folder: Path | None = None) -> list[str]:
-    """Apply every migration not applied yet; returns the names applied by this call, in order."""
+    """Apply every migration not applied yet; returns the names applied by this call, in order.
+
+    A database that has them all is only read, so an app whose role may not change the schema (the
+    recorder's) gets through; one with migrations pending needs its owner (`helexa migrate`), and
+    such a role is refused (asyncpg.InsufficientPrivilegeError).
+    """
     pending = discover(folder or migrations_dir())
     conn = await asyncpg.connect(database_url, timeout=10)
     try:
+        if {m.version for m in pending} <= await _applied(conn):
+            return []
         await conn.execute("SELECT pg_advisory_lock($1)", _LOCK_KEY)
         try:
             await conn.execute(_CREATE_LEDGER)

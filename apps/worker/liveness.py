@@ -107,8 +107,9 @@ class RequesterProbe:
                 now = time.monotonic()
                 if unanswered_since is None:
                     unanswered_since = now
+                    # Not the reply subject: it is the request's secret (`apps.bus.roles`).
                     log.info("requester not listening; waiting for it",
-                             extra={"reply_subject": self.reply_subject, "grace_s": self.grace_s})
+                             extra={"attempt": self.attempt, "grace_s": self.grace_s})
                 if now - unanswered_since >= self.grace_s:
                     return Verdict.GONE
                 continue  # its gateway may be reconnecting through a NATS outage

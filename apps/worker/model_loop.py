@@ -221,7 +221,7 @@ class ModelLoop:
         """A request too large for its message: fetched from the Object Store, then as any other."""
         try:
             request = await large_requests.fetch(self.bus.js, ref)
-        except (large_requests.RequestGone, msgspec.DecodeError) as exc:
+        except (large_requests.RequestGone, large_requests.RequestRefused, msgspec.DecodeError) as exc:
             log.warning("large request unreadable; terminated", extra={"request_id": ref.request_id,
                                                                        "error": str(exc)})
             await self._settle(msg, ref, terminate=True)
@@ -239,6 +239,13 @@ class ModelLoop:
         self._begin(msg, request, ref)
 
     def _begin(self, msg: Msg, request: wire.GenerateRequest, ref: wire.RequestRef | None = None) -> None:
+        if request.model != self.model_id:
+            # This consumer delivers only this model's subject, which a gateway names for the
+            # request's own model: anything else was not put there by a gateway.
+            log.warning("request for another model on this model's consumer terminated",
+                        extra={"request_id": request.request_id, "model": self.model_id})
+            asyncio.create_task(self._settle(msg, ref, terminate=True))
+            return
         if not topology.valid_reply_subject(request.reply_subject):
             # Publishing on it could make the server close this worker's connection for good.
             log.warning("request with an unusable reply subject terminated",
@@ -330,7 +337,7 @@ class ModelLoop:
                 decision=wire.AdmissionDecision.CANCELLED if cancelled else wire.AdmissionDecision.TIMEOUT,
                 detail="dropped by the worker: nobody waits for it", pending=len(self.active),
                 in_flight=len(self.active),
-            ))
+            ), subject_kind=topology.DROPPED)  # admission events are the gateways' own
             return
         attempt = liveness.attempt_of(request, msg.metadata.num_delivered)
         replier = held.replier = Replier(self.bus.nc, request.reply_subject, attempt, self.bus.node)

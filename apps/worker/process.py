@@ -30,7 +30,7 @@ import nats.errors
 import nats.micro
 from nats.micro.request import Request as ServiceRequest
 
-from apps.bus import topology, wire
+from apps.bus import roles, topology, wire
 from apps.bus.codes import ErrorCode, ModelState, NodeState, ServingError
 from apps.bus.publish import TooLarge, held_events, publish_event, respond
 from apps.bus.topology import BusLimits
@@ -99,13 +99,21 @@ class WorkerProcess:
         """Serve until `stop` is set; raises BusConnectionLost if the server closed the connection."""
         try:
             self.nc = await topology.connect(self.settings.nats_url, name=f"helexa-worker-{self.node}",
-                                             closed_cb=self._on_closed, stop=stop)
+                                             role=roles.WORKER, closed_cb=self._on_closed, stop=stop)
         except topology.Stopped:
             if first is not None:
                 await first.engine.shutdown()
             return
         self.js = self.nc.jetstream()
-        await topology.ensure_topology(self.js, self.limits)
+        try:
+            # Declared by an administrator (`helexa up`, `helexa bus setup`): a worker may not.
+            await topology.require_topology(self.js, stop=stop)
+        except topology.Stopped:
+            if first is not None:
+                await first.engine.shutdown()
+            self._closing = True
+            await self.nc.close()
+            return
         self.kv = await topology.node_registry(self.js, self.limits)
         await self.cancellations.subscribe(self.nc)
         service = await self._register_service()

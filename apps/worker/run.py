@@ -89,6 +89,17 @@ class RunOutcome:
     terminate: bool = False
 
 
+def check_resume_fits(request: wire.GenerateRequest, max_tokens: int | None) -> None:
+    """A migrated choice's resumed tokens count as generated, so none can hold more than the
+    request may generate (`max_tokens`, already bounded by the model's context): a longer list is
+    no client's answer so far, and the engine would prefill it all."""
+    longest = max((len(choice.token_ids) for choice in request.resume or []), default=0)
+    if max_tokens is not None and longest > max_tokens:
+        raise ServingError(400, ErrorCode.INVALID_REQUEST,
+                           f"A resumed choice has {longest} tokens; this request may generate {max_tokens}.",
+                           param="resume")
+
+
 async def abort_request(engine: Engine, request: wire.GenerateRequest) -> None:
     """Abort every choice of `request` (idempotent: a finished or unknown id is no-op)."""
     for engine_request_id in engine_request_ids(request.request_id, request.sampling.n):
@@ -115,6 +126,7 @@ async def run_request(model: ServedModel, request: wire.GenerateRequest, replier
         sampling = resolve_sampling(request, len(prompt.token_ids), model.context.derive().context)
         await check_composed(request, sampling, model.grammars)
         check_resume(request, model.tokenizer.vocab_size)
+        check_resume_fits(request, sampling.max_tokens)
     except ServingError as exc:
         await replier.error(exc.status, exc.code or ErrorCode.INVALID_REQUEST, exc.message)
         return RunOutcome(record.finished_event(RunStatus.REJECTED, FinishReason.ERROR, exc.code))

@@ -34,6 +34,7 @@ from engine.frontend.protocol import SamplingParams
 from engine.frontend.scripted import ScriptedEngine
 from engine.loading.default_model import default_model_path
 from tests.recorder.conftest import eventually
+from tests.support import declared
 
 MODEL = "large-model"
 DEFAULT_MAX_PAYLOAD = 1 << 20  # nats-server's own
@@ -43,12 +44,14 @@ DEFAULT_MAX_PAYLOAD = 1 << 20  # nats-server's own
 def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[NatsServer]:
     max_payload = None if request.param == "default-1MiB" else EMBEDDED_MAX_PAYLOAD
     with NatsServer(tmp_path / "nats", max_payload=max_payload) as server:
+        declared(server)
         yield server
 
 
 @pytest.fixture
 def small_server(tmp_path: Path) -> Iterator[NatsServer]:
     with NatsServer(tmp_path / "nats", max_payload=None) as server:
+        declared(server)
         yield server
 
 

@@ -76,6 +76,7 @@ async def test_the_byte_limit_refuses_too(nc: NatsClient) -> None:
 async def test_a_stream_declared_with_discard_old_converges_on_discard_new(nc: NatsClient) -> None:
     js = nc.jetstream()
     limits = topology.BusLimits()
+    await js.delete_stream(topology.REQUESTS_STREAM)  # as declared by a version from before discard-new
     await js.add_stream(dataclasses.replace(topology.requests_stream_config(limits), discard=DiscardPolicy.OLD))
     await topology.ensure_topology(js, limits)
     assert (await js.stream_info(topology.REQUESTS_STREAM)).config.discard == DiscardPolicy.NEW

@@ -42,7 +42,7 @@ def slow_model(system: System, tmp_path_factory: pytest.TempPathFactory) -> Iter
 @contextmanager
 def gateway(system: System, **env: str) -> Iterator[str]:
     port = free_port()
-    process = AppProcess(["gateway"], {"NATS_URL": system.nats_url, "HELEXA_PORT": str(port), **env})
+    process = AppProcess(["gateway"], {**system.env_for("gateway"), "HELEXA_PORT": str(port), **env})
     try:
         process.wait_ready()
         yield f"http://127.0.0.1:{port}"

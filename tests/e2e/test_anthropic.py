@@ -254,7 +254,7 @@ def keyed_gateway(system: System, tmp_path_factory: pytest.TempPathFactory) -> I
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
     keys.write_text("sk-anthropic-test alice\n", encoding="utf-8")
     port = free_port()
-    gateway = AppProcess(["gateway"], {"NATS_URL": system.nats_url, "HELEXA_PORT": str(port),
+    gateway = AppProcess(["gateway"], {**system.env_for("gateway"), "HELEXA_PORT": str(port),
                                        "HELEXA_API_KEYS": str(keys), "HELEXA_STREAM_IDLE_TIMEOUT_S": "2",
                                        # The lost-worker test's one worker is frozen: nowhere to migrate to.
                                        "HELEXA_MAX_MIGRATIONS": "0"})

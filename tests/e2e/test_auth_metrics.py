@@ -24,7 +24,7 @@ def keyed_gateway(system: System, tmp_path_factory: pytest.TempPathFactory) -> I
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
     keys.write_text(f"# key principal\n{ALICE_KEY} alice\nsk-bob-secret bob\n")
     port = free_port()
-    gateway = AppProcess(["gateway"], {"NATS_URL": system.nats_url, "HELEXA_PORT": str(port),
+    gateway = AppProcess(["gateway"], {**system.env_for("gateway"), "HELEXA_PORT": str(port),
                                        "HELEXA_API_KEYS": str(keys)})
     try:
         gateway.wait_ready()

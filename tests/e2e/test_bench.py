@@ -20,7 +20,9 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def helexa(system: System, *args: str, timeout_s: float = 600) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "NATS_URL": system.nats_url, "DATABASE_URL": system.database_url}
+    # As the bench runs: its own NATS user, and the read-only ledger role for reports.
+    env = {**os.environ, "NATS_URL": system.nats_server.url_for("bench"),
+           "DATABASE_URL": system.postgres.role_url("reader")}
     return subprocess.run([sys.executable, "-m", "apps.cli", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout_s)
 

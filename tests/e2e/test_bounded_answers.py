@@ -33,7 +33,7 @@ def advertised(system: System) -> dict | None:
 def bounded(system: System) -> Iterator[int]:
     """The served model's advertised output limit, once the gateway sees the worker."""
     worker = AppProcess(["worker", "--served-model-name", MODEL], {
-        "NATS_URL": system.nats_url, "HELEXA_NODE_ID": "e2e-bounded", "HELEXA_MAX_MODEL_LEN": str(CONTEXT),
+        **system.env_for("worker"), "HELEXA_NODE_ID": "e2e-bounded", "HELEXA_MAX_MODEL_LEN": str(CONTEXT),
         "HELEXA_MAX_NUM_SEQS": "2", "HELEXA_STATUS_INTERVAL_S": str(STATUS_INTERVAL_S)})
     try:
         worker.wait_ready()

@@ -68,7 +68,7 @@ def assert_engine_idle(system: System, timeout_s: float = 20.0) -> None:
 
 def test_a_gateway_killed_mid_stream_leaves_no_generation_running(system: System) -> None:
     port = free_port()
-    gateway = AppProcess(["gateway"], {"NATS_URL": system.nats_url, "HELEXA_PORT": str(port)})
+    gateway = AppProcess(["gateway"], {**system.env_for("gateway"), "HELEXA_PORT": str(port)})
     try:
         gateway.wait_ready()
         # SIGKILL once text flows: the dead gateway never sends a cancel message.

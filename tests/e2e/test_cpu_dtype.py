@@ -36,7 +36,7 @@ def _served_entry(system: System) -> dict | None:
 def test_a_worker_without_bf16_starts_in_fp32_with_default_settings_and_answers(system: System) -> None:
     # Default settings but for the name it serves under and a small KV pool (HELEXA_DTYPE is the
     # default, auto: the session's other workers run fp32 by the suite's choice).
-    env = {"NATS_URL": system.nats_url, "HELEXA_NODE_ID": "e2e-no-bf16", "HELEXA_DTYPE": "auto",
+    env = {**system.env_for("worker"), "HELEXA_NODE_ID": "e2e-no-bf16", "HELEXA_DTYPE": "auto",
            "HELEXA_KV_CACHE_MB": "64", "HELEXA_STATUS_INTERVAL_S": str(STATUS_INTERVAL_S), **NO_BF16}
     worker = AppProcess(["worker", "--served-model-name", SERVED], env)
     try:

@@ -85,7 +85,7 @@ async def leave_at_random(port: int, rng: random.Random, model: str) -> str:
 
 def test_admission_returns_to_zero_after_200_random_hang_ups(system: System, slow_model: str) -> None:
     port = free_port()
-    gateway = AppProcess(["gateway"], {"NATS_URL": system.nats_url, "HELEXA_PORT": str(port),
+    gateway = AppProcess(["gateway"], {**system.env_for("gateway"), "HELEXA_PORT": str(port),
                                        "HELEXA_MAX_IN_FLIGHT": "4", "HELEXA_MAX_QUEUE_DEPTH": "12",
                                        "HELEXA_MAX_WAIT_S": "30"})
     url = f"http://127.0.0.1:{port}"

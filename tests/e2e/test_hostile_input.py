@@ -173,7 +173,7 @@ def keyed_url(system: System, tmp_path_factory: pytest.TempPathFactory) -> Itera
     keys: Path = tmp_path_factory.mktemp("hostile-keys") / "keys.txt"
     keys.write_text(f"{KEY} mallory\n")
     port = free_port()
-    gateway = AppProcess(["gateway"], {"NATS_URL": system.nats_url, "HELEXA_PORT": str(port),
+    gateway = AppProcess(["gateway"], {**system.env_for("gateway"), "HELEXA_PORT": str(port),
                                        "HELEXA_API_KEYS": str(keys)})
     try:
         gateway.wait_ready()

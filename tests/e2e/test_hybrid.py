@@ -28,7 +28,7 @@ def hybrid_model(system: System, tmp_path_factory: pytest.TempPathFactory) -> It
     directory = save_hybrid_dir(transformers, "qwen3_next", tmp_path_factory.mktemp("e2e") / "tiny-qwen3-next",
                                 max_position_embeddings=8192)  # output limit 2048: room for LONG
     worker = AppProcess(["worker"], {
-        "NATS_URL": system.nats_url, "HELEXA_NODE_ID": "e2e-hybrid", "HELEXA_MODEL": str(directory),
+        **system.env_for("worker"), "HELEXA_NODE_ID": "e2e-hybrid", "HELEXA_MODEL": str(directory),
         "HELEXA_MAX_NUM_SEQS": "4", "HELEXA_KV_CACHE_MB": "8", "HELEXA_STATUS_INTERVAL_S": "0.2"})
     try:
         ready = worker.wait_ready()

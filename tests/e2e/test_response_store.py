@@ -31,7 +31,7 @@ class Gateway:
 
 
 def start_gateway(system: System, keys: Path, port: int) -> Gateway:
-    process = AppProcess(["gateway"], {"NATS_URL": system.nats_url, "DATABASE_URL": system.database_url,
+    process = AppProcess(["gateway"], {**system.env_for("gateway"),
                                        "HELEXA_PORT": str(port), "HELEXA_API_KEYS": str(keys)})
     process.wait_ready()
     return Gateway(f"http://127.0.0.1:{port}", process)

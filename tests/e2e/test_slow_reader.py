@@ -33,7 +33,7 @@ def fast_model(system: System, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
 def test_a_client_that_stops_reading_is_cancelled_not_buffered(system: System, fast_model: str) -> None:
     port = free_port()
-    gateway = AppProcess(["gateway"], {"NATS_URL": system.nats_url, "HELEXA_PORT": str(port),
+    gateway = AppProcess(["gateway"], {**system.env_for("gateway"), "HELEXA_PORT": str(port),
                                        "HELEXA_STREAM_BUFFER_FRAMES": "16"})
     try:
         gateway.wait_ready()

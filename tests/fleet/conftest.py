@@ -3,12 +3,19 @@
 Bus timings are shortened (ack wait, heartbeats, node TTL, idle timeout) so deliveries after a
 worker dies happen within seconds; every worker is a real `helexa worker` process replying from a
 script with the default model's tokenizer, so several of them are cheap on two cores.
+
+As in a real fleet, the administrator declares the topology with the fleet's limits (`helexa bus
+setup`) and every app runs as its own role's NATS user (`Fleet.env_for`); the tests watch the bus
+as the operator (`Fleet.nats_url`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -19,10 +26,10 @@ import nats
 import pytest
 from nats.js.api import DeliverPolicy
 
-from apps.bus import wire
+from apps.bus import topology, wire
 from apps.embedded import free_port
-from apps.embedded.nats_server import NatsServer
-from tests.support import AppProcess
+from apps.embedded.nats_server import NatsCluster, NatsServer
+from tests.support import REPO, AppProcess
 
 FLEET_ENV = {
     "HELEXA_REQUEST_ACK_WAIT_S": "2",
@@ -36,14 +43,31 @@ FLEET_ENV = {
 COLD_MODEL = "cold-model"
 
 
+def bus_setup(server: NatsServer | NatsCluster, env: dict[str, str]) -> None:
+    """`helexa bus setup` as the server's administrator, with the limits `env` sets (HELEXA_*)."""
+    done = subprocess.run([sys.executable, "-m", "apps.cli", "bus", "setup"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **env, "NATS_URL": server.url})
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def role_env(server: NatsServer | NatsCluster, env: dict[str, str], role: str) -> dict[str, str]:
+    return {**env, "NATS_URL": server.url_for(role)}
+
+
 @dataclass
 class Fleet:
+    # The operator's: it reads everything, and loads and unloads models.
     nats_url: str
     base_url: str
+    # The fleet's settings; each app adds its own role's NATS_URL (`env_for`).
     env: dict[str, str]
     folder: Path
     gateway: AppProcess
+    server: NatsServer
     workers: list[AppProcess] = field(default_factory=list)
+
+    def env_for(self, role: str) -> dict[str, str]:
+        return role_env(self.server, self.env, role)
 
     @contextmanager
     def worker(self, node: str, model: str, script: dict, **env: str) -> Iterator[AppProcess]:
@@ -70,13 +94,13 @@ class Fleet:
             path = self.folder / f"{node}.json"
             path.write_text(json.dumps(script), encoding="utf-8")
             args += ["--script", str(path)]
-        return AppProcess(args, {**self.env, "HELEXA_NODE_ID": node, **env})
+        return AppProcess(args, {**self.env_for("worker"), "HELEXA_NODE_ID": node, **env})
 
     @contextmanager
     def gateway_with(self, **env: str) -> Iterator[str]:
         """Another gateway on the fleet's bus, with settings of its own; yields its base URL."""
         port = free_port()
-        gateway = AppProcess(["gateway"], {**self.env, "HELEXA_PORT": str(port), **env})
+        gateway = AppProcess(["gateway"], {**self.env_for("gateway"), "HELEXA_PORT": str(port), **env})
         try:
             gateway.wait_ready()
             yield f"http://127.0.0.1:{port}"
@@ -84,7 +108,7 @@ class Fleet:
             gateway.stop()
 
     def cli(self, *args: str) -> AppProcess:
-        return AppProcess(list(args), self.env)
+        return AppProcess(list(args), self.env_for("operator"))
 
 
 @contextmanager
@@ -93,12 +117,13 @@ def own_fleet(server: NatsServer, folder: Path, model: str, script: dict, nodes:
     """A gateway and scripted workers of `model` (one per node name) on a NATS server of the
     test's own, every app with the fleet's timings and `env`; yields (base URL, the workers)."""
     port = free_port()
-    app_env = {**FLEET_ENV, "NATS_URL": server.url, "HELEXA_PORT": str(port), **env}
+    app_env = {**FLEET_ENV, "HELEXA_PORT": str(port), **env}
+    bus_setup(server, app_env)
     path = folder / f"{model}.json"
     path.write_text(json.dumps(script), encoding="utf-8")
-    gateway = AppProcess(["gateway"], app_env)
+    gateway = AppProcess(["gateway"], role_env(server, app_env, "gateway"))
     workers = [AppProcess(["worker", "--script", str(path), "--served-model-name", model],
-                          {**app_env, "HELEXA_NODE_ID": node}) for node in nodes]
+                          {**role_env(server, app_env, "worker"), "HELEXA_NODE_ID": node}) for node in nodes]
     try:
         for app in (gateway, *workers):
             app.wait_ready()
@@ -115,21 +140,31 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     catalogue.write_text(f'[models."{COLD_MODEL}"]\nsource = "default"\nmin_memory_mb = 100\n', encoding="utf-8")
     with NatsServer(folder / "nats") as server:
         port = free_port()
-        env = {**FLEET_ENV, "NATS_URL": server.url, "HELEXA_PORT": str(port), "HELEXA_CATALOGUE": str(catalogue)}
-        gateway = AppProcess(["gateway"], env)
+        env = {**FLEET_ENV, "HELEXA_PORT": str(port), "HELEXA_CATALOGUE": str(catalogue)}
+        bus_setup(server, env)
+        gateway = AppProcess(["gateway"], role_env(server, env, "gateway"))
         try:
             gateway.wait_ready()
-            yield Fleet(nats_url=server.url, base_url=f"http://127.0.0.1:{port}", env=env, folder=folder,
-                        gateway=gateway)
+            yield Fleet(nats_url=server.url_for("operator"), base_url=f"http://127.0.0.1:{port}", env=env,
+                        folder=folder, gateway=gateway, server=server)
         finally:
             gateway.stop()
 
 
-async def _collect(nats_url: str, subject: str, until: Callable[[list[wire.Event]], bool],
+def finished_subjects(model: str) -> list[str]:
+    """Where `model`'s `run.finished` events go: the workers' own, and the gateways' reports of runs
+    whose worker was lost (`worker_lost`: run events are the workers')."""
+    return [topology.event_subject("run.finished", model), topology.event_subject(topology.WORKER_LOST, model)]
+
+
+async def _collect(nats_url: str, subject: str | list[str], until: Callable[[list[wire.Event]], bool],
                    timeout_s: float) -> list[wire.Event]:
     nc = await nats.connect(nats_url)
+    wanted = [subject] if isinstance(subject, str) else subject
     try:
-        sub = await nc.jetstream().subscribe(subject, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
+        # Several subjects: the whole stream, kept where it matches one of them.
+        sub = await nc.jetstream().subscribe(wanted[0] if len(wanted) == 1 else "helexa.events.>",
+                                             ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
         events: list[wire.Event] = []
         deadline = time.monotonic() + timeout_s
         while not until(events):
@@ -140,13 +175,15 @@ async def _collect(nats_url: str, subject: str, until: Callable[[list[wire.Event
                 msg = await sub.next_msg(timeout=remaining)
             except TimeoutError:
                 continue
-            events.append(wire.event_decoder.decode(msg.data))
+            if len(wanted) == 1 or msg.subject in wanted:
+                events.append(wire.event_decoder.decode(msg.data))
         return events
     finally:
         await nc.close()
 
 
-def wait_events(nats_url: str, subject: str, until: Callable[[list[wire.Event]], bool],
+def wait_events(nats_url: str, subject: str | list[str], until: Callable[[list[wire.Event]], bool],
                 timeout_s: float = 60.0) -> list[wire.Event]:
-    """EVENTS on `subject` from the stream's start, read until `until(events)` holds."""
+    """EVENTS on `subject` (or on any of several, exact) from the stream's start, read until
+    `until(events)` holds."""
     return asyncio.run(_collect(nats_url, subject, until, timeout_s))

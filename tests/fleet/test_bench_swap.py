@@ -33,7 +33,7 @@ nats_url = "{fleet.nats_url}"
         assert ask(fleet, COLD_MODEL, "warm up") == "back again"  # loaded from the catalogue
         out = tmp_path / "results.json"
         ran = subprocess.run([sys.executable, "-m", "apps.cli", "bench", "run", str(config), "--no-publish",
-                              "--out", str(out)], cwd=REPO, env={**os.environ, **fleet.env},
+                              "--out", str(out)], cwd=REPO, env={**os.environ, **fleet.env_for("bench")},
                              capture_output=True, text=True, timeout=300)
         assert ran.returncode == 0, ran.stdout + ran.stderr
         run, = ResultsFile.read(out).runs

@@ -17,7 +17,7 @@ import pytest
 from apps.bus import topology
 from apps.embedded import free_port
 from apps.embedded.nats_server import NatsCluster
-from tests.fleet.conftest import FLEET_ENV
+from tests.fleet.conftest import FLEET_ENV, bus_setup, role_env
 from tests.support import REPO, AppProcess
 
 REPLY = "replicated and still here"
@@ -27,13 +27,13 @@ def test_losing_one_of_three_servers_loses_no_request(tmp_path: Path) -> None:
     with NatsCluster(tmp_path / "cluster", size=3) as cluster:
         port = free_port()
         # The node TTL must outlast a leader election of the registry (seconds on a busy machine).
-        env = {**FLEET_ENV, "NATS_URL": cluster.url, "HELEXA_REPLICAS": "3", "HELEXA_PORT": str(port),
-               "HELEXA_NODE_TTL_S": "15"}
+        env = {**FLEET_ENV, "HELEXA_REPLICAS": "3", "HELEXA_PORT": str(port), "HELEXA_NODE_TTL_S": "15"}
+        bus_setup(cluster, env)
         script = tmp_path / "script.json"
         script.write_text(json.dumps({"default": REPLY}), encoding="utf-8")
         apps = [AppProcess(["worker", "--script", str(script), "--served-model-name", "ha-model"],
-                           {**env, "HELEXA_NODE_ID": f"ha-{i}"}) for i in range(2)]
-        apps.append(AppProcess(["gateway"], env))
+                           {**role_env(cluster, env, "worker"), "HELEXA_NODE_ID": f"ha-{i}"}) for i in range(2)]
+        apps.append(AppProcess(["gateway"], role_env(cluster, env, "gateway")))
         try:
             for app in apps:
                 app.wait_ready()
@@ -110,9 +110,9 @@ async def _bench_runs_on_events(nats_url: str) -> int:
 
 
 def test_a_bench_run_keeps_the_fleets_three_replicas(tmp_path: Path) -> None:
-    """`helexa bench run` declares the topology with the fleet's limits, never with defaults."""
+    """`helexa bench run` (as the bench's own NATS user) leaves the fleet's streams as they are."""
     with NatsCluster(tmp_path / "cluster", size=3) as cluster:
-        env = {**os.environ, "NATS_URL": cluster.url, "HELEXA_REPLICAS": "3"}
+        env = {**os.environ, "NATS_URL": cluster.url_for("bench"), "HELEXA_REPLICAS": "1"}
 
         async def declare_as_the_fleet_does() -> None:
             nc = await topology.connect(cluster.url, "fleet")

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from apps.bus import wire
-from tests.fleet.conftest import Fleet, wait_events
+from tests.fleet.conftest import Fleet, finished_subjects, wait_events
 
 REPLY = "one two three four five six seven eight nine ten eleven twelve"
 
@@ -37,7 +37,7 @@ def test_two_workers_share_one_consumer(fleet: Fleet) -> None:
         with ThreadPoolExecutor(12) as pool:
             answers = list(pool.map(lambda i: ask(fleet, model, f"share {i}"), range(12)))
         assert answers == [REPLY] * 12
-        events = wait_events(fleet.nats_url, f"helexa.events.run.finished.{model}",
+        events = wait_events(fleet.nats_url, finished_subjects(model),
                              lambda es: len(finished(es)) >= 12)
     served_by = {e.node for e in finished(events)}
     assert served_by == {"share-a", "share-b"}
@@ -58,7 +58,7 @@ def test_unstarted_requests_move_to_another_worker(fleet: Fleet) -> None:
             with fleet.worker("handover-b", model, {"default": REPLY}):
                 assert list(answers) == [REPLY] * 3
                 ids = {e.request_id for e in started}
-                events = wait_events(fleet.nats_url, f"helexa.events.run.finished.{model}",
+                events = wait_events(fleet.nats_url, finished_subjects(model),
                                      lambda es: len(finished(es, ids)) >= 3)
     outcomes = finished(events, ids)
     assert {(e.node, e.status, e.attempt) for e in outcomes} == {("handover-b", "ok", 2)}
@@ -77,7 +77,7 @@ def test_a_request_that_kills_its_workers_is_tried_a_bounded_number_of_times(fle
         assert 1 <= len(dead) <= 2  # max_deliver = 2: never all three
         assert all(w.process.returncode == 70 for w in dead)
         assert ask(fleet, model, "are you alive") == "still serving"
-        events = wait_events(fleet.nats_url, f"helexa.events.run.finished.{model}",
+        events = wait_events(fleet.nats_url, finished_subjects(model),
                              lambda es: any(e.error == "delivery_failed" for e in finished(es)))
     lost = [e for e in finished(events) if e.error == "delivery_failed"]
     assert len(lost) == 1 and lost[0].attempt == 2 and lost[0].status == "error"

@@ -17,7 +17,7 @@ import httpx
 from apps.embedded.nats_server import NatsServer
 from apps.embedded.postgres import PostgresServer
 from apps.recorder.migrate import migrate
-from tests.fleet.conftest import Fleet, own_fleet, wait_events
+from tests.fleet.conftest import Fleet, finished_subjects, own_fleet, wait_events
 from tests.fleet.test_migration import MIGRATED_ATTEMPT, finished, stream_chat
 from tests.support import AppProcess, eventually
 
@@ -73,7 +73,7 @@ def test_a_frozen_worker_that_wakes_up_stops_and_the_ledger_names_the_served_att
     model = "frozen-model"
     own_postgres.start()
     asyncio.run(migrate(own_postgres.url))
-    ledger = {"NATS_URL": fleet.nats_url, "DATABASE_URL": own_postgres.url}
+    ledger = {"NATS_URL": fleet.server.url_for("recorder"), "DATABASE_URL": own_postgres.url}
     recorder = AppProcess(["recorder"], ledger)
     recorder.wait_ready()
     with fleet.workers_of([("frozen-a", model, SLOW_LONG), ("frozen-b", model, SLOW_LONG)]) as workers:
@@ -94,7 +94,7 @@ def test_a_frozen_worker_that_wakes_up_stops_and_the_ledger_names_the_served_att
             finally:
                 frozen.process.send_signal(signal.SIGCONT)
             got = answer.result(timeout=120)
-        events = wait_events(fleet.nats_url, f"helexa.events.run.finished.{model}",
+        events = wait_events(fleet.nats_url, finished_subjects(model),
                              lambda es: any(e.error == "attempt_taken" for e in finished(es, running.request_id))
                              and any(e.attempt == MIGRATED_ATTEMPT for e in finished(es, running.request_id)))
     assert got.errors == [] and got.text == LONG and got.finish_reason == "stop"

@@ -30,7 +30,7 @@ def small_bus(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     server = NatsServer(folder / "nats", max_payload=None) if default_payload else NatsServer(folder / "nats")
     with server, own_fleet(server, folder, MODEL, {"default": "read it all"}, ["large-a"],
                            HELEXA_REQUEST_ACK_WAIT_S="30", HELEXA_MAX_MODEL_LEN="4000000") as (base_url, _):
-        yield base_url, server.url
+        yield base_url, server.url_for("operator")
 
 
 async def _objects(nats_url: str) -> list[str]:

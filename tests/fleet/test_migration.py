@@ -24,7 +24,7 @@ import msgspec
 from apps.bus import topology, wire
 from apps.bus.codes import FinishReason
 from apps.settings import bus_limits
-from tests.fleet.conftest import Fleet, wait_events
+from tests.fleet.conftest import Fleet, finished_subjects, wait_events
 from tests.support import eventually
 
 REPLY = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen"
@@ -105,7 +105,7 @@ def test_a_stream_whose_worker_dies_goes_on_from_another_worker(fleet: Fleet) ->
             by_node[running.node].kill()
             got = answer.result(timeout=120)
         survivor = next(node for node in by_node if node != running.node)
-        events = wait_events(fleet.nats_url, f"helexa.events.run.finished.{model}",
+        events = wait_events(fleet.nats_url, finished_subjects(model),
                              lambda es: any(e.attempt == MIGRATED_ATTEMPT for e in finished(es, running.request_id)))
     assert got.request_id == running.request_id
     assert got.errors == [] and got.done
@@ -132,7 +132,7 @@ def test_with_the_migration_limit_at_0_the_client_gets_worker_lost(fleet: Fleet)
             running = wait_events(fleet.nats_url, f"helexa.events.run.started.{model}", lambda es: len(es) >= 1)[-1]
             by_node[running.node].kill()
             got = answer.result(timeout=120)
-        events = wait_events(fleet.nats_url, f"helexa.events.run.finished.{model}",
+        events = wait_events(fleet.nats_url, finished_subjects(model),
                              lambda es: bool(finished(es, running.request_id)))
     assert got.done and [e["code"] for e in got.errors] == ["worker_lost"]
     assert got.text and REPLY.startswith(got.text) and got.text != REPLY
@@ -202,7 +202,7 @@ PIECES = [("Hello", 1), (" world", 2), ("!", 3)]
 async def _gap_worker(nats_url: str, model: str, node: str, stop: asyncio.Event) -> None:
     """A worker of `model` that loses a frame: the first attempt's frames go 0, 1, 3, 4 (the delta
     with " world" never leaves). A migrated attempt goes on after the tokens its client has."""
-    nc = await topology.connect(nats_url, "gap-worker")
+    nc = await topology.connect(nats_url, "gap-worker", role="worker")
     try:
         js = nc.jetstream()
         limits = bus_limits()
@@ -248,7 +248,7 @@ def gap_worker(fleet: Fleet, model: str) -> Iterator[None]:
         nonlocal stop
         stop = asyncio.Event()
         ready.set()
-        await _gap_worker(fleet.nats_url, model, f"{model}-node", stop)
+        await _gap_worker(fleet.server.url_for("worker"), model, f"{model}-node", stop)
 
     thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
     thread.start()
@@ -271,7 +271,7 @@ def test_a_lost_frame_ends_the_stream_with_an_error_and_an_error_row(fleet: Flee
     with fleet.gateway_with(HELEXA_MAX_MIGRATIONS="0") as base_url, gap_worker(fleet, model):
         wait_listed(base_url, model)
         got = stream_chat(base_url, {"model": model, "messages": [{"role": "user", "content": "hi"}]})
-        events = wait_events(fleet.nats_url, f"helexa.events.run.finished.{model}",
+        events = wait_events(fleet.nats_url, finished_subjects(model),
                              lambda es: bool(finished(es, got.request_id or "")))
     assert got.text == "Hello" and got.done and got.finish_reason is None
     assert [e["code"] for e in got.errors] == ["frames_lost"]

@@ -14,7 +14,7 @@ import pytest
 
 from apps.bus import topology, wire
 from engine.frontend.protocol import SamplingParams
-from tests.fleet.conftest import COLD_MODEL, Fleet, wait_events
+from tests.fleet.conftest import COLD_MODEL, Fleet, finished_subjects, wait_events
 from tests.support import REPO
 
 
@@ -65,7 +65,7 @@ def test_worker_is_a_discoverable_micro_service(fleet: Fleet) -> None:
 def helexa(fleet: Fleet, *args: str) -> dict:
     """Run the `helexa` CLI against the fleet and return its JSON answer."""
     done = subprocess.run([sys.executable, "-m", "apps.cli", "--log-level", "WARNING", *args], cwd=REPO,
-                          env={**__import__("os").environ, **fleet.env}, capture_output=True, text=True,
+                          env={**__import__("os").environ, **fleet.env_for("operator")}, capture_output=True, text=True,
                           timeout=120)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     assert lines, done.stdout + done.stderr
@@ -125,7 +125,7 @@ def test_a_request_level_engine_error_does_not_poison(fleet: Fleet) -> None:
         state = next(m for n in helexa(fleet, "models", "ls")["nodes"] for m in n["models"]
                      if m["model"] == "row-model")
         assert state["state"] == "ready" and state["detail"] is None
-        finished = wait_events(fleet.nats_url, "helexa.events.run.finished.row-model",
+        finished = wait_events(fleet.nats_url, finished_subjects("row-model"),
                                lambda es: len([e for e in es if e.node == "row-a"]) >= 2)
         errors = [e.error for e in finished if e.node == "row-a"]
         assert errors == ["injected request error", None]
@@ -136,7 +136,8 @@ def test_cold_start_answers_503_when_loading_outlasts_the_wait(fleet: Fleet) -> 
     from tests.support import AppProcess
 
     port = free_port()
-    impatient = AppProcess(["gateway"], {**fleet.env, "HELEXA_PORT": str(port), "HELEXA_COLD_START_WAIT_S": "0.01"})
+    impatient = AppProcess(["gateway"], {**fleet.env_for("gateway"), "HELEXA_PORT": str(port),
+                                         "HELEXA_COLD_START_WAIT_S": "0.01"})
     try:
         impatient.wait_ready()
         with fleet.worker("slow-load", "slow-warm", {"default": "eventually"}):

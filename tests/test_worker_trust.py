@@ -1,0 +1,99 @@
+"""What a worker checks rather than trusts in what it takes off the bus: a large request's object is
+its own request's, a request is for the model of the consumer it came from, and a migrated
+request's resumed tokens fit what the request may generate."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+from nats.aio.client import Client as NatsClient
+
+from apps.bus import large_requests, roles, topology, wire
+from apps.bus.codes import ServingError
+from apps.embedded.nats_server import NatsServer
+from apps.worker.run import check_resume_fits
+from engine.frontend.protocol import SamplingParams
+from engine.frontend.tokenizer import Tokenizer
+from tests.test_worker_isolation import MODEL, listen, terminations, tok, worker  # noqa: F401 (tok: a fixture)
+from tests.test_worker_isolation import publish as publish_request
+
+
+def request_of(request_id: str, size: int) -> wire.GenerateRequest:
+    return wire.GenerateRequest(request_id=request_id, model="big-model", reply_subject="_INBOX.gateway.x.y.z",
+                                sampling=SamplingParams(), prompt="x" * size)
+
+
+def test_a_reference_names_only_its_own_requests_object() -> None:
+    def ref(request_id: str, name: str) -> wire.RequestRef:
+        return wire.RequestRef(request_id=request_id, model="m", object=name, size=1)
+
+    assert large_requests.names_its_own_object(ref("a1", "a1"))
+    assert large_requests.names_its_own_object(ref("a1", "a1.4"))
+    for name in ("b2", "a1.", "a1.x", "a1.4.5", "a1x", "", "../a1"):
+        assert not large_requests.names_its_own_object(ref("a1", name)), name
+
+
+async def connect(server: NatsServer, role: str) -> NatsClient:
+    return await topology.connect(server.url_for(role), f"test-{role}", role=role, max_reconnect_attempts=0)
+
+
+async def test_a_reference_cannot_point_a_worker_at_another_requests_body(own_nats: NatsServer) -> None:
+    gateway, worker_nc = await connect(own_nats, roles.GATEWAY), await connect(own_nats, roles.WORKER)
+    try:
+        big = 10 << 20  # past the embedded server's 8 MiB: both go through the Object Store
+        for request_id in ("alice-1", "bob-1"):
+            await large_requests.publish_request(gateway.jetstream(), gateway, request_of(request_id, big))
+        js = worker_nc.jetstream()
+        honest = wire.RequestRef(request_id="alice-1", model="big-model", object="alice-1", size=big)
+        assert (await large_requests.fetch(js, honest)).request_id == "alice-1"
+        with pytest.raises(large_requests.RequestRefused):
+            await large_requests.fetch(js, msgspec.structs.replace(honest, object="bob-1"))
+        # An object under the right name that holds another request (its meta rewritten, say).
+        store = await gateway.jetstream().object_store(topology.LARGE_REQUESTS_BUCKET)
+        await store.put("alice-1.4", wire.encode(request_of("bob-1", 10)))
+        with pytest.raises(large_requests.RequestRefused):
+            await large_requests.fetch(js, msgspec.structs.replace(honest, object="alice-1.4"))
+        with pytest.raises(large_requests.RequestRefused):
+            await large_requests.fetch(js, msgspec.structs.replace(honest, model="other-model"))
+    finally:
+        await gateway.close()
+        await worker_nc.close()
+
+
+async def test_a_request_for_another_model_on_this_models_consumer_is_terminated_unserved(
+        own_nats: NatsServer, tok: Tokenizer, tmp_path: Path) -> None:  # noqa: F811
+    async with worker(own_nats.url_for(roles.WORKER), tok, tmp_path, limits=topology.BusLimits()) as (_, engine):
+        nc, operator = await connect(own_nats, roles.GATEWAY), await connect(own_nats, roles.OPERATOR)
+        try:
+            terminated = await terminations(operator)
+            reply = nc.new_inbox() + ".secret"
+            frames = await listen(nc, reply)
+            request = wire.GenerateRequest(request_id="other-1", model="other-model", reply_subject=reply,
+                                           sampling=SamplingParams(max_tokens=4), prompt="hi")
+            ack = await nc.jetstream().publish(topology.request_subject(MODEL), wire.encode(request))
+            await terminated.wait_for(ack.seq)
+            # The same worker serves its own model's requests.
+            own = nc.new_inbox() + ".secret"
+            served = await listen(nc, own)
+            await publish_request(nc, "own-1", "hello", own)
+            await served.ended.wait()
+            assert served.text() == "fine" and frames.frames == []
+            assert engine.submitted == ["own-1"]
+        finally:
+            await nc.close()
+            await operator.close()
+
+
+def test_resumed_tokens_longer_than_the_request_may_generate_are_refused() -> None:
+    def resumed(*lengths: int) -> wire.GenerateRequest:
+        return wire.GenerateRequest(request_id="r", model="m", reply_subject="s", prompt="hi",
+                                    sampling=SamplingParams(n=len(lengths)),
+                                    resume=[wire.ResumedChoice(token_ids=[1] * n) for n in lengths])
+
+    check_resume_fits(resumed(8, 3), 8)
+    check_resume_fits(resumed(0), None)
+    with pytest.raises(ServingError) as refused:
+        check_resume_fits(resumed(3, 9), 8)
+    assert refused.value.status == 400 and refused.value.param == "resume"
