@@ -31,7 +31,7 @@ from apps.embedded import free_port
 from apps.embedded.nats_server import NatsServer
 from apps.embedded.postgres import PostgresServer
 from apps.recorder.migrate import migrate
-from tests.support import AppProcess, eventually
+from tests.support import AppProcess, declared, eventually
 
 MODEL = "bounds-model"
 WORDS = " ".join(f"w{i}" for i in range(120))
@@ -86,6 +86,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, postgres: PostgresServer) ->
     database_url = asyncio.run(_new_database(postgres))
     apps: list[AppProcess] = []
     with NatsServer(folder / "nats", max_payload=None) as nats:  # nats-server's own 1 MiB
+        declared(nats)  # as helexa up: apps may not declare the topology
         env = {"NATS_URL": nats.url, "DATABASE_URL": database_url}
         try:
             recorder = AppProcess(["recorder"], env)

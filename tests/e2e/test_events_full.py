@@ -19,11 +19,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from apps.bus import publish, topology, wire
+from apps.bus.topology import BusLimits
 from apps.embedded import free_port
 from apps.embedded.nats_server import NatsServer
 from apps.embedded.postgres import PostgresServer
 from apps.recorder.migrate import migrate
-from tests.support import AppProcess, eventually
+from tests.support import AppProcess, declared, eventually
 
 MODEL = "full-model"
 EVENTS_MAX_BYTES = 256 << 10
@@ -92,6 +93,7 @@ def test_a_full_events_stream_refuses_new_requests_and_loses_no_event(tmp_path: 
     script.write_text(json.dumps(SCRIPT), encoding="utf-8")
     apps: list[AppProcess] = []
     with NatsServer(tmp_path / "nats", max_payload=None) as nats:
+        declared(nats, BusLimits(event_max_bytes=EVENTS_MAX_BYTES))  # as helexa up: apps may not declare
         env = {"NATS_URL": nats.url, "DATABASE_URL": database_url, "HELEXA_EVENTS_MAX_BYTES": str(EVENTS_MAX_BYTES)}
         try:
             port = free_port()
