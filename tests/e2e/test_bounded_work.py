@@ -20,7 +20,7 @@ import httpx
 import msgspec
 import pytest
 
-from apps.bus import large_requests, topology, wire
+from apps.bus import large_requests, roles, topology, wire
 from apps.bus.codes import Api
 from engine.frontend.protocol import SamplingParams
 from tests.e2e.conftest import System
@@ -193,7 +193,9 @@ def _publish_to_worker(system: System, request: wire.GenerateRequest) -> list[wi
     a final or an error frame."""
 
     async def go() -> list[wire.ReplyFrame]:
-        nc = await topology.connect(system.nats_url, name="test-large-prompt")
+        # As a gateway: workers send frames only to gateways' inboxes.
+        nc = await topology.connect(system.nats_server.url_for(roles.GATEWAY), name="test-large-prompt",
+                                    role=roles.GATEWAY)
         frames: list[wire.ReplyFrame] = []
         done = asyncio.Event()
 

@@ -18,9 +18,8 @@ import uuid
 from typing import Any
 
 import httpx
-import nats
 
-from apps.bus import topology, wire
+from apps.bus import roles, topology, wire
 from engine.frontend.protocol import SamplingParams
 from tests.e2e.conftest import System
 from tests.e2e.test_chat import finished_run
@@ -66,7 +65,8 @@ def _refused_cases(model: str) -> dict[str, tuple[dict, str]]:
 
 async def _duplicate_delivery(system: System, model: str, request_id: str) -> wire.ErrorFrame:
     """A second message on the bus under the running request's id; its own reply is an error."""
-    nc = await nats.connect(system.nats_url)
+    # As a gateway: workers send frames only to gateways' inboxes.
+    nc = await topology.connect(system.nats_server.url_for(roles.GATEWAY), "test-duplicate", role=roles.GATEWAY)
     try:
         inbox = nc.new_inbox()
         sub = await nc.subscribe(inbox)
