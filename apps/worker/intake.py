@@ -1,0 +1,251 @@
+"""Worker intake (runs in the worker process): the step between JetStream and a model's serving loop.
+
+It pulls from the model's shared consumer only as many messages as the loop has free slots, so
+JetStream spreads work across the workers of a model by capacity with no router of our own. It
+decodes each message, fetches a body too large for its message from the Object Store, and hands
+the loop (`ModelLoop`) each request it may serve as a `Held`. It settles messages for good (ack,
+or term with the large body deleted) and hands them back (nak) when the worker stops.
+
+The engine never sees a request id twice: a redelivery of a message still running here is left to
+its run, a newer attempt of a request running here (its requester migrated it) takes over from the
+run here, which lost, and any other message reusing a running id is refused alone (409, terminated). A request
+whose reply subject the server would refuse is terminated unanswered, since publishing on it would
+cost this worker its connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Container, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import nats.errors
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from apps.bus import large_requests, topology, wire
+from apps.bus.codes import ErrorCode
+from apps.worker import liveness
+from apps.worker.choices import engine_request_ids
+from apps.worker.replies import Replier
+from apps.worker.run import abort_request
+from engine.frontend.protocol import Engine
+
+log = logging.getLogger("helexa.worker")
+
+
+@dataclass(slots=True)
+class Held:
+    """A request this loop holds: its message (None for the one-shot `generate` endpoint), and its
+    run's replier once the run has one."""
+
+    request: wire.GenerateRequest
+    msg: Msg | None = None
+    replier: Replier | None = None
+    # Where the request came from when it was too large for its message (deleted once settled).
+    ref: wire.RequestRef | None = None
+    # Nak'ed by a stopping worker before any text: another worker serves it; this run must not
+    # touch the message again.
+    handed_back: bool = False
+
+    @property
+    def stream_seq(self) -> int | None:
+        return self.msg.metadata.sequence.stream if self.msg is not None else None
+
+    @property
+    def sent_text(self) -> bool:
+        return self.replier is not None and self.replier.sent_tokens
+
+
+@dataclass(slots=True, frozen=True)
+class NodeBus:
+    """What a model loop uses of its worker, handed down when the loop starts."""
+
+    nc: NatsClient
+    js: JetStreamContext
+    node: str
+    limits: topology.BusLimits
+    # Requests cancelled before they were pulled: dropped unserved when they are.
+    cancelled: Container[str]
+    # Set when the node entry should be refreshed now (a model was poisoned).
+    status_changed: asyncio.Event
+
+
+def holds(held: Mapping[str, Held], request: wire.GenerateRequest) -> bool:
+    """Whether one of `request`'s engine ids is already running here: the engine core must never
+    see an id twice (it cannot tell the two apart and fails)."""
+    running = {rid for h in held.values() for rid in engine_request_ids(h.request.request_id, h.request.sampling.n)}
+    return any(rid in running for rid in engine_request_ids(request.request_id, request.sampling.n))
+
+
+class Intake:
+    """One model's messages: pulled while `free_slots()` has room, each request it may serve handed
+    to `begin`. `held` is the loop's table of what it holds (read here to refuse duplicates)."""
+
+    def __init__(self, model_id: str, engine: Engine, held: Mapping[str, Held]) -> None:
+        self.model_id = model_id
+        self.engine = engine
+        self.held = held
+        # Large requests whose body is being fetched from the Object Store (each takes a slot).
+        self.fetching = 0
+        self._slot_freed = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._pulling: asyncio.Task[None] | None = None
+
+    async def start(self, bus: NodeBus, free_slots: Callable[[], int], begin: Callable[[Held], None]) -> None:
+        self.bus = bus
+        self._free_slots = free_slots
+        self._begin_run = begin
+        subscription = await topology.worker_subscription(bus.js, self.model_id, bus.limits)
+        self._pulling = asyncio.create_task(self._pull_loop(subscription))
+
+    async def stop(self) -> None:
+        """Pull nothing more."""
+        self._stop.set()
+        if self._pulling is not None:
+            await self._pulling
+
+    def wake(self) -> None:
+        """Look for requests again now (a slot was freed, or the engine has slots again)."""
+        self._slot_freed.set()
+
+    async def _pull_loop(self, subscription: Any) -> None:
+        stopping = asyncio.create_task(self._stop.wait())
+        try:
+            while not self._stop.is_set():
+                free = self._free_slots()
+                if free <= 0:
+                    self._slot_freed.clear()
+                    freed = asyncio.create_task(self._slot_freed.wait())
+                    await asyncio.wait({freed, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                    freed.cancel()
+                    continue
+                try:
+                    msgs = await subscription.fetch(batch=free, timeout=1.0)
+                except TimeoutError:  # nats-py raises its own or asyncio's; both are TimeoutError
+                    continue
+                except nats.errors.Error as exc:
+                    log.warning("fetch failed", extra={"model": self.model_id, "error": str(exc)})
+                    await asyncio.wait({stopping}, timeout=1.0)
+                    continue
+                for msg in msgs:
+                    self._start(msg)
+        finally:
+            stopping.cancel()
+            try:
+                await subscription.unsubscribe()
+            except nats.errors.Error:
+                pass
+
+    def _start(self, msg: Msg) -> None:
+        try:
+            body = wire.decode_request(msg.data)
+        except msgspec.DecodeError as exc:
+            log.warning("undecodable request terminated", extra={"error": str(exc)})
+            asyncio.create_task(msg.term())
+            return
+        if isinstance(body, wire.RequestRef):
+            self.fetching += 1  # it takes its slot while its body comes
+            asyncio.create_task(self._start_large(msg, body))
+            return
+        self._begin(msg, body)
+
+    async def _start_large(self, msg: Msg, ref: wire.RequestRef) -> None:
+        """A request too large for its message: fetched from the Object Store, then as any other."""
+        try:
+            request = await large_requests.fetch(self.bus.js, ref)
+        except (large_requests.RequestGone, large_requests.RequestRefused, msgspec.DecodeError) as exc:
+            log.warning("large request unreadable; terminated", extra={"request_id": ref.request_id,
+                                                                       "error": str(exc)})
+            await self.settle(msg, ref, terminate=True)
+            return
+        except (nats.errors.Error, TimeoutError) as exc:
+            # The bus is unwell: another delivery (here or elsewhere) tries again.
+            log.warning("large request not fetched; left for redelivery",
+                        extra={"request_id": ref.request_id, "error": repr(exc)})
+            with contextlib.suppress(nats.errors.Error):
+                await msg.nak(delay=1.0)
+            return
+        finally:
+            self.fetching -= 1
+            self._slot_freed.set()
+        self._begin(msg, request, ref)
+
+    def _begin(self, msg: Msg, request: wire.GenerateRequest, ref: wire.RequestRef | None = None) -> None:
+        if request.model != self.model_id:
+            # This consumer delivers only this model's subject, which a gateway names for the
+            # request's own model: anything else was not put there by a gateway.
+            log.warning("request for another model on this model's consumer terminated",
+                        extra={"request_id": request.request_id, "model": self.model_id})
+            asyncio.create_task(self.settle(msg, ref, terminate=True))
+            return
+        if not topology.valid_reply_subject(request.reply_subject):
+            # Publishing on it could make the server close this worker's connection for good.
+            log.warning("request with an unusable reply subject terminated",
+                        extra={"request_id": request.request_id, "bytes": len(request.reply_subject.encode())})
+            asyncio.create_task(self.settle(msg, ref, terminate=True))
+            return
+        if holds(self.held, request):
+            asyncio.create_task(self._refuse_duplicate(msg, request, ref))
+            return
+        self._begin_run(Held(request, msg, ref=ref))
+
+    async def settle(self, msg: Msg, ref: wire.RequestRef | None, *, terminate: bool) -> None:
+        """Ack (or terminate) a message for good; a large request's object goes with it."""
+        await (msg.term() if terminate else msg.ack())
+        if ref is not None:
+            await large_requests.delete(self.bus.js, ref)
+
+    async def hand_back(self, held: Held) -> None:
+        """A request whose client has had no text goes back to JetStream now, for another worker;
+        nothing more from here reaches its client."""
+        assert held.msg is not None
+        held.handed_back = True
+        if held.replier is not None:
+            held.replier.silence(ErrorCode.WORKER_STOPPING)
+        log.info("handed back: the worker is stopping", extra={"request_id": held.request.request_id})
+        try:
+            await held.msg.nak()
+        except nats.errors.Error as exc:  # the connection is gone: the ack wait hands it on instead
+            log.warning("nak failed", extra={"request_id": held.request.request_id, "error": repr(exc)})
+        await abort_request(self.engine, held.request)
+
+    async def _refuse_duplicate(self, msg: Msg, request: wire.GenerateRequest,
+                                ref: wire.RequestRef | None = None) -> None:
+        running = self.held.get(request.request_id)
+        held = running.request if running is not None else None
+        if running is not None and running.stream_seq == msg.metadata.sequence.stream:
+            # JetStream redelivered the message this worker is still running (its in-progress acks
+            # came late). Acks name a message by its stream sequence, whichever delivery they came
+            # with, so the running attempt still holds this one: it goes on touching it and acks it
+            # when done. A nak would only have it redelivered again; an ack or a term would settle
+            # it while the run it belongs to may yet fail.
+            log.warning("redelivered while its first attempt runs here; left to that attempt",
+                        extra={"request_id": request.request_id, "attempt": msg.metadata.num_delivered})
+            await msg.in_progress()
+            return
+        if running is not None and running.msg is not None and request.attempt > running.request.attempt:
+            # Its requester migrated the request to a newer attempt: the one running here lost.
+            # It stops now; the new message comes back once the engine is free of the id.
+            log.info("a newer attempt of a request running here; the run here stops",
+                     extra={"request_id": request.request_id, "attempt": request.attempt})
+            if running.replier is not None:
+                running.replier.silence(ErrorCode.ATTEMPT_TAKEN)
+            await abort_request(self.engine, running.request)
+            await self.settle(running.msg, running.ref, terminate=True)  # its requester gave that message up
+            await msg.nak(delay=liveness.PROBE_S)
+            return
+        # Another message whose id is already running here: refused, so the running one is untouched.
+        log.warning("request id already running here; refused",
+                    extra={"request_id": request.request_id, "attempt": msg.metadata.num_delivered})
+        if held is None or held.reply_subject != request.reply_subject:
+            # Its own requester is told; on the running one's reply subject a frame would only confuse.
+            replier = Replier(self.bus.nc, request.reply_subject,
+                              liveness.attempt_of(request, msg.metadata.num_delivered), self.bus.node)
+            await replier.error(409, ErrorCode.INVALID_REQUEST, "A request with this id is already running.")
+        await self.settle(msg, ref, terminate=True)
