@@ -1,5 +1,6 @@
 """The vocabulary every app shares: run statuses, error codes, node and model states, and the one
-error type a request fails with, `(status, code, message)`.
+error type a request fails with, `(status, code, message)`; every 503 is built by `unavailable`
+from its `Unavailable` reason.
 
 Finish reasons are the engine's (`engine.frontend.protocol.FinishReason`, re-exported here). Every enum is
 a `StrEnum`, so it is its own JSON string on the bus and in the ledger.
@@ -12,7 +13,8 @@ from typing import Any
 
 from engine.frontend.protocol import FinishReason
 
-__all__ = ["Api", "ErrorCode", "FinishReason", "ModelState", "NodeState", "RunStatus", "ServingError"]
+__all__ = ["Api", "ErrorCode", "FinishReason", "ModelState", "NodeState", "RunStatus", "ServingError", "Unavailable",
+           "retry_after_s", "unavailable"]
 
 
 class Api(enum.StrEnum):
@@ -131,3 +133,58 @@ class ServingError(Exception):
     def __reduce__(self) -> tuple[Any, ...]:
         # Raised in a worker's tokenizing process, it crosses back whole.
         return (type(self), (self.status, self.code, self.message), self.__dict__)
+
+
+def retry_after_s(pending: int = 0) -> int:
+    """The back-off hint of SPEC §5: clamp((pending + 1) × 2, 1, 120) seconds."""
+    return max(1, min(120, (max(pending, 0) + 1) * 2))
+
+
+class Unavailable(enum.Enum):
+    """Why a request is answered 503: its error code, its message (a `str.format` template) and
+    the `Retry-After` it carries (None: none)."""
+
+    QUEUE_FULL = (ErrorCode.QUEUE_FULL, "The request queue is full; retry shortly.", retry_after_s())
+    BUS_UNAVAILABLE = (ErrorCode.BUS_UNAVAILABLE,
+                       "The request could not be queued (the message bus is unavailable); retry shortly.",
+                       retry_after_s())
+    BUS_LOST = (ErrorCode.BUS_UNAVAILABLE,
+                "The gateway lost its connection to the message bus; retry shortly.", 2)
+    QUEUE_TIMEOUT = (ErrorCode.QUEUE_TIMEOUT,
+                     "The model is busy and the request was not started in time; retry later.", retry_after_s())
+    # The worker ended the answer on its own (`abort`), or went silent mid-answer.
+    WORKER_ABORTED = (ErrorCode.WORKER_LOST,
+                      "The worker serving this request stopped before the answer was complete.", None)
+    WORKER_SILENT = (ErrorCode.WORKER_LOST, "The worker serving this request stopped responding.", None)
+    MODEL_POISONED = (ErrorCode.MODEL_POISONED,
+                      "The model '{model}' is out of service after a device fault on every worker serving it; "
+                      "it answers again once reloaded (helexa models load {model}).", retry_after_s())
+    NO_WORKER = (ErrorCode.MODEL_UNAVAILABLE, "No worker is serving the model '{model}' right now; retry later.",
+                 retry_after_s())
+    MODEL_LOADING = (ErrorCode.MODEL_LOADING, "The model '{model}' is being loaded; retry shortly.", retry_after_s())
+    LOAD_FAILED = (ErrorCode.MODEL_UNAVAILABLE, "The model '{model}' could not be loaded: {error}", retry_after_s())
+    TOKENIZE_UNANSWERED = (ErrorCode.MODEL_UNAVAILABLE,
+                           "No worker serving the model '{model}' answered; retry shortly.", retry_after_s())
+    GATEWAY_GRAMMARS_BUSY = (ErrorCode.MODEL_UNAVAILABLE,
+                             "The gateway is too busy checking grammars; retry shortly.", retry_after_s())
+    WORKER_GRAMMARS_BUSY = (ErrorCode.MODEL_UNAVAILABLE, "The worker is too busy to check grammars: {error}.", None)
+    CANNOT_LOAD = (ErrorCode.MODEL_UNAVAILABLE, "this worker cannot load models", None)
+    NO_MEMORY = (ErrorCode.MODEL_UNAVAILABLE,
+                 "the model '{model}' needs {needed_mb} MB; this worker has {free_mb} MB free", None)
+    LEDGER_UNAVAILABLE = (ErrorCode.LEDGER_UNAVAILABLE, "Stored responses cannot be read right now; retry shortly.",
+                          retry_after_s())
+    # EVENTS near its limit: about how long the recorder takes to trim what it recorded.
+    EVENTS_FULL = (ErrorCode.EVENTS_FULL, "The event ledger is full of events not yet recorded; retry shortly.", 5)
+    GATEWAY_STOPPING = (ErrorCode.GATEWAY_STOPPING,
+                        "The server is stopping; the answer was cut short. Retry shortly.", 2)
+
+    def __init__(self, code: ErrorCode, template: str, retry_after_s: int | None) -> None:
+        self.code = code
+        self.template = template
+        self.retry_after_s = retry_after_s
+
+
+def unavailable(reason: Unavailable, context: dict[str, Any] | None = None, **fields: object) -> ServingError:
+    """The 503 for `reason`, its message filled from `fields`; `context` goes to the log only."""
+    return ServingError(503, reason.code, reason.template.format(**fields), retry_after_s=reason.retry_after_s,
+                        context=context)

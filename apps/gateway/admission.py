@@ -27,9 +27,8 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from apps.bus import wire
-from apps.bus.codes import ErrorCode, ServingError
+from apps.bus.codes import ErrorCode, ServingError, retry_after_s
 from apps.bus.wire import AdmissionDecision
-from apps.gateway.errors import retry_after_s
 from apps.gateway.metrics import GatewayMetrics
 
 

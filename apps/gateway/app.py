@@ -24,7 +24,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.types import ASGIApp, Receive, Scope, Send
 
 from apps.bus import wire
-from apps.bus.codes import Api, ErrorCode, ServingError
+from apps.bus.codes import Api, ServingError, Unavailable, unavailable
 from apps.fleet.catalogue import load_catalogue
 from apps.gateway.admission import AdmissionLimits, Admissions, load_per_model
 from apps.gateway.anthropic import messages
@@ -194,6 +194,4 @@ async def end_in_flight(app: Litestar, grace_s: float) -> None:
         await asyncio.sleep(0.05)
     if bus.open_streams:
         log.info("ending the answers in flight: the gateway is stopping", extra={"answers": bus.open_streams})
-        bus.fail_streams(ServingError(503, ErrorCode.GATEWAY_STOPPING,
-                                      "The server is stopping; the answer was cut short. Retry shortly.",
-                                      retry_after_s=2))
+        bus.fail_streams(unavailable(Unavailable.GATEWAY_STOPPING))

@@ -30,7 +30,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from apps.bus import large_requests, roles, topology, wire
-from apps.bus.codes import ErrorCode, ServingError
+from apps.bus.codes import ErrorCode, ServingError, Unavailable, unavailable
 from apps.bus.publish import publish_core
 from apps.bus.topology import BusLimits
 from apps.gateway.liveness import answer_probes
@@ -88,8 +88,7 @@ class GatewayBus:
         log.error("the NATS server closed the connection for good; opening a new one",
                   extra={"error": repr(self.nc.last_error)})
         self._metrics.bus_connections_lost.inc()
-        lost = ServingError(503, ErrorCode.BUS_UNAVAILABLE,
-                            "The gateway lost its connection to the message bus; retry shortly.", retry_after_s=2)
+        lost = unavailable(Unavailable.BUS_LOST)
         for stream in list(self._streams):
             stream.fail(lost)
         self._waiting.clear()

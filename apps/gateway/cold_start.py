@@ -7,12 +7,11 @@ import asyncio
 import time
 
 from apps.bus import wire
-from apps.bus.codes import ErrorCode, ModelState, ServingError
+from apps.bus.codes import ErrorCode, ModelState, ServingError, Unavailable, unavailable
 from apps.fleet import control_client
 from apps.fleet.catalogue import CatalogueEntry
 from apps.fleet.control_client import ControlFailed
 from apps.gateway.bus_client import GatewayBus
-from apps.gateway.errors import retry_after_s
 from apps.gateway.metrics import GatewayMetrics
 from apps.gateway.node_registry import NodeRegistry, serving
 
@@ -37,25 +36,12 @@ class ColdStarts:
             return nodes
         if serving(live, model):
             self._metrics.rejections.labels(model, "poisoned").inc()
-            raise ServingError(
-                503,
-                ErrorCode.MODEL_POISONED,
-                f"The model '{model}' is out of service after a device fault on every worker serving it; "
-                f"it answers again once reloaded (helexa models load {model}).",
-                retry_after_s=retry_after_s(),
-                context={"model": model, "detail": "poisoned"},
-            )
+            raise unavailable(Unavailable.MODEL_POISONED, {"model": model, "detail": "poisoned"}, model=model)
         if model in self.catalogue:
             return await self._cold_start(model)
         if await self._registry.model_is_known(model):
             self._metrics.rejections.labels(model, "no_worker").inc()
-            raise ServingError(
-                503,
-                ErrorCode.MODEL_UNAVAILABLE,
-                f"No worker is serving the model '{model}' right now; retry later.",
-                retry_after_s=retry_after_s(),
-                context={"model": model, "detail": "no live node"},
-            )
+            raise unavailable(Unavailable.NO_WORKER, {"model": model, "detail": "no live node"}, model=model)
         raise ServingError(
             404,
             ErrorCode.MODEL_NOT_FOUND,
@@ -83,19 +69,9 @@ class ColdStarts:
             return await self._registry.wait_for_model(model, max(deadline - time.monotonic(), 0.001))
         except TimeoutError:
             self._metrics.rejections.labels(model, "loading").inc()
-            raise ServingError(
-                503,
-                ErrorCode.MODEL_LOADING,
-                f"The model '{model}' is being loaded; retry shortly.",
-                retry_after_s=retry_after_s(),
-                context={"model": model, "detail": "cold start outlasted its wait"},
-            ) from None
+            raise unavailable(Unavailable.MODEL_LOADING, {"model": model, "detail": "cold start outlasted its wait"},
+                              model=model) from None
         except ControlFailed as exc:
             self._metrics.rejections.labels(model, "no_worker").inc()
-            raise ServingError(
-                503,
-                ErrorCode.MODEL_UNAVAILABLE,
-                f"The model '{model}' could not be loaded: {exc}",
-                retry_after_s=retry_after_s(),
-                context={"model": model, "detail": "cold start failed"},
-            ) from None
+            raise unavailable(Unavailable.LOAD_FAILED, {"model": model, "detail": "cold start failed"},
+                              model=model, error=exc) from None

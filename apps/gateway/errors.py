@@ -98,8 +98,3 @@ def internal_error_handler(request: Request, exc: Exception) -> Response:
     log.error("unhandled error", exc_info=exc, extra={"handler": _handler_name(request)})
     log_failure(_handler_name(request), 500, type(exc).__name__)
     return Response(error_body(500, "Internal server error.", code=ErrorCode.INTERNAL_ERROR), status_code=500)
-
-
-def retry_after_s(pending: int = 0) -> int:
-    """The back-off hint of SPEC §5: clamp((pending + 1) × 2, 1, 120) seconds."""
-    return max(1, min(120, (max(pending, 0) + 1) * 2))

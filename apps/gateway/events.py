@@ -21,7 +21,7 @@ import logging
 import nats.errors
 
 from apps.bus import topology, wire
-from apps.bus.codes import ErrorCode, ServingError
+from apps.bus.codes import ErrorCode, Unavailable, unavailable
 from apps.bus.publish import held_events, publish_event
 from apps.gateway.bus_client import GatewayBus
 from apps.gateway.metrics import GatewayMetrics
@@ -34,8 +34,6 @@ _PUBLISHERS = 4
 # of the requests already running.
 EVENTS_FULL_AT = 0.95
 ROOM_CHECK_S = 1.0
-# What a refused client is told to wait: about how long the recorder takes to trim what it recorded.
-EVENTS_FULL_RETRY_S = 5
 
 
 class EventPublisher:
@@ -63,10 +61,8 @@ class EventPublisher:
         if not self.events_full:
             return
         self._metrics.rejections.labels(model or "-", ErrorCode.EVENTS_FULL).inc()
-        raise ServingError(503, ErrorCode.EVENTS_FULL,
-                           "The event ledger is full of events not yet recorded; retry shortly.",
-                           retry_after_s=EVENTS_FULL_RETRY_S,
-                           context={"model": model, "detail": "EVENTS near its limit with unrecorded events"})
+        raise unavailable(Unavailable.EVENTS_FULL,
+                          {"model": model, "detail": "EVENTS near its limit with unrecorded events"})
 
     def _refused(self) -> None:
         if not self.events_full:

@@ -31,12 +31,12 @@ from litestar import Request
 from litestar.response import Response, Stream
 
 from apps.bus import topology, wire
-from apps.bus.codes import ErrorCode, FinishReason, RunStatus, ServingError
+from apps.bus.codes import ErrorCode, FinishReason, RunStatus, ServingError, Unavailable, unavailable
 from apps.bus.publish import StreamFull
 from apps.gateway.admission import Admissions, Ticket
 from apps.gateway.bus_client import GatewayBus
 from apps.gateway.cold_start import ColdStarts
-from apps.gateway.errors import log_failure, retry_after_s
+from apps.gateway.errors import log_failure
 from apps.gateway.events import EventPublisher
 from apps.gateway.liveness import (
     Canceller,
@@ -195,23 +195,11 @@ class GenerationPipeline:
         except StreamFull as exc:
             # REQUESTS refuses new messages when full (it never drops queued ones to make room).
             self._metrics.rejections.labels(request.model, ErrorCode.QUEUE_FULL).inc()
-            raise ServingError(
-                503,
-                ErrorCode.QUEUE_FULL,
-                "The request queue is full; retry shortly.",
-                retry_after_s=retry_after_s(),
-                context={**ctx, "detail": str(exc)},
-            ) from None
+            raise unavailable(Unavailable.QUEUE_FULL, {**ctx, "detail": str(exc)}) from None
         except (nats.errors.Error, TimeoutError) as exc:
             # E.g. a NATS server of the cluster died and its streams are electing new leaders.
             self._metrics.rejections.labels(request.model, "bus_unavailable").inc()
-            raise ServingError(
-                503,
-                ErrorCode.BUS_UNAVAILABLE,
-                "The request could not be queued (the message bus is unavailable); retry shortly.",
-                retry_after_s=retry_after_s(),
-                context={**ctx, "detail": f"publish failed: {exc!r}"},
-            ) from None
+            raise unavailable(Unavailable.BUS_UNAVAILABLE, {**ctx, "detail": f"publish failed: {exc!r}"}) from None
         try:
             frame = await reply.next(max(request.deadline - time.time(), 0.001))
         except ServingError as exc:
@@ -229,13 +217,7 @@ class GenerationPipeline:
             self._canceller.cancel_soon(request.request_id)
             self._metrics.rejections.labels(request.model, "timeout").inc()
             await reply.close()
-            raise ServingError(
-                503,
-                ErrorCode.QUEUE_TIMEOUT,
-                "The model is busy and the request was not started in time; retry later.",
-                retry_after_s=retry_after_s(),
-                context={**ctx, "detail": "no worker accepted before the deadline"},
-            ) from None
+            raise unavailable(Unavailable.QUEUE_TIMEOUT, {**ctx, "detail": "no worker accepted before the deadline"}) from None
         except BaseException:
             self._canceller.cancel_soon(request.request_id)
             await reply.close()
@@ -335,8 +317,7 @@ class GenerationPipeline:
             raise ServingError(frame.status, frame.code, frame.message)
         if isinstance(frame, wire.Final) and frame.finish_reason == FinishReason.ABORT:
             # E.g. the worker could not reach this gateway for a while: the answer is not complete.
-            raise ServingError(503, ErrorCode.WORKER_LOST,
-                               "The worker serving this request stopped before the answer was complete.")
+            raise unavailable(Unavailable.WORKER_ABORTED)
         return frame
 
     def _may_migrate(self, error: ServingError, reply: ReplyStream, migrations: int) -> bool:

@@ -40,7 +40,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from apps.bus import topology, wire
-from apps.bus.codes import ErrorCode, ServingError
+from apps.bus.codes import Unavailable, unavailable
 from apps.bus.publish import publish_core, respond
 from apps.gateway.reply_stream import ReplyStream, ReplyTimeout
 
@@ -80,8 +80,7 @@ async def next_live_frame(reply: ReplyStream, idle_timeout_s: float, deadline: f
         except ReplyTimeout:
             if reply.locked_attempt is None and time.time() < deadline:
                 continue
-            raise ServingError(503, ErrorCode.WORKER_LOST,
-                               "The worker serving this request stopped responding.") from None
+            raise unavailable(Unavailable.WORKER_SILENT) from None
         if not isinstance(frame, wire.Heartbeat):
             return frame
 

@@ -41,8 +41,7 @@ from typing import Any, Protocol
 import asyncpg
 
 from apps.bus import wire
-from apps.bus.codes import ErrorCode, ServingError
-from apps.gateway.errors import retry_after_s
+from apps.bus.codes import ErrorCode, ServingError, Unavailable, unavailable
 from apps.gateway.projection_notices import FALLBACK_RECHECK_S, ProjectionNotices
 
 log = logging.getLogger("helexa.gateway")
@@ -347,9 +346,7 @@ class ResponseStore:
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
             if recent is not None:
                 return [recent]
-            raise ServingError(503, ErrorCode.LEDGER_UNAVAILABLE,
-                               "Stored responses cannot be read right now; retry shortly.",
-                               retry_after_s=retry_after_s(), context={"detail": f"postgres: {exc!r}"}) from None
+            raise unavailable(Unavailable.LEDGER_UNAVAILABLE, {"detail": f"postgres: {exc!r}"}) from None
         return found or ([recent] if recent is not None else [])
 
     async def _query(self, response_id: str, length: int, max_bytes: int) -> list[StoredResponse]:

@@ -35,8 +35,7 @@ import msgspec
 from msgspec import Meta
 
 from apps.bus import wire
-from apps.bus.codes import ErrorCode, ServingError
-from apps.gateway.errors import retry_after_s
+from apps.bus.codes import ErrorCode, ServingError, Unavailable, unavailable
 from apps.gateway.validate import json_too_deep
 from engine.frontend.grammars import (
     BOUNDS,
@@ -139,8 +138,7 @@ async def check_enforceable(request: wire.GenerateRequest, param: str | None) ->
             raise ServingError(400, ErrorCode.GRAMMAR_TOO_COMPLEX, f"{what} cannot be enforced: {exc}.",
                                param=where) from None
         except CheckBusy as exc:
-            raise ServingError(503, ErrorCode.MODEL_UNAVAILABLE, "The gateway is too busy checking grammars; "
-                               "retry shortly.", retry_after_s=retry_after_s(), context={"detail": str(exc)}) from None
+            raise unavailable(Unavailable.GATEWAY_GRAMMARS_BUSY, {"detail": str(exc)}) from None
         if error is not None:
             raise _refuse(where, f"{what} cannot be enforced: {error}")
 

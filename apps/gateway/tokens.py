@@ -24,13 +24,12 @@ from litestar import Request, post
 from litestar.datastructures import State
 
 from apps.bus import topology, wire
-from apps.bus.codes import Api, ErrorCode, ModelState, ServingError
+from apps.bus.codes import Api, ErrorCode, ModelState, ServingError, Unavailable, unavailable
 from apps.gateway import anthropic, chat
 from apps.gateway import token_schema as ts
 from apps.gateway.anthropic import ANTHROPIC_ERRORS
 from apps.gateway.bus_client import GatewayBus
 from apps.gateway.cold_start import ColdStarts
-from apps.gateway.errors import retry_after_s
 from apps.gateway.node_registry import NodeRegistry
 from apps.gateway.openapi_docs import operation_for
 from apps.gateway.validate import check_prompt_size, decode_body, decode_request
@@ -94,9 +93,8 @@ class TokenCounter:
                 raise ServingError(reply.error.status, reply.error.code, reply.error.message,
                                    context={**ctx, "node": node.node})
             return reply
-        raise ServingError(503, ErrorCode.MODEL_UNAVAILABLE,
-                           f"No worker serving the model '{question.model}' answered; retry shortly.",
-                           retry_after_s=retry_after_s(), context={**ctx, "detail": "tokenize unanswered"})
+        raise unavailable(Unavailable.TOKENIZE_UNANSWERED, {**ctx, "detail": "tokenize unanswered"},
+                          model=question.model)
 
 
 def _request_id() -> str:

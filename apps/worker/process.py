@@ -31,7 +31,7 @@ import nats.micro
 from nats.micro.request import Request as ServiceRequest
 
 from apps.bus import roles, topology, wire
-from apps.bus.codes import ErrorCode, ModelState, NodeState, ServingError
+from apps.bus.codes import ErrorCode, ModelState, NodeState, ServingError, Unavailable, unavailable
 from apps.bus.publish import TooLarge, held_events, publish_event, respond
 from apps.bus.topology import BusLimits
 from apps.fleet.catalogue import CatalogueEntry
@@ -304,13 +304,12 @@ class WorkerProcess:
                 raise ServingError(404, ErrorCode.MODEL_NOT_FOUND,
                                    f"the model '{model}' is neither in the catalogue nor served here before")
             if self.opener is None:
-                raise ServingError(503, ErrorCode.MODEL_UNAVAILABLE, "this worker cannot load models")
+                raise unavailable(Unavailable.CANNOT_LOAD)
             if current is not None:
                 await self._remove(model)
             if source[1] > self.free_memory_mb():
-                raise ServingError(503, ErrorCode.MODEL_UNAVAILABLE,
-                                   f"the model '{model}' needs {source[1]} MB; this worker has "
-                                   f"{self.free_memory_mb()} MB free")
+                raise unavailable(Unavailable.NO_MEMORY, model=model, needed_mb=source[1],
+                                  free_mb=self.free_memory_mb())
             self.loading.add(model)
             await self.publish_status()
             try:

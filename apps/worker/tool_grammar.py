@@ -21,7 +21,7 @@ import json
 from typing import Any
 
 from apps.bus import wire
-from apps.bus.codes import ErrorCode, ServingError
+from apps.bus.codes import ErrorCode, ServingError, Unavailable, unavailable
 from apps.worker.parsers import TOOL_CLOSE, TOOL_OPEN
 from engine.frontend.grammars import (
     BOUNDS,
@@ -126,7 +126,7 @@ async def check_composed(request: wire.GenerateRequest, sampling: SamplingParams
         raise ServingError(400, ErrorCode.GRAMMAR_TOO_COMPLEX, f"The tools' parameters cannot be enforced: {exc}.",
                            param="tools") from None
     except CheckBusy as exc:
-        raise ServingError(503, ErrorCode.MODEL_UNAVAILABLE, f"The worker is too busy to check grammars: {exc}.") from None
+        raise unavailable(Unavailable.WORKER_GRAMMARS_BUSY, error=exc) from None
     if error is not None:
         raise ServingError(400, ErrorCode.INVALID_REQUEST, f"The tools' parameters cannot be enforced: {error}",
                            param="tools")
