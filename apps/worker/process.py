@@ -2,10 +2,9 @@
 
 It owns the NATS connection and what hangs off it for the whole node: the node's `helexa_nodes`
 entry (refreshed every few seconds, and at once when a model changes state), the cancellation
-listener (`liveness.Cancellations`), the NATS micro service `helexa-worker` (so `nats micro
-ls/info/stats` find it) whose endpoints answer a one-shot `generate`, `control` (list, load,
-unload) and `tokenize` (`token_service`), and one `ModelLoop` per loaded model, which gets what
-it needs of all this handed down in a `NodeBus` when it starts.
+listener (`liveness.Cancellations`), the NATS micro service `helexa-worker` (its endpoints are
+`service_endpoints`), the models' lifecycle (load, unload), and one `ModelLoop` per loaded model,
+which gets what it needs of all this handed down in a `NodeBus` when it starts.
 
 When the server closes the connection for good (a server `-ERR`; nats-py reconnects after anything
 else), `run` stops the models and raises `BusConnectionLost`: `helexa worker` exits non-zero
@@ -18,31 +17,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import importlib.metadata
-import json
 import logging
 import os
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-import msgspec
 import nats.errors
 import nats.micro
-from nats.micro.request import Request as ServiceRequest
 
 from apps.bus import roles, topology, wire
 from apps.bus.codes import ErrorCode, ModelState, NodeState, ServingError, Unavailable, unavailable
-from apps.bus.publish import TooLarge, held_events, publish_event, respond
+from apps.bus.publish import held_events, publish_event
 from apps.bus.topology import BusLimits
 from apps.fleet.catalogue import CatalogueEntry
 from apps.logs import announce_ready
 from apps.settings import WorkerSettings
-from apps.worker import token_service
+from apps.worker.intake import NodeBus
 from apps.worker.liveness import Cancellations
-from apps.worker.model_loop import ModelLoop, NodeBus
-from apps.worker.replies import CollectingReplier
+from apps.worker.model_loop import ModelLoop
 from apps.worker.restarts import CoreExit, SupervisedEngine
-from apps.worker.run import ServedModel
+from apps.worker.service_endpoints import ServiceEndpoints, helexa_version
 from engine.frontend.protocol import EngineRefused
 
 log = logging.getLogger("helexa.worker")
@@ -51,25 +45,9 @@ log = logging.getLogger("helexa.worker")
 Opener = Callable[[str, str, int], Awaitable[ModelLoop]]
 
 
-def _version() -> str:
-    try:
-        return importlib.metadata.version("helexa")
-    except importlib.metadata.PackageNotFoundError:
-        return "dev"
-
-
 def _machine_memory_mb() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20
 
-
-
-async def _answer(req: ServiceRequest, data: bytes) -> None:
-    """A service reply measured first (`apps.bus.publish.respond`): one past the server's
-    max_payload is answered with a 413 error instead of costing the worker its connection."""
-    try:
-        await respond(req._msg, data)  # noqa: SLF001  (nats.micro's Request.respond sends unmeasured)
-    except TooLarge as exc:
-        await req.respond_error("413", f"the answer ({exc.size} bytes) is larger than the bus carries ({exc.limit})")
 
 class WorkerProcess:
     def __init__(self, settings: WorkerSettings, limits: BusLimits, opener: Opener | None = None,
@@ -86,7 +64,6 @@ class WorkerProcess:
         self.loading: set[str] = set()
         self._lifecycle = asyncio.Lock()
         self._last_summary: tuple[str, tuple[tuple[str, str], ...]] | None = None
-        self._background: set[asyncio.Task[None]] = set()
         self._status_changed = asyncio.Event()
         # Set once the node is on the bus and serving.
         self.ready = asyncio.Event()
@@ -116,7 +93,8 @@ class WorkerProcess:
             return
         self.kv = await topology.node_registry(self.js, self.limits)
         await self.cancellations.subscribe(self.nc)
-        service = await self._register_service()
+        service = await ServiceEndpoints(self.nc, self.js, self.node, self.models, self.loading,
+                                         self.load, self.unload).register()
         if first is not None:
             await self._add(first)
         await self.publish_status()
@@ -164,20 +142,6 @@ class WorkerProcess:
         await self.nc.flush()
         await self.nc.close()
 
-    async def _register_service(self) -> nats.micro.Service:
-        version = _version()
-        service = await nats.micro.add_service(
-            self.nc, name=topology.WORKER_SERVICE, version=version if version[:1].isdigit() else "0.1.0",
-            description="helexa model worker", metadata={"node": self.node},
-        )
-        await service.add_endpoint(name="generate", subject=topology.node_endpoint(self.node, "generate"),
-                                   handler=self._on_generate, metadata={"body": "GenerateRequest JSON"})
-        await service.add_endpoint(name="control", subject=topology.node_endpoint(self.node, "control"),
-                                   handler=self._on_control, metadata={"ops": "list, load, unload"})
-        await service.add_endpoint(name="tokenize", subject=topology.node_endpoint(self.node, "tokenize"),
-                                   handler=self._on_tokenize, metadata={"body": "TokenizeRequest JSON"})
-        return service
-
     async def _add(self, loop: ModelLoop) -> None:
         await loop.start(NodeBus(nc=self.nc, js=self.js, node=self.node, limits=self.limits,
                                  cancelled=self.cancellations, status_changed=self._status_changed))
@@ -205,90 +169,6 @@ class WorkerProcess:
                 await loop.abort(loop.requests[request_id])
                 return True
         return False
-
-    # -- the micro service's endpoints --------------------------------------------------------
-
-    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
-        # Handlers of one endpoint run one at a time: a generation must not wait for another, nor
-        # a `list` for a slow load (loads and unloads still take turns, through the lifecycle lock).
-        task = asyncio.create_task(work)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _on_generate(self, req: ServiceRequest) -> None:
-        self._in_background(self._generate(req))
-
-    async def _generate(self, req: ServiceRequest) -> None:
-        """A whole answer in one reply, for NATS clients that want no streaming and no gateway."""
-        try:
-            request = wire.request_decoder.decode(req.data)
-        except msgspec.DecodeError as exc:
-            await req.respond_error("400", wire.bounded_text(f"the body is not a GenerateRequest: {exc}"))
-            return
-        loop = self.models.get(request.model)
-        if loop is None:
-            await req.respond_error("404", wire.bounded_text(f"this worker does not serve the model '{request.model}'"))
-            return
-        replier = CollectingReplier(attempt=1, node=self.node)
-        try:
-            outcome = await loop.serve_once(request, replier)
-        except ServingError as exc:
-            await req.respond_error(str(exc.status), wire.bounded_text(exc.message))
-            return
-        await publish_event(self.js, outcome)
-        errors = [f for f in replier.frames if isinstance(f, wire.ErrorFrame)]
-        if errors:
-            await req.respond_error(str(errors[0].status), wire.bounded_text(errors[0].message),
-                                    data=wire.encode(errors[0]))
-            return
-        final = next(f for f in replier.frames if isinstance(f, wire.Final))
-        text = "".join(f.text for f in replier.frames if isinstance(f, wire.Delta) and f.index == 0)
-        await _answer(req, json.dumps({"model": request.model, "node": self.node, "text": text,
-                                       "finish_reason": final.finish_reason,
-                                       "usage": msgspec.to_builtins(final.usage)}).encode())
-
-    async def _on_tokenize(self, req: ServiceRequest) -> None:
-        self._in_background(self._tokenize(req))
-
-    async def _tokenize(self, req: ServiceRequest) -> None:
-        """Prompt token ids as a generation would have them (`token_service`), or text from ids."""
-
-        def served(model: str) -> ServedModel | None:
-            loop = self.models.get(model)
-            return loop.model if loop is not None else None
-
-        answer = await token_service.answer(served, req.data)
-        try:
-            await respond(req._msg, answer)  # noqa: SLF001  (measured: a reply past max_payload is refused here)
-        except TooLarge as exc:
-            error = wire.TokenizeError(status=413, code=ErrorCode.REQUEST_TOO_LARGE,
-                                       message=f"The answer ({exc.size} bytes) is larger than the message bus "
-                                               f"carries ({exc.limit} bytes).")
-            await respond(req._msg, wire.encode(wire.TokenizeReply(model="", error=error)))  # noqa: SLF001
-
-    async def _on_control(self, req: ServiceRequest) -> None:
-        self._in_background(self._control(req))
-
-    async def _control(self, req: ServiceRequest) -> None:
-        try:
-            body = json.loads(req.data or b"{}")
-            op, model = body.get("op", "list"), body.get("model", "")
-        except (ValueError, AttributeError):
-            await req.respond(json.dumps({"ok": False, "error": "the body must be a JSON object"}).encode())
-            return
-        try:
-            if op == "load":
-                await self.load(model)
-            elif op == "unload":
-                await self.unload(model)
-            elif op != "list":
-                raise ServingError(400, ErrorCode.INVALID_REQUEST, f"unknown op {op!r}: use list, load or unload")
-            reply: dict[str, Any] = {"ok": True}
-        except ServingError as exc:
-            reply = {"ok": False, "error": exc.message}
-        reply.update(node=self.node, models=[msgspec.to_builtins(s.status()) for s in self.models.values()],
-                     loading=sorted(self.loading))
-        await _answer(req, json.dumps(reply).encode())
 
     # -- model lifecycle -----------------------------------------------------------------------
 
@@ -347,7 +227,7 @@ class WorkerProcess:
 
     def status(self, state: NodeState = NodeState.READY) -> wire.NodeStatus:
         return wire.NodeStatus(
-            node=self.node, models=[s.status() for s in self.models.values()], version=_version(), status=state,
+            node=self.node, models=[s.status() for s in self.models.values()], version=helexa_version(), status=state,
             memory_mb=self.memory_mb, free_memory_mb=self.free_memory_mb(), loading=sorted(self.loading),
         )
 
