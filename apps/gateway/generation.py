@@ -30,8 +30,8 @@ import nats.errors
 from litestar import Request
 from litestar.response import Response, Stream
 
-from apps.bus import topology, wire
-from apps.bus.codes import ErrorCode, FinishReason, RunStatus, ServingError, Unavailable, unavailable
+from apps.bus import wire
+from apps.bus.codes import ErrorCode, FinishReason, ServingError, Unavailable, unavailable
 from apps.bus.publish import StreamFull
 from apps.gateway.admission import Admissions, Ticket
 from apps.gateway.bus_client import GatewayBus
@@ -44,8 +44,9 @@ from apps.gateway.liveness import (
     next_live_frame,
     while_connected,
 )
+from apps.gateway.generation_metrics import GenerationMetrics
 from apps.gateway.metrics import GatewayMetrics
-from apps.gateway.migration import MIGRATABLE, Delivered, migrated
+from apps.gateway.migration import MIGRATABLE, Delivered, Migrator
 from apps.gateway.reply_stream import ReplyStream, ReplyTimeout
 from apps.gateway.validate import bound_output, check_prompt_size, check_token_ids, decode_request
 from apps.settings import GatewaySettings
@@ -111,7 +112,8 @@ class GenerationPipeline:
         self._admissions = admissions
         self._canceller = canceller
         self._events = events
-        self._metrics = metrics
+        self._metrics = GenerationMetrics(metrics)
+        self._migrator = Migrator(bus, events, self._metrics, settings)
         self._settings = settings
         # Generation requests whose handler has begun (their headers are in) reading the body.
         self._reading = 0
@@ -158,7 +160,7 @@ class GenerationPipeline:
         try:
             request = bound_output(request, nodes, output_param)
         except ServingError as exc:
-            self._metrics.rejections.labels(request.model, exc.code).inc()
+            self._metrics.rejected(request.model, exc.code)
             exc.context.update(model=request.model, request_id=request.request_id)
             raise
         return await self.start(request, handler)
@@ -187,18 +189,18 @@ class GenerationPipeline:
         ctx = {"model": request.model, "request_id": request.request_id}
 
         def overflow() -> None:
-            self._metrics.slow_readers.labels(request.model).inc()
+            self._metrics.slow_reader(request.model)
             self._canceller.cancel_soon(request.request_id)
 
         try:
             reply = await self._bus.submit(request, self._settings.stream_buffer_frames, overflow)
         except StreamFull as exc:
             # REQUESTS refuses new messages when full (it never drops queued ones to make room).
-            self._metrics.rejections.labels(request.model, ErrorCode.QUEUE_FULL).inc()
+            self._metrics.rejected(request.model, ErrorCode.QUEUE_FULL)
             raise unavailable(Unavailable.QUEUE_FULL, {**ctx, "detail": str(exc)}) from None
         except (nats.errors.Error, TimeoutError) as exc:
             # E.g. a NATS server of the cluster died and its streams are electing new leaders.
-            self._metrics.rejections.labels(request.model, "bus_unavailable").inc()
+            self._metrics.rejected(request.model, "bus_unavailable")
             raise unavailable(Unavailable.BUS_UNAVAILABLE, {**ctx, "detail": f"publish failed: {exc!r}"}) from None
         try:
             frame = await reply.next(max(request.deadline - time.time(), 0.001))
@@ -215,20 +217,20 @@ class GenerationPipeline:
                               accepted=_stand_in_accepted(reply))
         except ReplyTimeout:
             self._canceller.cancel_soon(request.request_id)
-            self._metrics.rejections.labels(request.model, "timeout").inc()
+            self._metrics.rejected(request.model, "timeout")
             await reply.close()
             raise unavailable(Unavailable.QUEUE_TIMEOUT, {**ctx, "detail": "no worker accepted before the deadline"}) from None
         except BaseException:
             self._canceller.cancel_soon(request.request_id)
             await reply.close()
             raise
-        self._metrics.queue.labels(request.model).observe(max(time.time() - request.created_at, 0.0))
+        self._metrics.first_frame(request)
         if isinstance(frame, wire.ErrorFrame):
-            self._metrics.errors.labels(request.model, str(frame.status)).inc()
+            self._metrics.errored(request.model, frame.status)
             if frame.code in _LOST:
-                self._record_failed_run(request, reply.node or "unknown", frame.attempt - 1, frame.code)
+                self._migrator.record_lost_run(request, reply.node or "unknown", frame.attempt - 1, frame.code)
             if frame.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED:
-                self._metrics.rejections.labels(request.model, frame.code).inc()
+                self._metrics.rejected(request.model, frame.code)
             await reply.close()
             raise ServingError(frame.status, frame.code, frame.message, context={**ctx, "node": reply.node})
         accepted = frame if isinstance(frame, wire.Accepted) else _stand_in_accepted(reply)
@@ -245,10 +247,9 @@ class GenerationPipeline:
         lost: the request migrates to another worker from what the client has
         (`apps.gateway.migration`), up to `max_migrations` times; then the client gets the error.
         """
-        metrics, reply = self._metrics, generation.reply
-        model = generation.request.model
+        reply, model = generation.reply, generation.request.model
+        timer = self._metrics.answer(generation.request)
         delivered = Delivered(generation.request.sampling.n)
-        last_text_at: float | None = None
         completion_tokens = 0  # of the current attempt
         attempts: int | None = None
         migrations = 0
@@ -257,9 +258,11 @@ class GenerationPipeline:
                 try:
                     frame = await self._next_frame(generation)
                 except ServingError as exc:
-                    if not self._may_migrate(exc, reply, migrations):
+                    if not self._migrator.may_migrate(exc, reply, migrations):
                         raise
-                    await self._migrate(generation, delivered, exc, completion_tokens)
+                    generation.request = await self._migrator.migrate(
+                        generation.request, reply, generation.node, generation.accepted.prompt_tokens, delivered,
+                        exc, completion_tokens)
                     migrations += 1
                     completion_tokens = 0
                     continue
@@ -272,23 +275,14 @@ class GenerationPipeline:
                     if frame.code == ErrorCode.DELIVERY_FAILED:
                         attempts = frame.attempt - 1  # the gateway's own frame comes after the last attempt
                     raise ServingError(frame.status, frame.code, frame.message)
-                now = time.time()
                 if isinstance(frame, wire.Delta):
                     completion_tokens += frame.num_tokens
                     delivered.add(frame)
-                if isinstance(frame, wire.Delta) and (frame.text or frame.reasoning or frame.tool_calls):
-                    reply.lock()
-                    if last_text_at is None:
-                        metrics.ttft.labels(model).observe(max(now - generation.request.created_at, 0.0))
-                    else:
-                        metrics.itl.labels(model).observe(now - last_text_at)
-                    last_text_at = now
+                    if frame.text or frame.reasoning or frame.tool_calls:
+                        reply.lock()
                 if isinstance(frame, wire.Final):
                     generation.finished = True
-                    metrics.e2e.labels(model).observe(max(now - generation.request.created_at, 0.0))
-                    metrics.prompt_tokens.labels(model).inc(frame.usage.prompt_tokens)
-                    metrics.generation_tokens.labels(model).inc(frame.usage.completion_tokens)
-                    metrics.outcomes.labels(model, frame.finish_reason).inc()
+                timer.frame(frame)
                 yield frame
                 if generation.finished:
                     return
@@ -298,11 +292,11 @@ class GenerationPipeline:
             if exc.code in _LOST or exc.code == ErrorCode.FRAMES_LOST:
                 # Whatever attempt comes next must not serve a client that is already answered.
                 self._canceller.cancel_soon(request.request_id)
-                self._record_failed_run(request, generation.node, attempts or reply.attempt, exc.code,
-                                        generation.accepted.prompt_tokens, completion_tokens)
+                self._migrator.record_lost_run(request, generation.node, attempts or reply.attempt, exc.code,
+                                               generation.accepted.prompt_tokens, completion_tokens)
             elif exc.code == ErrorCode.GATEWAY_STOPPING:
                 self._canceller.cancel_soon(request.request_id)  # its worker is still answering
-            metrics.errors.labels(model, str(exc.status)).inc()
+            self._metrics.errored(model, exc.status)
             log_failure(generation.handler, exc.status, exc.message, model=model, node=generation.node,
                         request_id=request.request_id)
             raise
@@ -319,34 +313,6 @@ class GenerationPipeline:
             # E.g. the worker could not reach this gateway for a while: the answer is not complete.
             raise unavailable(Unavailable.WORKER_ABORTED)
         return frame
-
-    def _may_migrate(self, error: ServingError, reply: ReplyStream, migrations: int) -> bool:
-        if error.code not in MIGRATABLE or migrations >= self._settings.max_migrations:
-            return False
-        # Silence before any text past the deadline is a request nobody took, not a lost worker.
-        return error.code != ErrorCode.WORKER_LOST or reply.locked_attempt is not None
-
-    async def _migrate(self, generation: Generation, delivered: Delivered, error: ServingError,
-                       completion_tokens: int) -> None:
-        """Publish the request's next attempt from what the client has; re-raise `error` if it
-        cannot be published."""
-        lost, reply = generation.request, generation.reply
-        lost_attempt = reply.attempt
-        request = msgspec.structs.replace(migrated(lost, delivered, self._bus.limits.max_deliver),
-                                          deadline=time.time() + self._settings.accept_timeout_s)
-        log.warning("migrating a request: its worker was lost mid-answer",
-                    extra={"request_id": lost.request_id, "node": generation.node, "error": error.code,
-                           "attempt": lost_attempt, "next_attempt": request.attempt})
-        try:
-            request = await self._bus.resubmit(reply, request)
-        except (nats.errors.Error, TimeoutError) as exc:
-            log.warning("migration failed", extra={"request_id": lost.request_id, "error": repr(exc)})
-            raise error from None
-        self._metrics.migrations.labels(lost.model, error.code).inc()
-        if error.code == ErrorCode.WORKER_LOST:  # a silent worker cannot report the run itself
-            self._record_failed_run(lost, generation.node, lost_attempt, error.code,
-                                    generation.accepted.prompt_tokens, completion_tokens, served=False)
-        generation.request = request
 
     async def close(self, generation: Generation) -> None:
         """Stop the work if the client left early, give back the admission slot, stop listening."""
@@ -388,16 +354,3 @@ class GenerationPipeline:
             await self.close(generation)
         for chunk in formatter.stream_end():
             yield chunk
-
-    def _record_failed_run(self, request: wire.GenerateRequest, node: str, attempt: int, error: str,
-                           prompt_tokens: int = 0, completion_tokens: int = 0, served: bool | None = None) -> None:
-        """The ledger's RunFinished for a run no worker can report: it died serving it (under
-        `worker_lost`: run events are the workers' own)."""
-        self._events.emit(wire.RunFinished(
-            model=request.model, node=node, request_id=request.request_id, api=request.api,
-            principal=request.principal, status=RunStatus.ERROR, finish_reason=FinishReason.ERROR,
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens, cached_tokens=0, attempt=max(attempt, 1), queue_ms=0.0,
-            ttft_ms=None, prefill_ms=0.0, decode_ms=0.0,
-            e2e_ms=round((time.time() - request.created_at) * 1000.0, 3), error=error, served=served,
-        ), subject_kind=topology.WORKER_LOST)

@@ -1,4 +1,6 @@
-"""Request migration: a stream whose worker was lost mid-answer goes on from another worker.
+"""Request migration (runs in the gateway process): a stream whose worker was lost mid-answer goes
+on from another worker. The generation lifecycle (`apps.gateway.generation`) asks `Migrator`
+whether an error may migrate and has it publish the next attempt.
 
 The gateway keeps, per choice, the token ids of every delta its client was sent (`Delivered`).
 When the worker serving the answer is lost after sending text (it went silent past the idle
@@ -9,14 +11,28 @@ what each choice's client already has, and the new worker prefills the prompt an
 and continues without sending any of it again. The client sees one stream, whose usage counts the
 whole answer; the ledger has a row for each attempt. `HELEXA_MAX_MIGRATIONS` bounds how often one
 request moves (then the client gets the error, as with the limit at 0).
+
+A worker that died serving a run cannot report it: the gateway records it in the ledger itself
+(`record_lost_run`, under `worker_lost`: run events are the workers' own).
 """
 
 from __future__ import annotations
 
-import msgspec
+import logging
+import time
 
-from apps.bus import wire
-from apps.bus.codes import ErrorCode, FinishReason
+import msgspec
+import nats.errors
+
+from apps.bus import topology, wire
+from apps.bus.codes import ErrorCode, FinishReason, RunStatus, ServingError
+from apps.gateway.bus_client import GatewayBus
+from apps.gateway.events import EventPublisher
+from apps.gateway.generation_metrics import GenerationMetrics
+from apps.gateway.reply_stream import ReplyStream
+from apps.settings import GatewaySettings
+
+log = logging.getLogger("helexa.gateway")
 
 # The failures after which the answer can go on elsewhere: the worker, not the request, failed.
 MIGRATABLE = frozenset({ErrorCode.WORKER_LOST, ErrorCode.WORKER_STOPPING, ErrorCode.FRAMES_LOST,
@@ -45,3 +61,54 @@ def migrated(request: wire.GenerateRequest, delivered: Delivered, max_deliver: i
     """The next attempt of `request`: numbered past every delivery of its current message."""
     return msgspec.structs.replace(request, attempt=request.attempt + max_deliver, resume=delivered.resume(),
                                    arriving=0)
+
+
+class Migrator:
+    """One gateway's migrations, and the ledger rows of the runs lost on the way."""
+
+    def __init__(self, bus: GatewayBus, events: EventPublisher, metrics: GenerationMetrics,
+                 settings: GatewaySettings) -> None:
+        self._bus = bus
+        self._events = events
+        self._metrics = metrics
+        self._settings = settings
+
+    def may_migrate(self, error: ServingError, reply: ReplyStream, migrations: int) -> bool:
+        if error.code not in MIGRATABLE or migrations >= self._settings.max_migrations:
+            return False
+        # Silence before any text past the deadline is a request nobody took, not a lost worker.
+        return error.code != ErrorCode.WORKER_LOST or reply.locked_attempt is not None
+
+    async def migrate(self, lost: wire.GenerateRequest, reply: ReplyStream, node: str, prompt_tokens: int,
+                      delivered: Delivered, error: ServingError, completion_tokens: int) -> wire.GenerateRequest:
+        """Publish the request's next attempt from what the client has, and return it; re-raise
+        `error` if it cannot be published."""
+        lost_attempt = reply.attempt
+        request = msgspec.structs.replace(migrated(lost, delivered, self._bus.limits.max_deliver),
+                                          deadline=time.time() + self._settings.accept_timeout_s)
+        log.warning("migrating a request: its worker was lost mid-answer",
+                    extra={"request_id": lost.request_id, "node": node, "error": error.code,
+                           "attempt": lost_attempt, "next_attempt": request.attempt})
+        try:
+            request = await self._bus.resubmit(reply, request)
+        except (nats.errors.Error, TimeoutError) as exc:
+            log.warning("migration failed", extra={"request_id": lost.request_id, "error": repr(exc)})
+            raise error from None
+        self._metrics.migrated(lost.model, error.code)
+        if error.code == ErrorCode.WORKER_LOST:  # a silent worker cannot report the run itself
+            self.record_lost_run(lost, node, lost_attempt, error.code, prompt_tokens, completion_tokens,
+                                 served=False)
+        return request
+
+    def record_lost_run(self, request: wire.GenerateRequest, node: str, attempt: int, error: str,
+                        prompt_tokens: int = 0, completion_tokens: int = 0, served: bool | None = None) -> None:
+        """The ledger's RunFinished for a run no worker can report: it died serving it (under
+        `worker_lost`: run events are the workers' own)."""
+        self._events.emit(wire.RunFinished(
+            model=request.model, node=node, request_id=request.request_id, api=request.api,
+            principal=request.principal, status=RunStatus.ERROR, finish_reason=FinishReason.ERROR,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens, cached_tokens=0, attempt=max(attempt, 1), queue_ms=0.0,
+            ttft_ms=None, prefill_ms=0.0, decode_ms=0.0,
+            e2e_ms=round((time.time() - request.created_at) * 1000.0, 3), error=error, served=served,
+        ), subject_kind=topology.WORKER_LOST)

@@ -1,0 +1,63 @@
+"""Generation metrics (runs in the gateway process): what the generation lifecycle counts of each
+answer, from its admission to its last frame.
+
+Refusals and errors per model and reason, slow readers, the queue wait (published to first
+frame), and per answer its time to first text, the gaps between texts, its end-to-end time, its
+tokens and how it finished. The Prometheus collectors are `GatewayMetrics`; this module only says
+what each step of a generation records in them.
+"""
+
+from __future__ import annotations
+
+import time
+
+from apps.bus import wire
+from apps.gateway.metrics import GatewayMetrics
+
+
+class GenerationMetrics:
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self._metrics = metrics
+
+    def rejected(self, model: str, reason: str) -> None:
+        self._metrics.rejections.labels(model, reason).inc()
+
+    def slow_reader(self, model: str) -> None:
+        self._metrics.slow_readers.labels(model).inc()
+
+    def errored(self, model: str, status: int) -> None:
+        self._metrics.errors.labels(model, str(status)).inc()
+
+    def migrated(self, model: str, code: str) -> None:
+        self._metrics.migrations.labels(model, code).inc()
+
+    def first_frame(self, request: wire.GenerateRequest) -> None:
+        """The worker's first frame is in: how long the request waited for a worker."""
+        self._metrics.queue.labels(request.model).observe(max(time.time() - request.created_at, 0.0))
+
+    def answer(self, request: wire.GenerateRequest) -> AnswerTimer:
+        return AnswerTimer(self._metrics, request)
+
+
+class AnswerTimer:
+    """One answer's timings and totals, recorded as its frames come."""
+
+    def __init__(self, metrics: GatewayMetrics, request: wire.GenerateRequest) -> None:
+        self._metrics = metrics
+        self._model = request.model
+        self._created_at = request.created_at
+        self._last_text_at: float | None = None
+
+    def frame(self, frame: wire.Delta | wire.Final) -> None:
+        now, metrics, model = time.time(), self._metrics, self._model
+        if isinstance(frame, wire.Delta) and (frame.text or frame.reasoning or frame.tool_calls):
+            if self._last_text_at is None:
+                metrics.ttft.labels(model).observe(max(now - self._created_at, 0.0))
+            else:
+                metrics.itl.labels(model).observe(now - self._last_text_at)
+            self._last_text_at = now
+        if isinstance(frame, wire.Final):
+            metrics.e2e.labels(model).observe(max(now - self._created_at, 0.0))
+            metrics.prompt_tokens.labels(model).inc(frame.usage.prompt_tokens)
+            metrics.generation_tokens.labels(model).inc(frame.usage.completion_tokens)
+            metrics.outcomes.labels(model, frame.finish_reason).inc()
