@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import os
 import queue
@@ -45,12 +46,15 @@ def eventually(predicate: Callable[[], T], timeout_s: float, interval_s: float =
         time.sleep(interval_s)
 
 
-async def eventually_async(predicate: Callable[[], Awaitable[T]], timeout_s: float, interval_s: float = 0.05,
+async def eventually_async(predicate: Callable[[], Awaitable[T] | T], timeout_s: float, interval_s: float = 0.05,
                            message: str | Callable[[], str] = "") -> T:
-    """`eventually` for a coroutine predicate, from async tests (sleeps without blocking the loop)."""
+    """`eventually` from async tests: sleeps without blocking the loop, so the work it waits for runs
+    meanwhile (`interval_s=0` gives the loop one turn between checks); `predicate` may be a coroutine."""
     deadline = time.monotonic() + timeout_s
     while True:
-        value = await predicate()
+        value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
         if value:
             return value
         if time.monotonic() >= deadline:

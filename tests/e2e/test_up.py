@@ -29,9 +29,7 @@ import pytest
 from apps.bus import wire
 from apps.embedded import free_port
 from apps.embedded.data_dir import read_env
-from tests.recorder.conftest import eventually
-from tests.support import AppProcess
-from tests.support import eventually as eventually_sync
+from tests.support import AppProcess, eventually, eventually_async
 
 
 @dataclass
@@ -151,12 +149,12 @@ def _run_events(output: str, request_id: str) -> dict[str, dict]:
 def test_bus_sub_prints_the_run_events_of_a_request(up: Up) -> None:
     watcher = AppProcess(["--data-dir", str(up.data), "bus", "sub"], {"NATS_URL": ""})
     try:
-        eventually_sync(lambda: "watching helexa.> on 127.0.0.1:" in watcher.output(), timeout_s=30,
-                        message=watcher.output)
+        eventually(lambda: "watching helexa.> on 127.0.0.1:" in watcher.output(), timeout_s=30,
+                   message=watcher.output)
         reply = up.client().chat.completions.create(
             model=up.ready["model"], messages=[{"role": "user", "content": "Say hi."}], max_tokens=4, temperature=0)
-        found = eventually_sync(lambda: len(_run_events(watcher.output(last=100_000), reply.id)) == 2,
-                                timeout_s=30, message=watcher.output)
+        found = eventually(lambda: len(_run_events(watcher.output(last=100_000), reply.id)) == 2,
+                           timeout_s=30, message=watcher.output)
         assert found
         assert _run_events(watcher.output(last=100_000), reply.id)["run.finished"]["status"] == "ok"
     finally:
@@ -205,7 +203,7 @@ def test_a_child_killed_with_sigkill_comes_back_and_the_system_serves_again(up: 
         return await recorded_ok() > ok_before
 
     # The restarted recorder projects the new run.
-    asyncio.run(eventually(one_more, timeout_s=60, what="the run after the restart recorded"))
+    asyncio.run(eventually_async(one_more, 60, message="the run after the restart recorded"))
 
 
 def test_the_services_beside_the_engine_run_at_a_lower_priority(up: Up) -> None:

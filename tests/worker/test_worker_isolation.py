@@ -37,8 +37,7 @@ from engine.frontend.protocol import EngineOutput, EngineRequest, SamplingParams
 from engine.frontend.scripted import ScriptedEngine
 from engine.frontend.tokenizer import Tokenizer
 from engine.loading.default_model import default_model_path
-from tests.recorder.conftest import eventually
-from tests.support import AppProcess
+from tests.support import AppProcess, eventually_async
 
 MODEL = "iso-model"
 SLOW_REPLY = "one two three four five six"
@@ -205,7 +204,7 @@ async def test_a_redelivery_while_the_first_attempt_runs_never_reaches_the_engin
             assert engine.submitted == ["dup-1"]
             assert any("left to that attempt" in r.getMessage() for r in caplog.records), "never redelivered"
             # The running attempt's ack settles the message, whichever delivery it came with.
-            await eventually(lambda: request_settled(nc), what="the message acked")
+            await eventually_async(lambda: request_settled(nc), 20.0, message="the message acked")
             assert seq not in terminated.seqs
         finally:
             await nc.close()
