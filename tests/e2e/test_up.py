@@ -26,7 +26,7 @@ import openai
 import psutil
 import pytest
 
-from apps.bus import wire
+from apps.bus import topology, wire
 from apps.embedded import free_port
 from apps.embedded.data_dir import read_env
 from tests.support import AppProcess, eventually, eventually_async
@@ -99,11 +99,11 @@ def test_the_env_file_urls_work_and_nothing_else_gets_in(up: Up) -> None:
         nc = await nats.connect(nats_url)
         conn = await asyncpg.connect(database_url)
         try:
-            sub = await nc.subscribe("helexa.>")
+            sub = await nc.subscribe(topology.every_subject())
             assert await asyncio.to_thread(up.ask, "Say hi.") in ("stop", "length")
             while True:  # the run's events pass by on the bus
                 msg = await sub.next_msg(timeout=60)
-                if msg.subject.startswith("helexa.events.run.finished"):
+                if topology.kind_of_subject(msg.subject) == "run.finished":
                     assert isinstance(wire.event_decoder.decode(msg.data), wire.RunFinished)
                     break
             assert await conn.fetchval("SELECT count(*) FROM schema_migrations") >= 3
@@ -135,8 +135,8 @@ def _run_events(output: str, request_id: str) -> dict[str, dict]:
     found = {}
     for line in output.splitlines():
         subject, _, rest = line.partition(" ")
-        kind = next((k for k in ("run.started", "run.finished") if subject.startswith(f"helexa.events.{k}.")), None)
-        if kind is None:
+        kind = topology.kind_of_subject(subject)
+        if kind not in ("run.started", "run.finished"):
             continue
         decoder = json.JSONDecoder()
         first, end = decoder.raw_decode(rest)

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from apps.bus import wire
+from apps.bus import topology, wire
 from tests.fleet.conftest import Fleet, finished_subjects, wait_events
 from tests.support import eventually
 
@@ -51,7 +51,7 @@ def test_unstarted_requests_move_to_another_worker(fleet: Fleet) -> None:
     with fleet.worker("handover-a", model, holding, HELEXA_MAX_NUM_SEQS="4") as doomed:
         with ThreadPoolExecutor(3) as pool:
             answers = pool.map(lambda i: ask(fleet, model, f"hold {i}"), range(3))
-            started = wait_events(fleet.nats_url, f"helexa.events.run.started.{model}",
+            started = wait_events(fleet.nats_url, topology.event_subject("run.started", model),
                                   lambda es: len(es) >= 3)
             assert {e.node for e in started} == {"handover-a"}
             doomed.kill()
