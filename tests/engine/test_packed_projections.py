@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from torch import nn
 
 from engine.loading.model_config import ModelConfig
 from engine.loading.loader import empty_model, load_weights, packed_targets
 from engine.models.layers import PackedLinear
 from tests.engine.hybrid_models import _config
-
-transformers = pytest.importorskip("transformers")
 
 # Checkpoint projections that must never survive as separate GEMMs.
 SEPARATE = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "in_proj_qkv", "in_proj_z",
