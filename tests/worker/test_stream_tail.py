@@ -19,16 +19,9 @@ from apps.worker import choices
 from apps.worker.prompt import Prompt
 from apps.worker.replies import CollectingReplier
 from apps.worker.run_record import RunRecord
-from engine.frontend.model_source import load_tokenizer
 from engine.frontend.protocol import EngineOutput, EngineRequest, FinishReason, SamplingParams
 from engine.frontend.tokenizer import Tokenizer
-from engine.loading.default_model import default_model_path
 from tests.support import byte_token_ids
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return load_tokenizer(default_model_path())[0]
 
 
 class GroupedEngine:

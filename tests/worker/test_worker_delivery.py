@@ -32,11 +32,9 @@ from apps.settings import WorkerSettings
 from apps.worker import model_loop
 from apps.worker.model_loop import ModelLoop
 from apps.worker.process import WorkerProcess
-from engine.frontend.model_source import load_tokenizer
 from engine.frontend.protocol import FinishReason, SamplingParams
 from engine.frontend.scripted import ScriptedEngine
 from engine.frontend.tokenizer import Tokenizer
-from engine.loading.default_model import default_model_path
 from tests.recorder.conftest import LogWatch
 from tests.support import AppProcess, eventually_async
 
@@ -44,11 +42,6 @@ MODEL = "delivery-model"
 LONG_REPLY = " ".join(f"word{i}" for i in range(60))
 SCRIPT = {"default": "quick answer",
           "rules": [{"match": "LONG", "reply": LONG_REPLY, "token_delay_s": 0.05}]}
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return load_tokenizer(default_model_path())[0]
 
 
 class Requester:
