@@ -47,7 +47,7 @@ async def _forge(system: System, asked: threading.Event) -> list[str]:
         await operator.flush()
         asked.set()
         request = wire.request_decoder.decode((await requests.next_msg(timeout=60)).data)
-        # The gateway's inbox (`_INBOX.gateway.<user>.<id>`): predictable, see tests/test_reply_subjects.py.
+        # The gateway's inbox (`_INBOX.gateway.<user>.<id>`): predictable, see tests/gateway/test_reply_subjects.py.
         inbox = ".".join(request.reply_subject.split(".")[:4])
         assert inbox.startswith(topology.inbox_prefix(roles.GATEWAY, "gateway") + ".")
         # It cannot listen where the gateway's replies go, to learn the rest.
