@@ -1,9 +1,10 @@
-"""Test helpers: run helexa apps as real subprocesses and wait for their `ready` log line, and
-`eventually`, the one way a test polls for a condition."""
+"""Test helpers: run helexa apps as real subprocesses and wait for their `ready` log line,
+`eventually`, the one way a test polls for a condition, and byte-level token ids for text."""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import os
 import queue
@@ -14,11 +15,14 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from apps.bus import topology
 from apps.bus.topology import BusLimits
 from apps.embedded.nats_server import NatsCluster, NatsServer
+
+if TYPE_CHECKING:
+    from engine.frontend.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -45,18 +49,38 @@ def eventually(predicate: Callable[[], T], timeout_s: float, interval_s: float =
         time.sleep(interval_s)
 
 
-async def eventually_async(predicate: Callable[[], Awaitable[T]], timeout_s: float, interval_s: float = 0.05,
+async def eventually_async(predicate: Callable[[], Awaitable[T] | T], timeout_s: float, interval_s: float = 0.05,
                            message: str | Callable[[], str] = "") -> T:
-    """`eventually` for a coroutine predicate, from async tests (sleeps without blocking the loop)."""
+    """`eventually` from async tests: sleeps without blocking the loop, so the work it waits for runs
+    meanwhile (`interval_s=0` gives the loop one turn between checks); `predicate` may be a coroutine."""
     deadline = time.monotonic() + timeout_s
     while True:
-        value = await predicate()
+        value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
         if value:
             return value
         if time.monotonic() >= deadline:
             detail = message() if callable(message) else message
             raise AssertionError(f"not true within {timeout_s} s: {detail or value!r}")
         await asyncio.sleep(interval_s)
+
+
+def _byte_level_char(byte: int) -> str:
+    # GPT-2 byte-level alphabet: printable Latin-1 bytes stand for themselves, the other bytes
+    # are shifted to 256 + their rank among the non-printable ones.
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    if byte in printable:
+        return chr(byte)
+    return chr(256 + [b for b in range(256) if b not in printable].index(byte))
+
+
+def byte_token_ids(tok: Tokenizer, text: str) -> list[int]:
+    """`text` as one byte-level BPE token per UTF-8 byte (what a model may emit, a character split)."""
+    ids = [tok.hf.token_to_id(_byte_level_char(b)) for b in text.encode("utf-8")]
+    assert None not in ids
+    return ids
 
 
 class AppProcess:

@@ -163,7 +163,7 @@ def events_stream_config(limits: BusLimits) -> StreamConfig:
     return StreamConfig(
         name=EVENTS_STREAM,
         description="Run lifecycle, admission, node and bench events: the ledger's source of truth",
-        subjects=[f"{_EVENT_PREFIX}.>"],
+        subjects=[every_event()],
         retention=RetentionPolicy.LIMITS,
         # Full means new events are refused (gateways answer new requests 503 events_full, and the
         # events refused are held by their publishers), never that old ones, recorded or not, go:
@@ -196,7 +196,7 @@ def recorder_consumer_config(ack_wait_s: float = 60.0) -> ConsumerConfig:
     return ConsumerConfig(
         name=RECORDER_CONSUMER,
         durable_name=RECORDER_CONSUMER,
-        filter_subject=f"{_EVENT_PREFIX}.>",
+        filter_subject=every_event(),
         ack_policy=AckPolicy.EXPLICIT,
         deliver_policy=DeliverPolicy.ALL,
         ack_wait=ack_wait_s,
@@ -208,7 +208,7 @@ def replay_consumer_config(name: str) -> ConsumerConfig:
     """A private, unacknowledged read of EVENTS from its first message, for `helexa recorder --rebuild`."""
     return ConsumerConfig(
         name=name,
-        filter_subject=f"{_EVENT_PREFIX}.>",
+        filter_subject=every_event(),
         ack_policy=AckPolicy.NONE,
         deliver_policy=DeliverPolicy.ALL,
         # The server removes it by itself if the recorder dies mid-replay.
@@ -525,6 +525,11 @@ def request_wildcard(wildcard: str = ">") -> str:
 def event_wildcard(kind: str) -> str:
     """Every model's subject of one event kind, e.g. `helexa.events.run.finished.*`."""
     return f"{_EVENT_PREFIX}.{kind}.*"
+
+
+def every_event() -> str:
+    """Every event subject, of every kind and model: what the EVENTS stream holds."""
+    return f"{_EVENT_PREFIX}.>"
 
 
 def node_endpoint_wildcard(endpoint: str = "*") -> str:

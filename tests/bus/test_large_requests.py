@@ -33,8 +33,7 @@ from engine.frontend.model_source import load_tokenizer
 from engine.frontend.protocol import SamplingParams
 from engine.frontend.scripted import ScriptedEngine
 from engine.loading.default_model import default_model_path
-from tests.recorder.conftest import eventually
-from tests.support import declared
+from tests.support import declared, eventually_async
 
 MODEL = "large-model"
 DEFAULT_MAX_PAYLOAD = 1 << 20  # nats-server's own
@@ -238,7 +237,7 @@ async def test_a_worker_serves_a_3_mib_prompt_through_a_1_mib_server_and_deletes
         assert isinstance(final, wire.Final), final
         assert "".join(f.text for f in frames if isinstance(f, wire.Delta)) == "read it all"
         # Deleted once the message is settled, right after the answer.
-        await eventually(lambda: _not(object_exists(nc, request.request_id)), what="the object deleted")
+        await eventually_async(lambda: _not(object_exists(nc, request.request_id)), 20.0, message="the object deleted")
     finally:
         await nc.close()
         stop.set()

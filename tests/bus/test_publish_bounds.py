@@ -27,7 +27,7 @@ from apps.recorder.large_events import resolve
 from apps.worker.replies import Replier
 from apps.worker.run_record import RunRecord
 from engine.frontend.protocol import SamplingParams
-from tests.recorder.conftest import eventually
+from tests.support import eventually_async
 
 OFFSETS = (-64, -1, 0, 1, 64)
 
@@ -214,7 +214,7 @@ async def test_a_full_events_stream_refuses_new_events_drops_none_and_the_refuse
         assert (state.first_seq, state.messages) == (1, stored), "nothing already stored was dropped"
         # Room again (what a recorder does once it recorded them): the held event goes in by itself.
         await js.purge_stream(topology.EVENTS_STREAM, seq=stored + 1)
-        await eventually(lambda: _held_none(), what="the held event stored")
+        await eventually_async(lambda: _held_none(), 20.0, message="the held event stored")
         got = await read_events(nc, 1)
         assert [event for _, event in got] == [late]
     finally:

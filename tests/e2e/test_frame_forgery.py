@@ -14,6 +14,7 @@ import openai
 
 from apps.bus import roles, topology, wire
 from tests.e2e.conftest import System, scripted_worker
+from tests.support import eventually_async
 
 MODEL = "forgery-model"
 REPLY = "the real answer"
@@ -46,7 +47,7 @@ async def _forge(system: System, asked: threading.Event) -> list[str]:
         await operator.flush()
         asked.set()
         request = wire.request_decoder.decode((await requests.next_msg(timeout=60)).data)
-        # The gateway's inbox (`_INBOX.gateway.<user>.<id>`): predictable, see tests/test_reply_subjects.py.
+        # The gateway's inbox (`_INBOX.gateway.<user>.<id>`): predictable, see tests/gateway/test_reply_subjects.py.
         inbox = ".".join(request.reply_subject.split(".")[:4])
         assert inbox.startswith(topology.inbox_prefix(roles.GATEWAY, "gateway") + ".")
         # It cannot listen where the gateway's replies go, to learn the rest.
@@ -55,6 +56,12 @@ async def _forge(system: System, asked: threading.Event) -> list[str]:
             for frame in forged(request.attempt + 1):
                 await rogue.publish(subject, wire.encode(frame))
         await rogue.flush()
+
+        async def subscription_refused() -> bool:
+            # The client hears the server's refusal in a task of its own: waited for, not assumed.
+            return any("subscription to" in said for said in refused)
+
+        await eventually_async(subscription_refused, 30, message=lambda: f"no refusal heard: {refused}")
         return refused
     finally:
         await rogue.close()

@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import transformers
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import System
@@ -19,8 +20,6 @@ from tests.e2e.test_cancel import stream_until_first_text
 from tests.e2e.test_chat import finished_run
 from tests.engine.hybrid_models import save_hybrid_dir
 from tests.support import AppProcess, eventually
-
-transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")

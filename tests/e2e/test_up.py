@@ -26,12 +26,10 @@ import openai
 import psutil
 import pytest
 
-from apps.bus import wire
+from apps.bus import topology, wire
 from apps.embedded import free_port
 from apps.embedded.data_dir import read_env
-from tests.recorder.conftest import eventually
-from tests.support import AppProcess
-from tests.support import eventually as eventually_sync
+from tests.support import AppProcess, eventually, eventually_async
 
 
 @dataclass
@@ -101,11 +99,11 @@ def test_the_env_file_urls_work_and_nothing_else_gets_in(up: Up) -> None:
         nc = await nats.connect(nats_url)
         conn = await asyncpg.connect(database_url)
         try:
-            sub = await nc.subscribe("helexa.>")
+            sub = await nc.subscribe(topology.every_subject())
             assert await asyncio.to_thread(up.ask, "Say hi.") in ("stop", "length")
             while True:  # the run's events pass by on the bus
                 msg = await sub.next_msg(timeout=60)
-                if msg.subject.startswith("helexa.events.run.finished"):
+                if topology.kind_of_subject(msg.subject) == "run.finished":
                     assert isinstance(wire.event_decoder.decode(msg.data), wire.RunFinished)
                     break
             assert await conn.fetchval("SELECT count(*) FROM schema_migrations") >= 3
@@ -137,8 +135,8 @@ def _run_events(output: str, request_id: str) -> dict[str, dict]:
     found = {}
     for line in output.splitlines():
         subject, _, rest = line.partition(" ")
-        kind = next((k for k in ("run.started", "run.finished") if subject.startswith(f"helexa.events.{k}.")), None)
-        if kind is None:
+        kind = topology.kind_of_subject(subject)
+        if kind not in ("run.started", "run.finished"):
             continue
         decoder = json.JSONDecoder()
         first, end = decoder.raw_decode(rest)
@@ -151,12 +149,12 @@ def _run_events(output: str, request_id: str) -> dict[str, dict]:
 def test_bus_sub_prints_the_run_events_of_a_request(up: Up) -> None:
     watcher = AppProcess(["--data-dir", str(up.data), "bus", "sub"], {"NATS_URL": ""})
     try:
-        eventually_sync(lambda: "watching helexa.> on 127.0.0.1:" in watcher.output(), timeout_s=30,
-                        message=watcher.output)
+        eventually(lambda: "watching helexa.> on 127.0.0.1:" in watcher.output(), timeout_s=30,
+                   message=watcher.output)
         reply = up.client().chat.completions.create(
             model=up.ready["model"], messages=[{"role": "user", "content": "Say hi."}], max_tokens=4, temperature=0)
-        found = eventually_sync(lambda: len(_run_events(watcher.output(last=100_000), reply.id)) == 2,
-                                timeout_s=30, message=watcher.output)
+        found = eventually(lambda: len(_run_events(watcher.output(last=100_000), reply.id)) == 2,
+                           timeout_s=30, message=watcher.output)
         assert found
         assert _run_events(watcher.output(last=100_000), reply.id)["run.finished"]["status"] == "ok"
     finally:
@@ -205,7 +203,7 @@ def test_a_child_killed_with_sigkill_comes_back_and_the_system_serves_again(up: 
         return await recorded_ok() > ok_before
 
     # The restarted recorder projects the new run.
-    asyncio.run(eventually(one_more, timeout_s=60, what="the run after the restart recorded"))
+    asyncio.run(eventually_async(one_more, 60, message="the run after the restart recorded"))
 
 
 def test_the_services_beside_the_engine_run_at_a_lower_priority(up: Up) -> None:

@@ -28,7 +28,7 @@ def _reference_class(transformers, model_type: str):
     }[model_type]
 
 
-def _config(transformers, model_type: str, max_position_embeddings: int):
+def hybrid_config(transformers, model_type: str, max_position_embeddings: int):
     attention = _ATTENTION | {"max_position_embeddings": max_position_embeddings}
     if model_type == "qwen3_moe":
         return transformers.Qwen3MoeConfig(**attention, **_MOE, intermediate_size=96,
@@ -56,7 +56,7 @@ def save_hybrid_dir(transformers, model_type: str, directory: Path,
     """Build, perturb (norms, biases, routers, gates) and save; plus a tokenizer with a chat template."""
     directory.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    config = _config(transformers, model_type, max_position_embeddings)
+    config = hybrid_config(transformers, model_type, max_position_embeddings)
     model = _reference_class(transformers, model_type)(config).float()
     perturb_norms_and_biases(model)
     with torch.no_grad():

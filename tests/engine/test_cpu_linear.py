@@ -19,7 +19,7 @@ from engine.runner import ops
 from engine.runner.model_runner import ModelRunner
 from helexa_kernels import cpu as cpu_kernels
 from tests.engine.helpers import PagedSequences
-from tests.engine.test_packed_projections import _our_model
+from tests.engine.tiny_models import randomized_model
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
@@ -53,18 +53,9 @@ def test_fp16_is_left_to_f_linear() -> None:
     assert not layer.prepack() and layer.packed is None
 
 
-def _randomized(model_type: str) -> torch.nn.Module:
-    model = _our_model(model_type)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
-    return model.eval()
-
-
 @pytest.mark.parametrize("model_type", ["llama", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5"])
 def test_every_family_gives_the_same_logits_packed(model_type: str) -> None:
-    model = _randomized(model_type)
+    model = randomized_model(model_type)
     prompts = {0: list(range(3, 20)), 1: list(range(40, 47))}
     with torch.inference_mode():
         before = PagedSequences(model, [32, 32]).step(prompts)
@@ -76,7 +67,7 @@ def test_every_family_gives_the_same_logits_packed(model_type: str) -> None:
 
 
 def test_the_model_runner_packs_every_linear_on_cpu() -> None:
-    model = _randomized("llama")
+    model = randomized_model("llama")
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(m.packed is None for m in linears)
     ModelRunner(model, model.config, EngineConfig(model="in-memory", num_kv_blocks=8))

@@ -129,7 +129,7 @@ def test_padding_leaves_hybrid_states_alone(model_type: str, tmp_path) -> None:
     """A hybrid model's padded static inputs (padding rows on state slot -1) give the real rows'
     hidden states, and every state slot ends as the eager step leaves it: the padding row moved
     none (slot -1 read as an index would be the last slot, sequence 0's)."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     model = load_checkpoint(save_hybrid_dir(transformers, model_type, tmp_path / model_type)).model
     prompts_ = [[3, 9, 27, 5, 11], [40, 2, 2], [7, 7, 60, 1, 14, 33, 2]]
     eager_seqs, padded_seqs = _prefilled(model, prompts_), _prefilled(model, prompts_)
@@ -214,7 +214,7 @@ def test_engine_tokens_same_with_and_without_graphs() -> None:
 def test_hybrid_engine_tokens_same_with_and_without_graphs(model_type: str, tmp_path) -> None:
     """A hybrid model's decode steps replayed from graphs (state slots in a static buffer) give
     the tokens its eager steps give, over batches that shrink as requests finish."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     checkpoint = load_checkpoint(save_hybrid_dir(transformers, model_type, tmp_path / model_type),
                                  device="cuda")
     prompt_ids = [[(7 * i + 3 * j) % 300 + 3 for j in range(5 + 3 * i)] for i in range(5)]

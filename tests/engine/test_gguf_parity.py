@@ -5,13 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 
 from engine.loading.gguf_file import model_id_from_path
 from engine.loading.gguf_import import unpermute_rope_rows
 from engine.loading.loader import Checkpoint
 from tests.engine.helpers import PagedSequences, chunked_logits
-
-transformers = pytest.importorskip("transformers")
 
 PROMPT = "The capital of France is Paris. The capital of Germany is Berlin, and 12 + 7 = 19."
 

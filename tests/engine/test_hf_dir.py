@@ -7,11 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from engine.loading.loader import load_checkpoint
 from tests.engine.helpers import chunked_logits, perturb_norms_and_biases, save_tokenizer
-
-transformers = pytest.importorskip("transformers")
 
 VOCAB_SIZE = 512
 

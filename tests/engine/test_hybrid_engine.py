@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from engine.core.engine_core import EngineCore
 from engine.frontend.engine_config import EngineConfig
@@ -17,8 +18,6 @@ from engine.loading.loader import Checkpoint, load_checkpoint
 from engine.runner.model_runner import kv_bytes_per_token
 from tests.engine.helpers import RaisesAfterForward
 from tests.engine.hybrid_models import LONG_PROMPT, reference_model, save_hybrid_dir
-
-transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(params=["qwen3_next", "qwen3_5"], scope="module")

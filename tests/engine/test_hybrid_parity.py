@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 
 from engine.loading.loader import Checkpoint, load_checkpoint
 from tests.engine.helpers import (
@@ -19,8 +20,6 @@ from tests.engine.helpers import (
     chunked_logits,
 )
 from tests.engine.hybrid_models import LONG_PROMPT, VOCAB_SIZE, reference_model, save_hybrid_dir
-
-transformers = pytest.importorskip("transformers")
 
 MODEL_TYPES = ["qwen3_moe", "qwen3_next", "qwen3_5"]
 

@@ -4,40 +4,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
+import transformers
 
-from engine.loading.model_config import ModelConfig
-from engine.loading.loader import empty_model, load_weights, packed_targets
+from engine.loading.loader import load_weights, packed_targets
 from engine.models.layers import PackedLinear
-from tests.engine.hybrid_models import _config
-
-transformers = pytest.importorskip("transformers")
+from tests.engine.tiny_models import tiny_hf_config, tiny_model
 
 # Checkpoint projections that must never survive as separate GEMMs.
 SEPARATE = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "in_proj_qkv", "in_proj_z",
             "in_proj_b", "in_proj_a"}
 
 
-def _hf_config(model_type: str):
-    sizes = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-             "max_position_embeddings": 128}
-    if model_type == "llama":
-        return transformers.LlamaConfig(**sizes, attention_bias=True)
-    if model_type == "qwen3":
-        return transformers.Qwen3Config(**sizes)
-    return _config(transformers, model_type, 128)
-
-
-def _our_model(model_type: str) -> nn.Module:
-    raw = _hf_config(model_type).to_dict()
-    raw["model_type"] = model_type
-    return empty_model(ModelConfig.from_hf_config(raw), torch.float32, "cpu")
-
-
 @pytest.mark.parametrize("model_type", ["llama", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5"])
 def test_every_family_runs_packed_projections(model_type: str) -> None:
-    model = _our_model(model_type)
+    model = tiny_model(model_type)
     names = {name.rpartition(".")[2] for name, _ in model.named_modules()}
     assert not names & SEPARATE
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
@@ -49,8 +29,8 @@ def test_every_family_runs_packed_projections(model_type: str) -> None:
 
 def test_llama_packed_rows_are_the_checkpoint_tensors_in_order() -> None:
     torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(_hf_config("llama")).float()
-    ours = _our_model("llama")
+    hf = transformers.LlamaForCausalLM(tiny_hf_config("llama")).float()
+    ours = tiny_model("llama")
     state = hf.state_dict()
     load_weights(ours, state.items())
     layer = "model.layers.1."
@@ -65,10 +45,10 @@ def test_llama_packed_rows_are_the_checkpoint_tensors_in_order() -> None:
 
 
 def test_a_missing_or_repeated_shard_is_an_error() -> None:
-    hf = transformers.LlamaForCausalLM(_hf_config("llama")).float()
+    hf = transformers.LlamaForCausalLM(tiny_hf_config("llama")).float()
     weights = list(hf.state_dict().items())
     name = "model.layers.0.self_attn.k_proj.weight"
     with pytest.raises(ValueError, match="missing .* tensors"):
-        load_weights(_our_model("llama"), [(n, t) for n, t in weights if n != name])
+        load_weights(tiny_model("llama"), [(n, t) for n, t in weights if n != name])
     with pytest.raises(ValueError, match="more than once"):
-        load_weights(_our_model("llama"), weights + [(name, dict(weights)[name])])
+        load_weights(tiny_model("llama"), weights + [(name, dict(weights)[name])])

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 
 from engine.loading.loader import Checkpoint, load_checkpoint
 from tests.engine.helpers import (
@@ -16,8 +17,6 @@ from tests.engine.helpers import (
     perturb_norms_and_biases,
     save_tokenizer,
 )
-
-transformers = pytest.importorskip("transformers")
 
 VOCAB_SIZE = 320
 PROMPT = "The lazy fox returns a + b, 42 times; pack my box."

@@ -12,7 +12,7 @@ from engine.runner import ops
 from engine.runner.model_runner import allocate_kv_caches
 from engine.runner.step_metadata import AttentionMetadata
 from tests.engine.helpers import PagedSequences
-from tests.engine.test_cpu_linear import _randomized
+from tests.engine.tiny_models import randomized_model
 
 # Mean |bf16 logit - fp32 logit| over every position of the chat prompts below. Measured on an
 # AMD EPYC (avx512_bf16): 0.095 with the fp32 stream, 0.15 with a bf16 one.
@@ -22,7 +22,7 @@ MAX_MEAN_LOGIT_ERROR = 0.12
 @pytest.mark.parametrize("model_type", ["llama", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5"])
 def test_every_family_adds_into_an_fp32_stream_in_bf16(model_type: str,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    model = _randomized(model_type).to(torch.bfloat16)
+    model = randomized_model(model_type).to(torch.bfloat16)
     seen: list[tuple[torch.dtype, torch.dtype]] = []
     fused = ops.fused_add_rms_norm
 

@@ -6,27 +6,12 @@ import pytest
 
 from engine.frontend.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, Tokenizer
 from engine.loading.loader import Checkpoint
+from tests.support import byte_token_ids
 
 
 @pytest.fixture(scope="module")
 def tok(smollm2: Checkpoint) -> Tokenizer:
     return smollm2.tokenizer
-
-
-def _byte_level_char(byte: int) -> str:
-    # GPT-2 byte-level alphabet: printable Latin-1 bytes stand for themselves, the other bytes
-    # are shifted to 256 + their rank among the non-printable ones.
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
-    if byte in printable:
-        return chr(byte)
-    return chr(256 + [b for b in range(256) if b not in printable].index(byte))
-
-
-def _byte_token_ids(tok: Tokenizer, text: str) -> list[int]:
-    ids = [tok.hf.token_to_id(_byte_level_char(b)) for b in text.encode("utf-8")]
-    assert None not in ids
-    return ids
 
 
 def test_digits_after_spaces_split_like_training(tok: Tokenizer) -> None:
@@ -82,7 +67,7 @@ def test_chat_template_default_system_prompt(tok: Tokenizer) -> None:
                          ids=["mixed", "emoji", "cjk"])
 def test_incremental_detokenizer_byte_tokens(tok: Tokenizer, text: str) -> None:
     detok = IncrementalDetokenizer(tok, tok.encode("<|im_start|>assistant\n"))
-    deltas = [detok.step([token_id]) for token_id in _byte_token_ids(tok, text)]
+    deltas = [detok.step([token_id]) for token_id in byte_token_ids(tok, text)]
     assert not any(REPLACEMENT_CHAR in d for d in deltas)
     assert "".join(deltas) == text == detok.output_text
     assert detok.flush() == ""
@@ -99,6 +84,6 @@ def test_incremental_detokenizer_matches_full_decode(tok: Tokenizer) -> None:
 
 def test_incremental_detokenizer_flushes_cut_off_character(tok: Tokenizer) -> None:
     detok = IncrementalDetokenizer(tok)
-    assert detok.step(_byte_token_ids(tok, "a")) == "a"
-    assert detok.step(_byte_token_ids(tok, "🙂")[:2]) == ""  # half an emoji is held back
+    assert detok.step(byte_token_ids(tok, "a")) == "a"
+    assert detok.step(byte_token_ids(tok, "🙂")[:2]) == ""  # half an emoji is held back
     assert detok.flush() == REPLACEMENT_CHAR

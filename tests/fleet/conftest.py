@@ -163,7 +163,7 @@ async def _collect(nats_url: str, subject: str | list[str], until: Callable[[lis
     wanted = [subject] if isinstance(subject, str) else subject
     try:
         # Several subjects: the whole stream, kept where it matches one of them.
-        sub = await nc.jetstream().subscribe(wanted[0] if len(wanted) == 1 else "helexa.events.>",
+        sub = await nc.jetstream().subscribe(wanted[0] if len(wanted) == 1 else topology.every_event(),
                                              ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
         events: list[wire.Event] = []
         deadline = time.monotonic() + timeout_s

@@ -103,7 +103,7 @@ async def _replicas(nats_url: str) -> dict[str, int]:
 async def _bench_runs_on_events(nats_url: str) -> int:
     nc = await topology.connect(nats_url, "bench-check")
     try:
-        info = await nc.jetstream().stream_info(topology.EVENTS_STREAM, subjects_filter="helexa.events.bench.run.>")
+        info = await nc.jetstream().stream_info(topology.EVENTS_STREAM, subjects_filter=topology.event_wildcard("bench.run"))
         return sum((info.state.subjects or {}).values())
     finally:
         await nc.close()

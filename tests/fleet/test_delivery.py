@@ -9,8 +9,9 @@ import httpx
 import openai
 import pytest
 
-from apps.bus import wire
+from apps.bus import topology, wire
 from tests.fleet.conftest import Fleet, finished_subjects, wait_events
+from tests.support import eventually
 
 REPLY = "one two three four five six seven eight nine ten eleven twelve"
 
@@ -50,7 +51,7 @@ def test_unstarted_requests_move_to_another_worker(fleet: Fleet) -> None:
     with fleet.worker("handover-a", model, holding, HELEXA_MAX_NUM_SEQS="4") as doomed:
         with ThreadPoolExecutor(3) as pool:
             answers = pool.map(lambda i: ask(fleet, model, f"hold {i}"), range(3))
-            started = wait_events(fleet.nats_url, f"helexa.events.run.started.{model}",
+            started = wait_events(fleet.nats_url, topology.event_subject("run.started", model),
                                   lambda es: len(es) >= 3)
             assert {e.node for e in started} == {"handover-a"}
             doomed.kill()
@@ -89,30 +90,20 @@ def test_a_silent_worker_leaves_the_registry_and_comes_back(fleet: Fleet) -> Non
     def listed() -> set[str]:
         return {m["id"] for m in httpx.get(f"{fleet.base_url}/v1/models", timeout=10).json()["data"]}
 
+    # The registry's expiry has no event a client can wait on: the test polls what HTTP shows.
     with fleet.worker("ttl-a", model, {"default": "hi"}) as worker:
         assert model in listed()
         worker.process.send_signal(signal.SIGSTOP)  # alive but silent: no refresh
         try:
-            assert wait_until(lambda: model not in listed(), timeout_s=30)
+            eventually(lambda: model not in listed(), 30, interval_s=0.2, message="the silent node expired")
         finally:
             worker.process.send_signal(signal.SIGCONT)
-        assert wait_until(lambda: model in listed(), timeout_s=30)
+        eventually(lambda: model in listed(), 30, interval_s=0.2, message="the node listed again")
         assert ask(fleet, model, "hello") == "hi"
         worker.kill()
-        assert wait_until(lambda: model not in listed(), timeout_s=30)
+        eventually(lambda: model not in listed(), 30, interval_s=0.2, message="the killed node expired")
     # The same node restarted is seen afresh.
     with fleet.worker("ttl-a", model, {"default": "hi again"}):
         assert model in listed()
         assert ask(fleet, model, "hello") == "hi again"
 
-
-def wait_until(condition, timeout_s: float) -> bool:  # type: ignore[no-untyped-def]
-    """Poll an HTTP-visible condition: the registry's expiry has no event a client can wait on."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.2)
-    return False

@@ -14,6 +14,7 @@ from pathlib import Path
 import asyncpg
 import httpx
 
+from apps.bus import topology
 from apps.embedded.nats_server import NatsServer
 from apps.embedded.postgres import PostgresServer
 from apps.recorder.migrate import migrate
@@ -83,12 +84,12 @@ def test_a_frozen_worker_that_wakes_up_stops_and_the_ledger_names_the_served_att
         with ThreadPoolExecutor(1) as pool:
             answer = pool.submit(stream_chat, fleet.base_url, body, has_text, 3)
             assert has_text.wait(60)
-            running = wait_events(fleet.nats_url, f"helexa.events.run.started.{model}", lambda es: len(es) >= 1)[-1]
+            running = wait_events(fleet.nats_url, topology.event_subject("run.started", model), lambda es: len(es) >= 1)[-1]
             frozen = by_node[running.node]
             frozen.process.send_signal(signal.SIGSTOP)
             try:
                 # The other worker has taken over once the migrated attempt has started there.
-                wait_events(fleet.nats_url, f"helexa.events.run.started.{model}",
+                wait_events(fleet.nats_url, topology.event_subject("run.started", model),
                             lambda es: any(e.request_id == running.request_id and e.attempt == MIGRATED_ATTEMPT
                                            for e in es))
             finally:

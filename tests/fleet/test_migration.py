@@ -83,7 +83,7 @@ def finished(events: list[wire.Event], request_id: str) -> list[wire.RunFinished
 
 
 def started_on(fleet: Fleet, model: str, request_id: str) -> str:
-    events = wait_events(fleet.nats_url, f"helexa.events.run.started.{model}",
+    events = wait_events(fleet.nats_url, topology.event_subject("run.started", model),
                          lambda es: any(e.request_id == request_id for e in es))
     return next(e.node for e in events if e.request_id == request_id)
 
@@ -99,7 +99,7 @@ def test_a_stream_whose_worker_dies_goes_on_from_another_worker(fleet: Fleet) ->
             answer = pool.submit(stream_chat, fleet.base_url, body, has_text, 3)
             assert has_text.wait(60)
             # The request id is the chunks' id; find it from the stream that is running.
-            events = wait_events(fleet.nats_url, f"helexa.events.run.started.{model}",
+            events = wait_events(fleet.nats_url, topology.event_subject("run.started", model),
                                  lambda es: len(es) >= 2)
             running = events[-1]
             by_node[running.node].kill()
@@ -129,7 +129,7 @@ def test_with_the_migration_limit_at_0_the_client_gets_worker_lost(fleet: Fleet)
         with ThreadPoolExecutor(1) as pool:
             answer = pool.submit(stream_chat, base_url, body, has_text, 2)
             assert has_text.wait(60)
-            running = wait_events(fleet.nats_url, f"helexa.events.run.started.{model}", lambda es: len(es) >= 1)[-1]
+            running = wait_events(fleet.nats_url, topology.event_subject("run.started", model), lambda es: len(es) >= 1)[-1]
             by_node[running.node].kill()
             got = answer.result(timeout=120)
         events = wait_events(fleet.nats_url, finished_subjects(model),
@@ -182,7 +182,7 @@ def test_streams_of_a_killed_model_worker_finish_as_if_undisturbed(fleet: Fleet)
                        for body, has_text in zip(requests, texts, strict=True)]
             for has_text in texts:
                 assert has_text.wait(120)
-            started = wait_events(fleet.nats_url, f"helexa.events.run.started.{model}",
+            started = wait_events(fleet.nats_url, topology.event_subject("run.started", model),
                                   lambda es: len(es) >= 2 * len(requests))[len(requests):]
             busiest = Counter(e.node for e in started).most_common(1)[0][0]
             by_node[busiest].kill()

@@ -105,7 +105,7 @@ def test_cold_start_load_unload_and_poisoning(fleet: Fleet) -> None:
         poisoned = next(m for n in helexa(fleet, "models", "ls")["nodes"] for m in n["models"]
                         if m["model"] == COLD_MODEL)
         assert poisoned["state"] == "poisoned"
-        wait_events(fleet.nats_url, "helexa.events.node.status.>",
+        wait_events(fleet.nats_url, topology.event_wildcard("node.status"),
                     lambda es: any(e.node == "life-a" and e.status == "degraded" for e in es))
         # A reload clears it.
         assert helexa(fleet, "models", "load", COLD_MODEL)["nodes"] == ["life-a"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -34,6 +33,7 @@ from apps.embedded.postgres import PostgresServer
 from apps.recorder.app import run_recorder
 from apps.recorder.projector import PROJECTIONS
 from apps.settings import RecorderSettings
+from tests.support import eventually_async
 
 
 @pytest.fixture
@@ -157,7 +157,7 @@ async def publish_fast(nc: NatsClient, events: list[Event]) -> None:
     async def stored() -> bool:
         return (await js.stream_info(EVENTS_STREAM)).state.last_seq >= before + len(events)
 
-    await eventually(stored, what=f"{len(events)} events stored")
+    await eventually_async(stored, 20.0, message=f"{len(events)} events stored")
 
 
 async def wait_all_acked(js: JetStreamContext, timeout_s: float = 30.0) -> None:
@@ -165,7 +165,7 @@ async def wait_all_acked(js: JetStreamContext, timeout_s: float = 30.0) -> None:
         info = await js.consumer_info(EVENTS_STREAM, RECORDER_CONSUMER)
         return info.num_pending == 0 and info.num_ack_pending == 0
 
-    await eventually(drained, timeout_s, what="every event acked or terminated")
+    await eventually_async(drained, timeout_s, message="every event acked or terminated")
 
 
 async def fetchval(url: str, sql: str) -> Any:
@@ -180,7 +180,7 @@ async def wait_rows(url: str, table: str, expected: int, timeout_s: float = 30.0
     async def reached() -> bool:
         return await fetchval(url, f"SELECT count(*) FROM {table}") >= expected
 
-    await eventually(reached, timeout_s, what=f"{expected} rows in {table}")
+    await eventually_async(reached, timeout_s, message=f"{expected} rows in {table}")
 
 
 async def snapshot(url: str, tables: tuple[str, ...] = PROJECTIONS) -> dict[str, list[tuple]]:
@@ -190,15 +190,6 @@ async def snapshot(url: str, tables: tuple[str, ...] = PROJECTIONS) -> dict[str,
         return {t: [tuple(r) for r in await conn.fetch(f"SELECT * FROM {t} ORDER BY 1, 2")] for t in tables}
     finally:
         await conn.close()
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 20.0, what: str = "condition") -> None:
-    """Poll `check` until it holds, failing after a bounded deadline."""
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 class LogWatch(logging.Handler):

@@ -17,7 +17,6 @@ from apps.embedded.postgres import PostgresServer
 from apps.settings import RecorderSettings
 from tests.recorder.conftest import (
     LogWatch,
-    eventually,
     fetchval,
     finished,
     publish,
@@ -25,6 +24,7 @@ from tests.recorder.conftest import (
     started,
     wait_all_acked,
 )
+from tests.support import eventually_async
 
 
 
@@ -42,7 +42,7 @@ async def test_redelivered_and_reordered_events_become_exact_rows(
 
     async with recording(_settings(own_nats, database_url), log_watch) as task:
         await log_watch.wait_for("ready", task=task)
-        await eventually(lambda: _is(database_url, "SELECT count(*) FROM events", 3), what="3 events")
+        await eventually_async(lambda: _is(database_url, "SELECT count(*) FROM events", 3), 20.0, message="3 events")
         await wait_all_acked(js)
         # A late duplicate, after the first copies were committed and acked.
         await publish(js, finish)
@@ -77,9 +77,9 @@ async def test_events_arriving_while_a_batch_lingers_commit_with_it(
         async def first_fetched() -> bool:
             return (await js.consumer_info(EVENTS_STREAM, RECORDER_CONSUMER)).num_ack_pending == 1
 
-        await eventually(first_fetched, what="the first event fetched")
+        await eventually_async(first_fetched, 20.0, message="the first event fetched")
         await publish(js, started("req-2"))
-        await eventually(lambda: _is(database_url, "SELECT count(*) FROM events", 2), what="2 events")
+        await eventually_async(lambda: _is(database_url, "SELECT count(*) FROM events", 2), 20.0, message="2 events")
         await wait_all_acked(js)
     assert await fetchval(database_url, "SELECT count(DISTINCT xmin::text) FROM events") == 1
 
@@ -102,7 +102,7 @@ async def test_undecodable_and_rejected_events_do_not_block_the_stream(
 
     async with recording(_settings(own_nats, database_url), log_watch) as task:
         await log_watch.wait_for("ready", task=task)
-        await eventually(lambda: _is(database_url, "SELECT count(*) FROM runs", 6), what="the good events")
+        await eventually_async(lambda: _is(database_url, "SELECT count(*) FROM runs", 6), 20.0, message="the good events")
         await wait_all_acked(js)
 
     assert len(log_watch.matching("event dead-lettered", reason="undecodable")) == 3
@@ -132,7 +132,7 @@ async def test_started_before_postgres_records_everything_once_it_is_up(
         await log_watch.wait_for("postgres unavailable, retrying", task=task, during="migrate")
         await asyncio.to_thread(own_postgres.start)
         await log_watch.wait_for("ready", task=task)
-        await eventually(lambda: _is(own_postgres.url, "SELECT count(*) FROM events", 40), what="40 events")
+        await eventually_async(lambda: _is(own_postgres.url, "SELECT count(*) FROM events", 40), 20.0, message="40 events")
         await wait_all_acked(js)
 
     assert await fetchval(own_postgres.url, "SELECT count(*) FROM runs WHERE status = 'ok'") == 20
@@ -145,7 +145,7 @@ async def test_an_outage_mid_stream_holds_the_batch_and_retries_it(
     async with recording(_settings(own_nats, own_postgres.url), log_watch) as task:
         await log_watch.wait_for("ready", task=task)
         await publish(js, started("before"))
-        await eventually(lambda: _is(own_postgres.url, "SELECT count(*) FROM runs", 1), what="the first run")
+        await eventually_async(lambda: _is(own_postgres.url, "SELECT count(*) FROM runs", 1), 20.0, message="the first run")
 
         await asyncio.to_thread(own_postgres.stop)
         await publish(js, finished("before"), started("during"), finished("during"))
@@ -156,7 +156,7 @@ async def test_an_outage_mid_stream_holds_the_batch_and_retries_it(
         assert info.num_ack_pending + info.num_pending == 3
 
         await asyncio.to_thread(own_postgres.start)
-        await eventually(lambda: _is(own_postgres.url, "SELECT count(*) FROM events", 4), what="4 events")
+        await eventually_async(lambda: _is(own_postgres.url, "SELECT count(*) FROM events", 4), 20.0, message="4 events")
         await wait_all_acked(js)
 
     assert await fetchval(own_postgres.url, "SELECT count(*) FROM runs WHERE status = 'ok'") == 2

@@ -13,9 +13,9 @@ from apps.bus.topology import EVENTS_STREAM, RECORDER_CONSUMER
 from apps.embedded.nats_server import NatsServer
 from apps.embedded.postgres import PostgresServer
 from apps.settings import RecorderSettings
-from tests.recorder.conftest import LogWatch, eventually, publish_fast, recording, wait_all_acked, wait_rows
+from tests.recorder.conftest import LogWatch, publish_fast, recording, wait_all_acked, wait_rows
 from tests.recorder.workload import assert_projections, mixed
-from tests.support import AppProcess
+from tests.support import AppProcess, eventually_async
 
 
 def _recorder(nats_url: str, database_url: str) -> AppProcess:
@@ -58,7 +58,7 @@ async def test_killed_mid_batch_then_restarted(
         await blocking.start()
         await blocker.execute("LOCK TABLE events IN SHARE ROW EXCLUSIVE MODE")
         await publish_fast(nc, late)
-        await eventually(lambda: _blocked_on_lock(blocker, database_url), what="the recorder blocked mid-batch")
+        await eventually_async(lambda: _blocked_on_lock(blocker, database_url), 20.0, message="the recorder blocked mid-batch")
         held = (await js.consumer_info(EVENTS_STREAM, RECORDER_CONSUMER)).num_ack_pending
         first.kill()
         await blocking.rollback()

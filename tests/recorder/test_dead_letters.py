@@ -17,7 +17,6 @@ from apps.settings import RecorderSettings
 from tests.recorder.conftest import (
     LogWatch,
     admission,
-    eventually,
     fetchval,
     finished,
     publish,
@@ -25,6 +24,7 @@ from tests.recorder.conftest import (
     started,
     wait_all_acked,
 )
+from tests.support import eventually_async
 
 
 def _metric(text: str, name: str) -> float:
@@ -62,8 +62,8 @@ async def test_a_poison_event_is_dead_lettered_and_the_events_after_it_are_recor
         # The recorder is still running, and records what comes after the poisoned batch too.
         later = [started("later"), finished("later")]
         await publish(js, *later)
-        await eventually(lambda: _equals(database_url, "SELECT count(*) FROM runs WHERE status = 'ok'", 5),
-                         what="the runs before and after the poison")
+        await eventually_async(lambda: _equals(database_url, "SELECT count(*) FROM runs WHERE status = 'ok'", 5),
+                               20.0, message="the runs before and after the poison")
         await wait_all_acked(js)
         assert not task.done()
 
@@ -72,7 +72,7 @@ async def test_a_poison_event_is_dead_lettered_and_the_events_after_it_are_recor
             return (_metric(text, "helexa:recorder_lag_events") == 0
                     and _metric(text, "helexa:recorder_events_recorded_total") == 11)
 
-        await eventually(lag_settled, what="no lag and 11 events recorded, in the metrics")
+        await eventually_async(lag_settled, 20.0, message="no lag and 11 events recorded, in the metrics")
         text = await _scrape(metrics_url)
         assert _metric(text, 'helexa:recorder_dead_letters_total{reason="rejected"}') == 1
         assert _metric(text, 'helexa:recorder_dead_letters_total{reason="undecodable"}') == 0

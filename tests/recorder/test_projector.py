@@ -49,7 +49,7 @@ async def test_duplicates_are_recorded_once(conn: asyncpg.Connection) -> None:
     assert (row["request_id"], row["status"], row["completion_tokens"]) == ("r1", "ok", 7)
     raw = await conn.fetchrow("SELECT kind, subject, payload FROM events WHERE event_id = $1", start.event_id)
     assert raw["kind"] == "run.started"
-    assert raw["subject"] == "helexa.events.run.started.tiny"
+    assert raw["subject"] == event_subject("run.started", "tiny")
     assert '"request_id": "r1"' in raw["payload"]
 
 

@@ -32,23 +32,16 @@ from apps.settings import WorkerSettings
 from apps.worker import model_loop
 from apps.worker.model_loop import ModelLoop
 from apps.worker.process import WorkerProcess
-from engine.frontend.model_source import load_tokenizer
 from engine.frontend.protocol import FinishReason, SamplingParams
 from engine.frontend.scripted import ScriptedEngine
 from engine.frontend.tokenizer import Tokenizer
-from engine.loading.default_model import default_model_path
-from tests.recorder.conftest import LogWatch, eventually
-from tests.support import AppProcess
+from tests.recorder.conftest import LogWatch
+from tests.support import AppProcess, eventually_async
 
 MODEL = "delivery-model"
 LONG_REPLY = " ".join(f"word{i}" for i in range(60))
 SCRIPT = {"default": "quick answer",
           "rules": [{"match": "LONG", "reply": LONG_REPLY, "token_delay_s": 0.05}]}
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return load_tokenizer(default_model_path())[0]
 
 
 class Requester:
@@ -199,7 +192,7 @@ async def test_an_attempt_told_it_lost_stops_sends_nothing_more_and_leaves_the_m
         async def forgotten() -> bool:
             return not process.models[MODEL].requests
 
-        await eventually(forgotten, 10.0, "the worker to forget the lost attempt")
+        await eventually_async(forgotten, 10.0, message="the worker to forget the lost attempt")
 
 
 async def test_a_newer_attempt_of_a_request_running_here_takes_over(
@@ -223,7 +216,7 @@ async def test_a_newer_attempt_of_a_request_running_here_takes_over(
         old, new = sorted(await events.wait_for(2), key=lambda e: e.attempt)
         assert (old.attempt, old.served, old.error) == (1, False, ErrorCode.ATTEMPT_TAKEN)
         assert new.attempt == final.attempt and new.served is True and new.status == RunStatus.OK
-        await eventually(lambda: _settled(nc), what="both messages settled")
+        await eventually_async(lambda: _settled(nc), 20.0, message="both messages settled")
 
 
 async def _settled(nc: NatsClient) -> bool:
@@ -268,7 +261,7 @@ async def test_a_requester_gone_past_the_grace_ends_the_run(
         (finished,) = await events.wait_for(1)
         assert finished.status == RunStatus.CANCELLED and finished.finish_reason == FinishReason.ABORT
         assert finished.completion_tokens < len(tok.encode(LONG_REPLY, add_special_tokens=False))
-        await eventually(lambda: _no_requests(process), what="the request released")
+        await eventually_async(lambda: _no_requests(process), 20.0, message="the request released")
 
 
 async def _no_requests(process: WorkerProcess) -> bool:
@@ -297,7 +290,7 @@ async def test_run_finished_is_published_before_the_ack_so_a_failed_ack_loses_no
         await requester.wait_for(ended)
         (finished,) = await events.wait_for(1)
         assert finished.status == RunStatus.OK
-        await eventually(lambda: _asyncify("ack" in order), what="the ack")
+        await eventually_async(lambda: _asyncify("ack" in order), 20.0, message="the ack")
         assert order == ["run.finished", "ack"]
 
 

@@ -16,8 +16,8 @@ from apps.embedded.nats_server import NatsServer
 from apps.worker.run import check_resume_fits
 from engine.frontend.protocol import SamplingParams
 from engine.frontend.tokenizer import Tokenizer
-from tests.test_worker_isolation import MODEL, listen, terminations, tok, worker  # noqa: F401 (tok: a fixture)
-from tests.test_worker_isolation import publish as publish_request
+from tests.worker.in_process import MODEL, listen, terminations, worker
+from tests.worker.in_process import publish as publish_request
 
 
 def request_of(request_id: str, size: int) -> wire.GenerateRequest:

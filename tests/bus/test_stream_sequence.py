@@ -28,7 +28,7 @@ async def test_matches_nats_metadata_on_real_deliveries(own_nats: NatsServer) ->
 
 def test_reads_the_domain_form_of_ack_subjects() -> None:
     reply = "$JS.ACK.hub.ACCHASH.EVENTS.recorder.2.981.77.1700000000000000000.12.rnd"
-    msg = Msg(_client=None, subject="helexa.events.x", reply=reply)  # type: ignore[arg-type]
+    msg = Msg(_client=None, subject=event_subject("run.started", "m"), reply=reply)  # type: ignore[arg-type]
     assert stream_sequence(msg) == msg.metadata.sequence.stream == 981
 
 

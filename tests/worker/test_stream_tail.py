@@ -19,16 +19,9 @@ from apps.worker import choices
 from apps.worker.prompt import Prompt
 from apps.worker.replies import CollectingReplier
 from apps.worker.run_record import RunRecord
-from engine.frontend.model_source import load_tokenizer
 from engine.frontend.protocol import EngineOutput, EngineRequest, FinishReason, SamplingParams
 from engine.frontend.tokenizer import Tokenizer
-from engine.loading.default_model import default_model_path
-from tests.engine.test_tokenizer import _byte_token_ids
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return load_tokenizer(default_model_path())[0]
+from tests.support import byte_token_ids
 
 
 class GroupedEngine:
@@ -66,14 +59,14 @@ def _stream(tok: Tokenizer, groups: list[list[int]], stop: list[str], reason: Fi
 
 @pytest.mark.parametrize("text", ["ok 🙂", "日本", "héllo 👍🏽"], ids=["emoji", "cjk", "modifier"])
 def test_every_grouping_streams_the_full_decode(tok: Tokenizer, text: str) -> None:
-    ids = _byte_token_ids(tok, text)
+    ids = byte_token_ids(tok, text)
     for groups in _groupings(ids):
         assert _stream(tok, groups, [], FinishReason.LENGTH) == (text, "length"), groups
 
 
 def test_a_character_cut_off_by_the_end_is_not_dropped(tok: Tokenizer) -> None:
     # Generation stopped (max_tokens) after half an emoji: the text is what a whole decode says.
-    ids = _byte_token_ids(tok, "ab🙂")[:4]
+    ids = byte_token_ids(tok, "ab🙂")[:4]
     expected = tok.decode(ids)
     assert expected.startswith("ab") and expected.endswith("\ufffd")
     for groups in _groupings(ids):
@@ -81,6 +74,6 @@ def test_a_character_cut_off_by_the_end_is_not_dropped(tok: Tokenizer) -> None:
 
 
 def test_stop_strings_hold_for_every_grouping(tok: Tokenizer) -> None:
-    ids = _byte_token_ids(tok, "say 日本 then")
+    ids = byte_token_ids(tok, "say 日本 then")
     for groups in _groupings(ids):
         assert _stream(tok, groups, ["本"], FinishReason.LENGTH) == ("say 日", "stop"), groups

@@ -30,7 +30,6 @@ from apps.worker.model_loop import ModelLoop
 from apps.worker.replies import CollectingReplier
 from apps.worker.run import ServedModel, abort_request, run_request
 from engine.frontend.core_client import AsyncEngine
-from engine.frontend.model_source import load_tokenizer
 from engine.frontend.protocol import Engine, FinishReason, SamplingParams
 from engine.frontend.scripted import ScriptedEngine
 from engine.frontend.tokenizer import Tokenizer
@@ -89,11 +88,6 @@ class Answer:
         final = self.frames[-1]
         assert isinstance(final, wire.Final), self.frames[-1]
         return final
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return load_tokenizer(default_model_path())[0]
 
 
 @pytest.fixture

@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support import REPO
 
 
 def _run(module: str, tmp_path: Path, *args: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     env["OUT"] = str(tmp_path)
     proc = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--tiny", *args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout[proc.stdout.index("{"):])
 
@@ -60,7 +60,7 @@ def test_gpu_run_stops_at_once_without_a_gpu(tmp_path: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the script would run")
     env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable}
-    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_run.sh")], cwd=ROOT, env=env,
+    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_run.sh")], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stdout.strip().splitlines() == [

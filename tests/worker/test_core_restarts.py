@@ -11,6 +11,7 @@ import pytest
 
 from apps.worker.restarts import CoreExit, RestartBudget, SupervisedEngine
 from engine.frontend.protocol import CoreInfo, CoreStats
+from tests.support import eventually_async
 
 
 class Core:
@@ -77,31 +78,22 @@ def supervised(starts: Starts, max_restarts: int = 3, clock: list[float] | None 
     return engine, first, reports
 
 
-async def until(predicate) -> None:  # type: ignore[no-untyped-def]
-    for _ in range(1000):
-        if predicate():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("never happened")
-
-
 async def test_a_dead_core_is_restarted_with_no_slots_meanwhile() -> None:
     starts = Starts()
     starts.release.clear()
     engine, first, reports = supervised(starts)
     assert engine.free_slots() == 4 and engine.pid == 1
     first.die(held=2)
-    await until(lambda: starts.calls == 1)
+    await eventually_async(lambda: starts.calls == 1, 5.0, interval_s=0, message="the restart begun")
     assert engine.restarting and engine.free_slots() == 0
     assert engine.stats.num_waiting == 0  # not the dead core's counters
     assert first.closed  # reaped before the new one starts
     starts.release.set()
-    await until(lambda: reports)
+    await eventually_async(lambda: reports, 5.0, interval_s=0, message="the exit reported")
     assert reports == [CoreExit(restarted=True, exitcode=-9, held_requests=2, restarts=1, max_restarts=3,
                                 restart_ms=reports[0].restart_ms)]
     assert not engine.restarting and engine.free_slots() == 4 and engine.pid == 100
     first.die()  # a late word from the old core changes nothing
-    await until(lambda: True)
     assert starts.calls == 1
 
 
@@ -111,7 +103,7 @@ async def test_past_the_budget_the_model_is_out_of_service() -> None:
     core = first
     for n in range(1, 4):
         core.die()
-        await until(lambda: len(reports) == n)
+        await eventually_async(lambda: len(reports) == n, 5.0, interval_s=0, message=f"exit {n} reported")
         core = starts.cores[-1]
     assert [r.restarted for r in reports] == [True, True, False]
     assert reports[-1].out_of_service is not None and "restart budget is spent" in reports[-1].out_of_service
@@ -123,10 +115,10 @@ async def test_the_budget_is_per_window() -> None:
     starts = Starts()
     engine, first, reports = supervised(starts, max_restarts=1, clock=clock)
     first.die()
-    await until(lambda: len(reports) == 1)
+    await eventually_async(lambda: len(reports) == 1, 5.0, interval_s=0, message="the first exit reported")
     clock[0] = 601.0
     starts.cores[-1].die()
-    await until(lambda: len(reports) == 2)
+    await eventually_async(lambda: len(reports) == 2, 5.0, interval_s=0, message="the second exit reported")
     assert [r.restarted for r in reports] == [True, True] and reports[1].restarts == 1
 
 
@@ -135,7 +127,7 @@ async def test_a_core_that_reported_a_device_fault_is_not_restarted() -> None:
     engine, first, reports = supervised(starts)
     first.device_fault = "device fault: RuntimeError: CUDA error: an illegal memory access was encountered"
     first.die()
-    await until(lambda: reports)
+    await eventually_async(lambda: reports, 5.0, interval_s=0, message="the exit reported")
     assert not reports[0].restarted and "CUDA error" in (reports[0].out_of_service or "")
     assert starts.calls == 0
 
@@ -145,7 +137,7 @@ async def test_failed_starts_spend_the_budget(failures: int, restarted: bool) ->
     starts = Starts(failures=failures)
     engine, first, reports = supervised(starts, max_restarts=3)
     first.die()
-    await until(lambda: reports)
+    await eventually_async(lambda: reports, 5.0, interval_s=0, message="the exit reported")
     assert reports[0].restarted is restarted and reports[0].restarts == 3
     assert starts.calls == 3
 
@@ -155,8 +147,7 @@ async def test_stopping_during_a_restart_cancels_it() -> None:
     starts.release.clear()
     engine, first, reports = supervised(starts)
     first.die()
-    await until(lambda: starts.calls == 1)
+    await eventually_async(lambda: starts.calls == 1, 5.0, interval_s=0, message="the restart begun")
     await engine.shutdown()
     starts.release.set()
-    await until(lambda: True)
     assert not starts.cores and not reports and first.closed

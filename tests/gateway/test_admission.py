@@ -13,19 +13,14 @@ from apps.bus.codes import ServingError
 from apps.gateway.admission import Admission, AdmissionLimits, Admissions, Rejected
 from apps.gateway.metrics import GatewayMetrics
 from engine.frontend.protocol import SamplingParams
-
-
-async def settle() -> None:
-    """Let every task that can run, run (waiters enqueue themselves)."""
-    for _ in range(5):
-        await asyncio.sleep(0)
+from tests.support import eventually_async
 
 
 async def test_cancelled_queued_waiters_release_everything() -> None:
     admission = Admission(AdmissionLimits(max_in_flight=1, max_queue_depth=2, max_per_principal=3, max_wait_s=60))
     running = await admission.acquire("p")
     waiters = [asyncio.create_task(admission.acquire("p")) for _ in range(2)]
-    await settle()
+    await eventually_async(lambda: admission.pending == 3, 5.0, interval_s=0, message="both waiters queued")
     assert (admission.pending, admission.in_flight, admission.by_principal) == (3, 1, {"p": 3})
 
     for waiter in waiters:
@@ -34,7 +29,7 @@ async def test_cancelled_queued_waiters_release_everything() -> None:
     assert (admission.pending, admission.in_flight, admission.by_principal) == (1, 1, {"p": 1})
 
     newcomer = asyncio.create_task(admission.acquire("p"))  # queues: not a 429
-    await settle()
+    await eventually_async(lambda: admission.pending == 2, 5.0, interval_s=0, message="the newcomer queued")
     assert not newcomer.done() and admission.pending == 2
     running.release()
     ticket = await asyncio.wait_for(newcomer, 5)
@@ -47,7 +42,10 @@ async def test_cancelled_queued_waiters_release_everything() -> None:
 async def test_overload_gives_the_expected_mix() -> None:
     admission = Admission(AdmissionLimits(max_in_flight=2, max_queue_depth=2, max_wait_s=60))
     tasks = [asyncio.create_task(admission.acquire(None)) for _ in range(10)]
-    await settle()
+    def all_decided() -> bool:
+        return admission.pending + sum(t.done() and t.exception() is not None for t in tasks) == 10
+
+    await eventually_async(all_decided, 5.0, interval_s=0, message="every request reserved or rejected")
     rejected = [t.exception() for t in tasks if t.done() and t.exception()]
     admitted = [t.result() for t in tasks if t.done() and not t.exception()]
     queued = [t for t in tasks if not t.done()]
@@ -97,7 +95,7 @@ async def test_waiters_are_served_in_arrival_order() -> None:
         ticket.release()
 
     waiters = [asyncio.create_task(wait(i)) for i in range(3)]
-    await settle()
+    await eventually_async(lambda: admission.pending == 4, 5.0, interval_s=0, message="the three waiters queued")
     first.release()
     await asyncio.gather(*waiters)
     assert order == [0, 1, 2]
@@ -133,7 +131,7 @@ async def test_a_request_with_n_choices_takes_n_slots() -> None:
     four = await admission.acquire(None, weight=4)
     assert (admission.pending, admission.in_flight) == (4, 4)
     queued = asyncio.create_task(admission.acquire(None, weight=2))
-    await settle()
+    await eventually_async(lambda: admission.pending == 6, 5.0, interval_s=0, message="the weight-2 request queued")
     assert not queued.done() and admission.pending == 6
     with pytest.raises(Rejected) as full:
         await admission.acquire(None, weight=3)  # 6 + 3 > 4 in flight + 4 queued
@@ -144,7 +142,7 @@ async def test_a_request_with_n_choices_takes_n_slots() -> None:
     # More choices than a limit allows weigh that limit (here the principal's 3): such a request
     # waits for room instead of never fitting.
     big = asyncio.create_task(admission.acquire("p", weight=16))
-    await settle()
+    await eventually_async(lambda: admission.pending == 5, 5.0, interval_s=0, message="the big request queued")
     assert not big.done() and (admission.pending, admission.by_principal) == (5, {"p": 3})
     two.release()
     ticket = await asyncio.wait_for(big, 5)
@@ -194,7 +192,8 @@ async def test_calls_are_admitted_in_pools_of_their_own_kind() -> None:
                                                              sampling=SamplingParams()))
     count = await admissions.admit_call("tokenize", "m", "t1", None)  # the generation holds "m", not this
     queued = asyncio.create_task(admissions.admit_call("tokenize", "m", "t2", None))
-    await settle()
+    await eventually_async(lambda: admissions.for_call("tokenize", "m").pending == 2, 5.0, interval_s=0,
+                           message="the second count queued")
     assert not queued.done()
     with pytest.raises(ServingError) as full:
         await admissions.admit_call("tokenize", "m", "t3", None)
