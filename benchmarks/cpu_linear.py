@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from benchmarks.lib import emit, machine_info
 from engine.cpu import cpu_linear
-from engine.loading.default_model import default_model_path
 from engine.cpu.dtype_choice import linear_shapes
+from engine.loading.default_model import default_model_path
 from engine.loading.loader import read_model_config
 from helexa_kernels import cpu as cpu_kernels
 

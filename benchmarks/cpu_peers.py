@@ -50,8 +50,8 @@ from benchmarks.process_cpu import ProcessCPU
 from benchmarks.servers import Server, free_port, helexa_up, llamacpp_server, null_server, vllm_server
 from engine.core.engine_core import EngineCore
 from engine.loading.default_model import DEFAULT_MODEL_ID, default_model_path
-from tests.engine.greedy_agreement import Agreement, argmax_gaps
 from engine.loading.loader import Checkpoint, load_checkpoint
+from tests.engine.greedy_agreement import Agreement, argmax_gaps
 
 HERE = Path(__file__).resolve().parent
 NUM_PROMPTS, PROMPT_TOKENS, MAX_TOKENS = 16, 128, 64

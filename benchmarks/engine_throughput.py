@@ -31,8 +31,8 @@ import torch
 from benchmarks.core_timing import RunResult, StepClock, run_greedy
 from benchmarks.lib import emit
 from engine.core.engine_core import EngineCore
-from engine.loading.default_model import default_model_path
 from engine.frontend.engine_config import EngineConfig
+from engine.loading.default_model import default_model_path
 from engine.loading.loader import Checkpoint, load_checkpoint
 
 NUM_REQUESTS = 32

@@ -51,16 +51,16 @@ import torch
 
 from benchmarks.core_timing import RunResult, StepClock, run_greedy
 from benchmarks.gpu_step_profile import profile_decode_steps
-from engine.runner import ops
-from engine.loading.model_config import ModelConfig
 from engine.core.engine_core import EngineCore
 from engine.frontend.engine_config import EngineConfig
+from engine.frontend.tokenizer import Tokenizer
 from engine.loading.loader import Checkpoint, empty_model, load_weights
-from engine.runner.model_runner import allocate_caches
+from engine.loading.model_config import ModelConfig
 from engine.models import MODEL_REGISTRY
+from engine.runner import ops
+from engine.runner.model_runner import allocate_caches
 from engine.runner.state_cache import HybridCaches
 from engine.runner.step_metadata import AttentionMetadata
-from engine.frontend.tokenizer import Tokenizer
 
 # Real sizes (HF config.json of each model); the weights are random.
 QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,

@@ -35,14 +35,23 @@ if not torch.cuda.is_available():
     # Before triton is imported: without a GPU the kernels only run in the interpreter.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import triton  # noqa: E402
+import triton
 
-from benchmarks.lib import emit  # noqa: E402
-from engine.runner import ops  # noqa: E402
-from engine.runner.attention import AttentionMetadata  # noqa: E402
-from engine.runner.attention import paged_attention as engine_paged_attention  # noqa: E402
-from helexa_kernels import (causal_conv1d, gated_delta_rule, gdn_gating, kv_store, moe,  # noqa: E402
-                     paged_attention, rmsnorm, rotary, silu_and_mul)
+from benchmarks.lib import emit
+from engine.runner import ops
+from engine.runner.attention import AttentionMetadata
+from engine.runner.attention import paged_attention as engine_paged_attention
+from helexa_kernels import (
+    causal_conv1d,
+    gated_delta_rule,
+    gdn_gating,
+    kv_store,
+    moe,
+    paged_attention,
+    rmsnorm,
+    rotary,
+    silu_and_mul,
+)
 
 Outputs = tuple[torch.Tensor, ...]
 

@@ -40,7 +40,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.cpu import cpu_support
-
 from engine.runner import ops
 from helexa_kernels import cpu as cpu_kernels
 
