@@ -28,7 +28,7 @@ from engine.runner import attention_plan, torch_ops
 from engine.runner.attention_plan import AttentionPlan, DecodeBucket, PrefillSeq, build_plan, sdpa_chunk_seqs
 
 # Model files import the metadata and cache types from here, beside the computation that reads them.
-from engine.runner.step_metadata import AttentionMetadata, KVCache
+from engine.runner.step_metadata import AttentionMetadata, KVCache  # noqa: F401  (KVCache: re-exported)
 from helexa_kernels import cpu as cpu_kernels
 
 
