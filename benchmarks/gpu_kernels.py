@@ -88,7 +88,7 @@ def _stateful(buffers: list[torch.Tensor]) -> tuple[list[torch.Tensor], Callable
     work = [b.clone() for b in buffers]
 
     def reset() -> None:
-        for w, b in zip(work, buffers):
+        for w, b in zip(work, buffers, strict=True):
             w.copy_(b)
     return work, reset
 
@@ -341,7 +341,7 @@ def run_case(case: Case, runs: int, iters: int) -> dict[str, object]:
             case.reset()
             theirs = [t.clone() for t in fn()]
             entry["rel_err_vs_" + name] = {f"out{i}": _rel_err(a, b) for i, (a, b) in
-                                           enumerate(zip(outputs["triton"], theirs))}
+                                           enumerate(zip(outputs["triton"], theirs, strict=True))}
             baselines[name] = fn
         except Exception as exc:
             entry.setdefault("baseline_errors", {})[name] = f"{type(exc).__name__}: {exc}"

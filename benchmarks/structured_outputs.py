@@ -174,7 +174,7 @@ def main() -> None:
     ll_tokenizer = core.structured.ll_tokenizer
     tokenizer_ms = (time.perf_counter() - start) * 1000.0
     compile_ms = []
-    for i in range(20):
+    for _ in range(20):
         start = time.perf_counter()
         compiled = core.structured.compile(json_constraint(PERSON))  # uncached: the compile itself
         compile_ms.append((time.perf_counter() - start) * 1000.0)

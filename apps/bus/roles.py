@@ -109,7 +109,8 @@ def _read_bucket(stream: str) -> list[str]:
     """Reading a KV or Object Store bucket: last-message and direct gets, ordered consumers (which
     nats-py finds by subject: stream names)."""
     return [f"{_API}.STREAM.NAMES", f"{_API}.STREAM.MSG.GET.{stream}",
-            f"{_API}.DIRECT.GET.{stream}", f"{_API}.DIRECT.GET.{stream}.>", f"{_API}.CONSUMER.CREATE.{stream}", f"{_API}.CONSUMER.CREATE.{stream}.>",
+            f"{_API}.DIRECT.GET.{stream}", f"{_API}.DIRECT.GET.{stream}.>",
+            f"{_API}.CONSUMER.CREATE.{stream}", f"{_API}.CONSUMER.CREATE.{stream}.>",
             f"{_API}.CONSUMER.INFO.{stream}.*", f"{_API}.CONSUMER.DELETE.{stream}.*", f"$JS.FC.{stream}.>"]
 
 

@@ -60,7 +60,8 @@ def load_per_model(path: str | Path, defaults: AdmissionLimits) -> dict[str, Adm
 
 
 class Rejected(Exception):
-    def __init__(self, decision: AdmissionDecision, status: int, retry_after: int, pending: int, in_flight: int) -> None:
+    def __init__(self, decision: AdmissionDecision, status: int, retry_after: int, pending: int,
+                 in_flight: int) -> None:
         super().__init__(decision)
         self.decision, self.status, self.retry_after = decision, status, retry_after
         self.pending, self.in_flight = pending, in_flight

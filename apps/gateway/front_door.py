@@ -51,7 +51,8 @@ def _is_route(request: Request, path: str) -> bool:
 
     def matches(template: str) -> bool:
         wanted = template.split("/")
-        return len(wanted) == len(parts) and all(w == p or w.startswith("{") for w, p in zip(wanted, parts))
+        return len(wanted) == len(parts) and all(w == p or w.startswith("{")
+                                                 for w, p in zip(wanted, parts, strict=True))
 
     return any(matches(template) for _, template in _api_routes(request))
 

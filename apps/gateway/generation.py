@@ -398,7 +398,8 @@ class GenerationPipeline:
             for chunk in formatter.stream_start(generation.accepted):
                 yield chunk
             async for frame in self.frames(generation):
-                chunks = formatter.stream_delta(frame) if isinstance(frame, wire.Delta) else formatter.stream_final(frame)
+                chunks = (formatter.stream_delta(frame) if isinstance(frame, wire.Delta)
+                          else formatter.stream_final(frame))
                 for chunk in chunks:
                     yield chunk
         except ServingError as exc:

@@ -55,7 +55,7 @@ _TYPES = sorted({t for doc in ROUTES.values()
                  for t in (doc.request, doc.response, doc.chunk, doc.error, doc.alternative) if t},
                 key=lambda t: t.__name__)
 _REFS, _COMPONENTS = msgspec.json.schema_components(_TYPES, ref_template=_REF)
-_REF_OF = dict(zip(_TYPES, _REFS))
+_REF_OF = dict(zip(_TYPES, _REFS, strict=True))
 
 _STATUS_TEXT = {
     400: "Invalid request: malformed JSON, JSON nested deeper than 64 levels, or a parameter outside its bound "

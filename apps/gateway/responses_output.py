@@ -153,7 +153,8 @@ def response_usage(usage: wire.Usage) -> rs.ResponseUsage:
 
 
 # The `ResponseError.code` values the SDK knows; everything of ours is a server error to it.
-_RESPONSE_ERROR_CODES = {ErrorCode.RATE_LIMIT_EXCEEDED: "rate_limit_exceeded", ErrorCode.INVALID_PROMPT: "invalid_prompt"}
+_RESPONSE_ERROR_CODES = {ErrorCode.RATE_LIMIT_EXCEEDED: "rate_limit_exceeded",
+                         ErrorCode.INVALID_PROMPT: "invalid_prompt"}
 
 
 class ResponsesFormatter:

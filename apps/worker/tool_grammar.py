@@ -110,7 +110,8 @@ def reply_constraint(request: wire.GenerateRequest) -> StructuredOutput | None:
     if utf8_len(constraint) > BOUNDS.composed_bytes:
         raise ServingError(400, ErrorCode.INVALID_REQUEST,
                            f"The grammar of the tool calls is {utf8_len(constraint)} bytes; at most "
-                           f"{BOUNDS.composed_bytes} are allowed: enforce fewer or smaller tool schemas.", param="tools")
+                           f"{BOUNDS.composed_bytes} are allowed: enforce fewer or smaller tool schemas.",
+                           param="tools")
     return StructuredOutput(kind=StructuredOutputKind.LLGUIDANCE, spec=constraint)
 
 
@@ -126,7 +127,8 @@ async def check_composed(request: wire.GenerateRequest, sampling: SamplingParams
         raise ServingError(400, ErrorCode.GRAMMAR_TOO_COMPLEX, f"The tools' parameters cannot be enforced: {exc}.",
                            param="tools") from None
     except CheckBusy as exc:
-        raise ServingError(503, ErrorCode.MODEL_UNAVAILABLE, f"The worker is too busy to check grammars: {exc}.") from None
+        raise ServingError(503, ErrorCode.MODEL_UNAVAILABLE,
+                           f"The worker is too busy to check grammars: {exc}.") from None
     if error is not None:
         raise ServingError(400, ErrorCode.INVALID_REQUEST, f"The tools' parameters cannot be enforced: {error}",
                            param="tools")

@@ -233,7 +233,7 @@ class StructuredOutputs:
         # sampler still has a distribution to draw from.
         live = masks.numpy().any(axis=1).tolist()
         kept = []
-        for k, ((i, matcher), has_token) in enumerate(zip(rows, live)):
+        for k, ((i, matcher), has_token) in enumerate(zip(rows, live, strict=True)):
             request_id = request_ids[i]
             if matcher.is_error() or not has_token:
                 self._failed[request_id] = matcher.get_error() or "the grammar allows no further token"
