@@ -88,6 +88,8 @@ async def fetch(js: JetStreamContext, ref: wire.RequestRef) -> wire.GenerateRequ
         result = await store.get(ref.object)
     except ObjectNotFoundError:
         raise RequestGone(f"request {ref.request_id!r}: object {ref.object!r} is not in the store") from None
+    if result.data is None:
+        raise RequestGone(f"request {ref.request_id!r}: object {ref.object!r} has no data")
     request = wire.request_decoder.decode(result.data)
     if (request.request_id, request.model) != (ref.request_id, ref.model):
         raise RequestRefused(f"request {ref.request_id!r}: object {ref.object!r} holds another request")

@@ -210,7 +210,7 @@ def authorization(admin: tuple[str, str], users: list[tuple[str, str, str]]) -> 
     """A nats-server `authorization` block: the administrator (`(user, password)`, no limits) and
     the users of the roles (`(role, user, password)`; a role may have several, e.g. one per
     gateway). Passwords are written as given."""
-    entries = [{"user": admin[0], "password": admin[1]}]
+    entries: list[dict[str, Any]] = [{"user": admin[0], "password": admin[1]}]
     entries += [{"user": user, "password": password, "permissions": permissions(role, user)}
                 for role, user, password in users]
     # nats-server's configuration format reads JSON.

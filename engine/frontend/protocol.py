@@ -293,7 +293,7 @@ def device_fault_message(exc: BaseException) -> str:
 def is_device_fault(error: str | None) -> bool:
     """Whether an engine's error output means the model can no longer serve until reloaded. A core
     process that died (`ENGINE_STOPPED`) is not one: the worker starts it again."""
-    return bool(error) and error.startswith(DEVICE_FAULT_PREFIX)
+    return error is not None and error.startswith(DEVICE_FAULT_PREFIX)
 
 
 class EngineOutputs(Protocol):

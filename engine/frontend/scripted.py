@@ -84,7 +84,8 @@ class ScriptedEngine:
                                num_prompt_tokens=len(request.prompt_token_ids), error=rule.error_text)
             return
         tokens = self.tokenizer.encode(rule.reply, add_special_tokens=False)
-        tokens.append(self.tokenizer.eos_token_id)
+        if self.tokenizer.eos_token_id is not None:
+            tokens.append(self.tokenizer.eos_token_id)
         # A resumed request goes on after the tokens it already had (they count towards max_tokens).
         start = len(request.resumed_token_ids)
         limit = min(len(tokens), request.sampling.max_tokens or len(tokens))
