@@ -54,7 +54,7 @@ _EVENTS_OBJ_STREAM = OBJ_STREAM_TEMPLATE.format(bucket=topology.LARGE_EVENTS_BUC
 _EVENTS_OBJ_SUBJECTS = f"$O.{topology.LARGE_EVENTS_BUCKET}"
 
 def _kind(event_type: type[wire.Event]) -> str:
-    return event_type.__struct_config__.tag  # type: ignore[return-value]
+    return wire.kind_of(event_type)
 
 
 # Event kind (of the body) → the subject kinds it may arrive on, each with the one role that may

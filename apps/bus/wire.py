@@ -333,9 +333,14 @@ AnyEvent = (RunStarted | RunFinished | AdmissionDecided | NodeStatusChanged | Be
 
 def event_kind(event: Event) -> str:
     """The event's tag, which is also the `<kind>` part of its subject."""
-    tag = type(event).__struct_config__.tag
+    return kind_of(type(event))
+
+
+def kind_of(event_type: type[Event]) -> str:
+    """An event class's tag (`event_kind` of its events)."""
+    tag = event_type.__struct_config__.tag
     if not isinstance(tag, str):  # every event class is declared with a string tag
-        raise TypeError(f"{type(event).__name__} has no string tag")
+        raise TypeError(f"{event_type.__name__} has no string tag")
     return tag
 
 

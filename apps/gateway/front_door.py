@@ -37,7 +37,7 @@ def base_url(request: Request) -> str:
 
 def _api_routes(request: Request) -> list[tuple[str, str]]:
     """(method, path) of every route but the docs' own, paths with plain `{name}` parameters."""
-    out = []
+    out: list[tuple[str, str]] = []
     for route in request.app.routes:
         if not isinstance(route, HTTPRoute) or route.path == "/" or route.path.startswith(DOCS_PATH):
             continue

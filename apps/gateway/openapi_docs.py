@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from litestar.openapi.spec import OpenAPI, OpenAPIMediaType, OpenAPIResponse, Operation, RequestBody
+from litestar.openapi.spec import OpenAPI, OpenAPIMediaType, OpenAPIResponse, Operation, Reference, RequestBody
 
 from apps.gateway import anthropic_schema as an
 from apps.gateway import openai_schema as oa
@@ -98,9 +98,11 @@ def operation_for(route: str) -> type[Operation]:
         def __post_init__(self) -> None:
             body = _media(doc.request)
             if doc.alternative is not None:
-                body = OpenAPIMediaType(schema={"oneOf": [_REF_OF[doc.request], _REF_OF[doc.alternative]]})
+                # A raw oneOf of the components' $refs: litestar renders the dict as it is.
+                body = OpenAPIMediaType(schema={"oneOf": [_REF_OF[doc.request], _REF_OF[doc.alternative]]})  # type: ignore[arg-type]
             self.request_body = RequestBody(content={"application/json": body}, required=True)
-            responses = {"200": OpenAPIResponse(description=doc.answer, content=success)}
+            responses: dict[str, OpenAPIResponse | Reference] = {
+                "200": OpenAPIResponse(description=doc.answer, content=success)}
             for status in doc.statuses:
                 responses[str(status)] = OpenAPIResponse(description=_STATUS_TEXT[status],
                                                   content={"application/json": _media(doc.error)})

@@ -84,9 +84,9 @@ class OutputBuilder:
                        "logprobs": _without_bytes(part.logprobs or [])},
                       {"type": "response.content_part.done", **place, "part": _snapshot(part)}]
         else:
-            part = item.content[0]
-            events = [{"type": "response.reasoning_text.done", **place, "text": part.text},
-                      {"type": "response.content_part.done", **place, "part": _snapshot(part)}]
+            reasoning = item.content[0]
+            events = [{"type": "response.reasoning_text.done", **place, "text": reasoning.text},
+                      {"type": "response.content_part.done", **place, "part": _snapshot(reasoning)}]
         return [*events, {"type": "response.output_item.done", "output_index": index, "item": _snapshot(item)}]
 
     def _add(self, item: rs.OutputItem) -> list[Event]:

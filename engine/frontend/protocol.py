@@ -316,9 +316,14 @@ class Engine(Protocol):
     `info` describes the model and its KV pool; `stats` is the latest step's counters.
     """
 
-    model_id: str
-    max_model_len: int
-    max_num_seqs: int
+    @property
+    def model_id(self) -> str: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def max_num_seqs(self) -> int: ...
 
     @property
     def info(self) -> CoreInfo: ...

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,7 +67,7 @@ class ScriptedEngine:
     def reply_for(self, prompt: str) -> str:
         return self.rule_for(prompt).reply
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
         if request.request_id in self._running:
             # As the real engine does: a second stream under a live id is refused, the first goes on.
             yield EngineOutput(request.request_id, [], finished=True, finish_reason=FinishReason.ERROR,
