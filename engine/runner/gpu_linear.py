@@ -120,7 +120,7 @@ def use_gemv_where_faster(model: nn.Module, device: torch.device) -> dict[str, o
         log.warning("batch-1 GEMV measurement failed, cuBLAS everywhere: %s", exc)
         clear_gemv(model)
         return {"error": f"{type(exc).__name__}: {exc}"}
-    log.info("batch-1 projections: %s", {shape: c["chosen"] for shape, c in choices.items()  # type: ignore[index]
+    log.info("batch-1 projections: %s", {shape: c["chosen"] for shape, c in choices.items()
                                          if isinstance(c, dict)})
     return choices
 
