@@ -225,7 +225,7 @@ class Admissions:
                      weight: int, kind: str | None = None) -> Ticket:
         def decided(decision: AdmissionDecision, **fields: object) -> wire.AdmissionDecided:
             return wire.AdmissionDecided(model=model, node="gateway", request_id=request_id, principal=principal,
-                                         decision=decision, detail=kind, **fields)  # type: ignore[arg-type]
+                                         decision=decision, detail=kind, **fields)  # type: ignore[arg-type]  # each call passes its decision's fields
 
         try:
             ticket = await admission.acquire(principal, weight)

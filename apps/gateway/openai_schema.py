@@ -228,7 +228,7 @@ class CompletionRequest(GenerationParams, kw_only=True):
         if len(self.prompt) == 1 and isinstance(self.prompt[0], str):
             return self.prompt[0], None
         if all(isinstance(p, int) for p in self.prompt):
-            return None, list(self.prompt)  # type: ignore[arg-type]
+            return None, list(self.prompt)  # type: ignore[arg-type]  # all ints, checked above
         raise ServingError(
             400,
             ErrorCode.INVALID_REQUEST,

@@ -75,7 +75,7 @@ class OutputBuilder:
         item, self._open = self._open, None
         if item is None:
             return []
-        item.status = status  # type: ignore[assignment]
+        item.status = status  # type: ignore[assignment]  # an item type narrows its status
         index = len(self.items) - 1
         place = {"item_id": item.id, "output_index": index, "content_index": 0}
         if isinstance(item, rs.OutputMessage):
