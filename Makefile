@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: setup run test audit lock clean
+.PHONY: setup run test lint audit lock clean
 
 setup: $(STAMP)
 
@@ -33,8 +33,13 @@ $(STAMP): pyproject.toml requirements.lock Makefile
 run: setup
 	$(BIN)/helexa up
 
-test: setup audit
+test: setup audit lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# ruff and mypy as configured in pyproject.toml (mypy --strict for apps.bus and engine.frontend).
+lint: setup
+	$(BIN)/python -m ruff check .
+	$(BIN)/python -m mypy
 
 # The lock's pins and pyproject.toml's floors against known advisories (security/minimum_versions.toml,
 # and pip-audit's report where it is installed and its service reachable); fails on a vulnerable version.

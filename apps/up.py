@@ -428,7 +428,7 @@ def run_up(args: argparse.Namespace) -> int:
             _wait_until_ready(children, stop)
             worker = next(c.ready_fields for c in children if c.app == "worker")
             model = worker.get("model")
-            print(banner(url, model, env_file, worker, credential_files, role_folders), flush=True)
+            print(banner(url, model or "", env_file, worker, credential_files, role_folders), flush=True)
             announce_ready("up", url=url, model=model, data_dir=str(folder), env_file=str(env_file))
             Supervisor(children, stop).run()
         except (StartFailed, RuntimeError, TimeoutError, OSError) as exc:

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from benchmarks.lib import emit, machine_info
 from engine.cpu import cpu_linear
-from engine.loading.default_model import default_model_path
 from engine.cpu.dtype_choice import linear_shapes
+from engine.loading.default_model import default_model_path
 from engine.loading.loader import read_model_config
 from helexa_kernels import cpu as cpu_kernels
 
@@ -42,10 +42,11 @@ def methods(weights: list[torch.Tensor], dtype: torch.dtype) -> dict[str, list]:
     """Each way a linear can run here: `F.linear`, oneDNN prepacked, and in bf16 (where the CPU
     has AVX512-BF16) the C++ kernel the engine runs for a few rows."""
     found = {"f_linear": [lambda x, w=w: F.linear(x, w) for w in weights],
-             "onednn_prepacked": [lambda x, p=cpu_linear.pack(w): cpu_linear.packed_linear(x, p, None)
+             # The defaults call on purpose (B008): each weight is packed once, as the list is built.
+             "onednn_prepacked": [lambda x, p=cpu_linear.pack(w): cpu_linear.packed_linear(x, p, None)  # noqa: B008
                                   for w in weights]}
     if dtype == torch.bfloat16 and cpu_kernels.load() and cpu_kernels.bf16_linear_available():
-        found["bf16_kernel"] = [lambda x, p=cpu_kernels.pack_bf16_weight(w), n=w.shape[0]:
+        found["bf16_kernel"] = [lambda x, p=cpu_kernels.pack_bf16_weight(w), n=w.shape[0]:  # noqa: B008  (as above)
                                 cpu_kernels.bf16_linear(x, p, None, n) for w in weights]
     return found
 

@@ -4,7 +4,8 @@ Model: SmolLM2-135M-Instruct (the default model's GGUF; vLLM gets an HF director
 it by our loader, benchmarks/export_hf.py, so both run the same weights). Workload: 16 prompts of
 exactly 128 tokens (sent as token ids), 64 new tokens each, greedy, ignore_eos, streamed through
 the OpenAI SDK (benchmarks/openai_load.py): 1 client sending prompts one after another, and 16
-concurrent clients (streams of one SDK client, kept across the warm-up and every run). Systems, each started, measured over --runs runs and stopped before the next:
+concurrent clients (streams of one SDK client, kept across the warm-up and every run). Systems, each
+started, measured over --runs runs and stopped before the next:
   - vLLM CPU (benchmarks/.venv-vllm, see benchmarks/setup_vllm_cpu.sh) at each of --vllm-dtypes; the best
     correct one is "vLLM's best dtype";
   - llama.cpp's `llama-server` on a BF16 GGUF of the same model, 16 slots, continuous batching
@@ -50,8 +51,8 @@ from benchmarks.process_cpu import ProcessCPU
 from benchmarks.servers import Server, free_port, helexa_up, llamacpp_server, null_server, vllm_server
 from engine.core.engine_core import EngineCore
 from engine.loading.default_model import DEFAULT_MODEL_ID, default_model_path
-from tests.engine.greedy_agreement import Agreement, argmax_gaps
 from engine.loading.loader import Checkpoint, load_checkpoint
+from tests.engine.greedy_agreement import Agreement, argmax_gaps
 
 HERE = Path(__file__).resolve().parent
 NUM_PROMPTS, PROMPT_TOKENS, MAX_TOKENS = 16, 128, 64
@@ -73,7 +74,8 @@ def summarize(loads: list[LoadResult]) -> dict:
     return {"tok_per_s": round(statistics.median(r.tok_per_s for r in loads), 2),
             "ttft_ms_median": round(statistics.median(r.ttft_ms_median for r in loads), 1),
             "ttft_from_sent_ms_median": round(statistics.median(r.ttft_from_sent_ms_median for r in loads), 1),
-            "ttft_from_last_sent_ms_median": round(statistics.median(r.ttft_from_last_sent_ms_median for r in loads), 1),
+            "ttft_from_last_sent_ms_median": round(statistics.median(r.ttft_from_last_sent_ms_median for r in loads),
+                                                   1),
             "client_wait_ms_median": round(statistics.median(r.client_wait_ms_median for r in loads), 1),
             "send_spread_ms_median": round(statistics.median(r.send_spread_ms for r in loads), 1),
             "itl_ms_median": round(statistics.median(r.itl_ms_median for r in loads), 2),
@@ -183,11 +185,13 @@ def compare(systems: dict) -> dict:
     best_1 = max((speed(e, "stream_1") or 0.0 for e in peers_1), default=None)
     llamacpp = systems.get("llamacpp", {})
     result = {"vllm_best_dtype": best, "ratios": {
-        "helexa_vs_vllm_best_16_streams": ratio(speed(ours, "streams_16"), speed(vllm[best], "streams_16") if best else None),
+        "helexa_vs_vllm_best_16_streams": ratio(speed(ours, "streams_16"),
+                                                speed(vllm[best], "streams_16") if best else None),
         "helexa_vs_best_peer_1_stream": ratio(speed(ours, "stream_1"), best_1),
         "helexa_vs_llamacpp_16_streams": ratio(speed(ours, "streams_16"), speed(llamacpp, "streams_16")),
         "helexa_ttft_p50_vs_vllm_best_16_streams": ratio(
-            speed(ours, "streams_16", "ttft_ms_median"), speed(vllm[best], "streams_16", "ttft_ms_median") if best else None),
+            speed(ours, "streams_16", "ttft_ms_median"),
+            speed(vllm[best], "streams_16", "ttft_ms_median") if best else None),
     }}
     def added(load: str, clock: str) -> float | None:
         if not (speed(ours, load) and speed(engine, load)):

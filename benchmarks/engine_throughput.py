@@ -24,6 +24,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 
 import torch
@@ -31,8 +32,8 @@ import torch
 from benchmarks.core_timing import RunResult, StepClock, run_greedy
 from benchmarks.lib import emit
 from engine.core.engine_core import EngineCore
-from engine.loading.default_model import default_model_path
 from engine.frontend.engine_config import EngineConfig
+from engine.loading.default_model import default_model_path
 from engine.loading.loader import Checkpoint, load_checkpoint
 
 NUM_REQUESTS = 32
@@ -65,7 +66,7 @@ def workload(checkpoint: Checkpoint) -> list[Work]:
     rng.shuffle(prompt_lens)
     rng.shuffle(max_tokens)
     work = []
-    for i, (length, new) in enumerate(zip(prompt_lens, max_tokens)):
+    for i, (length, new) in enumerate(zip(prompt_lens, max_tokens, strict=True)):
         start = (i * 37) % (len(ids) - length)
         work.append(Work(f"r{i}", ids[start:start + length], new))
     return work
@@ -101,7 +102,7 @@ def run_hf(hf_model: torch.nn.Module, work: list[Work], batch_size: int, pad_id:
             # A request's token k exists once step k has run; later steps serve only its companions.
             steps = clock.times[:w.max_tokens]
             result.ttft_s.append(steps[0] - start)
-            result.itl_s.extend(b - a for a, b in zip(steps, steps[1:]))
+            result.itl_s.extend(b - a for a, b in pairwise(steps))
     result.wall_s = time.perf_counter() - start
     return result
 

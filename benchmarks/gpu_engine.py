@@ -45,22 +45,24 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from functools import partial
+from itertools import pairwise
 from pathlib import Path
 
 import torch
 
 from benchmarks.core_timing import RunResult, StepClock, run_greedy
 from benchmarks.gpu_step_profile import profile_decode_steps
-from engine.runner import ops
-from engine.loading.model_config import ModelConfig
 from engine.core.engine_core import EngineCore
 from engine.frontend.engine_config import EngineConfig
+from engine.frontend.tokenizer import Tokenizer
 from engine.loading.loader import Checkpoint, empty_model, load_weights
-from engine.runner.model_runner import allocate_caches
+from engine.loading.model_config import ModelConfig
 from engine.models import MODEL_REGISTRY
+from engine.runner import ops
+from engine.runner.model_runner import allocate_caches
 from engine.runner.state_cache import HybridCaches
 from engine.runner.step_metadata import AttentionMetadata
-from engine.frontend.tokenizer import Tokenizer
 
 # Real sizes (HF config.json of each model); the weights are random.
 QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
@@ -198,7 +200,7 @@ def run_hf(hf: torch.nn.Module, prompts: list[list[int]], new: int, device: str,
     for row in range(len(prompts)):
         result.tokens[f"r{row}"] = out.sequences[row, width:].tolist()
         result.ttft_s.append(clock.times[0] - start)
-        result.itl_s.extend(b - a for a, b in zip(clock.times, clock.times[1:]))
+        result.itl_s.extend(b - a for a, b in pairwise(clock.times))
     if scores is not None:
         scores.extend(s[0].float() for s in out.scores)
     return result
@@ -333,8 +335,7 @@ def bench_model(name: str, family: str, sizes: dict, args: argparse.Namespace, d
         core = make_core(checkpoint, device, c, args.prompt, args.new, graphs)
         # cuBLAS against the Triton one-row product per weight shape (engine.runner.gpu_linear)
         entry.setdefault("batch1_gemv", core.runner.gemv_choices)
-        ours[c] = summarize(timed(lambda: run_ours(core, prompts, args.new, device), args.runs),
-                            args.new)
+        ours[c] = summarize(timed(partial(run_ours, core, prompts, args.new, device), args.runs), args.new)
         ours[c]["decode_tokens_per_s"] = round(c * 1e3 / ours[c]["itl_ms_median"], 1)
         if c in args.profile:
             try:
@@ -347,8 +348,7 @@ def bench_model(name: str, family: str, sizes: dict, args: argparse.Namespace, d
         del core
         _free(device)
         if c in args.peer_concurrency:
-            theirs[c] = summarize(timed(lambda: run_hf(hf, prompts, args.new, device), args.runs),
-                                  args.new)
+            theirs[c] = summarize(timed(partial(run_hf, hf, prompts, args.new, device), args.runs), args.new)
             _free(device)
             ratios[c] = round(ours[c]["output_tokens_per_s"] / theirs[c]["output_tokens_per_s"], 2)
         print(f"{name} c={c}: ours {ours[c]['output_tokens_per_s']} tok/s "
@@ -404,8 +404,7 @@ def graphs_on_off(checkpoint: Checkpoint, args: argparse.Namespace, device: str,
             continue
         prompts = random_prompts(c, args.prompt, checkpoint.config.vocab_size, seed=c)
         core = make_core(checkpoint, device, c, args.prompt, args.new, False)
-        off = summarize(timed(lambda: run_ours(core, prompts, args.new, device), args.runs),
-                        args.new)
+        off = summarize(timed(partial(run_ours, core, prompts, args.new, device), args.runs), args.new)
         del core
         _free(device)
         on = ours[c]
@@ -504,8 +503,8 @@ def main() -> None:
             continue
         done = list(report["models"])
 
-        def save(partial: dict) -> None:
-            report["models"] = [*done, partial]
+        def save(progress: dict) -> None:
+            report["models"] = [*done, progress]  # noqa: B023  (called only during this iteration)
             write(report, args.out)
 
         try:

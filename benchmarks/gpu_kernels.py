@@ -35,14 +35,23 @@ if not torch.cuda.is_available():
     # Before triton is imported: without a GPU the kernels only run in the interpreter.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import triton  # noqa: E402
+import triton
 
-from benchmarks.lib import emit  # noqa: E402
-from engine.runner import ops  # noqa: E402
-from engine.runner.attention import AttentionMetadata  # noqa: E402
-from engine.runner.attention import paged_attention as engine_paged_attention  # noqa: E402
-from helexa_kernels import (causal_conv1d, gated_delta_rule, gdn_gating, kv_store, moe,  # noqa: E402
-                     paged_attention, rmsnorm, rotary, silu_and_mul)
+from benchmarks.lib import emit
+from engine.runner import ops
+from engine.runner.attention import AttentionMetadata
+from engine.runner.attention import paged_attention as engine_paged_attention
+from helexa_kernels import (
+    causal_conv1d,
+    gated_delta_rule,
+    gdn_gating,
+    kv_store,
+    moe,
+    paged_attention,
+    rmsnorm,
+    rotary,
+    silu_and_mul,
+)
 
 Outputs = tuple[torch.Tensor, ...]
 
@@ -79,7 +88,7 @@ def _stateful(buffers: list[torch.Tensor]) -> tuple[list[torch.Tensor], Callable
     work = [b.clone() for b in buffers]
 
     def reset() -> None:
-        for w, b in zip(work, buffers):
+        for w, b in zip(work, buffers, strict=True):
             w.copy_(b)
     return work, reset
 
@@ -332,7 +341,7 @@ def run_case(case: Case, runs: int, iters: int) -> dict[str, object]:
             case.reset()
             theirs = [t.clone() for t in fn()]
             entry["rel_err_vs_" + name] = {f"out{i}": _rel_err(a, b) for i, (a, b) in
-                                           enumerate(zip(outputs["triton"], theirs))}
+                                           enumerate(zip(outputs["triton"], theirs, strict=True))}
             baselines[name] = fn
         except Exception as exc:
             entry.setdefault("baseline_errors", {})[name] = f"{type(exc).__name__}: {exc}"

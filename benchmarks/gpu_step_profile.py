@@ -7,8 +7,9 @@ decode steps with torch.profiler (CUDA activity where there is a GPU) and report
   inter-token latency of the timed runs is the figure to quote);
 - `kernel_ms` (the kernels' summed durations), `busy_ms` (the union of their intervals: time the
   device was doing anything) and `idle_ms` = wall - busy, the device waiting on the host;
-- `kernels` (copies and memsets counted in), and the CUDA runtime/driver calls by name (`cudaLaunchKernel`, `cuLaunchKernel`,
-  `cudaGraphLaunch`, `cudaMemcpyAsync`, `cudaStreamSynchronize`, ...): launches and syncs;
+- `kernels` (copies and memsets counted in), and the CUDA runtime/driver calls by name
+  (`cudaLaunchKernel`, `cuLaunchKernel`, `cudaGraphLaunch`, `cudaMemcpyAsync`, `cudaStreamSynchronize`, ...):
+  launches and syncs;
 - the kernels and the host-side ATen ops that take the most time.
 
 Kernels replayed from a CUDA graph are traced like any other (CUPTI reports graph kernels), so a

@@ -76,7 +76,8 @@ def main() -> None:
         "machine": machine_info(),
         "thp_mode": Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
         if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled") else None,
-        "processes": {name: [{k: round(v, 2) for k, v in s.items()} for s in samples] for name, samples in sides.items()},
+        "processes": {name: [{k: round(v, 2) for k, v in s.items()} for s in samples]
+                      for name, samples in sides.items()},
         "step_ms_median": {name: round(v, 2) for name, v in medians.items()},
         "speedup": round(medians["without"] / medians["huge_pages"], 3),
     }, args.out)

@@ -41,9 +41,11 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import asyncpg
+import httpx
 
 from apps.bus.topology import EVENTS_STREAM, RECORDER_CONSUMER, BusLimits, connect, ensure_topology, event_subject
 from apps.bus.wire import AdmissionDecided, Event, RunFinished, RunStarted, encode, event_kind
@@ -136,7 +138,7 @@ async def _fresh_database(admin_url: str) -> str:
     return url
 
 
-async def _wait(condition, timeout_s: float, what: str) -> None:  # noqa: ANN001
+async def _wait(condition: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not await condition():
         if time.monotonic() > deadline:
@@ -153,7 +155,7 @@ async def _fresh_start(nats_url: str, admin_url: str, client_name: str) -> tuple
     await js.purge_stream(EVENTS_STREAM)
     try:
         await js.delete_consumer(EVENTS_STREAM, RECORDER_CONSUMER)
-    except Exception:  # noqa: BLE001 - absent on the first run
+    except Exception:  # absent on the first run
         pass
     return nc, js, await _fresh_database(admin_url)
 
@@ -261,7 +263,7 @@ async def lag_run(nats_url: str, admin_url: str, batch_size: int, clients: int, 
         started = time.monotonic()
         stop_at = started + seconds
 
-        async def client(http, i: int) -> None:  # noqa: ANN001
+        async def client(http: httpx.AsyncClient, i: int) -> None:
             nonlocal done, failed
             n = 0
             while time.monotonic() < stop_at:

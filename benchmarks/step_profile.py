@@ -26,12 +26,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.lib import emit, machine_info
-from engine.runner import attention_plan
 from engine.core.engine_core import EngineCore
-from engine.loading.default_model import default_model_path
 from engine.frontend.engine_config import EngineConfig
-from engine.loading.loader import Checkpoint, load_checkpoint
 from engine.frontend.protocol import EngineRequest, SamplingParams
+from engine.loading.default_model import default_model_path
+from engine.loading.loader import Checkpoint, load_checkpoint
+from engine.runner import attention_plan
 
 CHUNK = 512
 NUM_SEQS = 16

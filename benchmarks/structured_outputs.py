@@ -36,11 +36,11 @@ import torch
 
 from benchmarks.lib import emit
 from engine.core.engine_core import EngineCore
-from engine.loading.default_model import default_model_path
 from engine.frontend.engine_config import EngineConfig
-from engine.loading.loader import Checkpoint, load_checkpoint
 from engine.frontend.protocol import EngineRequest, FinishReason, SamplingParams, StructuredOutput
 from engine.frontend.protocol import StructuredOutputKind as Kind
+from engine.loading.default_model import default_model_path
+from engine.loading.loader import Checkpoint, load_checkpoint
 
 DIGITS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 40, "maxItems": 40}
 PERSON = {
@@ -174,7 +174,7 @@ def main() -> None:
     ll_tokenizer = core.structured.ll_tokenizer
     tokenizer_ms = (time.perf_counter() - start) * 1000.0
     compile_ms = []
-    for i in range(20):
+    for _ in range(20):
         start = time.perf_counter()
         compiled = core.structured.compile(json_constraint(PERSON))  # uncached: the compile itself
         compile_ms.append((time.perf_counter() - start) * 1000.0)

@@ -56,10 +56,9 @@ def cmd_run(args: argparse.Namespace) -> None:
     import nats.errors
     from rich.console import Console
 
-    from apps.fleet.operator import without_password
-
     from apps.bench.config import ConfigError, load_config
     from apps.bench.runner import run_bench
+    from apps.fleet.operator import without_password
 
     console = Console(stderr=True)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would bury the progress bar

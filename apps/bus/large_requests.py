@@ -6,8 +6,8 @@ default; the embedded server takes 8 MiB) and closes, for good, the connection t
 nats-py checks only the body, so a body just under the limit whose headers push it over used to
 cost the publisher its connection. `publish_request` measures the whole message (headers and
 body, `apps.bus.publish.message_size`) against the limit of the server it is connected to,
-publishes the request as it is when it fits, and otherwise stores the encoded request as an object of the `helexa_requests`
-bucket and publishes the small reference, under the same `Nats-Msg-Id`.
+publishes the request as it is when it fits, and otherwise stores the encoded request as an object
+of the `helexa_requests` bucket and publishes the small reference, under the same `Nats-Msg-Id`.
 
 The worker that takes a reference `fetch`es the request (only an object named for the reference's
 request, `<request id>` or `<request id>.<attempt>`, and only if it holds that request: a reference
@@ -88,6 +88,8 @@ async def fetch(js: JetStreamContext, ref: wire.RequestRef) -> wire.GenerateRequ
         result = await store.get(ref.object)
     except ObjectNotFoundError:
         raise RequestGone(f"request {ref.request_id!r}: object {ref.object!r} is not in the store") from None
+    if result.data is None:
+        raise RequestGone(f"request {ref.request_id!r}: object {ref.object!r} has no data")
     request = wire.request_decoder.decode(result.data)
     if (request.request_id, request.model) != (ref.request_id, ref.model):
         raise RequestRefused(f"request {ref.request_id!r}: object {ref.object!r} holds another request")

@@ -93,7 +93,7 @@ def _check(nc: NatsClient, subject: str, payload: bytes, headers: dict[str, str]
 
 def client_of(js: JetStreamContext) -> NatsClient:
     """The connection a JetStream context publishes on (nats-py keeps it private)."""
-    return js._nc  # noqa: SLF001  (no public accessor; the measure needs its server's max_payload)
+    return js._nc  # private: no public accessor, and the measure needs its server's max_payload
 
 
 def is_stream_full(exc: BaseException) -> bool:
@@ -142,7 +142,7 @@ async def respond(msg: Msg, payload: bytes) -> None:
     """Answer a request message, measured first: `TooLarge` instead of sending."""
     if not msg.reply:
         raise nats.errors.Error("no reply subject available")
-    await publish_core(msg._client, msg.reply, payload)  # noqa: SLF001  (Msg.respond uses the same client)
+    await publish_core(msg._client, msg.reply, payload)  # private: the client Msg.respond uses
 
 
 _held: set[asyncio.Task[None]] = set()

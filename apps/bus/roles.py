@@ -54,7 +54,7 @@ _EVENTS_OBJ_STREAM = OBJ_STREAM_TEMPLATE.format(bucket=topology.LARGE_EVENTS_BUC
 _EVENTS_OBJ_SUBJECTS = f"$O.{topology.LARGE_EVENTS_BUCKET}"
 
 def _kind(event_type: type[wire.Event]) -> str:
-    return event_type.__struct_config__.tag  # type: ignore[return-value]
+    return wire.kind_of(event_type)
 
 
 # Event kind (of the body) → the subject kinds it may arrive on, each with the one role that may
@@ -109,7 +109,8 @@ def _read_bucket(stream: str) -> list[str]:
     """Reading a KV or Object Store bucket: last-message and direct gets, ordered consumers (which
     nats-py finds by subject: stream names)."""
     return [f"{_API}.STREAM.NAMES", f"{_API}.STREAM.MSG.GET.{stream}",
-            f"{_API}.DIRECT.GET.{stream}", f"{_API}.DIRECT.GET.{stream}.>", f"{_API}.CONSUMER.CREATE.{stream}", f"{_API}.CONSUMER.CREATE.{stream}.>",
+            f"{_API}.DIRECT.GET.{stream}", f"{_API}.DIRECT.GET.{stream}.>",
+            f"{_API}.CONSUMER.CREATE.{stream}", f"{_API}.CONSUMER.CREATE.{stream}.>",
             f"{_API}.CONSUMER.INFO.{stream}.*", f"{_API}.CONSUMER.DELETE.{stream}.*", f"$JS.FC.{stream}.>"]
 
 
@@ -209,7 +210,7 @@ def authorization(admin: tuple[str, str], users: list[tuple[str, str, str]]) -> 
     """A nats-server `authorization` block: the administrator (`(user, password)`, no limits) and
     the users of the roles (`(role, user, password)`; a role may have several, e.g. one per
     gateway). Passwords are written as given."""
-    entries = [{"user": admin[0], "password": admin[1]}]
+    entries: list[dict[str, Any]] = [{"user": admin[0], "password": admin[1]}]
     entries += [{"user": user, "password": password, "permissions": permissions(role, user)}
                 for role, user, password in users]
     # nats-server's configuration format reads JSON.

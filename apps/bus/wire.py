@@ -37,7 +37,7 @@ def bounded_text(text: str, limit: int = MAX_TEXT_BYTES) -> str:
     return raw[: max(limit - len(note.encode()), 0)].decode("utf-8", "ignore") + note
 
 
-class ChatMessage(Wire, kw_only=True):
+class ChatMessage(Wire, frozen=True, kw_only=True):
     role: str
     content: str
     # Assistant turns that called tools, and tool results answering them.
@@ -46,7 +46,7 @@ class ChatMessage(Wire, kw_only=True):
     name: str | None = None
 
 
-class ResumedChoice(Wire, kw_only=True):
+class ResumedChoice(Wire, frozen=True, kw_only=True):
     """One choice of a migrated request as its client already has it: the token ids of every
     delta it was sent (`Delta.token_ids`, concatenated in order), and the choice's finish reason
     if a delta already finished it (such a choice is not run again)."""
@@ -55,7 +55,7 @@ class ResumedChoice(Wire, kw_only=True):
     finish_reason: FinishReason | None = None
 
 
-class GenerateRequest(Wire, kw_only=True):
+class GenerateRequest(Wire, frozen=True, kw_only=True):
     """One client request as published on `helexa.req.<model>`; the bus speaks text (token ids
     only when a /v1/completions client sent a prompt as token ids)."""
 
@@ -91,7 +91,7 @@ class GenerateRequest(Wire, kw_only=True):
     arriving: int = 0
 
 
-class RequestRef(Wire, kw_only=True):
+class RequestRef(Wire, frozen=True, kw_only=True):
     """Published on `helexa.req.<model>` instead of a `GenerateRequest` too large for one bus
     message: the encoded request is the object `object` of the Object Store bucket
     `helexa_requests` (`size` bytes). See `apps.bus.large_requests`."""
@@ -102,7 +102,7 @@ class RequestRef(Wire, kw_only=True):
     size: int
 
 
-class Usage(Wire, kw_only=True):
+class Usage(Wire, frozen=True, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
@@ -112,19 +112,19 @@ class Usage(Wire, kw_only=True):
     reasoning_tokens: int = 0
 
 
-class Frame(Wire, tag_field="type", kw_only=True):
+class Frame(Wire, tag_field="type", frozen=True, kw_only=True):
     """Worker → gateway reply frame; `seq` counts from 0 per attempt so gaps and repeats show."""
 
     seq: int
     attempt: int = 1
 
 
-class Accepted(Frame, tag="accepted", kw_only=True):
+class Accepted(Frame, tag="accepted", frozen=True, kw_only=True):
     node: str
     prompt_tokens: int
 
 
-class ToolCallDelta(Wire, kw_only=True):
+class ToolCallDelta(Wire, frozen=True, kw_only=True):
     """A tool call the model made (Qwen `<tool_call>{json}</tool_call>`), sent whole once parsed."""
 
     index: int
@@ -133,14 +133,14 @@ class ToolCallDelta(Wire, kw_only=True):
     arguments: str
 
 
-class TokenLogprobs(Wire, kw_only=True):
+class TokenLogprobs(Wire, frozen=True, kw_only=True):
     token: str
     logprob: float
     bytes: list[int]
     top: list[tuple[str, float, list[int]]] = []
 
 
-class Delta(Frame, tag="delta", kw_only=True):
+class Delta(Frame, tag="delta", frozen=True, kw_only=True):
     text: str
     num_tokens: int
     # Which of the request's n choices this text belongs to; set with the choice's last delta.
@@ -158,16 +158,16 @@ class Delta(Frame, tag="delta", kw_only=True):
     token_ids: list[int] = []
 
 
-class Heartbeat(Frame, tag="heartbeat", kw_only=True):
+class Heartbeat(Frame, tag="heartbeat", frozen=True, kw_only=True):
     pass
 
 
-class Final(Frame, tag="final", kw_only=True):
+class Final(Frame, tag="final", frozen=True, kw_only=True):
     finish_reason: FinishReason
     usage: Usage
 
 
-class ErrorFrame(Frame, tag="error", kw_only=True):
+class ErrorFrame(Frame, tag="error", frozen=True, kw_only=True):
     status: int
     code: ErrorCode
     message: str
@@ -176,7 +176,7 @@ class ErrorFrame(Frame, tag="error", kw_only=True):
 ReplyFrame = Accepted | Delta | Heartbeat | Final | ErrorFrame
 
 
-class Event(Wire, tag_field="kind", kw_only=True):
+class Event(Wire, tag_field="kind", frozen=True, kw_only=True):
     """Something that happened, published on EVENTS; `event_id` makes replays idempotent. It is a
     UUIDv7 (hex), so ids sort by creation time and the ledger's primary key grows append-only."""
 
@@ -186,7 +186,7 @@ class Event(Wire, tag_field="kind", kw_only=True):
     node: str
 
 
-class RunStarted(Event, tag="run.started", kw_only=True):
+class RunStarted(Event, tag="run.started", frozen=True, kw_only=True):
     request_id: str
     api: Api
     principal: str | None
@@ -195,7 +195,7 @@ class RunStarted(Event, tag="run.started", kw_only=True):
     queue_ms: float
 
 
-class RunFinished(Event, tag="run.finished", kw_only=True):
+class RunFinished(Event, tag="run.finished", frozen=True, kw_only=True):
     request_id: str
     api: Api
     principal: str | None
@@ -228,7 +228,7 @@ class AdmissionDecision(enum.StrEnum):
     CANCELLED = "cancelled"
 
 
-class AdmissionDecided(Event, tag="admission", kw_only=True):
+class AdmissionDecided(Event, tag="admission", frozen=True, kw_only=True):
     """How admission control answered one request; `pending`/`in_flight` are the counters at that moment."""
 
     request_id: str
@@ -241,7 +241,7 @@ class AdmissionDecided(Event, tag="admission", kw_only=True):
     waited_ms: float = 0.0
 
 
-class NodeStatusChanged(Event, tag="node.status", kw_only=True):
+class NodeStatusChanged(Event, tag="node.status", frozen=True, kw_only=True):
     """A worker's status when it changes (the `helexa_nodes` bucket holds the live copy); `model` is its main one."""
 
     status: NodeState
@@ -252,7 +252,7 @@ class NodeStatusChanged(Event, tag="node.status", kw_only=True):
     kv_usage: float | None = None
 
 
-class BenchRunRecorded(Event, tag="bench.run", kw_only=True):
+class BenchRunRecorded(Event, tag="bench.run", frozen=True, kw_only=True):
     """One bench measurement: one target, model and scenario; `run_id` is what scores refer to."""
 
     run_id: str
@@ -264,7 +264,7 @@ class BenchRunRecorded(Event, tag="bench.run", kw_only=True):
     results: dict[str, Any] = {}
 
 
-class ScoreRecorded(Event, tag="bench.score", kw_only=True):
+class ScoreRecorded(Event, tag="bench.score", frozen=True, kw_only=True):
     """A number attached to a bench run: a measured metric, or a quality score given later."""
 
     run_id: str
@@ -275,7 +275,7 @@ class ScoreRecorded(Event, tag="bench.score", kw_only=True):
     scorer: str
 
 
-class ResponseStored(Event, tag="response.stored", kw_only=True):
+class ResponseStored(Event, tag="response.stored", frozen=True, kw_only=True):
     """A Responses API answer kept for later (`store`): the ledger serves it back to
     `previous_response_id` and `GET /v1/responses/{id}`, to its principal only."""
 
@@ -288,7 +288,7 @@ class ResponseStored(Event, tag="response.stored", kw_only=True):
     response: dict[str, Any] = {}
 
 
-class ResponseDeleted(Event, tag="response.deleted", kw_only=True):
+class ResponseDeleted(Event, tag="response.deleted", frozen=True, kw_only=True):
     """`DELETE /v1/responses/{id}`: the recorder erases the stored response's content (its row's
     columns, its response.stored payloads in `events`, its messages on EVENTS)."""
 
@@ -296,7 +296,7 @@ class ResponseDeleted(Event, tag="response.deleted", kw_only=True):
     principal: str | None
 
 
-class EventRef(Event, tag="event.ref", kw_only=True):
+class EventRef(Event, tag="event.ref", frozen=True, kw_only=True):
     """Published on EVENTS instead of an event too large for one bus message (a stored response
     of a long conversation, a bench run's artifacts): the encoded event is object `object` of the
     Object Store bucket `helexa_events` (`size` bytes, SHA-256 `digest` in hex). Same `event_id`,
@@ -310,7 +310,7 @@ class EventRef(Event, tag="event.ref", kw_only=True):
     digest: str
 
 
-class CoreRestarted(Event, tag="engine.restart", kw_only=True):
+class CoreRestarted(Event, tag="engine.restart", frozen=True, kw_only=True):
     """A model's engine core process died (not asked to) and what its worker did: started a new one
     (`restarted`), or not, `detail` saying why (a device fault, the restart budget spent, a new core
     that would not start): the model is then out of service on that worker until it is reloaded."""
@@ -333,10 +333,18 @@ AnyEvent = (RunStarted | RunFinished | AdmissionDecided | NodeStatusChanged | Be
 
 def event_kind(event: Event) -> str:
     """The event's tag, which is also the `<kind>` part of its subject."""
-    return type(event).__struct_config__.tag
+    return kind_of(type(event))
 
 
-class ModelStatus(Wire, kw_only=True):
+def kind_of(event_type: type[Event]) -> str:
+    """An event class's tag (`event_kind` of its events)."""
+    tag = event_type.__struct_config__.tag
+    if not isinstance(tag, str):  # every event class is declared with a string tag
+        raise TypeError(f"{event_type.__name__} has no string tag")
+    return tag
+
+
+class ModelStatus(Wire, frozen=True, kw_only=True):
     model: str
     max_model_len: int | None = None
     max_input_tokens: int | None = None
@@ -369,7 +377,7 @@ class ModelStatus(Wire, kw_only=True):
     grammar_cache_hits: int = 0
 
 
-class NodeStatus(Wire, kw_only=True):
+class NodeStatus(Wire, frozen=True, kw_only=True):
     """A worker's entry in the `helexa_nodes` bucket, rewritten every few seconds."""
 
     node: str
@@ -384,7 +392,7 @@ class NodeStatus(Wire, kw_only=True):
     loading: list[str] = []
 
 
-class TokenizeRequest(Wire, kw_only=True):
+class TokenizeRequest(Wire, frozen=True, kw_only=True):
     """A question for a worker's `tokenize` endpoint about `model`: the prompt tokens a generation
     of `request` would feed the model (rendered and tokenized exactly as a generation does), or,
     with `token_ids`, the text of those tokens."""
@@ -398,13 +406,13 @@ class TokenizeRequest(Wire, kw_only=True):
     return_token_strs: bool = False
 
 
-class TokenizeError(Wire, kw_only=True):
+class TokenizeError(Wire, frozen=True, kw_only=True):
     status: int
     code: ErrorCode
     message: str
 
 
-class TokenizeReply(Wire, kw_only=True):
+class TokenizeReply(Wire, frozen=True, kw_only=True):
     """What a worker's `tokenize` endpoint answers: ids (tokenize) or text (detokenize), or an error."""
 
     model: str

@@ -59,7 +59,8 @@ def load_per_model(path: str | Path, defaults: AdmissionLimits) -> dict[str, Adm
 
 
 class Rejected(Exception):
-    def __init__(self, decision: AdmissionDecision, status: int, retry_after: int, pending: int, in_flight: int) -> None:
+    def __init__(self, decision: AdmissionDecision, status: int, retry_after: int, pending: int,
+                 in_flight: int) -> None:
         super().__init__(decision)
         self.decision, self.status, self.retry_after = decision, status, retry_after
         self.pending, self.in_flight = pending, in_flight
@@ -223,7 +224,7 @@ class Admissions:
                      weight: int, kind: str | None = None) -> Ticket:
         def decided(decision: AdmissionDecision, **fields: object) -> wire.AdmissionDecided:
             return wire.AdmissionDecided(model=model, node="gateway", request_id=request_id, principal=principal,
-                                         decision=decision, detail=kind, **fields)  # type: ignore[arg-type]
+                                         decision=decision, detail=kind, **fields)  # type: ignore[arg-type]  # each call passes its decision's fields
 
         try:
             ticket = await admission.acquire(principal, weight)

@@ -15,6 +15,7 @@ from litestar import Request, post
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException
 from litestar.response import Response, Stream
+from litestar.types import ExceptionHandlersMap
 
 from apps.bus import wire
 from apps.bus.codes import Api, ErrorCode, FinishReason, ServingError
@@ -231,14 +232,15 @@ def _anthropic_envelope(handler: Callable[[Request, Any], Response]) -> Callable
     def handle(request: Request, exc: Exception) -> Response:
         response = handler(request, exc)
         message = response.content["error"]["message"]
-        return Response(an.error_body(response.status_code, message), status_code=response.status_code,
+        status = response.status_code or 500  # the gateway's handlers always set one
+        return Response(an.error_body(status, message), status_code=status,
                         headers=response.headers)
 
     return handle
 
 
 # The exception handlers of every Anthropic route.
-ANTHROPIC_ERRORS = {
+ANTHROPIC_ERRORS: ExceptionHandlersMap = {
     ServingError: _anthropic_envelope(serving_error_handler),
     HTTPException: _anthropic_envelope(http_error_handler),
     Exception: _anthropic_envelope(internal_error_handler),

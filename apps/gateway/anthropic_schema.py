@@ -106,7 +106,7 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     def sampling_params(self) -> SamplingParams:
         """Anthropic's sampling fields under their `SamplingParams` names; null means the default."""
         stops = check_stop_strings(self.stop_sequences or [], "stop_sequences")
-        given = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+        given: dict[str, Any] = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
         return SamplingParams(max_tokens=self.max_tokens, stop=list(stops),
                               **{name: value for name, value in given.items() if value is not None})
 

@@ -103,7 +103,7 @@ def edge_guard(keys: ApiKeys | None, hosts: AllowedHosts, limiter: RateLimiter |
                     client = scope.get("client")
                     limiter.take(principal, client[0] if client else None)
             scope.setdefault("state", {})["principal"] = principal
-            method = scope["method"]
+            method = scope.get("method")  # HTTP scopes only: the edge serves no websockets (ws="none")
             if not path.startswith(_STORED_RESPONSE) or method not in ("GET", "DELETE"):
                 await app(scope, receive, send)
                 return

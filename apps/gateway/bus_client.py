@@ -136,7 +136,7 @@ class GatewayBus:
         if not self.nc.is_connected:
             return False
         try:
-            await self.nc.flush(timeout=HEALTH_PING_S)
+            await self.nc.flush(timeout=HEALTH_PING_S)  # type: ignore[arg-type]  # a float works: wait_for
         except (nats.errors.Error, TimeoutError):
             return False
         return True

@@ -37,7 +37,7 @@ def base_url(request: Request) -> str:
 
 def _api_routes(request: Request) -> list[tuple[str, str]]:
     """(method, path) of every route but the docs' own, paths with plain `{name}` parameters."""
-    out = []
+    out: list[tuple[str, str]] = []
     for route in request.app.routes:
         if not isinstance(route, HTTPRoute) or route.path == "/" or route.path.startswith(DOCS_PATH):
             continue
@@ -51,7 +51,8 @@ def _is_route(request: Request, path: str) -> bool:
 
     def matches(template: str) -> bool:
         wanted = template.split("/")
-        return len(wanted) == len(parts) and all(w == p or w.startswith("{") for w, p in zip(wanted, parts))
+        return len(wanted) == len(parts) and all(w == p or w.startswith("{")
+                                                 for w, p in zip(wanted, parts, strict=True))
 
     return any(matches(template) for _, template in _api_routes(request))
 

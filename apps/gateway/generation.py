@@ -38,13 +38,13 @@ from apps.gateway.bus_client import GatewayBus
 from apps.gateway.cold_start import ColdStarts
 from apps.gateway.errors import log_failure
 from apps.gateway.events import EventPublisher
+from apps.gateway.generation_metrics import GenerationMetrics
 from apps.gateway.liveness import (
     Canceller,
     ClientGone,
     next_live_frame,
     while_connected,
 )
-from apps.gateway.generation_metrics import GenerationMetrics
 from apps.gateway.metrics import GatewayMetrics
 from apps.gateway.migration import MIGRATABLE, Delivered, Migrator
 from apps.gateway.reply_stream import ReplyStream, ReplyTimeout
@@ -219,7 +219,8 @@ class GenerationPipeline:
             self._canceller.cancel_soon(request.request_id)
             self._metrics.rejected(request.model, "timeout")
             await reply.close()
-            raise unavailable(Unavailable.QUEUE_TIMEOUT, {**ctx, "detail": "no worker accepted before the deadline"}) from None
+            raise unavailable(Unavailable.QUEUE_TIMEOUT,
+                              {**ctx, "detail": "no worker accepted before the deadline"}) from None
         except BaseException:
             self._canceller.cancel_soon(request.request_id)
             await reply.close()
@@ -345,7 +346,8 @@ class GenerationPipeline:
             for chunk in formatter.stream_start(generation.accepted):
                 yield chunk
             async for frame in self.frames(generation):
-                chunks = formatter.stream_delta(frame) if isinstance(frame, wire.Delta) else formatter.stream_final(frame)
+                chunks = (formatter.stream_delta(frame) if isinstance(frame, wire.Delta)
+                          else formatter.stream_final(frame))
                 for chunk in chunks:
                     yield chunk
         except ServingError as exc:

@@ -19,7 +19,7 @@ class GenerationMetrics:
     def __init__(self, metrics: GatewayMetrics) -> None:
         self._metrics = metrics
 
-    def rejected(self, model: str, reason: str) -> None:
+    def rejected(self, model: str, reason: str | None) -> None:
         self._metrics.rejections.labels(model, reason).inc()
 
     def slow_reader(self, model: str) -> None:
@@ -28,7 +28,7 @@ class GenerationMetrics:
     def errored(self, model: str, status: int) -> None:
         self._metrics.errors.labels(model, str(status)).inc()
 
-    def migrated(self, model: str, code: str) -> None:
+    def migrated(self, model: str, code: str | None) -> None:
         self._metrics.migrations.labels(model, code).inc()
 
     def first_frame(self, request: wire.GenerateRequest) -> None:

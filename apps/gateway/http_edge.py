@@ -78,7 +78,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     # -- connections ---------------------------------------------------------------------------
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # TCP: always one
         super().connection_made(transport)
         if len(self.connections) > self.limits.max_connections:
             self._close_with(_response(503, "Service Unavailable",

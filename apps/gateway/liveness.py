@@ -138,6 +138,6 @@ async def while_connected(client: Request | None, work: Awaitable[T],
     try:
         return await task
     except asyncio.CancelledError:
-        if asyncio.current_task().cancelling():  # type: ignore[union-attr]
+        if asyncio.current_task().cancelling():  # type: ignore[union-attr]  # awaited in a task
             raise
         raise ClientGone from None

@@ -48,7 +48,8 @@ class MessageIn(msgspec.Struct, kw_only=True):
             try:
                 arguments = json.loads(call.function.arguments or "{}")
             except ValueError:
-                raise ServingError(400, ErrorCode.INVALID_REQUEST, "Tool call arguments must be a JSON object.", param="messages") from None
+                raise ServingError(400, ErrorCode.INVALID_REQUEST, "Tool call arguments must be a JSON object.",
+                                   param="messages") from None
             calls.append({"id": call.id, "type": "function",
                           "function": {"name": call.function.name, "arguments": arguments}})
         return calls
@@ -165,7 +166,8 @@ class ChatCompletionRequest(GenerationParams, kw_only=True):
 
     def logprobs_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
-            raise ServingError(400, ErrorCode.INVALID_REQUEST, "'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
+            raise ServingError(400, ErrorCode.INVALID_REQUEST, "'top_logprobs' requires 'logprobs' to be true.",
+                               param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def tool_dicts(self) -> list[dict[str, Any]] | None:
@@ -226,7 +228,7 @@ class CompletionRequest(GenerationParams, kw_only=True):
         if len(self.prompt) == 1 and isinstance(self.prompt[0], str):
             return self.prompt[0], None
         if all(isinstance(p, int) for p in self.prompt):
-            return None, list(self.prompt)  # type: ignore[arg-type]
+            return None, list(self.prompt)  # type: ignore[arg-type]  # all ints, checked above
         raise ServingError(
             400,
             ErrorCode.INVALID_REQUEST,

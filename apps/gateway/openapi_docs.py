@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from litestar.openapi.spec import OpenAPI, OpenAPIMediaType, OpenAPIResponse, Operation, RequestBody
+from litestar.openapi.spec import OpenAPI, OpenAPIMediaType, OpenAPIResponse, Operation, Reference, RequestBody
 
 from apps.gateway import anthropic_schema as an
 from apps.gateway import openai_schema as oa
@@ -55,7 +55,7 @@ _TYPES = sorted({t for doc in ROUTES.values()
                  for t in (doc.request, doc.response, doc.chunk, doc.error, doc.alternative) if t},
                 key=lambda t: t.__name__)
 _REFS, _COMPONENTS = msgspec.json.schema_components(_TYPES, ref_template=_REF)
-_REF_OF = dict(zip(_TYPES, _REFS))
+_REF_OF = dict(zip(_TYPES, _REFS, strict=True))
 
 _STATUS_TEXT = {
     400: "Invalid request: malformed JSON, JSON nested deeper than 64 levels, or a parameter outside its bound "
@@ -98,9 +98,11 @@ def operation_for(route: str) -> type[Operation]:
         def __post_init__(self) -> None:
             body = _media(doc.request)
             if doc.alternative is not None:
-                body = OpenAPIMediaType(schema={"oneOf": [_REF_OF[doc.request], _REF_OF[doc.alternative]]})
+                # A raw oneOf of the components' $refs: litestar renders the dict as it is.
+                body = OpenAPIMediaType(schema={"oneOf": [_REF_OF[doc.request], _REF_OF[doc.alternative]]})  # type: ignore[arg-type]
             self.request_body = RequestBody(content={"application/json": body}, required=True)
-            responses = {"200": OpenAPIResponse(description=doc.answer, content=success)}
+            responses: dict[str, OpenAPIResponse | Reference] = {
+                "200": OpenAPIResponse(description=doc.answer, content=success)}
             for status in doc.statuses:
                 responses[str(status)] = OpenAPIResponse(description=_STATUS_TEXT[status],
                                                   content={"application/json": _media(doc.error)})

@@ -185,7 +185,7 @@ def text_constraint(req: rs.ResponsesRequest) -> StructuredOutput | None:
 
 
 def sampling_params(req: rs.ResponsesRequest) -> SamplingParams:
-    given = {"max_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
+    given: dict[str, Any] = {"max_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
              "logprobs": (req.top_logprobs or 0) if wants_logprobs(req) else None,
              "structured": text_constraint(req)}
     return SamplingParams(**{name: value for name, value in given.items() if value is not None})

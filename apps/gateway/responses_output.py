@@ -75,7 +75,7 @@ class OutputBuilder:
         item, self._open = self._open, None
         if item is None:
             return []
-        item.status = status  # type: ignore[assignment]
+        item.status = status  # type: ignore[assignment]  # an item type narrows its status
         index = len(self.items) - 1
         place = {"item_id": item.id, "output_index": index, "content_index": 0}
         if isinstance(item, rs.OutputMessage):
@@ -84,9 +84,9 @@ class OutputBuilder:
                        "logprobs": _without_bytes(part.logprobs or [])},
                       {"type": "response.content_part.done", **place, "part": _snapshot(part)}]
         else:
-            part = item.content[0]
-            events = [{"type": "response.reasoning_text.done", **place, "text": part.text},
-                      {"type": "response.content_part.done", **place, "part": _snapshot(part)}]
+            reasoning = item.content[0]
+            events = [{"type": "response.reasoning_text.done", **place, "text": reasoning.text},
+                      {"type": "response.content_part.done", **place, "part": _snapshot(reasoning)}]
         return [*events, {"type": "response.output_item.done", "output_index": index, "item": _snapshot(item)}]
 
     def _add(self, item: rs.OutputItem) -> list[Event]:
@@ -153,7 +153,8 @@ def response_usage(usage: wire.Usage) -> rs.ResponseUsage:
 
 
 # The `ResponseError.code` values the SDK knows; everything of ours is a server error to it.
-_RESPONSE_ERROR_CODES = {ErrorCode.RATE_LIMIT_EXCEEDED: "rate_limit_exceeded", ErrorCode.INVALID_PROMPT: "invalid_prompt"}
+_RESPONSE_ERROR_CODES = {ErrorCode.RATE_LIMIT_EXCEEDED: "rate_limit_exceeded",
+                         ErrorCode.INVALID_PROMPT: "invalid_prompt"}
 
 
 class ResponsesFormatter:

@@ -206,7 +206,8 @@ def _json(spec: str, param: str) -> StructuredOutput:
 
 
 def _regex(spec: str, param: str) -> StructuredOutput:
-    return StructuredOutput(kind=StructuredOutputKind.REGEX, spec=_check_bytes(spec, BOUNDS.regex_bytes, param, "regex"))
+    return StructuredOutput(kind=StructuredOutputKind.REGEX,
+                            spec=_check_bytes(spec, BOUNDS.regex_bytes, param, "regex"))
 
 
 def _grammar(spec: str, param: str) -> StructuredOutput:

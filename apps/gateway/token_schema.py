@@ -34,7 +34,7 @@ class TokenizeCompletionRequest(msgspec.Struct, kw_only=True):
 class TokenizeChatRequest(oa.ChatCompletionRequest, kw_only=True):
     """vLLM's `/tokenize` of messages: the chat template rendered as `/v1/chat/completions` does."""
 
-    model: ModelId | None = None
+    model: ModelId | None = None  # type: ignore[assignment]  # may name no model: the one served is meant
     add_generation_prompt: bool = True
     # The rendered template places the special tokens itself.
     add_special_tokens: bool = False

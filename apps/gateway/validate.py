@@ -112,7 +112,8 @@ def decode_body(body: bytes, kind: type[T]) -> T:
         if _MISSING.search(text):
             message = f"Missing required parameter: '{param}'."
         else:
-            message = f"Invalid value for '{param}': {text.split(' - at ')[0]}." if param else f"Invalid request: {text}."
+            message = (f"Invalid value for '{param}': {text.split(' - at ')[0]}." if param
+                       else f"Invalid request: {text}.")
         raise _refuse(message, param) from None
     except msgspec.DecodeError:
         raise _refuse("The request body is not valid JSON.", code=ErrorCode.INVALID_JSON) from None
@@ -206,6 +207,7 @@ def bound_output(request: wire.GenerateRequest, nodes: list[wire.NodeStatus],
     if wanted is None:
         return msgspec.structs.replace(request, sampling=msgspec.structs.replace(request.sampling, max_tokens=limit))
     context = _smallest([m.max_model_len for n in nodes for m in n.models if m.model == request.model])
-    window = f"This model's maximum context length is {context} tokens, of which" if context else "Of this model's context,"
+    window = (f"This model's maximum context length is {context} tokens, of which" if context
+              else "Of this model's context,")
     raise _refuse(f"{window} at most {limit} are for the completion. However, you requested {wanted} completion "
                   f"tokens ('{param}'). Please reduce '{param}'.", param, ErrorCode.CONTEXT_LENGTH_EXCEEDED)

@@ -53,6 +53,7 @@ from apps.bus.wire import (
     ScoreRecorded,
     encode,
     event_kind,
+    kind_of,
 )
 
 __all__ = ["PROJECTIONS", "RESPONSES_CHANNEL", "Recorded", "event_kind", "ledger_json", "project", "rebuild"]
@@ -65,14 +66,14 @@ _NUL_ESCAPE = re.compile(rb"(?<!\\)((?:\\\\)*)\\u0000")
 RUNNING = "running"
 PROJECTIONS = ("runs", "run_attempts", "admission_events", "nodes", "bench_runs", "scores", "responses")
 
-_STARTED = RunStarted.__struct_config__.tag
-_FINISHED = RunFinished.__struct_config__.tag
-_ADMISSION = AdmissionDecided.__struct_config__.tag
-_NODE = NodeStatusChanged.__struct_config__.tag
-_BENCH_RUN = BenchRunRecorded.__struct_config__.tag
-_SCORE = ScoreRecorded.__struct_config__.tag
-_RESPONSE_STORED = ResponseStored.__struct_config__.tag
-_RESPONSE_DELETED = ResponseDeleted.__struct_config__.tag
+_STARTED = kind_of(RunStarted)
+_FINISHED = kind_of(RunFinished)
+_ADMISSION = kind_of(AdmissionDecided)
+_NODE = kind_of(NodeStatusChanged)
+_BENCH_RUN = kind_of(BenchRunRecorded)
+_SCORE = kind_of(ScoreRecorded)
+_RESPONSE_STORED = kind_of(ResponseStored)
+_RESPONSE_DELETED = kind_of(ResponseDeleted)
 
 _EVENT_COLUMNS = ("event_id", "kind", "subject", "model", "node", "ts", "payload", "stream_seq")
 _STAGING = "incoming_events"

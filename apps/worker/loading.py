@@ -44,7 +44,8 @@ async def open_model(settings: WorkerSettings, source: str, served_name: str = "
     engine: Engine
     if script:
         engine = ScriptedEngine(script, tokenizer, model_id, max_model_len=settings.max_model_len or 8192,
-                                max_num_seqs=settings.max_num_seqs)
+                                max_num_seqs=settings.max_num_seqs)  # type: ignore[assignment]  # TODO: mypy does not
+                                # match the async generator its generate returns to EngineOutputs; it is one at run time
     else:
         engine = await _supervised_core(settings, path)
     return ModelLoop(settings, engine, tokenizer, served_name or model_id, source=source or DEFAULT_SOURCE,

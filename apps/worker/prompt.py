@@ -103,7 +103,8 @@ def _render_chat(tokenizer: Tokenizer, request: wire.GenerateRequest, add_genera
             return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=False, **extra)
     except TemplateError as exc:
-        raise ServingError(400, ErrorCode.INVALID_MESSAGES, f"The messages do not fit the model's chat template: {exc}")
+        raise ServingError(400, ErrorCode.INVALID_MESSAGES,
+                           f"The messages do not fit the model's chat template: {exc}") from exc
     # Cut the rendered conversation right after the prefill, before the template closes the turn.
     end = text.rfind(prefill)
     if end < 0:

@@ -99,7 +99,7 @@ class CollectingReplier(Replier):
     """Frames kept in memory: for the request-reply `generate` endpoint, which answers once."""
 
     def __init__(self, attempt: int, node: str) -> None:
-        super().__init__(None, "", attempt, node)  # type: ignore[arg-type]
+        super().__init__(None, "", attempt, node)  # type: ignore[arg-type]  # no bus: frames stay here
         self.frames: list[wire.ReplyFrame] = []
 
     async def _send(self, frame: wire.ReplyFrame) -> None:

@@ -41,7 +41,7 @@ async def _answer(req: ServiceRequest, data: bytes) -> None:
     """A service reply measured first (`apps.bus.publish.respond`): one past the server's
     max_payload is answered with a 413 error instead of costing the worker its connection."""
     try:
-        await respond(req._msg, data)  # noqa: SLF001  (nats.micro's Request.respond sends unmeasured)
+        await respond(req._msg, data)  # private: nats.micro's Request.respond sends unmeasured
     except TooLarge as exc:
         await req.respond_error("413", f"the answer ({exc.size} bytes) is larger than the bus carries ({exc.limit})")
 
@@ -127,12 +127,12 @@ class ServiceEndpoints:
 
         answer = await token_service.answer(served, req.data)
         try:
-            await respond(req._msg, answer)  # noqa: SLF001  (measured: a reply past max_payload is refused here)
+            await respond(req._msg, answer)  # private: measured, a reply past max_payload is refused here
         except TooLarge as exc:
             error = wire.TokenizeError(status=413, code=ErrorCode.REQUEST_TOO_LARGE,
                                        message=f"The answer ({exc.size} bytes) is larger than the message bus "
                                                f"carries ({exc.limit} bytes).")
-            await respond(req._msg, wire.encode(wire.TokenizeReply(model="", error=error)))  # noqa: SLF001
+            await respond(req._msg, wire.encode(wire.TokenizeReply(model="", error=error)))
 
     async def _on_control(self, req: ServiceRequest) -> None:
         self._in_background(self._control(req))

@@ -50,7 +50,7 @@ def tokenize(tokenizer: Tokenizer, ask: wire.TokenizeRequest, reasoning_parser: 
     prompt = build_prompt(tokenizer, ask.request, reasoning_parser,
                           add_generation_prompt=ask.add_generation_prompt,
                           add_special_tokens=ask.add_special_tokens)
-    token_strs = [tokenizer.hf.id_to_token(i) for i in prompt.token_ids] if ask.return_token_strs else None
+    token_strs = [tokenizer.hf.id_to_token(i) or "" for i in prompt.token_ids] if ask.return_token_strs else None
     return wire.TokenizeReply(model=ask.model, token_ids=prompt.token_ids, token_strs=token_strs,
                               max_model_len=max_model_len)
 

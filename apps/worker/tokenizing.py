@@ -79,7 +79,8 @@ class Tokenizing:
     def _executor(self) -> ProcessPoolExecutor:
         if self._pool is None:
             # Spawned, not forked: the worker has threads (NATS, the engine's reader and writer).
-            self._pool = ProcessPoolExecutor(max_workers=self.processes, mp_context=multiprocessing.get_context("spawn"),
+            self._pool = ProcessPoolExecutor(max_workers=self.processes,
+                                             mp_context=multiprocessing.get_context("spawn"),
                                              initializer=_start, initargs=(self.tokenizer, os.getpid()))
         return self._pool
 

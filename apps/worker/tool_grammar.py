@@ -110,7 +110,8 @@ def reply_constraint(request: wire.GenerateRequest) -> StructuredOutput | None:
     if utf8_len(constraint) > BOUNDS.composed_bytes:
         raise ServingError(400, ErrorCode.INVALID_REQUEST,
                            f"The grammar of the tool calls is {utf8_len(constraint)} bytes; at most "
-                           f"{BOUNDS.composed_bytes} are allowed: enforce fewer or smaller tool schemas.", param="tools")
+                           f"{BOUNDS.composed_bytes} are allowed: enforce fewer or smaller tool schemas.",
+                           param="tools")
     return StructuredOutput(kind=StructuredOutputKind.LLGUIDANCE, spec=constraint)
 
 

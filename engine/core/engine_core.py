@@ -427,7 +427,8 @@ def run_core_process(conn: Connection, config: EngineConfig) -> None:
                 if not _take(core, conn, outputs, arrivals):
                     return
             if idle and window_s and core.has_work() and not gather_burst(
-                    conn.poll, lambda: _take(core, conn, outputs, arrivals), core.scheduler.next_step_is_full,
+                    conn.poll, lambda: _take(core, conn, outputs, arrivals),  # noqa: B023  (called before it returns)
+                    core.scheduler.next_step_is_full,
                     lambda: arrivals.more_arriving, window_s):
                 return
         except (EOFError, OSError):

@@ -32,6 +32,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import cast
 
 import llguidance
 import numpy as np
@@ -174,7 +175,7 @@ class StructuredOutputs:
         if not self._waiting:
             return []
         now = time.monotonic()
-        done = []
+        done: list[tuple[str, str | None]] = []
         for request_id, waiting in list(self._waiting.items()):
             compiled = self._compiled.get(waiting.key)
             if compiled is None:
@@ -231,9 +232,9 @@ class StructuredOutputs:
         # A matcher in error (a lexer or parser limit hit at run time) or one that allows no
         # token ends its own request after this step; its row is left free meanwhile, so the
         # sampler still has a distribution to draw from.
-        live = masks.numpy().any(axis=1).tolist()
+        live = cast("list[bool]", masks.numpy().any(axis=1).tolist())
         kept = []
-        for k, ((i, matcher), has_token) in enumerate(zip(rows, live)):
+        for k, ((i, matcher), has_token) in enumerate(zip(rows, live, strict=True)):
             request_id = request_ids[i]
             if matcher.is_error() or not has_token:
                 self._failed[request_id] = matcher.get_error() or "the grammar allows no further token"

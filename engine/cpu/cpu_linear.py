@@ -40,7 +40,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.cpu import cpu_support
-
 from engine.runner import ops
 from helexa_kernels import cpu as cpu_kernels
 
@@ -125,9 +124,10 @@ def _measure_kernel_rows() -> tuple[int, dict[int, dict[str, float]]]:
     out_features, in_features = KERNEL_PROBE_SHAPE
     weights = [torch.empty(KERNEL_PROBE_SHAPE).uniform_(-0.05, 0.05, generator=generator).bfloat16()
                for _ in range(KERNEL_PROBE_WEIGHTS)]
-    methods = {"kernel": [lambda x, p=cpu_kernels.pack_bf16_weight(w): cpu_kernels.bf16_linear(x, p, None, out_features)
+    # The defaults call on purpose (B008): each weight is packed once, as the list is built.
+    methods = {"kernel": [lambda x, p=cpu_kernels.pack_bf16_weight(w): cpu_kernels.bf16_linear(x, p, None, out_features)  # noqa: B008
                           for w in weights],
-               "onednn": [lambda x, p=pack(w): packed_linear(x, p, None) for w in weights]}
+               "onednn": [lambda x, p=pack(w): packed_linear(x, p, None) for w in weights]}  # noqa: B008
     timings: dict[int, dict[str, float]] = {}
     limit = 0
     threads = torch.get_num_threads()

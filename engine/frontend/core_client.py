@@ -2,8 +2,9 @@
 
 Typed messages (`engine.frontend.protocol`, msgpack) go down a pipe through a writer thread, so a request
 of megabytes, or a core busy in a long step that leaves the pipe full, never blocks the event loop
-(its heartbeats and acks); a reader thread hands each step's outputs to the request's asyncio queue. When a consumer falls behind, its queued outputs are
-merged into one (coalescing), so a slow client costs one bigger delta rather than a backlog.
+(its heartbeats and acks); a reader thread hands each step's outputs to the request's asyncio queue.
+When a consumer falls behind, its queued outputs are merged into one (coalescing), so a slow client
+costs one bigger delta rather than a backlog.
 This module imports no torch: the core process (`engine.core.engine_core.run_core_process`) does.
 """
 
@@ -182,8 +183,8 @@ class AsyncEngine:
         if self._closed:
             return  # we asked it to stop: its pipe closing is the expected end
         log.error("engine core process died", extra={"exitcode": self._process.exitcode})
-        for request_id, queue in self._queues.items():
-            queue.put_nowait(EngineOutput(request_id=request_id, new_token_ids=[], finished=True,
+        for request_id, outputs in self._queues.items():
+            outputs.put_nowait(EngineOutput(request_id=request_id, new_token_ids=[], finished=True,
                                           finish_reason=FinishReason.ERROR, error=self._dead))
         if self.on_death is not None:
             self.on_death(len(self._queues))

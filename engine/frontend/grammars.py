@@ -179,7 +179,7 @@ def to_llguidance(structured: StructuredOutput) -> str:
     malformed before it even reaches the grammar compiler (a schema that is not JSON, say)."""
     kind, spec = structured.kind, structured.spec
     if kind is StructuredOutputKind.JSON_SCHEMA:
-        return llguidance.LLMatcher.grammar_from_json_schema(_json_schema(spec), defaults=JSON_DEFAULTS)  # type: ignore[arg-type]
+        return llguidance.LLMatcher.grammar_from_json_schema(_json_schema(spec), defaults=JSON_DEFAULTS)  # type: ignore[arg-type]  # the TypedDict's keys
     if kind is StructuredOutputKind.REGEX:
         return llguidance.LLMatcher.grammar_from_regex(spec)
     if kind is StructuredOutputKind.CHOICE:

@@ -293,7 +293,7 @@ def device_fault_message(exc: BaseException) -> str:
 def is_device_fault(error: str | None) -> bool:
     """Whether an engine's error output means the model can no longer serve until reloaded. A core
     process that died (`ENGINE_STOPPED`) is not one: the worker starts it again."""
-    return bool(error) and error.startswith(DEVICE_FAULT_PREFIX)
+    return error is not None and error.startswith(DEVICE_FAULT_PREFIX)
 
 
 class EngineOutputs(Protocol):
@@ -316,9 +316,14 @@ class Engine(Protocol):
     `info` describes the model and its KV pool; `stats` is the latest step's counters.
     """
 
-    model_id: str
-    max_model_len: int
-    max_num_seqs: int
+    @property
+    def model_id(self) -> str: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def max_num_seqs(self) -> int: ...
 
     @property
     def info(self) -> CoreInfo: ...

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,7 +67,7 @@ class ScriptedEngine:
     def reply_for(self, prompt: str) -> str:
         return self.rule_for(prompt).reply
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
         if request.request_id in self._running:
             # As the real engine does: a second stream under a live id is refused, the first goes on.
             yield EngineOutput(request.request_id, [], finished=True, finish_reason=FinishReason.ERROR,
@@ -84,7 +84,8 @@ class ScriptedEngine:
                                num_prompt_tokens=len(request.prompt_token_ids), error=rule.error_text)
             return
         tokens = self.tokenizer.encode(rule.reply, add_special_tokens=False)
-        tokens.append(self.tokenizer.eos_token_id)
+        if self.tokenizer.eos_token_id is not None:
+            tokens.append(self.tokenizer.eos_token_id)
         # A resumed request goes on after the tokens it already had (they count towards max_tokens).
         start = len(request.resumed_token_ids)
         limit = min(len(tokens), request.sampling.max_tokens or len(tokens))

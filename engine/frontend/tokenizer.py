@@ -78,11 +78,11 @@ class Tokenizer:
 
     @property
     def bos_token(self) -> str:
-        return "" if self.bos_token_id is None else self.hf.id_to_token(self.bos_token_id)
+        return "" if self.bos_token_id is None else self.hf.id_to_token(self.bos_token_id) or ""
 
     @property
     def eos_token(self) -> str:
-        return "" if self.eos_token_id is None else self.hf.id_to_token(self.eos_token_id)
+        return "" if self.eos_token_id is None else self.hf.id_to_token(self.eos_token_id) or ""
 
     @property
     def all_stop_token_ids(self) -> list[int]:

@@ -99,9 +99,9 @@ def read_tokenizer(gguf: GGUFFile) -> Tokenizer:
     hf.pre_tokenizer = _pre_tokenizer(gguf.get("tokenizer.ggml.pre", "default"))
     hf.decoder = decoders.ByteLevel()
     hf.add_tokens([AddedToken(t, special=False, normalized=False)
-                   for t, kind in zip(tokens, token_types) if kind == TokenType.USER_DEFINED])
+                   for t, kind in zip(tokens, token_types, strict=True) if kind == TokenType.USER_DEFINED])
     hf.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                           for t, kind in zip(tokens, token_types) if kind == TokenType.CONTROL])
+                           for t, kind in zip(tokens, token_types, strict=True) if kind == TokenType.CONTROL])
 
     bos_id = gguf.get("tokenizer.ggml.bos_token_id")
     eos_id = gguf.get("tokenizer.ggml.eos_token_id")

@@ -17,8 +17,7 @@ import torch
 from torch import nn
 
 from engine.loading.model_config import ModelConfig
-from engine.models.layers import (GatedMLP, Linear, PackedLinear, RMSNorm, RotaryEmbedding,
-                                  residual_stream)
+from engine.models.layers import GatedMLP, Linear, PackedLinear, RMSNorm, RotaryEmbedding, residual_stream
 from engine.runner import ops
 from engine.runner.attention import AttentionMetadata, KVCache
 

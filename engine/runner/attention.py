@@ -24,11 +24,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.runner import torch_ops
-from engine.runner import attention_plan
+from engine.runner import attention_plan, torch_ops
 from engine.runner.attention_plan import AttentionPlan, DecodeBucket, PrefillSeq, build_plan, sdpa_chunk_seqs
+
 # Model files import the metadata and cache types from here, beside the computation that reads them.
-from engine.runner.step_metadata import AttentionMetadata, KVCache  # noqa: F401
+from engine.runner.step_metadata import AttentionMetadata, KVCache  # noqa: F401  (KVCache: re-exported)
 from helexa_kernels import cpu as cpu_kernels
 
 

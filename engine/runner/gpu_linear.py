@@ -102,10 +102,10 @@ def use_gemv_where_faster(model: nn.Module, device: torch.device) -> dict[str, o
         for (n, k), modules in _shape_groups(model).items():
             weights = [module.weight for module in modules]
             x = torch.randn(1, k, device=device, dtype=weights[0].dtype)
-            timings = {"cublas": _graph_ms([lambda w=w: F.linear(x, w) for w in weights], stream)}
+            timings = {"cublas": _graph_ms([lambda w=w, x=x: F.linear(x, w) for w in weights], stream)}
             for config in gemv_triton.CONFIGS:
                 timings["x".join(map(str, config))] = _graph_ms(
-                    [lambda w=w, c=config: gemv_triton.gemv(x, w, c) for w in weights], stream)
+                    [lambda w=w, c=config, x=x: gemv_triton.gemv(x, w, c) for w in weights], stream)
             best = min(gemv_triton.CONFIGS, key=lambda c: timings["x".join(map(str, c))])
             use = timings["x".join(map(str, best))] < (1 - MARGIN) * timings["cublas"]
             if use:
@@ -120,7 +120,7 @@ def use_gemv_where_faster(model: nn.Module, device: torch.device) -> dict[str, o
         log.warning("batch-1 GEMV measurement failed, cuBLAS everywhere: %s", exc)
         clear_gemv(model)
         return {"error": f"{type(exc).__name__}: {exc}"}
-    log.info("batch-1 projections: %s", {shape: c["chosen"] for shape, c in choices.items()  # type: ignore[index]
+    log.info("batch-1 projections: %s", {shape: c["chosen"] for shape, c in choices.items()
                                          if isinstance(c, dict)})
     return choices
 

@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.cpu import cpu_linear, cpu_memory
-
 from engine.core.scheduler import SchedulerOutput
+from engine.cpu import cpu_linear, cpu_memory
 from engine.cpu.cpu_decode_stack import CpuDecodeStack
 from engine.frontend.engine_config import EngineConfig
 from engine.frontend.protocol import TokenLogprob

@@ -12,8 +12,8 @@ A seeded request's draw is a function of (seed, token position) alone: the unifo
 token at output position p is `seeded_uniform(seed, p)`, a hash, not the next value of a stream. So
 its tokens are the same whichever other requests share the batch and at any row (no step mixes values
 across rows), after a preemption, and when a migrated request resumes at position p on another worker.
-Unseeded rows share one stream, drawn in row order. Truncation cut-offs are values, not positions (tokens tied with the last kept one stay),
-so the kept set never depends on how a sort orders ties.
+Unseeded rows share one stream, drawn in row order. Truncation cut-offs are values, not positions
+(tokens tied with the last kept one stay), so the kept set never depends on how a sort orders ties.
 
 One row never hurts the others, and every token id is inside the vocabulary: a row whose logits are
 NaN or infinite after the penalties (a degenerate penalty, a broken forward), or whose temperature
@@ -128,7 +128,7 @@ class Sampler:
         logprobs: list[TokenLogprob | None] = [None] * len(rows)
         if log_probs is not None:
             ks = [rows[i].options.logprobs or 0 for i in logprob_rows]
-            for i, entry in zip(logprob_rows, _gather_logprobs(log_probs, token_ids[logprob_rows], ks)):
+            for i, entry in zip(logprob_rows, _gather_logprobs(log_probs, token_ids[logprob_rows], ks), strict=True):
                 logprobs[i] = entry
         return SamplerOutput(token_ids=ids, logprobs=logprobs, errors=errors)
 
@@ -324,7 +324,7 @@ def top_k_top_p_cutoff(probs: torch.Tensor, top_ks: list[int], top_ps: list[floa
         done = ~has_top_p | (covered.any(-1) & (complete | ~has_top_k))
         rows = torch.tensor(pending, device=device)
         cutoff[rows[done]] = torch.maximum(top_k_cutoff, top_p_cutoff)[done]
-        pending = [i for i, finished in zip(pending, done.tolist()) if not finished]
+        pending = [i for i, finished in zip(pending, done.tolist(), strict=True) if not finished]
     return cutoff
 
 
@@ -366,7 +366,7 @@ def _gather_logprobs(log_probs: torch.Tensor, token_ids: torch.Tensor, ks: list[
         values, ids = log_probs.topk(max_k, dim=-1)
         top_values, top_ids = values.tolist(), ids.tolist()
     return [
-        TokenLogprob(token_id=token_id, logprob=logprob, top=list(zip(ids_row[:k], values_row[:k])))
+        TokenLogprob(token_id=token_id, logprob=logprob, top=list(zip(ids_row[:k], values_row[:k], strict=True)))
         for token_id, logprob, ids_row, values_row, k
-        in zip(token_ids.tolist(), chosen, top_ids, top_values, ks)
+        in zip(token_ids.tolist(), chosen, top_ids, top_values, ks, strict=True)
     ]
