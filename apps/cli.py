@@ -68,9 +68,9 @@ def cmd_gateway(args: argparse.Namespace) -> None:
             timeout_graceful_shutdown=settings.stop_grace_s + 5,  # type: ignore[arg-type]  # a float works: wait_for
         )
         server = uvicorn.Server(config)
-        # FIXME: uvicorn 0.29+ has no such hook (it became Server.capture_signals), so this line does nothing
-        # and uvicorn takes SIGINT/SIGTERM while it serves; left as it was for the owner of the stop path.
-        server.install_signal_handlers = lambda: None  # type: ignore[attr-defined]  # see the FIXME above
+        # The signals are the app's (`_run_until_signal` sets `stop`, then answers in flight end after
+        # the stop grace): uvicorn must not take SIGINT/SIGTERM itself while it serves.
+        server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign, assignment]  # a no-op context
         async def serve() -> None:
             # uvicorn logs why it cannot start (e.g. the port is in use), then raises SystemExit,
             # which a task would hand to the event loop itself: caught here, it ends the task.
