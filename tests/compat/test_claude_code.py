@@ -117,7 +117,8 @@ def test_the_tool_result_turn(system: System, compat_model: str) -> None:
                                   HEADERS)))
     tool_use = first.content[-1]
     conversation = [*FIRST_TURN,
-                    {"role": "assistant", "content": [b.model_dump(mode="json", exclude_none=True) for b in first.content]},
+                    {"role": "assistant",
+                     "content": [b.model_dump(mode="json", exclude_none=True) for b in first.content]},
                     {"role": "user", "content": [
                         {"type": "tool_result", "tool_use_id": tool_use.id, "is_error": False,
                          "content": [{"type": "text", "text": "# helexa\nAn LLM serving system."}]},

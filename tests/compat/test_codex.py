@@ -36,7 +36,8 @@ TOOLS = [
 ]
 USER_TURN = [
     {"type": "message", "role": "developer",
-     "content": [{"type": "input_text", "text": "<permissions instructions>Sandbox: workspace-write.</permissions instructions>"}]},
+     "content": [{"type": "input_text",
+                  "text": "<permissions instructions>Sandbox: workspace-write.</permissions instructions>"}]},
     {"type": "message", "role": "user",
      "content": [{"type": "input_text", "text": "<environment_context><cwd>/repo</cwd></environment_context>"}]},
     {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "List the files in this folder."}]},

@@ -60,7 +60,7 @@ async def fire(url: str, bodies: list[dict], keys: list[str | None] | None = Non
     async with httpx.AsyncClient(base_url=url, timeout=120) as http:
         return await asyncio.gather(*(
             http.post("/v1/chat/completions", json=b, headers={"Authorization": f"Bearer {k}"} if k else {})
-            for b, k in zip(bodies, keys)
+            for b, k in zip(bodies, keys, strict=True)
         ))
 
 
@@ -185,7 +185,8 @@ def test_cancelled_queued_waiters_leave_no_trace(system: System, slow_model: str
                 wait_for_gauge(url, slow_model, 1)  # the queue is empty again
 
                 with ThreadPoolExecutor(1) as pool:
-                    newcomer = pool.submit(http.post, "/v1/chat/completions", json=body(slow_model, 4, "quick newcomer"))
+                    newcomer = pool.submit(http.post, "/v1/chat/completions",
+                                           json=body(slow_model, 4, "quick newcomer"))
                     wait_for_gauge(url, slow_model, 2)  # queued behind the running one, not refused
                     for _ in lines:
                         pass  # the running request finishes

@@ -307,7 +307,8 @@ def test_worker_lost_mid_stream_sends_an_error_event(keyed_gateway: KeyedGateway
             assert seen[:3] == ["message_start", "content_block_start", "content_block_delta"]
             assert "message_stop" not in seen
             error = caught.value.body
-            assert error == {"type": "error", "error": {"type": "overloaded_error", "message": error["error"]["message"]}}
+            assert error == {"type": "error",
+                             "error": {"type": "overloaded_error", "message": error["error"]["message"]}}
             assert "stopped responding" in error["error"]["message"]
         finally:
             if worker.process.poll() is None:

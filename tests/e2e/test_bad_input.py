@@ -93,8 +93,10 @@ def test_prompt_over_the_context_is_400_before_generation(system: System, stream
         try:
             return await eventually_async(lambda: conn.fetchrow(
                 "SELECT r.request_id, r.status, r.error, r.prompt_tokens, r.started_at, "
-                "(SELECT count(*) FROM events e WHERE e.kind = 'run.started' AND e.payload->>'request_id' = r.request_id) AS starts "
-                "FROM runs r WHERE r.request_id = $1", request_id), 30, message="the rejection never reached the ledger")
+                "(SELECT count(*) FROM events e "
+                "WHERE e.kind = 'run.started' AND e.payload->>'request_id' = r.request_id) AS starts "
+                "FROM runs r WHERE r.request_id = $1", request_id),
+                30, message="the rejection never reached the ledger")
         finally:
             await conn.close()
 

@@ -47,7 +47,8 @@ max_tokens = 8
     return path
 
 
-async def recorded_scores(system: System, run_ids: list[str], count: int, timeout_s: float = 30.0) -> list[asyncpg.Record]:
+async def recorded_scores(system: System, run_ids: list[str], count: int,
+                          timeout_s: float = 30.0) -> list[asyncpg.Record]:
     """The `scores` rows of these runs once the recorder has projected `count` of them."""
     conn = await asyncpg.connect(system.database_url)
 

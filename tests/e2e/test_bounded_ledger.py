@@ -17,7 +17,6 @@ import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import asyncpg
 import httpx

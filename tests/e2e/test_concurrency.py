@@ -48,7 +48,7 @@ def test_sixteen_concurrent_streams_complete_with_correct_usage(system: System) 
 
     together, alone = asyncio.run(scenario())
     assert len(together) == CLIENTS
-    for subject, (text, finish, usage) in zip(SUBJECTS, together):
+    for subject, (text, finish, usage) in zip(SUBJECTS, together, strict=True):
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": f"Tell me one fact about {subject}."}])
         assert finish == "length"
         assert usage.completion_tokens == MAX_TOKENS

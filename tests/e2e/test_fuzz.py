@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 
 from tests.e2e.conftest import System
 
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-10, 10**6), st.floats(allow_nan=False, allow_infinity=False, width=32),
-                    st.text(max_size=12))
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-10, 10**6),
+                    st.floats(allow_nan=False, allow_infinity=False, width=32), st.text(max_size=12))
 json_values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=3),
                                                             st.dictionaries(st.text(max_size=8), inner, max_size=3)),
                            max_leaves=8)

@@ -86,7 +86,8 @@ CASES: dict[str, Case] = {
     "chat-deep-tool-parameters": Case(CHAT, chat(tools=[tool("f", {"type": "object", "x": nested(100)})])),
     "chat-deep-tool-call-arguments": Case(CHAT, chat(messages=[
         {"role": "user", "content": "hi"},
-        {"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "[" * 200 + "]" * 200}}]},
+        {"role": "assistant",
+         "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "[" * 200 + "]" * 200}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "x"}]), param="messages"),
     "chat-17-stops": Case(CHAT, chat(stop=[f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]), param="stop"),
     "chat-stop-257-chars": Case(CHAT, chat(stop="x" * (MAX_STOP_STRING_BYTES + 1)), param="stop"),

@@ -213,7 +213,8 @@ def test_a_principal_over_its_rate_is_429_and_another_is_not(system: System, tmp
             assert 1 <= int(refused.headers["Retry-After"]) <= 20
             error = refused.json()["error"]
             assert error["code"] == "rate_limit_exceeded" and "HELEXA_RATE_LIMIT_RPS" in error["message"]
-            assert http.post("/tokenize", json={"model": system.model, "prompt": "hi"}, headers=alice).status_code == 429
+            tokenize = http.post("/tokenize", json={"model": system.model, "prompt": "hi"}, headers=alice)
+            assert tokenize.status_code == 429
             bob = http.post("/v1/chat/completions", json=chat(system.model), headers={"Authorization": "Bearer sk-bob"})
             assert bob.status_code == 200, bob.text
             assert http.get("/health").status_code == 200  # not a guarded route: never limited

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from openai import OpenAI
@@ -37,7 +36,8 @@ SCRIPT = {
         {"match": "Name the capital", "reply": " Paris."},
         # First match wins: the follow-up turn also contains the question.
         {"match": "18 degrees", "reply": "It is 18 degrees in Paris."},
-        {"match": "weather in Paris", "reply": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'},
+        {"match": "weather in Paris",
+         "reply": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'},
         {"match": "think it over", "reply": "<think>\nTwo plus two is four.\n</think>\n\nThe answer is 4."},
         {"match": "long thought", "reply": "<think>This thought goes on and on and never reaches its end"},
         {"match": "broken tool", "reply": "<tool_call>{oops}</tool_call>"},
@@ -180,7 +180,8 @@ def test_top_logprobs_without_logprobs_is_400(system: System) -> None:
     ("required", "Nice"),
     ({"type": "function", "function": {"name": "get_weather"}}, "Lyon"),
 ], ids=["auto", "required", "named"])
-def test_tool_choice_forces_a_call(system: System, scripted: str, stream: bool, choice: object, city: str | None) -> None:
+def test_tool_choice_forces_a_call(system: System, scripted: str, stream: bool, choice: object,
+                                   city: str | None) -> None:
     """The script answers "ok" unless the prompt ends in the forced start of a call."""
     if stream:
         got = collect_stream(ask(system, "Use a tool now.", stream=True, tools=[WEATHER_TOOL], tool_choice=choice))

@@ -86,7 +86,8 @@ def test_create_answers_like_chat_completions(system: System) -> None:
     assert part["type"] == "output_text" and part["annotations"] == []
     chat = client(system).chat.completions.create(
         model=system.model, temperature=0, max_tokens=24,
-        messages=[{"role": "system", "content": "Answer in one short sentence."}, {"role": "user", "content": QUESTION}])
+        messages=[{"role": "system", "content": "Answer in one short sentence."},
+                  {"role": "user", "content": QUESTION}])
     assert part["text"] == chat.choices[0].message.content
     usage = data["usage"]
     assert usage["input_tokens"] == chat.usage.prompt_tokens
@@ -94,7 +95,8 @@ def test_create_answers_like_chat_completions(system: System) -> None:
     assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
     if data["status"] == "incomplete":
         assert data["incomplete_details"] == {"reason": "max_output_tokens"}
-    sdk = client(system).responses.create(model=system.model, input=QUESTION, instructions="Answer in one short sentence.",
+    sdk = client(system).responses.create(model=system.model, input=QUESTION,
+                                          instructions="Answer in one short sentence.",
                                           max_output_tokens=24, temperature=0)
     assert sdk.output_text == part["text"]
 

@@ -95,7 +95,8 @@ def test_parse_returns_the_parsed_object(system: System, model: type[BaseModel],
 @pytest.mark.parametrize("spelling", ["structured_outputs", "guided"])
 def test_regex_holds_on_20_sampled_completions(system: System, spelling: str) -> None:
     pattern = r"[A-Z][a-z]{2,8} \d{1,3} (Street|Road|Lane)"
-    extra = {"structured_outputs": {"regex": pattern}} if spelling == "structured_outputs" else {"guided_regex": pattern}
+    extra = ({"structured_outputs": {"regex": pattern}} if spelling == "structured_outputs"
+             else {"guided_regex": pattern})
     texts = []
     for seed in (1, 2):
         reply = client(system).chat.completions.create(
@@ -112,7 +113,8 @@ def test_regex_holds_on_20_sampled_completions(system: System, spelling: str) ->
 @pytest.mark.parametrize("spelling", ["structured_outputs", "guided"])
 def test_choice_holds_on_20_sampled_completions(system: System, spelling: str) -> None:
     options = ["positive", "negative", "neutral"]
-    extra = {"structured_outputs": {"choice": options}} if spelling == "structured_outputs" else {"guided_choice": options}
+    extra = ({"structured_outputs": {"choice": options}} if spelling == "structured_outputs"
+             else {"guided_choice": options})
     texts = []
     for seed in (3, 4):
         reply = client(system).chat.completions.create(

@@ -183,7 +183,8 @@ def test_a_child_killed_with_sigkill_comes_back_and_the_system_serves_again(up: 
     for child in children:
         child.kill()
     for app in ("gateway", "recorder"):
-        exited = up.process.wait_for(lambda e, a=app: e.get("event") == "child exited, restarting" and e.get("app") == a)
+        exited = up.process.wait_for(
+            lambda e, a=app: e.get("event") == "child exited, restarting" and e.get("app") == a)
         assert exited["returncode"] == -signal.SIGKILL and exited["restart_in_s"] > 0
         up.process.wait_for(lambda e, a=app: e.get("event") == "ready" and e.get("app") == a
                             and not any(e is old for old in before[a]), timeout_s=120)

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from engine.cpu import cpu_linear
-from engine.runner import ops
-from engine.loading.model_config import ModelConfig
 from engine.cpu.cpu_decode_stack import CpuDecodeStack
-from engine.loading.loader import Checkpoint, empty_model
-from engine.runner.model_runner import allocate_kv_caches
 from engine.frontend.protocol import EngineRequest
+from engine.loading.loader import Checkpoint, empty_model
+from engine.loading.model_config import ModelConfig
+from engine.runner import ops
+from engine.runner.model_runner import allocate_kv_caches
 from engine.runner.step_metadata import KVCaches, SequenceChunk, build_step_inputs
 from helexa_kernels import cpu as cpu_kernels
 from tests.engine.test_engine_core import greedy, make_core, run

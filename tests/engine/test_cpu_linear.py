@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 
 from engine.cpu import cpu_linear
-
 from engine.frontend.engine_config import EngineConfig
 from engine.models.layers import Linear
 from engine.runner import ops

@@ -32,7 +32,8 @@ def test_a_refusal_names_the_features_the_cpu_lacks(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(cpu_support.platform, "machine", lambda: "x86_64")
     assert (cpu_support.unsupported_reason("bfloat16")
             == "bf16 unsupported here (oneDNN: no avx512bw/avx512vl/avx512dq or avx_ne_convert)")
-    assert cpu_support.unsupported_reason("float16") == "fp16 unsupported here (oneDNN: no avx512_fp16 or avx_ne_convert)"
+    assert (cpu_support.unsupported_reason("float16")
+            == "fp16 unsupported here (oneDNN: no avx512_fp16 or avx_ne_convert)")
     with pytest.raises(UnsupportedDtype) as refused:
         cpu_support.require("bfloat16")
     message = str(refused.value)

@@ -10,12 +10,9 @@ import torch
 
 from apps.settings import WorkerSettings
 from benchmarks.core_timing import run_greedy
-from engine.cpu import cpu_linear, dtype_choice
-from engine.runner import ops
-from engine.loading.model_config import ModelConfig
 from engine.core.engine_core import EngineCore, build_core
+from engine.cpu import cpu_linear, dtype_choice
 from engine.cpu.cpu_support import FORCE_UNSUPPORTED_ENV, UnsupportedDtype
-from engine.loading.default_model import default_model_path
 from engine.cpu.dtype_choice import (
     Scenario,
     choose_dtype,
@@ -25,10 +22,13 @@ from engine.cpu.dtype_choice import (
     scenarios,
 )
 from engine.frontend.engine_config import EngineConfig
-from tests.engine.greedy_agreement import Agreement, argmax_gaps
-from engine.loading.loader import Checkpoint, load_checkpoint, read_model_config
 from engine.frontend.model_source import load_tokenizer
+from engine.loading.default_model import default_model_path
+from engine.loading.loader import Checkpoint, load_checkpoint, read_model_config
+from engine.loading.model_config import ModelConfig
 from engine.models.layers import Linear
+from engine.runner import ops
+from tests.engine.greedy_agreement import Agreement, argmax_gaps
 
 TINY = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)

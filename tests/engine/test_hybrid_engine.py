@@ -181,7 +181,7 @@ def _decode_step_at(core: EngineCore, prompt: list[int]) -> tuple[dict[str, int]
     Also returns the KV blocks the request holds, to show the context really differs."""
     # Imported here: it imports triton, which must not happen while pytest collects, before the
     # kernel tests choose Triton's interpreter.
-    from torch.utils.flop_counter import FlopCounterMode  # noqa: PLC0415
+    from torch.utils.flop_counter import FlopCounterMode
 
     core.add_request(EngineRequest("probe", prompt, greedy(max_tokens=3)))
     core.step()  # prefill (and the first token)

@@ -87,7 +87,7 @@ def test_checkpoint_pieces_must_fill_each_parameter_once(model_dir: Path,
                                                          checkpoint: Checkpoint) -> None:
     """Per-expert tensors fill slices of one stacked parameter, fused ones are split: a missing
     or surplus piece is an error, never a silently uninitialized (or overwritten) parameter."""
-    from engine.loading.loader import iter_safetensors, load_weights  # noqa: PLC0415
+    from engine.loading.loader import iter_safetensors, load_weights
 
     model = checkpoint.model
     weights = list(iter_safetensors(model_dir, torch.float32))

@@ -7,9 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.core.engine_core import EngineCore, Arrivals, handle_message
+from engine.core.engine_core import Arrivals, EngineCore, handle_message
 from engine.frontend.engine_config import EngineConfig
-from engine.loading.loader import Checkpoint
 from engine.frontend.protocol import (
     INT64_MAX,
     INT64_MIN,
@@ -23,6 +22,7 @@ from engine.frontend.protocol import (
     encode_message,
     is_device_fault,
 )
+from engine.loading.loader import Checkpoint
 from engine.runner.sampler import NO_FINITE_LOGITS
 from tests.engine.helpers import RaisesAfterForward
 from tests.engine.test_engine_core import greedy, prompts

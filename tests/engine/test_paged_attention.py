@@ -90,7 +90,7 @@ def _check_against_loop(batch: list[tuple[int, int]], heads: tuple[int, int], bl
     scale = HEAD_DIM ** -0.5
 
     full_q, full_k, full_v = [], [], []
-    for seq_len, table in zip(seq_lens, tables, strict=True):
+    for seq_len, _table in zip(seq_lens, tables, strict=True):
         full_q.append(torch.randn(seq_len, num_heads, HEAD_DIM, generator=generator))
         full_k.append(torch.randn(seq_len, num_kv_heads, HEAD_DIM, generator=generator))
         full_v.append(torch.randn(seq_len, num_kv_heads, HEAD_DIM, generator=generator))

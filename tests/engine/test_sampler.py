@@ -13,9 +13,9 @@ from engine.runner.sampler import (
     NO_FINITE_LOGITS,
     Sampler,
     SamplingRow,
-    top_k_top_p_cutoff,
     make_generator,
     seeded_uniform,
+    top_k_top_p_cutoff,
 )
 
 VOCAB = 1000  # not a multiple of the CDF block: exercises the padding

@@ -116,7 +116,8 @@ def test_constrained_rows_leave_unconstrained_ones_alone(smollm2: Checkpoint) ->
     alone = {f"free{i}": run(make_core(smollm2), [EngineRequest(f"free{i}", p, greedy)])[f"free{i}"][0]
              for i, p in enumerate(free)}
     mixed = [EngineRequest(f"free{i}", p, greedy) for i, p in enumerate(free)]
-    mixed.insert(1, EngineRequest("json", chat(smollm2, "A person as JSON."), constrained(PERSON_JSON, temperature=0.0)))
+    mixed.insert(1, EngineRequest("json", chat(smollm2, "A person as JSON."),
+                                  constrained(PERSON_JSON, temperature=0.0)))
     mixed.append(EngineRequest("phone", chat(smollm2, "Your number?"), constrained(PHONE, temperature=1.0, seed=3)))
     result = run(make_core(smollm2), mixed)
     assert {request_id: result[request_id][0] for request_id in alone} == alone

@@ -7,8 +7,8 @@ import torch
 import transformers
 from torch import nn
 
-from engine.loading.model_config import ModelConfig
 from engine.loading.loader import empty_model
+from engine.loading.model_config import ModelConfig
 from tests.engine.hybrid_models import hybrid_config
 
 

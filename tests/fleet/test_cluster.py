@@ -12,7 +12,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
-import pytest
 
 from apps.bus import topology
 from apps.embedded import free_port
@@ -103,7 +102,8 @@ async def _replicas(nats_url: str) -> dict[str, int]:
 async def _bench_runs_on_events(nats_url: str) -> int:
     nc = await topology.connect(nats_url, "bench-check")
     try:
-        info = await nc.jetstream().stream_info(topology.EVENTS_STREAM, subjects_filter=topology.event_wildcard("bench.run"))
+        info = await nc.jetstream().stream_info(topology.EVENTS_STREAM,
+                                                subjects_filter=topology.event_wildcard("bench.run"))
         return sum((info.state.subjects or {}).values())
     finally:
         await nc.close()

@@ -84,7 +84,8 @@ def test_a_frozen_worker_that_wakes_up_stops_and_the_ledger_names_the_served_att
         with ThreadPoolExecutor(1) as pool:
             answer = pool.submit(stream_chat, fleet.base_url, body, has_text, 3)
             assert has_text.wait(60)
-            running = wait_events(fleet.nats_url, topology.event_subject("run.started", model), lambda es: len(es) >= 1)[-1]
+            running = wait_events(fleet.nats_url, topology.event_subject("run.started", model),
+                                  lambda es: len(es) >= 1)[-1]
             frozen = by_node[running.node]
             frozen.process.send_signal(signal.SIGSTOP)
             try:

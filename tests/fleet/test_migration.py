@@ -129,7 +129,8 @@ def test_with_the_migration_limit_at_0_the_client_gets_worker_lost(fleet: Fleet)
         with ThreadPoolExecutor(1) as pool:
             answer = pool.submit(stream_chat, base_url, body, has_text, 2)
             assert has_text.wait(60)
-            running = wait_events(fleet.nats_url, topology.event_subject("run.started", model), lambda es: len(es) >= 1)[-1]
+            running = wait_events(fleet.nats_url, topology.event_subject("run.started", model),
+                                  lambda es: len(es) >= 1)[-1]
             by_node[running.node].kill()
             got = answer.result(timeout=120)
         events = wait_events(fleet.nats_url, finished_subjects(model),

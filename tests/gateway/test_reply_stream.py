@@ -22,7 +22,8 @@ def delta(seq: int, text: str, attempt: int = 1) -> bytes:
 
 
 @contextlib.asynccontextmanager
-async def subscribed(nats: NatsServer, max_frames: int = DEFAULT_MAX_FRAMES, on_overflow: Callable[[], None] | None = None
+async def subscribed(nats: NatsServer, max_frames: int = DEFAULT_MAX_FRAMES,
+                     on_overflow: Callable[[], None] | None = None
                      ) -> AsyncIterator[tuple[NatsClient, str, ReplyStream]]:
     """A connection, an inbox and a ReplyStream listening on it."""
     nc = await topology.connect(nats.url, "test")

@@ -17,10 +17,10 @@ from apps.bus.codes import ServingError
 from apps.bus.topology import event_subject
 from apps.embedded.postgres import PostgresServer
 from apps.gateway.response_store import (
+    RecentResponses,
     ResponseStore,
     StoredResponse,
     StoreLimits,
-    RecentResponses,
     created_at_s,
     new_response_id,
     valid_id,
@@ -181,7 +181,7 @@ def test_ids_carry_128_fresh_random_bits_after_their_time() -> None:
     assert len(same_ms) > 1, "ids of one millisecond"
     assert len(set(same_ms)) == len(same_ms)
     # Fresh draws differ in about half of 128 bits; a counter (previous + 1) differs in one or two.
-    assert min(bin(a ^ b).count("1") for a, b in zip(same_ms, same_ms[1:])) > 20
+    assert min(bin(a ^ b).count("1") for a, b in zip(same_ms, same_ms[1:], strict=False)) > 20
     assert not valid_id("resp_" + "0" * 43) and not valid_id("resp_" + "g" * 44) and not valid_id("x" * 5000)
 
 

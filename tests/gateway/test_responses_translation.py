@@ -33,7 +33,8 @@ def bus(req: rs.ResponsesRequest, history: list[dict] | None = None) -> wire.Gen
 def test_items_become_the_chat_conversation() -> None:
     req = request(instructions="Be brief.", input=[
         {"role": "developer", "content": "Policy."},
-        {"role": "user", "content": [{"type": "input_text", "text": "Weather "}, {"type": "input_text", "text": "now?"}]},
+        {"role": "user",
+         "content": [{"type": "input_text", "text": "Weather "}, {"type": "input_text", "text": "now?"}]},
         {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "hmm"}]},
         {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
         {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},

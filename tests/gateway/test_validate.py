@@ -1,5 +1,6 @@
 """The input contract's own checks: nesting depth, stop-string bytes, token ids against the
-vocabulary, the answer's length against the advertised output limit, and unknown model names that do not reach JetStream again and again."""
+vocabulary, the answer's length against the advertised output limit, and unknown model names that
+do not reach JetStream again and again."""
 
 from __future__ import annotations
 
@@ -118,7 +119,8 @@ async def test_unknown_model_names_are_looked_up_once_per_ttl(own_nats: NatsServ
         await bus.close()
 
 
-def _prompted(api: Api, text: str = "", ids: list[int] | None = None, tools: list | None = None) -> wire.GenerateRequest:
+def _prompted(api: Api, text: str = "", ids: list[int] | None = None,
+              tools: list | None = None) -> wire.GenerateRequest:
     messages = [wire.ChatMessage(role="user", content=text)] if api != Api.COMPLETIONS else None
     prompt = text if api == Api.COMPLETIONS and ids is None else None
     return wire.GenerateRequest(request_id="r", model="m", reply_subject="", sampling=SamplingParams(), api=api,

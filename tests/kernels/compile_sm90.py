@@ -90,7 +90,7 @@ def _resource_usage(cubin: bytes) -> dict[str, int]:
 def compile_launch(kernel: JITFunction, args: tuple, kwargs: dict) -> dict[str, object]:
     kwargs = dict(kwargs)
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
-    values = dict(zip(kernel.arg_names, args)) | kwargs
+    values = dict(zip(kernel.arg_names, args, strict=False)) | kwargs
     signature, constexprs, attrs = {}, {}, {}
     for i, param in enumerate(kernel.params):
         if param.is_constexpr:

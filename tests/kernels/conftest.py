@@ -16,9 +16,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
+# These stay below the TRITON_INTERPRET setting: `engine.runner.ops` imports triton. (Ruff's E402
+# allows imports after an os.environ setting, so they need no noqa; isort does not move them above it.)
+import pytest
 
-from engine.runner import ops  # noqa: E402
+from engine.runner import ops
 
 
 @pytest.fixture(autouse=True)

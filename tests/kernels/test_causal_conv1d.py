@@ -3,8 +3,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helexa_kernels.causal_conv1d import (causal_conv1d, causal_conv1d_update, naive_causal_conv1d,
-                                   naive_causal_conv1d_update)
+from helexa_kernels.causal_conv1d import (
+    causal_conv1d,
+    causal_conv1d_update,
+    naive_causal_conv1d,
+    naive_causal_conv1d_update,
+)
 from tests.kernels.helpers import DEVICE, assert_close, tol_for
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helexa_kernels.machine import cpu_identity
 from helexa_kernels import cpu as cpu_kernels
+from helexa_kernels.machine import cpu_identity
 from tests.kernels.helpers import AMX_FORMS
 
 HAS_BF16_DOT = {"avx512_bf16", "avx512bw"} <= set(cpu_identity()["flags"])

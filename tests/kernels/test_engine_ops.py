@@ -183,6 +183,7 @@ def test_triton_path_splits_small_decodes(monkeypatch: pytest.MonkeyPatch) -> No
 def test_cpu_kernels_match_torch_path_for_hybrids(model_type: str, tmp_path) -> None:
     """The hybrids' gated attention and (1 + w) norms through the C++ CPU kernels."""
     import transformers
+
     from engine.loading.loader import load_checkpoint
     from tests.engine.hybrid_models import save_hybrid_dir
 
@@ -200,6 +201,7 @@ def test_triton_path_matches_torch_path_for_hybrids(model_type: str, tmp_path) -
     """The hybrid models reach the GDN ops (conv, gating, delta rule), the gated and (1+w)
     norms and MoE through `engine.runner.ops` too; both paths agree over chunked prefill and decode."""
     import transformers
+
     from engine.loading.loader import load_checkpoint
     from tests.engine.hybrid_models import save_hybrid_dir
 

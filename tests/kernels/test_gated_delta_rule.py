@@ -3,8 +3,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helexa_kernels.gated_delta_rule import (chunk_gated_delta_rule, naive_chunk_gated_delta_rule,
-                                      naive_recurrent_gated_delta_rule, recurrent_gated_delta_rule)
+from helexa_kernels.gated_delta_rule import (
+    chunk_gated_delta_rule,
+    naive_chunk_gated_delta_rule,
+    naive_recurrent_gated_delta_rule,
+    recurrent_gated_delta_rule,
+)
 from tests.kernels.helpers import DEVICE, assert_close, tol_for
 
 NUM_SLOTS = 6

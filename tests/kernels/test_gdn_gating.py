@@ -36,5 +36,5 @@ def test_softplus_beta_and_threshold() -> None:
 def test_full_size() -> None:
     args = (torch.randn(64, device=DEVICE), torch.randn(8192, 64, device=DEVICE),
             torch.randn(8192, 64, device=DEVICE), torch.randn(64, device=DEVICE))
-    for out, ref in zip(gdn_gating(*args), naive_gdn_gating(*args)):
+    for out, ref in zip(gdn_gating(*args), naive_gdn_gating(*args), strict=True):
         assert_close(out, ref, 1e-5)

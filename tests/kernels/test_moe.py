@@ -3,8 +3,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helexa_kernels.moe import (fused_moe, grouped_matmul, moe_routing, naive_fused_moe,
-                         naive_grouped_matmul, naive_moe_routing)
+from helexa_kernels.moe import (
+    fused_moe,
+    grouped_matmul,
+    moe_routing,
+    naive_fused_moe,
+    naive_grouped_matmul,
+    naive_moe_routing,
+)
 from tests.kernels.helpers import DEVICE, assert_close, tol_for
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]

@@ -3,8 +3,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helexa_kernels.rmsnorm import (fused_add_rms_norm, gated_rms_norm, naive_fused_add_rms_norm,
-                             naive_gated_rms_norm, naive_rms_norm, rms_norm)
+from helexa_kernels.rmsnorm import (
+    fused_add_rms_norm,
+    gated_rms_norm,
+    naive_fused_add_rms_norm,
+    naive_gated_rms_norm,
+    naive_rms_norm,
+    rms_norm,
+)
 from tests.kernels.helpers import DEVICE, assert_close, tol_for
 
 SHAPES = [pytest.param((3, 32), id="3x32"), pytest.param((2, 3, 48), id="2x3x48-nonpow2")]

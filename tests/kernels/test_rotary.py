@@ -68,5 +68,5 @@ def test_full_size(dtype: torch.dtype) -> None:
     k = torch.randn(2048, 8, 128, device=DEVICE).to(dtype)
     positions = torch.randint(0, 4096, (2048,), device=DEVICE)
     cache = _cache(64, 4096)
-    for out, ref in zip(rotary(q, k, positions, cache), naive_rotary(q, k, positions, cache)):
+    for out, ref in zip(rotary(q, k, positions, cache), naive_rotary(q, k, positions, cache), strict=True):
         assert_close(out, ref, tol_for(dtype))

@@ -27,7 +27,6 @@ from tests.recorder.conftest import (
 from tests.support import eventually_async
 
 
-
 def _settings(own_nats: NatsServer, url: str) -> RecorderSettings:
     return RecorderSettings(nats_url=own_nats.url, database_url=url, batch_size=64)
 
@@ -102,7 +101,8 @@ async def test_undecodable_and_rejected_events_do_not_block_the_stream(
 
     async with recording(_settings(own_nats, database_url), log_watch) as task:
         await log_watch.wait_for("ready", task=task)
-        await eventually_async(lambda: _is(database_url, "SELECT count(*) FROM runs", 6), 20.0, message="the good events")
+        await eventually_async(lambda: _is(database_url, "SELECT count(*) FROM runs", 6), 20.0,
+                               message="the good events")
         await wait_all_acked(js)
 
     assert len(log_watch.matching("event dead-lettered", reason="undecodable")) == 3
@@ -132,7 +132,8 @@ async def test_started_before_postgres_records_everything_once_it_is_up(
         await log_watch.wait_for("postgres unavailable, retrying", task=task, during="migrate")
         await asyncio.to_thread(own_postgres.start)
         await log_watch.wait_for("ready", task=task)
-        await eventually_async(lambda: _is(own_postgres.url, "SELECT count(*) FROM events", 40), 20.0, message="40 events")
+        await eventually_async(lambda: _is(own_postgres.url, "SELECT count(*) FROM events", 40), 20.0,
+                               message="40 events")
         await wait_all_acked(js)
 
     assert await fetchval(own_postgres.url, "SELECT count(*) FROM runs WHERE status = 'ok'") == 20
@@ -145,7 +146,8 @@ async def test_an_outage_mid_stream_holds_the_batch_and_retries_it(
     async with recording(_settings(own_nats, own_postgres.url), log_watch) as task:
         await log_watch.wait_for("ready", task=task)
         await publish(js, started("before"))
-        await eventually_async(lambda: _is(own_postgres.url, "SELECT count(*) FROM runs", 1), 20.0, message="the first run")
+        await eventually_async(lambda: _is(own_postgres.url, "SELECT count(*) FROM runs", 1), 20.0,
+                               message="the first run")
 
         await asyncio.to_thread(own_postgres.stop)
         await publish(js, finished("before"), started("during"), finished("during"))
@@ -156,7 +158,8 @@ async def test_an_outage_mid_stream_holds_the_batch_and_retries_it(
         assert info.num_ack_pending + info.num_pending == 3
 
         await asyncio.to_thread(own_postgres.start)
-        await eventually_async(lambda: _is(own_postgres.url, "SELECT count(*) FROM events", 4), 20.0, message="4 events")
+        await eventually_async(lambda: _is(own_postgres.url, "SELECT count(*) FROM events", 4), 20.0,
+                               message="4 events")
         await wait_all_acked(js)
 
     assert await fetchval(own_postgres.url, "SELECT count(*) FROM runs WHERE status = 'ok'") == 2

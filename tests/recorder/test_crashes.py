@@ -58,7 +58,8 @@ async def test_killed_mid_batch_then_restarted(
         await blocking.start()
         await blocker.execute("LOCK TABLE events IN SHARE ROW EXCLUSIVE MODE")
         await publish_fast(nc, late)
-        await eventually_async(lambda: _blocked_on_lock(blocker, database_url), 20.0, message="the recorder blocked mid-batch")
+        await eventually_async(lambda: _blocked_on_lock(blocker, database_url), 20.0,
+                               message="the recorder blocked mid-batch")
         held = (await js.consumer_info(EVENTS_STREAM, RECORDER_CONSUMER)).num_ack_pending
         first.kill()
         await blocking.rollback()

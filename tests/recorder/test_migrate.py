@@ -31,7 +31,8 @@ async def test_applies_once_then_nothing(database_url: str) -> None:
     assert await _ledger(database_url) == LEDGER
     conn = await asyncpg.connect(database_url)
     try:
-        tables = {r["tablename"] for r in await conn.fetch("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")}
+        tables = {r["tablename"]
+                  for r in await conn.fetch("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")}
     finally:
         await conn.close()
     assert {"events", "runs", "admission_events", "nodes", "bench_runs", "scores", "dead_letters", "run_attempts",

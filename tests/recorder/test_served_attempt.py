@@ -68,7 +68,8 @@ async def test_runs_names_the_served_attempt_in_every_arrival_order(conn: asyncp
     expected = await _ledger(conn)
     row = await conn.fetchrow("SELECT * FROM runs")
     served = 1 if first_serves else 2
-    assert (row["served_attempt"], row["attempt"], row["status"], row["completion_tokens"]) == (served, served, "ok", 50)
+    assert ((row["served_attempt"], row["attempt"], row["status"], row["completion_tokens"])
+            == (served, served, "ok", 50))
     assert row["node"] == ("node-a" if first_serves else "node-b")
     assert row["started_at"].timestamp() == T0 and row["last_event_at"].timestamp() == T0 + (21 if first_serves else 22)
     attempts = await conn.fetch("SELECT attempt, node, status, served FROM run_attempts ORDER BY attempt")

@@ -177,8 +177,8 @@ async def test_failures_per_model_and_node(conn: asyncpg.Connection, ledger: dic
 
 async def test_prune_keeps_recent_rows_and_drops_old_ones(conn: asyncpg.Connection, ledger: dict) -> None:
     ancient = time.time() - 100 * 86400
-    old = [started("ancient", ts=ancient), admission("ancient", ts=ancient), response_stored("resp_ancient", ts=ancient),
-           response_stored("resp_recent", ts=time.time())]
+    old = [started("ancient", ts=ancient), admission("ancient", ts=ancient),
+           response_stored("resp_ancient", ts=ancient), response_stored("resp_recent", ts=time.time())]
     await project(conn, [(event_subject(event_kind(e), e.model), e) for e in old])
     counts = {r["table_name"]: r["deleted"] for r in await conn.fetch(PRUNE)}
     assert counts == {"events": 3, "runs": 1, "run_attempts": 1, "admission_events": 1, "nodes": 0, "bench_runs": 0,

@@ -146,7 +146,7 @@ def mixed(num_requests: int = 1500, seed: int = 7, base_ts: float = BASE_TS) -> 
     w = Workload()
     ts = base_ts
     n_plain, n_retried, n_running = num_requests * 2 // 3, num_requests * 2 // 15, num_requests * 2 // 15
-    n_rejected = num_requests - n_plain - n_retried - n_running
+    # The rest (num_requests - n_plain - n_retried - n_running) are rejected: the last branch below.
     for i in range(num_requests):
         rid = f"req-{seed}-{i:05d}"
         model = ("tiny", "small")[i % 2]
@@ -249,8 +249,8 @@ def mixed(num_requests: int = 1500, seed: int = 7, base_ts: float = BASE_TS) -> 
             w.events += [response_deleted(response_id, ts=first + 0.5), response_deleted(response_id, ts=first)]
     w.events.append(response_deleted(f"resp_{seed}_gone", ts=base_ts))
     w.counts = dict(
-        events=len(w.events), runs=num_requests, run_attempts=len(w.attempts), admission_events=n_admission, nodes=n_nodes,
-        bench_runs=n_bench, scores=n_scores, responses=n_responses + 1,
+        events=len(w.events), runs=num_requests, run_attempts=len(w.attempts), admission_events=n_admission,
+        nodes=n_nodes, bench_runs=n_bench, scores=n_scores, responses=n_responses + 1,
     )  # fmt: skip
     return w
 

@@ -103,7 +103,7 @@ async def test_past_the_budget_the_model_is_out_of_service() -> None:
     core = first
     for n in range(1, 4):
         core.die()
-        await eventually_async(lambda: len(reports) == n, 5.0, interval_s=0, message=f"exit {n} reported")
+        await eventually_async(lambda n=n: len(reports) == n, 5.0, interval_s=0, message=f"exit {n} reported")
         core = starts.cores[-1]
     assert [r.restarted for r in reports] == [True, True, False]
     assert reports[-1].out_of_service is not None and "restart budget is spent" in reports[-1].out_of_service

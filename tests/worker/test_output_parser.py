@@ -101,7 +101,8 @@ def test_a_template_that_opens_think_starts_generation_in_reasoning() -> None:
 
 
 @pytest.mark.parametrize("chunk", CHUNKS, ids=lambda c: f"chunk-{c}")
-@pytest.mark.parametrize("ending", ["", "\n", "\n</tool_", "\n</tool_call"], ids=["eos", "newline", "half-close", "no-bracket"])
+@pytest.mark.parametrize("ending", ["", "\n", "\n</tool_", "\n</tool_call"],
+                         ids=["eos", "newline", "half-close", "no-bracket"])
 def test_a_tool_call_cut_before_its_close_tag_still_counts_when_its_json_is_whole(chunk: int, ending: str) -> None:
     out = run('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' + ending, chunk)
     assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [("get_weather", {"city": "Paris"})]

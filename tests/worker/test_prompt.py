@@ -72,7 +72,8 @@ def test_a_forced_tool_call_closes_a_thought_the_template_opened(tokenizer: Toke
                          chat_template="{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
                                        "{% endfor %}<|im_start|>assistant\n<think>\n")
     prompt = build_prompt(thinking, request(("user", "Weather?"), tools=[WEATHER], tool_required=True))
-    assert thinking.decode(prompt.token_ids, skip_special_tokens=False).endswith("assistant\n<think></think>\n\n<tool_call>\n")
+    assert thinking.decode(prompt.token_ids, skip_special_tokens=False).endswith(
+        "assistant\n<think></think>\n\n<tool_call>\n")
     parsed = prompt.output_parser().feed('{"name": "get_weather", "arguments": {}}</tool_call>')
     assert parsed.reasoning == "" and [c.name for c in parsed.tool_calls] == ["get_weather"]
 

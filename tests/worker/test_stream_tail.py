@@ -52,7 +52,8 @@ def _stream(tok: Tokenizer, groups: list[list[int]], stop: list[str], reason: Fi
     record = RunRecord(request=request, node="n", attempt=1, received_at=time.time())
     replier = CollectingReplier(attempt=1, node="n")
     reasons, error = asyncio.run(choices.generate(
-        GroupedEngine(groups, reason), tok, replier, record, Prompt(token_ids=prompt_ids), SamplingParams(max_tokens=64)))
+        GroupedEngine(groups, reason), tok, replier, record, Prompt(token_ids=prompt_ids),
+        SamplingParams(max_tokens=64)))
     assert error is None
     return "".join(f.text for f in replier.frames if isinstance(f, wire.Delta)), reasons[0]
 

@@ -72,14 +72,16 @@ def test_a_required_call_names_one_of_the_tools(tokenizer: Tokenizer, ll_tokeniz
     assert not matches(tokenizer, ll_tokenizer, req, '{"name": "radio", "arguments": {}}')[0]
 
 
-def test_strict_tools_constrain_calls_inside_free_text(tokenizer: Tokenizer, ll_tokenizer: llguidance.LLTokenizer) -> None:
+def test_strict_tools_constrain_calls_inside_free_text(tokenizer: Tokenizer,
+                                                       ll_tokenizer: llguidance.LLTokenizer) -> None:
     req = request([WEATHER, CLOCK])
     assert matches(tokenizer, ll_tokenizer, req, "No tool needed.")[0]
     call = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     assert matches(tokenizer, ll_tokenizer, req, "Let me check. " + call + "\n" + call)[0]
     assert not matches(tokenizer, ll_tokenizer, req, 'Hm <tool_call>\n{"name": "weather", "arguments": {"town": 1}}')[0]
     # A tool that is not strict still has to be called by name with an object.
-    assert matches(tokenizer, ll_tokenizer, req, '<tool_call>\n{"name": "clock", "arguments": {"any": 2}}\n</tool_call>')[0]
+    assert matches(tokenizer, ll_tokenizer, req,
+                   '<tool_call>\n{"name": "clock", "arguments": {"any": 2}}\n</tool_call>')[0]
 
 
 def test_own_constraint_or_strict_tool_calls(tokenizer: Tokenizer, ll_tokenizer: llguidance.LLTokenizer) -> None:
@@ -89,7 +91,8 @@ def test_own_constraint_or_strict_tool_calls(tokenizer: Tokenizer, ll_tokenizer:
     req = request([WEATHER], own)
     assert matches(tokenizer, ll_tokenizer, req, '{"a": 5}') == (True, True)
     assert not matches(tokenizer, ll_tokenizer, req, "free text")[0]
-    assert matches(tokenizer, ll_tokenizer, req, '<tool_call>\n{"name": "weather", "arguments": {"city": "x"}}\n</tool_call>')[0]
+    assert matches(tokenizer, ll_tokenizer, req,
+                   '<tool_call>\n{"name": "weather", "arguments": {"city": "x"}}\n</tool_call>')[0]
 
 
 def test_no_strict_or_forced_tool_leaves_the_request_constraint_alone() -> None:
@@ -131,7 +134,8 @@ def test_a_composed_grammar_is_checked_once_and_the_own_one_not_again() -> None:
 
 
 def test_a_constraint_past_its_bounds_from_the_bus_is_refused_before_it_compiles() -> None:
-    own = StructuredOutput(kind=StructuredOutputKind.CHOICE, spec=json.dumps([f"c{i}" for i in range(BOUNDS.choices + 1)]))
+    own = StructuredOutput(kind=StructuredOutputKind.CHOICE,
+                           spec=json.dumps([f"c{i}" for i in range(BOUNDS.choices + 1)]))
     with pytest.raises(ServingError) as caught:
         resolve_sampling(request([CLOCK], own), 10, 2048)
     assert caught.value.status == 400 and "choices" in caught.value.message

@@ -180,7 +180,7 @@ async def test_a_migrated_answer_equals_an_uninterrupted_one_on_the_real_model(
     wholes = [chat(prompt, sampling, request_id=f"whole-{name}") for name, sampling in SAMPLINGS.items()]
     parts = [chat(prompt, sampling, request_id=f"part-{name}") for name, sampling in SAMPLINGS.items()]
     results = await asyncio.gather(*(uninterrupted(model, r, js) for r in wholes), *(migrated(r) for r in parts))
-    for name, whole, (first, second) in zip(SAMPLINGS, results[:2], results[2:]):
+    for name, whole, (first, second) in zip(SAMPLINGS, results[:2], results[2:], strict=True):
         assert len(whole.token_ids()) == 120 and whole.final.usage.completion_tokens == 120, name
         assert whole.final.finish_reason == FinishReason.LENGTH, name
         assert not any(isinstance(f, wire.Final) for f in first.frames), name
@@ -206,7 +206,8 @@ def shaped(tmp_path: Path, tok: Tokenizer) -> ServedModel:
     return served(ScriptedEngine(script, tok, MODEL), tok, reasoning_parser="on")
 
 
-async def test_a_migration_at_any_delta_sends_each_piece_of_text_once(shaped: ServedModel, js: JetStreamContext) -> None:
+async def test_a_migration_at_any_delta_sends_each_piece_of_text_once(shaped: ServedModel,
+                                                                      js: JetStreamContext) -> None:
     """Reasoning, a tool call, multi-byte characters split across tokens and a stop string all
     hold text back at some point; cut after every delta, the two attempts together give the
     client exactly the uninterrupted answer, and the resumed tokens count in its usage."""

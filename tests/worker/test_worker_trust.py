@@ -63,7 +63,7 @@ async def test_a_reference_cannot_point_a_worker_at_another_requests_body(own_na
 
 
 async def test_a_request_for_another_model_on_this_models_consumer_is_terminated_unserved(
-        own_nats: NatsServer, tok: Tokenizer, tmp_path: Path) -> None:  # noqa: F811
+        own_nats: NatsServer, tok: Tokenizer, tmp_path: Path) -> None:
     async with worker(own_nats.url_for(roles.WORKER), tok, tmp_path, limits=topology.BusLimits()) as (_, engine):
         nc, operator = await connect(own_nats, roles.GATEWAY), await connect(own_nats, roles.OPERATOR)
         try:
