@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, TypeVar
 from apps.bus import topology
 from apps.bus.topology import BusLimits
 from apps.embedded.nats_server import NatsCluster, NatsServer
+from apps.embedded.postgres import PostgresServer
 
 if TYPE_CHECKING:
     from engine.frontend.tokenizer import Tokenizer
@@ -30,6 +32,23 @@ REPO = Path(__file__).resolve().parent.parent
 def declared(server: NatsServer | NatsCluster, limits: BusLimits | None = None) -> None:
     """Declare the topology on `server` as its administrator, as `helexa up` does (apps may not)."""
     asyncio.run(topology.setup(server.url, limits or BusLimits()))
+
+async def migrated_database(postgres: PostgresServer, prefix: str) -> str:
+    """A new database on `postgres`, migrated as its owner; its URL. Left for the server to drop."""
+    import asyncpg
+
+    from apps.recorder.migrate import migrate
+
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    admin = await asyncpg.connect(postgres.url)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await admin.close()
+    url = postgres.url.rsplit("/", 1)[0] + "/" + name
+    await migrate(url)
+    return url
+
 
 T = TypeVar("T")
 

@@ -29,8 +29,7 @@ from apps.bus.codes import Api, FinishReason, RunStatus
 from apps.embedded import free_port
 from apps.embedded.nats_server import NatsServer
 from apps.embedded.postgres import PostgresServer
-from apps.recorder.migrate import migrate
-from tests.support import AppProcess, declared, eventually
+from tests.support import AppProcess, declared, eventually, migrated_database
 
 MODEL = "bounds-model"
 WORDS = " ".join(f"w{i}" for i in range(120))
@@ -65,24 +64,12 @@ class Stack:
     gateway_processes: list[AppProcess]
 
 
-async def _new_database(postgres: PostgresServer) -> str:
-    name = f"bounds_{uuid.uuid4().hex[:12]}"
-    admin = await asyncpg.connect(postgres.url)
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await admin.close()
-    url = postgres.url.rsplit("/", 1)[0] + "/" + name
-    await migrate(url)
-    return url
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, postgres: PostgresServer) -> Iterator[Stack]:
     folder = tmp_path_factory.mktemp("bounds")
     script = folder / "script.json"
     script.write_text(json.dumps(SCRIPT), encoding="utf-8")
-    database_url = asyncio.run(_new_database(postgres))
+    database_url = asyncio.run(migrated_database(postgres, "bounds"))
     apps: list[AppProcess] = []
     with NatsServer(folder / "nats", max_payload=None) as nats:  # nats-server's own 1 MiB
         declared(nats)  # as helexa up: apps may not declare the topology

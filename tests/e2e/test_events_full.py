@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,8 +22,7 @@ from apps.bus.topology import BusLimits
 from apps.embedded import free_port
 from apps.embedded.nats_server import NatsServer
 from apps.embedded.postgres import PostgresServer
-from apps.recorder.migrate import migrate
-from tests.support import AppProcess, declared, eventually
+from tests.support import AppProcess, declared, eventually, migrated_database
 
 MODEL = "full-model"
 EVENTS_MAX_BYTES = 256 << 10
@@ -35,19 +33,7 @@ SCRIPT = {"rules": [{"match": "slow", "reply": " ".join(f"w{i}" for i in range(4
 
 @pytest.fixture
 def database_url(postgres: PostgresServer) -> Iterator[str]:
-    name = f"full_{uuid.uuid4().hex[:12]}"
-
-    async def create() -> str:
-        admin = await asyncpg.connect(postgres.url)
-        try:
-            await admin.execute(f'CREATE DATABASE "{name}"')
-        finally:
-            await admin.close()
-        url = postgres.url.rsplit("/", 1)[0] + "/" + name
-        await migrate(url)
-        return url
-
-    yield asyncio.run(create())
+    yield asyncio.run(migrated_database(postgres, "full"))
 
 
 async def fill(nats_url: str) -> int:
