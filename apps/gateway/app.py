@@ -27,26 +27,26 @@ from apps.bus import wire
 from apps.bus.codes import Api, ServingError, Unavailable, unavailable
 from apps.fleet.catalogue import load_catalogue
 from apps.gateway.admission import AdmissionLimits, Admissions, load_per_model
-from apps.gateway.anthropic import messages
+from apps.gateway.api.anthropic import messages
+from apps.gateway.api.chat import chat_completions
+from apps.gateway.api.completions import completions
+from apps.gateway.api.front_door import index, not_found
+from apps.gateway.api.health import health, metrics, ready
+from apps.gateway.api.models import list_models
+from apps.gateway.api.openapi_docs import add_components
+from apps.gateway.api.responses import create_response, delete_response, retrieve_response
+from apps.gateway.api.tokens import TokenCounter, count_tokens, detokenize, tokenize
 from apps.gateway.auth import AllowedHosts, ApiKeys
 from apps.gateway.bus_client import GatewayBus
-from apps.gateway.chat import chat_completions
 from apps.gateway.cold_start import ColdStarts
-from apps.gateway.completions import completions
 from apps.gateway.errors import http_error_handler, internal_error_handler, serving_error_handler
 from apps.gateway.events import EventPublisher
-from apps.gateway.front_door import index, not_found
 from apps.gateway.generation import GenerationPipeline
-from apps.gateway.health import health, metrics, ready
 from apps.gateway.liveness import Canceller
 from apps.gateway.metrics import GatewayMetrics
-from apps.gateway.models import list_models
 from apps.gateway.node_registry import NodeRegistry
-from apps.gateway.openapi_docs import add_components
 from apps.gateway.rate_limit import RateLimiter
 from apps.gateway.response_store import ResponseStore, StoreLimits
-from apps.gateway.responses import create_response, delete_response, retrieve_response
-from apps.gateway.tokens import TokenCounter, count_tokens, detokenize, tokenize
 from apps.settings import GatewaySettings, bus_limits, catalogue_file
 
 log = logging.getLogger("helexa.gateway")

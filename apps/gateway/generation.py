@@ -34,6 +34,7 @@ from apps.bus import wire
 from apps.bus.codes import ErrorCode, FinishReason, ServingError, Unavailable, unavailable
 from apps.bus.publish import StreamFull
 from apps.gateway.admission import Admissions, Ticket
+from apps.gateway.api.validate import bound_output, check_prompt_size, check_token_ids, decode_request
 from apps.gateway.bus_client import GatewayBus
 from apps.gateway.cold_start import ColdStarts
 from apps.gateway.errors import log_failure
@@ -48,7 +49,6 @@ from apps.gateway.liveness import (
 from apps.gateway.metrics import GatewayMetrics
 from apps.gateway.migration import MIGRATABLE, Delivered, Migrator
 from apps.gateway.reply_stream import ReplyStream, ReplyTimeout
-from apps.gateway.validate import bound_output, check_prompt_size, check_token_ids, decode_request
 from apps.settings import GatewaySettings
 
 # Failures where the worker is gone and cannot report the run itself.

@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from apps.bus import wire
-from apps.gateway.structured import CHECKER
+from apps.gateway.api.structured import CHECKER
 
 if TYPE_CHECKING:
     from apps.gateway.admission import Admission

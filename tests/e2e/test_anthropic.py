@@ -17,9 +17,9 @@ from openai import OpenAI
 
 from apps.bus import topology, wire
 from apps.embedded import free_port
-from apps.gateway import anthropic_schema as an
-from apps.gateway.anthropic import to_bus_request
-from apps.gateway.validate import decode_body
+from apps.gateway.api import anthropic_schema as an
+from apps.gateway.api.anthropic import to_bus_request
+from apps.gateway.api.validate import decode_body
 from tests.e2e.conftest import System, scripted_worker
 from tests.e2e.test_chat import finished_run
 from tests.support import AppProcess

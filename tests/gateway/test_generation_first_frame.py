@@ -17,15 +17,15 @@ from apps.bus import topology, wire
 from apps.bus.topology import BusLimits
 from apps.embedded.nats_server import NatsServer
 from apps.gateway.admission import AdmissionLimits, Admissions
+from apps.gateway.api.completions import CompletionFormatter
+from apps.gateway.api.openai_schema import CompletionRequest
 from apps.gateway.bus_client import GatewayBus
 from apps.gateway.cold_start import ColdStarts
-from apps.gateway.completions import CompletionFormatter
 from apps.gateway.events import EventPublisher
 from apps.gateway.generation import GenerationPipeline
 from apps.gateway.liveness import Canceller
 from apps.gateway.metrics import GatewayMetrics
 from apps.gateway.node_registry import NodeRegistry
-from apps.gateway.openai_schema import CompletionRequest
 from apps.settings import GatewaySettings
 from engine.frontend.protocol import SamplingParams
 

@@ -13,10 +13,10 @@ from pydantic import TypeAdapter
 
 from apps.bus import wire
 from apps.bus.codes import FinishReason, ServingError
-from apps.gateway import responses_schema as rs
-from apps.gateway.responses import parse_items, response_template, to_bus_request
-from apps.gateway.responses_output import ResponsesFormatter
-from apps.gateway.validate import decode_body
+from apps.gateway.api import responses_schema as rs
+from apps.gateway.api.responses import parse_items, response_template, to_bus_request
+from apps.gateway.api.responses_output import ResponsesFormatter
+from apps.gateway.api.validate import decode_body
 
 EVENTS = TypeAdapter(ResponseStreamEvent)
 

@@ -12,10 +12,10 @@ import msgspec
 import pytest
 
 from apps.bus.codes import ServingError
-from apps.gateway import chat as chat_route
-from apps.gateway import openai_schema as oa
-from apps.gateway.structured import CHECKER, check_enforceable
-from apps.gateway.validate import decode_body
+from apps.gateway.api import chat as chat_route
+from apps.gateway.api import openai_schema as oa
+from apps.gateway.api.structured import CHECKER, check_enforceable
+from apps.gateway.api.validate import decode_body
 from engine.frontend.grammars import BOUNDS
 from engine.frontend.protocol import StructuredOutput
 from engine.frontend.protocol import StructuredOutputKind as Kind
@@ -180,7 +180,7 @@ def test_a_check_past_its_deadline_is_a_400_naming_the_field(monkeypatch: pytest
 
     release = threading.Event()
     checker = grammars.GrammarChecker(threads=1, deadline_s=0.2, check=lambda s: release.wait(30) and None)
-    monkeypatch.setattr("apps.gateway.structured.CHECKER", checker)
+    monkeypatch.setattr("apps.gateway.api.structured.CHECKER", checker)
     try:
         error = refused(guided_regex="[a-z]+")
     finally:

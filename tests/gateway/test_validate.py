@@ -12,10 +12,7 @@ from apps.bus import wire
 from apps.bus.codes import Api, ErrorCode, ServingError
 from apps.bus.topology import BusLimits
 from apps.embedded.nats_server import NatsServer
-from apps.gateway.bus_client import GatewayBus
-from apps.gateway.metrics import GatewayMetrics
-from apps.gateway.node_registry import NodeRegistry
-from apps.gateway.validate import (
+from apps.gateway.api.validate import (
     MAX_JSON_DEPTH,
     PROMPT_CHARS_PER_TOKEN,
     bound_output,
@@ -24,6 +21,9 @@ from apps.gateway.validate import (
     check_token_ids,
     json_too_deep,
 )
+from apps.gateway.bus_client import GatewayBus
+from apps.gateway.metrics import GatewayMetrics
+from apps.gateway.node_registry import NodeRegistry
 from engine.frontend.protocol import SamplingParams
 
 

@@ -23,7 +23,7 @@ TORCH_FREE = [
     *frontend_modules(),
     "apps.bus.wire", "apps.bus.topology", "apps.bus.publish", "apps.bus.codes", "apps.bus.pull",
     "apps.worker.process", "apps.worker.model_loop", "apps.worker.run", "apps.worker.liveness",
-    "apps.worker.loading", "apps.worker.tool_grammar", "apps.worker.tokenizing", "apps.gateway.structured",
+    "apps.worker.loading", "apps.worker.tool_grammar", "apps.worker.tokenizing", "apps.gateway.api.structured",
     "apps.gateway.app", "apps.recorder.app",
 ]
 

@@ -21,7 +21,7 @@ nothing is sent on the bus. The bounds:
   PROMPT_CHARS_PER_TOKEN (16) characters per token of the context the workers advertise, and, as
   token ids, at most the context. Tokenizing costs time in the length of the text, and a prompt
   past that many characters could never fit (tokens average about 4 characters).
-- Grammars (structured outputs, enforced tool calls): `apps/gateway/structured.py`.
+- Grammars (structured outputs, enforced tool calls): `apps/gateway/api/structured.py`.
 """
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from apps.gateway import anthropic_schema as an
-from apps.gateway import openai_schema as oa
-from apps.gateway.validate import ModelId
+from apps.gateway.api import anthropic_schema as an
+from apps.gateway.api import openai_schema as oa
+from apps.gateway.api.validate import ModelId
 from engine.frontend.protocol import TokenCount, TokenId
 
 # Token ids one /detokenize call may send (about a million: far beyond any context).

@@ -22,7 +22,7 @@ import msgspec
 
 from apps.bus import wire
 from apps.bus.codes import ErrorCode, FinishReason, ServingError
-from apps.gateway import responses_schema as rs
+from apps.gateway.api import responses_schema as rs
 from apps.gateway.errors import error_body
 
 _encode = msgspec.json.encode

@@ -14,11 +14,11 @@ from litestar.response import Response, Stream
 
 from apps.bus import wire
 from apps.bus.codes import Api, FinishReason, ServingError
-from apps.gateway import openai_schema as oa
+from apps.gateway.api import openai_schema as oa
+from apps.gateway.api.openapi_docs import operation_for
+from apps.gateway.api.structured import check_enforceable
 from apps.gateway.errors import error_body
 from apps.gateway.generation import new_request_id
-from apps.gateway.openapi_docs import operation_for
-from apps.gateway.structured import check_enforceable
 
 HANDLER = "chat_completions"
 _encode = msgspec.json.encode

@@ -15,7 +15,7 @@ bounded in responses and bytes (400), all before admission.
 What cannot be honoured is refused by name: tools other than functions, image and file inputs,
 item references, background runs, conversation objects, prompt templates, `truncation: auto`.
 A JSON `text.format` (json_object, json_schema) is enforced with the same grammar as chat's
-`response_format` (`apps/gateway/structured.py`). Reasoning items sent back as input are not shown
+`response_format` (`apps/gateway/api/structured.py`). Reasoning items sent back as input are not shown
 to the model again; `reasoning.effort` is echoed, not enforced.
 """
 
@@ -32,12 +32,12 @@ from litestar.response import Response, Stream
 
 from apps.bus import wire
 from apps.bus.codes import Api, ErrorCode, ServingError
-from apps.gateway import responses_schema as rs
-from apps.gateway.openapi_docs import operation_for
+from apps.gateway.api import responses_schema as rs
+from apps.gateway.api.openapi_docs import operation_for
+from apps.gateway.api.responses_output import ResponsesFormatter
+from apps.gateway.api.structured import check_enforceable, json_constraint
+from apps.gateway.api.validate import check_json_depth
 from apps.gateway.response_store import ResponseStore, StoredResponse, new_response_id
-from apps.gateway.responses_output import ResponsesFormatter
-from apps.gateway.structured import check_enforceable, json_constraint
-from apps.gateway.validate import check_json_depth
 from engine.frontend.protocol import SamplingParams, StructuredOutput
 
 HANDLER = "responses"

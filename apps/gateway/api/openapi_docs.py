@@ -13,10 +13,10 @@ from typing import Any
 import msgspec
 from litestar.openapi.spec import OpenAPI, OpenAPIMediaType, OpenAPIResponse, Operation, Reference, RequestBody
 
-from apps.gateway import anthropic_schema as an
-from apps.gateway import openai_schema as oa
-from apps.gateway import responses_schema as rs
-from apps.gateway import token_schema as ts
+from apps.gateway.api import anthropic_schema as an
+from apps.gateway.api import openai_schema as oa
+from apps.gateway.api import responses_schema as rs
+from apps.gateway.api import token_schema as ts
 
 _REF = "#/components/schemas/{name}"
 

@@ -25,14 +25,14 @@ from litestar.datastructures import State
 
 from apps.bus import topology, wire
 from apps.bus.codes import Api, ErrorCode, ModelState, ServingError, Unavailable, unavailable
-from apps.gateway import anthropic, chat
-from apps.gateway import token_schema as ts
-from apps.gateway.anthropic import ANTHROPIC_ERRORS
+from apps.gateway.api import anthropic, chat
+from apps.gateway.api import token_schema as ts
+from apps.gateway.api.anthropic import ANTHROPIC_ERRORS
+from apps.gateway.api.openapi_docs import operation_for
+from apps.gateway.api.validate import check_prompt_size, decode_body, decode_request
 from apps.gateway.bus_client import GatewayBus
 from apps.gateway.cold_start import ColdStarts
 from apps.gateway.node_registry import NodeRegistry
-from apps.gateway.openapi_docs import operation_for
-from apps.gateway.validate import check_prompt_size, decode_body, decode_request
 from engine.frontend.protocol import SamplingParams
 
 # How long one worker may take to answer (a template and a tokenizer pass, nothing more).

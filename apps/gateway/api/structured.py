@@ -36,7 +36,7 @@ from msgspec import Meta
 
 from apps.bus import wire
 from apps.bus.codes import ErrorCode, ServingError, Unavailable, unavailable
-from apps.gateway.validate import json_too_deep
+from apps.gateway.api.validate import json_too_deep
 from engine.frontend.grammars import (
     BOUNDS,
     CheckBusy,

@@ -1,5 +1,5 @@
 """OpenAI request and response shapes as msgspec Structs, carrying the bounds of the input
-contract (`apps.gateway.validate`), so decoding checks them and the OpenAPI schema shows them."""
+contract (`apps.gateway.api.validate`), so decoding checks them and the OpenAPI schema shows them."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import msgspec
 from msgspec import Meta
 
 from apps.bus.codes import ErrorCode, ServingError
-from apps.gateway.structured import StructuredOutputFields
-from apps.gateway.validate import MAX_MESSAGES, MAX_TOOLS, ModelId, check_json_depth, check_stop_strings
+from apps.gateway.api.structured import StructuredOutputFields
+from apps.gateway.api.validate import MAX_MESSAGES, MAX_TOOLS, ModelId, check_json_depth, check_stop_strings
 from engine.frontend import protocol as p
 
 
@@ -80,7 +80,7 @@ class FunctionDef(msgspec.Struct, kw_only=True):
     name: Annotated[str, Meta(min_length=1, max_length=64)]
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    # Calls of a strict tool are constrained to `parameters` (apps/gateway/structured.py).
+    # Calls of a strict tool are constrained to `parameters` (apps/gateway/api/structured.py).
     strict: bool | None = None
 
 

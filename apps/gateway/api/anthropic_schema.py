@@ -8,7 +8,7 @@ import msgspec
 from msgspec import Meta
 
 from apps.bus.codes import FinishReason
-from apps.gateway.validate import MAX_MESSAGES, MAX_TOOLS, ModelId, check_stop_strings
+from apps.gateway.api.validate import MAX_MESSAGES, MAX_TOOLS, ModelId, check_stop_strings
 from engine.frontend.protocol import SamplingParams, StopStrings, TokenCount, TopK, TopP
 
 

@@ -19,10 +19,10 @@ from litestar.types import ExceptionHandlersMap
 
 from apps.bus import wire
 from apps.bus.codes import Api, ErrorCode, FinishReason, ServingError
-from apps.gateway import anthropic_schema as an
+from apps.gateway.api import anthropic_schema as an
+from apps.gateway.api.openapi_docs import operation_for
+from apps.gateway.api.structured import check_enforceable
 from apps.gateway.errors import http_error_handler, internal_error_handler, serving_error_handler
-from apps.gateway.openapi_docs import operation_for
-from apps.gateway.structured import check_enforceable
 
 HANDLER = "messages"
 _encode = msgspec.json.encode

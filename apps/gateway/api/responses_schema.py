@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from apps.gateway.validate import MAX_MESSAGES, MAX_TOOLS, ModelId
+from apps.gateway.api.validate import MAX_MESSAGES, MAX_TOOLS, ModelId
 from engine.frontend import protocol as p
 
 MAX_RESPONSE_ID_BYTES = 128

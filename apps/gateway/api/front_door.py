@@ -17,7 +17,7 @@ from litestar.datastructures import State
 from litestar.exceptions import NotFoundException
 from litestar.routes import HTTPRoute
 
-from apps.gateway import anthropic_schema as an
+from apps.gateway.api import anthropic_schema as an
 from apps.gateway.errors import error_body, log_failure
 
 DOCS_PATH = "/openapi"

@@ -11,11 +11,11 @@ from litestar.response import Response, Stream
 
 from apps.bus import wire
 from apps.bus.codes import Api
-from apps.gateway import openai_schema as oa
-from apps.gateway.chat import OpenAIFormatting, sse_data, usage_out
+from apps.gateway.api import openai_schema as oa
+from apps.gateway.api.chat import OpenAIFormatting, sse_data, usage_out
+from apps.gateway.api.openapi_docs import operation_for
+from apps.gateway.api.structured import check_enforceable
 from apps.gateway.generation import new_request_id
-from apps.gateway.openapi_docs import operation_for
-from apps.gateway.structured import check_enforceable
 
 HANDLER = "completions"
 
