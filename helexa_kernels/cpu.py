@@ -30,7 +30,7 @@ Rapids cores, ~4.5 min on 2 Zen 3 cores). Builds of one directory take turns und
 (`helexa_kernels.build_lock`), which the kernel drops when its holder dies: a start killed
 mid-build never blocks the next one, and one that has to wait says on whom. Where the kernels
 cannot be built (no compiler), `load()` says why once and returns False, and `engine.runner.ops` keeps
-the PyTorch forms (`engine.runner.torch_ops`, `engine.runner.attention`).
+the PyTorch forms (`helexa_kernels/<op>/aten.py`, `engine.runner.attention`).
 """
 
 from __future__ import annotations

@@ -24,12 +24,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.runner import attention_plan, torch_ops
+from engine.runner import attention_plan
 from engine.runner.attention_plan import AttentionPlan, DecodeBucket, PrefillSeq, build_plan, sdpa_chunk_seqs
 
 # Model files import the metadata and cache types from here, beside the computation that reads them.
 from engine.runner.step_metadata import AttentionMetadata, KVCache  # noqa: F401  (KVCache: re-exported)
 from helexa_kernels import cpu as cpu_kernels
+from helexa_kernels.kv_store import aten as kv_store_aten
 
 
 def plan_for(meta: AttentionMetadata, block_size: int, device: torch.device,
@@ -71,7 +72,7 @@ def store_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     if store_kernel:
         cpu_kernels.kv_store(k, v, k_cache, v_cache, meta.slot_mapping)
     else:
-        torch_ops.kv_store(k, v, k_cache, v_cache, meta.slot_mapping, plan.slots_valid)
+        kv_store_aten.kv_store(k, v, k_cache, v_cache, meta.slot_mapping, plan.slots_valid)
     return paged_attention(q, k_cache, v_cache, meta, scale, k, v, decode_kernel)
 
 

@@ -2,7 +2,7 @@
 
 Each op has a PyTorch reference (`helexa_kernels/<op>/naive.py`) and a Triton kernel
 (`helexa_kernels/<op>/triton.py`); the PyTorch path runs the references, except where a form with
-fewer ATen calls computes the same thing (`engine.runner.torch_ops` for norms, rotary, SiLU-and-mul
+fewer ATen calls computes the same thing (`helexa_kernels/<op>/aten.py` for norms, rotary, SiLU-and-mul
 and the KV store; the unpadded SDPA form in `engine.runner.attention` for paged attention; and on the
 Triton path too for long chunk continuations, where it is faster: engine.runner.attention_plan). Model
 code calls the functions here and never picks one itself. The engine core picks once, at build,
@@ -33,7 +33,7 @@ from types import ModuleType
 import torch
 
 from engine.frontend.engine_config import KERNEL_CHOICES
-from engine.runner import attention_plan, torch_ops
+from engine.runner import attention_plan
 from engine.runner.attention import attend_chunks, sdpa_chunks, store_and_attend
 from engine.runner.attention import paged_attention as sdpa_paged_attention
 from engine.runner.step_metadata import AttentionMetadata
@@ -43,7 +43,10 @@ from helexa_kernels.gated_delta_rule import naive as gdr_naive
 from helexa_kernels.gdn_gating import naive as gating_naive
 from helexa_kernels.kv_store import naive as kv_store_naive
 from helexa_kernels.moe import naive as moe_naive
+from helexa_kernels.rmsnorm import aten as rmsnorm_aten
 from helexa_kernels.rmsnorm import naive as rmsnorm_naive
+from helexa_kernels.rotary import aten as rotary_aten
+from helexa_kernels.silu_and_mul import aten as silu_and_mul_aten
 
 # "torch", "triton" or "cpu" once an engine has picked; None: auto, per tensor device.
 _backend: str | None = None
@@ -106,7 +109,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
         return triton_module("rmsnorm").rms_norm(x, weight, eps, unit_offset=unit_offset)
     if _use_cpu_kernels(x):
         return cpu_kernels.rms_norm(x, weight, eps, unit_offset)
-    return torch_ops.rms_norm(x, weight, eps, unit_offset=unit_offset)
+    return rmsnorm_aten.rms_norm(x, weight, eps, unit_offset=unit_offset)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -117,7 +120,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
                                                      unit_offset=unit_offset)
     if _use_cpu_kernels(x):
         return cpu_kernels.fused_add_rms_norm(x, residual, weight, eps, unit_offset)
-    return torch_ops.fused_add_rms_norm(x, residual, weight, eps, unit_offset=unit_offset)
+    return rmsnorm_aten.fused_add_rms_norm(x, residual, weight, eps, unit_offset=unit_offset)
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
@@ -142,7 +145,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         return triton_module("rotary").rotary(q, k, positions, cos_sin_cache, inplace=True)
     if _use_cpu_kernels(q) and cos_sin_cache.dtype == torch.float32:
         return cpu_kernels.rotary_(q, k, positions, cos_sin_cache)
-    return torch_ops.rotary(q, k, step_tables or torch_ops.rotary_tables(positions, cos_sin_cache))
+    return rotary_aten.rotary(q, k, step_tables or rotary_aten.rotary_tables(positions, cos_sin_cache))
 
 
 def rotary_step_tables(positions: torch.Tensor,
@@ -151,7 +154,7 @@ def rotary_step_tables(positions: torch.Tensor,
     where a kernel (Triton, or the C++ one on CPU) reads the table itself."""
     if _use_triton(positions) or _use_cpu_kernels(positions):
         return None
-    return torch_ops.rotary_tables(positions, cos_sin_cache)
+    return rotary_aten.rotary_tables(positions, cos_sin_cache)
 
 
 def kv_store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -226,7 +229,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return triton_module("silu_and_mul").silu_and_mul(x)
     if _use_cpu_kernels(x):
         return cpu_kernels.silu_and_mul(x)
-    return torch_ops.silu_and_mul(x)
+    return silu_and_mul_aten.silu_and_mul(x)
 
 
 def moe_routing(router_logits: torch.Tensor, top_k: int,
