@@ -150,7 +150,16 @@ def sse_data(payload: msgspec.Struct | dict[str, Any]) -> bytes:
 
 
 class OpenAIFormatting:
-    """What OpenAI's APIs share: the error envelope, `data:` chunks and the `[DONE]` marker."""
+    """What OpenAI's APIs share: the answer's id, model, choice count and creation time, the error
+    envelope, `data:` chunks and the `[DONE]` marker."""
+
+    def __init__(self, request: wire.GenerateRequest, include_usage: bool) -> None:
+        self.id = request.request_id
+        self.model = request.model
+        self.n = request.sampling.n
+        self.with_logprobs = request.sampling.logprobs is not None
+        self.include_usage = include_usage
+        self.created = int(time.time())
 
     def error_body(self, error: ServingError) -> dict[str, Any]:
         return error_body(error.status, error.message, error.code)
@@ -166,12 +175,7 @@ class ChatFormatter(OpenAIFormatting):
     """A chat completion, whole (`chat.completion`) or as `chat.completion.chunk` events."""
 
     def __init__(self, request: wire.GenerateRequest, include_usage: bool) -> None:
-        self.id = request.request_id
-        self.model = request.model
-        self.n = request.sampling.n
-        self.with_logprobs = request.sampling.logprobs is not None
-        self.include_usage = include_usage
-        self.created = int(time.time())
+        super().__init__(request, include_usage)
         self._called_tools = [False] * self.n
 
     def whole(self, deltas: list[wire.Delta], final: wire.Final) -> oa.ChatCompletion:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from litestar import Request, post
@@ -63,12 +62,7 @@ class CompletionFormatter(OpenAIFormatting):
     """A text completion, whole or as streamed `text_completion` chunks of one choice each."""
 
     def __init__(self, request: wire.GenerateRequest, include_usage: bool) -> None:
-        self.id = request.request_id
-        self.model = request.model
-        self.n = request.sampling.n
-        self.with_logprobs = request.sampling.logprobs is not None
-        self.include_usage = include_usage
-        self.created = int(time.time())
+        super().__init__(request, include_usage)
         self._offsets = [0] * self.n
 
     def _body(self, choices: list[oa.CompletionChoiceOut], usage: wire.Usage | None = None) -> oa.TextCompletion:
