@@ -14,20 +14,8 @@ import pytest
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
+from apps.bus import wire
 from apps.bus.topology import EVENTS_STREAM, RECORDER_CONSUMER, BusLimits, connect, ensure_topology, event_subject
-from apps.bus.wire import (
-    AdmissionDecided,
-    BenchRunRecorded,
-    Event,
-    NodeStatusChanged,
-    ResponseDeleted,
-    ResponseStored,
-    RunFinished,
-    RunStarted,
-    ScoreRecorded,
-    encode,
-    event_kind,
-)
 from apps.embedded.nats_server import NatsServer
 from apps.embedded.postgres import PostgresServer
 from apps.recorder.app import run_recorder
@@ -62,52 +50,52 @@ async def database_url(new_database: Callable[[], Awaitable[str]]) -> str:
     return await new_database()
 
 
-def started(request_id: str, **fields: Any) -> RunStarted:
+def started(request_id: str, **fields: Any) -> wire.RunStarted:
     defaults: dict[str, Any] = dict(
         model="tiny", node="node-a", api="chat.completions", principal="alice",
         prompt_tokens=12, attempt=1, queue_ms=3.0,
     )  # fmt: skip
-    return RunStarted(request_id=request_id, **{**defaults, **fields})
+    return wire.RunStarted(request_id=request_id, **{**defaults, **fields})
 
 
-def finished(request_id: str, **fields: Any) -> RunFinished:
+def finished(request_id: str, **fields: Any) -> wire.RunFinished:
     defaults: dict[str, Any] = dict(
         model="tiny", node="node-a", api="chat.completions", principal="alice",
         status="ok", finish_reason="stop", prompt_tokens=12, completion_tokens=7, cached_tokens=4,
         attempt=1, queue_ms=3.0, ttft_ms=20.0, prefill_ms=15.0, decode_ms=40.0, e2e_ms=63.0,
     )  # fmt: skip
-    return RunFinished(request_id=request_id, **{**defaults, **fields})
+    return wire.RunFinished(request_id=request_id, **{**defaults, **fields})
 
 
-def admission(request_id: str, **fields: Any) -> AdmissionDecided:
+def admission(request_id: str, **fields: Any) -> wire.AdmissionDecided:
     defaults: dict[str, Any] = dict(
         model="tiny", node="gateway", principal="alice", decision="admitted", pending=1, in_flight=1, waited_ms=2.5,
     )  # fmt: skip
-    return AdmissionDecided(request_id=request_id, **{**defaults, **fields})
+    return wire.AdmissionDecided(request_id=request_id, **{**defaults, **fields})
 
 
-def node_status(node: str, **fields: Any) -> NodeStatusChanged:
+def node_status(node: str, **fields: Any) -> wire.NodeStatusChanged:
     defaults: dict[str, Any] = dict(
         model="tiny", status="ready", version="0.1.0", models=["tiny"], slots=16, free_slots=16, kv_usage=0.0,
     )  # fmt: skip
-    return NodeStatusChanged(node=node, **{**defaults, **fields})
+    return wire.NodeStatusChanged(node=node, **{**defaults, **fields})
 
 
-def bench_run(run_id: str, **fields: Any) -> BenchRunRecorded:
+def bench_run(run_id: str, **fields: Any) -> wire.BenchRunRecorded:
     defaults: dict[str, Any] = dict(
         model="tiny", node="bench", target="http://127.0.0.1:8000/v1", scenario="chat:128",
         config={"samples": 3}, started_at=1_700_000_000.0, finished_at=1_700_000_010.0,
         results={"ttft_ms": [20.0, 21.0, 25.0]},
     )  # fmt: skip
-    return BenchRunRecorded(run_id=run_id, **{**defaults, **fields})
+    return wire.BenchRunRecorded(run_id=run_id, **{**defaults, **fields})
 
 
-def score(run_id: str, metric: str, value: float, **fields: Any) -> ScoreRecorded:
+def score(run_id: str, metric: str, value: float, **fields: Any) -> wire.ScoreRecorded:
     defaults: dict[str, Any] = dict(model="tiny", node="bench", scenario="chat:128", unit="ms", scorer="helexa-bench")
-    return ScoreRecorded(run_id=run_id, metric=metric, value=value, **{**defaults, **fields})
+    return wire.ScoreRecorded(run_id=run_id, metric=metric, value=value, **{**defaults, **fields})
 
 
-def response_stored(response_id: str, **fields: Any) -> ResponseStored:
+def response_stored(response_id: str, **fields: Any) -> wire.ResponseStored:
     defaults: dict[str, Any] = dict(
         model="tiny", node="gateway", principal="alice",
         input_items=[{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
@@ -115,12 +103,12 @@ def response_stored(response_id: str, **fields: Any) -> ResponseStored:
                   "output": [{"type": "message", "role": "assistant", "content": [{"type": "output_text",
                                                                                  "text": "hello"}]}]},
     )  # fmt: skip
-    return ResponseStored(response_id=response_id, **{**defaults, **fields})
+    return wire.ResponseStored(response_id=response_id, **{**defaults, **fields})
 
 
-def response_deleted(response_id: str, **fields: Any) -> ResponseDeleted:
+def response_deleted(response_id: str, **fields: Any) -> wire.ResponseDeleted:
     defaults: dict[str, Any] = dict(model="tiny", node="gateway", principal="alice")
-    return ResponseDeleted(response_id=response_id, **{**defaults, **fields})
+    return wire.ResponseDeleted(response_id=response_id, **{**defaults, **fields})
 
 
 @pytest.fixture
@@ -139,19 +127,19 @@ def js(nc: NatsClient) -> JetStreamContext:
     return nc.jetstream()
 
 
-async def publish(js: JetStreamContext, *events: Event) -> None:
+async def publish(js: JetStreamContext, *events: wire.Event) -> None:
     # No Nats-Msg-Id: JetStream stores every copy, as a republish after a lost ack would.
     for event in events:
-        await js.publish(event_subject(event_kind(event), event.model), encode(event))
+        await js.publish(event_subject(wire.event_kind(event), event.model), wire.encode(event))
 
 
-async def publish_fast(nc: NatsClient, events: list[Event]) -> None:
+async def publish_fast(nc: NatsClient, events: list[wire.Event]) -> None:
     """Core-NATS publishes (no per-message ack), then wait until the stream has taken every one
     (by sequence: the recorder removes deleted responses' events from the stream meanwhile)."""
     js = nc.jetstream()
     before = (await js.stream_info(EVENTS_STREAM)).state.last_seq
     for event in events:
-        await nc.publish(event_subject(event_kind(event), event.model), encode(event))
+        await nc.publish(event_subject(wire.event_kind(event), event.model), wire.encode(event))
     await nc.flush()
 
     async def stored() -> bool:

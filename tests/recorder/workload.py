@@ -14,15 +14,7 @@ from typing import Any
 
 import asyncpg
 
-from apps.bus.wire import (
-    AdmissionDecided,
-    BenchRunRecorded,
-    Event,
-    NodeStatusChanged,
-    ResponseDeleted,
-    ResponseStored,
-    ScoreRecorded,
-)
+from apps.bus import wire
 from tests.recorder.conftest import (
     admission,
     bench_run,
@@ -43,20 +35,20 @@ def at(ts: float) -> datetime:
     return datetime.fromtimestamp(ts, UTC)
 
 
-def expected_rows(events: list[Event]) -> dict[str, dict[str, tuple]]:
+def expected_rows(events: list[wire.Event]) -> dict[str, dict[str, tuple]]:
     """The rows of the append-only projections and `bench_runs`, by primary key, from distinct events
     (jsonb columns as Python values)."""
     rows: dict[str, dict[str, tuple]] = {"admission_events": {}, "nodes": {}, "bench_runs": {}, "scores": {},
                                          "responses": {}}
-    stored: dict[str, ResponseStored] = {}
-    deleted: dict[str, ResponseDeleted] = {}
+    stored: dict[str, wire.ResponseStored] = {}
+    deleted: dict[str, wire.ResponseDeleted] = {}
     for e in events:
         # responses: the latest stored event and the earliest deletion of each id, by (ts, event_id).
-        if isinstance(e, ResponseStored):
+        if isinstance(e, wire.ResponseStored):
             held = stored.get(e.response_id)
             if held is None or (e.ts, e.event_id) > (held.ts, held.event_id):
                 stored[e.response_id] = e
-        elif isinstance(e, ResponseDeleted):
+        elif isinstance(e, wire.ResponseDeleted):
             held = deleted.get(e.response_id)
             if held is None or (e.ts, e.event_id) < (held.ts, held.event_id):
                 deleted[e.response_id] = e
@@ -68,21 +60,21 @@ def expected_rows(events: list[Event]) -> dict[str, dict[str, tuple]]:
             kept = (*kept[:5], None, None, None)  # a deleted response's content is erased
         rows["responses"][response_id] = (response_id, *kept, at(d.ts) if d else None, d.event_id if d else None)
     for e in events:
-        if isinstance(e, AdmissionDecided):
+        if isinstance(e, wire.AdmissionDecided):
             rows["admission_events"][e.event_id] = (
                 e.event_id, at(e.ts), e.model, e.node, e.request_id, e.principal, str(e.decision), e.detail,
                 e.pending, e.in_flight, e.retry_after_s, e.waited_ms,
             )  # fmt: skip
-        elif isinstance(e, NodeStatusChanged):
+        elif isinstance(e, wire.NodeStatusChanged):
             rows["nodes"][e.event_id] = (
                 e.event_id, at(e.ts), e.node, e.model, e.status, e.version, e.models, e.slots, e.free_slots, e.kv_usage,
             )  # fmt: skip
-        elif isinstance(e, BenchRunRecorded):
+        elif isinstance(e, wire.BenchRunRecorded):
             rows["bench_runs"][e.run_id] = (
                 e.run_id, e.event_id, at(e.ts), e.model, e.node, e.target, e.scenario, e.config, e.results,
                 at(e.started_at), at(e.finished_at),
             )  # fmt: skip
-        elif isinstance(e, ScoreRecorded):
+        elif isinstance(e, wire.ScoreRecorded):
             rows["scores"][e.event_id] = (
                 e.event_id, at(e.ts), e.run_id, e.model, e.node, e.scenario, e.metric, e.value, e.unit, e.scorer,
             )  # fmt: skip
@@ -91,14 +83,14 @@ def expected_rows(events: list[Event]) -> dict[str, dict[str, tuple]]:
 
 @dataclass(slots=True)
 class Workload:
-    events: list[Event] = field(default_factory=list)
+    events: list[wire.Event] = field(default_factory=list)
     # request_id → the `runs` row it must end up as (columns named as in the table).
     runs: dict[str, dict[str, Any]] = field(default_factory=dict)
     # (request_id, attempt) → the `run_attempts` row.
     attempts: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
 
-    def with_duplicates(self, n: int, rng: random.Random) -> list[Event]:
+    def with_duplicates(self, n: int, rng: random.Random) -> list[wire.Event]:
         """Every event once plus `n` of them again (same event_id, separate messages), shuffled."""
         sent = self.events + rng.sample(self.events, n)
         rng.shuffle(sent)
