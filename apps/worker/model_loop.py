@@ -146,7 +146,8 @@ class ModelLoop:
             ), subject_kind=topology.DROPPED)  # admission events are the gateways' own
             return
         attempt = liveness.attempt_of(request, msg.metadata.num_delivered)
-        replier = held.replier = Replier(self.bus.nc, request.reply_subject, attempt, self.bus.node)
+        replier = held.replier = Replier(self.bus.nc, request.reply_subject, attempt, self.bus.node,
+                                           frame_window_s=self.settings.frame_window_ms / 1000)
         if attempt > 1 and request.liveness_probe and not await liveness.still_wanted(
                 self.bus.nc, request.reply_subject, attempt):
             # Another attempt serves its client (or nobody waits any more): this one must not run.
