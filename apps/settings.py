@@ -66,7 +66,7 @@ def bus_limits() -> BusLimits:
         request_ack_wait_s=_env_float("HELEXA_REQUEST_ACK_WAIT_S", 10.0),
         max_deliver=_env_int("HELEXA_MAX_DELIVER", 3),
         # Every uploaded file's content together (the `helexa_files` bucket).
-        files_max_bytes=_env_int("HELEXA_FILES_MAX_BYTES", 64 << 30),
+        files_max_bytes=_env_int("HELEXA_FILES_MAX_BYTES", 8 << 30),
     )
 
 
@@ -152,7 +152,7 @@ class GatewaySettings:
     max_batch_line_bytes: int = field(default_factory=lambda: _env_int("HELEXA_MAX_BATCH_LINE_BYTES", 8 << 20))
     max_files_per_principal: int = field(default_factory=lambda: _env_int("HELEXA_MAX_FILES_PER_PRINCIPAL", 1000))
     max_file_bytes_per_principal: int = field(
-        default_factory=lambda: _env_int("HELEXA_MAX_FILE_BYTES_PER_PRINCIPAL", 10 << 30))
+        default_factory=lambda: _env_int("HELEXA_MAX_FILE_BYTES_PER_PRINCIPAL", 1 << 30))
     upload_timeout_s: float = field(default_factory=lambda: _env_float("HELEXA_UPLOAD_TIMEOUT_S", 600.0))
     # On SIGTERM, how long answers in flight get to finish (then an error event ends each).
     stop_grace_s: float = field(default_factory=lambda: _env_float("HELEXA_STOP_GRACE_S", 10.0))

@@ -130,7 +130,7 @@ class BusLimits:
     # Deliveries of one request at most, so a request that kills its workers cannot kill them all.
     max_deliver: int = 3
     # Every uploaded file's content together (`helexa_files`); per principal, the gateway's quota.
-    files_max_bytes: int = 64 << 30
+    files_max_bytes: int = 8 << 30
 
     def __post_init__(self) -> None:
         if self.request_dedupe_window_s > self.request_max_age_s:

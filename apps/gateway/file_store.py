@@ -76,7 +76,7 @@ class FileLimits:
     max_batch_lines: int = 50_000
     max_batch_line_bytes: int = 8 << 20
     max_files_per_principal: int = 1000
-    max_bytes_per_principal: int = 10 << 30
+    max_bytes_per_principal: int = 1 << 30
 
 
 class Events(Protocol):
