@@ -64,6 +64,7 @@ WHERE principal IS NOT DISTINCT FROM $1 AND event_id IS NOT NULL AND deleted_at 
 ORDER BY CASE WHEN $5 THEN file_id END DESC, file_id ASC
 LIMIT $4
 """
+_KNOWN = "SELECT file_id FROM files WHERE file_id = ANY($1::text[]) AND event_id IS NOT NULL"
 _USAGE = """
 SELECT file_id, bytes FROM files
 WHERE principal IS NOT DISTINCT FROM $1 AND event_id IS NOT NULL AND deleted_at IS NULL
@@ -198,6 +199,9 @@ class RecentFiles:
         self.kept[stored.file_id] = (time.monotonic(), stored)
         self._expire()
 
+    def forget(self, file_id: str) -> None:
+        self.kept.pop(file_id, None)
+
     def delete(self, file_id: str) -> None:
         self.kept.pop(file_id, None)
         self.deleted[file_id] = time.monotonic()
@@ -327,7 +331,7 @@ class FileStore:
         """`principal`'s live files after the cursor `after`, newest first if `descending`."""
         rows = await self._fetch(_PAGE, principal, purpose, after, limit + 1, descending)
         found = {row["file_id"]: _from_row(row) for row in rows}
-        for stored in self._recent.of(principal):
+        for stored in await self._unprojected(principal):
             if (stored.file_id not in found and (purpose is None or stored.purpose == purpose)
                     and (after is None or (stored.file_id < after if descending else stored.file_id > after))):
                 found[stored.file_id] = stored
@@ -338,8 +342,19 @@ class FileStore:
     async def _usage(self, principal: str | None) -> dict[str, int]:
         """Bytes of each of `principal`'s live files, as far as this gateway knows."""
         live = {row["file_id"]: row["bytes"] for row in await self._fetch(_USAGE, principal)}
-        live |= {f.file_id: f.bytes for f in self._recent.of(principal)}
+        live |= {f.file_id: f.bytes for f in await self._unprojected(principal)}
         return {file_id: size for file_id, size in live.items() if not self._recent.was_deleted(file_id)}
+
+    async def _unprojected(self, principal: str | None) -> list[StoredFile]:
+        """This gateway's recent files of `principal` the ledger does not have yet (the ones it has
+        are forgotten here: from now on the ledger says whether they exist)."""
+        recent = self._recent.of(principal)
+        if not recent:
+            return []
+        known = {row["file_id"] for row in await self._fetch(_KNOWN, [f.file_id for f in recent])}
+        for file_id in known:
+            self._recent.forget(file_id)
+        return [f for f in recent if f.file_id not in known]
 
     async def _read(self, file_id: str) -> StoredFile | None:
         """The file from the ledger, else this gateway's recent ones, else (made moments ago,

@@ -37,20 +37,30 @@ class Gateway:
         return OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def gateway(system: System, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
-    keys.write_text(f"{ALICE} alice\n{BOB} bob\n")
+def start_gateway(system: System, keys: Path) -> Gateway:
     port = free_port()
     process = AppProcess(["gateway"], {
         **system.env_for("gateway"), "HELEXA_PORT": str(port), "HELEXA_API_KEYS": str(keys),
         "HELEXA_MAX_FILE_BYTES": str(MAX_FILE_BYTES), "HELEXA_MAX_BATCH_LINES": str(MAX_LINES),
         "HELEXA_MAX_BATCH_LINE_BYTES": str(MAX_LINE_BYTES), "HELEXA_MAX_FILES_PER_PRINCIPAL": str(MAX_FILES)})
     process.wait_ready()
+    return Gateway(f"http://127.0.0.1:{port}", process)
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("keys") / "keys.txt"
+    path.write_text(f"{ALICE} alice\n{BOB} bob\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def gateway(system: System, keys: Path) -> Iterator[Gateway]:
+    started = start_gateway(system, keys)
     try:
-        yield Gateway(f"http://127.0.0.1:{port}", process)
+        yield started
     finally:
-        process.stop()
+        started.process.stop()
 
 
 def batch_lines(n: int) -> bytes:
@@ -206,3 +216,23 @@ def test_a_chat_stream_finishes_while_a_large_upload_runs(system: System, gatewa
     client = gateway.client()
     assert client.files.content(stored.id).content == piece * 12
     client.files.delete(stored.id)
+
+
+def test_another_gateway_serves_a_file_uploaded_a_moment_ago(system: System, gateway: Gateway, keys: Path) -> None:
+    """Straight to a second gateway, before the recorder may have projected it: that gateway waits
+    for the recorder's notice, then reads the ledger; the content is the bucket's."""
+    other = start_gateway(system, keys)
+    try:
+        content = batch_lines(2)
+        uploaded = gateway.client().files.create(file=("across.jsonl", content), purpose="batch")
+        assert other.client().files.retrieve(uploaded.id) == uploaded
+        assert other.client().files.content(uploaded.id).content == content
+        with pytest.raises(openai.NotFoundError):
+            other.client(BOB).files.retrieve(uploaded.id)
+        other.client().files.delete(uploaded.id)
+        with pytest.raises(openai.NotFoundError):
+            other.client().files.content(uploaded.id)
+        eventually(lambda: uploaded.id not in [f.id for f in gateway.client().files.list().data], 30,
+                   message="the first gateway still lists a file deleted through the second")
+    finally:
+        other.process.stop()
