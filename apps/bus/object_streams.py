@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import json
+import secrets
 from collections.abc import AsyncIterable, AsyncIterator
 from datetime import UTC, datetime
 from hashlib import sha256
@@ -33,7 +34,7 @@ CHUNK_BYTES = OBJ_DEFAULT_CHUNK_SIZE
 async def put_stream(js: JetStreamContext, bucket: str, name: str, content: AsyncIterable[bytes]) -> api.ObjectInfo:
     """Store `content` as object `name` (a new name: nothing it replaces is cleaned up), in chunks
     of CHUNK_BYTES; if `content` raises, the chunks sent so far are purged and the error goes on."""
-    nuid = js._nc._nuid.next().decode()
+    nuid = secrets.token_hex(16)  # the chunks' subject token, new for every put
     chunks_subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=nuid)
     digest, size, count, pending = sha256(), 0, 0, bytearray()
     try:
