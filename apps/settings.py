@@ -65,6 +65,8 @@ def bus_limits() -> BusLimits:
         replicas=_env_int("HELEXA_REPLICAS", 1),
         request_ack_wait_s=_env_float("HELEXA_REQUEST_ACK_WAIT_S", 10.0),
         max_deliver=_env_int("HELEXA_MAX_DELIVER", 3),
+        # Every uploaded file's content together (the `helexa_files` bucket).
+        files_max_bytes=_env_int("HELEXA_FILES_MAX_BYTES", 8 << 30),
     )
 
 
@@ -142,6 +144,16 @@ class GatewaySettings:
     # This gateway's cache of its own recent responses, until the ledger has them.
     response_cache_bytes: int = field(default_factory=lambda: _env_int("HELEXA_RESPONSE_CACHE_BYTES", 64 << 20))
     response_cache_ttl_s: float = field(default_factory=lambda: _env_float("HELEXA_RESPONSE_CACHE_TTL_S", 600.0))
+    # Uploaded files (/v1/files): one file's bytes (413 above), for purpose=batch its lines and each
+    # line's bytes (400 above), a principal's files and their bytes together (413 above), and how
+    # long an upload's body may take to arrive (the edge's body timeout for POST /v1/files).
+    max_file_bytes: int = field(default_factory=lambda: _env_int("HELEXA_MAX_FILE_BYTES", 200 << 20))
+    max_batch_lines: int = field(default_factory=lambda: _env_int("HELEXA_MAX_BATCH_LINES", 50_000))
+    max_batch_line_bytes: int = field(default_factory=lambda: _env_int("HELEXA_MAX_BATCH_LINE_BYTES", 8 << 20))
+    max_files_per_principal: int = field(default_factory=lambda: _env_int("HELEXA_MAX_FILES_PER_PRINCIPAL", 1000))
+    max_file_bytes_per_principal: int = field(
+        default_factory=lambda: _env_int("HELEXA_MAX_FILE_BYTES_PER_PRINCIPAL", 1 << 30))
+    upload_timeout_s: float = field(default_factory=lambda: _env_float("HELEXA_UPLOAD_TIMEOUT_S", 600.0))
     # On SIGTERM, how long answers in flight get to finish (then an error event ends each).
     stop_grace_s: float = field(default_factory=lambda: _env_float("HELEXA_STOP_GRACE_S", 10.0))
     # The HTTP edge, enforced before authentication (`apps/gateway/http_edge.py`): open sockets,
@@ -176,6 +188,10 @@ class GatewaySettings:
                self.response_cache_bytes) < 1 or self.response_cache_ttl_s <= 0:
             raise ValueError("the stored-response limits (HELEXA_MAX_STORED_RESPONSE_BYTES, HELEXA_MAX_CHAIN_*, "
                              "HELEXA_RESPONSE_CACHE_*) must be positive")
+        if min(self.max_file_bytes, self.max_batch_lines, self.max_batch_line_bytes, self.max_files_per_principal,
+               self.max_file_bytes_per_principal) < 1 or self.upload_timeout_s <= 0:
+            raise ValueError("the file limits (HELEXA_MAX_FILE_*, HELEXA_MAX_BATCH_*, HELEXA_MAX_FILES_PER_PRINCIPAL, "
+                             "HELEXA_UPLOAD_TIMEOUT_S) must be positive")
         if self.max_migrations < 0:
             raise ValueError("HELEXA_MAX_MIGRATIONS must be >= 0")
         if self.stream_buffer_frames < 1:

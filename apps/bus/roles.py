@@ -9,8 +9,10 @@ JetStream API subjects below (`$JS.API.…`, `$KV.…`, `$O.…`) are NATS's own
 
 - **gateway** publishes requests (the only role that may: a request's `principal` and `attempt`
   are the gateway's), cancels, and the events it owns: admission decisions, stored and deleted
-  responses, and `worker_lost` (the run a lost worker cannot report). It stores large requests and
-  reads the node registry. Replies come to `_INBOX.gateway.<user>`, which only it may read.
+  responses, created and deleted files, and `worker_lost` (the run a lost worker cannot report). It
+  stores large requests, reads the node registry, and alone writes, reads and deletes uploaded files
+  (the `helexa_files` bucket; the recorder never touches their content). Replies come to
+  `_INBOX.gateway.<user>`, which only it may read.
 - **worker** takes requests only through its model's consumer (it may not subscribe to
   `helexa.req.>` nor read REQUESTS otherwise), reads and deletes large requests, writes the node
   registry, publishes run and node events and `dropped` admissions, answers its micro-service
@@ -52,6 +54,8 @@ _OBJ_STREAM = OBJ_STREAM_TEMPLATE.format(bucket=topology.LARGE_REQUESTS_BUCKET)
 _OBJ_SUBJECTS = f"$O.{topology.LARGE_REQUESTS_BUCKET}"
 _EVENTS_OBJ_STREAM = OBJ_STREAM_TEMPLATE.format(bucket=topology.LARGE_EVENTS_BUCKET)
 _EVENTS_OBJ_SUBJECTS = f"$O.{topology.LARGE_EVENTS_BUCKET}"
+_FILES_OBJ_STREAM = OBJ_STREAM_TEMPLATE.format(bucket=topology.FILES_BUCKET)
+_FILES_OBJ_SUBJECTS = f"$O.{topology.FILES_BUCKET}"
 
 def _kind(event_type: type[wire.Event]) -> str:
     return wire.kind_of(event_type)
@@ -70,6 +74,8 @@ EVENT_SUBJECTS: dict[str, dict[str, str]] = {
                                                 topology.DROPPED: WORKER},
     _kind(wire.ResponseStored): {_kind(wire.ResponseStored): GATEWAY},
     _kind(wire.ResponseDeleted): {_kind(wire.ResponseDeleted): GATEWAY},
+    _kind(wire.FileCreated): {_kind(wire.FileCreated): GATEWAY},
+    _kind(wire.FileDeleted): {_kind(wire.FileDeleted): GATEWAY},
     _kind(wire.BenchRunRecorded): {_kind(wire.BenchRunRecorded): BENCH},
     _kind(wire.ScoreRecorded): {_kind(wire.ScoreRecorded): BENCH},
 }
@@ -146,6 +152,8 @@ def permissions(role: str, user: str | None) -> dict[str, Any]:
             *_read_bucket(_KV_STREAM),
             f"{_OBJ_SUBJECTS}.>", *_read_bucket(_OBJ_STREAM), f"{_API}.STREAM.PURGE.{_OBJ_STREAM}",
             *_write_large_events(),
+            # Uploaded files (/v1/files): written, read and deleted by the gateway only.
+            f"{_FILES_OBJ_SUBJECTS}.>", *_read_bucket(_FILES_OBJ_STREAM), f"{_API}.STREAM.PURGE.{_FILES_OBJ_STREAM}",
         ]
         subscribe = [inbox, topology.max_deliveries_advisories()]
         return _permissions(publish, subscribe, responses=True)

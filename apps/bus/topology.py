@@ -47,6 +47,8 @@ NODES_BUCKET = "helexa_nodes"
 LARGE_REQUESTS_BUCKET = "helexa_requests"
 # Object Store bucket of events too large for one message, referenced from EVENTS (`wire.EventRef`).
 LARGE_EVENTS_BUCKET = "helexa_events"
+# Object Store bucket of uploaded files (`/v1/files`), one object per file id, kept until deleted.
+FILES_BUCKET = "helexa_files"
 RECORDER_CONSUMER = "recorder"
 
 _REQUEST_PREFIX = "helexa.req"
@@ -127,6 +129,8 @@ class BusLimits:
     request_ack_wait_s: float = 10.0
     # Deliveries of one request at most, so a request that kills its workers cannot kill them all.
     max_deliver: int = 3
+    # Every uploaded file's content together (`helexa_files`); per principal, the gateway's quota.
+    files_max_bytes: int = 8 << 30
 
     def __post_init__(self) -> None:
         if self.request_dedupe_window_s > self.request_max_age_s:
@@ -137,7 +141,8 @@ class BusLimits:
             raise ValueError("request_ack_wait_s must be positive and max_deliver at least 1")
         if self.replicas not in (1, 3, 5):
             raise ValueError("replicas must be 1, 3 or 5")
-        if min(self.request_max_msgs, self.request_max_bytes, self.event_max_bytes) < 1 or self.event_max_age_s <= 0:
+        if (min(self.request_max_msgs, self.request_max_bytes, self.event_max_bytes, self.files_max_bytes) < 1
+                or self.event_max_age_s <= 0):
             raise ValueError("stream limits must be positive")
 
 
@@ -234,13 +239,15 @@ async def ensure_topology(js: JetStreamContext, limits: BusLimits) -> None:
     await node_registry(js, limits)
     await large_request_store(js, limits)
     await _object_store(js, LARGE_EVENTS_BUCKET, large_events_config(limits))
+    await _object_store(js, FILES_BUCKET, files_config(limits))
 
 
 def topology_streams() -> tuple[str, ...]:
     """The streams `ensure_topology` declares, the node registry's and the buckets' included."""
     return (REQUESTS_STREAM, EVENTS_STREAM, f"KV_{NODES_BUCKET}",
             OBJ_STREAM_TEMPLATE.format(bucket=LARGE_REQUESTS_BUCKET),
-            OBJ_STREAM_TEMPLATE.format(bucket=LARGE_EVENTS_BUCKET))
+            OBJ_STREAM_TEMPLATE.format(bucket=LARGE_EVENTS_BUCKET),
+            OBJ_STREAM_TEMPLATE.format(bucket=FILES_BUCKET))
 
 
 class TopologyMissing(nats.errors.Error):
@@ -308,6 +315,17 @@ def large_events_config(limits: BusLimits) -> ObjectStoreConfig:
         description="Events too large for one bus message, referenced from EVENTS",
         ttl=limits.event_max_age_s,
         max_bytes=limits.event_max_bytes,
+        storage=StorageType.FILE,
+        replicas=limits.replicas,
+    )
+
+
+def files_config(limits: BusLimits) -> ObjectStoreConfig:
+    """Uploaded files live until their owner deletes them (no TTL), within `files_max_bytes` in all."""
+    return ObjectStoreConfig(
+        description="Files uploaded through /v1/files, one object per file id",
+        ttl=None,
+        max_bytes=limits.files_max_bytes,
         storage=StorageType.FILE,
         replicas=limits.replicas,
     )

@@ -296,6 +296,26 @@ class ResponseDeleted(Event, tag="response.deleted", frozen=True, kw_only=True):
     principal: str | None
 
 
+class FileCreated(Event, tag="file.created", frozen=True, kw_only=True):
+    """`POST /v1/files`: a file's content is object `file_id` of the `helexa_files` bucket; the
+    ledger's `files` row serves it back (list, retrieve, content) to its principal only."""
+
+    file_id: str
+    principal: str | None
+    filename: str
+    purpose: str
+    bytes: int
+    # Unix seconds, as the FileObject's `created_at`.
+    created_at: int
+
+
+class FileDeleted(Event, tag="file.deleted", frozen=True, kw_only=True):
+    """`DELETE /v1/files/{id}`: the gateway deleted the content; the recorder marks the row deleted."""
+
+    file_id: str
+    principal: str | None
+
+
 class EventRef(Event, tag="event.ref", frozen=True, kw_only=True):
     """Published on EVENTS instead of an event too large for one bus message (a stored response
     of a long conversation, a bench run's artifacts): the encoded event is object `object` of the
@@ -328,7 +348,7 @@ class CoreRestarted(Event, tag="engine.restart", frozen=True, kw_only=True):
 
 
 AnyEvent = (RunStarted | RunFinished | AdmissionDecided | NodeStatusChanged | BenchRunRecorded | ScoreRecorded
-            | ResponseStored | ResponseDeleted | EventRef | CoreRestarted)
+            | ResponseStored | ResponseDeleted | FileCreated | FileDeleted | EventRef | CoreRestarted)
 
 
 def event_kind(event: Event) -> str:

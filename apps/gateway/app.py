@@ -30,6 +30,7 @@ from apps.gateway.admission import AdmissionLimits, Admissions, load_per_model
 from apps.gateway.api.anthropic import messages
 from apps.gateway.api.chat import chat_completions
 from apps.gateway.api.completions import completions
+from apps.gateway.api.files import create_file, delete_file, file_content, list_files, retrieve_file
 from apps.gateway.api.front_door import index, not_found
 from apps.gateway.api.health import health, metrics, ready
 from apps.gateway.api.models import list_models
@@ -41,6 +42,7 @@ from apps.gateway.bus_client import GatewayBus
 from apps.gateway.cold_start import ColdStarts
 from apps.gateway.errors import http_error_handler, internal_error_handler, serving_error_handler
 from apps.gateway.events import EventPublisher
+from apps.gateway.file_store import FileLimits, FileStore
 from apps.gateway.generation import GenerationPipeline
 from apps.gateway.liveness import Canceller
 from apps.gateway.metrics import GatewayMetrics
@@ -153,16 +155,21 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
         app.state.responses = ResponseStore(settings.database_url, events, settings.response_wait_s, StoreLimits(
             settings.max_stored_response_bytes, settings.max_chain_responses, settings.max_chain_bytes,
             settings.response_cache_bytes, settings.response_cache_ttl_s))
+        app.state.files = FileStore(settings.database_url, events, lambda: bus.js, FileLimits(
+            settings.max_file_bytes, settings.max_batch_lines, settings.max_batch_line_bytes,
+            settings.max_files_per_principal, settings.max_file_bytes_per_principal), settings.response_wait_s)
         try:
             yield
         finally:
             await registry.stop()
             await events.stop()
             await app.state.responses.close()
+            await app.state.files.close()
             await bus.close()
 
     app = Litestar(
         route_handlers=[chat_completions, completions, messages, create_response, retrieve_response, delete_response,
+                        create_file, list_files, retrieve_file, file_content, delete_file,
                         list_models, tokenize, detokenize, count_tokens, health, ready, metrics, index],
         lifespan=[bus_lifespan],
         middleware=[edge_guard(keys, hosts, limiter, lambda: app.state.admissions)],

@@ -10,7 +10,8 @@ else, so `protocol_class` is uvicorn's httptools protocol with these bounds adde
   as they come, so one huge field is cut off at the limit, not buffered whole first;
 - time: a header block must be complete `header_timeout_s` after the connection opens or its
   first byte arrives (408, or a silent close if nothing came); a body must be complete
-  `body_timeout_s` after its headers (408, and the app sees the client gone);
+  `body_timeout_s` after its headers (408, and the app sees the client gone), a file upload
+  (`POST /v1/files`, bounded in bytes by its route) `upload_timeout_s` after them;
 - no protocol upgrades (`ws="none"`: the gateway has no WebSocket route).
 """
 
@@ -31,6 +32,8 @@ from apps.settings import GatewaySettings
 
 log = logging.getLogger("helexa.gateway")
 
+# The route whose body is a file upload, given `upload_timeout_s` to arrive.
+UPLOAD_PATH = "/v1/files"
 # File descriptors beyond the connection cap: NATS, PostgreSQL, logs, the listening socket.
 SPARE_FDS = 256
 
@@ -42,11 +45,12 @@ class EdgeLimits:
     max_header_bytes: int
     header_timeout_s: float
     body_timeout_s: float
+    upload_timeout_s: float = 600.0
 
     @classmethod
     def of(cls, settings: GatewaySettings) -> EdgeLimits:
         return cls(settings.max_connections, settings.max_headers, settings.max_header_bytes,
-                   settings.header_timeout_s, settings.body_timeout_s)
+                   settings.header_timeout_s, settings.body_timeout_s, settings.upload_timeout_s)
 
 
 def _response(status: int, reason: str, message: str, setting: str) -> bytes:
@@ -192,7 +196,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._header_timer = None
         super().on_headers_complete()
         self._cancel(self._body_timer)
-        self._body_timer = self.loop.call_later(self.limits.body_timeout_s, self._body_timed_out)
+        timeout = self.limits.body_timeout_s
+        if self.scope.get("method") == "POST" and self.scope.get("path") == UPLOAD_PATH:
+            timeout = self.limits.upload_timeout_s
+        self._body_timer = self.loop.call_later(timeout, self._body_timed_out)
 
     # -- the body ------------------------------------------------------------------------------
 

@@ -6,7 +6,8 @@ for a response it has never seen (made moments ago through another gateway) list
 connection of its own and wakes the readers waiting for that id, which then read the ledger once.
 
 While the listening connection is down, readers fall back to reading the ledger every
-`FALLBACK_RECHECK_S`; a reconnect wakes every waiter so none misses a notice sent meanwhile. At
+`FALLBACK_RECHECK_S`; a reconnect wakes every waiter so none misses a notice sent meanwhile.
+Uploaded files are announced the same way on `helexa_files` (a `ProjectionNotices` of that channel). At
 most `max_waiters` reads wait at once; past that a read does not wait.
 """
 
@@ -27,8 +28,9 @@ FALLBACK_RECHECK_S = 1.0
 
 
 class ProjectionNotices:
-    def __init__(self, database_url: str, max_waiters: int = 1024) -> None:
+    def __init__(self, database_url: str, max_waiters: int = 1024, channel: str = RESPONSES_CHANNEL) -> None:
         self._database_url = database_url
+        self._channel = channel
         self.max_waiters = max_waiters
         self._conn: asyncpg.Connection | None = None
         self._lock = asyncio.Lock()
@@ -71,7 +73,7 @@ class ProjectionNotices:
                 return
             try:
                 conn = await asyncpg.connect(self._database_url, timeout=5)
-                await conn.add_listener(RESPONSES_CHANNEL, self._on_notice)
+                await conn.add_listener(self._channel, self._on_notice)
             except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
                 log.warning("not listening for projected responses; reading the ledger every second instead",
                             extra={"error": repr(exc)})

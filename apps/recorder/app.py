@@ -48,7 +48,7 @@ from apps.bus.topology import (
     replay_puller,
     require_topology,
 )
-from apps.bus.wire import Event, EventRef, ResponseDeleted, event_decoder, event_kind
+from apps.bus.wire import Event, EventRef, ResponseDeleted, ResponseStored, event_decoder, event_kind
 from apps.logs import announce_ready, monotonic_ms
 from apps.recorder import dead_letters, large_events, projector
 from apps.recorder.dead_letters import DeadLetter, Reason, kind_from_subject
@@ -204,7 +204,8 @@ class Recorder:
             await _each(msgs, Msg.ack if committed else Msg.nak)
         if committed:
             self.metrics.events_recorded.inc(new)
-            deleted = [e.response_id for _, e in pending if isinstance(e, ResponseDeleted)]
+            # A deleted response's stored event may come after its deletion: either kind may erase.
+            deleted = [e.response_id for _, e in pending if isinstance(e, ResponseDeleted | ResponseStored)]
             if deleted:
                 await self.erase_from_bus(deleted)
         return new

@@ -44,7 +44,8 @@ _NO_MESSAGE = (10057, 10043)
 
 _STORED_EVENTS = """
 SELECT event_id, stream_seq FROM events
-WHERE kind = 'response.stored' AND payload->>'response_id' = ANY($1::text[])
+WHERE kind = 'response.stored' AND payload->>'response_id' IN (
+    SELECT response_id FROM responses WHERE response_id = ANY($1::text[]) AND deleted_at IS NOT NULL)
 """
 
 

@@ -26,6 +26,9 @@ only, and its response.stored payloads in `events` lose their input items and re
 Each stored or deleted response is announced on the `helexa_responses` channel (NOTIFY, delivered
 at commit), so a gateway waiting for a response made elsewhere learns the moment it is readable.
 
+`files` merges file.created (the first wins: one per id) and file.deleted (the earliest wins) per
+file id, in either order; each is announced on `helexa_files` as responses are on theirs.
+
 PostgreSQL's jsonb holds no NUL character: a `\u0000` in an event's strings is recorded as U+FFFD
 (the replacement character), the one lossy step between the bus and the ledger, so an event with
 one is recorded rather than dead-lettered.
@@ -45,6 +48,8 @@ from apps.bus.wire import (
     AdmissionDecided,
     BenchRunRecorded,
     Event,
+    FileCreated,
+    FileDeleted,
     NodeStatusChanged,
     ResponseDeleted,
     ResponseStored,
@@ -56,15 +61,18 @@ from apps.bus.wire import (
     kind_of,
 )
 
-__all__ = ["PROJECTIONS", "RESPONSES_CHANNEL", "Recorded", "event_kind", "ledger_json", "project", "rebuild"]
+__all__ = ["FILES_CHANNEL", "PROJECTIONS", "RESPONSES_CHANNEL", "Recorded", "event_kind", "ledger_json", "project",
+           "rebuild"]
 
 # The NOTIFY channel of stored and deleted responses (payload: the response id).
 RESPONSES_CHANNEL = "helexa_responses"
+# The NOTIFY channel of created and deleted files (payload: the file id).
+FILES_CHANNEL = "helexa_files"
 # A JSON `\u0000` escape (not an escaped backslash followed by "u0000"): an odd run of backslashes.
 _NUL_ESCAPE = re.compile(rb"(?<!\\)((?:\\\\)*)\\u0000")
 
 RUNNING = "running"
-PROJECTIONS = ("runs", "run_attempts", "admission_events", "nodes", "bench_runs", "scores", "responses")
+PROJECTIONS = ("runs", "run_attempts", "admission_events", "nodes", "bench_runs", "scores", "responses", "files")
 
 _STARTED = kind_of(RunStarted)
 _FINISHED = kind_of(RunFinished)
@@ -74,6 +82,8 @@ _BENCH_RUN = kind_of(BenchRunRecorded)
 _SCORE = kind_of(ScoreRecorded)
 _RESPONSE_STORED = kind_of(ResponseStored)
 _RESPONSE_DELETED = kind_of(ResponseDeleted)
+_FILE_CREATED = kind_of(FileCreated)
+_FILE_DELETED = kind_of(FileDeleted)
 
 _EVENT_COLUMNS = ("event_id", "kind", "subject", "model", "node", "ts", "payload", "stream_seq")
 _STAGING = "incoming_events"
@@ -282,12 +292,46 @@ WHERE kind = '{_RESPONSE_STORED}' AND payload->>'response_id' IN (SELECT respons
 """
 
 
+def _files_created(source: str) -> str:
+    # One file.created per id; a replayed or repeated one changes nothing, a deletion is kept.
+    return f"""
+INSERT INTO files AS f (file_id, event_id, ts, principal, filename, purpose, bytes, created_at)
+SELECT DISTINCT ON (p->>'file_id')
+       p->>'file_id', event_id, ts, p->>'principal', p->>'filename', p->>'purpose',
+       (p->>'bytes')::bigint, (p->>'created_at')::bigint
+FROM (SELECT *, payload AS p FROM {source} WHERE kind = '{_FILE_CREATED}') AS e
+ORDER BY p->>'file_id', ts, event_id
+ON CONFLICT (file_id) DO UPDATE SET
+    event_id = EXCLUDED.event_id, ts = EXCLUDED.ts, principal = EXCLUDED.principal, filename = EXCLUDED.filename,
+    purpose = EXCLUDED.purpose, bytes = EXCLUDED.bytes, created_at = EXCLUDED.created_at
+WHERE f.event_id IS NULL OR (EXCLUDED.ts, EXCLUDED.event_id) < (f.ts, f.event_id)
+"""
+
+
+def _files_deleted(source: str) -> str:
+    # The earliest (ts, event_id) deletion wins, whether or not the created event came first.
+    return f"""
+INSERT INTO files AS f (file_id, deleted_at, deleted_by)
+SELECT DISTINCT ON (p->>'file_id') p->>'file_id', ts, event_id
+FROM (SELECT *, payload AS p FROM {source} WHERE kind = '{_FILE_DELETED}') AS e
+ORDER BY p->>'file_id', ts, event_id
+ON CONFLICT (file_id) DO UPDATE SET deleted_at = EXCLUDED.deleted_at, deleted_by = EXCLUDED.deleted_by
+WHERE f.deleted_at IS NULL OR (EXCLUDED.deleted_at, EXCLUDED.deleted_by) < (f.deleted_at, f.deleted_by)
+"""
+
+
 # What an erased response.stored payload holds instead of its input items and response object.
 ERASED_CONTENT = '{"input_items": [], "response": {}, "erased": true}'
 
 _NOTIFY_RESPONSES = f"""
 SELECT pg_notify('{RESPONSES_CHANNEL}', left(payload->>'response_id', 256)) FROM {_STAGING}
 WHERE kind IN ('{_RESPONSE_STORED}', '{_RESPONSE_DELETED}')
+"""
+
+
+_NOTIFY_FILES = f"""
+SELECT pg_notify('{FILES_CHANNEL}', left(payload->>'file_id', 256)) FROM {_STAGING}
+WHERE kind IN ('{_FILE_CREATED}', '{_FILE_DELETED}')
 """
 
 
@@ -304,6 +348,8 @@ class _Statements:
             _SCORE: _scores(source),
             _RESPONSE_STORED: _responses_stored(source),
             _RESPONSE_DELETED: _responses_deleted(source),
+            _FILE_CREATED: _files_created(source),
+            _FILE_DELETED: _files_deleted(source),
         }
         self.max_rounds = f"""
 SELECT coalesce(max(n), 0) FROM (
@@ -363,6 +409,8 @@ async def project(conn: asyncpg.Connection, batch: Sequence[Recorded | tuple[str
             await _apply(conn, _LIVE, kinds, max(per_request.values(), default=0))
             if kinds & {_RESPONSE_STORED, _RESPONSE_DELETED}:
                 await conn.execute(_NOTIFY_RESPONSES)
+            if kinds & {_FILE_CREATED, _FILE_DELETED}:
+                await conn.execute(_NOTIFY_FILES)
     return len(unique) - stale
 
 

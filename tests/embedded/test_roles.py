@@ -221,12 +221,16 @@ async def test_the_gateways_database_role_reads_stored_responses_and_nothing_mor
     conn = await asyncpg.connect(ledger.role_url("gateway"), timeout=10)
     try:
         assert await conn.fetchval("SELECT count(*) FROM responses") >= 0
+        assert await conn.fetchval("SELECT count(*) FROM files") >= 0
         refused = [
             "INSERT INTO runs (request_id, model, node, status) VALUES ('forged', 'm', 'n', 'ok')",
             "UPDATE runs SET status = 'ok'",
             "INSERT INTO responses (response_id, principal) VALUES ('resp_forged', 'alice')",
             "UPDATE responses SET principal = 'mallory'",
             "DELETE FROM responses",
+            "INSERT INTO files (file_id, principal) VALUES ('file-forged', 'alice')",
+            "UPDATE files SET principal = 'mallory'",
+            "DELETE FROM files",
             "SELECT count(*) FROM runs",
             "CREATE TABLE mine (x int)",
         ]
@@ -305,3 +309,23 @@ async def test_a_large_event_is_recorded_only_as_its_own_role_stored_it(
         await js.purge_stream(topology.EVENTS_STREAM, seq=msgs[1].metadata.sequence.stream + 1)
         assert await recorder.refused_nothing()
         assert await _stored_on(nats_server, topology.event_subject("response.stored", MODEL)) == 0
+
+
+async def test_only_the_gateway_touches_uploaded_files(nats_server: NatsServer) -> None:
+    """The `helexa_files` bucket (/v1/files): the gateway writes, reads and deletes it; no other
+    app role may write an object there or read one out."""
+    bucket = topology.FILES_BUCKET
+    stream = f"OBJ_{bucket}"
+    async with (as_role(nats_server, roles.WORKER) as worker, as_role(nats_server, roles.RECORDER) as recorder,
+                as_role(nats_server, roles.BENCH) as bench):
+        for client in (worker, recorder, bench):
+            for subject in (f"$O.{bucket}.C.forged", f"$O.{bucket}.M.forged", f"$JS.API.DIRECT.GET.{stream}",
+                            f"$JS.API.STREAM.PURGE.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}"):
+                await _try_publish(client, subject, b"{}")
+                assert await client.was_refused(f'publish to "{subject}"')
+    async with as_role(nats_server, roles.GATEWAY) as gateway:
+        store = await gateway.nc.jetstream().object_store(bucket)
+        await store.put("roles-file", b"content")
+        assert (await store.get("roles-file")).data == b"content"
+        await store.delete("roles-file")
+        assert await gateway.refused_nothing()

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import asyncpg
 import pytest
 
+from apps.bus import wire
 from apps.bus.topology import event_subject
 from apps.bus.wire import Event
 from apps.recorder.migrate import migrate
@@ -155,11 +156,13 @@ async def test_rebuild_recomputes_every_projection_from_events(conn: asyncpg.Con
     await project(conn, _batch(*run))
     await project(conn, _batch(admission("r8"), node_status("node-a"), bench_run("b3"), score("b3", "quality", 7.0)))
     await project(conn, _batch(response_stored("resp_1"), response_deleted("resp_1"), response_stored("resp_2")))
+    await project(conn, _batch(file_created("file-1"), file_deleted("file-1"), file_created("file-2")))
     before = {t: [tuple(r) for r in await conn.fetch(f"SELECT * FROM {t} ORDER BY 1, 2")] for t in PROJECTIONS}
-    await conn.execute("UPDATE runs SET status = 'bogus'; DELETE FROM nodes; DELETE FROM scores; DELETE FROM responses")
+    await conn.execute("UPDATE runs SET status = 'bogus'; DELETE FROM nodes; DELETE FROM scores; "
+                       "DELETE FROM responses; DELETE FROM files")
 
     assert await rebuild(conn) == {"runs": 1, "run_attempts": 2, "admission_events": 1, "nodes": 1, "bench_runs": 1,
-                                   "scores": 1, "responses": 2}
+                                   "scores": 1, "responses": 2, "files": 2}
     after = {t: [tuple(r) for r in await conn.fetch(f"SELECT * FROM {t} ORDER BY 1, 2")] for t in PROJECTIONS}
     assert after == before
     row = await conn.fetchrow("SELECT attempt, status, started_at, finished_at, last_event_at FROM runs")
@@ -193,3 +196,25 @@ async def test_a_response_stored_again_keeps_its_latest_copy(conn: asyncpg.Conne
     await project(conn, _batch(response_stored("resp_7", ts=100.0)))
     row = await conn.fetchrow("SELECT event_id, status, deleted_at FROM responses")
     assert (row["event_id"], row["status"], row["deleted_at"]) == (newer.event_id, "incomplete", None)
+
+
+def file_created(file_id: str, ts: float = 10.0, principal: str | None = "alice") -> wire.FileCreated:
+    return wire.FileCreated(model="-", node="gateway", ts=ts, file_id=file_id, principal=principal,
+                            filename="in.jsonl", purpose="batch", bytes=42, created_at=int(ts))
+
+
+def file_deleted(file_id: str, ts: float = 20.0) -> wire.FileDeleted:
+    return wire.FileDeleted(model="-", node="gateway", ts=ts, file_id=file_id, principal="alice")
+
+
+async def test_files_merge_creation_and_deletion_in_either_order(conn: asyncpg.Connection) -> None:
+    # The deletion first, in its own batch; then the creation, twice (a redelivery and a replayed copy).
+    await project(conn, _batch(file_deleted("file-a", ts=30.0)))
+    row = await conn.fetchrow("SELECT * FROM files WHERE file_id = 'file-a'")
+    assert row["event_id"] is None and row["deleted_at"] is not None
+    created = file_created("file-a")
+    await project(conn, _batch(created, created, file_deleted("file-a", ts=25.0)))
+    row = await conn.fetchrow("SELECT * FROM files WHERE file_id = 'file-a'")
+    assert (row["principal"], row["filename"], row["purpose"], row["bytes"], row["created_at"]) == (
+        "alice", "in.jsonl", "batch", 42, 10)
+    assert row["deleted_at"].timestamp() == 25.0

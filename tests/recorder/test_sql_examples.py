@@ -17,7 +17,7 @@ import asyncpg
 import pytest
 
 from apps.bus.topology import event_subject
-from apps.bus.wire import Event, event_kind
+from apps.bus.wire import Event, FileCreated, event_kind
 from apps.recorder.migrate import migrate
 from apps.recorder.projector import project
 from tests.recorder.conftest import admission, bench_run, finished, node_status, response_stored, score, started
@@ -178,13 +178,18 @@ async def test_failures_per_model_and_node(conn: asyncpg.Connection, ledger: dic
 async def test_prune_keeps_recent_rows_and_drops_old_ones(conn: asyncpg.Connection, ledger: dict) -> None:
     ancient = time.time() - 100 * 86400
     old = [started("ancient", ts=ancient), admission("ancient", ts=ancient),
-           response_stored("resp_ancient", ts=ancient), response_stored("resp_recent", ts=time.time())]
+           response_stored("resp_ancient", ts=ancient), response_stored("resp_recent", ts=time.time()),
+           # A file is kept until deleted, whatever its age: its row and the event it is rebuilt from.
+           FileCreated(model="-", node="gateway", ts=ancient, file_id="file-ancient", principal="alice",
+                       filename="a.jsonl", purpose="batch", bytes=1, created_at=int(ancient))]
     await project(conn, [(event_subject(event_kind(e), e.model), e) for e in old])
     counts = {r["table_name"]: r["deleted"] for r in await conn.fetch(PRUNE)}
     assert counts == {"events": 3, "runs": 1, "run_attempts": 1, "admission_events": 1, "nodes": 0, "bench_runs": 0,
                       "scores": 0, "responses": 1}
     assert await conn.fetchval("SELECT count(*) FROM runs") == 42
     assert await conn.fetchval("SELECT array_agg(response_id) FROM responses") == ["resp_recent"]
+    assert await conn.fetchval("SELECT count(*) FROM events WHERE kind = 'file.created'") == 1
+    assert await conn.fetchval("SELECT array_agg(file_id) FROM files") == ["file-ancient"]
 
 
 LEDGER_DOC = REPO / "docs" / "ledger.md"

@@ -39,7 +39,7 @@ def expected_rows(events: list[wire.Event]) -> dict[str, dict[str, tuple]]:
     """The rows of the append-only projections and `bench_runs`, by primary key, from distinct events
     (jsonb columns as Python values)."""
     rows: dict[str, dict[str, tuple]] = {"admission_events": {}, "nodes": {}, "bench_runs": {}, "scores": {},
-                                         "responses": {}}
+                                         "responses": {}, "files": {}}
     stored: dict[str, wire.ResponseStored] = {}
     deleted: dict[str, wire.ResponseDeleted] = {}
     for e in events:
@@ -59,6 +59,20 @@ def expected_rows(events: list[wire.Event]) -> dict[str, dict[str, tuple]]:
         if d is not None:
             kept = (*kept[:5], None, None, None)  # a deleted response's content is erased
         rows["responses"][response_id] = (response_id, *kept, at(d.ts) if d else None, d.event_id if d else None)
+    # files: the first created event and the earliest deletion of each id, by (ts, event_id).
+    created: dict[str, wire.FileCreated] = {}
+    removed: dict[str, wire.FileDeleted] = {}
+    for e in events:
+        if isinstance(e, wire.FileCreated):
+            if e.file_id not in created or (e.ts, e.event_id) < (created[e.file_id].ts, created[e.file_id].event_id):
+                created[e.file_id] = e
+        elif isinstance(e, wire.FileDeleted):
+            if e.file_id not in removed or (e.ts, e.event_id) < (removed[e.file_id].ts, removed[e.file_id].event_id):
+                removed[e.file_id] = e
+    for file_id in created.keys() | removed.keys():
+        c, r = created.get(file_id), removed.get(file_id)
+        file = (c.event_id, at(c.ts), c.principal, c.filename, c.purpose, c.bytes, c.created_at) if c else (None,) * 7
+        rows["files"][file_id] = (file_id, *file, at(r.ts) if r else None, r.event_id if r else None)
     for e in events:
         if isinstance(e, wire.AdmissionDecided):
             rows["admission_events"][e.event_id] = (
@@ -205,7 +219,9 @@ def mixed(num_requests: int = 1500, seed: int = 7, base_ts: float = BASE_TS) -> 
     # Stored responses (below) take the place of some node events, so the defaults stay at 4,500 events.
     n_responses = max(num_requests // 20, 6)
     n_response_events = n_responses + 2 * len(range(0, n_responses, 5)) + 1
-    n_nodes = num_requests // 7 - 14 - n_response_events
+    n_files = max(num_requests // 50, 4)
+    n_file_events = n_files + len(range(0, n_files, 3)) + 1
+    n_nodes = num_requests // 7 - 14 - n_response_events - n_file_events
     for i in range(n_nodes):
         w.events.append(
             node_status(f"node-{'abc'[i % 3]}", ts=base_ts + i, free_slots=i % 17, kv_usage=(i % 8) / 8,
@@ -240,9 +256,22 @@ def mixed(num_requests: int = 1500, seed: int = 7, base_ts: float = BASE_TS) -> 
             first = ts - 1.0 if i == 0 else ts + 1.0
             w.events += [response_deleted(response_id, ts=first + 0.5), response_deleted(response_id, ts=first)]
     w.events.append(response_deleted(f"resp_{seed}_gone", ts=base_ts))
+    # Uploaded files; every third deleted (the first by a deletion older than its creation), and one
+    # known only by its deletion.
+    for i in range(n_files):
+        file_id, ts = f"file-{seed}-{i:04d}", base_ts + 2 * i
+        w.events.append(wire.FileCreated(model="-", node="gateway", ts=ts, file_id=file_id,
+                                         principal=PRINCIPALS[i % 3], filename=f"f{i}.jsonl",
+                                         purpose=("batch", "user_data")[i % 2], bytes=100 * i, created_at=int(ts)))
+        if i % 3 == 0:
+            w.events.append(wire.FileDeleted(model="-", node="gateway", ts=ts + (-1.0 if i == 0 else 1.0),
+                                             file_id=file_id, principal=PRINCIPALS[i % 3]))
+    w.events.append(wire.FileDeleted(model="-", node="gateway", ts=base_ts, file_id=f"file-{seed}-gone",
+                                     principal=None))
     w.counts = dict(
         events=len(w.events), runs=num_requests, run_attempts=len(w.attempts), admission_events=n_admission,
         nodes=n_nodes, bench_runs=n_bench, scores=n_scores, responses=n_responses + 1,
+        files=n_files + 1,
     )  # fmt: skip
     return w
 

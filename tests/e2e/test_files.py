@@ -1,0 +1,238 @@
+"""The Files API end to end, with the `openai` SDK as client: content in the NATS Object Store,
+rows in the PostgreSQL ledger (through the recorder), owned by the uploading principal, bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import asyncpg
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+from openai.types import FileDeleted, FileObject
+
+from apps.embedded import free_port
+from tests.e2e.conftest import System
+from tests.support import AppProcess, eventually
+
+ALICE, BOB = "sk-alice-files", "sk-bob-files"
+MAX_FILE_BYTES = 4 << 20
+MAX_LINES = 5
+MAX_LINE_BYTES = 4096
+MAX_FILES = 6
+
+
+@dataclass
+class Gateway:
+    url: str
+    process: AppProcess
+
+    def client(self, key: str = ALICE) -> OpenAI:
+        return OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def start_gateway(system: System, keys: Path) -> Gateway:
+    port = free_port()
+    process = AppProcess(["gateway"], {
+        **system.env_for("gateway"), "HELEXA_PORT": str(port), "HELEXA_API_KEYS": str(keys),
+        "HELEXA_MAX_FILE_BYTES": str(MAX_FILE_BYTES), "HELEXA_MAX_BATCH_LINES": str(MAX_LINES),
+        "HELEXA_MAX_BATCH_LINE_BYTES": str(MAX_LINE_BYTES), "HELEXA_MAX_FILES_PER_PRINCIPAL": str(MAX_FILES)})
+    process.wait_ready()
+    return Gateway(f"http://127.0.0.1:{port}", process)
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("keys") / "keys.txt"
+    path.write_text(f"{ALICE} alice\n{BOB} bob\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def gateway(system: System, keys: Path) -> Iterator[Gateway]:
+    started = start_gateway(system, keys)
+    try:
+        yield started
+    finally:
+        started.process.stop()
+
+
+def batch_lines(n: int) -> bytes:
+    return b"".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+                                "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}]}}).encode()
+                    + b"\n" for i in range(n))
+
+
+def ledger_row(system: System, file_id: str) -> dict | None:
+    async def read() -> dict | None:
+        conn = await asyncpg.connect(system.database_url)
+        try:
+            row = await conn.fetchrow("SELECT * FROM files WHERE file_id = $1", file_id)
+            return dict(row) if row is not None else None
+        finally:
+            await conn.close()
+
+    return asyncio.run(read())
+
+
+def test_upload_list_retrieve_download_delete(system: System, gateway: Gateway, tmp_path: Path) -> None:
+    client = gateway.client()
+    content = batch_lines(3)
+    created = client.files.create(file=("requests.jsonl", content), purpose="batch")
+    FileObject.model_validate(created.model_dump(), strict=True)
+    assert created.id.startswith("file-") and len(created.id) == 5 + 44
+    assert (created.bytes, created.filename, created.purpose, created.object) == (len(content), "requests.jsonl",
+                                                                                  "batch", "file")
+    # Right away: this gateway knows its own file before the recorder projects it.
+    assert client.files.retrieve(created.id) == created
+    assert client.files.content(created.id).content == content
+
+    other = client.files.create(file=("notes.txt", b"plain \x00 bytes, any content"), purpose="user_data")
+    listed = client.files.list()
+    ids = [f.id for f in listed.data]
+    assert ids.index(other.id) < ids.index(created.id)  # newest first
+    assert [f.id for f in client.files.list(purpose="batch").data] == [f.id for f in listed.data
+                                                                        if f.purpose == "batch"]
+    ascending = [f.id for f in client.files.list(order="asc").data]
+    assert ascending == sorted(ascending)
+    first = client.files.list(limit=1)
+    assert len(first.data) == 1 and first.has_more and first.data[0].id == ids[0]
+    assert first.get_next_page().data[0].id == ids[1]
+
+    eventually(lambda: ledger_row(system, created.id), 30, message="the recorder never projected the file")
+    row = ledger_row(system, created.id)
+    assert row is not None and (row["principal"], row["bytes"], row["purpose"]) == ("alice", len(content), "batch")
+
+    deleted = client.files.delete(created.id)
+    FileDeleted.model_validate(deleted.model_dump(), strict=True)
+    assert (deleted.id, deleted.deleted) == (created.id, True)
+    for call in (client.files.retrieve, client.files.content, client.files.delete):
+        with pytest.raises(openai.NotFoundError):
+            call(created.id)
+    assert created.id not in [f.id for f in client.files.list().data]
+    eventually(lambda: (ledger_row(system, created.id) or {}).get("deleted_at") is not None, 30,
+               message="the recorder never marked the file deleted")
+    client.files.delete(other.id)
+
+
+def test_another_principal_cannot_see_read_or_delete(gateway: Gateway) -> None:
+    mine = gateway.client().files.create(file=("secret.txt", b"42"), purpose="user_data")
+    bob = gateway.client(BOB)
+    for call in (bob.files.retrieve, bob.files.content, bob.files.delete):
+        with pytest.raises(openai.NotFoundError) as caught:
+            call(mine.id)
+        assert caught.value.body["code"] == "file_not_found"
+    assert mine.id not in [f.id for f in bob.files.list().data]
+    with pytest.raises(openai.NotFoundError) as missing:
+        bob.files.retrieve("file-" + "0" * 44)
+    assert missing.value.body["message"].replace("0" * 44, "") == caught.value.body["message"].replace(
+        mine.id.removeprefix("file-"), "")
+    assert gateway.client().files.content(mine.id).content == b"42"
+    gateway.client().files.delete(mine.id)
+
+
+def test_bounds_name_what_they_bound(gateway: Gateway) -> None:
+    client = gateway.client(BOB)
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.files.create(file=("big.bin", b"x" * (MAX_FILE_BYTES + 1)), purpose="user_data")
+    assert caught.value.status_code == 413 and "max_file_bytes" in caught.value.body["message"]
+    assert caught.value.body["param"] == "file"
+
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.files.create(file=("many.jsonl", batch_lines(MAX_LINES + 1)), purpose="batch")
+    assert caught.value.status_code == 413 and "max_batch_lines" in caught.value.body["message"]
+
+    long_line = json.dumps({"custom_id": "x" * MAX_LINE_BYTES}).encode() + b"\n"
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.files.create(file=("long.jsonl", long_line), purpose="batch")
+    assert caught.value.status_code == 413 and "max_batch_line_bytes" in caught.value.body["message"]
+
+    bad = batch_lines(2) + b"{not json\n" + batch_lines(1)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.files.create(file=("bad.jsonl", bad), purpose="batch")
+    assert caught.value.body["param"] == "file" and "Line 3 " in caught.value.body["message"]
+
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.files.create(file=("a.txt", b"a"), purpose="fine-tune")
+    assert caught.value.body["param"] == "purpose"
+    # Nothing refused was kept.
+    assert client.files.list().data == []
+
+    kept = [client.files.create(file=(f"{i}.txt", b"a"), purpose="user_data") for i in range(MAX_FILES)]
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.files.create(file=("one-more.txt", b"a"), purpose="user_data")
+    assert caught.value.status_code == 413 and "max_files_per_principal" in caught.value.body["message"]
+    for stored in kept:
+        client.files.delete(stored.id)
+    assert client.files.list().data == []
+
+
+def test_a_chat_stream_finishes_while_a_large_upload_runs(system: System, gateway: Gateway) -> None:
+    """The upload's body is held open (half sent) until the chat stream has finished: the stream
+    cannot be waiting on the upload."""
+    chat_done, half_sent = threading.Event(), threading.Event()
+    boundary = "helexa-test-boundary"
+    piece = b"y" * (256 << 10)
+
+    def body() -> Iterator[bytes]:
+        yield (f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nuser_data\r\n'
+               f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="large.bin"\r\n'
+               "Content-Type: application/octet-stream\r\n\r\n").encode()
+        for _ in range(6):
+            yield piece
+        half_sent.set()
+        assert chat_done.wait(120)
+        for _ in range(6):
+            yield piece
+        yield f"\r\n--{boundary}--\r\n".encode()
+
+    answer: dict[str, httpx.Response] = {}
+
+    def upload() -> None:
+        answer["upload"] = httpx.post(f"{gateway.url}/v1/files", content=body(), timeout=180, headers={
+            "Authorization": f"Bearer {ALICE}", "Content-Type": f"multipart/form-data; boundary={boundary}"})
+
+    uploader = threading.Thread(target=upload)
+    uploader.start()
+    try:
+        assert half_sent.wait(60)
+        stream = gateway.client().chat.completions.create(
+            model=system.model, messages=[{"role": "user", "content": "Count to five."}], max_tokens=8, stream=True)
+        finishes = [choice.finish_reason for chunk in stream for choice in chunk.choices if choice.finish_reason]
+        assert finishes and uploader.is_alive()
+    finally:
+        chat_done.set()
+        uploader.join(180)
+    response = answer["upload"]
+    assert response.status_code == 200, response.text
+    stored = FileObject.model_validate(response.json(), strict=True)
+    assert stored.bytes == 12 * len(piece)
+    client = gateway.client()
+    assert client.files.content(stored.id).content == piece * 12
+    client.files.delete(stored.id)
+
+
+def test_another_gateway_serves_a_file_uploaded_a_moment_ago(system: System, gateway: Gateway, keys: Path) -> None:
+    """Straight to a second gateway, before the recorder may have projected it: that gateway waits
+    for the recorder's notice, then reads the ledger; the content is the bucket's."""
+    other = start_gateway(system, keys)
+    try:
+        content = batch_lines(2)
+        uploaded = gateway.client().files.create(file=("across.jsonl", content), purpose="batch")
+        assert other.client().files.retrieve(uploaded.id) == uploaded
+        assert other.client().files.content(uploaded.id).content == content
+        with pytest.raises(openai.NotFoundError):
+            other.client(BOB).files.retrieve(uploaded.id)
+        other.client().files.delete(uploaded.id)
+        with pytest.raises(openai.NotFoundError):
+            other.client().files.content(uploaded.id)
+        eventually(lambda: uploaded.id not in [f.id for f in gateway.client().files.list().data], 30,
+                   message="the first gateway still lists a file deleted through the second")
+    finally:
+        other.process.stop()
