@@ -15,6 +15,7 @@ import pytest
 import torch
 import transformers
 
+from apps.settings import WorkerSettings
 from engine.core.engine_core import EngineCore, build_core
 from engine.frontend.core_client import AsyncEngine
 from engine.frontend.engine_config import EngineConfig
@@ -145,7 +146,7 @@ def test_shapes_that_do_not_divide_are_refused_in_one_line(tmp_path: Path) -> No
     assert not psutil.Process().children()
 
 
-def test_hybrid_families_are_refused_at_more_than_one_rank(model_dir: Path) -> None:
+def test_hybrid_families_are_refused_and_a_rank_loads_only_its_slice(model_dir: Path) -> None:
     with pytest.raises(EngineRefused, match="not built for the qwen3_next family"):
         refuse_indivisible(smollm2_shapes("qwen3_next"), 3)
     # A rank reads only its slice: the loader alone gives rank 1's shard, no group needed.
@@ -172,3 +173,12 @@ async def test_killing_a_rank_ends_the_core_without_a_hang(model_dir: Path) -> N
         assert not core.is_running() or core.status() == psutil.STATUS_ZOMBIE
     finally:
         await engine.shutdown()
+
+
+def test_the_setting_reaches_the_engine_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert WorkerSettings().engine_config("m").tensor_parallel == 1
+    monkeypatch.setenv("HELEXA_TENSOR_PARALLEL", "3")
+    assert WorkerSettings().engine_config("m").tensor_parallel == 3
+    monkeypatch.setenv("HELEXA_TENSOR_PARALLEL", "0")
+    with pytest.raises(ValueError, match="HELEXA_TENSOR_PARALLEL must be between 1 and 64"):
+        WorkerSettings()
