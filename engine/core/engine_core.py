@@ -373,11 +373,12 @@ def build_core(config: EngineConfig, on_rank_lost: Callable[[str], None] = exit_
         config = dataclasses.replace(config, dtype=choice.dtype, kernels=kernels)
         followers, init_file = start_followers(config, world, on_rank_lost)
         config = dataclasses.replace(config, device=rank_device(config, shard))
-        join_group(shard, init_file, config.device)
     start = time.perf_counter()
     log.info("loading weights (%d MiB on disk) as %s from %s ...", weights_bytes(config.model) >> 20,
              choice.dtype, config.model)
     try:
+        if followers is not None:
+            join_group(shard, init_file, config.device)
         checkpoint = load_checkpoint(config.model, dtype=choice.torch_dtype, device=config.device, shard=shard)
         log.info("weights loaded in %.1f s (tensor_parallel %d)", time.perf_counter() - start, world)
         core = EngineCore(checkpoint, config, followers)

@@ -84,7 +84,7 @@ def one_rank(model_dir: Path) -> tuple[dict[str, list[int]], dict[str, list[torc
     return tokens, logits, core
 
 
-@pytest.fixture(params=[2, 3], ids=["tp2", "tp3"])
+@pytest.fixture(scope="module", params=[2, 3], ids=["tp2", "tp3"])
 def sharded(request: pytest.FixtureRequest, model_dir: Path) -> Iterator[EngineCore]:
     lost: list[str] = []
     core = build_core(engine_config(model_dir, request.param), on_rank_lost=lost.append)
@@ -141,9 +141,10 @@ def test_shapes_that_do_not_divide_are_refused_in_one_line(tmp_path: Path) -> No
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
         "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3}))
+    before = psutil.Process().children()
     with pytest.raises(EngineRefused, match="num_attention_heads 9"):
         build_core(EngineConfig(model=str(tmp_path), tensor_parallel=2))
-    assert not psutil.Process().children()
+    assert psutil.Process().children() == before
 
 
 def test_hybrid_families_are_refused_and_a_rank_loads_only_its_slice(model_dir: Path) -> None:
