@@ -183,3 +183,17 @@ def test_the_setting_reaches_the_engine_config(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("HELEXA_TENSOR_PARALLEL", "0")
     with pytest.raises(ValueError, match="HELEXA_TENSOR_PARALLEL must be between 1 and 64"):
         WorkerSettings()
+
+
+def test_a_tied_embedding_and_lm_head_shard_together(tmp_path: Path) -> None:
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=48, intermediate_size=96, num_hidden_layers=1,
+        num_attention_heads=6, num_key_value_heads=6, head_dim=8, tie_word_embeddings=True)
+    transformers.LlamaForCausalLM(config).float().save_pretrained(tmp_path)
+    save_tokenizer(tmp_path, VOCAB_SIZE)
+    whole = load_checkpoint(tmp_path).model
+    rows = VOCAB_SIZE // 3
+    for rank in range(3):
+        shard = load_checkpoint(tmp_path, shard=Shard(rank, 3)).model
+        assert shard.lm_head.weight is shard.model.embed_tokens.weight
+        assert torch.equal(shard.lm_head.weight, whole.model.embed_tokens.weight[rank * rows:(rank + 1) * rows])
