@@ -250,6 +250,8 @@ class WorkerSettings:
     # the model is out of service until reloaded); 0 never restarts one.
     core_restarts: int = field(default_factory=lambda: _env_int("HELEXA_CORE_RESTARTS", 3))
     core_restart_window_s: float = field(default_factory=lambda: _env_float("HELEXA_CORE_RESTART_WINDOW_S", 600.0))
+    # Model-runner ranks each model is sharded across (torch.distributed; engine.runner.tensor_parallel).
+    tensor_parallel: int = field(default_factory=lambda: _env_int("HELEXA_TENSOR_PARALLEL", 1))
 
     def __post_init__(self) -> None:
         if self.core_restarts < 0 or self.core_restart_window_s <= 0:
@@ -276,6 +278,8 @@ class WorkerSettings:
             raise ValueError("HELEXA_REQUESTER_GRACE_S and HELEXA_STOP_GRACE_S must be >= 0")
         if self.tokenize_processes < 1:
             raise ValueError("HELEXA_TOKENIZE_PROCESSES must be at least 1")
+        if not 1 <= self.tensor_parallel <= 64:
+            raise ValueError("HELEXA_TENSOR_PARALLEL must be between 1 and 64")
 
     def engine_config(self, model_path: str) -> EngineConfig:
         return EngineConfig(
@@ -290,6 +294,7 @@ class WorkerSettings:
             cuda_graphs=self.cuda_graphs,
             kernels=self.kernels,
             batch_window_ms=self.batch_window_ms,
+            tensor_parallel=self.tensor_parallel,
         )
 
 

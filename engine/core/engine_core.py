@@ -9,15 +9,19 @@ A failure belongs to the request that caused it. Requests that can never run are
 (the scheduler's rejections); a row the sampler cannot sample ends alone; a step that raises is run
 again one request at a time, so only the request it belongs to ends with `finish_reason: "error"`.
 Only a device fault (`engine.frontend.protocol.device_fault_message`), or an error no request can be blamed
-for, ends every request in flight.
+for, ends every request in flight. At `tensor_parallel` N > 1 the core is rank 0 of a group
+(`engine.runner.tensor_parallel`); a lost group ends the core process, which the worker sees as a
+core death.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 import msgspec
@@ -58,6 +62,7 @@ from engine.frontend.protocol import (
 from engine.loading.loader import Checkpoint
 from engine.runner import ops
 from engine.runner.model_runner import ModelRunner, StepResult
+from engine.runner.tensor_parallel import Followers, GroupLost
 
 log = logging.getLogger("helexa.engine")
 
@@ -66,13 +71,16 @@ GRAMMAR_POLL_S = 0.005
 
 
 class EngineCore:
-    def __init__(self, checkpoint: Checkpoint, config: EngineConfig) -> None:
+    def __init__(self, checkpoint: Checkpoint, config: EngineConfig, followers: Followers | None = None) -> None:
         self.config = config
         self.checkpoint = checkpoint
         model_config = checkpoint.config
         # The kernel choice is made once per engine, for the device its weights are on.
         ops.use_backend(config.kernels, next(checkpoint.model.parameters()).device)
         self.runner = ModelRunner(checkpoint.model, model_config, config, checkpoint.model_id)
+        if followers is not None:  # every rank allocates rank 0's number of KV blocks
+            followers.await_ready(self.runner.num_blocks)
+            self.runner.followers = followers
         enable_prefix_caching = config.enable_prefix_caching
         if self.runner.is_hybrid and enable_prefix_caching:
             # A cached KV prefix is useless without the linear layers' state at that point.
@@ -225,6 +233,8 @@ class EngineCore:
         still raise fail, the rest get their tokens. A device fault propagates (see the module doc)."""
         try:
             return self.runner.execute(step)
+        except GroupLost:
+            raise
         except Exception as exc:
             message = device_fault_message(exc)
             if is_device_fault(message):
@@ -318,14 +328,33 @@ class EngineCore:
             s.num_free_state_slots = self.state_slots.num_free
 
 
-def build_core(config: EngineConfig) -> EngineCore:
+    def close(self) -> None:
+        """End the tensor-parallel group, if any (its ranks exit)."""
+        if self.runner.followers is not None:
+            self.runner.followers.close()
+            self.runner.followers = None
+
+
+def exit_core(why: str) -> None:
+    """A tensor-parallel rank is gone: end the core process at once, from any thread (the other
+    ranks die with it, `engine.frontend.parent_death`); the worker sees a core death."""
+    log.error("engine core ends: %s", why)
+    logging.shutdown()
+    os._exit(1)
+
+
+def build_core(config: EngineConfig, on_rank_lost: Callable[[str], None] = exit_core) -> EngineCore:
     """The engine for `config`, each step of a start that takes seconds announced in the log (the
     CPU kernels' one-time build, the dtype measurement, the weights). A dtype this CPU cannot run
-    is refused first (`engine.cpu.cpu_support.UnsupportedDtype`), before anything is built."""
+    is refused first (`engine.cpu.cpu_support.UnsupportedDtype`), before anything is built, and so
+    is a model whose shapes do not divide by `tensor_parallel`. At N > 1 the dtype and kernel
+    choice is made here once and every rank is given it; `on_rank_lost` runs when a rank dies."""
     from engine.cpu import cpu_support
     from engine.cpu.dtype_cache import default_cache_path
     from engine.cpu.dtype_choice import choose_dtype
     from engine.loading.loader import load_checkpoint, read_model_config, weights_bytes
+    from engine.models.parallel_layers import Shard, refuse_indivisible
+    from engine.runner.tensor_parallel import join_group, rank_device, start_followers
 
     if config.device == "auto":
         config = dataclasses.replace(config, device="cuda" if torch.cuda.is_available() else "cpu")
@@ -333,14 +362,30 @@ def build_core(config: EngineConfig) -> EngineCore:
     if config.dtype != "auto":
         cpu_support.require(config.dtype, device)
     # Picked before the dtype is measured: the linears are timed as this backend runs them.
-    ops.use_backend(config.kernels, config.device)
-    choice = choose_dtype(config, read_model_config(config.model), device, default_cache_path())
+    kernels = ops.use_backend(config.kernels, config.device)
+    model_config = read_model_config(config.model)
+    world = config.tensor_parallel
+    refuse_indivisible(model_config, world)
+    choice = choose_dtype(config, model_config, device, default_cache_path())
+    followers = None
+    shard = Shard(0, world)
+    if world > 1:
+        config = dataclasses.replace(config, dtype=choice.dtype, kernels=kernels)
+        followers, init_file = start_followers(config, world, on_rank_lost)
+        config = dataclasses.replace(config, device=rank_device(config, shard))
     start = time.perf_counter()
     log.info("loading weights (%d MiB on disk) as %s from %s ...", weights_bytes(config.model) >> 20,
              choice.dtype, config.model)
-    checkpoint = load_checkpoint(config.model, dtype=choice.torch_dtype, device=config.device)
-    log.info("weights loaded in %.1f s", time.perf_counter() - start)
-    core = EngineCore(checkpoint, config)
+    try:
+        if followers is not None:
+            join_group(shard, init_file, config.device)
+        checkpoint = load_checkpoint(config.model, dtype=choice.torch_dtype, device=config.device, shard=shard)
+        log.info("weights loaded in %.1f s (tensor_parallel %d)", time.perf_counter() - start, world)
+        core = EngineCore(checkpoint, config, followers)
+    except BaseException:
+        if followers is not None:
+            followers.close()
+        raise
     core.info = msgspec.structs.replace(core.info, dtype=choice.dtype, dtype_reason=choice.detail,
                                         dtype_timings_ms=choice.timings_ms)
     return core
@@ -414,32 +459,37 @@ def run_core_process(conn: Connection, config: EngineConfig) -> None:
     send(CoreReady(info=core.info))
     window_s = config.batch_window_ms / 1000.0
     arrivals = Arrivals()
-    while True:
-        outputs: list[EngineOutput] = []
-        try:
-            # Block for commands only when idle; otherwise just take what has arrived.
-            idle = not core.has_work()
-            if idle:
-                conn.poll(None)
-            elif core.only_compiling:
-                conn.poll(GRAMMAR_POLL_S)  # a message, or the next look at the compiles
-            while conn.poll():
-                if not _take(core, conn, outputs, arrivals):
-                    return
-            if idle and window_s and core.has_work() and not gather_burst(
-                    conn.poll, lambda: _take(core, conn, outputs, arrivals),  # noqa: B023  (called before it returns)
-                    core.scheduler.next_step_is_full,
-                    lambda: arrivals.more_arriving, window_s):
-                return
-        except (EOFError, OSError):
-            return  # the worker is gone; so is our reason to run
-        try:
-            outputs.extend(core.step())
-        except Exception as exc:
-            log.exception("engine step failed")
-            outputs.extend(core.fail_all(device_fault_message(exc)))
-        if outputs:
+    try:
+        while True:
+            outputs: list[EngineOutput] = []
             try:
-                send(StepOutputs(outputs=outputs, stats=core.stats))
+                # Block for commands only when idle; otherwise just take what has arrived.
+                idle = not core.has_work()
+                if idle:
+                    conn.poll(None)
+                elif core.only_compiling:
+                    conn.poll(GRAMMAR_POLL_S)  # a message, or the next look at the compiles
+                while conn.poll():
+                    if not _take(core, conn, outputs, arrivals):
+                        return
+                if idle and window_s and core.has_work() and not gather_burst(
+                        conn.poll, lambda: _take(core, conn, outputs, arrivals),  # noqa: B023  (called before it returns)
+                        core.scheduler.next_step_is_full,
+                        lambda: arrivals.more_arriving, window_s):
+                    return
             except (EOFError, OSError):
-                return
+                return  # the worker is gone; so is our reason to run
+            try:
+                outputs.extend(core.step())
+            except GroupLost as exc:
+                exit_core(str(exc))
+            except Exception as exc:
+                log.exception("engine step failed")
+                outputs.extend(core.fail_all(device_fault_message(exc)))
+            if outputs:
+                try:
+                    send(StepOutputs(outputs=outputs, stats=core.stats))
+                except (EOFError, OSError):
+                    return
+    finally:
+        core.close()

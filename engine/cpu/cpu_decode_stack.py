@@ -23,7 +23,7 @@ import torch
 
 from engine.cpu.cpu_linear import Linear, PackedWeight
 from engine.models.layers import GatedMLP
-from engine.models.llama import LlamaDecoderLayer, LlamaModel
+from engine.models.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
 from engine.runner import ops
 from engine.runner.attention import plan_for
 from engine.runner.step_metadata import KVCaches, StepInputs
@@ -44,11 +44,14 @@ def _served(model: torch.nn.Module) -> LlamaModel | None:
     decoder = getattr(model, "model", None)
     if type(decoder) is not LlamaModel or not ops.cpu_kernels_picked():
         return None
+    shard = getattr(model, "shard", None)
+    if shard is not None and shard.world > 1:  # the stack runs no collectives: a rank runs layer by layer
+        return None
     weight = decoder.embed_tokens.weight
     if weight.device.type != "cpu":
         return None
     for layer in decoder.layers:
-        if type(layer) is not LlamaDecoderLayer or type(layer.mlp) is not GatedMLP:
+        if type(layer) is not LlamaDecoderLayer or type(layer.mlp) not in (GatedMLP, LlamaMLP):
             return None
         linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                    layer.mlp.down_proj)

@@ -35,6 +35,8 @@ class EngineConfig:
     # An idle engine that receives a request waits up to this long for the rest of a burst before
     # its first step (engine.core.batch_window); 0 steps at once.
     batch_window_ms: float = 0.0
+    # Model-runner ranks the model is sharded across (engine.runner.tensor_parallel); 1: one process.
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -45,6 +47,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if not 0 <= self.batch_window_ms <= 1000:
             raise ValueError("batch_window_ms must be between 0 and 1000")
+        if not 1 <= self.tensor_parallel <= 64:
+            raise ValueError("tensor_parallel must be between 1 and 64")
         if self.max_model_len < 0:
             raise ValueError("max_model_len must be >= 0")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

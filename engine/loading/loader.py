@@ -3,12 +3,14 @@
 Two sources: a `.gguf` file (see `engine.loading.gguf_file` and `engine.loading.gguf_import`) or an
 HF model directory (config.json, *.safetensors, tokenizer.json). Both end in the same
 `load_weights`, which insists every parameter is filled exactly once. Nothing is ever downloaded.
+Given a `Shard` of a tensor-parallel group, an HF directory is read one rank's slice at a time
+(`shard_reader`): no rank ever holds a whole sharded tensor.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,12 +19,17 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.frontend.model_source import is_gguf, model_id
+from engine.frontend.protocol import EngineRefused
 from engine.frontend.tokenizer import Tokenizer
 from engine.loading import gguf_import
 from engine.loading.gguf_file import GGUFFile, read_config, read_tokenizer
 from engine.loading.model_config import ModelConfig
 from engine.models import get_model_class
 from engine.models.layers import PackedLinear
+from engine.models.parallel_layers import Shard, refuse_indivisible, split_of
+
+# Reads one checkpoint tensor from a safetensors slice: (name, slice) -> tensor.
+SliceReader = Callable[[str, object], torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -34,13 +41,18 @@ class Checkpoint:
 
 
 def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
-                    device: torch.device | str = "cpu") -> Checkpoint:
-    """Load a `.gguf` file or an HF model directory; the model comes back in eval mode."""
+                    device: torch.device | str = "cpu", shard: Shard | None = None) -> Checkpoint:
+    """Load a `.gguf` file or an HF model directory (one tensor-parallel rank's part of it when
+    `shard` has more than one rank); the model comes back in eval mode."""
     path = Path(path)
+    shard = shard or Shard()
     if is_gguf(path):
+        if shard.world > 1:
+            raise EngineRefused(f"{path.name}: tensor parallelism over a GGUF file is not built yet; "
+                                "use the HF model directory")
         return _load_gguf(path, dtype, device)
     if path.is_dir():
-        return _load_hf_dir(path, dtype, device)
+        return _load_hf_dir(path, dtype, device, shard)
     raise FileNotFoundError(f"{path} is neither a .gguf file nor a model directory")
 
 
@@ -72,22 +84,29 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str) -> Ch
     return Checkpoint(config=config, model=model.eval(), tokenizer=read_tokenizer(gguf), model_id=model_id(path))
 
 
-def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device | str) -> Checkpoint:
+def _load_hf_dir(path: Path, dtype: torch.dtype, device: torch.device | str, shard: Shard) -> Checkpoint:
     raw_config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     if raw_config.get("quantization_config"):
         raise NotImplementedError(f"{path}: quantized HF checkpoints are not supported")
     config = ModelConfig.from_hf_config(raw_config)
-    model = empty_model(config, dtype, device)
-    load_weights(model, iter_safetensors(path, dtype))
+    model = empty_model(config, dtype, device, shard)
+    load_weights(model, iter_safetensors(path, dtype, shard_reader(model, shard)))
     return Checkpoint(config=config, model=model.eval(), tokenizer=Tokenizer.from_hf_dir(path), model_id=model_id(path))
 
 
-def empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+def empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                shard: Shard | None = None) -> nn.Module:
     """Build on the meta device (no random init of weights about to be overwritten), then
-    allocate uninitialized storage; load_weights checks that every parameter gets filled."""
+    allocate uninitialized storage; load_weights checks that every parameter gets filled. With a
+    `shard` of several ranks: that rank's part, refused in one line where the shapes do not divide."""
     model_class = get_model_class(config.model_type)
+    shard = shard or Shard()
     with torch.device("meta"):
-        model = model_class(config)
+        if shard.world == 1:
+            model = model_class(config)
+        else:
+            refuse_indivisible(config, shard.world)
+            model = model_class(config, shard)
     model = model.to(dtype=dtype).to_empty(device=device)
     # to_empty gives tied parameters separate storage; share it again.
     model.tie_weights()
@@ -105,11 +124,38 @@ def _safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def iter_safetensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(path: Path, dtype: torch.dtype,
+                     read: SliceReader | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     for file in _safetensors_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name).to(dtype)
+                tensor = f.get_tensor(name) if read is None else read(name, f.get_slice(name))
+                yield name, tensor.to(dtype)
+
+
+def shard_reader(model: nn.Module, shard: Shard) -> SliceReader | None:
+    """How one rank reads each checkpoint tensor: its slice along the dimension its parameter is
+    cut on (`engine.models.parallel_layers.split_of`), zeros for a bias only rank 0 adds, whole
+    for a replicated one (norms). None at world 1."""
+    if shard.world == 1:
+        return None
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    packed = packed_targets(model)
+
+    def read(name: str, piece: object) -> torch.Tensor:
+        param_name = packed[name][0] if name in packed else name
+        dim, rank0_only = split_of(model, param_name) if param_name in params else (None, False)
+        shape = piece.get_shape()  # a safetensors slice
+        if rank0_only and shard.rank != 0:
+            return torch.zeros(shape)
+        if dim is None:
+            return piece[:]  # type: ignore[index]
+        size = shape[dim] // shard.world
+        index = [slice(None)] * len(shape)
+        index[dim] = slice(shard.rank * size, (shard.rank + 1) * size)
+        return piece[tuple(index)]  # type: ignore[index]
+
+    return read
 
 
 def packed_targets(model: nn.Module) -> dict[str, tuple[str, slice]]:

@@ -2,8 +2,10 @@
 
 Module and parameter names follow HF's `LlamaForCausalLM`, so HF checkpoints (and GGUF files once
 renamed) load by name; q/k/v and gate/up are packed (`qkv_proj`, `gate_up_proj`), filled from
-the separate tensors by the loader. `forward` takes a flat batch of tokens from any number of sequences and
-keeps keys/values in the paged cache through `engine.runner.ops.attention`.
+the separate tensors by the loader. Built with a `Shard`, each module holds one tensor-parallel
+rank's part (`engine.models.parallel_layers`: heads, MLP columns, vocabulary rows). `forward`
+takes a flat batch of tokens from any number of sequences and keeps keys/values in the paged
+cache through `engine.runner.ops.attention`.
 
 The residual stream travels beside the hidden states: each norm adds the previous sublayer's
 output into it in place and normalizes in one pass (`RMSNorm.add_and_norm`), as the fused
@@ -17,23 +19,34 @@ import torch
 from torch import nn
 
 from engine.loading.model_config import ModelConfig
-from engine.models.layers import GatedMLP, Linear, PackedLinear, RMSNorm, RotaryEmbedding, residual_stream
+from engine.models.layers import RMSNorm, RotaryEmbedding, residual_stream
+from engine.models.parallel_layers import (
+    ColumnParallelPacked,
+    ParallelLMHead,
+    RowParallelLinear,
+    Shard,
+    VocabParallelEmbedding,
+)
 from engine.runner import ops
 from engine.runner.attention import AttentionMetadata, KVCache
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, qk_norm: bool = False) -> None:
+    """This rank's attention heads and KV heads (all of them at world 1)."""
+
+    def __init__(self, config: ModelConfig, shard: Shard, qk_norm: bool = False) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = shard.part(config.num_attention_heads)
+        self.num_kv_heads = shard.part(config.num_key_value_heads)
         self.head_dim = config.head_dim
         self.scale = self.head_dim ** -0.5
         bias = config.attention_bias
-        kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = PackedLinear(config.hidden_size, {
-            "q_proj": self.num_heads * self.head_dim, "k_proj": kv_size, "v_proj": kv_size}, bias)
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        kv_size = config.num_key_value_heads * self.head_dim
+        self.qkv_proj = ColumnParallelPacked(config.hidden_size, {
+            "q_proj": config.num_attention_heads * self.head_dim, "k_proj": kv_size, "v_proj": kv_size},
+            shard, bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
+                                        shard, bias=bias)
         # Qwen3 normalizes each query and key head before RoPE.
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
@@ -54,13 +67,27 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
+class LlamaMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)): gate/up column-parallel, down row-parallel (one all-reduce)."""
+
+    def __init__(self, config: ModelConfig, shard: Shard) -> None:
+        super().__init__()
+        width, bias = config.intermediate_size, config.mlp_bias
+        self.gate_up_proj = ColumnParallelPacked(
+            config.hidden_size, {"gate_proj": width, "up_proj": width}, shard, bias)
+        self.down_proj = RowParallelLinear(width, config.hidden_size, shard, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, qk_norm: bool = False) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard, qk_norm: bool = False) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, qk_norm)
+        self.self_attn = LlamaAttention(config, shard, qk_norm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        self.mlp = LlamaMLP(config, shard)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 rotary_emb: RotaryEmbedding, kv_cache: KVCache,
@@ -76,10 +103,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, qk_norm: bool = False) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard, qk_norm: bool = False) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, qk_norm)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, shard)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, shard, qk_norm)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
@@ -99,18 +126,22 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     family = "llama"
     qk_norm = False
+    # Built as one rank's shard when given a `Shard` (engine.models.parallel_layers).
+    supports_tensor_parallel = True
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard | None = None) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise NotImplementedError(f"{self.family} hidden_act {config.hidden_act!r} is not supported")
         self.config = config
         # Geometry of the paged KV cache this model expects: one (k, v) pair per layer.
         self.num_layers = config.num_hidden_layers
-        self.num_kv_heads = config.num_key_value_heads
+        shard = shard or Shard()
+        self.shard = shard
+        self.num_kv_heads = shard.part(config.num_key_value_heads)  # this rank's
         self.head_dim = config.head_dim
-        self.model = LlamaModel(config, self.qk_norm)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = LlamaModel(config, shard, self.qk_norm)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, shard)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -124,5 +155,6 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, hidden_size] -> fp32 logits [n, vocab_size]; pass only the rows that get sampled."""
+        """[n, hidden_size] -> fp32 logits [n, vocab_size]; pass only the rows that get sampled
+        (every rank of a group calls it: the head's columns are gathered)."""
         return self.lm_head.fp32_output(hidden)

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from engine.loading.model_config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
+from engine.models.parallel_layers import Shard
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     family = "qwen3"
     qk_norm = True
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard | None = None) -> None:
         if config.extra.get("use_sliding_window"):
             raise NotImplementedError("qwen3 sliding-window attention is not supported")
-        super().__init__(config)
+        super().__init__(config, shard)

@@ -9,6 +9,11 @@ steps' one-call layer stack (`engine.cpu.cpu_decode_stack`). Each step it lays t
 scheduler's decision out with the one step builder (`engine.runner.step_metadata.build_step_inputs`),
 runs the model and samples (a seeded request's draw is a function of its seed and the token's
 position, `engine.runner.sampler.seeded_uniform`).
+
+In a tensor-parallel group (`engine.runner.tensor_parallel`) the model is one rank's shard: rank 0's
+runner sends each step's chunks to the followers before its own forward, and each follower's runner
+runs the same forward (`follow`), taking part in the collectives; only rank 0 samples. Decode graphs
+and the CPU decode stack run no collectives, so a rank runs layer by layer.
 """
 
 from __future__ import annotations
@@ -30,24 +35,26 @@ from engine.runner.cuda_graphs import DecodeGraphs, graphs_wanted
 from engine.runner.sampler import Sampler, SamplingRow
 from engine.runner.state_cache import HybridCaches, LinearStateCache
 from engine.runner.step_metadata import KVCaches, SequenceChunk, StepInputs, build_step_inputs
+from engine.runner.tensor_parallel import Followers, GroupLost
 
 log = logging.getLogger("helexa.engine")
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    """K and V for every full-attention layer: 2 × layers × kv heads × head_dim × element size.
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype, tensor_parallel: int = 1) -> int:
+    """K and V for every full-attention layer: 2 × layers × kv heads × head_dim × element size
+    (one rank's KV heads in a tensor-parallel group).
     A hybrid model's linear-attention layers keep a per-sequence state instead, not per token
     (a model with no full-attention layer at all is sized as if it had one, to keep the pool small)."""
     element = torch.empty((), dtype=dtype).element_size()
     layers = max(config.num_attention_layers, 1)
-    return 2 * layers * config.num_key_value_heads * config.head_dim * element
+    return 2 * layers * (config.num_key_value_heads // tensor_parallel) * config.head_dim * element
 
 
 def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                       device: torch.device | str) -> KVCaches:
+                       device: torch.device | str, num_kv_heads: int | None = None) -> KVCaches:
     """One zeroed (k_cache, v_cache) pair per full-attention layer, each
-    [num_blocks, block_size, num_kv_heads, head_dim]."""
-    shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    [num_blocks, block_size, num_kv_heads, head_dim] (this rank's KV heads when given)."""
+    shape = (num_blocks, block_size, num_kv_heads or config.num_key_value_heads, config.head_dim)
     return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(config.num_attention_layers)]
 
@@ -57,7 +64,7 @@ def allocate_caches(model: torch.nn.Module, num_blocks: int, block_size: int, nu
     """What `model`'s forward takes as its caches: the paged KV of its full-attention layers, and
     for a hybrid model (`linear_state_shape`) `num_slots` linear-attention state slots beside it
     in a `HybridCaches`, whose `slot_indices` the caller sets before each forward."""
-    kv_caches = allocate_kv_caches(model.config, num_blocks, block_size, dtype, device)
+    kv_caches = allocate_kv_caches(model.config, num_blocks, block_size, dtype, device, model.num_kv_heads)
     state_shape = getattr(model, "linear_state_shape", None)
     if state_shape is None:
         return kv_caches
@@ -82,9 +89,13 @@ class ModelRunner:
         if self.device.type == "cpu":
             cpu_linear.prepack_model(model)  # weights are final: pack once for oneDNN
             cpu_memory.keep_freed_memory()  # no page faults for each step's activations
+        shard = getattr(model, "shard", None)
+        self.tensor_parallel = shard.world if shard is not None else 1
+        # Set by the core on rank 0 of a group: the ranks each step's chunks go to.
+        self.followers: Followers | None = None
         self.block_size = engine.block_size
-        self.num_blocks = engine.num_kv_blocks or max(
-            engine.kv_cache_bytes // (kv_bytes_per_token(config, self.dtype) * self.block_size), 1)
+        self.num_blocks = engine.num_kv_blocks or max(engine.kv_cache_bytes // (
+            kv_bytes_per_token(config, self.dtype, self.tensor_parallel) * self.block_size), 1)
         positions = config.max_position_embeddings
         # One sequence can never hold more than the whole pool.
         self.max_model_len = min(engine.max_model_len or positions, positions,
@@ -95,6 +106,8 @@ class ModelRunner:
         self.hybrid_caches = caches if isinstance(caches, HybridCaches) else None
         self.kv_caches: KVCaches = caches.kv if isinstance(caches, HybridCaches) else caches
         self.is_hybrid = self.hybrid_caches is not None
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.kv_bytes = sum(k.nbytes + v.nbytes for k, v in self.kv_caches)
         if self.hybrid_caches is not None:
             log.info("%s: %d linear-attention state slots, %.1f MiB beside the KV cache", model_id,
                      engine.max_num_seqs, engine.max_num_seqs
@@ -105,20 +118,21 @@ class ModelRunner:
         self.gemv_choices: dict[str, object] = {}
         if self.device.type == "cuda":
             gpu_linear.clear_gemv(model)
-        if graphs_wanted(engine.cuda_graphs, self.device):
+        if graphs_wanted(engine.cuda_graphs, self.device) and self.tensor_parallel == 1:
             self.gemv_choices = gpu_linear.use_gemv_where_faster(model, self.device)
             self.decode_graphs = DecodeGraphs.capture(model, caches,
                                                       engine.max_num_seqs, self.max_model_len,
                                                       self.block_size, self.device)
         # On CPU, decode steps run the whole layer stack in one C++ call where it applies.
-        self.cpu_decode_stack = (CpuDecodeStack.build(model, self.kv_caches)
-                                 if self.device.type == "cpu" and not self.is_hybrid else None)
+        self.cpu_decode_stack = (CpuDecodeStack.build(model, self.kv_caches) if self.device.type == "cpu"
+                                 and not self.is_hybrid and self.tensor_parallel == 1 else None)
         self.sampler = Sampler()
         # Set by EngineCore: masks the logits rows of grammar-constrained requests in place
         # (engine.core.structured_output), given each row's request id.
         self.mask_logits: Callable[[torch.Tensor, list[str]], None] | None = None
 
-    def prepare(self, step: SchedulerOutput) -> StepInputs:
+    def chunks(self, step: SchedulerOutput) -> list[SequenceChunk]:
+        """What every rank needs of the step to lay out the same inputs."""
         chunks = []
         for scheduled in step.scheduled:
             request = scheduled.request
@@ -129,7 +143,7 @@ class ModelRunner:
                 block_table=request.block_ids,
                 sample_id=request.request_id if scheduled.sample else None,
             ))
-        return build_step_inputs(chunks, self.block_size, self.device)
+        return chunks
 
     def forward(self, inputs: StepInputs, caches: KVCaches | HybridCaches) -> torch.Tensor:
         """The step's final hidden states: replayed from a decode graph, run by the CPU decode
@@ -145,9 +159,39 @@ class ModelRunner:
         return hidden
 
     @torch.inference_mode()
+    def follow(self, chunks: list[SequenceChunk]) -> None:
+        """A follower rank's step: the same forward and LM-head gather as rank 0, nothing sampled."""
+        inputs = build_step_inputs(chunks, self.block_size, self.device)
+        hidden = self.forward(inputs, self.kv_caches)
+        if inputs.sample_indices:
+            self._logits(inputs, hidden)
+
+    def _logits(self, inputs: StepInputs, hidden: torch.Tensor) -> torch.Tensor:
+        rows = inputs.sample_indices
+        # A decode step samples every row in order: a slice, where indexing by a list would copy
+        # the list to the device and wait for it (and a graph's output has padding rows after).
+        picked = hidden[:len(rows)] if rows == list(range(len(rows))) else hidden[rows]
+        return self.model.compute_logits(picked)
+
     def execute(self, step: SchedulerOutput) -> StepResult:
-        """Run one step: the sampled token of each request that samples, or why its row failed."""
-        inputs = self.prepare(step)
+        """Run one step: the sampled token of each request that samples, or why its row failed. In
+        a tensor-parallel group any error is the group's (`GroupLost`): the followers are left
+        inside a collective."""
+        if self.followers is None:
+            return self._execute(step)
+        try:
+            chunks = self.chunks(step)
+            self.followers.send_step(chunks)
+            return self._execute(step, chunks)
+        except GroupLost:
+            raise
+        except Exception as exc:
+            raise GroupLost(f"tensor-parallel step failed: {type(exc).__name__}: {exc}") from exc
+
+    @torch.inference_mode()
+    def _execute(self, step: SchedulerOutput, chunks: list[SequenceChunk] | None = None) -> StepResult:
+        inputs = build_step_inputs(chunks if chunks is not None else self.chunks(step), self.block_size,
+                                   self.device)
         caches: KVCaches | HybridCaches = self.kv_caches
         if self.hybrid_caches is not None:  # hybrid: each sequence's state slot, in batch order
             slots = [s.request.state_slot for s in step.scheduled]
@@ -157,15 +201,11 @@ class ModelRunner:
         result = StepResult()
         if not inputs.sample_indices:
             return result
-        rows = inputs.sample_indices
-        # A decode step samples every row in order: a slice, where indexing by a list would copy
-        # the list to the device and wait for it (and a graph's output has padding rows after).
-        picked = hidden[:len(rows)] if rows == list(range(len(rows))) else hidden[rows]
-        logits = self.model.compute_logits(picked)
+        logits = self._logits(inputs, hidden)
         if self.mask_logits is not None:
             self.mask_logits(logits, inputs.sample_request_ids)
         by_id = {s.request.request_id: s.request for s in step.scheduled}
-        rows = []
+        rows: list[SamplingRow] = []
         for request_id in inputs.sample_request_ids:
             request = by_id[request_id]
             rows.append(SamplingRow(

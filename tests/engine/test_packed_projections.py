@@ -22,7 +22,7 @@ def test_every_family_runs_packed_projections(model_type: str) -> None:
     assert not names & SEPARATE
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
     config = model.config
-    dense_mlps = sum(1 for m in model.modules() if type(m).__name__ == "GatedMLP")
+    dense_mlps = sum(1 for m in model.modules() if type(m).__name__ in ("GatedMLP", "LlamaMLP"))
     # One qkv_proj per full-attention layer, one in_proj per linear one, one gate_up per dense MLP.
     assert len(packed) == config.num_hidden_layers + dense_mlps
 
