@@ -27,7 +27,7 @@ def request(**fields: object) -> rs.ResponsesRequest:
 
 def bus(req: rs.ResponsesRequest, history: list[dict] | None = None) -> wire.GenerateRequest:
     return to_bus_request(req, "resp_1", None, parse_items(history or [], "previous_response_id"),
-                          parse_items(req.input, "input"))
+                          parse_items(req.input, "input"))[0]
 
 
 def test_items_become_the_chat_conversation() -> None:
@@ -85,6 +85,55 @@ def test_what_cannot_be_honoured_is_refused(fields: dict, param: str) -> None:
     with pytest.raises(ServingError) as caught:
         bus(request(**fields))
     assert (caught.value.status, caught.value.param) == (400, param)
+
+
+NAMESPACE = {"type": "namespace", "name": "files", "description": "File tools.", "tools": [
+    {"type": "function", "name": "read", "parameters": {"type": "object"}, "strict": False},
+    {"type": "function", "name": "list", "description": "List a folder."}]}
+
+
+def test_namespace_functions_are_offered_qualified_and_hosted_tools_left_out() -> None:
+    req = request(tools=[{"type": "function", "name": "shell", "strict": True}, NAMESPACE,
+                         {"type": "web_search", "external_web_access": False}],
+                  tool_choice={"type": "function", "name": "read", "namespace": "files"})
+    out, offered = to_bus_request(req, "resp_1", None, [], parse_items(req.input, "input"))
+    assert [t["function"]["name"] for t in out.tools or []] == ["shell", "files.read", "files.list"]
+    assert (out.tool_required, out.tool_name) == (True, "files.read")
+    assert offered.namespaces == {"files.read": ("files", "read"), "files.list": ("files", "list")}
+    assert offered.warning() is not None and "web_search" in offered.warning()
+
+
+def test_a_namespaced_call_sent_back_is_qualified_for_the_template() -> None:
+    messages = bus(request(input=[
+        {"role": "user", "content": "go"},
+        {"type": "function_call", "call_id": "c1", "name": "read", "namespace": "files", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "contents"}])).messages
+    assert messages[1].tool_calls[0]["function"]["name"] == "files.read" and messages[2].name == "files.read"
+
+
+@pytest.mark.parametrize("choice", [{"type": "web_search"}, {"type": "file_search"}, {"type": "mcp"}])
+def test_forcing_a_hosted_tool_is_refused_by_name(choice: dict) -> None:
+    with pytest.raises(ServingError) as caught:
+        bus(request(tools=[{"type": choice["type"]}], tool_choice=choice))
+    assert (caught.value.status, caught.value.param) == (400, "tool_choice") and choice["type"] in caught.value.message
+
+
+def test_an_unknown_tool_type_is_refused() -> None:
+    with pytest.raises(ServingError) as caught:
+        bus(request(tools=[{"type": "web_serch"}]))
+    assert (caught.value.status, caught.value.param) == (400, "tools")
+
+
+def test_a_namespaced_call_comes_back_with_its_namespace() -> None:
+    template = response_template(request(tools=[NAMESPACE, {"type": "web_search"}]), "resp_3")
+    formatter = ResponsesFormatter(template, False, namespaces={"files.read": ("files", "read")})
+    chunks = formatter.stream_start(wire.Accepted(seq=0, node="n", prompt_tokens=10))
+    chunks += formatter.stream_delta(delta(calls=[wire.ToolCallDelta(index=0, id="call_1", name="files.read",
+                                                                     arguments="{}")]))
+    chunks += formatter.stream_final(FINAL)
+    final = parse_stream(chunks)[-1].response
+    call = final.output[0]
+    assert (call.type, call.name, call.namespace) == ("function_call", "read", "files")
 
 
 def delta(text: str = "", reasoning: str = "", calls: list[wire.ToolCallDelta] | None = None,

@@ -12,8 +12,9 @@ what would be stored is a 400 (PostgreSQL cannot hold it), and the stored input 
 together at most `StoreLimits.max_response_bytes` (413); a `previous_response_id` conversation is
 bounded in responses and bytes (400), all before admission.
 
-What cannot be honoured is refused by name: tools other than functions, image and file inputs,
-item references, background runs, conversation objects, prompt templates, `truncation: auto`.
+Tools are `responses_tools`' to read (functions, namespaces of functions; hosted tools are left
+out with a warning). What cannot be honoured is refused by name: image and file inputs, item
+references, background runs, conversation objects, prompt templates, `truncation: auto`.
 A JSON `text.format` (json_object, json_schema) is enforced with the same grammar as chat's
 `response_format` (`apps/gateway/api/structured.py`). Reasoning items sent back as input are not shown
 to the model again; `reasoning.effort` is echoed, not enforced.
@@ -35,6 +36,7 @@ from apps.bus.codes import Api, ErrorCode, ServingError
 from apps.gateway.api import responses_schema as rs
 from apps.gateway.api.openapi_docs import operation_for
 from apps.gateway.api.responses_output import ResponsesFormatter
+from apps.gateway.api.responses_tools import WARNING_HEADER, OfferedTools, forced, offered_tools, qualified
 from apps.gateway.api.structured import check_enforceable, json_constraint
 from apps.gateway.api.validate import check_json_depth
 from apps.gateway.response_store import ResponseStore, StoredResponse, new_response_id
@@ -87,7 +89,8 @@ def _template_call(item: rs.FunctionCallItem, param: str) -> dict[str, Any]:
         arguments = None
     if not isinstance(arguments, dict):
         raise _refuse("Function call arguments must be a JSON object.", param)
-    return {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": arguments}}
+    name = qualified(item.namespace, item.name)
+    return {"id": item.call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def chat_messages(items: list[rs.InputItem], instructions: str | None, param: str = "input") -> list[wire.ChatMessage]:
@@ -100,7 +103,7 @@ def chat_messages(items: list[rs.InputItem], instructions: str | None, param: st
             role = "system" if item.role in ("system", "developer") else item.role
             out.append(wire.ChatMessage(role=role, content=_text(item.content, param)))
         elif isinstance(item, rs.FunctionCallItem):
-            names[item.call_id] = item.name
+            names[item.call_id] = qualified(item.namespace, item.name)
             call = _template_call(item, param)
             if out and out[-1].role == "assistant":
                 out[-1] = msgspec.structs.replace(out[-1], tool_calls=[*(out[-1].tool_calls or []), call])
@@ -115,20 +118,13 @@ def chat_messages(items: list[rs.InputItem], instructions: str | None, param: st
     return out
 
 
-def _tools(req: rs.ResponsesRequest) -> tuple[list[dict[str, Any]] | None, bool, str | None]:
-    """(tools for the template, a call is required, the function it must call), from tools and tool_choice."""
-    choice, names = req.tool_choice, {tool.name for tool in req.tools or []}
-    if choice not in (None, "none", "auto") and not names:
-        raise _refuse("'tool_choice' requires 'tools'.", "tool_choice")
-    if isinstance(choice, rs.NamedFunction) and choice.name not in names:
-        raise _refuse(f"'tool_choice' names the function '{choice.name}', which is not in 'tools'.", "tool_choice")
-    if not req.tools or choice == "none":
-        return None, False, None
-    tools = []
-    for tool in req.tools:
-        function = {k: v for k, v in msgspec.to_builtins(tool).items() if k != "type" and v is not None}
-        tools.append({"type": "function", "function": function})
-    return tools, choice == "required" or isinstance(choice, rs.NamedFunction), getattr(choice, "name", None)
+def _tools(req: rs.ResponsesRequest) -> tuple[OfferedTools, bool, str | None]:
+    """(what the model is offered, a call is required, the function it must call)."""
+    offered = offered_tools(req.tools or [])
+    required, name = forced(req.tool_choice, offered, bool(req.tools))
+    if req.tool_choice == "none":
+        offered.functions = []
+    return offered, required, name
 
 
 def _check_supported(req: rs.ResponsesRequest) -> None:
@@ -192,18 +188,19 @@ def sampling_params(req: rs.ResponsesRequest) -> SamplingParams:
 
 
 def to_bus_request(req: rs.ResponsesRequest, response_id: str, principal: str | None,
-                   history: list[rs.InputItem], items: list[rs.InputItem]) -> wire.GenerateRequest:
-    """The bus request for a response: `history` (the turns it continues) then its own `items`."""
+                   history: list[rs.InputItem], items: list[rs.InputItem]) -> tuple[wire.GenerateRequest, OfferedTools]:
+    """The bus request for a response: `history` (the turns it continues) then its own `items`;
+    with the tools offered (to name calls back and to warn of those left out)."""
     _check_supported(req)
     messages = chat_messages(history + items, req.instructions)
     if not any(m.role != "system" for m in messages):
         raise _refuse("'input' holds no message to answer.", "input")
-    tools, tool_required, tool_name = _tools(req)
+    offered, tool_required, tool_name = _tools(req)
     return wire.GenerateRequest(
-        request_id=response_id, model=req.model, reply_subject="", messages=messages, tools=tools,
-        tool_required=tool_required, tool_name=tool_name, sampling=sampling_params(req), stream=req.stream,
-        principal=principal, api=Api.RESPONSES,
-    )
+        request_id=response_id, model=req.model, reply_subject="", messages=messages,
+        tools=offered.functions or None, tool_required=tool_required, tool_name=tool_name,
+        sampling=sampling_params(req), stream=req.stream, principal=principal, api=Api.RESPONSES,
+    ), offered
 
 
 def response_template(req: rs.ResponsesRequest, response_id: str) -> rs.ResponseObject:
@@ -236,15 +233,19 @@ async def create_response(request: Request, state: State) -> Response | Stream:
     history = []
     if req.previous_response_id is not None:
         history = parse_items(await store.conversation(req.previous_response_id, principal), "previous_response_id")
-    bus_request = to_bus_request(req, response_id, principal, history, items)
+    bus_request, offered = to_bus_request(req, response_id, principal, history, items)
     await check_enforceable(bus_request, "text.format")
 
     def keep(response: rs.ResponseObject) -> None:
         store.keep(StoredResponse(response_id, principal, req.previous_response_id, stored_items,
                                   msgspec.to_builtins(response)), req.model)
 
-    formatter = ResponsesFormatter(template, wants_logprobs(req), on_complete=keep if req.store else None)
-    return await state.generations.serve(request, bus_request, formatter, HANDLER, output_param="max_output_tokens")
+    formatter = ResponsesFormatter(template, wants_logprobs(req), on_complete=keep if req.store else None,
+                                   namespaces=offered.namespaces)
+    answer = await state.generations.serve(request, bus_request, formatter, HANDLER, output_param="max_output_tokens")
+    if (warning := offered.warning()) is not None:
+        answer.headers[WARNING_HEADER] = warning
+    return answer
 
 
 @get("/v1/responses/{response_id:str}")

@@ -55,8 +55,10 @@ def _without_bytes(logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 class OutputBuilder:
     """Output items from deltas: reasoning, then text, then function calls, in the order they come."""
 
-    def __init__(self, with_logprobs: bool) -> None:
+    def __init__(self, with_logprobs: bool, namespaces: dict[str, tuple[str, str]] | None = None) -> None:
         self.with_logprobs = with_logprobs
+        # A namespaced function's qualified name -> (namespace, name) (`responses_tools`).
+        self.namespaces = namespaces or {}
         self.items: list[rs.OutputItem] = []
         self._open: rs.OutputMessage | rs.OutputReasoning | None = None
 
@@ -129,8 +131,9 @@ class OutputBuilder:
                           "logprobs": _without_bytes(shown)}]
 
     def _function_call(self, call: wire.ToolCallDelta) -> list[Event]:
-        item = rs.OutputFunctionCall(id=_item_id("fc"), call_id=call.id, name=call.name, arguments="",
-                                     status="in_progress")
+        namespace, name = self.namespaces.get(call.name, (None, call.name))
+        item = rs.OutputFunctionCall(id=_item_id("fc"), call_id=call.id, name=name, arguments="",
+                                     status="in_progress", namespace=namespace)
         events = self._add(item)
         index = len(self.items) - 1
         item.arguments, item.status = call.arguments, "completed"
@@ -138,7 +141,7 @@ class OutputBuilder:
                 {"type": "response.function_call_arguments.delta", "item_id": item.id, "output_index": index,
                  "delta": call.arguments},
                 {"type": "response.function_call_arguments.done", "item_id": item.id, "output_index": index,
-                 "name": call.name, "arguments": call.arguments},
+                 "name": name, "arguments": call.arguments},
                 {"type": "response.output_item.done", "output_index": index, "item": _snapshot(item)}]
 
 
@@ -162,10 +165,11 @@ class ResponsesFormatter:
     response object (to store it) once the generation has ended well."""
 
     def __init__(self, template: rs.ResponseObject, with_logprobs: bool,
-                 on_complete: Callable[[rs.ResponseObject], None] | None = None) -> None:
+                 on_complete: Callable[[rs.ResponseObject], None] | None = None,
+                 namespaces: dict[str, tuple[str, str]] | None = None) -> None:
         self.template = template
         self.on_complete = on_complete
-        self._output = OutputBuilder(with_logprobs)
+        self._output = OutputBuilder(with_logprobs, namespaces)
         self._finish: FinishReason | None = None
         self._sequence = 0
 

@@ -65,6 +65,8 @@ class FunctionCallItem(msgspec.Struct, kw_only=True, tag_field="type", tag="func
     call_id: ItemId
     name: ItemId
     arguments: str
+    # The `namespace` tool the function belongs to (`responses_tools`).
+    namespace: ItemId | None = None
     id: ItemId | None = None
     status: Status | None = None
 
@@ -101,7 +103,7 @@ InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningI
 
 
 class FunctionTool(msgspec.Struct, kw_only=True, tag_field="type", tag="function"):
-    """A function tool; any other tool type (`web_search`, `file_search`, ...) is refused by name."""
+    """A function tool; how other tool types are treated is `responses_tools`' to say."""
 
     name: Annotated[str, Meta(min_length=1, max_length=64)]
     description: str | None = None
@@ -109,8 +111,12 @@ class FunctionTool(msgspec.Struct, kw_only=True, tag_field="type", tag="function
     strict: bool | None = None
 
 
-class NamedFunction(msgspec.Struct, kw_only=True, tag_field="type", tag="function"):
-    name: str
+class NamespaceTool(msgspec.Struct, kw_only=True, tag_field="type", tag="namespace"):
+    """Function tools grouped under a name (`openai.types.responses.NamespaceTool`)."""
+
+    name: Annotated[str, Meta(min_length=1, max_length=64)]
+    description: str = ""
+    tools: Annotated[list[dict[str, Any]], Meta(max_length=MAX_TOOLS)]
 
 
 class TextFormat(msgspec.Struct, kw_only=True):
@@ -146,8 +152,9 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     temperature: p.Temperature | None = None
     top_p: p.TopP | None = None
     top_logprobs: p.TopLogprobs | None = None
-    tools: Annotated[list[FunctionTool], Meta(max_length=MAX_TOOLS)] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    # Tools by type, read by `responses_tools`: functions, namespaces of functions, hosted tools.
+    tools: Annotated[list[dict[str, Any]], Meta(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
@@ -155,6 +162,15 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     metadata: Annotated[dict[str, str], Meta(max_length=16)] | None = None
     truncation: Literal["disabled", "auto"] | None = None
     user: Annotated[str, Meta(max_length=MAX_USER_CHARS)] | None = None
+    # Accepted and ignored (docs/api.md): there is one service tier, no tool loop on the server,
+    # and the prefix cache needs no key.
+    prompt_cache_key: Annotated[str, Meta(max_length=MAX_USER_CHARS)] | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: Annotated[str, Meta(max_length=MAX_USER_CHARS)] | None = None
+    service_tier: str | None = None
+    max_tool_calls: Annotated[int, Meta(ge=1)] | None = None
+    client_metadata: Any = None
+    stream_options: dict[str, Any] | None = None
     # Refused when set: nothing here runs a response in the background, holds a conversation
     # object or a stored prompt template.
     background: bool | None = None
@@ -175,6 +191,7 @@ class OutputFunctionCall(msgspec.Struct, kw_only=True, tag_field="type", tag="fu
     name: str
     arguments: str
     status: Literal["in_progress", "completed", "incomplete"]
+    namespace: str | None = None
 
 
 class OutputReasoning(msgspec.Struct, kw_only=True, tag_field="type", tag="reasoning"):
@@ -222,8 +239,8 @@ class ResponseObject(msgspec.Struct, kw_only=True):
     store: bool = True
     temperature: float | None = None
     text: TextConfig | None = None
-    tool_choice: str | dict[str, str] = "auto"
-    tools: list[FunctionTool] = []
+    tool_choice: str | dict[str, Any] = "auto"
+    tools: list[dict[str, Any]] = []
     top_p: float | None = None
     top_logprobs: int | None = None
     truncation: str = "disabled"
