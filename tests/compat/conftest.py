@@ -17,6 +17,10 @@ MODEL = "compat-model"
 # First match wins: a follow-up turn still holds the text of the turns before it.
 SCRIPT = {
     "rules": [
+        # Codex with a namespace tool: the file came back; then the turn that reads it.
+        {"match": "NOTES-7f3a", "reply": "The notes say: ship it."},
+        {"match": "Read the notes",
+         "reply": '<tool_call>\n{"name": "files.read_file", "arguments": {"path": "notes.txt"}}\n</tool_call>'},
         # Codex: the command's output came back; then the first turn, which runs a command.
         {"match": "total 0", "reply": "<think>\nThe listing is empty.\n</think>\n\nThe directory is empty."},
         {"match": "List the files",

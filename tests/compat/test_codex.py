@@ -6,6 +6,11 @@ later turns the reasoning, function_call and function_call_output items of the t
 function tools with `strict: false`, `tool_choice: "auto"`, `parallel_tool_calls: false`,
 `reasoning: {effort, summary}`, `store: false` (Codex sends the whole history every turn),
 `stream: true`, `include: ["reasoning.encrypted_content"]` and a `prompt_cache_key`.
+
+Codex 0.171 (captured in issue 39) also sends strict function tools, a `namespace` tool grouping
+functions, a hosted `web_search` tool, `parallel_tool_calls: true` and `client_metadata`: the
+namespace's functions are offered (named `files.read_file` in the prompt) and called back with
+their `namespace`; `web_search` is left out, which the `X-Helexa-Warning` header says.
 """
 
 from __future__ import annotations
@@ -13,10 +18,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import httpx
+import openai
+import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from tests.compat.conftest import sse
+from tests.compat.conftest import post, sse
 from tests.system import System
 
 EVENTS = TypeAdapter(ResponseStreamEvent)
@@ -96,3 +104,58 @@ def test_the_next_codex_turn_sends_the_history_back(system: System, compat_model
     text_deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text_deltas == final.output_text
     assert final.usage.input_tokens > first.usage.input_tokens
+
+
+NAMESPACE = {"type": "namespace", "name": "files", "description": "Tools for reading the workspace's files.",
+             "tools": [{"type": "function", "name": "read_file", "description": "Reads a file.", "strict": True,
+                        "parameters": {"type": "object", "additionalProperties": False, "required": ["path"],
+                                       "properties": {"path": {"type": "string"}}}},
+                       {"type": "function", "name": "list_dir", "description": "Lists a folder.", "strict": True,
+                        "parameters": {"type": "object", "additionalProperties": False, "required": ["path"],
+                                       "properties": {"path": {"type": "string"}}}}]}
+WEB_SEARCH = {"type": "web_search", "external_web_access": False}
+NOTES_TURN = [USER_TURN[0], {"type": "message", "role": "user",
+                             "content": [{"type": "input_text", "text": "Read the notes and sum them up."}]}]
+
+
+def codex_171_request(model: str, items: list[dict[str, Any]]) -> dict[str, Any]:
+    strict = [{**tool, "strict": True} for tool in TOOLS]
+    return {**codex_request(model, items), "tools": [*strict, NAMESPACE, WEB_SEARCH], "parallel_tool_calls": True,
+            "client_metadata": "codex_cli_rs/0.171.0", "service_tier": "auto", "text": {"verbosity": "low"}}
+
+
+def stream_171(system: System, body: dict[str, Any]) -> tuple[httpx.Headers, list[Any]]:
+    """The answer's headers and its events, checked."""
+    with httpx.stream("POST", f"{system.base_url}/v1/responses", json=body, timeout=120) as answer:
+        assert answer.status_code == 200, answer.read()
+        lines = [line for line in answer.iter_lines() if line]
+    names = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
+    data = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: ")]
+    return answer.headers, checked(list(zip(names, data, strict=True)))
+
+
+def test_codex_171_namespace_tools_are_called_with_their_namespace(system: System, compat_model: str) -> None:
+    headers, events = stream_171(system, codex_171_request(compat_model, NOTES_TURN))
+    assert "web_search" in headers["x-helexa-warning"]
+    final: Response = events[-1].response
+    (call,) = final.output
+    assert (call.type, call.name, call.namespace) == ("function_call", "read_file", "files")
+    assert json.loads(call.arguments) == {"path": "notes.txt"}
+    assert [tool.type for tool in final.tools][-2:] == ["namespace", "web_search"]
+
+    # The next turn: the whole history back, with the tool's output; it reaches the prompt.
+    follow_up = [*NOTES_TURN, call.model_dump(mode="json", exclude_none=True),
+                 {"type": "function_call_output", "call_id": call.call_id, "output": "NOTES-7f3a: ship it"}]
+    _, events = stream_171(system, codex_171_request(compat_model, follow_up))
+    assert events[-1].response.output_text == "The notes say: ship it."
+
+
+def test_forcing_web_search_is_a_400_naming_it(system: System, compat_model: str) -> None:
+    body = {**codex_171_request(compat_model, NOTES_TURN), "tool_choice": {"type": "web_search"}, "stream": False}
+    answer = post(system, "/v1/responses", body)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "tool_choice"
+    assert "web_search" in answer.json()["error"]["message"]
+    sdk = openai.OpenAI(base_url=f"{system.base_url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError):
+        sdk.responses.create(model=compat_model, input="hi", tools=[WEB_SEARCH],  # type: ignore[list-item]
+                             tool_choice={"type": "web_search_preview"})

@@ -183,7 +183,8 @@ def test_forced_tool_choice_calls_the_function(system: System, scripted: str) ->
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"tools": [{"type": "web_serch"}]}, "tools"),
+    ({"tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}}, "tool_choice"),
     ({"text": {"format": {"type": "json_schema", "name": "x",
                           "schema": {"type": "object", "properties": {"a": {"type": "strin"}}}}}}, "text.format"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, "input"),
@@ -193,7 +194,8 @@ def test_forced_tool_choice_calls_the_function(system: System, scripted: str) ->
     ({"truncation": "auto"}, "truncation"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"previous_response_id": "resp_00000000000000000000000000000000"}, "previous_response_id"),
-], ids=["web-search", "uncompilable-json-schema", "image", "item-reference", "computer", "background", "truncation",
+], ids=["unknown-tool-type", "forced-web-search", "uncompilable-json-schema", "image", "item-reference", "computer",
+        "background", "truncation",
         "required-without-tools", "unknown-previous"])
 def test_what_cannot_be_honoured_is_refused_by_name(system: System, body: dict, param: str) -> None:
     request = {"model": system.model, "input": "hi", **body}
