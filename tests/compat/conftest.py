@@ -17,6 +17,9 @@ MODEL = "compat-model"
 # First match wins: a follow-up turn still holds the text of the turns before it.
 SCRIPT = {
     "rules": [
+        # Structured output: instructor's forced tool call goes on from its opening; JSON schema modes.
+        {"match": '{"name": "Person", "arguments": ', "reply": '{"name": "Ada", "age": 36}}\n</tool_call>'},
+        {"match": "Extract the person", "reply": '{"name": "Ada", "age": 36}'},
         # Codex with a namespace tool: the file came back; then the turn that reads it.
         {"match": "NOTES-7f3a", "reply": "The notes say: ship it."},
         {"match": "Read the notes",

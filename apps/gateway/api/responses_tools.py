@@ -23,7 +23,7 @@ import msgspec
 from apps.bus.codes import ErrorCode, ServingError
 from apps.gateway.api import responses_schema as rs
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("helexa.gateway")
 
 WARNING_HEADER = "X-Helexa-Warning"
 # Tool types OpenAI runs itself (or that need a runtime this server does not have).
@@ -96,7 +96,7 @@ def offered_tools(tools: list[dict[str, Any]]) -> OfferedTools:
     if len(set(names)) != len(names):
         raise _refuse("Two tools in 'tools' have the same name.", "tools")
     if offered.left_out:
-        log.warning("responses: tools left out of the prompt: %s", ", ".join(offered.left_out))
+        log.info("tools the server cannot run left out of the prompt", extra={"tools": offered.left_out})
     return offered
 
 
