@@ -121,7 +121,8 @@ NOTES_TURN = [USER_TURN[0], {"type": "message", "role": "user",
 def codex_171_request(model: str, items: list[dict[str, Any]]) -> dict[str, Any]:
     strict = [{**tool, "strict": True} for tool in TOOLS]
     return {**codex_request(model, items), "tools": [*strict, NAMESPACE, WEB_SEARCH], "parallel_tool_calls": True,
-            "client_metadata": "codex_cli_rs/0.171.0", "service_tier": "auto", "text": {"verbosity": "low"}}
+            "client_metadata": {"session_id": "0197a0c4-5d2e-7c3b-9a41-3f1c0e2d4b6a", "turn_id": "t-1"},
+            "service_tier": "auto", "text": {"verbosity": "low"}}
 
 
 def stream_171(system: System, body: dict[str, Any]) -> tuple[httpx.Headers, list[Any]]:
