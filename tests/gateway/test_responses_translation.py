@@ -118,9 +118,15 @@ def test_forcing_a_hosted_tool_is_refused_by_name(choice: dict) -> None:
     assert (caught.value.status, caught.value.param) == (400, "tool_choice") and choice["type"] in caught.value.message
 
 
-def test_an_unknown_tool_type_is_refused() -> None:
+@pytest.mark.parametrize("tools", [
+    [{"type": "web_serch"}],
+    [{**NAMESPACE, "name": f"n{i}", "tools": [{"type": "function", "name": f"f{j}"} for j in range(100)]}
+     for i in range(2)],
+    [{"type": "function", "name": "f"}, {"type": "function", "name": "f"}],
+], ids=["unknown-type", "too-many-functions", "same-name"])
+def test_tools_past_what_can_be_offered_are_refused(tools: list) -> None:
     with pytest.raises(ServingError) as caught:
-        bus(request(tools=[{"type": "web_serch"}]))
+        bus(request(tools=tools))
     assert (caught.value.status, caught.value.param) == (400, "tools")
 
 

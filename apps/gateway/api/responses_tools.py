@@ -22,6 +22,7 @@ import msgspec
 
 from apps.bus.codes import ErrorCode, ServingError
 from apps.gateway.api import responses_schema as rs
+from apps.gateway.api.validate import MAX_TOOLS
 
 log = logging.getLogger("helexa.gateway")
 
@@ -92,6 +93,8 @@ def offered_tools(tools: list[dict[str, Any]]) -> OfferedTools:
             offered.left_out.append(str(kind))
         else:
             raise _refuse(f"Tools of type '{kind}' are not supported.", "tools")
+    if len(offered.functions) > MAX_TOOLS:
+        raise _refuse(f"'tools' holds at most {MAX_TOOLS} functions, namespaces' functions included.", "tools")
     names = [f["function"]["name"] for f in offered.functions]
     if len(set(names)) != len(names):
         raise _refuse("Two tools in 'tools' have the same name.", "tools")
