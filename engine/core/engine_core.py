@@ -119,7 +119,8 @@ class EngineCore:
         compiled (`_admit_compiled`)."""
         engine_request = Request(request.request_id, request.prompt_token_ids, request.sampling,
                                  eos_token_ids=self.info.eos_token_ids,
-                                 resumed_token_ids=request.resumed_token_ids)
+                                 resumed_token_ids=request.resumed_token_ids,
+                                 service_class=request.service_class, priority=request.priority)
         structured = request.sampling.structured
         if request.request_id in self._compiling:
             # Its grammar would replace the waiting one's: refused as the scheduler refuses a duplicate.
@@ -309,6 +310,9 @@ class EngineCore:
         s.num_running = self.scheduler.num_running
         s.num_waiting = self.scheduler.num_waiting
         s.num_preemptions = self.scheduler.num_preemptions
+        s.preemptions_by_reason = dict(self.scheduler.preemptions_by_reason)
+        s.num_batch_running = self.scheduler.num_batch_running
+        s.num_batch_waiting = self.scheduler.num_batch_waiting
         s.prefix_queries = self.kv_cache.prefix_queries
         s.prefix_hits = self.kv_cache.prefix_hits
         s.grammar_compiles = self.structured.compiles

@@ -81,6 +81,19 @@ StopStrings = Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)]
 StopTokenIds = Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)]
 
 
+class ServiceClass(enum.StrEnum):
+    """Who waits for the answer. The scheduler takes interactive work first and preempts running
+    batch sequences for it (engine.core.scheduler); only the batch feeder sends `batch`."""
+
+    INTERACTIVE = "interactive"
+    BATCH = "batch"
+
+
+# A request's `priority` within its class: lower runs first (as vLLM's), 0 by default.
+MIN_PRIORITY, MAX_PRIORITY = -100, 100
+Priority = Annotated[int, Meta(ge=MIN_PRIORITY, le=MAX_PRIORITY)]
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """How to pick each token of each of `n` choices; stop *strings* are matched on text by the
     worker, everything else here is token-level and the engine's."""
@@ -143,6 +156,8 @@ class EngineRequest(msgspec.Struct, frozen=True, array_like=True):
     # More requests are right behind this one (its gateway was still reading them): an idle
     # engine's batch window waits for them (engine.core.batch_window).
     more_arriving: bool = False
+    service_class: ServiceClass = ServiceClass.INTERACTIVE
+    priority: Priority = 0
 
 
 class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -204,6 +219,11 @@ class CoreStats(msgspec.Struct, kw_only=True):
     num_running: int = 0
     num_waiting: int = 0
     num_preemptions: int = 0
+    # Preemptions by reason (engine.core.scheduler: kv_cache_full, interactive_waiting).
+    preemptions_by_reason: dict[str, int] = {}
+    # Batch-class sequences running and waiting (priority classes).
+    num_batch_running: int = 0
+    num_batch_waiting: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
     # Hybrid models: linear-attention state slots (0 and 0 for models without them).
