@@ -15,7 +15,7 @@ import msgspec
 
 from apps.bus.codes import Api, ErrorCode, FinishReason, ModelState, NodeState, RunStatus
 from apps.bus.uuid7 import uuid7_hex
-from engine.frontend.protocol import SamplingParams
+from engine.frontend.protocol import Priority, SamplingParams, ServiceClass
 
 
 class Wire(msgspec.Struct, frozen=True, kw_only=True):
@@ -89,6 +89,10 @@ class GenerateRequest(Wire, frozen=True, kw_only=True):
     # Requests whose bodies the gateway was still reading when this one's was in: an idle
     # engine's batch window waits for them (engine.core.batch_window); 0 when none, or not known.
     arriving: int = 0
+    # Priority classes (engine.core.scheduler): clients send interactive work; only the batch
+    # feeder sends `batch`. `priority` orders requests within a class, lower first.
+    service_class: ServiceClass = ServiceClass.INTERACTIVE
+    priority: Priority = 0
 
 
 class RequestRef(Wire, frozen=True, kw_only=True):

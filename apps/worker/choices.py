@@ -61,7 +61,8 @@ async def generate(
             # The other choices follow at once; requests the gateway was still reading, soon.
             more_arriving = request.arriving > 0 or i < len(ids) - 1
             streams.append(None if ended else engine.generate(
-                EngineRequest(rid, prompt.token_ids, sampling.for_choice(i), resume[i].token_ids, more_arriving)))
+                EngineRequest(rid, prompt.token_ids, sampling.for_choice(i), resume[i].token_ids, more_arriving,
+                              request.service_class, request.priority)))
         results = await asyncio.gather(*(
             generate_choice(tokenizer, replier, record, choice, ended, outputs, i)
             for i, ((choice, ended), outputs) in enumerate(zip(primed, streams, strict=True))
