@@ -199,6 +199,17 @@ class RunStarted(Event, tag="run.started", frozen=True, kw_only=True):
     queue_ms: float
 
 
+class RunPreempted(Event, tag="run.preempted", frozen=True, kw_only=True):
+    """The engine took a running sequence of this request off its KV cache (engine.core.scheduler):
+    `reason` is `interactive_waiting` (a batch sequence gave way to interactive work) or
+    `kv_cache_full`; its `tokens_kept` generated tokens are recomputed when it runs again."""
+
+    request_id: str
+    reason: str
+    service_class: ServiceClass
+    tokens_kept: int
+
+
 class RunFinished(Event, tag="run.finished", frozen=True, kw_only=True):
     request_id: str
     api: Api
@@ -331,8 +342,8 @@ class CoreRestarted(Event, tag="engine.restart", frozen=True, kw_only=True):
     detail: str | None = None
 
 
-AnyEvent = (RunStarted | RunFinished | AdmissionDecided | NodeStatusChanged | BenchRunRecorded | ScoreRecorded
-            | ResponseStored | ResponseDeleted | EventRef | CoreRestarted)
+AnyEvent = (RunStarted | RunFinished | RunPreempted | AdmissionDecided | NodeStatusChanged | BenchRunRecorded
+            | ScoreRecorded | ResponseStored | ResponseDeleted | EventRef | CoreRestarted)
 
 
 def event_kind(event: Event) -> str:
