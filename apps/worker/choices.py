@@ -180,6 +180,8 @@ async def generate_choice(
                     record.prefill_ms = out.prefill_ms
                     # What the prefix cache held beyond the prompt (a resumed answer's tokens) is not prompt.
                     record.cached_tokens = min(out.num_cached_tokens, record.prompt_tokens)
+                if out.preempted is not None:
+                    record.preempted(out.preempted, out.tokens_kept)
                 if out.new_token_ids:
                     record.first_token_at = record.first_token_at or time.time()
                     record.completion_tokens += len(out.new_token_ids)

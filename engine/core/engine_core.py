@@ -205,6 +205,9 @@ class EngineCore:
             else:  # ended at add: a request of its own, even when it repeats a live id
                 outputs.append(self._end_one(request))
         outputs += self._end_by_grammar(grammar_ends)
+        outputs += [EngineOutput(request_id=p.request_id, new_token_ids=[], preempted=p.reason,
+                                 tokens_kept=p.tokens_kept)
+                    for p in step.preemptions if p.request_id in self.scheduler.requests]
         if step.scheduled:
             self._update_stats(len(got_token))
         else:

@@ -174,6 +174,10 @@ class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # Wall-clock milliseconds spent computing the prompt, set on the first output.
     prefill_ms: float | None = None
     error: str | None = None
+    # Set on a token-less output when the scheduler preempted the request this step: why
+    # (engine.core.scheduler's reasons), and the generated tokens it keeps.
+    preempted: str | None = None
+    tokens_kept: int = 0
 
     def merged(self, later: EngineOutput) -> EngineOutput:
         """This output and the next one of the same request as one (a slow reader's backlog)."""
@@ -190,6 +194,8 @@ class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True):
             num_cached_tokens=max(self.num_cached_tokens, later.num_cached_tokens),
             prefill_ms=self.prefill_ms if self.prefill_ms is not None else later.prefill_ms,
             error=later.error or self.error,
+            preempted=later.preempted or self.preempted,
+            tokens_kept=later.tokens_kept if later.preempted else self.tokens_kept,
         )
 
 

@@ -10,6 +10,8 @@ mid-request) and `fault`: fault injection for delivery tests, `"exit"` kills the
 as a crash would, `"device"` raises DeviceFault as a failing accelerator would, `"error"` ends
 that request alone with an engine error (a bad row, as the sampler reports one), whose text is the
 rule's `error_text` when given (e.g. as long as a grammar an engine's error might quote).
+`preempt` (a reason, e.g. `"interactive_waiting"`) reports, after the first token, that the
+scheduler preempted the request (it keeps its tokens and goes on), as `engine.core` does.
 Output-side features (detokenization, stop strings, reasoning and tool-call parsing, usage)
 therefore behave exactly as with a model, without running one.
 """
@@ -35,6 +37,7 @@ class Rule:
     token_delay_s: float = 0.0
     fault: str | None = None
     error_text: str = "injected request error"
+    preempt: str | None = None
 
 
 class ScriptedEngine:
@@ -111,6 +114,8 @@ class ScriptedEngine:
                 yield EngineOutput(request.request_id, [token], finished=last, finish_reason=reason,
                                    num_prompt_tokens=len(request.prompt_token_ids),
                                    prefill_ms=0.0 if i == start else None)
+                if rule.preempt is not None and i == start and not last:
+                    yield EngineOutput(request.request_id, [], preempted=rule.preempt, tokens_kept=i + 1)
         finally:
             self._running.pop(request.request_id, None)
 

@@ -162,13 +162,16 @@ def prompt(seed: int) -> list[int]:
     return [3 + (seed * 7 + i * 13) % (VOCAB_SIZE - 3) for i in range(10 + seed)]
 
 
-def run_to_end(core: EngineCore, tokens: dict[str, list[int]], first_step: list[str] | None = None) -> None:
+def run_to_end(core: EngineCore, tokens: dict[str, list[int]], first_step: list[str] | None = None,
+               preempted: list[tuple[str, str | None, int]] | None = None) -> None:
     while core.has_work():
         outputs = core.step()
         if first_step is not None and not first_step:
-            first_step.extend(out.request_id for out in outputs)
+            first_step.extend(out.request_id for out in outputs if out.new_token_ids)
         for out in outputs:
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if preempted is not None and out.preempted:
+                preempted.append((out.request_id, out.preempted, out.tokens_kept))
 
 
 def test_preempted_batch_sequences_finish_as_if_never_preempted(tiny_llama: Checkpoint) -> None:
@@ -189,8 +192,12 @@ def test_preempted_batch_sequences_finish_as_if_never_preempted(tiny_llama: Chec
     assert core.stats.num_batch_running == 3
     core.add_request(EngineRequest("i", prompt(5), greedy()))
     first_step: list[str] = []
-    run_to_end(core, tokens, first_step)
+    preempted: list[tuple[str, str | None, int]] = []
+    run_to_end(core, tokens, first_step, preempted)
     assert "i" in first_step  # its first token came out of the very next step
-    assert core.stats.preemptions_by_reason[INTERACTIVE_WAITING] >= 1
+    # The newest batch sequence gave way, keeping the 4 tokens it had; the output says so.
+    assert preempted[0] == ("b2", INTERACTIVE_WAITING, 4)
+    assert {request_id for request_id, _, _ in preempted} <= {"b0", "b1", "b2"}
+    assert core.stats.preemptions_by_reason[INTERACTIVE_WAITING] == len(preempted)
     assert {k: v for k, v in tokens.items() if k != "i"} == alone
     assert len(tokens["i"]) == 16
