@@ -15,7 +15,7 @@ import msgspec
 
 from apps.bus.codes import Api, ErrorCode, FinishReason, ModelState, NodeState, RunStatus
 from apps.bus.uuid7 import uuid7_hex
-from engine.frontend.protocol import Priority, SamplingParams, ServiceClass
+from engine.frontend.protocol import PreemptionReason, Priority, SamplingParams, ServiceClass
 
 
 class Wire(msgspec.Struct, frozen=True, kw_only=True):
@@ -205,7 +205,7 @@ class RunPreempted(Event, tag="run.preempted", frozen=True, kw_only=True):
     `kv_cache_full`; its `tokens_kept` generated tokens are recomputed when it runs again."""
 
     request_id: str
-    reason: str
+    reason: PreemptionReason
     service_class: ServiceClass
     tokens_kept: int
 
@@ -371,6 +371,11 @@ class ModelStatus(Wire, frozen=True, kw_only=True):
     kv_usage: float = 0.0
     prefix_queries: int = 0
     prefix_hits: int = 0
+    # Priority classes: batch sequences running and waiting in the engine, and its preemptions by
+    # reason since it started (engine.core.scheduler's two reasons).
+    batch_running: int = 0
+    batch_waiting: int = 0
+    preemptions: dict[PreemptionReason, int] = {}
     # Hybrid models: linear-attention state slots in the engine, and how many are free.
     state_slots: int = 0
     free_state_slots: int = 0

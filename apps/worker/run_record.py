@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from apps.bus import wire
 from apps.bus.codes import RunStatus
-from engine.frontend.protocol import FinishReason
+from engine.frontend.protocol import FinishReason, PreemptionReason
 
 
 def _engine_error(error: str | None) -> str | None:
@@ -55,7 +55,7 @@ class RunRecord:
             reasoning_tokens=self.reasoning_tokens,
         )
 
-    def preempted(self, reason: str, tokens_kept: int) -> None:
+    def preempted(self, reason: PreemptionReason, tokens_kept: int) -> None:
         if len(self.preemptions) >= MAX_PREEMPTION_EVENTS:
             return
         self.preemptions.append(wire.RunPreempted(

@@ -41,11 +41,10 @@ from dataclasses import dataclass, field
 from engine.core.kv_cache import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.state_slots import StateSlotPool
-from engine.frontend.protocol import ServiceClass
+from engine.frontend.protocol import PreemptionReason, ServiceClass
 
-# Why a running request was preempted (`Preemption.reason`).
-KV_CACHE_FULL = "kv_cache_full"
-INTERACTIVE_WAITING = "interactive_waiting"
+KV_CACHE_FULL = PreemptionReason.KV_CACHE_FULL
+INTERACTIVE_WAITING = PreemptionReason.INTERACTIVE_WAITING
 
 
 @dataclass(slots=True)
@@ -84,7 +83,7 @@ class ScheduledRequest:
 @dataclass(slots=True)
 class Preemption:
     request_id: str
-    reason: str  # KV_CACHE_FULL or INTERACTIVE_WAITING
+    reason: PreemptionReason
     service_class: ServiceClass
     # Generated tokens it keeps (recomputed with the prompt when it runs again).
     tokens_kept: int
@@ -110,7 +109,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
-        self.preemptions_by_reason: dict[str, int] = {KV_CACHE_FULL: 0, INTERACTIVE_WAITING: 0}
+        self.preemptions_by_reason = dict.fromkeys(PreemptionReason, 0)
         self._arrival: dict[str, int] = {}
         self._next_arrival = 0
         # Preempted requests waiting to run again, by when: the latest preempted comes first.
@@ -380,7 +379,7 @@ class Scheduler:
             self.state_slots.free(request.state_slot)
         request.state_slot = None
 
-    def _preempt(self, request: Request, reason: str, preemptions: list[Preemption]) -> None:
+    def _preempt(self, request: Request, reason: PreemptionReason, preemptions: list[Preemption]) -> None:
         self.kv_cache.free(request)
         self._release_state_slot(request)
         request.num_computed_tokens = 0

@@ -89,6 +89,15 @@ class ServiceClass(enum.StrEnum):
     BATCH = "batch"
 
 
+class PreemptionReason(enum.StrEnum):
+    """Why the scheduler took a running sequence off the KV cache (engine.core.scheduler)."""
+
+    # A running sequence needed a KV block and none was free.
+    KV_CACHE_FULL = "kv_cache_full"
+    # A batch sequence gave way to a waiting interactive request (a seat, a state slot or KV room).
+    INTERACTIVE_WAITING = "interactive_waiting"
+
+
 # A request's `priority` within its class: lower runs first (as vLLM's), 0 by default.
 MIN_PRIORITY, MAX_PRIORITY = -100, 100
 Priority = Annotated[int, Meta(ge=MIN_PRIORITY, le=MAX_PRIORITY)]
@@ -176,7 +185,7 @@ class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     error: str | None = None
     # Set on a token-less output when the scheduler preempted the request this step: why
     # (engine.core.scheduler's reasons), and the generated tokens it keeps.
-    preempted: str | None = None
+    preempted: PreemptionReason | None = None
     tokens_kept: int = 0
 
     def merged(self, later: EngineOutput) -> EngineOutput:
@@ -226,7 +235,7 @@ class CoreStats(msgspec.Struct, kw_only=True):
     num_waiting: int = 0
     num_preemptions: int = 0
     # Preemptions by reason (engine.core.scheduler: kv_cache_full, interactive_waiting).
-    preemptions_by_reason: dict[str, int] = {}
+    preemptions_by_reason: dict[PreemptionReason, int] = {}
     # Batch-class sequences running and waiting (priority classes).
     num_batch_running: int = 0
     num_batch_waiting: int = 0

@@ -25,7 +25,15 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.frontend.protocol import CoreInfo, CoreStats, DeviceFault, EngineOutput, EngineRequest, FinishReason
+from engine.frontend.protocol import (
+    CoreInfo,
+    CoreStats,
+    DeviceFault,
+    EngineOutput,
+    EngineRequest,
+    FinishReason,
+    PreemptionReason,
+)
 from engine.frontend.tokenizer import Tokenizer
 
 
@@ -37,7 +45,7 @@ class Rule:
     token_delay_s: float = 0.0
     fault: str | None = None
     error_text: str = "injected request error"
-    preempt: str | None = None
+    preempt: PreemptionReason | None = None
 
 
 class ScriptedEngine:
@@ -52,14 +60,16 @@ class ScriptedEngine:
         self.max_num_seqs = max_num_seqs
         # Each running request's abort signal: an abort ends it at once, even mid-delay.
         self._running: dict[str, asyncio.Event] = {}
-        # No KV pool: no blocks, and stats that only count what runs.
+        self._preemptions = dict.fromkeys(PreemptionReason, 0)
+        # No KV pool: no blocks, and stats that only count what runs (and the preemptions reported).
         self.info = CoreInfo(model_id=model_id, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                              num_blocks=0, block_size=0, eos_token_ids=tokenizer.all_stop_token_ids,
                              max_position_embeddings=max_model_len)
 
     @property
     def stats(self) -> CoreStats:
-        return CoreStats(num_running=len(self._running))
+        return CoreStats(num_running=len(self._running), num_preemptions=sum(self._preemptions.values()),
+                         preemptions_by_reason=dict(self._preemptions))
 
     def free_slots(self) -> int:
         return max(self.max_num_seqs - len(self._running), 0)
@@ -115,7 +125,9 @@ class ScriptedEngine:
                                    num_prompt_tokens=len(request.prompt_token_ids),
                                    prefill_ms=0.0 if i == start else None)
                 if rule.preempt is not None and i == start and not last:
-                    yield EngineOutput(request.request_id, [], preempted=rule.preempt, tokens_kept=i + 1)
+                    preempted = PreemptionReason(rule.preempt)
+                    self._preemptions[preempted] += 1
+                    yield EngineOutput(request.request_id, [], preempted=preempted, tokens_kept=i + 1)
         finally:
             self._running.pop(request.request_id, None)
 

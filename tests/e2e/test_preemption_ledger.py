@@ -9,7 +9,9 @@ import asyncio
 from pathlib import Path
 
 import asyncpg
+import httpx
 import openai
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import System, scripted_worker
 from tests.support import eventually
@@ -46,3 +48,13 @@ def test_a_preemption_is_a_ledger_row_with_its_reason(system: System, tmp_path: 
             system.database_url, "SELECT status FROM runs WHERE request_id = $1 AND status <> 'running'",
             request_id)), timeout_s=30.0)
         assert run["status"] == "ok"
+
+        def preemptions_metric() -> float:
+            text = httpx.get(f"{system.base_url}/metrics", timeout=30).text
+            return sum(sample.value for family in text_string_to_metric_families(text)
+                       for sample in family.samples
+                       if sample.name == "helexa:preemptions_total"
+                       and sample.labels == {"model": PREEMPTED, "reason": "interactive_waiting"})
+
+        # The worker's node entry carries its engine's counts to the gateway's /metrics.
+        assert eventually(preemptions_metric, timeout_s=30.0) == 1
