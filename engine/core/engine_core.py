@@ -88,6 +88,7 @@ class EngineCore:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=self.runner.max_model_len,
                 vocab_size=model_config.vocab_size,
+                batch_aging_steps=config.batch_aging_steps,
             ),
             self.kv_cache,
             self.state_slots,

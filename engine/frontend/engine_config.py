@@ -35,6 +35,9 @@ class EngineConfig:
     # An idle engine that receives a request waits up to this long for the rest of a burst before
     # its first step (engine.core.batch_window); 0 steps at once.
     batch_window_ms: float = 0.0
+    # Steps a batch-class request may wait in all before the scheduler admits it as interactive
+    # work (engine.core.scheduler's aging bound).
+    batch_aging_steps: int = 512
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -47,6 +50,8 @@ class EngineConfig:
             raise ValueError("batch_window_ms must be between 0 and 1000")
         if self.max_model_len < 0:
             raise ValueError("max_model_len must be >= 0")
+        if self.batch_aging_steps < 1:
+            raise ValueError("batch_aging_steps must be >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
         if self.kernels not in KERNEL_CHOICES:
