@@ -220,6 +220,8 @@ class WorkerSettings:
     max_num_seqs: int = field(default_factory=lambda: _env_int("HELEXA_MAX_NUM_SEQS", 16))
     max_num_batched_tokens: int = field(default_factory=lambda: _env_int("HELEXA_MAX_NUM_BATCHED_TOKENS", 2048))
     kv_cache_mb: int = field(default_factory=lambda: _env_int("HELEXA_KV_CACHE_MB", 1024))
+    # Engine steps a batch-class request waits at most before it is admitted as interactive work.
+    batch_aging_steps: int = field(default_factory=lambda: _env_int("HELEXA_BATCH_AGING_STEPS", 512))
     # How long an idle engine gathers a burst of requests before its first step (0: not at all).
     batch_window_ms: float = field(default_factory=lambda: _env_float("HELEXA_BATCH_WINDOW_MS", 30.0))
     enable_prefix_caching: bool = field(default_factory=lambda: _env("HELEXA_PREFIX_CACHING", "on") != "off")
@@ -295,6 +297,7 @@ class WorkerSettings:
             kernels=self.kernels,
             batch_window_ms=self.batch_window_ms,
             tensor_parallel=self.tensor_parallel,
+            batch_aging_steps=self.batch_aging_steps,
         )
 
 

@@ -66,6 +66,7 @@ def _kind(event_type: type[wire.Event]) -> str:
 # `topology.DROPPED`), with what such an event may say checked by `event_refused`.
 EVENT_SUBJECTS: dict[str, dict[str, str]] = {
     _kind(wire.RunStarted): {_kind(wire.RunStarted): WORKER},
+    _kind(wire.RunPreempted): {_kind(wire.RunPreempted): WORKER},
     _kind(wire.RunFinished): {_kind(wire.RunFinished): WORKER,
                               topology.WORKER_LOST: GATEWAY},
     _kind(wire.NodeStatusChanged): {_kind(wire.NodeStatusChanged): WORKER},

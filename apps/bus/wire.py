@@ -15,7 +15,7 @@ import msgspec
 
 from apps.bus.codes import Api, ErrorCode, FinishReason, ModelState, NodeState, RunStatus
 from apps.bus.uuid7 import uuid7_hex
-from engine.frontend.protocol import SamplingParams
+from engine.frontend.protocol import PreemptionReason, Priority, SamplingParams, ServiceClass
 
 
 class Wire(msgspec.Struct, frozen=True, kw_only=True):
@@ -89,6 +89,10 @@ class GenerateRequest(Wire, frozen=True, kw_only=True):
     # Requests whose bodies the gateway was still reading when this one's was in: an idle
     # engine's batch window waits for them (engine.core.batch_window); 0 when none, or not known.
     arriving: int = 0
+    # Priority classes (engine.core.scheduler): clients send interactive work; only the batch
+    # feeder sends `batch`. `priority` orders requests within a class, lower first.
+    service_class: ServiceClass = ServiceClass.INTERACTIVE
+    priority: Priority = 0
 
 
 class RequestRef(Wire, frozen=True, kw_only=True):
@@ -193,6 +197,17 @@ class RunStarted(Event, tag="run.started", frozen=True, kw_only=True):
     prompt_tokens: int
     attempt: int
     queue_ms: float
+
+
+class RunPreempted(Event, tag="run.preempted", frozen=True, kw_only=True):
+    """The engine took a running sequence of this request off its KV cache (engine.core.scheduler):
+    `reason` is `interactive_waiting` (a batch sequence gave way to interactive work) or
+    `kv_cache_full`; its `tokens_kept` generated tokens are recomputed when it runs again."""
+
+    request_id: str
+    reason: PreemptionReason
+    service_class: ServiceClass
+    tokens_kept: int
 
 
 class RunFinished(Event, tag="run.finished", frozen=True, kw_only=True):
@@ -347,8 +362,8 @@ class CoreRestarted(Event, tag="engine.restart", frozen=True, kw_only=True):
     detail: str | None = None
 
 
-AnyEvent = (RunStarted | RunFinished | AdmissionDecided | NodeStatusChanged | BenchRunRecorded | ScoreRecorded
-            | ResponseStored | ResponseDeleted | FileCreated | FileDeleted | EventRef | CoreRestarted)
+AnyEvent = (RunStarted | RunFinished | RunPreempted | AdmissionDecided | NodeStatusChanged | BenchRunRecorded
+            | ScoreRecorded | ResponseStored | ResponseDeleted | FileCreated | FileDeleted | EventRef | CoreRestarted)
 
 
 def event_kind(event: Event) -> str:
@@ -376,6 +391,11 @@ class ModelStatus(Wire, frozen=True, kw_only=True):
     kv_usage: float = 0.0
     prefix_queries: int = 0
     prefix_hits: int = 0
+    # Priority classes: batch sequences running and waiting in the engine, and its preemptions by
+    # reason since it started (engine.core.scheduler's two reasons).
+    batch_running: int = 0
+    batch_waiting: int = 0
+    preemptions: dict[PreemptionReason, int] = {}
     # Hybrid models: linear-attention state slots in the engine, and how many are free.
     state_slots: int = 0
     free_state_slots: int = 0

@@ -94,6 +94,12 @@ class _NodeCollector(Collector):
                                        labels=["model"])
         compile_hits = CounterMetricFamily("helexa:grammar_compile_cache_hits",
                                            "Constrained requests that shared a grammar compile", labels=["model"])
+        batch_running = GaugeMetricFamily("helexa:batch_requests_running",
+                                          "Batch-class sequences in running batches", labels=["model"])
+        batch_waiting = GaugeMetricFamily("helexa:batch_requests_waiting",
+                                          "Batch-class sequences waiting in engines", labels=["model"])
+        preemptions = CounterMetricFamily("helexa:preemptions", "Running sequences the engines preempted",
+                                          labels=["model", "reason"])
         per_model: dict[str, list[wire.ModelStatus]] = {}
         for node in self.metrics._nodes:
             for status in node.models:
@@ -107,7 +113,12 @@ class _NodeCollector(Collector):
             state_slots.add_metric([model], sum(s.state_slots - s.free_state_slots for s in statuses))
             compiles.add_metric([model], sum(s.grammar_compiles for s in statuses))
             compile_hits.add_metric([model], sum(s.grammar_cache_hits for s in statuses))
+            batch_running.add_metric([model], sum(s.batch_running for s in statuses))
+            batch_waiting.add_metric([model], sum(s.batch_waiting for s in statuses))
+            for reason in sorted({reason for s in statuses for reason in s.preemptions}):
+                preemptions.add_metric([model, reason], sum(s.preemptions.get(reason, 0) for s in statuses))
         yield from (running, waiting, kv, queries, hits, state_slots, compiles, compile_hits)
+        yield from (batch_running, batch_waiting, preemptions)
         gateway_compiles = CounterMetricFamily("helexa:gateway_grammar_compiles",
                                                "Grammar checks this gateway started compiling")
         gateway_compiles.add_metric([], CHECKER.started)

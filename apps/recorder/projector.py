@@ -54,6 +54,7 @@ from apps.bus.wire import (
     ResponseDeleted,
     ResponseStored,
     RunFinished,
+    RunPreempted,
     RunStarted,
     ScoreRecorded,
     encode,
@@ -72,7 +73,8 @@ FILES_CHANNEL = "helexa_files"
 _NUL_ESCAPE = re.compile(rb"(?<!\\)((?:\\\\)*)\\u0000")
 
 RUNNING = "running"
-PROJECTIONS = ("runs", "run_attempts", "admission_events", "nodes", "bench_runs", "scores", "responses", "files")
+PROJECTIONS = ("runs", "run_attempts", "admission_events", "nodes", "bench_runs", "scores", "responses", "files",
+               "preemptions")
 
 _STARTED = kind_of(RunStarted)
 _FINISHED = kind_of(RunFinished)
@@ -80,6 +82,7 @@ _ADMISSION = kind_of(AdmissionDecided)
 _NODE = kind_of(NodeStatusChanged)
 _BENCH_RUN = kind_of(BenchRunRecorded)
 _SCORE = kind_of(ScoreRecorded)
+_PREEMPTED = kind_of(RunPreempted)
 _RESPONSE_STORED = kind_of(ResponseStored)
 _RESPONSE_DELETED = kind_of(ResponseDeleted)
 _FILE_CREATED = kind_of(FileCreated)
@@ -243,6 +246,16 @@ ON CONFLICT (event_id) DO NOTHING
 """
 
 
+def _preemptions(source: str) -> str:
+    return f"""
+INSERT INTO preemptions (event_id, ts, request_id, model, node, reason, service_class, tokens_kept)
+SELECT event_id, ts, p->>'request_id', model, node, p->>'reason', p->>'service_class',
+       (p->>'tokens_kept')::int
+FROM (SELECT *, payload AS p FROM {source} WHERE kind = '{_PREEMPTED}') AS e
+ON CONFLICT (event_id) DO NOTHING
+"""
+
+
 def _responses_stored(source: str) -> str:
     # The latest (ts, event_id) stored event wins; a deletion already projected is kept.
     return f"""
@@ -346,6 +359,7 @@ class _Statements:
             _NODE: _nodes(source),
             _BENCH_RUN: _bench_runs(source),
             _SCORE: _scores(source),
+            _PREEMPTED: _preemptions(source),
             _RESPONSE_STORED: _responses_stored(source),
             _RESPONSE_DELETED: _responses_deleted(source),
             _FILE_CREATED: _files_created(source),

@@ -61,7 +61,8 @@ async def generate(
             # The other choices follow at once; requests the gateway was still reading, soon.
             more_arriving = request.arriving > 0 or i < len(ids) - 1
             streams.append(None if ended else engine.generate(
-                EngineRequest(rid, prompt.token_ids, sampling.for_choice(i), resume[i].token_ids, more_arriving)))
+                EngineRequest(rid, prompt.token_ids, sampling.for_choice(i), resume[i].token_ids, more_arriving,
+                              request.service_class, request.priority)))
         results = await asyncio.gather(*(
             generate_choice(tokenizer, replier, record, choice, ended, outputs, i)
             for i, ((choice, ended), outputs) in enumerate(zip(primed, streams, strict=True))
@@ -179,6 +180,8 @@ async def generate_choice(
                     record.prefill_ms = out.prefill_ms
                     # What the prefix cache held beyond the prompt (a resumed answer's tokens) is not prompt.
                     record.cached_tokens = min(out.num_cached_tokens, record.prompt_tokens)
+                if out.preempted is not None:
+                    record.preempted(out.preempted, out.tokens_kept)
                 if out.new_token_ids:
                     record.first_token_at = record.first_token_at or time.time()
                     record.completion_tokens += len(out.new_token_ids)

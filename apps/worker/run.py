@@ -163,6 +163,8 @@ async def run_request(model: ServedModel, request: wire.GenerateRequest, replier
             watcher.cancel()
     record.finished_at = time.time()
     await started
+    for preemption in record.preemptions:
+        await publish_event(js, preemption)
     model.context.observe_prefill(record.prompt_tokens - record.cached_tokens, record.prefill_ms)
     if replier.silenced is not None:
         # Another attempt serves the client, or the worker handed the request back before any text

@@ -4,17 +4,21 @@ as the run goes, and the `Usage`, `run.started` and `run.finished` made of them.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from apps.bus import wire
 from apps.bus.codes import RunStatus
-from engine.frontend.protocol import FinishReason
+from engine.frontend.protocol import FinishReason, PreemptionReason
 
 
 def _engine_error(error: str | None) -> str | None:
     """An engine's error as the ledger keeps it: its first line, at most 1 KB. llguidance's runtime
     errors go on with the parser's state and the whole grammar (as large as the client likes)."""
     return None if error is None else wire.bounded_text(error.split("\n", 1)[0])
+
+
+# run.preempted events one run publishes at most (a thrashing KV cache could preempt it every few steps).
+MAX_PREEMPTION_EVENTS = 32
 
 
 @dataclass(slots=True)
@@ -32,6 +36,8 @@ class RunRecord:
     reasoning_tokens: int = 0
     first_token_at: float | None = None
     finished_at: float | None = None
+    # The engine's preemptions of this run's sequences, as run.preempted events to publish.
+    preemptions: list[wire.RunPreempted] = field(default_factory=list)
 
     @property
     def queue_ms(self) -> float:
@@ -48,6 +54,13 @@ class RunRecord:
             decode_ms=round(decode_ms, 3),
             reasoning_tokens=self.reasoning_tokens,
         )
+
+    def preempted(self, reason: PreemptionReason, tokens_kept: int) -> None:
+        if len(self.preemptions) >= MAX_PREEMPTION_EVENTS:
+            return
+        self.preemptions.append(wire.RunPreempted(
+            model=self.request.model, node=self.node, request_id=self.request.request_id, reason=reason,
+            service_class=self.request.service_class, tokens_kept=tokens_kept))
 
     def started_event(self) -> wire.RunStarted:
         return wire.RunStarted(

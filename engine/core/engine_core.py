@@ -96,6 +96,7 @@ class EngineCore:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=self.runner.max_model_len,
                 vocab_size=model_config.vocab_size,
+                batch_aging_steps=config.batch_aging_steps,
             ),
             self.kv_cache,
             self.state_slots,
@@ -127,7 +128,8 @@ class EngineCore:
         compiled (`_admit_compiled`)."""
         engine_request = Request(request.request_id, request.prompt_token_ids, request.sampling,
                                  eos_token_ids=self.info.eos_token_ids,
-                                 resumed_token_ids=request.resumed_token_ids)
+                                 resumed_token_ids=request.resumed_token_ids,
+                                 service_class=request.service_class, priority=request.priority)
         structured = request.sampling.structured
         if request.request_id in self._compiling:
             # Its grammar would replace the waiting one's: refused as the scheduler refuses a duplicate.
@@ -212,6 +214,9 @@ class EngineCore:
             else:  # ended at add: a request of its own, even when it repeats a live id
                 outputs.append(self._end_one(request))
         outputs += self._end_by_grammar(grammar_ends)
+        outputs += [EngineOutput(request_id=p.request_id, new_token_ids=[], preempted=p.reason,
+                                 tokens_kept=p.tokens_kept)
+                    for p in step.preemptions if p.request_id in self.scheduler.requests]
         if step.scheduled:
             self._update_stats(len(got_token))
         else:
@@ -319,6 +324,9 @@ class EngineCore:
         s.num_running = self.scheduler.num_running
         s.num_waiting = self.scheduler.num_waiting
         s.num_preemptions = self.scheduler.num_preemptions
+        s.preemptions_by_reason = dict(self.scheduler.preemptions_by_reason)
+        s.num_batch_running = self.scheduler.num_batch_running
+        s.num_batch_waiting = self.scheduler.num_batch_waiting
         s.prefix_queries = self.kv_cache.prefix_queries
         s.prefix_hits = self.kv_cache.prefix_hits
         s.grammar_compiles = self.structured.compiles

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from engine.frontend.protocol import FinishReason, SamplingParams
+from engine.frontend.protocol import FinishReason, SamplingParams, ServiceClass
 
 
 class RequestStatus(enum.IntEnum):
@@ -42,6 +42,8 @@ class Request:
         sampling: SamplingParams,
         eos_token_ids: list[int] | None = None,
         resumed_token_ids: list[int] | None = None,
+        service_class: ServiceClass = ServiceClass.INTERACTIVE,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -50,6 +52,11 @@ class Request:
         self.all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
         self.num_resumed_tokens = len(self.output_token_ids)
         self.sampling = sampling
+        self.service_class = service_class
+        # Lower runs first within the class.
+        self.priority = priority
+        # Scheduler steps spent waiting since it last entered the waiting queue (aging).
+        self.waiting_steps = 0
         self.eos_token_ids = list(eos_token_ids or [])
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0

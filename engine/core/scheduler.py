@@ -1,10 +1,23 @@
-"""What runs this step: continuous batching under one token budget, chunked prefill, preemption.
+"""What runs this step: continuous batching under one token budget, chunked prefill, priority
+classes, preemption.
 
 Each step the running requests go first (a decode is one token; a request still mid-prefill gets its
-next chunk), in arrival order; then waiting requests are admitted first-come first-served while the
-budget, `max_num_seqs` and the KV cache allow. When a running request cannot get a block, the newest
-running request is preempted: its blocks are freed and it is later recomputed from scratch over its
-prompt and outputs so far, cheaply when its blocks are still in the prefix cache.
+next chunk), interactive before batch and each in arrival order; then waiting requests are admitted
+while the budget, `max_num_seqs` and the KV cache allow, in the order: interactive before batch,
+then by `priority` (lower first), then arrival; a preempted request goes first in its class. When a
+running request cannot get a block, the newest running request is preempted (`kv_cache_full`):
+its blocks are freed and it is later recomputed from scratch over its prompt and outputs so far,
+cheaply when its blocks are still in the prefix cache. Batch requests run last, so they are the
+newest and go first.
+
+Priority classes: a waiting interactive request that finds no seat, state slot or KV room preempts
+running batch sequences, newest first, until it fits (`interactive_waiting`); it never preempts
+interactive work, and batch work never preempts anything for itself. While an interactive request
+waits, running batch requests still mid-prefill get no chunk, so the step's token budget is its.
+No batch sequence is kept running for a share: batch progress is bounded by aging instead. Every
+step a batch request spends waiting counts (across preemptions); after `batch_aging_steps` of them
+it is admitted as interactive and is no longer preempted for interactive work, so a batch
+request waits at most that many steps plus the time interactive work ahead of it takes.
 
 For hybrid models a running request also holds one linear-attention state slot (`StateSlotPool`):
 taken on admission, so free slots cap the running set, and given back on finish, abort and
@@ -23,11 +36,15 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.core.kv_cache import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.state_slots import StateSlotPool
+from engine.frontend.protocol import PreemptionReason, ServiceClass
+
+KV_CACHE_FULL = PreemptionReason.KV_CACHE_FULL
+INTERACTIVE_WAITING = PreemptionReason.INTERACTIVE_WAITING
 
 
 @dataclass(slots=True)
@@ -37,6 +54,8 @@ class SchedulerConfig:
     max_model_len: int = 8192
     # Token ids a prompt may hold are 0..vocab_size-1 (the model's embedding rows); 0: unchecked.
     vocab_size: int = 0
+    # Steps a batch request may wait (in all) before it is admitted as interactive work.
+    batch_aging_steps: int = 512
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -47,6 +66,8 @@ class SchedulerConfig:
             raise ValueError("max_model_len must be at least 1")
         if self.vocab_size < 0:
             raise ValueError("vocab_size must be >= 0")
+        if self.batch_aging_steps < 1:
+            raise ValueError("batch_aging_steps must be at least 1")
 
 
 @dataclass(slots=True)
@@ -60,10 +81,21 @@ class ScheduledRequest:
 
 
 @dataclass(slots=True)
+class Preemption:
+    request_id: str
+    reason: PreemptionReason
+    service_class: ServiceClass
+    # Generated tokens it keeps (recomputed with the prompt when it runs again).
+    tokens_kept: int
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     preempted: list[str]
     num_batched_tokens: int
+    # One per id in `preempted`, with its reason.
+    preemptions: list[Preemption] = field(default_factory=list)
 
 
 class Scheduler:
@@ -77,8 +109,14 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.preemptions_by_reason = dict.fromkeys(PreemptionReason, 0)
         self._arrival: dict[str, int] = {}
         self._next_arrival = 0
+        # Preempted requests waiting to run again, by when: the latest preempted comes first.
+        self._front: dict[str, int] = {}
+        self._next_front = 0
+        # Batch requests that waited batch_aging_steps: admitted, and kept, as interactive work.
+        self._aged: set[str] = set()
         # Ended at add time (refused, or resumed complete); handed back in the next
         # update_from_output's finished list.
         self._ended_at_add: list[Request] = []
@@ -92,6 +130,14 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def num_batch_running(self) -> int:
+        return sum(1 for r in self.running if r.service_class == ServiceClass.BATCH)
+
+    @property
+    def num_batch_waiting(self) -> int:
+        return sum(1 for r in self.waiting if r.service_class == ServiceClass.BATCH)
 
     def next_step_is_full(self) -> bool:
         """The waiting requests alone would fill the next step (its token budget or its seats)."""
@@ -185,47 +231,93 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
-        preempted: list[str] = []
+        preemptions: list[Preemption] = []
+        self.waiting = deque(sorted(self.waiting, key=self._waiting_key))
+        interactive_waiting = any(self._interactive(r) for r in self.waiting)
 
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, num_new_tokens, preempted):
+            if interactive_waiting and num_new_tokens > 1 and not self._interactive(request):
+                index += 1  # a batch prefill chunk: the budget goes to the interactive request
+                continue
+            if not self._allocate_or_preempt(request, num_new_tokens, preemptions):
                 break  # it was the newest running request, so none is left after it
             scheduled.append(self._scheduled(request, num_new_tokens))
             budget -= num_new_tokens
             index += 1
 
-        # Right after a preemption the cache is full; admitting now would only thrash.
-        while (
-            not preempted
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-            and (self.state_slots is None or self.state_slots.num_free > 0)
-        ):
+        # Right after a preemption for KV the cache is full; admitting now would only thrash.
+        kv_full = bool(preemptions)
+        while not kv_full and self.waiting and budget > 0:
             request = self.waiting[0]
-            computed_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
-            num_new_tokens = min(request.num_tokens - num_hit_tokens, budget)
-            if not self.kv_cache.allocate_slots(request, num_new_tokens, computed_blocks):
-                break  # FIFO: nobody overtakes the head of the queue
-            self.waiting.popleft()
+            admitted = self._make_room(request, scheduled, preemptions)
+            if admitted is None:
+                break  # nobody overtakes the head of the queue
+            num_hit_tokens, num_new_tokens = admitted
+            self.waiting.remove(request)  # the requests it preempted went in front of it
+            self._front.pop(request.request_id, None)
             if self.state_slots is not None:
                 request.state_slot = self.state_slots.allocate(request.request_id)
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
-            bisect.insort(self.running, request, key=lambda r: self._arrival[r.request_id])
+            bisect.insort(self.running, request, key=self._running_key)
             scheduled.append(self._scheduled(request, num_new_tokens))
-            budget -= num_new_tokens
+            budget = self.config.max_num_batched_tokens - sum(i.num_new_tokens for i in scheduled)
 
+        self._age_waiting()
         return SchedulerOutput(
             scheduled=scheduled,
-            preempted=preempted,
+            preempted=[p.request_id for p in preemptions],
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            preemptions=preemptions,
         )
+
+    def _make_room(self, request: Request, scheduled: list[ScheduledRequest],
+                   preemptions: list[Preemption]) -> tuple[int, int] | None:
+        """Take a seat, a state slot and the KV blocks for admitting `request`, preempting running
+        batch requests (newest first, their chunks unscheduled) when it is interactive work.
+        Returns (its prefix-cache hit in tokens, the tokens it computes this step), or None if it
+        does not fit."""
+        while True:
+            has_seat = len(self.running) < self.config.max_num_seqs and (
+                self.state_slots is None or self.state_slots.num_free > 0)
+            if has_seat:
+                computed_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+                budget = self.config.max_num_batched_tokens - sum(i.num_new_tokens for i in scheduled)
+                num_new_tokens = min(request.num_tokens - num_hit_tokens, budget)
+                if self.kv_cache.allocate_slots(request, num_new_tokens, computed_blocks):
+                    return num_hit_tokens, num_new_tokens
+            victim = self.running[-1] if self.running else None
+            if not self._interactive(request) or victim is None or self._interactive(victim):
+                return None
+            self.running.pop()
+            scheduled[:] = [item for item in scheduled if item.request is not victim]
+            self._preempt(victim, INTERACTIVE_WAITING, preemptions)
+
+    def _interactive(self, request: Request) -> bool:
+        """Admitted and run as interactive work: interactive, or batch that has aged."""
+        return request.service_class == ServiceClass.INTERACTIVE or request.request_id in self._aged
+
+    def _waiting_key(self, request: Request) -> tuple[int, int, int, int]:
+        rank = 0 if self._interactive(request) else 1
+        front = self._front.get(request.request_id)
+        if front is not None:
+            return rank, 0, -front, 0
+        return rank, 1, request.priority, self._arrival[request.request_id]
+
+    def _running_key(self, request: Request) -> tuple[int, int]:
+        return 0 if self._interactive(request) else 1, self._arrival[request.request_id]
+
+    def _age_waiting(self) -> None:
+        for request in self.waiting:
+            request.waiting_steps += 1
+            if (request.service_class == ServiceClass.BATCH
+                    and request.waiting_steps >= self.config.batch_aging_steps):
+                self._aged.add(request.request_id)
 
     def update_from_output(
         self, output: SchedulerOutput, sampled: dict[str, int]
@@ -266,14 +358,14 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _allocate_or_preempt(self, request: Request, num_new_tokens: int, preempted: list[str]) -> bool:
+    def _allocate_or_preempt(self, request: Request, num_new_tokens: int,
+                             preemptions: list[Preemption]) -> bool:
         """Preempt the newest running requests until `request` gets its slots; False if that meant
-        preempting `request` itself. The running requests before it are already scheduled and,
-        being older, are never the ones preempted."""
+        preempting `request` itself. The running requests before it come first (interactive, then
+        older) and are never the ones preempted."""
         while not self.kv_cache.allocate_slots(request, num_new_tokens):
             victim = self.running.pop()
-            self._preempt(victim)
-            preempted.append(victim.request_id)
+            self._preempt(victim, KV_CACHE_FULL, preemptions)
             if victim is request:
                 return False
         return True
@@ -287,12 +379,17 @@ class Scheduler:
             self.state_slots.free(request.state_slot)
         request.state_slot = None
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, reason: PreemptionReason, preemptions: list[Preemption]) -> None:
         self.kv_cache.free(request)
         self._release_state_slot(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         self.num_preemptions += 1
+        self.preemptions_by_reason[reason] += 1
+        preemptions.append(Preemption(request.request_id, reason, request.service_class,
+                                      request.num_output_tokens))
+        self._front[request.request_id] = self._next_front
+        self._next_front += 1
         self.waiting.appendleft(request)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
@@ -302,3 +399,5 @@ class Scheduler:
         self._release_state_slot(request)
         del self.requests[request.request_id]
         del self._arrival[request.request_id]
+        self._front.pop(request.request_id, None)
+        self._aged.discard(request.request_id)

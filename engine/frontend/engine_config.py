@@ -37,6 +37,9 @@ class EngineConfig:
     batch_window_ms: float = 0.0
     # Model-runner ranks the model is sharded across (engine.runner.tensor_parallel); 1: one process.
     tensor_parallel: int = 1
+    # Steps a batch-class request may wait in all before the scheduler admits it as interactive
+    # work (engine.core.scheduler's aging bound).
+    batch_aging_steps: int = 512
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -51,6 +54,8 @@ class EngineConfig:
             raise ValueError("tensor_parallel must be between 1 and 64")
         if self.max_model_len < 0:
             raise ValueError("max_model_len must be >= 0")
+        if self.batch_aging_steps < 1:
+            raise ValueError("batch_aging_steps must be >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
         if self.kernels not in KERNEL_CHOICES:

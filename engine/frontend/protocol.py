@@ -81,6 +81,28 @@ StopStrings = Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)]
 StopTokenIds = Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)]
 
 
+class ServiceClass(enum.StrEnum):
+    """Who waits for the answer. The scheduler takes interactive work first and preempts running
+    batch sequences for it (engine.core.scheduler); only the batch feeder sends `batch`."""
+
+    INTERACTIVE = "interactive"
+    BATCH = "batch"
+
+
+class PreemptionReason(enum.StrEnum):
+    """Why the scheduler took a running sequence off the KV cache (engine.core.scheduler)."""
+
+    # A running sequence needed a KV block and none was free.
+    KV_CACHE_FULL = "kv_cache_full"
+    # A batch sequence gave way to a waiting interactive request (a seat, a state slot or KV room).
+    INTERACTIVE_WAITING = "interactive_waiting"
+
+
+# A request's `priority` within its class: lower runs first (as vLLM's), 0 by default.
+MIN_PRIORITY, MAX_PRIORITY = -100, 100
+Priority = Annotated[int, Meta(ge=MIN_PRIORITY, le=MAX_PRIORITY)]
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """How to pick each token of each of `n` choices; stop *strings* are matched on text by the
     worker, everything else here is token-level and the engine's."""
@@ -143,6 +165,8 @@ class EngineRequest(msgspec.Struct, frozen=True, array_like=True):
     # More requests are right behind this one (its gateway was still reading them): an idle
     # engine's batch window waits for them (engine.core.batch_window).
     more_arriving: bool = False
+    service_class: ServiceClass = ServiceClass.INTERACTIVE
+    priority: Priority = 0
 
 
 class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -159,6 +183,10 @@ class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # Wall-clock milliseconds spent computing the prompt, set on the first output.
     prefill_ms: float | None = None
     error: str | None = None
+    # Set on a token-less output when the scheduler preempted the request this step: why
+    # (engine.core.scheduler's reasons), and the generated tokens it keeps.
+    preempted: PreemptionReason | None = None
+    tokens_kept: int = 0
 
     def merged(self, later: EngineOutput) -> EngineOutput:
         """This output and the next one of the same request as one (a slow reader's backlog)."""
@@ -175,6 +203,8 @@ class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True):
             num_cached_tokens=max(self.num_cached_tokens, later.num_cached_tokens),
             prefill_ms=self.prefill_ms if self.prefill_ms is not None else later.prefill_ms,
             error=later.error or self.error,
+            preempted=later.preempted or self.preempted,
+            tokens_kept=later.tokens_kept if later.preempted else self.tokens_kept,
         )
 
 
@@ -204,6 +234,11 @@ class CoreStats(msgspec.Struct, kw_only=True):
     num_running: int = 0
     num_waiting: int = 0
     num_preemptions: int = 0
+    # Preemptions by reason (engine.core.scheduler: kv_cache_full, interactive_waiting).
+    preemptions_by_reason: dict[PreemptionReason, int] = {}
+    # Batch-class sequences running and waiting (priority classes).
+    num_batch_running: int = 0
+    num_batch_waiting: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
     # Hybrid models: linear-attention state slots (0 and 0 for models without them).

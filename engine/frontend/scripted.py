@@ -10,6 +10,8 @@ mid-request) and `fault`: fault injection for delivery tests, `"exit"` kills the
 as a crash would, `"device"` raises DeviceFault as a failing accelerator would, `"error"` ends
 that request alone with an engine error (a bad row, as the sampler reports one), whose text is the
 rule's `error_text` when given (e.g. as long as a grammar an engine's error might quote).
+`preempt` (a reason, e.g. `"interactive_waiting"`) reports, after the first token, that the
+scheduler preempted the request (it keeps its tokens and goes on), as `engine.core` does.
 Output-side features (detokenization, stop strings, reasoning and tool-call parsing, usage)
 therefore behave exactly as with a model, without running one.
 """
@@ -23,7 +25,15 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.frontend.protocol import CoreInfo, CoreStats, DeviceFault, EngineOutput, EngineRequest, FinishReason
+from engine.frontend.protocol import (
+    CoreInfo,
+    CoreStats,
+    DeviceFault,
+    EngineOutput,
+    EngineRequest,
+    FinishReason,
+    PreemptionReason,
+)
 from engine.frontend.tokenizer import Tokenizer
 
 
@@ -35,6 +45,7 @@ class Rule:
     token_delay_s: float = 0.0
     fault: str | None = None
     error_text: str = "injected request error"
+    preempt: PreemptionReason | None = None
 
 
 class ScriptedEngine:
@@ -49,14 +60,16 @@ class ScriptedEngine:
         self.max_num_seqs = max_num_seqs
         # Each running request's abort signal: an abort ends it at once, even mid-delay.
         self._running: dict[str, asyncio.Event] = {}
-        # No KV pool: no blocks, and stats that only count what runs.
+        self._preemptions = dict.fromkeys(PreemptionReason, 0)
+        # No KV pool: no blocks, and stats that only count what runs (and the preemptions reported).
         self.info = CoreInfo(model_id=model_id, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                              num_blocks=0, block_size=0, eos_token_ids=tokenizer.all_stop_token_ids,
                              max_position_embeddings=max_model_len)
 
     @property
     def stats(self) -> CoreStats:
-        return CoreStats(num_running=len(self._running))
+        return CoreStats(num_running=len(self._running), num_preemptions=sum(self._preemptions.values()),
+                         preemptions_by_reason=dict(self._preemptions))
 
     def free_slots(self) -> int:
         return max(self.max_num_seqs - len(self._running), 0)
@@ -111,6 +124,10 @@ class ScriptedEngine:
                 yield EngineOutput(request.request_id, [token], finished=last, finish_reason=reason,
                                    num_prompt_tokens=len(request.prompt_token_ids),
                                    prefill_ms=0.0 if i == start else None)
+                if rule.preempt is not None and i == start and not last:
+                    preempted = PreemptionReason(rule.preempt)
+                    self._preemptions[preempted] += 1
+                    yield EngineOutput(request.request_id, [], preempted=preempted, tokens_kept=i + 1)
         finally:
             self._running.pop(request.request_id, None)
 

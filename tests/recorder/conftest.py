@@ -67,6 +67,13 @@ def finished(request_id: str, **fields: Any) -> wire.RunFinished:
     return wire.RunFinished(request_id=request_id, **{**defaults, **fields})
 
 
+def preempted(request_id: str, **fields: Any) -> wire.RunPreempted:
+    defaults: dict[str, Any] = dict(
+        model="tiny", node="node-a", reason="interactive_waiting", service_class="batch", tokens_kept=5,
+    )  # fmt: skip
+    return wire.RunPreempted(request_id=request_id, **{**defaults, **fields})
+
+
 def admission(request_id: str, **fields: Any) -> wire.AdmissionDecided:
     defaults: dict[str, Any] = dict(
         model="tiny", node="gateway", principal="alice", decision="admitted", pending=1, in_flight=1, waited_ms=2.5,

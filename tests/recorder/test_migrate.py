@@ -21,7 +21,8 @@ async def _ledger(url: str) -> list[tuple[int, str]]:
 
 
 SHIPPED = ["0001_events_and_runs", "0002_admission_nodes_bench", "0003_dead_letters", "0004_run_attempts",
-           "0005_responses", "0006_response_bounds", "0007_app_roles", "0008_files"]
+           "0005_responses", "0006_response_bounds", "0007_app_roles", "0008_files",
+           "0009_preemptions"]
 LEDGER = [(int(name[:4]), name) for name in SHIPPED]
 
 
@@ -36,7 +37,7 @@ async def test_applies_once_then_nothing(database_url: str) -> None:
     finally:
         await conn.close()
     assert {"events", "runs", "admission_events", "nodes", "bench_runs", "scores", "dead_letters", "run_attempts",
-            "schema_migrations"} <= tables
+            "preemptions", "schema_migrations"} <= tables
 
 
 async def test_concurrent_migrators_apply_each_file_once(database_url: str) -> None:

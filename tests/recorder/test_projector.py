@@ -18,6 +18,7 @@ from tests.recorder.conftest import (
     bench_run,
     finished,
     node_status,
+    preempted,
     response_deleted,
     response_stored,
     score,
@@ -151,18 +152,29 @@ async def test_a_republished_bench_run_keeps_its_latest_copy(conn: asyncpg.Conne
     assert row["results"] == '{"decode_tok_s": 60.0}'
 
 
+async def test_a_preemption_is_a_row_with_its_reason(conn: asyncpg.Connection) -> None:
+    first, second = preempted("r9", tokens_kept=3), preempted("r9", reason="kv_cache_full", tokens_kept=8)
+    assert await project(conn, _batch(first, second, first)) == 2
+    rows = await conn.fetch("SELECT request_id, model, node, reason, service_class, tokens_kept FROM preemptions "
+                            "ORDER BY tokens_kept")
+    assert [tuple(r) for r in rows] == [("r9", "tiny", "node-a", "interactive_waiting", "batch", 3),
+                                        ("r9", "tiny", "node-a", "kv_cache_full", "batch", 8)]
+
+
 async def test_rebuild_recomputes_every_projection_from_events(conn: asyncpg.Connection) -> None:
     run = [finished("r8", attempt=2, ts=9.0), started("r8", ts=1.0), started("r8", attempt=2, ts=5.0)]
     await project(conn, _batch(*run))
     await project(conn, _batch(admission("r8"), node_status("node-a"), bench_run("b3"), score("b3", "quality", 7.0)))
     await project(conn, _batch(response_stored("resp_1"), response_deleted("resp_1"), response_stored("resp_2")))
     await project(conn, _batch(file_created("file-1"), file_deleted("file-1"), file_created("file-2")))
+    await project(conn, _batch(preempted("r8")))
     before = {t: [tuple(r) for r in await conn.fetch(f"SELECT * FROM {t} ORDER BY 1, 2")] for t in PROJECTIONS}
     await conn.execute("UPDATE runs SET status = 'bogus'; DELETE FROM nodes; DELETE FROM scores; "
                        "DELETE FROM responses; DELETE FROM files")
 
     assert await rebuild(conn) == {"runs": 1, "run_attempts": 2, "admission_events": 1, "nodes": 1, "bench_runs": 1,
-                                   "scores": 1, "responses": 2, "files": 2}
+                                   "scores": 1, "responses": 2, "files": 2,
+                                   "preemptions": 1}
     after = {t: [tuple(r) for r in await conn.fetch(f"SELECT * FROM {t} ORDER BY 1, 2")] for t in PROJECTIONS}
     assert after == before
     row = await conn.fetchrow("SELECT attempt, status, started_at, finished_at, last_event_at FROM runs")

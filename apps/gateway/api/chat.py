@@ -46,6 +46,7 @@ def to_bus_request(req: oa.ChatCompletionRequest, request_id: str,
         principal=principal,
         api=Api.CHAT_COMPLETIONS,
         tools=req.tool_dicts(),
+        priority=req.priority,
     )
 
 

@@ -46,6 +46,7 @@ def to_bus_request(req: oa.CompletionRequest, request_id: str, principal: str | 
         stream=req.stream,
         api=Api.COMPLETIONS,
         principal=principal,
+        priority=req.priority,
     )
 
 

@@ -120,6 +120,8 @@ class GenerationParams(StructuredOutputFields, kw_only=True):
     ignore_eos: bool | None = None
     n: p.Choices | None = None
     user: str | None = None
+    # Order among this server's interactive requests, lower first (vLLM's `priority`).
+    priority: p.Priority = 0
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:

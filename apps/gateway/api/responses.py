@@ -200,6 +200,7 @@ def to_bus_request(req: rs.ResponsesRequest, response_id: str, principal: str | 
         request_id=response_id, model=req.model, reply_subject="", messages=messages,
         tools=offered.functions or None, tool_required=tool_required, tool_name=tool_name,
         sampling=sampling_params(req), stream=req.stream, principal=principal, api=Api.RESPONSES,
+        priority=req.priority,
     ), offered
 
 

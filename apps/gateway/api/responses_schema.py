@@ -151,6 +151,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     max_output_tokens: p.TokenCount | None = None
     temperature: p.Temperature | None = None
     top_p: p.TopP | None = None
+    # Order among this server's interactive requests, lower first (vLLM's `priority`).
+    priority: p.Priority = 0
     top_logprobs: p.TopLogprobs | None = None
     # Tools by type, read by `responses_tools`: functions, namespaces of functions, hosted tools.
     tools: Annotated[list[dict[str, Any]], Meta(max_length=MAX_TOOLS)] | None = None
