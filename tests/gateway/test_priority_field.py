@@ -31,7 +31,7 @@ def completion_request(**fields: Any) -> wire.GenerateRequest:
 def response_request(**fields: Any) -> wire.GenerateRequest:
     body = {"model": "m", "input": "hi", **fields}
     req = decode_body(msgspec.json.encode(body), rs.ResponsesRequest)
-    return responses.to_bus_request(req, "resp_r", None, [], responses.parse_items(req.input, "input"))
+    return responses.to_bus_request(req, "resp_r", None, [], responses.parse_items(req.input, "input"))[0]
 
 
 BUILDERS = [chat_request, completion_request, response_request]
