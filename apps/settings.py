@@ -233,7 +233,7 @@ class WorkerSettings:
     heartbeat_s: float = field(default_factory=lambda: _env_float("HELEXA_HEARTBEAT_S", 2.0))
     # A stream's tokens within this window after a frame go out together as one frame (its first
     # token never waits; apps/worker/replies.py); 0 sends every delta as it comes.
-    frame_window_ms: float = field(default_factory=lambda: _env_float("HELEXA_FRAME_WINDOW_MS", 10.0))
+    frame_window_ms: float = field(default_factory=lambda: _env_float("HELEXA_FRAME_WINDOW_MS", 20.0))
     # Memory this worker offers for models loaded on request (0: what the machine has).
     memory_mb: int = field(default_factory=lambda: _env_int("HELEXA_WORKER_MEMORY_MB", 0))
     # Hot-op implementation: auto (Triton on CUDA, the C++ CPU kernels on CPU), torch, triton or cpu.
