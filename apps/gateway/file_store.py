@@ -24,13 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
-import secrets
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import asyncpg
 import msgspec
@@ -41,13 +39,15 @@ from nats.js.object_store import ObjectStore
 from apps.bus import topology, wire
 from apps.bus.codes import ErrorCode, ServingError, Unavailable, unavailable
 from apps.bus.object_streams import put_stream, read_stream
+from apps.gateway.capability_ids import CapabilityIds
 from apps.gateway.projection_notices import FALLBACK_RECHECK_S, ProjectionNotices
+from apps.gateway.response_store import Events
 from apps.recorder.projector import FILES_CHANNEL
 
 log = logging.getLogger("helexa.gateway")
 
-ID_PREFIX = "file-"
-_ID = re.compile(r"file-[0-9a-f]{44}")
+FILE_IDS = CapabilityIds("file-")
+ID_PREFIX = FILE_IDS.prefix
 PURPOSES = ("batch", "user_data")
 # This gateway's own files and deletions kept until the ledger has them.
 _RECENT_MAX = 10_000
@@ -80,22 +80,8 @@ class FileLimits:
     max_bytes_per_principal: int = 1 << 30
 
 
-class Events(Protocol):
-    def emit(self, event: wire.AnyEvent) -> None: ...
-
-    def check_room(self, model: str | None = None) -> None: ...
-
-
-def new_file_id() -> str:
-    return f"{ID_PREFIX}{time.time_ns() // 1_000_000:012x}{secrets.token_hex(16)}"
-
-
-def valid_id(file_id: str) -> bool:
-    return _ID.fullmatch(file_id) is not None
-
-
-def _made_at_s(file_id: str) -> float:
-    return int(file_id[len(ID_PREFIX):len(ID_PREFIX) + 12], 16) / 1000.0
+new_file_id = FILE_IDS.new
+valid_id = FILE_IDS.valid
 
 
 @dataclass(slots=True, frozen=True)
@@ -360,7 +346,7 @@ class FileStore:
         """The file from the ledger, else this gateway's recent ones, else (made moments ago,
         through another gateway) from the ledger once the recorder announces it."""
         found = await self._one_or_recent(file_id)
-        made = _made_at_s(file_id)
+        made = FILE_IDS.made_at_s(file_id) or 0.0
         if found is not None or not made - 1.0 <= time.time() < made + self.projection_wait_s:
             return found
         async with self._notices.expecting(file_id) as arrived:

@@ -31,8 +31,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
-import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -42,14 +40,14 @@ import asyncpg
 
 from apps.bus import wire
 from apps.bus.codes import ErrorCode, ServingError, Unavailable, unavailable
+from apps.gateway.capability_ids import CapabilityIds
 from apps.gateway.projection_notices import FALLBACK_RECHECK_S, ProjectionNotices
 
 log = logging.getLogger("helexa.gateway")
 
-ID_PREFIX = "resp_"
-_RANDOM_BYTES = 16
 # Ids made now (44 hex digits), and the UUIDv7 ids of earlier versions (32) still in ledgers.
-_ID = re.compile(r"resp_(?:[0-9a-f]{44}|[0-9a-f]{32})")
+RESPONSE_IDS = CapabilityIds("resp_", also_valid="[0-9a-f]{32}")
+ID_PREFIX = RESPONSE_IDS.prefix
 
 _ONE = """
 SELECT response_id, principal, previous_response_id, input_items, response, deleted_at, event_id, stored_bytes
@@ -93,26 +91,16 @@ class StoreLimits:
 
 
 class Events(Protocol):
-    """Where the store's events go (`apps.gateway.events.EventPublisher`)."""
+    """Where a store's events go (`apps.gateway.events.EventPublisher`); the file store's too."""
 
     def emit(self, event: wire.AnyEvent) -> None: ...
 
     def check_room(self, model: str | None = None) -> None: ...
 
 
-def new_response_id() -> str:
-    return f"{ID_PREFIX}{time.time_ns() // 1_000_000:012x}{secrets.token_hex(_RANDOM_BYTES)}"
-
-
-def valid_id(response_id: str) -> bool:
-    return _ID.fullmatch(response_id) is not None
-
-
-def created_at_s(response_id: str) -> float | None:
-    """When an id was made (its first 48 bits are Unix milliseconds); None for a malformed id."""
-    if not valid_id(response_id):
-        return None
-    return int(response_id[len(ID_PREFIX):len(ID_PREFIX) + 12], 16) / 1000.0
+new_response_id = RESPONSE_IDS.new
+valid_id = RESPONSE_IDS.valid
+created_at_s = RESPONSE_IDS.made_at_s
 
 
 def stored_size(input_items: list[dict[str, Any]], response: dict[str, Any]) -> int:
