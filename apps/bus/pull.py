@@ -11,7 +11,9 @@ A pull request ends when its batch is full or with a status message (404 no mess
 messages (`max_bytes`): the server then stops before the message that would exceed it, which stays
 for the next pull. Messages that arrive after a request was given up on (a reply slower
 than our wait) are kept and handed out with the next batch; they are delivered and waiting for an
-ack like any other.
+ack like any other. No call returns more than the batch it asked for.
+
+The recorder and the worker's intake (`apps.worker.intake`) both pull this way.
 """
 
 from __future__ import annotations
@@ -90,8 +92,7 @@ class BatchPuller:
             left = None if max_bytes is None else max_bytes - _size(self._arrived)
             if left is None or left > 0:
                 await self._pull(batch - 1, timeout, no_wait=True, max_bytes=left)
-        msgs, self._arrived = self._arrived, []
-        return msgs
+        return self._take(batch)
 
     async def take_ready(self, batch: int, reply_wait_s: float = 1.0, max_bytes: int | None = None) -> list[Msg]:
         """Up to about `batch` messages (and about `max_bytes`) that are there now; never waits for
@@ -99,7 +100,12 @@ class BatchPuller:
         left = None if max_bytes is None else max_bytes - _size(self._arrived)
         if batch > len(self._arrived) and (left is None or left > 0):
             await self._pull(batch - len(self._arrived), reply_wait_s, no_wait=True, max_bytes=left)
-        msgs, self._arrived = self._arrived, []
+        return self._take(batch)
+
+    def _take(self, batch: int) -> list[Msg]:
+        """Never more than `batch` (a worker pulls only what it has slots for): any more that came
+        late wait for the next call."""
+        msgs, self._arrived = self._arrived[:batch], self._arrived[batch:]
         return msgs
 
 

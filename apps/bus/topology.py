@@ -379,12 +379,11 @@ async def node_registry(js: JetStreamContext, limits: BusLimits) -> KeyValue:
         )
 
 
-async def worker_subscription(
-    js: JetStreamContext, model: str, limits: BusLimits
-) -> JetStreamContext.PullSubscription:
+async def worker_puller(nc: NatsClient, model: str, limits: BusLimits) -> BatchPuller:
+    """Batches from `model`'s shared worker consumer, declared (or converged) first."""
     config = worker_consumer_config(model, limits.request_ack_wait_s, limits.max_deliver)
-    await js.add_consumer(REQUESTS_STREAM, config=config)
-    return await js.pull_subscribe_bind(durable=worker_consumer(model), stream=REQUESTS_STREAM)
+    await nc.jetstream().add_consumer(REQUESTS_STREAM, config=config)
+    return await BatchPuller(nc, REQUESTS_STREAM, worker_consumer(model)).start()
 
 
 def max_deliveries_advisories() -> str:

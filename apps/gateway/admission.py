@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
-from apps.bus import wire
+from apps.bus import event_builders, wire
 from apps.bus.codes import ErrorCode, ServingError, retry_after_s
 from apps.bus.wire import AdmissionDecision
 from apps.gateway.metrics import GatewayMetrics
@@ -222,9 +222,11 @@ class Admissions:
 
     async def _admit(self, admission: Admission, model: str, request_id: str, principal: str | None,
                      weight: int, kind: str | None = None) -> Ticket:
-        def decided(decision: AdmissionDecision, **fields: object) -> wire.AdmissionDecided:
-            return wire.AdmissionDecided(model=model, node="gateway", request_id=request_id, principal=principal,
-                                         decision=decision, detail=kind, **fields)  # type: ignore[arg-type]  # each call passes its decision's fields
+        def decided(decision: AdmissionDecision, pending: int, in_flight: int, retry_after_s: float | None = None,
+                    waited_ms: float = 0.0) -> wire.AdmissionDecided:
+            return event_builders.admission_decided(model, request_id, principal, decision, pending=pending,
+                                                    in_flight=in_flight, detail=kind, retry_after_s=retry_after_s,
+                                                    waited_ms=waited_ms)
 
         try:
             ticket = await admission.acquire(principal, weight)

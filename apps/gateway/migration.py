@@ -24,7 +24,7 @@ import time
 import msgspec
 import nats.errors
 
-from apps.bus import topology, wire
+from apps.bus import event_builders, topology, wire
 from apps.bus.codes import ErrorCode, FinishReason, RunStatus, ServingError
 from apps.gateway.bus_client import GatewayBus
 from apps.gateway.events import EventPublisher
@@ -104,11 +104,7 @@ class Migrator:
                         prompt_tokens: int = 0, completion_tokens: int = 0, served: bool | None = None) -> None:
         """The ledger's RunFinished for a run no worker can report: it died serving it (under
         `worker_lost`: run events are the workers' own)."""
-        self._events.emit(wire.RunFinished(
-            model=request.model, node=node, request_id=request.request_id, api=request.api,
-            principal=request.principal, status=RunStatus.ERROR, finish_reason=FinishReason.ERROR,
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens, cached_tokens=0, attempt=max(attempt, 1), queue_ms=0.0,
-            ttft_ms=None, prefill_ms=0.0, decode_ms=0.0,
-            e2e_ms=round((time.time() - request.created_at) * 1000.0, 3), error=error, served=served,
+        self._events.emit(event_builders.run_finished(
+            request, node=node, attempt=max(attempt, 1), status=RunStatus.ERROR, finish_reason=FinishReason.ERROR,
+            error=error, served=served, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
         ), subject_kind=topology.WORKER_LOST)

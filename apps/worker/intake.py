@@ -1,9 +1,10 @@
 """Worker intake (runs in the worker process): the step between JetStream and a model's serving loop.
 
-It pulls from the model's shared consumer only as many messages as the loop has free slots, so
-JetStream spreads work across the workers of a model by capacity with no router of our own. It
-decodes each message, fetches a body too large for its message from the Object Store, and hands
-the loop (`ModelLoop`) each request it may serve as a `Held`. It settles messages for good (ack,
+It pulls from the model's shared consumer (through `apps.bus.pull.BatchPuller`, as the recorder
+does) only as many messages as the loop has free slots, so JetStream spreads work across the
+workers of a model by capacity with no router of our own. It decodes each message, fetches a body
+too large for its message from the Object Store, and hands the loop (`ModelLoop`) each request it
+may serve as a `Held`. It settles messages for good (ack,
 or term with the large body deleted) and hands them back (nak) when the worker stops.
 
 The engine never sees a request id twice: a redelivery of a message still running here is left to
@@ -20,7 +21,6 @@ import contextlib
 import logging
 from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 import nats.errors
@@ -30,6 +30,7 @@ from nats.js import JetStreamContext
 
 from apps.bus import large_requests, topology, wire
 from apps.bus.codes import ErrorCode
+from apps.bus.pull import BatchPuller
 from apps.worker import liveness
 from apps.worker.choices import engine_request_ids
 from apps.worker.replies import Replier
@@ -101,8 +102,8 @@ class Intake:
         self.bus = bus
         self._free_slots = free_slots
         self._begin_run = begin
-        subscription = await topology.worker_subscription(bus.js, self.model_id, bus.limits)
-        self._pulling = asyncio.create_task(self._pull_loop(subscription))
+        puller = await topology.worker_puller(bus.nc, self.model_id, bus.limits)
+        self._pulling = asyncio.create_task(self._pull_loop(puller))
 
     async def stop(self) -> None:
         """Pull nothing more."""
@@ -114,7 +115,7 @@ class Intake:
         """Look for requests again now (a slot was freed, or the engine has slots again)."""
         self._slot_freed.set()
 
-    async def _pull_loop(self, subscription: Any) -> None:
+    async def _pull_loop(self, puller: BatchPuller) -> None:
         stopping = asyncio.create_task(self._stop.wait())
         try:
             while not self._stop.is_set():
@@ -126,9 +127,7 @@ class Intake:
                     freed.cancel()
                     continue
                 try:
-                    msgs = await subscription.fetch(batch=free, timeout=1.0)
-                except TimeoutError:  # nats-py raises its own or asyncio's; both are TimeoutError
-                    continue
+                    msgs = await puller.fetch(free, timeout=1.0)  # [] when nothing came
                 except nats.errors.Error as exc:
                     log.warning("fetch failed", extra={"model": self.model_id, "error": str(exc)})
                     await asyncio.wait({stopping}, timeout=1.0)
@@ -137,10 +136,8 @@ class Intake:
                     self._start(msg)
         finally:
             stopping.cancel()
-            try:
-                await subscription.unsubscribe()
-            except nats.errors.Error:
-                pass
+            with contextlib.suppress(nats.errors.Error):
+                await puller.stop()
 
     def _start(self, msg: Msg) -> None:
         try:

@@ -28,8 +28,8 @@ import time
 import nats.errors
 from nats.aio.msg import Msg
 
-from apps.bus import topology, wire
-from apps.bus.codes import ErrorCode, ModelState, ServingError
+from apps.bus import event_builders, topology, wire
+from apps.bus.codes import ErrorCode, ServingError
 from apps.bus.publish import publish_event
 from apps.settings import WorkerSettings
 from apps.worker import liveness
@@ -137,10 +137,9 @@ class ModelLoop:
             # Its client has already been answered (a 503 or a hang-up): nobody waits for it.
             log.info("dropped request nobody waits for", extra={"request_id": request.request_id})
             await self.intake.settle(msg, held.ref, terminate=True)
-            await publish_event(self.bus.js, wire.AdmissionDecided(
-                model=request.model, node=self.bus.node, request_id=request.request_id,
-                principal=request.principal,
-                decision=wire.AdmissionDecision.CANCELLED if cancelled else wire.AdmissionDecision.TIMEOUT,
+            decision = wire.AdmissionDecision.CANCELLED if cancelled else wire.AdmissionDecision.TIMEOUT
+            await publish_event(self.bus.js, event_builders.admission_decided(
+                request.model, request.request_id, request.principal, decision, node=self.bus.node,
                 detail="dropped by the worker: nobody waits for it", pending=len(self.active),
                 in_flight=len(self.active),
             ), subject_kind=topology.DROPPED)  # admission events are the gateways' own
@@ -204,35 +203,3 @@ class ModelLoop:
             return 0
         promised = sum(r.sampling.n for r in self.requests.values()) + self.intake.fetching
         return max(self.engine.max_num_seqs - promised, 0)
-
-    def status(self) -> wire.ModelStatus:
-        limits = self.context.derive()
-        stats = self.engine.stats
-        return wire.ModelStatus(
-            model=self.model_id,
-            max_model_len=limits.context,
-            max_input_tokens=limits.input,
-            max_output_tokens=limits.output,
-            slots=self.engine.max_num_seqs,
-            free_slots=self.free_slots(),
-            num_running=stats.num_running,
-            num_waiting=stats.num_waiting,
-            kv_usage=round(stats.kv_usage, 4),
-            prefix_queries=stats.prefix_queries,
-            prefix_hits=stats.prefix_hits,
-            batch_running=stats.num_batch_running,
-            batch_waiting=stats.num_batch_waiting,
-            preemptions=dict(stats.preemptions_by_reason),
-            state_slots=stats.num_state_slots,
-            free_state_slots=stats.num_free_state_slots,
-            state=ModelState.POISONED if self.poisoned is not None else ModelState.READY,
-            # The node entry (a KV write) carries it: bounded like every error text.
-            detail=wire.bounded_text(self.poisoned) if self.poisoned is not None else None,
-            prefill_tok_per_s=round(self.context.prefill_tok_per_s, 1),
-            memory_mb=self.memory_mb,
-            vocab_size=self.tokenizer.vocab_size,
-            dtype=self.engine.info.dtype,
-            dtype_reason=self.engine.info.dtype_reason,
-            grammar_compiles=stats.grammar_compiles + self.model.grammars.started,
-            grammar_cache_hits=stats.grammar_cache_hits,
-        )

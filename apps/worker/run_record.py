@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from apps.bus import wire
+from apps.bus import event_builders, wire
 from apps.bus.codes import RunStatus
 from engine.frontend.protocol import FinishReason, PreemptionReason
 
@@ -76,27 +76,13 @@ class RunRecord:
 
     def finished_event(self, status: RunStatus, finish_reason: FinishReason,
                        error: str | None = None, served: bool = True) -> wire.RunFinished:
-        end = self.finished_at or time.time()
         usage = self.usage()
         ttft = (self.first_token_at - self.request.created_at) * 1000.0 if self.first_token_at else None
-        return wire.RunFinished(
-            model=self.request.model,
-            node=self.node,
-            request_id=self.request.request_id,
-            api=self.request.api,
-            principal=self.request.principal,
-            status=status,
-            finish_reason=finish_reason,
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=self.completion_tokens,
-            cached_tokens=self.cached_tokens,
-            attempt=self.attempt,
-            queue_ms=usage.queue_ms,
-            ttft_ms=round(ttft, 3) if ttft is not None else None,
-            prefill_ms=usage.prefill_ms,
-            decode_ms=usage.decode_ms,
-            e2e_ms=round((end - self.request.created_at) * 1000.0, 3),
-            error=_engine_error(error),
-            reasoning_tokens=self.reasoning_tokens,
-            served=served,
+        return event_builders.run_finished(
+            self.request, node=self.node, attempt=self.attempt, status=status, finish_reason=finish_reason,
+            error=_engine_error(error), served=served, prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens, cached_tokens=self.cached_tokens,
+            reasoning_tokens=self.reasoning_tokens, queue_ms=usage.queue_ms,
+            ttft_ms=round(ttft, 3) if ttft is not None else None, prefill_ms=usage.prefill_ms,
+            decode_ms=usage.decode_ms, ended_at=self.finished_at,
         )

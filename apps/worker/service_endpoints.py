@@ -10,7 +10,6 @@ measured first, so one past the server's max_payload is refused here, not by the
 from __future__ import annotations
 
 import asyncio
-import importlib.metadata
 import json
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Set
 from typing import Any
@@ -26,15 +25,9 @@ from apps.bus.codes import ErrorCode, ServingError
 from apps.bus.publish import TooLarge, publish_event, respond
 from apps.worker import token_service
 from apps.worker.model_loop import ModelLoop
+from apps.worker.node_status import helexa_version, model_status
 from apps.worker.replies import CollectingReplier
 from apps.worker.run import ServedModel
-
-
-def helexa_version() -> str:
-    try:
-        return importlib.metadata.version("helexa")
-    except importlib.metadata.PackageNotFoundError:
-        return "dev"
 
 
 async def _answer(req: ServiceRequest, data: bytes) -> None:
@@ -154,6 +147,6 @@ class ServiceEndpoints:
             reply: dict[str, Any] = {"ok": True}
         except ServingError as exc:
             reply = {"ok": False, "error": exc.message}
-        reply.update(node=self.node, models=[msgspec.to_builtins(s.status()) for s in self.models.values()],
+        reply.update(node=self.node, models=[msgspec.to_builtins(model_status(s)) for s in self.models.values()],
                      loading=sorted(self.loading))
         await _answer(req, json.dumps(reply).encode())

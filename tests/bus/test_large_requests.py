@@ -73,12 +73,12 @@ def request_of_size(size: int, request_id: str = "big-1", reply_subject: str = "
 
 async def take_one(nc: NatsClient) -> Msg:
     """The next REQUESTS message of MODEL, as a worker's pull would get it."""
-    subscription = await topology.worker_subscription(nc.jetstream(), MODEL, BusLimits())
+    puller = await topology.worker_puller(nc, MODEL, BusLimits())
     try:
-        (msg,) = await subscription.fetch(batch=1, timeout=10)
+        (msg,) = await puller.fetch(1, timeout=10)
         return msg
     finally:
-        await subscription.unsubscribe()
+        await puller.stop()
 
 
 async def object_exists(nc: NatsClient, name: str) -> bool:

@@ -110,7 +110,7 @@ async def test_a_worker_takes_requests_only_through_its_consumer(nats_server: Na
 
         # Its model's consumer hands it the gateway's request.
         worker.refused.clear()
-        pulled = await topology.worker_subscription(worker.nc.jetstream(), MODEL, topology.BusLimits())
+        pulled = await topology.worker_puller(worker.nc, MODEL, topology.BusLimits())
         await gateway.nc.jetstream().publish(topology.request_subject(MODEL), wire.encode(request))
         (msg,) = await pulled.fetch(1, timeout=10)
         assert wire.request_decoder.decode(msg.data).request_id == "roles-1"

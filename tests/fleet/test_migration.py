@@ -208,16 +208,12 @@ async def _gap_worker(nats_url: str, model: str, node: str, stop: asyncio.Event)
         js = nc.jetstream()
         limits = bus_limits()
         kv = await topology.node_registry(js, limits)
-        subscription = await topology.worker_subscription(js, model, limits)
+        puller = await topology.worker_puller(nc, model, limits)
         status = wire.NodeStatus(node=node, version="test", models=[wire.ModelStatus(model=model, slots=4,
                                                                                      free_slots=4)])
         while not stop.is_set():
             await kv.put(node, wire.encode(msgspec.structs.replace(status, updated_at=time.time())))
-            try:
-                messages = await subscription.fetch(1, timeout=0.5)
-            except TimeoutError:
-                continue
-            for msg in messages:
+            for msg in await puller.fetch(1, timeout=0.5):
                 request = wire.request_decoder.decode(msg.data)
                 attempt = request.attempt - 1 + msg.metadata.num_delivered
                 have = len(request.resume[0].token_ids) if request.resume else 0

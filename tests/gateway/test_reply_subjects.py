@@ -41,7 +41,7 @@ async def worker(server: NatsServer, name: str) -> NatsClient:
 
 async def take(nc: NatsClient) -> wire.GenerateRequest:
     """The next request of MODEL through its consumer, acked at once."""
-    pulled = await topology.worker_subscription(nc.jetstream(), MODEL, LIMITS)
+    pulled = await topology.worker_puller(nc, MODEL, LIMITS)
     (msg,) = await pulled.fetch(1, timeout=10)
     await msg.ack()
     return wire.request_decoder.decode(msg.data)

@@ -26,6 +26,7 @@ from apps.bus.codes import ErrorCode, ModelState
 from apps.bus.topology import BusLimits
 from apps.embedded import free_port
 from apps.embedded.nats_server import NatsServer, nats_server_binary
+from apps.worker.node_status import model_status
 from apps.worker.process import EXIT_BUS_LOST
 from engine.frontend.tokenizer import Tokenizer
 from tests.support import AppProcess, eventually_async
@@ -132,7 +133,7 @@ async def test_a_failing_preparation_is_an_error_frame_and_a_term_and_poisons_no
             await asyncio.wait_for(fine.ended.wait(), 20)
             clean_stream(fine)
             assert fine.text() == "fine"
-            assert process.models[MODEL].status().state == ModelState.READY
+            assert model_status(process.models[MODEL]).state == ModelState.READY
         finally:
             await nc.close()
 
