@@ -51,7 +51,7 @@ from pathlib import Path
 import asyncpg
 import nats.errors
 
-from apps.bus import roles, topology
+from apps.bus import connection, roles
 from apps.embedded import port_is_free, stable_port, stored_port
 from apps.embedded.data_dir import AlreadyRunning, UpLock, display_path, write_env
 from apps.embedded.nats_server import NatsServer
@@ -301,7 +301,7 @@ def _child_env(base: dict[str, str], app: str, nats_urls: dict[str, str],
 def _declare_topology(url: str, embedded: bool) -> None:
     """The streams, as the administrator (of `up`'s own server), or tried with an external NATS_URL."""
     try:
-        asyncio.run(asyncio.wait_for(topology.setup(url, bus_limits()), None if embedded else EXTERNAL_SETUP_S))
+        asyncio.run(asyncio.wait_for(connection.setup(url, bus_limits()), None if embedded else EXTERNAL_SETUP_S))
     except (OSError, TimeoutError, nats.errors.Error) as exc:
         if embedded:
             raise StartFailed(f"helexa: cannot declare the bus topology on NATS: {exc!r}") from None
