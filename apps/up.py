@@ -59,7 +59,7 @@ from apps.embedded.postgres import PostgresServer, psql_binary
 from apps.embedded.tether import dies_with_us
 from apps.fleet.operator import without_password
 from apps.logs import announce_ready
-from apps.settings import BENCH_NATS_URL, GatewaySettings, bus_limits, data_dir, services_nice
+from apps.settings import BENCH_NATS_URL, GatewaySettings, bus_limits, data_dir, services_nice, up_settings
 
 log = logging.getLogger("helexa.up")
 
@@ -338,7 +338,8 @@ def run_up(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     folder = Path(args.data_dir).resolve() if args.data_dir else data_dir()
-    env = dict(os.environ)
+    settings = up_settings()
+    env = dict(settings.inherited_env)
     if args.port:
         env["HELEXA_PORT"] = str(args.port)
     if args.model:
@@ -367,7 +368,7 @@ def run_up(args: argparse.Namespace) -> int:
             return 1
         try:
             nats_dir, pg_dir = folder / "nats", folder / "postgres"
-            exported_nats = os.environ.get("NATS_URL", "").strip()
+            exported_nats = settings.exported_nats_url
             nats_embedded = _embedded(exported_nats, nats_dir, lambda p: {
                 NatsServer(nats_dir, p).url, NatsServer(nats_dir, p).url_for(roles.OPERATOR)})
             if nats_embedded:
@@ -385,7 +386,7 @@ def run_up(args: argparse.Namespace) -> int:
                 admin_nats = exported_nats
                 nats_urls = dict.fromkeys(roles.ROLES, exported_nats)
             _declare_topology(admin_nats, nats_embedded)
-            exported_database = os.environ.get("DATABASE_URL", "").strip()
+            exported_database = settings.exported_database_url
             postgres: PostgresServer | None = None
             if _embedded(exported_database, pg_dir, lambda p: {
                     PostgresServer(pg_dir, p).url, PostgresServer(pg_dir, p).role_url("reader")}):
