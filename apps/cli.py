@@ -188,7 +188,7 @@ def cmd_bus(args: argparse.Namespace) -> None:
     [ROLE=USER ...]`: print a nats-server authorization block of the roles (apps.bus.roles)."""
     import nats.errors
 
-    from apps.bus import roles, topology
+    from apps.bus import connection, roles, topology
     from apps.fleet import bus_watch, operator
     from apps.settings import GatewaySettings, bus_limits
 
@@ -203,14 +203,14 @@ def cmd_bus(args: argparse.Namespace) -> None:
     if args.action == "setup":
         url = GatewaySettings().nats_url
         try:
-            asyncio.run(topology.setup(url, bus_limits()))
+            asyncio.run(connection.setup(url, bus_limits()))
         except TimeoutError:
             # JetStream never answers a request NATS refused the user (logged above when it is that).
-            raise SystemExit(f"helexa bus setup: the streams were not declared at {topology.without_password(url)}; "
+            raise SystemExit(f"helexa bus setup: the streams were not declared at {connection.without_password(url)}; "
                              "NATS_URL must be an administrator's (an app's or the operator's user may not)") from None
         except (OSError, nats.errors.Error) as exc:
             raise SystemExit(str(operator.unreachable("NATS", "NATS_URL", url, exc))) from None
-        log.info("bus topology declared", extra={"nats": topology.without_password(url)})
+        log.info("bus topology declared", extra={"nats": connection.without_password(url)})
         return
 
     async def main() -> None:

@@ -358,3 +358,19 @@ def migrations_dir() -> Path:
     """The numbered SQL migrations: the repo's `migrations/` unless HELEXA_MIGRATIONS_DIR names another."""
     default = Path(__file__).resolve().parents[1] / "migrations"
     return Path(_env("HELEXA_MIGRATIONS_DIR", str(default))).resolve()
+
+
+@dataclass(frozen=True, slots=True)
+class UpSettings:
+    """What `helexa up` takes from its environment: the NATS and PostgreSQL an operator exported
+    (empty: `up` starts its own) and the environment its apps inherit (each child's own role
+    credentials are set over it)."""
+
+    exported_nats_url: str
+    exported_database_url: str
+    inherited_env: dict[str, str]
+
+
+def up_settings() -> UpSettings:
+    return UpSettings(exported_nats_url=_env("NATS_URL", ""), exported_database_url=_env("DATABASE_URL", ""),
+                      inherited_env=dict(os.environ))

@@ -51,7 +51,7 @@ from pathlib import Path
 import asyncpg
 import nats.errors
 
-from apps.bus import roles, topology
+from apps.bus import connection, roles
 from apps.embedded import port_is_free, stable_port, stored_port
 from apps.embedded.data_dir import AlreadyRunning, UpLock, display_path, write_env
 from apps.embedded.nats_server import NatsServer
@@ -59,7 +59,7 @@ from apps.embedded.postgres import PostgresServer, psql_binary
 from apps.embedded.tether import dies_with_us
 from apps.fleet.operator import without_password
 from apps.logs import announce_ready
-from apps.settings import BENCH_NATS_URL, GatewaySettings, bus_limits, data_dir, services_nice
+from apps.settings import BENCH_NATS_URL, GatewaySettings, bus_limits, data_dir, services_nice, up_settings
 
 log = logging.getLogger("helexa.up")
 
@@ -301,7 +301,7 @@ def _child_env(base: dict[str, str], app: str, nats_urls: dict[str, str],
 def _declare_topology(url: str, embedded: bool) -> None:
     """The streams, as the administrator (of `up`'s own server), or tried with an external NATS_URL."""
     try:
-        asyncio.run(asyncio.wait_for(topology.setup(url, bus_limits()), None if embedded else EXTERNAL_SETUP_S))
+        asyncio.run(asyncio.wait_for(connection.setup(url, bus_limits()), None if embedded else EXTERNAL_SETUP_S))
     except (OSError, TimeoutError, nats.errors.Error) as exc:
         if embedded:
             raise StartFailed(f"helexa: cannot declare the bus topology on NATS: {exc!r}") from None
@@ -338,7 +338,8 @@ def run_up(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     folder = Path(args.data_dir).resolve() if args.data_dir else data_dir()
-    env = dict(os.environ)
+    settings = up_settings()
+    env = dict(settings.inherited_env)
     if args.port:
         env["HELEXA_PORT"] = str(args.port)
     if args.model:
@@ -367,7 +368,7 @@ def run_up(args: argparse.Namespace) -> int:
             return 1
         try:
             nats_dir, pg_dir = folder / "nats", folder / "postgres"
-            exported_nats = os.environ.get("NATS_URL", "").strip()
+            exported_nats = settings.exported_nats_url
             nats_embedded = _embedded(exported_nats, nats_dir, lambda p: {
                 NatsServer(nats_dir, p).url, NatsServer(nats_dir, p).url_for(roles.OPERATOR)})
             if nats_embedded:
@@ -385,7 +386,7 @@ def run_up(args: argparse.Namespace) -> int:
                 admin_nats = exported_nats
                 nats_urls = dict.fromkeys(roles.ROLES, exported_nats)
             _declare_topology(admin_nats, nats_embedded)
-            exported_database = os.environ.get("DATABASE_URL", "").strip()
+            exported_database = settings.exported_database_url
             postgres: PostgresServer | None = None
             if _embedded(exported_database, pg_dir, lambda p: {
                     PostgresServer(pg_dir, p).url, PostgresServer(pg_dir, p).role_url("reader")}):

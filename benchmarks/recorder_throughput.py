@@ -47,7 +47,8 @@ from pathlib import Path
 import asyncpg
 import httpx
 
-from apps.bus.topology import EVENTS_STREAM, RECORDER_CONSUMER, BusLimits, connect, ensure_topology, event_subject
+from apps.bus.connection import connect
+from apps.bus.topology import EVENTS_STREAM, RECORDER_CONSUMER, BusLimits, ensure_topology, event_subject
 from apps.bus.wire import AdmissionDecided, Event, RunFinished, RunStarted, encode, event_kind
 from apps.embedded.nats_server import NatsServer, nats_server_binary
 from apps.embedded.postgres import PostgresServer

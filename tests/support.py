@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from apps.bus import topology
+from apps.bus import connection
 from apps.bus.topology import BusLimits
 from apps.embedded.nats_server import NatsCluster, NatsServer
 from apps.embedded.postgres import PostgresServer
@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def declared(server: NatsServer | NatsCluster, limits: BusLimits | None = None) -> None:
     """Declare the topology on `server` as its administrator, as `helexa up` does (apps may not)."""
-    asyncio.run(topology.setup(server.url, limits or BusLimits()))
+    asyncio.run(connection.setup(server.url, limits or BusLimits()))
 
 async def migrated_database(postgres: PostgresServer, prefix: str) -> str:
     """A new database on `postgres`, migrated as its owner; its URL. Left for the server to drop."""

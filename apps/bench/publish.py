@@ -15,7 +15,7 @@ import msgspec
 from nats.aio.client import Client as NatsClient
 
 from apps.bench.scenarios import Outcome
-from apps.bus import roles, topology, wire
+from apps.bus import connection, roles, topology, wire
 from apps.bus.publish import publish_event
 from apps.bus.topology import BusLimits
 
@@ -62,7 +62,7 @@ class EventPublisher:
         self._nc: NatsClient | None = None
 
     async def __aenter__(self) -> EventPublisher:
-        self._nc = await topology.connect(self.nats_url, "helexa-bench", role=roles.BENCH, max_reconnect_attempts=3,
+        self._nc = await connection.connect(self.nats_url, "helexa-bench", role=roles.BENCH, max_reconnect_attempts=3,
                                           error_cb=_reported_later)
         # Declared by an administrator (`helexa bus setup`, `helexa up`): the bench's role may not.
         await topology.require_topology(self._nc.jetstream(), wait=False)

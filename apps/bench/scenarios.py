@@ -218,10 +218,10 @@ async def run_swap(ctx: BenchContext, spec: ScenarioSpec, outcome: Outcome) -> N
     if not ctx.target.nats_url:
         outcome.error = f"{SWAP_UNAVAILABLE}: set nats_url on target {ctx.target.name!r}"
         return
-    from apps.bus import roles, topology
+    from apps.bus import connection, roles
 
     # Loading and unloading models is the operator's: the target's nats_url is an operator's URL.
-    nc = await topology.connect(ctx.target.nats_url, "helexa-bench", role=roles.OPERATOR)
+    nc = await connection.connect(ctx.target.nats_url, "helexa-bench", role=roles.OPERATOR)
     try:
         started = time.perf_counter()
         await unload_model(nc, ctx.model, timeout_s=ctx.config.swap_timeout_s)

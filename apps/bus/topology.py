@@ -12,10 +12,7 @@ import asyncio
 import logging
 import re
 import uuid
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import nats
 import nats.errors
@@ -250,6 +247,10 @@ def topology_streams() -> tuple[str, ...]:
             OBJ_STREAM_TEMPLATE.format(bucket=FILES_BUCKET))
 
 
+class Stopped(Exception):
+    """`connect` gave up because the app was asked to stop before NATS answered."""
+
+
 class TopologyMissing(nats.errors.Error):
     """The bus lacks streams that only an administrator declares (`helexa bus setup`, `helexa up`);
     a `nats.errors.Error`, so code that treats any bus error as "unavailable" catches it."""
@@ -286,15 +287,6 @@ async def require_topology(js: JetStreamContext, *, wait: bool = True, stop: asy
             except TimeoutError:
                 continue
             raise Stopped("stopped while waiting for the bus topology")
-
-
-async def setup(url: str, limits: BusLimits) -> None:
-    """Declare (or converge) the topology with `limits`, as the administrator whose `url` it is."""
-    nc = await connect(url, "helexa-bus-setup", max_reconnect_attempts=3)
-    try:
-        await ensure_topology(nc.jetstream(), limits)
-    finally:
-        await nc.close()
 
 
 def large_requests_config(limits: BusLimits) -> ObjectStoreConfig:
@@ -419,113 +411,6 @@ async def model_is_known(js: JetStreamContext, model: str) -> bool:
     except NotFoundError:
         return False
     return True
-
-
-def _credentials(servers: list[str]) -> dict[str, str]:
-    """The first credentials found in the server URLs, as connect options, so they also apply to
-    the servers a cluster announces later (whose URLs carry none)."""
-    for server in servers:
-        parsed = urlsplit(server if "://" in server else f"nats://{server}")
-        if parsed.username and parsed.password is not None:
-            return {"user": unquote(parsed.username), "password": unquote(parsed.password)}
-        if parsed.username:
-            return {"token": unquote(parsed.username)}
-    return {}
-
-
-def server_urls(url: str) -> list[str]:
-    """The servers of a NATS_URL: one URL, or several of a cluster, comma-separated."""
-    return [u.strip() for u in url.split(",") if u.strip()]
-
-
-def without_password(url: str) -> str:
-    """`url` (or a comma-separated list of them) as it may be shown: host, port and path, no credentials."""
-    shown = []
-    for one in url.split(","):
-        parts = urlsplit(one.strip() if "://" in one else f"nats://{one.strip()}")
-        host = parts.hostname or ""
-        where = f"[{host}]" if ":" in host else host
-        if parts.port:
-            where += f":{parts.port}"
-        shown.append(f"{where}{parts.path if parts.path not in ('', '/') else ''}")
-    return ",".join(shown)
-
-
-class Stopped(Exception):
-    """`connect` gave up because the app was asked to stop before NATS answered."""
-
-
-def _quiet_errors(url: str, name: str) -> Callable[[Exception], Awaitable[None]]:
-    """nats-py's default error callback logs a traceback per failed attempt (two a second while a
-    server is away); this one says what is wrong in one line, again only when it changes."""
-    last: list[str] = [""]
-
-    async def note(exc: Exception) -> None:
-        said = f"{type(exc).__name__}: {exc}"[:300]
-        if is_permission_violation(exc):
-            # Not an outage: this app's role may not do what it tried (its NATS user's permissions).
-            log.error("NATS refused this app's role a publish or subscribe",
-                      extra={"client": name, "error": said})
-        elif said != last[0]:
-            last[0] = said
-            log.warning("cannot reach NATS, retrying", extra={"client": name, "servers": without_password(url),
-                                                              "error": said})
-
-    return note
-
-
-def is_permission_violation(exc: BaseException) -> bool:
-    """Whether an error the server sent says the user may not publish or subscribe there."""
-    return "permissions violation" in str(exc).lower()
-
-
-def user_of(url: str) -> str | None:
-    """The NATS user a URL connects as (None: no user, or a token, which is never shown)."""
-    found = _credentials(server_urls(url))
-    return found.get("user")
-
-
-async def connect(url: str, name: str, *, role: str | None = None, max_reconnect_attempts: int = -1,
-                  error_cb: Callable[[Exception], Awaitable[None]] | None = None,
-                  closed_cb: Callable[[], Awaitable[None]] | None = None,
-                  stop: asyncio.Event | None = None) -> NatsClient:
-    """Connect, by default with reconnects forever: the apps ride out a NATS restart instead of exiting.
-
-    `url` may list several servers of a cluster, comma-separated; any of them will do. Credentials
-    come in the URL (`nats://user:password@host:port`, or `nats://token@host:port`). The connection
-    is closed for good only by us or by a server's `-ERR` (nats-py never reconnects then);
-    `closed_cb` hears of both. While no server answers, one line says why (not a traceback per
-    attempt); an app asked to stop meanwhile (`stop` set) gets `Stopped` instead of waiting on.
-    An app of a `role` (`apps.bus.roles`) gets its replies under that role's inbox prefix, the one
-    its NATS user may subscribe to (`inbox_prefix`).
-    """
-    servers = server_urls(url)
-    options: dict[str, Any] = {"error_cb": error_cb or _quiet_errors(url, name)}
-    if role is not None:
-        options["inbox_prefix"] = inbox_prefix(role, user_of(url))
-    if closed_cb is not None:
-        options["closed_cb"] = closed_cb
-    options.update(_credentials(servers))
-    connecting = asyncio.ensure_future(nats.connect(
-        servers,
-        name=name,
-        max_reconnect_attempts=max_reconnect_attempts,
-        reconnect_time_wait=0.5,
-        connect_timeout=5,
-        **options,
-    ))
-    if stop is None:
-        return await connecting
-    stopping = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopping.cancel()
-    if connecting.done():
-        return connecting.result()
-    connecting.cancel()
-    await asyncio.gather(connecting, return_exceptions=True)
-    raise Stopped(f"{name} stopped before NATS answered")
 
 
 def cancel_wildcard() -> str:

@@ -21,8 +21,8 @@ from pathlib import Path
 import nats.errors
 from nats.aio.client import Client as NatsClient
 
-from apps.bus import roles, topology
-from apps.bus.topology import without_password
+from apps.bus import connection, roles
+from apps.bus.connection import without_password
 from apps.embedded.data_dir import ENV_FILE, ENV_NAMES, display_path, live_pid, read_env
 
 # A CLI gives up on NATS after this long (a server that does not answer at all, not just refuses).
@@ -96,7 +96,7 @@ async def connect_nats(url: str, name: str, closed_cb: Callable[[], Awaitable[No
 
     try:
         return await asyncio.wait_for(
-            topology.connect(url, name=name, role=roles.OPERATOR, max_reconnect_attempts=CONNECT_RETRIES,
+            connection.connect(url, name=name, role=roles.OPERATOR, max_reconnect_attempts=CONNECT_RETRIES,
                              error_cb=note, closed_cb=closed_cb),
             CONNECT_TIMEOUT_S)
     except (OSError, TimeoutError, nats.errors.Error) as exc:

@@ -38,6 +38,7 @@ from apps.gateway.api.openapi_docs import add_components
 from apps.gateway.api.responses import create_response, delete_response, retrieve_response
 from apps.gateway.api.tokens import TokenCounter, count_tokens, detokenize, tokenize
 from apps.gateway.auth import AllowedHosts, ApiKeys
+from apps.gateway.body_reading import BodyReader
 from apps.gateway.bus_client import GatewayBus
 from apps.gateway.cold_start import ColdStarts
 from apps.gateway.errors import http_error_handler, internal_error_handler, serving_error_handler
@@ -151,6 +152,7 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
         app.state.metrics, app.state.admissions = gateway_metrics, admissions
         app.state.generations = GenerationPipeline(bus, cold_starts, admissions, Canceller(lambda: bus.nc), events,
                                                    gateway_metrics, settings)
+        app.state.bodies = BodyReader()
         app.state.token_counter = AdmittedTokenCounter(admissions, bus, registry, cold_starts)
         app.state.responses = ResponseStore(settings.database_url, events, settings.response_wait_s, StoreLimits(
             settings.max_stored_response_bytes, settings.max_chain_responses, settings.max_chain_bytes,

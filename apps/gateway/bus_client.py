@@ -29,7 +29,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from apps.bus import large_requests, roles, topology, wire
+from apps.bus import connection, large_requests, roles, topology, wire
 from apps.bus.codes import ErrorCode, ServingError, Unavailable, unavailable
 from apps.bus.publish import publish_core
 from apps.bus.topology import BusLimits
@@ -73,7 +73,7 @@ class GatewayBus:
         async def closed() -> None:
             await self._on_closed(generation)
 
-        nc = await topology.connect(self.url, name="helexa-gateway", role=roles.GATEWAY, closed_cb=closed)
+        nc = await connection.connect(self.url, name="helexa-gateway", role=roles.GATEWAY, closed_cb=closed)
         try:
             await topology.require_topology(nc.jetstream())
             await nc.subscribe(topology.max_deliveries_advisories(), cb=self._on_max_deliveries)

@@ -1,13 +1,12 @@
-"""One generation's life: read → route → check token ids, bound the answer → admit → publish →
-first frame → frames → release.
+"""One generation's life: route → check token ids, bound the answer → admit → publish → first
+frame → frames → release.
 
-Every generation endpoint reads its body through `GenerationPipeline.read`, builds its bus request
-and hands it, with a `Formatter` for its API, to `GenerationPipeline.serve`; the pipeline owns the
-sequence, the formatter only shapes what the client sees. Each request it publishes says how many
-others were still being read when its body was in (`GenerateRequest.arriving`): an idle engine
-waits for a burst it was told of. The HTTP status is committed only after the worker's first
-frame, so errors before the first token are real statuses even for `stream: true`; a failure after
-it is an error event.
+Every generation endpoint reads its body through `BodyReader` (`apps.gateway.body_reading`),
+builds its bus request and hands it, with a `Formatter` for its API (`apps.gateway.rendering`), to
+`GenerationPipeline.serve`; the pipeline owns the sequence, the formatter only shapes what the
+client sees. The HTTP status is committed only after the worker's first frame
+(`apps.gateway.first_frame`), so errors before the first token are real statuses even for
+`stream: true`; a failure after it is an error event.
 
 The client is watched in every phase: until the first frame for a stream, until the whole answer
 otherwise. When it leaves, the phase it was in is cancelled, and cancelling any phase releases
@@ -17,91 +16,30 @@ the admission slots and publishes the cancel, so the worker stops and frees the 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
-import uuid
 import weakref
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
 
 import msgspec
-import nats.errors
 from litestar import Request
 from litestar.response import Response, Stream
 
 from apps.bus import wire
 from apps.bus.codes import ErrorCode, FinishReason, ServingError, Unavailable, unavailable
-from apps.bus.publish import StreamFull
-from apps.gateway.admission import Admissions, Ticket
-from apps.gateway.api.validate import bound_output, check_prompt_size, check_token_ids, decode_request
+from apps.gateway.admission import Admissions
+from apps.gateway.api.validate import bound_output, check_prompt_size, check_token_ids
+from apps.gateway.body_reading import arriving
 from apps.gateway.bus_client import GatewayBus
 from apps.gateway.cold_start import ColdStarts
 from apps.gateway.errors import log_failure
 from apps.gateway.events import EventPublisher
+from apps.gateway.first_frame import FirstFrames, Generation
 from apps.gateway.generation_metrics import GenerationMetrics
-from apps.gateway.liveness import (
-    Canceller,
-    ClientGone,
-    next_live_frame,
-    while_connected,
-)
+from apps.gateway.liveness import Canceller, ClientGone, next_live_frame, while_connected
 from apps.gateway.metrics import GatewayMetrics
-from apps.gateway.migration import MIGRATABLE, Delivered, Migrator
-from apps.gateway.reply_stream import ReplyStream, ReplyTimeout
+from apps.gateway.migration import LOST, MIGRATABLE, Delivered, Migrator
+from apps.gateway.rendering import Formatter, sse_chunks, whole_response
 from apps.settings import GatewaySettings
-
-# Failures where the worker is gone and cannot report the run itself.
-_LOST = (ErrorCode.WORKER_LOST, ErrorCode.DELIVERY_FAILED)
-_encode = msgspec.json.encode
-
-log = logging.getLogger("helexa.gateway")
-T = TypeVar("T")
-
-
-def _stand_in_accepted(reply: ReplyStream) -> wire.Accepted:
-    """What a generation records as accepted when no `Accepted` frame was read first."""
-    return wire.Accepted(seq=0, node=reply.node or "unknown", prompt_tokens=0)
-
-
-def new_request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-class Formatter(Protocol):
-    """How one API shows a generation to its client, whole or as a stream of SSE chunks."""
-
-    def whole(self, deltas: list[wire.Delta], final: wire.Final) -> Any: ...
-
-    def error_body(self, error: ServingError) -> dict[str, Any]: ...
-
-    def stream_start(self, accepted: wire.Accepted) -> list[bytes]: ...
-
-    def stream_delta(self, delta: wire.Delta) -> list[bytes]: ...
-
-    def stream_final(self, final: wire.Final) -> list[bytes]: ...
-
-    def stream_error(self, error: ServingError) -> bytes: ...
-
-    def stream_end(self) -> list[bytes]: ...
-
-
-@dataclass(slots=True, weakref_slot=True)
-class Generation:
-    """A published request the worker has answered: its reply stream and how far it got."""
-
-    request: wire.GenerateRequest
-    reply: ReplyStream
-    accepted: wire.Accepted
-    handler: str
-    # A first frame that was not `Accepted` (a worker that skipped it): read before the stream.
-    held: wire.ReplyFrame | None = None
-    ticket: Ticket | None = None
-    finished: bool = False
-
-    @property
-    def node(self) -> str:
-        return self.accepted.node
 
 
 class GenerationPipeline:
@@ -115,21 +53,7 @@ class GenerationPipeline:
         self._metrics = GenerationMetrics(metrics)
         self._migrator = Migrator(bus, events, self._metrics, settings)
         self._settings = settings
-        # Generation requests whose handler has begun (their headers are in) reading the body.
-        self._reading = 0
-
-    async def read(self, client: Request, kind: type[T]) -> T:
-        """The request's JSON body as `kind` (`validate.decode_request`). How many other requests
-        were still being read when it was in goes to its worker with it (`serve`): a client's
-        burst sends its headers first and its bodies together, so each but the last sees the
-        rest still on their way."""
-        self._reading += 1
-        try:
-            body = await decode_request(client, kind)
-            client.state.arriving = self._reading - 1
-            return body
-        finally:
-            self._reading -= 1
+        self.first_frames = FirstFrames(bus, canceller, self._metrics, self._migrator, settings)
 
     async def serve(self, client: Request | None, request: wire.GenerateRequest, formatter: Formatter,
                     handler: str, output_param: str = "max_tokens") -> Response | Stream:
@@ -137,7 +61,7 @@ class GenerationPipeline:
         `output_param` is what the client's API calls the answer's length limit (for its 400)."""
         headers = {"X-Request-Id": request.request_id}
         if client is not None:
-            request = msgspec.structs.replace(request, arriving=client.state.get("arriving", 0))
+            request = msgspec.structs.replace(request, arriving=arriving(client))
         try:
             if not request.stream:
                 return await while_connected(client, self._whole(request, formatter, handler, headers, output_param))
@@ -174,7 +98,7 @@ class GenerationPipeline:
             # The wait for a worker starts once admitted: the one place the deadline is set.
             request = msgspec.structs.replace(request, reply_subject=self._bus.new_reply_subject(),
                                               deadline=time.time() + self._settings.accept_timeout_s)
-            generation = await self.first_frame(request, handler)
+            generation = await self.first_frames.wait(request, handler)
         except BaseException:
             ticket.release()
             raise
@@ -183,60 +107,6 @@ class GenerationPipeline:
         # cleanup; the slot must come back all the same.
         weakref.finalize(generation, ticket.release)
         return generation
-
-    async def first_frame(self, request: wire.GenerateRequest, handler: str) -> Generation:
-        """Publish an addressed request and wait until a worker answers it (or refuses it)."""
-        ctx = {"model": request.model, "request_id": request.request_id}
-
-        def overflow() -> None:
-            self._metrics.slow_reader(request.model)
-            self._canceller.cancel_soon(request.request_id)
-
-        try:
-            reply = await self._bus.submit(request, self._settings.stream_buffer_frames, overflow)
-        except StreamFull as exc:
-            # REQUESTS refuses new messages when full (it never drops queued ones to make room).
-            self._metrics.rejected(request.model, ErrorCode.QUEUE_FULL)
-            raise unavailable(Unavailable.QUEUE_FULL, {**ctx, "detail": str(exc)}) from None
-        except (nats.errors.Error, TimeoutError) as exc:
-            # E.g. a NATS server of the cluster died and its streams are electing new leaders.
-            self._metrics.rejected(request.model, "bus_unavailable")
-            raise unavailable(Unavailable.BUS_UNAVAILABLE, {**ctx, "detail": f"publish failed: {exc!r}"}) from None
-        try:
-            frame = await reply.next(max(request.deadline - time.time(), 0.001))
-        except ServingError as exc:
-            if exc.code != ErrorCode.FRAMES_LOST or self._settings.max_migrations == 0:
-                self._canceller.cancel_soon(request.request_id)
-                await reply.close()
-                raise
-            # The start of the answer was lost on the way (e.g. while the subscription moved to
-            # another server): it goes on as a new attempt, as any answer with lost frames does.
-            frame = wire.ErrorFrame(seq=0, attempt=reply.attempt, status=exc.status, code=exc.code,
-                                    message=exc.message)
-            return Generation(request=request, reply=reply, handler=handler, held=frame,
-                              accepted=_stand_in_accepted(reply))
-        except ReplyTimeout:
-            self._canceller.cancel_soon(request.request_id)
-            self._metrics.rejected(request.model, "timeout")
-            await reply.close()
-            raise unavailable(Unavailable.QUEUE_TIMEOUT,
-                              {**ctx, "detail": "no worker accepted before the deadline"}) from None
-        except BaseException:
-            self._canceller.cancel_soon(request.request_id)
-            await reply.close()
-            raise
-        self._metrics.first_frame(request)
-        if isinstance(frame, wire.ErrorFrame):
-            self._metrics.errored(request.model, frame.status)
-            if frame.code in _LOST:
-                self._migrator.record_lost_run(request, reply.node or "unknown", frame.attempt - 1, frame.code)
-            if frame.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED:
-                self._metrics.rejected(request.model, frame.code)
-            await reply.close()
-            raise ServingError(frame.status, frame.code, frame.message, context={**ctx, "node": reply.node})
-        accepted = frame if isinstance(frame, wire.Accepted) else _stand_in_accepted(reply)
-        return Generation(request=request, reply=reply, accepted=accepted, handler=handler,
-                          held=None if frame is accepted else frame)
 
     async def frames(self, generation: Generation) -> AsyncIterator[wire.Delta | wire.Final]:
         """Deltas then one Final; raises ServingError on an error frame or a lost worker.
@@ -290,7 +160,7 @@ class GenerationPipeline:
         except ServingError as exc:
             generation.finished = True
             request = generation.request
-            if exc.code in _LOST or exc.code == ErrorCode.FRAMES_LOST:
+            if exc.code in LOST or exc.code == ErrorCode.FRAMES_LOST:
                 # Whatever attempt comes next must not serve a client that is already answered.
                 self._canceller.cancel_soon(request.request_id)
                 self._migrator.record_lost_run(request, generation.node, attempts or reply.attempt, exc.code,
@@ -327,32 +197,10 @@ class GenerationPipeline:
     async def _whole(self, request: wire.GenerateRequest, formatter: Formatter, handler: str,
                      headers: dict[str, str], output_param: str) -> Response:
         generation = await self._routed_start(request, handler, output_param)
-        deltas: list[wire.Delta] = []
         try:
-            async for frame in self.frames(generation):
-                if isinstance(frame, wire.Delta):
-                    deltas.append(frame)
-                    continue
-                return Response(_encode(formatter.whole(deltas, frame)), media_type="application/json",
-                                headers=headers)
-        except ServingError as exc:
-            return Response(formatter.error_body(exc), status_code=exc.status)
+            return await whole_response(self.frames(generation), formatter, headers)
         finally:
             await self.close(generation)
-        raise AssertionError("frames() ended without a final frame")
 
-    async def _sse(self, generation: Generation, formatter: Formatter) -> AsyncIterator[bytes]:
-        try:
-            for chunk in formatter.stream_start(generation.accepted):
-                yield chunk
-            async for frame in self.frames(generation):
-                chunks = (formatter.stream_delta(frame) if isinstance(frame, wire.Delta)
-                          else formatter.stream_final(frame))
-                for chunk in chunks:
-                    yield chunk
-        except ServingError as exc:
-            yield formatter.stream_error(exc)
-        finally:
-            await self.close(generation)
-        for chunk in formatter.stream_end():
-            yield chunk
+    def _sse(self, generation: Generation, formatter: Formatter) -> AsyncIterator[bytes]:
+        return sse_chunks(generation.accepted, self.frames(generation), formatter, lambda: self.close(generation))

@@ -37,6 +37,8 @@ log = logging.getLogger("helexa.gateway")
 # The failures after which the answer can go on elsewhere: the worker, not the request, failed.
 MIGRATABLE = frozenset({ErrorCode.WORKER_LOST, ErrorCode.WORKER_STOPPING, ErrorCode.FRAMES_LOST,
                         ErrorCode.ENGINE_LOST})
+# Failures where the worker is gone and cannot report the run itself (`Migrator.record_lost_run`).
+LOST = (ErrorCode.WORKER_LOST, ErrorCode.DELIVERY_FAILED)
 
 
 class Delivered:

@@ -37,13 +37,13 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from apps.bus.connection import connect
 from apps.bus.pull import BatchPuller, stream_sequence
 from apps.bus.roles import RECORDER, event_refused
 from apps.bus.topology import (
     EVENTS_STREAM,
     RECORDER_CONSUMER,
     Stopped,
-    connect,
     recorder_puller,
     replay_puller,
     require_topology,

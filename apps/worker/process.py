@@ -23,7 +23,7 @@ from typing import Any
 import nats.errors
 import nats.micro
 
-from apps.bus import roles, topology
+from apps.bus import connection, roles, topology
 from apps.bus.publish import held_events
 from apps.bus.topology import BusLimits
 from apps.fleet.catalogue import CatalogueEntry
@@ -65,7 +65,7 @@ class WorkerProcess:
     async def run(self, stop: asyncio.Event, first: ModelLoop | None = None) -> None:
         """Serve until `stop` is set; raises BusConnectionLost if the server closed the connection."""
         try:
-            self.nc = await topology.connect(self.settings.nats_url, name=f"helexa-worker-{self.node}",
+            self.nc = await connection.connect(self.settings.nats_url, name=f"helexa-worker-{self.node}",
                                              role=roles.WORKER, closed_cb=self._on_closed, stop=stop)
         except topology.Stopped:
             if first is not None:

@@ -22,7 +22,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.errors import ObjectNotFoundError
 
-from apps.bus import large_requests, topology, wire
+from apps.bus import connection, large_requests, topology, wire
 from apps.bus.publish import StreamFull
 from apps.bus.topology import BusLimits
 from apps.embedded.nats_server import EMBEDDED_MAX_PAYLOAD, NatsServer
@@ -55,7 +55,7 @@ def small_server(tmp_path: Path) -> Iterator[NatsServer]:
 
 
 async def connected(url: str) -> NatsClient:
-    nc = await topology.connect(url, "large-requests-test", max_reconnect_attempts=0)
+    nc = await connection.connect(url, "large-requests-test", max_reconnect_attempts=0)
     await topology.ensure_topology(nc.jetstream(), BusLimits())
     return nc
 

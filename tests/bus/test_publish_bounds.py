@@ -19,7 +19,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.api import DiscardPolicy
 
-from apps.bus import publish, topology, wire
+from apps.bus import connection, publish, topology, wire
 from apps.bus.codes import Api, ErrorCode, FinishReason, RunStatus
 from apps.bus.topology import BusLimits
 from apps.embedded.nats_server import NatsServer
@@ -43,7 +43,7 @@ async def connected(url: str, limits: BusLimits | None = None, closed: list[bool
         if closed is not None:
             closed.append(True)
 
-    nc = await topology.connect(url, "publish-bounds-test", max_reconnect_attempts=0, closed_cb=on_closed)
+    nc = await connection.connect(url, "publish-bounds-test", max_reconnect_attempts=0, closed_cb=on_closed)
     await topology.ensure_topology(nc.jetstream(), limits or BusLimits())
     return nc
 
@@ -226,7 +226,7 @@ async def _held_none() -> bool:
 
 
 async def test_an_existing_discard_old_events_stream_is_converged_to_discard_new(stock_server: NatsServer) -> None:
-    nc = await topology.connect(stock_server.url, "converge", max_reconnect_attempts=0)
+    nc = await connection.connect(stock_server.url, "converge", max_reconnect_attempts=0)
     try:
         js = nc.jetstream()
         old = dataclasses.replace(topology.events_stream_config(BusLimits()), discard=DiscardPolicy.OLD)

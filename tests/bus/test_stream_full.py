@@ -11,7 +11,7 @@ import pytest
 from nats.aio.client import Client as NatsClient
 from nats.js.api import DiscardPolicy
 
-from apps.bus import topology
+from apps.bus import connection, topology
 from apps.bus.publish import StreamFull, is_stream_full, publish
 from apps.embedded.nats_server import NatsServer
 
@@ -20,7 +20,7 @@ SUBJECT = topology.request_subject("tiny")
 
 @pytest.fixture
 async def nc(own_nats: NatsServer) -> AsyncIterator[NatsClient]:
-    nc = await topology.connect(own_nats.url, "stream-full-test")
+    nc = await connection.connect(own_nats.url, "stream-full-test")
     try:
         yield nc
     finally:

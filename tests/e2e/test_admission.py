@@ -195,13 +195,13 @@ def test_cancelled_queued_waiters_leave_no_trace(system: System, slow_model: str
 
 
 def test_a_request_past_its_deadline_is_dropped_by_the_worker_with_an_event(system: System) -> None:
-    from apps.bus import topology, wire
+    from apps.bus import connection, topology, wire
     from engine.frontend.protocol import SamplingParams
 
     request_id = f"expired-{time.monotonic_ns()}"
 
     async def publish_expired() -> None:
-        nc = await topology.connect(system.nats_url, name="test")
+        nc = await connection.connect(system.nats_url, name="test")
         stale = wire.GenerateRequest(
             request_id=request_id, model=system.model, reply_subject=nc.new_inbox(), sampling=SamplingParams(),
             messages=[wire.ChatMessage(role="user", content="too late")], deadline=time.time() - 1,

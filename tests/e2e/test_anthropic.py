@@ -15,7 +15,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from apps.bus import topology, wire
+from apps.bus import connection, topology, wire
 from apps.embedded import free_port
 from apps.gateway.api import anthropic_schema as an
 from apps.gateway.api.anthropic import to_bus_request
@@ -188,7 +188,7 @@ def test_unknown_model_is_404_in_the_anthropic_envelope(system: System) -> None:
 
 def test_known_model_without_worker_is_503_with_retry_after(system: System) -> None:
     async def remember_model() -> None:
-        nc = await topology.connect(system.nats_url, name="test")
+        nc = await connection.connect(system.nats_url, name="test")
         js = nc.jetstream()
         await js.add_consumer(topology.REQUESTS_STREAM, config=topology.worker_consumer_config("offline-messages"))
         await nc.close()

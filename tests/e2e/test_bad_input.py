@@ -8,7 +8,7 @@ import asyncpg
 import httpx
 import pytest
 
-from apps.bus import topology
+from apps.bus import connection, topology
 from tests.e2e.conftest import System
 from tests.support import eventually_async
 
@@ -64,7 +64,7 @@ def test_unknown_model_is_404(system: System) -> None:
 def test_known_model_without_worker_is_503_with_retry_after(system: System) -> None:
     async def remember_model() -> None:
         # A worker once served this model (its durable consumer exists) but none is live now.
-        nc = await topology.connect(system.nats_url, name="test")
+        nc = await connection.connect(system.nats_url, name="test")
         js = nc.jetstream()
         await js.add_consumer(topology.REQUESTS_STREAM, config=topology.worker_consumer_config("offline-model"))
         await nc.close()

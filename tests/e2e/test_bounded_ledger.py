@@ -24,7 +24,7 @@ import pytest
 from nats.js.errors import ObjectNotFoundError
 from prometheus_client.parser import text_string_to_metric_families
 
-from apps.bus import topology, wire
+from apps.bus import connection, topology, wire
 from apps.bus.codes import Api, FinishReason, RunStatus
 from apps.embedded import free_port
 from apps.embedded.nats_server import NatsServer
@@ -248,7 +248,7 @@ def test_a_response_stored_in_the_payload_window_is_stored_and_read_elsewhere(st
 
 
 async def _object_exists(nats_url: str, name: str) -> bool:
-    nc = await topology.connect(nats_url, "bounds-test", max_reconnect_attempts=0)
+    nc = await connection.connect(nats_url, "bounds-test", max_reconnect_attempts=0)
     try:
         store = await nc.jetstream().object_store(topology.LARGE_EVENTS_BUCKET)
         try:

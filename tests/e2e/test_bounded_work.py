@@ -20,7 +20,7 @@ import httpx
 import msgspec
 import pytest
 
-from apps.bus import large_requests, roles, topology, wire
+from apps.bus import connection, large_requests, roles, topology, wire
 from apps.bus.codes import Api
 from engine.frontend.protocol import SamplingParams
 from tests.e2e.conftest import System
@@ -112,7 +112,7 @@ def metric(system: System, name: str) -> float:
 
 def node_status(system: System) -> wire.NodeStatus:
     async def read() -> wire.NodeStatus:
-        nc = await topology.connect(system.nats_url, name="test-node-status")
+        nc = await connection.connect(system.nats_url, name="test-node-status")
         try:
             entry = await (await nc.jetstream().key_value(topology.NODES_BUCKET)).get(NODE)
             return wire.node_decoder.decode(entry.value)
@@ -194,7 +194,7 @@ def _publish_to_worker(system: System, request: wire.GenerateRequest) -> list[wi
 
     async def go() -> list[wire.ReplyFrame]:
         # As a gateway: workers send frames only to gateways' inboxes.
-        nc = await topology.connect(system.nats_server.url_for(roles.GATEWAY), name="test-large-prompt",
+        nc = await connection.connect(system.nats_server.url_for(roles.GATEWAY), name="test-large-prompt",
                                     role=roles.GATEWAY)
         frames: list[wire.ReplyFrame] = []
         done = asyncio.Event()
@@ -266,7 +266,7 @@ def test_a_7mb_tokenize_sent_to_a_worker_is_a_413_not_a_lost_reply(system: Syste
         prompt="1 2 3 4 " * (7_000_000 // 8), api=Api.COMPLETIONS))
 
     async def go() -> wire.TokenizeReply:
-        nc = await topology.connect(system.nats_url, name="test-tokenize-big")
+        nc = await connection.connect(system.nats_url, name="test-tokenize-big")
         try:
             msg = await nc.request(topology.node_endpoint(NODE, "tokenize"), wire.encode(ask), timeout=120)
             return wire.tokenize_reply_decoder.decode(msg.data)

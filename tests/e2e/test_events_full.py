@@ -17,7 +17,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from apps.bus import publish, topology, wire
+from apps.bus import connection, publish, topology, wire
 from apps.bus.topology import BusLimits
 from apps.embedded import free_port
 from apps.embedded.nats_server import NatsServer
@@ -38,7 +38,7 @@ def database_url(postgres: PostgresServer) -> Iterator[str]:
 
 async def fill(nats_url: str) -> int:
     """Admission events published until EVENTS refuses one; how many it took."""
-    nc = await topology.connect(nats_url, "filler", max_reconnect_attempts=0)
+    nc = await connection.connect(nats_url, "filler", max_reconnect_attempts=0)
     try:
         js = nc.jetstream()
         for n in range(10_000):
@@ -56,7 +56,7 @@ async def fill(nats_url: str) -> int:
 
 
 async def stream_state(nats_url: str) -> tuple[int, int, int]:
-    nc = await topology.connect(nats_url, "state", max_reconnect_attempts=0)
+    nc = await connection.connect(nats_url, "state", max_reconnect_attempts=0)
     try:
         state = (await nc.jetstream().stream_info(topology.EVENTS_STREAM)).state
         return state.first_seq, state.last_seq, state.messages

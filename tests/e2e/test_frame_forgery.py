@@ -12,7 +12,7 @@ from pathlib import Path
 
 import openai
 
-from apps.bus import roles, topology, wire
+from apps.bus import connection, roles, topology, wire
 from tests.e2e.conftest import System, scripted_worker
 from tests.support import eventually_async
 
@@ -38,9 +38,9 @@ async def _forge(system: System, asked: threading.Event) -> list[str]:
     async def note(exc: Exception) -> None:
         refused.append(str(exc).lower())
 
-    operator = await topology.connect(system.nats_server.url_for(roles.OPERATOR), "test-operator",
+    operator = await connection.connect(system.nats_server.url_for(roles.OPERATOR), "test-operator",
                                       role=roles.OPERATOR)
-    rogue = await topology.connect(system.nats_server.url_for(roles.WORKER), "test-rogue", role=roles.WORKER,
+    rogue = await connection.connect(system.nats_server.url_for(roles.WORKER), "test-rogue", role=roles.WORKER,
                                    error_cb=note)
     try:
         requests = await operator.subscribe(topology.request_subject(MODEL))

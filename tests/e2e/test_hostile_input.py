@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from apps.bus import topology
+from apps.bus import connection, topology
 from apps.embedded import free_port
 from engine.frontend.protocol import MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from tests.e2e.conftest import System, scripted_worker
@@ -189,7 +189,7 @@ def published(system: System) -> int:
     """How many requests the REQUESTS stream has ever stored (its last sequence)."""
 
     async def last_seq() -> int:
-        nc = await topology.connect(system.nats_url, name="test")
+        nc = await connection.connect(system.nats_url, name="test")
         try:
             return (await nc.jetstream().stream_info(topology.REQUESTS_STREAM)).state.last_seq
         finally:

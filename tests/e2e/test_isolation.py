@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from apps.bus import roles, topology, wire
+from apps.bus import connection, roles, topology, wire
 from engine.frontend.protocol import SamplingParams
 from tests.e2e.conftest import System
 from tests.e2e.test_chat import finished_run
@@ -66,7 +66,7 @@ def _refused_cases(model: str) -> dict[str, tuple[dict, str]]:
 async def _duplicate_delivery(system: System, model: str, request_id: str) -> wire.ErrorFrame:
     """A second message on the bus under the running request's id; its own reply is an error."""
     # As a gateway: workers send frames only to gateways' inboxes.
-    nc = await topology.connect(system.nats_server.url_for(roles.GATEWAY), "test-duplicate", role=roles.GATEWAY)
+    nc = await connection.connect(system.nats_server.url_for(roles.GATEWAY), "test-duplicate", role=roles.GATEWAY)
     try:
         inbox = nc.new_inbox()
         sub = await nc.subscribe(inbox)

@@ -13,7 +13,7 @@ import nats
 import psutil
 import pytest
 
-from apps.bus import topology
+from apps.bus import connection
 from apps.embedded.nats_server import NatsServer
 from apps.embedded.postgres import PostgresServer, postgres_bin, run_as
 
@@ -39,7 +39,7 @@ async def test_nats_refuses_clients_without_the_credentials(nats_server: NatsSer
     anonymous = f"nats://127.0.0.1:{nats_server.port}"
     assert "Authorization Violation" in await _refused(anonymous)
     assert "Authorization Violation" in await _refused(f"nats://helexa:wrong@127.0.0.1:{nats_server.port}")
-    nc = await topology.connect(nats_server.url, "locked-test")
+    nc = await connection.connect(nats_server.url, "locked-test")
     try:
         await nc.flush()
         assert nc.is_connected

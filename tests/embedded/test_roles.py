@@ -16,7 +16,7 @@ import nats.errors
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from apps.bus import publish, roles, topology, wire
+from apps.bus import connection, publish, roles, topology, wire
 from apps.bus.codes import RunStatus
 from apps.embedded import free_port
 from apps.embedded.nats_server import NatsServer, nats_server_binary
@@ -60,7 +60,7 @@ async def as_role(server: NatsServer, role: str) -> AsyncIterator[RoleClient]:
     async def note(exc: Exception) -> None:
         client[0].refused.append(str(exc).lower())
 
-    nc = await topology.connect(server.url_for(role), f"test-{role}", role=role, error_cb=note,
+    nc = await connection.connect(server.url_for(role), f"test-{role}", role=role, error_cb=note,
                                 max_reconnect_attempts=0)
     client.append(RoleClient(nc))
     try:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import openai
 
-from apps.bus import topology
+from apps.bus import connection, topology
 from apps.embedded import free_port
 from apps.embedded.nats_server import NatsCluster
 from tests.fleet.conftest import FLEET_ENV, bus_setup, role_env
@@ -90,7 +90,7 @@ base_url = "http://127.0.0.1:{port}/v1"
 
 
 async def _replicas(nats_url: str) -> dict[str, int]:
-    nc = await topology.connect(nats_url, "replica-check")
+    nc = await connection.connect(nats_url, "replica-check")
     try:
         js = nc.jetstream()
         names = (topology.REQUESTS_STREAM, topology.EVENTS_STREAM, f"KV_{topology.NODES_BUCKET}")
@@ -100,7 +100,7 @@ async def _replicas(nats_url: str) -> dict[str, int]:
 
 
 async def _bench_runs_on_events(nats_url: str) -> int:
-    nc = await topology.connect(nats_url, "bench-check")
+    nc = await connection.connect(nats_url, "bench-check")
     try:
         info = await nc.jetstream().stream_info(topology.EVENTS_STREAM,
                                                 subjects_filter=topology.event_wildcard("bench.run"))
@@ -115,7 +115,7 @@ def test_a_bench_run_keeps_the_fleets_three_replicas(tmp_path: Path) -> None:
         env = {**os.environ, "NATS_URL": cluster.url_for("bench"), "HELEXA_REPLICAS": "1"}
 
         async def declare_as_the_fleet_does() -> None:
-            nc = await topology.connect(cluster.url, "fleet")
+            nc = await connection.connect(cluster.url, "fleet")
             try:
                 await topology.ensure_topology(nc.jetstream(), topology.BusLimits(replicas=3))
             finally:

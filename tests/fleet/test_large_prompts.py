@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from apps.bus import topology
+from apps.bus import connection, topology
 from apps.embedded.nats_server import NatsServer
 from tests.fleet.conftest import own_fleet
 from tests.support import eventually
@@ -34,7 +34,7 @@ def small_bus(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 
 
 async def _objects(nats_url: str) -> list[str]:
-    nc = await topology.connect(nats_url, "test-objects")
+    nc = await connection.connect(nats_url, "test-objects")
     try:
         store = await nc.jetstream().object_store(topology.LARGE_REQUESTS_BUCKET)
         try:

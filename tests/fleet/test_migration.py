@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from apps.bus import topology, wire
+from apps.bus import connection, topology, wire
 from apps.bus.codes import FinishReason
 from apps.settings import bus_limits
 from tests.fleet.conftest import Fleet, finished_subjects, wait_events
@@ -203,7 +203,7 @@ PIECES = [("Hello", 1), (" world", 2), ("!", 3)]
 async def _gap_worker(nats_url: str, model: str, node: str, stop: asyncio.Event) -> None:
     """A worker of `model` that loses a frame: the first attempt's frames go 0, 1, 3, 4 (the delta
     with " world" never leaves). A migrated attempt goes on after the tokens its client has."""
-    nc = await topology.connect(nats_url, "gap-worker", role="worker")
+    nc = await connection.connect(nats_url, "gap-worker", role="worker")
     try:
         js = nc.jetstream()
         limits = bus_limits()

@@ -19,6 +19,7 @@ from apps.embedded.nats_server import NatsServer
 from apps.gateway.admission import AdmissionLimits, Admissions
 from apps.gateway.api.completions import CompletionFormatter
 from apps.gateway.api.openai_schema import CompletionRequest
+from apps.gateway.body_reading import BodyReader
 from apps.gateway.bus_client import GatewayBus
 from apps.gateway.cold_start import ColdStarts
 from apps.gateway.events import EventPublisher
@@ -78,7 +79,7 @@ async def test_a_reply_without_accepted_keeps_its_first_delta(own_nats: NatsServ
 
     serving = asyncio.create_task(serve())
     try:
-        generation = await pipeline.first_frame(new_request(bus, "bare-1", "bare"), "test")
+        generation = await pipeline.first_frames.wait(new_request(bus, "bare-1", "bare"), "test")
         texts = [f.text async for f in pipeline.frames(generation) if isinstance(f, wire.Delta)]
         assert "".join(texts) == "Hello there"
         await pipeline.close(generation)
@@ -110,7 +111,7 @@ async def test_an_answer_whose_start_was_lost_goes_on_as_a_new_attempt(own_nats:
 
     serving = asyncio.create_task(serve())
     try:
-        generation = await pipeline.first_frame(new_request(bus, "lossy-1", "lossy"), "test")
+        generation = await pipeline.first_frames.wait(new_request(bus, "lossy-1", "lossy"), "test")
         frames = [f async for f in pipeline.frames(generation)]
         assert "".join(f.text for f in frames if isinstance(f, wire.Delta)) == "Hello there"
         assert isinstance(frames[-1], wire.Final)
@@ -167,7 +168,8 @@ async def test_a_request_read_while_another_is_still_read_announces_it(own_nats:
     pipeline = pipeline_on(bus, metrics, registry)
     body = msgspec.json.encode({"model": "burst", "prompt": "hi", "max_tokens": 2})
     first_in, last_in = LateBody(body), LateBody(body)
-    reads = [asyncio.create_task(pipeline.read(c.request, CompletionRequest)) for c in (first_in, last_in)]
+    bodies = BodyReader()
+    reads = [asyncio.create_task(bodies.read(c.request, CompletionRequest)) for c in (first_in, last_in)]
     try:
         await first_in.reading.wait()
         await last_in.reading.wait()

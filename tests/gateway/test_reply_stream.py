@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from apps.bus import topology, wire
+from apps.bus import connection, wire
 from apps.bus.codes import ErrorCode, ServingError
 from apps.embedded.nats_server import NatsServer
 from apps.gateway.reply_stream import DEFAULT_MAX_FRAMES, ReplyStream, ReplyTimeout
@@ -26,7 +26,7 @@ async def subscribed(nats: NatsServer, max_frames: int = DEFAULT_MAX_FRAMES,
                      on_overflow: Callable[[], None] | None = None
                      ) -> AsyncIterator[tuple[NatsClient, str, ReplyStream]]:
     """A connection, an inbox and a ReplyStream listening on it."""
-    nc = await topology.connect(nats.url, "test")
+    nc = await connection.connect(nats.url, "test")
     try:
         reply = ReplyStream(max_frames, on_overflow)
         inbox = nc.new_inbox()

@@ -10,7 +10,7 @@ import time
 import nats.errors
 from nats.aio.client import Client as NatsClient
 
-from apps.bus import roles, topology, wire
+from apps.bus import connection, roles, topology, wire
 from apps.bus.topology import BusLimits
 from apps.embedded.nats_server import NatsServer
 from apps.gateway.bus_client import GatewayBus
@@ -36,7 +36,7 @@ async def send(nc: NatsClient, subject: str, frames: list[wire.ReplyFrame]) -> N
 
 
 async def worker(server: NatsServer, name: str) -> NatsClient:
-    return await topology.connect(server.url_for(roles.WORKER), name, role=roles.WORKER, max_reconnect_attempts=0)
+    return await connection.connect(server.url_for(roles.WORKER), name, role=roles.WORKER, max_reconnect_attempts=0)
 
 
 async def take(nc: NatsClient) -> wire.GenerateRequest:

@@ -15,7 +15,8 @@ from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
 from apps.bus import wire
-from apps.bus.topology import EVENTS_STREAM, RECORDER_CONSUMER, BusLimits, connect, ensure_topology, event_subject
+from apps.bus.connection import connect
+from apps.bus.topology import EVENTS_STREAM, RECORDER_CONSUMER, BusLimits, ensure_topology, event_subject
 from apps.embedded.nats_server import NatsServer
 from apps.embedded.postgres import PostgresServer
 from apps.recorder.app import run_recorder

@@ -12,7 +12,7 @@ import pytest
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from apps.bus import topology, wire
+from apps.bus import connection, wire
 from apps.bus.codes import ErrorCode, FinishReason
 from apps.embedded.nats_server import NatsServer
 from apps.worker.replies import Replier
@@ -24,7 +24,7 @@ SUBJECT = "_INBOX.frame-window"
 @pytest.fixture
 async def frames(tmp_path: Path):  # type: ignore[no-untyped-def]
     with NatsServer(tmp_path / "nats") as server:
-        nc = await topology.connect(server.url, "frame-window-test", max_reconnect_attempts=0)
+        nc = await connection.connect(server.url, "frame-window-test", max_reconnect_attempts=0)
         got: list[wire.ReplyFrame] = []
         final = asyncio.Event()
 

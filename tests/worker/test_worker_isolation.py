@@ -21,7 +21,7 @@ import nats
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from apps.bus import topology, wire
+from apps.bus import connection, topology, wire
 from apps.bus.codes import ErrorCode, ModelState
 from apps.bus.topology import BusLimits
 from apps.embedded import free_port
@@ -181,7 +181,7 @@ def _server_with_short_control_lines(folder: Path, max_control_line: int) -> tup
 
 def test_a_worker_whose_connection_the_server_closed_exits_non_zero(tmp_path: Path) -> None:
     server, url = _server_with_short_control_lines(tmp_path / "nats", max_control_line=700)
-    asyncio.run(topology.setup(url, BusLimits()))  # as its administrator: a worker may not declare it
+    asyncio.run(connection.setup(url, BusLimits()))  # as its administrator: a worker may not declare it
     script = tmp_path / "script.json"
     script.write_text(json.dumps(SCRIPT), encoding="utf-8")
     app = None

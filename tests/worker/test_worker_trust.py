@@ -10,7 +10,7 @@ import msgspec
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from apps.bus import large_requests, roles, topology, wire
+from apps.bus import connection, large_requests, roles, topology, wire
 from apps.bus.codes import ServingError
 from apps.embedded.nats_server import NatsServer
 from apps.worker.run import check_resume_fits
@@ -36,7 +36,7 @@ def test_a_reference_names_only_its_own_requests_object() -> None:
 
 
 async def connect(server: NatsServer, role: str) -> NatsClient:
-    return await topology.connect(server.url_for(role), f"test-{role}", role=role, max_reconnect_attempts=0)
+    return await connection.connect(server.url_for(role), f"test-{role}", role=role, max_reconnect_attempts=0)
 
 
 async def test_a_reference_cannot_point_a_worker_at_another_requests_body(own_nats: NatsServer) -> None:

@@ -249,7 +249,7 @@ ANTHROPIC_ERRORS: ExceptionHandlersMap = {
 
 @post("/v1/messages", status_code=200, operation_class=operation_for("messages"), exception_handlers=ANTHROPIC_ERRORS)
 async def messages(request: Request, state: State) -> Response | Stream:
-    req = await state.generations.read(request, an.MessagesRequest)
+    req = await state.bodies.read(request, an.MessagesRequest)
     bus_request = to_bus_request(req, f"msg_{uuid.uuid4().hex}", request.state.principal)
     await check_enforceable(bus_request, None)
     return await state.generations.serve(request, bus_request, MessagesFormatter(bus_request), HANDLER)

@@ -16,9 +16,9 @@ from apps.bus import wire
 from apps.bus.codes import Api, FinishReason, ServingError
 from apps.gateway.api import openai_schema as oa
 from apps.gateway.api.openapi_docs import operation_for
+from apps.gateway.api.request_ids import new_request_id
 from apps.gateway.api.structured import check_enforceable
 from apps.gateway.errors import error_body
-from apps.gateway.generation import new_request_id
 
 HANDLER = "chat_completions"
 _encode = msgspec.json.encode
@@ -88,7 +88,7 @@ def tool_calls_out(calls: list[wire.ToolCallDelta]) -> list[oa.ToolCallOut]:
 
 @post("/v1/chat/completions", status_code=200, operation_class=operation_for("chat"))
 async def chat_completions(request: Request, state: State) -> Response | Stream:
-    req = await state.generations.read(request, oa.ChatCompletionRequest)
+    req = await state.bodies.read(request, oa.ChatCompletionRequest)
     bus_request = to_bus_request(req, new_request_id("chatcmpl"), request.state.principal)
     await check_enforceable(bus_request, req.constraint_param())
     return await state.generations.serve(request, bus_request, ChatFormatter(bus_request, req.include_usage()),

@@ -13,8 +13,8 @@ from apps.bus.codes import Api
 from apps.gateway.api import openai_schema as oa
 from apps.gateway.api.chat import OpenAIFormatting, sse_data, usage_out
 from apps.gateway.api.openapi_docs import operation_for
+from apps.gateway.api.request_ids import new_request_id
 from apps.gateway.api.structured import check_enforceable
-from apps.gateway.generation import new_request_id
 
 HANDLER = "completions"
 
@@ -52,7 +52,7 @@ def to_bus_request(req: oa.CompletionRequest, request_id: str, principal: str | 
 
 @post("/v1/completions", status_code=200, operation_class=operation_for("completions"))
 async def completions(request: Request, state: State) -> Response | Stream:
-    req = await state.generations.read(request, oa.CompletionRequest)
+    req = await state.bodies.read(request, oa.CompletionRequest)
     bus_request = to_bus_request(req, new_request_id("cmpl"), request.state.principal)
     await check_enforceable(bus_request, req.constraint_param())
     return await state.generations.serve(request, bus_request,

@@ -222,7 +222,7 @@ def response_template(req: rs.ResponsesRequest, response_id: str) -> rs.Response
 
 @post("/v1/responses", status_code=200, operation_class=operation_for("responses"))
 async def create_response(request: Request, state: State) -> Response | Stream:
-    req = await state.generations.read(request, rs.ResponsesRequest)
+    req = await state.bodies.read(request, rs.ResponsesRequest)
     store: ResponseStore = state.responses
     principal = request.state.principal
     response_id = new_response_id()
