@@ -272,8 +272,9 @@ async def test_a_read_from_elsewhere_waits_for_the_recorders_notice_not_by_polli
     try:
         response_id = new_response_id()
         waiting = asyncio.create_task(store.get(response_id, "alice"))
-        await eventually_async(lambda: _waiting(store), 10, message="the read waits")
-        assert store._notices.listening
+        # The waiter counts itself before its listening connection is up: wait for both.
+        await eventually_async(lambda: store._notices.waiters == 1 and store._notices.listening, 10,
+                               message="the read waits, listening")
         event = wire.ResponseStored(model="tiny", node="gateway", response_id=response_id, principal="alice",
                                     input_items=[], response=stored(response_id).response)
         await record(database_url, [event])
@@ -282,6 +283,3 @@ async def test_a_read_from_elsewhere_waits_for_the_recorders_notice_not_by_polli
     finally:
         await store.close()
 
-
-async def _waiting(store: ResponseStore) -> bool:
-    return store._notices.waiters == 1
