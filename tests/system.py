@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import openai
 import pytest
 
 from apps.embedded import free_port
@@ -102,3 +103,33 @@ def scripted_worker(system: System, folder: Path, name: str, script: dict,
         yield worker
     finally:
         worker.stop()
+
+
+@dataclass
+class KeyedGateway:
+    """A gateway of its own beside the system's, with API keys (`HELEXA_API_KEYS`), so tests can
+    speak as several principals; `client()` speaks as `default_key`."""
+
+    url: str
+    process: AppProcess
+    default_key: str
+
+    def client(self, key: str | None = None) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key or self.default_key, max_retries=0, timeout=120)
+
+
+def api_keys_file(folder: Path, principals: dict[str, str]) -> Path:
+    """A `HELEXA_API_KEYS` file: one `KEY PRINCIPAL` line per entry of `principals` (key: principal)."""
+    path = folder / "keys.txt"
+    path.write_text("".join(f"{key} {principal}\n" for key, principal in principals.items()))
+    return path
+
+
+def keyed_gateway(system: System, keys: Path, default_key: str, port: int | None = None,
+                  env: dict[str, str] | None = None) -> KeyedGateway:
+    """Start a gateway on `port` (a free one by default) with the API keys in `keys`; ready when returned."""
+    port = port or free_port()
+    process = AppProcess(["gateway"], {**system.env_for("gateway"), "HELEXA_PORT": str(port),
+                                       "HELEXA_API_KEYS": str(keys), **(env or {})})
+    process.wait_ready()
+    return KeyedGateway(f"http://127.0.0.1:{port}", process, default_key)

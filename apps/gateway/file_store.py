@@ -40,7 +40,7 @@ from apps.bus import topology, wire
 from apps.bus.codes import ErrorCode, ServingError, Unavailable, unavailable
 from apps.bus.object_streams import put_stream, read_stream
 from apps.gateway.capability_ids import CapabilityIds
-from apps.gateway.projection_notices import FALLBACK_RECHECK_S, ProjectionNotices
+from apps.gateway.projection_notices import ProjectionNotices
 from apps.gateway.response_store import Events
 from apps.recorder.projector import FILES_CHANNEL
 
@@ -345,23 +345,8 @@ class FileStore:
     async def _read(self, file_id: str) -> StoredFile | None:
         """The file from the ledger, else this gateway's recent ones, else (made moments ago,
         through another gateway) from the ledger once the recorder announces it."""
-        found = await self._one_or_recent(file_id)
-        made = FILE_IDS.made_at_s(file_id) or 0.0
-        if found is not None or not made - 1.0 <= time.time() < made + self.projection_wait_s:
-            return found
-        async with self._notices.expecting(file_id) as arrived:
-            while arrived is not None:
-                arrived.clear()  # before the read: a notice during it is not missed
-                found = await self._one_or_recent(file_id)
-                remaining = made + self.projection_wait_s - time.time()
-                if found is not None or remaining <= 0:
-                    break
-                wait = remaining if self._notices.listening else min(remaining, FALLBACK_RECHECK_S)
-                try:
-                    await asyncio.wait_for(arrived.wait(), wait)
-                except TimeoutError:
-                    pass
-        return found
+        return await self._notices.read_when_projected(file_id, FILE_IDS.made_at_s(file_id), self.projection_wait_s,
+                                                       lambda: self._one_or_recent(file_id))
 
     async def _one_or_recent(self, file_id: str) -> StoredFile | None:
         rows = await self._fetch(_ONE, file_id)

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import TypeVar
 
 import asyncpg
 
@@ -25,6 +27,8 @@ from apps.recorder.projector import RESPONSES_CHANNEL
 log = logging.getLogger("helexa.gateway")
 
 FALLBACK_RECHECK_S = 1.0
+
+T = TypeVar("T")
 
 
 class ProjectionNotices:
@@ -65,6 +69,30 @@ class ProjectionNotices:
                 waiting.discard(arrived)
                 if not waiting:
                     del self._waiting[response_id]
+
+    async def read_when_projected(self, item_id: str, made_at_s: float | None, wait_s: float,
+                                  read: Callable[[], Awaitable[T]]) -> T:
+        """`read()` now; for an id made moments ago (within `wait_s` of `made_at_s`: probably through
+        another gateway, not projected yet) that it does not find, again on each of the recorder's
+        notices for it (every `FALLBACK_RECHECK_S` while not listening) until found or the wait is over."""
+        found = await read()
+        if found or made_at_s is None or not made_at_s - 1.0 <= time.time() < made_at_s + wait_s:
+            return found
+        async with self.expecting(item_id) as arrived:
+            while arrived is not None:
+                arrived.clear()  # before the read: a notice during it is not missed
+                found = await read()
+                remaining = made_at_s + wait_s - time.time()
+                if found or remaining <= 0:
+                    break
+                if not self.listening:
+                    await self.listen()
+                wait = remaining if self.listening else min(remaining, FALLBACK_RECHECK_S)
+                try:
+                    await asyncio.wait_for(arrived.wait(), wait)
+                except TimeoutError:
+                    pass
+        return found
 
     async def listen(self) -> None:
         """Listen on the channel, unless already listening; on failure, readers fall back to rechecks."""

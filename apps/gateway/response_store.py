@@ -41,7 +41,7 @@ import asyncpg
 from apps.bus import wire
 from apps.bus.codes import ErrorCode, ServingError, Unavailable, unavailable
 from apps.gateway.capability_ids import CapabilityIds
-from apps.gateway.projection_notices import FALLBACK_RECHECK_S, ProjectionNotices
+from apps.gateway.projection_notices import ProjectionNotices
 
 log = logging.getLogger("helexa.gateway")
 
@@ -306,26 +306,9 @@ class ResponseStore:
         """The response and its predecessors as far as one source has them: the ledger, else this
         gateway's recent ones, else — for an id made moments ago — the ledger once the recorder
         announces it."""
-        found = await self._query_or_recent(response_id, length, max_bytes)
-        created = created_at_s(response_id)
-        if found or created is None or not created - 1.0 <= time.time() < created + self.projection_wait_s:
-            return found
-        # Made moments ago, probably through another gateway: the recorder has not projected it yet.
-        async with self._notices.expecting(response_id) as arrived:
-            while arrived is not None:
-                arrived.clear()  # before the read: a notice during it is not missed
-                found = await self._query_or_recent(response_id, length, max_bytes)
-                remaining = created + self.projection_wait_s - time.time()
-                if found or remaining <= 0:
-                    break
-                if not self._notices.listening:
-                    await self._notices.listen()
-                wait = remaining if self._notices.listening else min(remaining, FALLBACK_RECHECK_S)
-                try:
-                    await asyncio.wait_for(arrived.wait(), wait)
-                except TimeoutError:
-                    pass
-        return found
+        return await self._notices.read_when_projected(
+            response_id, created_at_s(response_id), self.projection_wait_s,
+            lambda: self._query_or_recent(response_id, length, max_bytes))
 
     async def _query_or_recent(self, response_id: str, length: int, max_bytes: int) -> list[StoredResponse]:
         recent = self._recent.get(response_id)

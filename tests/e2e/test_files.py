@@ -7,19 +7,17 @@ import asyncio
 import json
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import asyncpg
 import httpx
 import openai
 import pytest
-from openai import OpenAI
 from openai.types import FileDeleted, FileObject
 
-from apps.embedded import free_port
 from tests.e2e.conftest import System
-from tests.support import AppProcess, eventually
+from tests.support import eventually
+from tests.system import KeyedGateway, api_keys_file, keyed_gateway
 
 ALICE, BOB = "sk-alice-files", "sk-bob-files"
 MAX_FILE_BYTES = 4 << 20
@@ -28,34 +26,19 @@ MAX_LINE_BYTES = 4096
 MAX_FILES = 6
 
 
-@dataclass
-class Gateway:
-    url: str
-    process: AppProcess
-
-    def client(self, key: str = ALICE) -> OpenAI:
-        return OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=120)
-
-
-def start_gateway(system: System, keys: Path) -> Gateway:
-    port = free_port()
-    process = AppProcess(["gateway"], {
-        **system.env_for("gateway"), "HELEXA_PORT": str(port), "HELEXA_API_KEYS": str(keys),
+def start_gateway(system: System, keys: Path) -> KeyedGateway:
+    return keyed_gateway(system, keys, ALICE, env={
         "HELEXA_MAX_FILE_BYTES": str(MAX_FILE_BYTES), "HELEXA_MAX_BATCH_LINES": str(MAX_LINES),
         "HELEXA_MAX_BATCH_LINE_BYTES": str(MAX_LINE_BYTES), "HELEXA_MAX_FILES_PER_PRINCIPAL": str(MAX_FILES)})
-    process.wait_ready()
-    return Gateway(f"http://127.0.0.1:{port}", process)
 
 
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("keys") / "keys.txt"
-    path.write_text(f"{ALICE} alice\n{BOB} bob\n")
-    return path
+    return api_keys_file(tmp_path_factory.mktemp("keys"), {ALICE: "alice", BOB: "bob"})
 
 
 @pytest.fixture(scope="module")
-def gateway(system: System, keys: Path) -> Iterator[Gateway]:
+def gateway(system: System, keys: Path) -> Iterator[KeyedGateway]:
     started = start_gateway(system, keys)
     try:
         yield started
@@ -81,7 +64,7 @@ def ledger_row(system: System, file_id: str) -> dict | None:
     return asyncio.run(read())
 
 
-def test_upload_list_retrieve_download_delete(system: System, gateway: Gateway, tmp_path: Path) -> None:
+def test_upload_list_retrieve_download_delete(system: System, gateway: KeyedGateway, tmp_path: Path) -> None:
     client = gateway.client()
     content = batch_lines(3)
     created = client.files.create(file=("requests.jsonl", content), purpose="batch")
@@ -121,7 +104,7 @@ def test_upload_list_retrieve_download_delete(system: System, gateway: Gateway, 
     client.files.delete(other.id)
 
 
-def test_another_principal_cannot_see_read_or_delete(gateway: Gateway) -> None:
+def test_another_principal_cannot_see_read_or_delete(gateway: KeyedGateway) -> None:
     mine = gateway.client().files.create(file=("secret.txt", b"42"), purpose="user_data")
     bob = gateway.client(BOB)
     for call in (bob.files.retrieve, bob.files.content, bob.files.delete):
@@ -137,7 +120,7 @@ def test_another_principal_cannot_see_read_or_delete(gateway: Gateway) -> None:
     gateway.client().files.delete(mine.id)
 
 
-def test_bounds_name_what_they_bound(gateway: Gateway) -> None:
+def test_bounds_name_what_they_bound(gateway: KeyedGateway) -> None:
     client = gateway.client(BOB)
     with pytest.raises(openai.APIStatusError) as caught:
         client.files.create(file=("big.bin", b"x" * (MAX_FILE_BYTES + 1)), purpose="user_data")
@@ -173,7 +156,7 @@ def test_bounds_name_what_they_bound(gateway: Gateway) -> None:
     assert client.files.list().data == []
 
 
-def test_a_chat_stream_finishes_while_a_large_upload_runs(system: System, gateway: Gateway) -> None:
+def test_a_chat_stream_finishes_while_a_large_upload_runs(system: System, gateway: KeyedGateway) -> None:
     """The upload's body is held open (half sent) until the chat stream has finished: the stream
     cannot be waiting on the upload."""
     chat_done, half_sent = threading.Event(), threading.Event()
@@ -218,7 +201,7 @@ def test_a_chat_stream_finishes_while_a_large_upload_runs(system: System, gatewa
     client.files.delete(stored.id)
 
 
-def test_another_gateway_serves_a_file_uploaded_a_moment_ago(system: System, gateway: Gateway, keys: Path) -> None:
+def test_another_gateway_serves_a_file_uploaded_a_moment_ago(system: System, gateway: KeyedGateway, keys: Path) -> None:
     """Straight to a second gateway, before the recorder may have projected it: that gateway waits
     for the recorder's notice, then reads the ledger; the content is the bucket's."""
     other = start_gateway(system, keys)

@@ -4,7 +4,6 @@ ledger (through a gateway restart and across gateways), per principal, and DELET
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -15,37 +14,24 @@ from openai.types.responses import Response
 
 from apps.embedded import free_port
 from tests.e2e.conftest import System
-from tests.support import AppProcess, eventually
+from tests.support import eventually
+from tests.system import KeyedGateway, api_keys_file, keyed_gateway
 
 ALICE, BOB = "sk-alice-responses", "sk-bob-responses"
 MAX_TOKENS = 8
 
 
-@dataclass
-class Gateway:
-    url: str
-    process: AppProcess
-
-    def client(self, key: str = ALICE) -> OpenAI:
-        return OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=120)
-
-
-def start_gateway(system: System, keys: Path, port: int) -> Gateway:
-    process = AppProcess(["gateway"], {**system.env_for("gateway"),
-                                       "HELEXA_PORT": str(port), "HELEXA_API_KEYS": str(keys)})
-    process.wait_ready()
-    return Gateway(f"http://127.0.0.1:{port}", process)
+def start_gateway(system: System, keys: Path, port: int) -> KeyedGateway:
+    return keyed_gateway(system, keys, ALICE, port)
 
 
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("keys") / "keys.txt"
-    path.write_text(f"{ALICE} alice\n{BOB} bob\n")
-    return path
+    return api_keys_file(tmp_path_factory.mktemp("keys"), {ALICE: "alice", BOB: "bob"})
 
 
 @pytest.fixture(scope="module")
-def gateways(system: System, keys: Path) -> Iterator[list[Gateway]]:
+def gateways(system: System, keys: Path) -> Iterator[list[KeyedGateway]]:
     """Two gateways of one fleet, with API keys; a test may restart the first (the list is updated)."""
     started = [start_gateway(system, keys, free_port()) for _ in range(2)]
     try:
@@ -63,13 +49,13 @@ def prompt_tokens(system: System, turns: list[tuple[str, str]]) -> int:
     return answer.json()["count"]
 
 
-def ask(gateway: Gateway, system: System, text: str, previous: str | None = None, **kw: object) -> Response:
+def ask(gateway: KeyedGateway, system: System, text: str, previous: str | None = None, **kw: object) -> Response:
     return gateway.client().responses.create(model=system.model, input=text, previous_response_id=previous,
                                              max_output_tokens=MAX_TOKENS, temperature=0, **kw)
 
 
 def test_three_turns_see_the_earlier_ones_and_survive_a_gateway_restart(system: System, keys: Path,
-                                                                        gateways: list[Gateway]) -> None:
+                                                                        gateways: list[KeyedGateway]) -> None:
     questions = ["My name is Ada. Say hello.", "What is my name?", "Spell it backwards."]
     first = ask(gateways[0], system, questions[0])
     second = ask(gateways[0], system, questions[1], previous=first.id)  # at once: from the gateway's cache
@@ -92,7 +78,7 @@ def test_three_turns_see_the_earlier_ones_and_survive_a_gateway_restart(system: 
     assert again["output"][0]["content"][0]["text"] == first.output_text and again["status"] == first.status
 
 
-def test_another_gateway_finds_a_response_made_a_moment_ago(system: System, gateways: list[Gateway]) -> None:
+def test_another_gateway_finds_a_response_made_a_moment_ago(system: System, gateways: list[KeyedGateway]) -> None:
     first = ask(gateways[0], system, "Name a colour.")
     # Straight to the other gateway, before the recorder may have projected it.
     second = ask(gateways[1], system, "Name another.", previous=first.id)
@@ -101,7 +87,7 @@ def test_another_gateway_finds_a_response_made_a_moment_ago(system: System, gate
     assert gateways[1].client().responses.retrieve(first.id).id == first.id
 
 
-def test_another_principals_response_is_404(system: System, gateways: list[Gateway]) -> None:
+def test_another_principals_response_is_404(system: System, gateways: list[KeyedGateway]) -> None:
     mine = ask(gateways[0], system, "A secret: 42.")
     bob = gateways[1].client(BOB)
     with pytest.raises(openai.NotFoundError):
@@ -117,14 +103,14 @@ def test_another_principals_response_is_404(system: System, gateways: list[Gatew
     assert gateways[1].client().responses.retrieve(mine.id).id == mine.id
 
 
-def test_a_deleted_response_is_gone_and_its_turns_with_it(system: System, gateways: list[Gateway]) -> None:
+def test_a_deleted_response_is_gone_and_its_turns_with_it(system: System, gateways: list[KeyedGateway]) -> None:
     """DELETE erases the content, so a conversation through the deleted response cannot go on; the
     responses after it are still there to read."""
     first = ask(gateways[0], system, "Count to three.")
     second = ask(gateways[0], system, "Now to four.", previous=first.id)
     gateways[0].client().responses.delete(first.id)
     for gateway in gateways:
-        def gone(gateway: Gateway = gateway) -> bool:
+        def gone(gateway: KeyedGateway = gateway) -> bool:
             try:
                 gateway.client().responses.retrieve(first.id)
             except openai.NotFoundError:
@@ -141,7 +127,7 @@ def test_a_deleted_response_is_gone_and_its_turns_with_it(system: System, gatewa
         assert gateway.client().responses.retrieve(second.id).id == second.id
 
 
-def test_a_streamed_response_is_stored_as_streamed(system: System, gateways: list[Gateway]) -> None:
+def test_a_streamed_response_is_stored_as_streamed(system: System, gateways: list[KeyedGateway]) -> None:
     with gateways[0].client().responses.stream(model=system.model, input="Say hi.", max_output_tokens=32,
                                                temperature=0) as stream:
         for _ in stream:
