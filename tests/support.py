@@ -18,6 +18,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
+import asyncpg
+
 from apps.bus import connection
 from apps.bus.topology import BusLimits
 from apps.embedded.nats_server import NatsCluster, NatsServer
@@ -51,6 +53,15 @@ async def migrated_database(postgres: PostgresServer, prefix: str) -> str:
 
 
 T = TypeVar("T")
+
+
+async def fetch_rows(database_url: str, sql: str, *args: object) -> list[asyncpg.Record]:
+    """The rows of one query, on a connection of its own."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        return await conn.fetch(sql, *args)
+    finally:
+        await conn.close()
 
 
 def eventually(predicate: Callable[[], T], timeout_s: float, interval_s: float = 0.05,

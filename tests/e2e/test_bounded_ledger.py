@@ -29,7 +29,7 @@ from apps.bus.codes import Api, FinishReason, RunStatus
 from apps.embedded import free_port
 from apps.embedded.nats_server import NatsServer
 from apps.embedded.postgres import PostgresServer
-from tests.support import AppProcess, declared, eventually, migrated_database
+from tests.support import AppProcess, declared, eventually, fetch_rows, migrated_database
 
 MODEL = "bounds-model"
 WORDS = " ".join(f"w{i}" for i in range(120))
@@ -141,13 +141,6 @@ def still_connected(stack: Stack) -> None:
         assert counter(url, "helexa:gateway_bus_connections_lost_total") == 0
 
 
-async def fetch(database_url: str, sql: str, *args: object) -> list[asyncpg.Record]:
-    conn = await asyncpg.connect(database_url)
-    try:
-        return await conn.fetch(sql, *args)
-    finally:
-        await conn.close()
-
 
 def test_an_engine_error_quoting_a_grammar_keeps_the_worker_on_the_bus(stack: Stack) -> None:
     """An engine error as long as a grammar, sized so its `run.finished` falls in the header window
@@ -169,7 +162,8 @@ def test_an_engine_error_quoting_a_grammar_keeps_the_worker_on_the_bus(stack: St
     assert (tokens, finish) == (expected, "stop")
 
     def recorded() -> list[asyncpg.Record] | None:
-        rows = asyncio.run(fetch(stack.database_url, "SELECT error FROM runs WHERE error LIKE 'structured output%'"))
+        rows = asyncio.run(fetch_rows(stack.database_url,
+                                      "SELECT error FROM runs WHERE error LIKE 'structured output%'"))
         return rows if len(rows) >= 3 else None
 
     rows = eventually(recorded, 60, message="the failed runs recorded")
@@ -209,7 +203,7 @@ def test_oversize_ignored_input_is_refused_by_name_while_other_streams_finish(st
         assert (answer.status_code, answer.json()["error"]["param"]) == (status, param), (name, answer.text)
     assert streams == [(expected, "stop")] * 3
     # Not stored, so nothing of them reached the ledger either: no response at all so far.
-    assert not asyncio.run(fetch(stack.database_url, "SELECT 1 FROM responses WHERE stored_bytes > $1", 4 * MIB))
+    assert not asyncio.run(fetch_rows(stack.database_url, "SELECT 1 FROM responses WHERE stored_bytes > $1", 4 * MIB))
     # Without `store`, a NUL is the model's business: the request runs.
     unstored = httpx.post(f"{url}/v1/responses", json=responses_body(input="nul \x00 here", store=False), timeout=120)
     assert unstored.status_code == 200, unstored.text
@@ -238,7 +232,7 @@ def test_a_response_stored_in_the_payload_window_is_stored_and_read_elsewhere(st
     response_id = answer.json()["id"]
     again = httpx.get(f"{other}/v1/responses/{response_id}", timeout=120)
     assert again.status_code == 200 and again.json()["id"] == response_id
-    (row,) = asyncio.run(fetch(stack.database_url, "SELECT input_items, stored_bytes, event_id FROM responses "
+    (row,) = asyncio.run(fetch_rows(stack.database_url, "SELECT input_items, stored_bytes, event_id FROM responses "
                                                    "WHERE response_id = $1", response_id))
     assert json.loads(row["input_items"])[0]["encrypted_content"] == "r" * pad and row["stored_bytes"] > pad
     # Past what one message carries (with its headers) it went through the Object Store.
@@ -270,16 +264,16 @@ def test_delete_erases_the_content_from_the_ledger(stack: Stack) -> None:
     like = f"%{marker}%"
 
     def in_ledger() -> int:
-        return asyncio.run(fetch(stack.database_url, "SELECT count(*) AS n FROM events WHERE payload::text LIKE $1",
-                                 like))[0]["n"]
+        return asyncio.run(fetch_rows(stack.database_url,
+                                      "SELECT count(*) AS n FROM events WHERE payload::text LIKE $1", like))[0]["n"]
 
     eventually(in_ledger, 60, message="the response recorded")
     assert httpx.delete(f"{url}/v1/responses/{response_id}", timeout=60).status_code == 200
     eventually(lambda: in_ledger() == 0, 60, message="the stored content erased from events")
-    (row,) = asyncio.run(fetch(stack.database_url, "SELECT * FROM responses WHERE response_id = $1", response_id))
+    (row,) = asyncio.run(fetch_rows(stack.database_url, "SELECT * FROM responses WHERE response_id = $1", response_id))
     assert row["deleted_at"] is not None
     assert (row["input_items"], row["response"], row["status"], row["stored_bytes"]) == (None, None, None, 0)
-    assert not asyncio.run(fetch(stack.database_url, "SELECT 1 FROM responses WHERE response::text LIKE $1 "
+    assert not asyncio.run(fetch_rows(stack.database_url, "SELECT 1 FROM responses WHERE response::text LIKE $1 "
                                                      "OR input_items::text LIKE $1", like))
     for gateway in (url, other):
         assert httpx.get(f"{gateway}/v1/responses/{response_id}", timeout=60).status_code == 404

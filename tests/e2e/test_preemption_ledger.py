@@ -14,19 +14,12 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import System, scripted_worker
-from tests.support import eventually
+from tests.support import eventually, fetch_rows
 
 PREEMPTED = "preempted-model"
 SCRIPT = {"rules": [{"match": "preempt me", "reply": "one two three four", "preempt": "interactive_waiting"}],
           "default": "fine"}
 
-
-async def fetch(database_url: str, sql: str, *args: object) -> list[asyncpg.Record]:
-    conn = await asyncpg.connect(database_url)
-    try:
-        return await conn.fetch(sql, *args)
-    finally:
-        await conn.close()
 
 
 def test_a_preemption_is_a_ledger_row_with_its_reason(system: System, tmp_path: Path) -> None:
@@ -38,13 +31,13 @@ def test_a_preemption_is_a_ledger_row_with_its_reason(system: System, tmp_path: 
         request_id = completion.id
 
         def recorded() -> list[asyncpg.Record]:
-            return asyncio.run(fetch(system.database_url, "SELECT * FROM preemptions WHERE request_id = $1",
+            return asyncio.run(fetch_rows(system.database_url, "SELECT * FROM preemptions WHERE request_id = $1",
                                      request_id))
 
         (row,) = eventually(recorded, timeout_s=30.0, message="no preemption row in the ledger")
         assert (row["model"], row["node"], row["reason"], row["service_class"], row["tokens_kept"]) == (
             PREEMPTED, f"e2e-{PREEMPTED}", "interactive_waiting", "interactive", 1)
-        (run,) = eventually(lambda: asyncio.run(fetch(
+        (run,) = eventually(lambda: asyncio.run(fetch_rows(
             system.database_url, "SELECT status FROM runs WHERE request_id = $1 AND status <> 'running'",
             request_id)), timeout_s=30.0)
         assert run["status"] == "ok"
