@@ -40,6 +40,7 @@ from apps.bus import topology, wire
 from apps.bus.codes import ErrorCode, ServingError, Unavailable, unavailable
 from apps.bus.object_streams import put_stream, read_stream
 from apps.gateway.capability_ids import CapabilityIds
+from apps.gateway.ledger_pool import LedgerPool
 from apps.gateway.projection_notices import ProjectionNotices
 from apps.gateway.response_store import Events
 from apps.recorder.projector import FILES_CHANNEL
@@ -216,7 +217,6 @@ class Page:
 class FileStore:
     def __init__(self, database_url: str, events: Events, js: Callable[[], JetStreamContext],
                  limits: FileLimits | None = None, projection_wait_s: float = 30.0) -> None:
-        self._database_url = database_url
         self._events = events
         self._js = js
         self.limits = limits or FileLimits()
@@ -224,13 +224,11 @@ class FileStore:
         self._recent = RecentFiles()
         self._notices = ProjectionNotices(database_url, channel=FILES_CHANNEL)
         self._uploading: dict[str | None, int] = {}  # bytes of uploads in flight, per principal
-        self._pool: asyncpg.Pool | None = None
-        self._pool_lock = asyncio.Lock()
+        self._ledger = LedgerPool(database_url)
 
     async def close(self) -> None:
         await self._notices.close()
-        if self._pool is not None:
-            await self._pool.close()
+        await self._ledger.close()
 
     # -- writing --------------------------------------------------------------------------------
 
@@ -354,7 +352,7 @@ class FileStore:
 
     async def _fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
         try:
-            pool = await self._connected()
+            pool = await self._ledger.get()
             async with pool.acquire() as conn:
                 return list(await conn.fetch(query, *args))
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
@@ -362,10 +360,3 @@ class FileStore:
 
     async def _store(self) -> ObjectStore:
         return await self._js().object_store(topology.FILES_BUCKET)
-
-    async def _connected(self) -> asyncpg.Pool:
-        async with self._pool_lock:
-            if self._pool is None:
-                self._pool = await asyncpg.create_pool(self._database_url, min_size=0, max_size=4, timeout=5,
-                                                       command_timeout=10)
-            return self._pool

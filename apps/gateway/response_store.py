@@ -28,7 +28,6 @@ A restarted gateway has an empty cache and reads everything from the ledger.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -41,6 +40,7 @@ import asyncpg
 from apps.bus import wire
 from apps.bus.codes import ErrorCode, ServingError, Unavailable, unavailable
 from apps.gateway.capability_ids import CapabilityIds
+from apps.gateway.ledger_pool import LedgerPool
 from apps.gateway.projection_notices import ProjectionNotices
 
 log = logging.getLogger("helexa.gateway")
@@ -202,14 +202,12 @@ class RecentResponses:
 class ResponseStore:
     def __init__(self, database_url: str, events: Events, projection_wait_s: float = 30.0,
                  limits: StoreLimits | None = None) -> None:
-        self._database_url = database_url
         self._events = events
         self.projection_wait_s = projection_wait_s
         self.limits = limits or StoreLimits()
         self._recent = RecentResponses(self.limits.cache_bytes, self.limits.cache_ttl_s)
         self._notices = ProjectionNotices(database_url)
-        self._pool: asyncpg.Pool | None = None
-        self._pool_lock = asyncio.Lock()
+        self._ledger = LedgerPool(database_url)
 
     @property
     def cached_bytes(self) -> int:
@@ -217,8 +215,7 @@ class ResponseStore:
 
     async def close(self) -> None:
         await self._notices.close()
-        if self._pool is not None:
-            await self._pool.close()
+        await self._ledger.close()
 
     def check_storable(self, input_items: list[dict[str, Any]], response: dict[str, Any]) -> None:
         """Before a `store` request runs: its stored part within `max_response_bytes` (413)."""
@@ -321,17 +318,10 @@ class ResponseStore:
         return found or ([recent] if recent is not None else [])
 
     async def _query(self, response_id: str, length: int, max_bytes: int) -> list[StoredResponse]:
-        pool = await self._connected()
+        pool = await self._ledger.get()
         async with pool.acquire() as conn:
             if length == 1:
                 row = await conn.fetchrow(_ONE, response_id)
                 return [_from_row(row)] if row is not None else []
             return [_from_row(row) for row in await conn.fetch(_CHAIN, response_id, length, max_bytes)]
-
-    async def _connected(self) -> asyncpg.Pool:
-        async with self._pool_lock:
-            if self._pool is None:
-                self._pool = await asyncpg.create_pool(self._database_url, min_size=0, max_size=4, timeout=5,
-                                                       command_timeout=10)
-            return self._pool
 
