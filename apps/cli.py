@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import multiprocessing
 import signal
@@ -111,6 +112,11 @@ def cmd_worker(args: argparse.Namespace) -> None:
         settings.model = args.model
     if args.served_model_name:
         settings.served_model_name = args.served_model_name
+    if args.tensor_parallel is not None:
+        try:
+            settings = dataclasses.replace(settings, tensor_parallel=args.tensor_parallel)  # checked again
+        except ValueError as exc:
+            raise SystemExit(f"helexa worker: {exc}") from None
     script = args.script or settings.script or None
     catalogue = load_catalogue(catalogue_file())
 
@@ -268,6 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="where NATS and PostgreSQL keep data, the lock and the env file (HELEXA_DATA_DIR)")
     up.add_argument("--port", type=int, default=None, help="gateway port (HELEXA_PORT, default 8000)")
     up.add_argument("--model", default=None, help="a .gguf file or HF model directory (default: SmolLM2-135M)")
+    up.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                    help="shard each model across N ranks (HELEXA_TENSOR_PARALLEL, default 1)")
     up.set_defaults(func=cmd_up)
 
     gateway = sub.add_parser("gateway", help="the OpenAI/Anthropic HTTP gateway")
@@ -280,6 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--served-model-name", default=None)
     worker.add_argument("--script", default=None,
                         help="reply from this JSON script instead of running the model (for testing clients)")
+    worker.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                        help="shard each model across N ranks (HELEXA_TENSOR_PARALLEL, default 1)")
     worker.set_defaults(func=cmd_worker)
 
     models = sub.add_parser("models", help="list, load or unload models on the fleet's workers")

@@ -344,6 +344,8 @@ def run_up(args: argparse.Namespace) -> int:
         env["HELEXA_PORT"] = str(args.port)
     if args.model:
         env["HELEXA_MODEL"] = str(Path(args.model).resolve())
+    if getattr(args, "tensor_parallel", None) is not None:
+        env["HELEXA_TENSOR_PARALLEL"] = str(args.tensor_parallel)
     # On Ctrl-C an answer in flight gets this long before its error event (unless set otherwise).
     env.setdefault("HELEXA_STOP_GRACE_S", str(UP_STOP_GRACE_S))
     gateway = GatewaySettings(port=args.port) if args.port else GatewaySettings()
