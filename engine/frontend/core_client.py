@@ -5,7 +5,7 @@ of megabytes, or a core busy in a long step that leaves the pipe full, never blo
 (its heartbeats and acks); a reader thread hands each step's outputs to the request's asyncio queue.
 When a consumer falls behind, its queued outputs are merged into one (coalescing), so a slow client
 costs one bigger delta rather than a backlog.
-This module imports no torch: the core process (`engine.core.engine_core.run_core_process`) does.
+This module imports no torch: the core process (`engine.core.core_process.run_core_process`) does.
 """
 
 from __future__ import annotations
@@ -292,6 +292,6 @@ def _core_entry(conn: Connection, config: EngineConfig, process_setup: Callable[
     parent_death.arm(signal.SIGKILL, worker_pid)
     if process_setup is not None:
         process_setup()
-    from engine.core.engine_core import run_core_process
+    from engine.core.core_process import run_core_process
 
     run_core_process(conn, config)

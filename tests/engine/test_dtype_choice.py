@@ -10,7 +10,8 @@ import torch
 
 from apps.settings import WorkerSettings
 from benchmarks.core_timing import run_greedy
-from engine.core.engine_core import EngineCore, build_core
+from engine.core.core_process import build_core
+from engine.core.engine_core import EngineCore
 from engine.cpu import cpu_linear, dtype_choice
 from engine.cpu.cpu_support import FORCE_UNSUPPORTED_ENV, UnsupportedDtype
 from engine.cpu.dtype_choice import (

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.core.engine_core import Arrivals, EngineCore, handle_message
+from engine.core.core_process import Arrivals, handle_message
+from engine.core.engine_core import EngineCore
 from engine.frontend.engine_config import EngineConfig
 from engine.frontend.protocol import (
     INT64_MAX,

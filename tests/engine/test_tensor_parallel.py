@@ -16,7 +16,8 @@ import torch
 import transformers
 
 from apps.settings import WorkerSettings
-from engine.core.engine_core import EngineCore, build_core
+from engine.core.core_process import build_core
+from engine.core.engine_core import EngineCore
 from engine.frontend.core_client import AsyncEngine
 from engine.frontend.engine_config import EngineConfig
 from engine.frontend.protocol import EngineRefused, EngineRequest, FinishReason, SamplingParams
