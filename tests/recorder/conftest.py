@@ -20,6 +20,7 @@ from apps.bus.topology import EVENTS_STREAM, RECORDER_CONSUMER, BusLimits, ensur
 from apps.embedded.nats_server import NatsServer
 from apps.embedded.postgres import PostgresServer
 from apps.recorder.app import run_recorder
+from apps.recorder.migrate import migrate
 from apps.recorder.projector import PROJECTIONS
 from apps.settings import RecorderSettings
 from tests.support import eventually_async
@@ -49,6 +50,22 @@ async def new_database(postgres: PostgresServer) -> AsyncIterator[Callable[[], A
 async def database_url(new_database: Callable[[], Awaitable[str]]) -> str:
     """An empty database of its own on the session's PostgreSQL."""
     return await new_database()
+
+
+@pytest.fixture
+async def conn(database_url: str) -> AsyncIterator[asyncpg.Connection]:
+    """A connection to a migrated database of the test's own (test_sql_examples overrides it for UTC)."""
+    await migrate(database_url)
+    conn = await asyncpg.connect(database_url)
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+def on_subjects(*events: wire.Event) -> list[tuple[str, wire.Event]]:
+    """Events with the subjects they are published on, as the projector takes them."""
+    return [(event_subject(wire.event_kind(e), e.model), e) for e in events]
 
 
 def started(request_id: str, **fields: Any) -> wire.RunStarted:

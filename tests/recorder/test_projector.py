@@ -3,21 +3,19 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
 
 from apps.bus import wire
 from apps.bus.topology import event_subject
-from apps.bus.wire import Event
-from apps.recorder.migrate import migrate
 from apps.recorder.projector import PROJECTIONS, Recorded, event_kind, project, rebuild
 from tests.recorder.conftest import (
     admission,
     bench_run,
     finished,
     node_status,
+    on_subjects,
     preempted,
     response_deleted,
     response_stored,
@@ -27,24 +25,10 @@ from tests.recorder.conftest import (
 from tests.recorder.workload import expected_rows, table_rows
 
 
-@pytest.fixture
-async def conn(database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    await migrate(database_url)
-    conn = await asyncpg.connect(database_url)
-    try:
-        yield conn
-    finally:
-        await conn.close()
-
-
-def _batch(*events: Event) -> list[tuple[str, Event]]:
-    return [(event_subject(event_kind(e), e.model), e) for e in events]
-
-
 async def test_duplicates_are_recorded_once(conn: asyncpg.Connection) -> None:
     start, finish = started("r1"), finished("r1")
-    assert await project(conn, _batch(start, start, finish)) == 2
-    assert await project(conn, _batch(finish, start)) == 0
+    assert await project(conn, on_subjects(start, start, finish)) == 2
+    assert await project(conn, on_subjects(finish, start)) == 0
     assert await conn.fetchval("SELECT count(*) FROM events") == 2
     row = await conn.fetchrow("SELECT * FROM runs")
     assert (row["request_id"], row["status"], row["completion_tokens"]) == ("r1", "ok", 7)
@@ -59,11 +43,11 @@ async def test_started_and_finished_merge_in_any_order(conn: asyncpg.Connection,
     start = started("r2", ts=1_700_000_000.0)
     finish = finished("r2", ts=1_700_000_001.0, node="node-a", status="error", finish_reason="error", error="boom")
     if order == "same_batch":
-        await project(conn, _batch(finish, start))
+        await project(conn, on_subjects(finish, start))
     else:
         first, second = (start, finish) if order == "started_first" else (finish, start)
-        await project(conn, _batch(first))
-        await project(conn, _batch(second))
+        await project(conn, on_subjects(first))
+        await project(conn, on_subjects(second))
     row = await conn.fetchrow("SELECT * FROM runs WHERE request_id = 'r2'")
     assert row["status"] == "error" and row["finish_reason"] == "error" and row["error"] == "boom"
     assert row["started_at"].timestamp() == 1_700_000_000.0
@@ -74,7 +58,7 @@ async def test_started_and_finished_merge_in_any_order(conn: asyncpg.Connection,
 
 
 async def test_started_alone_is_running(conn: asyncpg.Connection) -> None:
-    await project(conn, _batch(started("r3")))
+    await project(conn, on_subjects(started("r3")))
     row = await conn.fetchrow("SELECT status, finished_at, attempt FROM runs WHERE request_id = 'r3'")
     assert tuple(row) == ("running", None, 1)
 
@@ -84,17 +68,17 @@ async def test_a_later_attempt_supersedes_an_earlier_one(conn: asyncpg.Connectio
     retry = started("r4", node="node-b", attempt=2, ts=105.0)
     done = finished("r4", node="node-b", attempt=2, ts=110.0)
     # The retry's outcome arrives first and the first attempt's start last.
-    await project(conn, _batch(done))
-    await project(conn, _batch(retry))
-    await project(conn, _batch(first))
+    await project(conn, on_subjects(done))
+    await project(conn, on_subjects(retry))
+    await project(conn, on_subjects(first))
     row = await conn.fetchrow("SELECT node, attempt, status, started_at, finished_at FROM runs")
     assert (row["node"], row["attempt"], row["status"]) == ("node-b", 2, "ok")
     assert (row["started_at"].timestamp(), row["finished_at"].timestamp()) == (100.0, 110.0)
 
 
 async def test_a_retry_starting_clears_the_previous_attempts_outcome(conn: asyncpg.Connection) -> None:
-    await project(conn, _batch(finished("r5", attempt=1, status="error", finish_reason="error", error="lost")))
-    await project(conn, _batch(started("r5", node="node-b", attempt=2)))
+    await project(conn, on_subjects(finished("r5", attempt=1, status="error", finish_reason="error", error="lost")))
+    await project(conn, on_subjects(started("r5", node="node-b", attempt=2)))
     row = await conn.fetchrow("SELECT node, attempt, status, finish_reason, error, finished_at FROM runs")
     assert tuple(row) == ("node-b", 2, "running", None, None, None)
 
@@ -108,8 +92,8 @@ async def test_admission_node_and_bench_events_become_rows_once(conn: asyncpg.Co
         bench_run("b1", scenario="chat:512", results={"ttft_ms": [1.5]}),
         score("b1", "ttft_p50_ms", 1.5, scenario="chat:512"),
     ]
-    assert await project(conn, _batch(*events, *events)) == 4
-    assert await project(conn, [(*pair, 7) for pair in _batch(*events)]) == 0
+    assert await project(conn, on_subjects(*events, *events)) == 4
+    assert await project(conn, [(*pair, 7) for pair in on_subjects(*events)]) == 0
     for table, expected in expected_rows(events).items():
         assert await table_rows(conn, table) == expected, table
     row = await conn.fetchrow("SELECT decision, principal, retry_after_s FROM admission_events")
@@ -143,10 +127,10 @@ async def test_a_republished_bench_run_keeps_its_latest_copy(conn: asyncpg.Conne
     older = bench_run("b2", ts=100.0, results={"decode_tok_s": 50.0})
     newer = bench_run("b2", ts=200.0, results={"decode_tok_s": 60.0})
     if order == "same_batch":
-        await project(conn, _batch(newer, older))
+        await project(conn, on_subjects(newer, older))
     else:
         for event in (older, newer) if order == "older_first" else (newer, older):
-            await project(conn, _batch(event))
+            await project(conn, on_subjects(event))
     row = await conn.fetchrow("SELECT event_id, results FROM bench_runs")
     assert row["event_id"] == newer.event_id
     assert row["results"] == '{"decode_tok_s": 60.0}'
@@ -154,7 +138,7 @@ async def test_a_republished_bench_run_keeps_its_latest_copy(conn: asyncpg.Conne
 
 async def test_a_preemption_is_a_row_with_its_reason(conn: asyncpg.Connection) -> None:
     first, second = preempted("r9", tokens_kept=3), preempted("r9", reason="kv_cache_full", tokens_kept=8)
-    assert await project(conn, _batch(first, second, first)) == 2
+    assert await project(conn, on_subjects(first, second, first)) == 2
     rows = await conn.fetch("SELECT request_id, model, node, reason, service_class, tokens_kept FROM preemptions "
                             "ORDER BY tokens_kept")
     assert [tuple(r) for r in rows] == [("r9", "tiny", "node-a", "interactive_waiting", "batch", 3),
@@ -163,11 +147,12 @@ async def test_a_preemption_is_a_row_with_its_reason(conn: asyncpg.Connection) -
 
 async def test_rebuild_recomputes_every_projection_from_events(conn: asyncpg.Connection) -> None:
     run = [finished("r8", attempt=2, ts=9.0), started("r8", ts=1.0), started("r8", attempt=2, ts=5.0)]
-    await project(conn, _batch(*run))
-    await project(conn, _batch(admission("r8"), node_status("node-a"), bench_run("b3"), score("b3", "quality", 7.0)))
-    await project(conn, _batch(response_stored("resp_1"), response_deleted("resp_1"), response_stored("resp_2")))
-    await project(conn, _batch(file_created("file-1"), file_deleted("file-1"), file_created("file-2")))
-    await project(conn, _batch(preempted("r8")))
+    await project(conn, on_subjects(*run))
+    await project(conn, on_subjects(admission("r8"), node_status("node-a"), bench_run("b3"),
+                                    score("b3", "quality", 7.0)))
+    await project(conn, on_subjects(response_stored("resp_1"), response_deleted("resp_1"), response_stored("resp_2")))
+    await project(conn, on_subjects(file_created("file-1"), file_deleted("file-1"), file_created("file-2")))
+    await project(conn, on_subjects(preempted("r8")))
     before = {t: [tuple(r) for r in await conn.fetch(f"SELECT * FROM {t} ORDER BY 1, 2")] for t in PROJECTIONS}
     await conn.execute("UPDATE runs SET status = 'bogus'; DELETE FROM nodes; DELETE FROM scores; "
                        "DELETE FROM responses; DELETE FROM files")
@@ -187,11 +172,11 @@ async def test_a_deleted_response_stays_deleted_whatever_the_order(conn: asyncpg
     stored = response_stored("resp_9", ts=10.0, previous_response_id="resp_8")
     early, late = response_deleted("resp_9", ts=20.0), response_deleted("resp_9", ts=30.0)
     if order == "same_batch":
-        await project(conn, _batch(late, stored, early))
+        await project(conn, on_subjects(late, stored, early))
     else:
         first = [stored] if order == "stored_first" else [late, early]
         for event in first + ([early, late] if order == "stored_first" else [stored]):
-            await project(conn, _batch(event))
+            await project(conn, on_subjects(event))
     row = await conn.fetchrow("SELECT * FROM responses")
     assert (row["event_id"], row["previous_response_id"], row["principal"]) == (stored.event_id, "resp_8", "alice")
     assert (row["deleted_at"].timestamp(), row["deleted_by"]) == (20.0, early.event_id)
@@ -204,8 +189,8 @@ async def test_a_deleted_response_stays_deleted_whatever_the_order(conn: asyncpg
 
 async def test_a_response_stored_again_keeps_its_latest_copy(conn: asyncpg.Connection) -> None:
     newer = response_stored("resp_7", ts=200.0, response={"id": "resp_7", "status": "incomplete"})
-    await project(conn, _batch(newer))
-    await project(conn, _batch(response_stored("resp_7", ts=100.0)))
+    await project(conn, on_subjects(newer))
+    await project(conn, on_subjects(response_stored("resp_7", ts=100.0)))
     row = await conn.fetchrow("SELECT event_id, status, deleted_at FROM responses")
     assert (row["event_id"], row["status"], row["deleted_at"]) == (newer.event_id, "incomplete", None)
 
@@ -221,11 +206,11 @@ def file_deleted(file_id: str, ts: float = 20.0) -> wire.FileDeleted:
 
 async def test_files_merge_creation_and_deletion_in_either_order(conn: asyncpg.Connection) -> None:
     # The deletion first, in its own batch; then the creation, twice (a redelivery and a replayed copy).
-    await project(conn, _batch(file_deleted("file-a", ts=30.0)))
+    await project(conn, on_subjects(file_deleted("file-a", ts=30.0)))
     row = await conn.fetchrow("SELECT * FROM files WHERE file_id = 'file-a'")
     assert row["event_id"] is None and row["deleted_at"] is not None
     created = file_created("file-a")
-    await project(conn, _batch(created, created, file_deleted("file-a", ts=25.0)))
+    await project(conn, on_subjects(created, created, file_deleted("file-a", ts=25.0)))
     row = await conn.fetchrow("SELECT * FROM files WHERE file_id = 'file-a'")
     assert (row["principal"], row["filename"], row["purpose"], row["bytes"], row["created_at"]) == (
         "alice", "in.jsonl", "batch", 42, 10)

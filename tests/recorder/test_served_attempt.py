@@ -8,32 +8,17 @@ after a rebuild, the ledger says the same thing: which attempt served, and what 
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
 
-from apps.bus.topology import event_subject
 from apps.bus.wire import Event
-from apps.recorder.migrate import migrate
-from apps.recorder.projector import event_kind, project, rebuild
-from tests.recorder.conftest import finished, started
+from apps.recorder.projector import project, rebuild
+from tests.recorder.conftest import finished, on_subjects, started
 
 T0 = 1_700_000_000.0
 
 
-@pytest.fixture
-async def conn(database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    await migrate(database_url)
-    conn = await asyncpg.connect(database_url)
-    try:
-        yield conn
-    finally:
-        await conn.close()
-
-
-def _batch(*events: Event) -> list[tuple[str, Event]]:
-    return [(event_subject(event_kind(e), e.model), e) for e in events]
 
 
 def _taken_over(first_serves: bool) -> list[Event]:
@@ -64,7 +49,7 @@ async def _reset(conn: asyncpg.Connection) -> None:
 async def test_runs_names_the_served_attempt_in_every_arrival_order(conn: asyncpg.Connection,
                                                                     first_serves: bool) -> None:
     events = _taken_over(first_serves)
-    await project(conn, _batch(*events))
+    await project(conn, on_subjects(*events))
     expected = await _ledger(conn)
     row = await conn.fetchrow("SELECT * FROM runs")
     served = 1 if first_serves else 2
@@ -81,12 +66,12 @@ async def test_runs_names_the_served_attempt_in_every_arrival_order(conn: asyncp
     for order in itertools.permutations(events):
         await _reset(conn)
         for event in order:  # one batch per event: each arrives after the others committed
-            await project(conn, _batch(event))
+            await project(conn, on_subjects(event))
         assert await _ledger(conn) == expected, [type(e).__name__ + str(e.attempt) for e in order]
     for split in range(1, len(events)):
         await _reset(conn)
-        await project(conn, _batch(*events[split:], *events[split:]))  # with duplicates
-        await project(conn, _batch(*events[:split]))
+        await project(conn, on_subjects(*events[split:], *events[split:]))  # with duplicates
+        await project(conn, on_subjects(*events[:split]))
         assert await _ledger(conn) == expected
 
     await conn.execute("UPDATE runs SET status = 'bogus'; DELETE FROM run_attempts")
@@ -96,7 +81,7 @@ async def test_runs_names_the_served_attempt_in_every_arrival_order(conn: asyncp
 
 async def test_without_a_served_flag_the_latest_attempt_describes_the_run(conn: asyncpg.Connection) -> None:
     # Events from publishers that do not say which attempt served (served=None): as before.
-    await project(conn, _batch(finished("old", attempt=2, ts=T0 + 5, node="node-b"),
+    await project(conn, on_subjects(finished("old", attempt=2, ts=T0 + 5, node="node-b"),
                                finished("old", attempt=1, ts=T0 + 9, status="error", finish_reason="error")))
     row = await conn.fetchrow("SELECT attempt, node, status, served_attempt FROM runs")
     assert tuple(row) == (2, "node-b", "ok", None)
@@ -104,11 +89,11 @@ async def test_without_a_served_flag_the_latest_attempt_describes_the_run(conn: 
 
 
 async def test_a_started_retry_shows_running_until_an_attempt_serves(conn: asyncpg.Connection) -> None:
-    await project(conn, _batch(started("r2", ts=T0), finished("r2", ts=T0 + 1, served=False, status="error",
+    await project(conn, on_subjects(started("r2", ts=T0), finished("r2", ts=T0 + 1, served=False, status="error",
                                                                finish_reason="error", error="worker_lost")))
-    await project(conn, _batch(started("r2", ts=T0 + 2, attempt=2, node="node-b")))
+    await project(conn, on_subjects(started("r2", ts=T0 + 2, attempt=2, node="node-b")))
     assert tuple(await conn.fetchrow("SELECT attempt, status, served_attempt FROM runs")) == (2, "running", None)
-    await project(conn, _batch(finished("r2", ts=T0 + 3, attempt=2, node="node-b", served=True)))
+    await project(conn, on_subjects(finished("r2", ts=T0 + 3, attempt=2, node="node-b", served=True)))
     assert tuple(await conn.fetchrow("SELECT attempt, status, served_attempt FROM runs")) == (2, "ok", 2)
 
 
@@ -120,6 +105,6 @@ async def test_two_finishes_of_one_attempt_settle_on_the_same_one_in_any_order(c
     for order in ((lost, own), (own, lost)):
         await _reset(conn)
         for event in order:
-            await project(conn, _batch(event))
+            await project(conn, on_subjects(event))
         results.append(await _ledger(conn))
     assert results[0] == results[1]
