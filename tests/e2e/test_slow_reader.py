@@ -27,7 +27,8 @@ TOKENS = 8000
 def fast_model(system: System, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     reply = " ".join(f"w{i}" for i in range(TOKENS))  # no delays: frames come as fast as they can
     with scripted_worker(system, tmp_path_factory.mktemp("script"), FAST, {"rules": [], "default": reply},
-                         {"HELEXA_MAX_MODEL_LEN": "65536"}):
+                         # Every delta its own frame (no frame window): the frames, not their bytes, fill the buffer.
+                         {"HELEXA_MAX_MODEL_LEN": "65536", "HELEXA_FRAME_WINDOW_MS": "0"}):
         yield FAST
 
 
