@@ -166,7 +166,8 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
         app.state.batches = BatchStore(settings.database_url, events, lambda: bus.js, settings.response_wait_s)
         runner = BatchRunner(bus, app.state.batches, app.state.files, app.state.generations,
                              settings.batch_concurrency, events.emit)
-        runner.start()
+        if settings.batch_concurrency:
+            runner.start()
         try:
             yield
         finally:
