@@ -1,6 +1,7 @@
 """The batch runner: a gateway's worker for /v1/batches, durable across gateway deaths.
 
-Batches are claimed through the BATCHES work queue (`topology.batch_runners_config`): one claim
+A gateway runs one batch at a time (more gateways run more at once). Batches are claimed through
+the BATCHES work queue (`topology.batch_runners_config`): one claim
 message per batch, taken by whichever gateway's runner pulls it, kept alive with in-progress acks
 while the batch runs and acked only once the batch is finished (or naked when this gateway stops).
 A gateway that dies holding one stops acking, so after the ack wait JetStream hands the claim to
@@ -26,7 +27,8 @@ the files bucket as the batch owner's (purpose `batch_output`), then the batch i
 Cancelling (`batch.status` cancelling, from any gateway) stops new lines from starting; the ones
 running finish, then the batch is `cancelled` with what is done. At `expires_at` the same happens
 and the batch is `expired`. A line refused for lack of capacity (429, 503) is retried after a
-pause, with a new request id, a bounded number of times.
+pause, with a new request id, a bounded number of times. Waits on the ledger are bounded too: a
+line event lost on its way gives the claim back, and the next run records what is missing.
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ _KEEP_ALIVE_S = topology.BATCH_ACK_WAIT_S / 4
 # A line refused for lack of capacity is tried this many times in all, this long apart at first.
 _TRIES = 6
 _RETRY_PAUSE_S = 1.0
+# How long a runner waits for its events to reach the ledger before it gives the claim back.
+_PROJECTION_WAIT_S = 120.0
 # How long a claim waits for its batch.created to be projected before it is dropped.
 _UNKNOWN_BATCH_S = 600.0
 
@@ -234,7 +238,7 @@ class BatchRunner:
             await self._until(batch_id, lambda b: b.status in TERMINAL)
             return True
         lines = await asyncio.to_thread(split_lines, content)
-        if batch.status == "validating":
+        if batch.row.get("total") is None:
             self._batches.set_status(batch_id, "in_progress", total=len(lines))
         done = await self._batches.lines_done(batch_id)
         prepared = await asyncio.to_thread(self._prepare_all, batch, lines, done, delivery)
@@ -244,8 +248,7 @@ class BatchRunner:
             await self._run_lines(batch, prepared, stop)
         finally:
             watcher.cancel()
-        finished = done | {p.line if isinstance(p, Prepared) else p.line for p in prepared if _ran(p, stop)}
-        await self._until_lines(batch_id, finished)
+        await self._until_lines(batch_id, done | stop.started)
         final = stop.reason or "completed"
         self._batches.set_status(batch_id, "finalizing")
         output, errors = await self._write_outputs(batch)
@@ -273,7 +276,10 @@ class BatchRunner:
         slots = asyncio.Semaphore(self._concurrency)
         running: set[asyncio.Task[None]] = set()
         for item in items:
+            if stop.reason is not None:
+                break
             if isinstance(item, wire.BatchLine):
+                stop.started.add(item.line)
                 self._emit(item)
                 continue
             await slots.acquire()
@@ -325,15 +331,19 @@ class BatchRunner:
         return b"".join([chunk async for chunk in chunks])
 
     async def _until_lines(self, batch_id: str, lines: set[int]) -> None:
-        while not lines <= await self._batches.lines_done(batch_id):
-            await asyncio.sleep(_POLL_S / 4)
+        """Wait until the ledger has `lines`; an event lost on its way (the publisher's backlog full)
+        ends the wait with TimeoutError, and the claim comes back to run what is missing."""
+        async with asyncio.timeout(_PROJECTION_WAIT_S):
+            while not lines <= await self._batches.lines_done(batch_id):
+                await asyncio.sleep(_POLL_S / 4)
 
     async def _until(self, batch_id: str, done: Callable[[StoredBatch], bool]) -> None:
-        while True:
-            batch = await self._batches.read(batch_id)
-            if batch is not None and done(batch):
-                return
-            await asyncio.sleep(_POLL_S / 4)
+        async with asyncio.timeout(_PROJECTION_WAIT_S):
+            while True:
+                batch = await self._batches.read(batch_id)
+                if batch is not None and done(batch):
+                    return
+                await asyncio.sleep(_POLL_S / 4)
 
     async def _write_outputs(self, batch: StoredBatch) -> tuple[str | None, str | None]:
         rows = await self._batches.lines(batch.batch_id)
@@ -367,14 +377,10 @@ class _Stop:
     def __init__(self, batch: StoredBatch) -> None:
         self.reason: str | None = "cancelled" if batch.status == "cancelling" else None
         self.expires_at = batch.row["expires_at"]
+        # The lines this run recorded or started (each is recorded once it finishes).
         self.started: set[int] = set()
         self.check_expiry()
 
     def check_expiry(self) -> None:
         if self.reason is None and self.expires_at is not None and time.time() >= self.expires_at:
             self.reason = "expired"
-
-
-def _ran(item: Prepared | wire.BatchLine, stop: _Stop) -> bool:
-    """Whether this run recorded the line (an error line always, a request if it started)."""
-    return isinstance(item, wire.BatchLine) or item.line in stop.started
