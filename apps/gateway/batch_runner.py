@@ -96,7 +96,8 @@ def _error(code: str, message: str) -> dict[str, Any]:
     return {"code": code, "message": message}
 
 
-def prepare(batch: StoredBatch, line: int, raw: bytes, delivery: int) -> Prepared | wire.BatchLine:
+def prepare(batch: StoredBatch, line: int, raw: bytes, delivery: int,
+            max_body_bytes: int) -> Prepared | wire.BatchLine:
     """One input line as the request it asks for, validated as the live route validates it, or
     its error line."""
     batch_id = batch.batch_id
@@ -110,6 +111,9 @@ def prepare(batch: StoredBatch, line: int, raw: bytes, delivery: int) -> Prepare
         return failed(f"Line {line} is not a batch request line: {wire.bounded_text(str(exc), 200)}.")
     if item.method != "POST" or item.url != batch.row["endpoint"]:
         return failed(f"Line {line} must be a POST to {batch.row['endpoint']}, the batch's endpoint.", item.custom_id)
+    if len(item.body) > max_body_bytes:
+        return failed(f"Line {line}'s body is over {max_body_bytes} bytes (max_request_bytes, as on the live route).",
+                      item.custom_id)
     request_id = f"{batch_id}-{line}-{delivery}"
     principal = batch.principal
     try:
@@ -162,12 +166,13 @@ def output_line(row: Any) -> bytes:
 
 class BatchRunner:
     def __init__(self, bus: GatewayBus, batches: BatchStore, files: FileStore, generations: GenerationPipeline,
-                 concurrency: int, events_emit: Callable[[wire.AnyEvent], None]) -> None:
+                 concurrency: int, max_body_bytes: int, events_emit: Callable[[wire.AnyEvent], None]) -> None:
         self._bus = bus
         self._batches = batches
         self._files = files
         self._generations = generations
         self._concurrency = concurrency
+        self._max_body_bytes = max_body_bytes
         self._emit = events_emit
         self._task: asyncio.Task[None] | None = None
 
@@ -261,7 +266,7 @@ class BatchRunner:
         out: list[Prepared | wire.BatchLine] = []
         seen: set[str] = set()
         for number, raw in enumerate(lines, start=1):
-            item = prepare(batch, number, raw, delivery)
+            item = prepare(batch, number, raw, delivery, self._max_body_bytes)
             custom_id = item.custom_id
             if custom_id is not None and custom_id in seen:
                 item = line_event(batch.batch_id, number, None, error=_error(
