@@ -195,11 +195,22 @@ async def test_prune_keeps_recent_rows_and_drops_old_ones(conn: asyncpg.Connecti
            response_stored("resp_ancient", ts=ancient), response_stored("resp_recent", ts=time.time()),
            # A file is kept until deleted, whatever its age: its row and the event it is rebuilt from.
            FileCreated(model="-", node="gateway", ts=ancient, file_id="file-ancient", principal="alice",
-                       filename="a.jsonl", purpose="batch", bytes=1, created_at=int(ancient))]
+                       filename="a.jsonl", purpose="batch", bytes=1, created_at=int(ancient)),
+           # A batch that ended long ago goes with its lines and events; one still running keeps its events.
+           *[BatchCreated(model="-", node="gateway", ts=ancient, batch_id=batch_id, principal="alice",
+                          input_file_id="file-ancient", endpoint="/v1/chat/completions", completion_window="24h",
+                          created_at=int(ancient), expires_at=int(ancient) + 86400)
+             for batch_id in ("batch_ended", "batch_running")],
+           BatchStatus(model="-", node="gateway", ts=ancient, batch_id="batch_ended", status="completed",
+                       at=int(ancient)),
+           BatchLine(model="-", node="gateway", ts=ancient, batch_id="batch_ended", line=1, custom_id="c1",
+                     status_code=200)]
     await project(conn, [(event_subject(event_kind(e), e.model), e) for e in old])
     counts = {r["table_name"]: r["deleted"] for r in await conn.fetch(PRUNE)}
-    assert counts == {"events": 3, "runs": 1, "run_attempts": 1, "admission_events": 1, "nodes": 0, "bench_runs": 0,
-                      "scores": 0, "responses": 1}
+    assert counts == {"events": 6, "runs": 1, "run_attempts": 1, "admission_events": 1, "nodes": 0, "bench_runs": 0,
+                      "scores": 0, "responses": 1, "batch_lines": 1, "batches": 1}
+    assert await conn.fetchval("SELECT array_agg(batch_id) FROM batches") == ["batch_running"]
+    assert await conn.fetchval("SELECT count(*) FROM events WHERE kind LIKE 'batch.%'") == 1
     assert await conn.fetchval("SELECT count(*) FROM runs") == 42
     assert await conn.fetchval("SELECT array_agg(response_id) FROM responses") == ["resp_recent"]
     assert await conn.fetchval("SELECT count(*) FROM events WHERE kind = 'file.created'") == 1
