@@ -14,9 +14,9 @@ delivery limit fit live traffic, not a 24 h window, and a line sent through the 
 generation pipeline gets everything a live request gets (routing, admission, migration on a lost
 worker, the same rendering), so a batch line's answer is exactly the answer the live route gives.
 
-Per batch: the input file's lines are decoded into the endpoint's own request struct with the
-live route's code (`validate.decode_body`, same bounds); an invalid line becomes an error line,
-never a failed batch. Valid lines run `batch_concurrency` at a time, non-streaming, with
+Per batch: the input file's lines are decoded (`apps.gateway.batch_lines`) into the endpoint's
+own request struct with the live route's code (`validate.decode_body`, same bounds); an invalid
+line becomes an error line, never a failed batch. Valid lines run `batch_concurrency` at a time, non-streaming, with
 `service_class="batch"` (the engine preempts them for interactive work) and a request id made of
 the batch id, the line and the claim's delivery count (deterministic, yet new for a runner that
 takes the batch over, so REQUESTS' dedupe never swallows a retaken line). Each finished line is a
@@ -37,7 +37,6 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -45,20 +44,14 @@ from nats.aio.msg import Msg
 
 from apps.bus import topology, wire
 from apps.bus.codes import ServingError
-from apps.gateway.api import openai_schema as oa
-from apps.gateway.api.chat import ChatFormatter
-from apps.gateway.api.chat import to_bus_request as chat_request
-from apps.gateway.api.completions import CompletionFormatter
-from apps.gateway.api.completions import to_bus_request as completion_request
+from apps.bus.pull import BatchPuller
 from apps.gateway.api.structured import check_enforceable
-from apps.gateway.api.validate import decode_body
+from apps.gateway.batch_lines import Prepared, line_error, line_event, output_line, prepare, split_lines
 from apps.gateway.batch_store import BATCH_IDS, TERMINAL, BatchStore, StoredBatch
 from apps.gateway.bus_client import GatewayBus
 from apps.gateway.errors import error_body
 from apps.gateway.file_store import FileStore
 from apps.gateway.generation import GenerationPipeline
-from apps.gateway.rendering import Formatter
-from engine.frontend.protocol import ServiceClass
 
 log = logging.getLogger("helexa.gateway")
 
@@ -73,95 +66,6 @@ _RETRY_PAUSE_S = 1.0
 _PROJECTION_WAIT_S = 120.0
 # How long a claim waits for its batch.created to be projected before it is dropped.
 _UNKNOWN_BATCH_S = 600.0
-
-
-class InputLine(msgspec.Struct, frozen=True):
-    custom_id: str
-    method: str
-    url: str
-    body: msgspec.Raw
-
-
-@dataclass(slots=True, frozen=True)
-class Prepared:
-    line: int
-    custom_id: str
-    request: wire.GenerateRequest
-    formatter: Formatter
-    output_param: str
-    constraint_param: str | None
-
-
-def _error(code: str, message: str) -> dict[str, Any]:
-    return {"code": code, "message": message}
-
-
-def prepare(batch: StoredBatch, line: int, raw: bytes, delivery: int,
-            max_body_bytes: int) -> Prepared | wire.BatchLine:
-    """One input line as the request it asks for, validated as the live route validates it, or
-    its error line."""
-    batch_id = batch.batch_id
-
-    def failed(message: str, custom_id: str | None = None) -> wire.BatchLine:
-        return line_event(batch_id, line, custom_id, error=_error("invalid_request", message))
-
-    try:
-        item = msgspec.json.decode(raw, type=InputLine)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        return failed(f"Line {line} is not a batch request line: {wire.bounded_text(str(exc), 200)}.")
-    if item.method != "POST" or item.url != batch.row["endpoint"]:
-        return failed(f"Line {line} must be a POST to {batch.row['endpoint']}, the batch's endpoint.", item.custom_id)
-    if len(item.body) > max_body_bytes:
-        return failed(f"Line {line}'s body is over {max_body_bytes} bytes (max_request_bytes, as on the live route).",
-                      item.custom_id)
-    request_id = f"{batch_id}-{line}-{delivery}"
-    principal = batch.principal
-    try:
-        if item.url == "/v1/chat/completions":
-            chat = decode_body(bytes(item.body), oa.ChatCompletionRequest)
-            request = chat_request(chat, request_id, principal)
-            formatter: Formatter = ChatFormatter(request, False)
-            output_param, constraint = chat.completion_limit_param(), chat.constraint_param()
-        else:
-            plain = decode_body(bytes(item.body), oa.CompletionRequest)
-            request = completion_request(plain, request_id, principal)
-            formatter = CompletionFormatter(request, False)
-            output_param, constraint = "max_tokens", plain.constraint_param()
-    except ServingError as exc:
-        return failed(f"Line {line}: {exc.message}", item.custom_id)
-    request = msgspec.structs.replace(request, stream=False, service_class=ServiceClass.BATCH)
-    return Prepared(line, item.custom_id, request, formatter, output_param, constraint)
-
-
-def line_event(batch_id: str, line: int, custom_id: str | None, status_code: int | None = None,
-               request_id: str | None = None, body: dict[str, Any] | None = None,
-               error: dict[str, Any] | None = None) -> wire.BatchLine:
-    return wire.BatchLine(event_id=f"{batch_id}.{line}", model="-", node="gateway", batch_id=batch_id, line=line,
-                          custom_id=custom_id, status_code=status_code, request_id=request_id, body=body,
-                          error=error)
-
-
-def split_lines(content: bytes) -> list[bytes]:
-    """The file's lines (as the upload checked them: every one a JSON object, none blank)."""
-    lines = content.split(b"\n")
-    if lines and not lines[-1].strip():
-        lines.pop()
-    return [line.rstrip(b"\r") for line in lines]
-
-
-def output_line(row: Any) -> bytes:
-    """One line of an output or error file, in OpenAI's shape."""
-    response = None
-    if row["status_code"] is not None:
-        body = row["body"]
-        response = {"status_code": row["status_code"], "request_id": row["request_id"],
-                    "body": msgspec.json.decode(body) if isinstance(body, str) else body}
-    error = row["error"]
-    return msgspec.json.encode({
-        "id": f"batch_req_{row['batch_id'].removeprefix('batch_')}_{row['line']}",
-        "custom_id": row["custom_id"], "response": response,
-        "error": msgspec.json.decode(error) if isinstance(error, str) else error,
-    }) + b"\n"
 
 
 class BatchRunner:
@@ -188,10 +92,12 @@ class BatchRunner:
                 pass
 
     async def _loop(self) -> None:
-        puller = await topology.batch_puller(self._bus.nc)
+        puller: BatchPuller | None = None
         try:
             while True:
                 try:
+                    if puller is None or puller.nc is not self._bus.nc:  # the connection was replaced
+                        puller = await topology.batch_puller(self._bus.nc)
                     claims = await puller.fetch(1, timeout=5.0)
                 except Exception as exc:
                     log.warning("batch runner cannot pull claims", extra={"detail": repr(exc)})
@@ -200,7 +106,8 @@ class BatchRunner:
                 for claim in claims:
                     await self._hold(claim)
         finally:
-            await puller.stop()
+            if puller is not None and not puller.nc.is_closed:
+                await puller.stop()
 
     async def _hold(self, claim: Msg) -> None:
         batch_id = claim.data.decode(errors="replace")
@@ -238,7 +145,7 @@ class BatchRunner:
             return True
         content = await self._input(batch)
         if content is None:
-            self._batches.set_status(batch_id, "failed", errors=[_error(
+            self._batches.set_status(batch_id, "failed", errors=[line_error(
                 "invalid_file", f"The input file {batch.row['input_file_id']} is gone.")])
             await self._until(batch_id, lambda b: b.status in TERMINAL)
             return True
@@ -269,7 +176,7 @@ class BatchRunner:
             item = prepare(batch, number, raw, delivery, self._max_body_bytes)
             custom_id = item.custom_id
             if custom_id is not None and custom_id in seen:
-                item = line_event(batch.batch_id, number, None, error=_error(
+                item = line_event(batch.batch_id, number, None, error=line_error(
                     "duplicate_custom_id", f"Line {number} repeats custom_id '{wire.bounded_text(custom_id, 64)}'."))
             elif custom_id is not None:
                 seen.add(custom_id)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from apps.bus import wire
-from apps.gateway.batch_runner import Prepared, output_line, prepare, split_lines
+from apps.gateway.batch_lines import Prepared, output_line, prepare, split_lines
 from apps.gateway.batch_store import StoredBatch
 from engine.frontend.protocol import ServiceClass
 
