@@ -50,3 +50,14 @@ def test_lines_and_output_lines() -> None:
     assert json.loads(output_line(row)) == {
         "id": "batch_req_x_4", "custom_id": "c4", "error": None,
         "response": {"status_code": 200, "request_id": "batch_x-4-1", "body": {"id": "chatcmpl-1"}}}
+
+
+def test_a_completions_batch_decodes_completion_requests() -> None:
+    batch = StoredBatch({**BATCH.row, "endpoint": "/v1/completions"})
+    line = json.dumps({"custom_id": "p1", "method": "POST", "url": "/v1/completions",
+                       "body": {"model": "m", "prompt": "Once", "max_tokens": 4}}).encode()
+    prepared = prepare(batch, 1, line, 1, MAX_BODY)
+    assert isinstance(prepared, Prepared)
+    assert prepared.request.service_class == ServiceClass.BATCH and prepared.request.sampling.max_tokens == 4
+    wrong = prepare(batch, 2, raw(url="/v1/completions"), 1, MAX_BODY)  # a chat body is not a completion
+    assert isinstance(wrong, wire.BatchLine) and wrong.error is not None
