@@ -165,7 +165,7 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
             settings.max_files_per_principal, settings.max_file_bytes_per_principal), settings.response_wait_s)
         app.state.batches = BatchStore(settings.database_url, events, lambda: bus.js, settings.response_wait_s)
         runner = BatchRunner(bus, app.state.batches, app.state.files, app.state.generations,
-                             settings.batch_concurrency, settings.max_request_bytes, events.emit)
+                             settings.batch_concurrency, settings.max_request_bytes, events.emit, gateway_metrics)
         if settings.batch_concurrency:
             runner.start()
         try:

@@ -52,6 +52,7 @@ from apps.gateway.bus_client import GatewayBus
 from apps.gateway.errors import error_body
 from apps.gateway.file_store import FileStore
 from apps.gateway.generation import GenerationPipeline
+from apps.gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("helexa.gateway")
 
@@ -70,13 +71,15 @@ _UNKNOWN_BATCH_S = 600.0
 
 class BatchRunner:
     def __init__(self, bus: GatewayBus, batches: BatchStore, files: FileStore, generations: GenerationPipeline,
-                 concurrency: int, max_body_bytes: int, events_emit: Callable[[wire.AnyEvent], None]) -> None:
+                 concurrency: int, max_body_bytes: int, events_emit: Callable[[wire.AnyEvent], None],
+                 metrics: GatewayMetrics) -> None:
         self._bus = bus
         self._batches = batches
         self._files = files
         self._generations = generations
         self._concurrency = concurrency
         self._max_body_bytes = max_body_bytes
+        self._metrics = metrics
         self._emit = events_emit
         self._task: asyncio.Task[None] | None = None
 
@@ -192,6 +195,7 @@ class BatchRunner:
                 break
             if isinstance(item, wire.BatchLine):
                 stop.started.add(item.line)
+                self._metrics.batch_lines.labels("invalid").inc()
                 self._emit(item)
                 continue
             await slots.acquire()
@@ -208,13 +212,18 @@ class BatchRunner:
 
     async def _line(self, batch: StoredBatch, item: Prepared) -> None:
         request = item.request
-        for attempt in range(_TRIES):
-            if attempt:
-                request = msgspec.structs.replace(request, request_id=f"{item.request.request_id}-r{attempt}")
-            status, body = await self._answer(request, item)
-            if status not in (429, 503) or attempt == _TRIES - 1:
-                break
-            await asyncio.sleep(_RETRY_PAUSE_S * 2 ** attempt)
+        self._metrics.batch_lines_running.inc()
+        try:
+            for attempt in range(_TRIES):
+                if attempt:
+                    request = msgspec.structs.replace(request, request_id=f"{item.request.request_id}-r{attempt}")
+                status, body = await self._answer(request, item)
+                if status not in (429, 503) or attempt == _TRIES - 1:
+                    break
+                await asyncio.sleep(_RETRY_PAUSE_S * 2 ** attempt)
+        finally:
+            self._metrics.batch_lines_running.dec()
+        self._metrics.batch_lines.labels("answered" if status == 200 else "failed").inc()
         self._emit(line_event(batch.batch_id, item.line, item.custom_id, status, request.request_id, body))
 
     async def _answer(self, request: wire.GenerateRequest, item: Prepared) -> tuple[int, dict[str, Any]]:

@@ -9,6 +9,7 @@ import asyncio
 import json
 from collections.abc import Iterator
 
+import httpx
 import openai
 import pytest
 from openai.types import Batch
@@ -96,6 +97,9 @@ def test_a_batch_runs_to_completed_with_its_invalid_lines_as_errors(system: Syst
                   created.id)
     assert rows == [{"n": 20, "ids": 20}]
     assert created.id in [batch.id for batch in client.batches.list()]
+    metrics = httpx.get(f"{gateway.url}/metrics").text
+    assert 'helexa:gateway_batch_lines_total{outcome="answered"} 18.0' in metrics
+    assert 'helexa:gateway_batch_lines_total{outcome="invalid"} 2.0' in metrics
 
 
 def test_another_principal_cannot_see_or_cancel_a_batch(gateway: KeyedGateway) -> None:
