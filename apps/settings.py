@@ -153,6 +153,9 @@ class GatewaySettings:
     max_files_per_principal: int = field(default_factory=lambda: _env_int("HELEXA_MAX_FILES_PER_PRINCIPAL", 1000))
     max_file_bytes_per_principal: int = field(
         default_factory=lambda: _env_int("HELEXA_MAX_FILE_BYTES_PER_PRINCIPAL", 1 << 30))
+    # Batches (/v1/batches): how many of a batch's lines this gateway's runner has in flight at once;
+    # 0: this gateway runs no batches (it still takes them, and another gateway's runner runs them).
+    batch_concurrency: int = field(default_factory=lambda: _env_int("HELEXA_BATCH_CONCURRENCY", 8))
     upload_timeout_s: float = field(default_factory=lambda: _env_float("HELEXA_UPLOAD_TIMEOUT_S", 600.0))
     # On SIGTERM, how long answers in flight get to finish (then an error event ends each).
     stop_grace_s: float = field(default_factory=lambda: _env_float("HELEXA_STOP_GRACE_S", 10.0))
@@ -182,6 +185,8 @@ class GatewaySettings:
             raise ValueError("HELEXA_RATE_LIMIT_RPS must be >= 0 (0: off) and HELEXA_RATE_LIMIT_BURST >= 1")
         if self.response_wait_s < 0:
             raise ValueError("HELEXA_RESPONSE_WAIT_S must be >= 0")
+        if self.batch_concurrency < 0:
+            raise ValueError("HELEXA_BATCH_CONCURRENCY must be >= 0")
         if self.stop_grace_s < 0:
             raise ValueError("HELEXA_STOP_GRACE_S must be >= 0")
         if min(self.max_stored_response_bytes, self.max_chain_responses, self.max_chain_bytes,

@@ -65,7 +65,9 @@ def system(nats_server: NatsServer, postgres: PostgresServer) -> Iterator[System
         worker = AppProcess(["worker"], {**role_env(nats_server, postgres, "worker"), "HELEXA_NODE_ID": "e2e-worker",
                                          "HELEXA_STATUS_INTERVAL_S": str(STATUS_INTERVAL_S)})
         apps.append(worker)
-        gateway = AppProcess(["gateway"], {**role_env(nats_server, postgres, "gateway"), "HELEXA_PORT": str(port)})
+        # Batches run only on the gateways the batch tests start, so they know which one holds a batch.
+        gateway = AppProcess(["gateway"], {**role_env(nats_server, postgres, "gateway"), "HELEXA_PORT": str(port),
+                                           "HELEXA_BATCH_CONCURRENCY": "0"})
         apps.append(gateway)
         recorder.wait_ready()
         ready = worker.wait_ready()

@@ -88,6 +88,7 @@ class ErrorCode(enum.StrEnum):
     RESPONSE_NOT_FOUND = "response_not_found"
     # An uploaded file (/v1/files/{id}) that does not exist here, was deleted, or is another's.
     FILE_NOT_FOUND = "file_not_found"
+    BATCH_NOT_FOUND = "batch_not_found"
     # PostgreSQL, where stored responses are read back from, cannot be reached.
     LEDGER_UNAVAILABLE = "ledger_unavailable"
     # EVENTS is (nearly) full of events not yet recorded: new requests wait until the recorder

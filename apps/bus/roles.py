@@ -77,6 +77,9 @@ EVENT_SUBJECTS: dict[str, dict[str, str]] = {
     _kind(wire.ResponseDeleted): {_kind(wire.ResponseDeleted): GATEWAY},
     _kind(wire.FileCreated): {_kind(wire.FileCreated): GATEWAY},
     _kind(wire.FileDeleted): {_kind(wire.FileDeleted): GATEWAY},
+    _kind(wire.BatchCreated): {_kind(wire.BatchCreated): GATEWAY},
+    _kind(wire.BatchStatus): {_kind(wire.BatchStatus): GATEWAY},
+    _kind(wire.BatchLine): {_kind(wire.BatchLine): GATEWAY},
     _kind(wire.BenchRunRecorded): {_kind(wire.BenchRunRecorded): BENCH},
     _kind(wire.ScoreRecorded): {_kind(wire.ScoreRecorded): BENCH},
 }
@@ -155,6 +158,9 @@ def permissions(role: str, user: str | None) -> dict[str, Any]:
             *_write_large_events(),
             # Uploaded files (/v1/files): written, read and deleted by the gateway only.
             f"{_FILES_OBJ_SUBJECTS}.>", *_read_bucket(_FILES_OBJ_STREAM), f"{_API}.STREAM.PURGE.{_FILES_OBJ_STREAM}",
+            # Batches: claims put on BATCHES and taken (with in-progress acks) by its batch runner.
+            topology.BATCH_SUBJECT, f"{_API}.CONSUMER.MSG.NEXT.{topology.BATCHES_STREAM}.*",
+            f"$JS.ACK.{topology.BATCHES_STREAM}.>",
         ]
         subscribe = [inbox, topology.max_deliveries_advisories()]
         return _permissions(publish, subscribe, responses=True)

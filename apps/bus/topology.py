@@ -47,6 +47,15 @@ LARGE_EVENTS_BUCKET = "helexa_events"
 # Object Store bucket of uploaded files (`/v1/files`), one object per file id, kept until deleted.
 FILES_BUCKET = "helexa_files"
 RECORDER_CONSUMER = "recorder"
+# The work queue of batches (`/v1/batches`): one claim message per batch, taken by a gateway's
+# batch runner through the one durable consumer, acked only once the batch is finished.
+BATCHES_STREAM = "BATCHES"
+BATCH_RUNNERS_CONSUMER = "batch-runners"
+BATCH_SUBJECT = "helexa.batch.run"
+# A batch lives at most its 24 h completion window; the stream keeps a claim a day past that.
+BATCH_CLAIM_MAX_AGE_S = 48 * 3600.0
+# How long a claimed batch waits for its runner's in-progress acks before another runner takes it.
+BATCH_ACK_WAIT_S = 60.0
 
 _REQUEST_PREFIX = "helexa.req"
 _EVENT_PREFIX = "helexa.events"
@@ -179,6 +188,35 @@ def events_stream_config(limits: BusLimits) -> StreamConfig:
     )
 
 
+def batches_stream_config(limits: BusLimits) -> StreamConfig:
+    return StreamConfig(
+        name=BATCHES_STREAM,
+        description="Batches waiting for or held by a gateway's batch runner (work queue, one claim per batch)",
+        subjects=[BATCH_SUBJECT],
+        retention=RetentionPolicy.WORK_QUEUE,
+        discard=DiscardPolicy.NEW,
+        storage=StorageType.FILE,
+        max_age=BATCH_CLAIM_MAX_AGE_S,
+        max_msgs=1_000_000,
+        duplicate_window=120.0,
+        num_replicas=limits.replicas,
+    )
+
+
+def batch_runners_config(ack_wait_s: float = BATCH_ACK_WAIT_S) -> ConsumerConfig:
+    """The durable consumer every gateway's batch runner pulls claims from; a runner sends
+    in-progress acks while its batch runs, so `ack_wait_s` only bounds a dead gateway's batch."""
+    return ConsumerConfig(
+        name=BATCH_RUNNERS_CONSUMER,
+        durable_name=BATCH_RUNNERS_CONSUMER,
+        filter_subject=BATCH_SUBJECT,
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_wait=ack_wait_s,
+        max_ack_pending=10_000,
+    )
+
+
 def worker_consumer_config(model: str, ack_wait_s: float = 10.0, max_deliver: int = 3) -> ConsumerConfig:
     name = worker_consumer(model)
     return ConsumerConfig(
@@ -237,6 +275,8 @@ async def ensure_topology(js: JetStreamContext, limits: BusLimits) -> None:
     await large_request_store(js, limits)
     await _object_store(js, LARGE_EVENTS_BUCKET, large_events_config(limits))
     await _object_store(js, FILES_BUCKET, files_config(limits))
+    await _ensure_stream(js, batches_stream_config(limits))
+    await js.add_consumer(BATCHES_STREAM, config=batch_runners_config())
 
 
 def topology_streams() -> tuple[str, ...]:
@@ -244,7 +284,7 @@ def topology_streams() -> tuple[str, ...]:
     return (REQUESTS_STREAM, EVENTS_STREAM, f"KV_{NODES_BUCKET}",
             OBJ_STREAM_TEMPLATE.format(bucket=LARGE_REQUESTS_BUCKET),
             OBJ_STREAM_TEMPLATE.format(bucket=LARGE_EVENTS_BUCKET),
-            OBJ_STREAM_TEMPLATE.format(bucket=FILES_BUCKET))
+            OBJ_STREAM_TEMPLATE.format(bucket=FILES_BUCKET), BATCHES_STREAM)
 
 
 class Stopped(Exception):
@@ -389,6 +429,10 @@ WORKER_SERVICE = "helexa-worker"
 def node_endpoint(node: str, endpoint: str) -> str:
     """A worker's own micro-service endpoint subject (`generate`, `control`): one node, addressed."""
     return f"{_NODE_PREFIX}.{model_token(node)}.{endpoint}"
+
+
+async def batch_puller(nc: NatsClient) -> BatchPuller:
+    return await BatchPuller(nc, BATCHES_STREAM, BATCH_RUNNERS_CONSUMER).start()
 
 
 async def recorder_puller(nc: NatsClient, ack_wait_s: float = 60.0) -> BatchPuller:

@@ -331,6 +331,50 @@ class FileDeleted(Event, tag="file.deleted", frozen=True, kw_only=True):
     principal: str | None
 
 
+class BatchCreated(Event, tag="batch.created", frozen=True, kw_only=True):
+    """`POST /v1/batches`: a batch of `input_file_id`'s lines against `endpoint`, owned by `principal`;
+    a claim on the BATCHES work queue hands it to a gateway's batch runner."""
+
+    batch_id: str
+    principal: str | None
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, str] | None = None
+    # Unix seconds.
+    created_at: int
+    expires_at: int
+
+
+class BatchStatus(Event, tag="batch.status", frozen=True, kw_only=True):
+    """A batch moved to `status` at `at` (Unix seconds); the ledger keeps the furthest status in
+    OpenAI's order (validating < in_progress < cancelling < finalizing < terminal) and the first time
+    of each. `total` is the batch's line count, once known; the file ids come with a terminal status."""
+
+    batch_id: str
+    status: str
+    at: int
+    total: int | None = None
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    # A batch that failed as a whole (e.g. its input file is gone): OpenAI's `errors.data`.
+    errors: list[dict[str, Any]] | None = None
+
+
+class BatchLine(Event, tag="batch.line", frozen=True, kw_only=True):
+    """One finished line of a batch: its answer (`status_code` and `body`) or, for a line that never
+    ran (invalid, expired), `error`. Its `event_id` is the batch id and line number, so a line
+    published twice is recorded once; the ledger keeps one row per (batch, custom_id) too."""
+
+    batch_id: str
+    line: int
+    custom_id: str | None
+    status_code: int | None = None
+    request_id: str | None = None
+    body: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+
+
 class EventRef(Event, tag="event.ref", frozen=True, kw_only=True):
     """Published on EVENTS instead of an event too large for one bus message (a stored response
     of a long conversation, a bench run's artifacts): the encoded event is object `object` of the
@@ -363,7 +407,8 @@ class CoreRestarted(Event, tag="engine.restart", frozen=True, kw_only=True):
 
 
 AnyEvent = (RunStarted | RunFinished | RunPreempted | AdmissionDecided | NodeStatusChanged | BenchRunRecorded
-            | ScoreRecorded | ResponseStored | ResponseDeleted | FileCreated | FileDeleted | EventRef | CoreRestarted)
+            | ScoreRecorded | ResponseStored | ResponseDeleted | FileCreated | FileDeleted | BatchCreated | BatchStatus
+            | BatchLine | EventRef | CoreRestarted)
 
 
 def event_kind(event: Event) -> str:

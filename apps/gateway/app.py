@@ -28,6 +28,7 @@ from apps.bus.codes import Api, ServingError, Unavailable, unavailable
 from apps.fleet.catalogue import load_catalogue
 from apps.gateway.admission import AdmissionLimits, Admissions, load_per_model
 from apps.gateway.api.anthropic import messages
+from apps.gateway.api.batches import cancel_batch, create_batch, list_batches, retrieve_batch
 from apps.gateway.api.chat import chat_completions
 from apps.gateway.api.completions import completions
 from apps.gateway.api.files import create_file, delete_file, file_content, list_files, retrieve_file
@@ -38,6 +39,8 @@ from apps.gateway.api.openapi_docs import add_components
 from apps.gateway.api.responses import create_response, delete_response, retrieve_response
 from apps.gateway.api.tokens import TokenCounter, count_tokens, detokenize, tokenize
 from apps.gateway.auth import AllowedHosts, ApiKeys
+from apps.gateway.batch_runner import BatchRunner
+from apps.gateway.batch_store import BatchStore
 from apps.gateway.body_reading import BodyReader
 from apps.gateway.bus_client import GatewayBus
 from apps.gateway.cold_start import ColdStarts
@@ -160,18 +163,26 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
         app.state.files = FileStore(settings.database_url, events, lambda: bus.js, FileLimits(
             settings.max_file_bytes, settings.max_batch_lines, settings.max_batch_line_bytes,
             settings.max_files_per_principal, settings.max_file_bytes_per_principal), settings.response_wait_s)
+        app.state.batches = BatchStore(settings.database_url, events, lambda: bus.js, settings.response_wait_s)
+        runner = BatchRunner(bus, app.state.batches, app.state.files, app.state.generations,
+                             settings.batch_concurrency, settings.max_request_bytes, events.emit, gateway_metrics)
+        if settings.batch_concurrency:
+            runner.start()
         try:
             yield
         finally:
+            await runner.stop()
             await registry.stop()
             await events.stop()
             await app.state.responses.close()
             await app.state.files.close()
+            await app.state.batches.close()
             await bus.close()
 
     app = Litestar(
         route_handlers=[chat_completions, completions, messages, create_response, retrieve_response, delete_response,
                         create_file, list_files, retrieve_file, file_content, delete_file,
+                        create_batch, list_batches, retrieve_batch, cancel_batch,
                         list_models, tokenize, detokenize, count_tokens, health, ready, metrics, index],
         lifespan=[bus_lifespan],
         middleware=[edge_guard(keys, hosts, limiter, lambda: app.state.admissions)],

@@ -278,6 +278,26 @@ class FileStore:
                                            created_at=stored.created_at))
         return stored
 
+    async def create_output(self, principal: str | None, filename: str, content: AsyncIterable[bytes]) -> StoredFile:
+        """Store a file the system made for `principal` (a batch's output or errors, purpose
+        `batch_output`): bounded by what made it, not by the principal's upload quota."""
+        file_id = new_file_id()
+        size = 0
+
+        async def counted() -> AsyncIterator[bytes]:
+            nonlocal size
+            async for chunk in content:
+                size += len(chunk)
+                yield chunk
+
+        await put_stream(self._js(), topology.FILES_BUCKET, file_id, counted())
+        stored = StoredFile(file_id, principal, filename, "batch_output", size, int(time.time()))
+        self._recent.put(stored)
+        self._events.emit(wire.FileCreated(model="-", node="gateway", file_id=file_id, principal=principal,
+                                           filename=filename, purpose=stored.purpose, bytes=size,
+                                           created_at=stored.created_at))
+        return stored
+
     async def delete(self, file_id: str, principal: str | None) -> StoredFile:
         """Delete one of `principal`'s files: its content now, its row once the recorder projects it."""
         stored = await self.get(file_id, principal)

@@ -60,6 +60,11 @@ class GatewayMetrics:
         self.migrations = Counter("helexa:gateway_migrations",
                                   "Requests moved to another worker mid-answer, by why the old one was lost",
                                   ["model", "reason"], registry=r)
+        self.batch_lines_running = Gauge("helexa:gateway_batch_lines_running",
+                                         "Batch lines this gateway's runner has in flight", registry=r)
+        self.batch_lines = Counter("helexa:gateway_batch_lines",
+                                   "Batch lines this gateway's runner finished, by outcome (answered, failed, invalid)",
+                                   ["outcome"], registry=r)
         # What the scrape in progress reports: live nodes, and model → this gateway's admission.
         self._nodes: list[wire.NodeStatus] = []
         self._admissions: Mapping[str, Admission] = {}

@@ -29,6 +29,10 @@ at commit), so a gateway waiting for a response made elsewhere learns the moment
 `files` merges file.created (the first wins: one per id) and file.deleted (the earliest wins) per
 file id, in either order; each is announced on `helexa_files` as responses are on theirs.
 
+`batches` merges batch.created (one per id) and batch.status (the furthest status in OpenAI's order
+wins, each status's earliest time is kept), announced on `helexa_batches`; `batch_lines` keeps the
+first batch.line per line, one row per (batch, custom_id), so a line answered twice counts once.
+
 PostgreSQL's jsonb holds no NUL character: a `\u0000` in an event's strings is recorded as U+FFFD
 (the replacement character), the one lossy step between the bus and the ledger, so an event with
 one is recorded rather than dead-lettered.
@@ -46,6 +50,9 @@ import asyncpg
 
 from apps.bus.wire import (
     AdmissionDecided,
+    BatchCreated,
+    BatchLine,
+    BatchStatus,
     BenchRunRecorded,
     Event,
     FileCreated,
@@ -62,19 +69,21 @@ from apps.bus.wire import (
     kind_of,
 )
 
-__all__ = ["FILES_CHANNEL", "PROJECTIONS", "RESPONSES_CHANNEL", "Recorded", "event_kind", "ledger_json", "project",
-           "rebuild"]
+__all__ = ["BATCHES_CHANNEL", "FILES_CHANNEL", "PROJECTIONS", "RESPONSES_CHANNEL", "Recorded", "event_kind",
+           "ledger_json", "project", "rebuild"]
 
 # The NOTIFY channel of stored and deleted responses (payload: the response id).
 RESPONSES_CHANNEL = "helexa_responses"
 # The NOTIFY channel of created and deleted files (payload: the file id).
 FILES_CHANNEL = "helexa_files"
+# The NOTIFY channel of created batches and their status changes (payload: the batch id).
+BATCHES_CHANNEL = "helexa_batches"
 # A JSON `\u0000` escape (not an escaped backslash followed by "u0000"): an odd run of backslashes.
 _NUL_ESCAPE = re.compile(rb"(?<!\\)((?:\\\\)*)\\u0000")
 
 RUNNING = "running"
 PROJECTIONS = ("runs", "run_attempts", "admission_events", "nodes", "bench_runs", "scores", "responses", "files",
-               "preemptions")
+               "preemptions", "batches", "batch_lines")
 
 _STARTED = kind_of(RunStarted)
 _FINISHED = kind_of(RunFinished)
@@ -87,6 +96,9 @@ _RESPONSE_STORED = kind_of(ResponseStored)
 _RESPONSE_DELETED = kind_of(ResponseDeleted)
 _FILE_CREATED = kind_of(FileCreated)
 _FILE_DELETED = kind_of(FileDeleted)
+_BATCH_CREATED = kind_of(BatchCreated)
+_BATCH_STATUS = kind_of(BatchStatus)
+_BATCH_LINE = kind_of(BatchLine)
 
 _EVENT_COLUMNS = ("event_id", "kind", "subject", "model", "node", "ts", "payload", "stream_seq")
 _STAGING = "incoming_events"
@@ -342,6 +354,74 @@ WHERE kind IN ('{_RESPONSE_STORED}', '{_RESPONSE_DELETED}')
 """
 
 
+def _batches_created(source: str) -> str:
+    # One batch.created per id; the statuses already known are kept.
+    return f"""
+INSERT INTO batches AS b (batch_id, event_id, principal, input_file_id, endpoint, completion_window, metadata,
+                          created_at, expires_at)
+SELECT DISTINCT ON (p->>'batch_id')
+       p->>'batch_id', event_id, p->>'principal', p->>'input_file_id', p->>'endpoint', p->>'completion_window',
+       p->'metadata', (p->>'created_at')::bigint, (p->>'expires_at')::bigint
+FROM (SELECT *, payload AS p FROM {source} WHERE kind = '{_BATCH_CREATED}') AS e
+ORDER BY p->>'batch_id', ts, event_id
+ON CONFLICT (batch_id) DO UPDATE SET
+    event_id = EXCLUDED.event_id, principal = EXCLUDED.principal, input_file_id = EXCLUDED.input_file_id,
+    endpoint = EXCLUDED.endpoint, completion_window = EXCLUDED.completion_window, metadata = EXCLUDED.metadata,
+    created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at
+WHERE b.event_id IS NULL
+"""
+
+
+_STATUS_TIMES = ("in_progress", "cancelling", "finalizing", "completed", "failed", "expired", "cancelled")
+
+
+def _batches_status(source: str) -> str:
+    # The furthest status wins (the first reported among equals), each status's earliest time, and
+    # the first total, file ids and errors reported.
+    firsts = ",\n       ".join(f"min((p->>'at')::bigint) FILTER (WHERE p->>'status' = '{s}')" for s in _STATUS_TIMES)
+    columns = ", ".join(f"{s}_at" for s in _STATUS_TIMES)
+    keep = ",\n    ".join(f"{s}_at = least(b.{s}_at, EXCLUDED.{s}_at)" for s in _STATUS_TIMES)
+    return f"""
+INSERT INTO batches AS b (batch_id, status, status_rank, total, output_file_id, error_file_id, errors, {columns})
+SELECT p->>'batch_id', (array_agg(p->>'status' ORDER BY rank DESC, ts, event_id))[1], max(rank),
+       max((p->>'total')::integer), max(p->>'output_file_id'), max(p->>'error_file_id'),
+       (array_agg(p->'errors' ORDER BY ts, event_id) FILTER (WHERE jsonb_typeof(p->'errors') = 'array'))[1],
+       {firsts}
+FROM (SELECT *, payload AS p,
+             CASE payload->>'status' WHEN 'validating' THEN 0 WHEN 'in_progress' THEN 1 WHEN 'cancelling' THEN 2
+                                     WHEN 'finalizing' THEN 3 ELSE 4 END AS rank
+      FROM {source} WHERE kind = '{_BATCH_STATUS}') AS e
+GROUP BY p->>'batch_id'
+ON CONFLICT (batch_id) DO UPDATE SET
+    status = CASE WHEN EXCLUDED.status_rank > b.status_rank THEN EXCLUDED.status ELSE b.status END,
+    status_rank = greatest(b.status_rank, EXCLUDED.status_rank),
+    total = coalesce(b.total, EXCLUDED.total),
+    output_file_id = coalesce(b.output_file_id, EXCLUDED.output_file_id),
+    error_file_id = coalesce(b.error_file_id, EXCLUDED.error_file_id),
+    errors = coalesce(b.errors, EXCLUDED.errors),
+    {keep}
+"""
+
+
+def _batch_lines(source: str) -> str:
+    # The first answer of a line wins; a line (or custom_id) already recorded changes nothing.
+    return f"""
+INSERT INTO batch_lines (batch_id, line, custom_id, event_id, ts, status_code, request_id, body, error)
+SELECT DISTINCT ON (p->>'batch_id', (p->>'line')::integer)
+       p->>'batch_id', (p->>'line')::integer, p->>'custom_id', event_id, ts, (p->>'status_code')::integer,
+       p->>'request_id', nullif(p->'body', 'null'::jsonb), nullif(p->'error', 'null'::jsonb)
+FROM (SELECT *, payload AS p FROM {source} WHERE kind = '{_BATCH_LINE}') AS e
+ORDER BY p->>'batch_id', (p->>'line')::integer, ts, event_id
+ON CONFLICT DO NOTHING
+"""
+
+
+_NOTIFY_BATCHES = f"""
+SELECT pg_notify('{BATCHES_CHANNEL}', left(payload->>'batch_id', 256)) FROM {_STAGING}
+WHERE kind IN ('{_BATCH_CREATED}', '{_BATCH_STATUS}')
+"""
+
+
 _NOTIFY_FILES = f"""
 SELECT pg_notify('{FILES_CHANNEL}', left(payload->>'file_id', 256)) FROM {_STAGING}
 WHERE kind IN ('{_FILE_CREATED}', '{_FILE_DELETED}')
@@ -364,6 +444,9 @@ class _Statements:
             _RESPONSE_DELETED: _responses_deleted(source),
             _FILE_CREATED: _files_created(source),
             _FILE_DELETED: _files_deleted(source),
+            _BATCH_CREATED: _batches_created(source),
+            _BATCH_STATUS: _batches_status(source),
+            _BATCH_LINE: _batch_lines(source),
         }
         self.max_rounds = f"""
 SELECT coalesce(max(n), 0) FROM (
@@ -425,6 +508,8 @@ async def project(conn: asyncpg.Connection, batch: Sequence[Recorded | tuple[str
                 await conn.execute(_NOTIFY_RESPONSES)
             if kinds & {_FILE_CREATED, _FILE_DELETED}:
                 await conn.execute(_NOTIFY_FILES)
+            if kinds & {_BATCH_CREATED, _BATCH_STATUS}:
+                await conn.execute(_NOTIFY_BATCHES)
     return len(unique) - stale
 
 

@@ -145,6 +145,40 @@ async def test_a_preemption_is_a_row_with_its_reason(conn: asyncpg.Connection) -
                                         ("r9", "tiny", "node-a", "kv_cache_full", "batch", 8)]
 
 
+def batch_created(batch_id: str) -> wire.BatchCreated:
+    return wire.BatchCreated(model="-", node="gateway", batch_id=batch_id, principal="alice", input_file_id="file-1",
+                             endpoint="/v1/chat/completions", completion_window="24h", metadata={"k": "v"},
+                             created_at=100, expires_at=100 + 86400)
+
+
+def batch_status(batch_id: str, status: str, at: int, **fields: object) -> wire.BatchStatus:
+    return wire.BatchStatus(model="-", node="gateway", batch_id=batch_id, status=status, at=at, **fields)
+
+
+def batch_line(batch_id: str, line: int, custom_id: str, event_id: str | None = None) -> wire.BatchLine:
+    return wire.BatchLine(event_id=event_id or f"{batch_id}.{line}", model="-", node="gateway", batch_id=batch_id,
+                          line=line, custom_id=custom_id, status_code=200, request_id=f"req-{line}", body={"ok": line})
+
+
+async def test_a_batch_keeps_its_furthest_status_and_one_row_per_line(conn: asyncpg.Connection) -> None:
+    """Statuses in any order and any batching: the furthest in OpenAI's order wins, each status's
+    first time stays; a line published twice (same event id) or answered twice (a runner that took
+    the batch over: another event, same line and custom_id) is one row."""
+    await project(conn, on_subjects(batch_status("batch_1", "completed", 30, output_file_id="file-out"),
+                               batch_status("batch_1", "in_progress", 10, total=2)))
+    await project(conn, on_subjects(batch_created("batch_1"), batch_status("batch_1", "in_progress", 12),
+                               batch_status("batch_1", "finalizing", 20)))
+    await project(conn, on_subjects(batch_line("batch_1", 1, "a"), batch_line("batch_1", 1, "a"),
+                               batch_line("batch_1", 2, "b")))
+    await project(conn, on_subjects(batch_line("batch_1", 2, "b", event_id="retaken-2"),
+                               batch_line("batch_1", 3, "a", event_id="repeated-custom-id")))
+    row = await conn.fetchrow("SELECT principal, status, total, output_file_id, in_progress_at, finalizing_at, "
+                              "completed_at, metadata FROM batches WHERE batch_id = 'batch_1'")
+    assert tuple(row) == ("alice", "completed", 2, "file-out", 10, 20, 30, '{"k": "v"}')
+    lines = await conn.fetch("SELECT line, custom_id, event_id FROM batch_lines ORDER BY line")
+    assert [tuple(r) for r in lines] == [(1, "a", "batch_1.1"), (2, "b", "batch_1.2")]
+
+
 async def test_rebuild_recomputes_every_projection_from_events(conn: asyncpg.Connection) -> None:
     run = [finished("r8", attempt=2, ts=9.0), started("r8", ts=1.0), started("r8", attempt=2, ts=5.0)]
     await project(conn, on_subjects(*run))
@@ -153,13 +187,15 @@ async def test_rebuild_recomputes_every_projection_from_events(conn: asyncpg.Con
     await project(conn, on_subjects(response_stored("resp_1"), response_deleted("resp_1"), response_stored("resp_2")))
     await project(conn, on_subjects(file_created("file-1"), file_deleted("file-1"), file_created("file-2")))
     await project(conn, on_subjects(preempted("r8")))
+    await project(conn, on_subjects(batch_created("batch_2"), batch_status("batch_2", "in_progress", 5, total=1),
+                                    batch_line("batch_2", 1, "x")))
     before = {t: [tuple(r) for r in await conn.fetch(f"SELECT * FROM {t} ORDER BY 1, 2")] for t in PROJECTIONS}
     await conn.execute("UPDATE runs SET status = 'bogus'; DELETE FROM nodes; DELETE FROM scores; "
-                       "DELETE FROM responses; DELETE FROM files")
+                       "DELETE FROM responses; DELETE FROM files; DELETE FROM batches; DELETE FROM batch_lines")
 
     assert await rebuild(conn) == {"runs": 1, "run_attempts": 2, "admission_events": 1, "nodes": 1, "bench_runs": 1,
                                    "scores": 1, "responses": 2, "files": 2,
-                                   "preemptions": 1}
+                                   "preemptions": 1, "batches": 1, "batch_lines": 1}
     after = {t: [tuple(r) for r in await conn.fetch(f"SELECT * FROM {t} ORDER BY 1, 2")] for t in PROJECTIONS}
     assert after == before
     row = await conn.fetchrow("SELECT attempt, status, started_at, finished_at, last_event_at FROM runs")

@@ -1,6 +1,6 @@
 """The documented SQL, run as written against a populated ledger, with the shape and values it must return.
 
-`QUERIES` are the five queries of `docs/ledger.md` and `PRUNE` its retention statement, verbatim (a
+`QUERIES` are the six checked queries of `docs/ledger.md` and `PRUNE` its retention statement, verbatim (a
 test checks they are still there as written); every ```sql block of `docs/ledger.md` and of the
 README is also run as written.
 """
@@ -17,7 +17,7 @@ import asyncpg
 import pytest
 
 from apps.bus.topology import event_subject
-from apps.bus.wire import Event, FileCreated, event_kind
+from apps.bus.wire import BatchCreated, BatchLine, BatchStatus, Event, FileCreated, event_kind
 from apps.recorder.migrate import migrate
 from apps.recorder.projector import project
 from tests.recorder.conftest import admission, bench_run, finished, node_status, response_stored, score, started
@@ -71,7 +71,21 @@ PRUNE = """
 SELECT * FROM helexa_prune(interval '90 days');
 """
 
-QUERIES = {"latency": LATENCY, "throughput": THROUGHPUT, "rejections": REJECTIONS, "bench": BENCH, "failures": FAILURES}
+BATCH_PROGRESS = """
+-- progress of each batch: lines answered, failed and left, and how long it has run
+SELECT b.batch_id, b.principal, b.status, b.total,
+       count(l.line) FILTER (WHERE l.status_code = 200) AS answered,
+       count(l.line) FILTER (WHERE l.status_code IS DISTINCT FROM 200) AS failed,
+       b.total - count(l.line) AS left_to_run,
+       to_timestamp(b.in_progress_at) AS started
+FROM batches b LEFT JOIN batch_lines l USING (batch_id)
+WHERE b.event_id IS NOT NULL
+GROUP BY b.batch_id
+ORDER BY b.batch_id DESC;
+"""
+
+QUERIES = {"latency": LATENCY, "throughput": THROUGHPUT, "rejections": REJECTIONS, "bench": BENCH, "failures": FAILURES,
+           "batch progress": BATCH_PROGRESS}
 
 
 def _nearest_rank(values: list[float], p: float) -> float:
@@ -181,15 +195,42 @@ async def test_prune_keeps_recent_rows_and_drops_old_ones(conn: asyncpg.Connecti
            response_stored("resp_ancient", ts=ancient), response_stored("resp_recent", ts=time.time()),
            # A file is kept until deleted, whatever its age: its row and the event it is rebuilt from.
            FileCreated(model="-", node="gateway", ts=ancient, file_id="file-ancient", principal="alice",
-                       filename="a.jsonl", purpose="batch", bytes=1, created_at=int(ancient))]
+                       filename="a.jsonl", purpose="batch", bytes=1, created_at=int(ancient)),
+           # A batch that ended long ago goes with its lines and events; one still running keeps its events.
+           *[BatchCreated(model="-", node="gateway", ts=ancient, batch_id=batch_id, principal="alice",
+                          input_file_id="file-ancient", endpoint="/v1/chat/completions", completion_window="24h",
+                          created_at=int(ancient), expires_at=int(ancient) + 86400)
+             for batch_id in ("batch_ended", "batch_running")],
+           BatchStatus(model="-", node="gateway", ts=ancient, batch_id="batch_ended", status="completed",
+                       at=int(ancient)),
+           BatchLine(model="-", node="gateway", ts=ancient, batch_id="batch_ended", line=1, custom_id="c1",
+                     status_code=200)]
     await project(conn, [(event_subject(event_kind(e), e.model), e) for e in old])
     counts = {r["table_name"]: r["deleted"] for r in await conn.fetch(PRUNE)}
-    assert counts == {"events": 3, "runs": 1, "run_attempts": 1, "admission_events": 1, "nodes": 0, "bench_runs": 0,
-                      "scores": 0, "responses": 1}
+    assert counts == {"events": 6, "runs": 1, "run_attempts": 1, "admission_events": 1, "nodes": 0, "bench_runs": 0,
+                      "scores": 0, "responses": 1, "batch_lines": 1, "batches": 1}
+    assert await conn.fetchval("SELECT array_agg(batch_id) FROM batches") == ["batch_running"]
+    assert await conn.fetchval("SELECT count(*) FROM events WHERE kind LIKE 'batch.%'") == 1
     assert await conn.fetchval("SELECT count(*) FROM runs") == 42
     assert await conn.fetchval("SELECT array_agg(response_id) FROM responses") == ["resp_recent"]
     assert await conn.fetchval("SELECT count(*) FROM events WHERE kind = 'file.created'") == 1
     assert await conn.fetchval("SELECT array_agg(file_id) FROM files") == ["file-ancient"]
+
+
+async def test_batch_progress(conn: asyncpg.Connection) -> None:
+    gateway = {"model": "-", "node": "gateway"}
+    events: list[Event] = [
+        BatchCreated(**gateway, batch_id="batch_a", principal="alice", input_file_id="file-a",
+                     endpoint="/v1/chat/completions", completion_window="24h", created_at=1000, expires_at=87400),
+        BatchStatus(**gateway, batch_id="batch_a", status="in_progress", at=1010, total=4),
+        *[BatchLine(**gateway, event_id=f"batch_a.{n}", batch_id="batch_a", line=n, custom_id=f"c{n}",
+                    status_code=code) for n, code in ((1, 200), (2, 200), (3, 400))],
+        # Line 2 answered again (a runner that took the batch over): still one row.
+        BatchLine(**gateway, event_id="batch_a.2.again", batch_id="batch_a", line=2, custom_id="c2", status_code=200),
+    ]
+    await project(conn, [(event_subject(event_kind(e), e.model), e) for e in events])
+    rows = [tuple(r)[:7] for r in await conn.fetch(BATCH_PROGRESS)]
+    assert rows == [("batch_a", "alice", "in_progress", 4, 2, 1, 1)]
 
 
 LEDGER_DOC = REPO / "docs" / "ledger.md"

@@ -272,7 +272,7 @@ def mixed(num_requests: int = 1500, seed: int = 7, base_ts: float = BASE_TS) -> 
         events=len(w.events), runs=num_requests, run_attempts=len(w.attempts), admission_events=n_admission,
         nodes=n_nodes, bench_runs=n_bench, scores=n_scores, responses=n_responses + 1,
         files=n_files + 1,
-        preemptions=0,
+        preemptions=0, batches=0, batch_lines=0,
     )  # fmt: skip
     return w
 

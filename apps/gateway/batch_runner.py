@@ -1,0 +1,307 @@
+"""The batch runner: a gateway's worker for /v1/batches, durable across gateway deaths.
+
+A gateway runs one batch at a time (more gateways run more at once). Batches are claimed through
+the BATCHES work queue (`topology.batch_runners_config`): one claim
+message per batch, taken by whichever gateway's runner pulls it, kept alive with in-progress acks
+while the batch runs and acked only once the batch is finished (or naked when this gateway stops).
+A gateway that dies holding one stops acking, so after the ack wait JetStream hands the claim to
+another runner, or to this one once it is back. Nothing of a batch lives only in a runner: the
+ledger (`apps.gateway.batch_store`) has the batch and every finished line, so the runner that takes
+a claim over reads which lines are done and runs the rest.
+
+Why this shape rather than feeding lines into REQUESTS directly: REQUESTS' age, dedupe window and
+delivery limit fit live traffic, not a 24 h window, and a line sent through the gateway's own
+generation pipeline gets everything a live request gets (routing, admission, migration on a lost
+worker, the same rendering), so a batch line's answer is exactly the answer the live route gives.
+
+Per batch: the input file's lines are decoded (`apps.gateway.batch_lines`) into the endpoint's
+own request struct with the live route's code (`validate.decode_body`, same bounds); an invalid
+line becomes an error line, never a failed batch. Valid lines run `batch_concurrency` at a time, non-streaming, with
+`service_class="batch"` (the engine preempts them for interactive work) and a request id made of
+the batch id, the line and the claim's delivery count (deterministic, yet new for a runner that
+takes the batch over, so REQUESTS' dedupe never swallows a retaken line). Each finished line is a
+`batch.line` event whose event id is the batch id and line number: published twice, recorded
+once. Once the ledger has a row for every line, the output and error JSONL files are written to
+the files bucket as the batch owner's (purpose `batch_output`), then the batch is `completed`.
+
+Cancelling (`batch.status` cancelling, from any gateway) stops new lines from starting; the ones
+running finish, then the batch is `cancelled` with what is done. At `expires_at` the same happens
+and the batch is `expired`. A line refused for lack of capacity (429, 503) is retried after a
+pause, with a new request id, a bounded number of times. Waits on the ledger are bounded too: a
+line event lost on its way gives the claim back, and the next run records what is missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+from nats.aio.msg import Msg
+
+from apps.bus import topology, wire
+from apps.bus.codes import ServingError
+from apps.bus.pull import BatchPuller
+from apps.gateway.api.structured import check_enforceable
+from apps.gateway.batch_lines import Prepared, line_error, line_event, output_line, prepare, split_lines
+from apps.gateway.batch_store import BATCH_IDS, TERMINAL, BatchStore, StoredBatch
+from apps.gateway.bus_client import GatewayBus
+from apps.gateway.errors import error_body
+from apps.gateway.file_store import FileStore
+from apps.gateway.generation import GenerationPipeline
+from apps.gateway.metrics import GatewayMetrics
+
+log = logging.getLogger("helexa.gateway")
+
+HANDLER = "batch"
+# How often a running batch re-reads its status (cancelled elsewhere?) and the claim is kept alive.
+_POLL_S = 1.0
+_KEEP_ALIVE_S = topology.BATCH_ACK_WAIT_S / 4
+# A line refused for lack of capacity is tried this many times in all, this long apart at first.
+_TRIES = 6
+_RETRY_PAUSE_S = 1.0
+# How long a runner waits for its events to reach the ledger before it gives the claim back.
+_PROJECTION_WAIT_S = 120.0
+# How long a claim waits for its batch.created to be projected before it is dropped.
+_UNKNOWN_BATCH_S = 600.0
+
+
+class BatchRunner:
+    def __init__(self, bus: GatewayBus, batches: BatchStore, files: FileStore, generations: GenerationPipeline,
+                 concurrency: int, max_body_bytes: int, events_emit: Callable[[wire.AnyEvent], None],
+                 metrics: GatewayMetrics) -> None:
+        self._bus = bus
+        self._batches = batches
+        self._files = files
+        self._generations = generations
+        self._concurrency = concurrency
+        self._max_body_bytes = max_body_bytes
+        self._metrics = metrics
+        self._emit = events_emit
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+
+    async def _loop(self) -> None:
+        puller: BatchPuller | None = None
+        try:
+            while True:
+                try:
+                    if puller is None or puller.nc is not self._bus.nc:  # the connection was replaced
+                        puller = await topology.batch_puller(self._bus.nc)
+                    claims = await puller.fetch(1, timeout=5.0)
+                except Exception as exc:
+                    log.warning("batch runner cannot pull claims", extra={"detail": repr(exc)})
+                    await asyncio.sleep(_POLL_S)
+                    continue
+                for claim in claims:
+                    await self._hold(claim)
+        finally:
+            if puller is not None and not puller.nc.is_closed:
+                await puller.stop()
+
+    async def _hold(self, claim: Msg) -> None:
+        batch_id = claim.data.decode(errors="replace")
+        keep_alive = asyncio.create_task(self._keep_alive(claim))
+        try:
+            finished = await self.run(batch_id, claim.metadata.num_delivered)
+        except asyncio.CancelledError:
+            await asyncio.shield(claim.nak())  # this gateway stops: another runner takes it now
+            raise
+        except Exception as exc:
+            log.warning("batch interrupted", extra={"batch_id": batch_id, "detail": repr(exc)})
+            finished = False
+        finally:
+            keep_alive.cancel()
+        if finished:
+            await claim.ack()
+        else:
+            await claim.nak(delay=_POLL_S * 5)
+
+    async def _keep_alive(self, claim: Msg) -> None:
+        while True:
+            await asyncio.sleep(_KEEP_ALIVE_S)
+            try:
+                await claim.in_progress()
+            except Exception as exc:
+                log.warning("batch claim not kept alive", extra={"detail": repr(exc)})
+
+    async def run(self, batch_id: str, delivery: int) -> bool:
+        """Run the batch to its end; False if it is not known yet (the claim comes back later)."""
+        batch = await self._batches.read(batch_id)
+        if batch is None:
+            made = BATCH_IDS.made_at_s(batch_id)
+            return made is None or time.time() - made > _UNKNOWN_BATCH_S
+        if batch.status in TERMINAL:
+            return True
+        content = await self._input(batch)
+        if content is None:
+            self._batches.set_status(batch_id, "failed", errors=[line_error(
+                "invalid_file", f"The input file {batch.row['input_file_id']} is gone.")])
+            await self._until(batch_id, lambda b: b.status in TERMINAL)
+            return True
+        lines = await asyncio.to_thread(split_lines, content)
+        if batch.row.get("total") is None:
+            self._batches.set_status(batch_id, "in_progress", total=len(lines))
+        done = await self._batches.lines_done(batch_id)
+        prepared = await asyncio.to_thread(self._prepare_all, batch, lines, done, delivery)
+        stop = _Stop(batch)
+        watcher = asyncio.create_task(self._watch(batch_id, stop))
+        try:
+            await self._run_lines(batch, prepared, stop)
+        finally:
+            watcher.cancel()
+        await self._until_lines(batch_id, done | stop.started)
+        final = stop.reason or "completed"
+        self._batches.set_status(batch_id, "finalizing")
+        output, errors = await self._write_outputs(batch)
+        self._batches.set_status(batch_id, final, output_file_id=output, error_file_id=errors)
+        await self._until(batch_id, lambda b: b.status in TERMINAL)
+        return True
+
+    def _prepare_all(self, batch: StoredBatch, lines: list[bytes], done: set[int],
+                     delivery: int) -> list[Prepared | wire.BatchLine]:
+        out: list[Prepared | wire.BatchLine] = []
+        seen: set[str] = set()
+        for number, raw in enumerate(lines, start=1):
+            item = prepare(batch, number, raw, delivery, self._max_body_bytes)
+            custom_id = item.custom_id
+            if custom_id is not None and custom_id in seen:
+                item = line_event(batch.batch_id, number, None, error=line_error(
+                    "duplicate_custom_id", f"Line {number} repeats custom_id '{wire.bounded_text(custom_id, 64)}'."))
+            elif custom_id is not None:
+                seen.add(custom_id)
+            if number not in done:
+                out.append(item)
+        return out
+
+    async def _run_lines(self, batch: StoredBatch, items: list[Prepared | wire.BatchLine], stop: _Stop) -> None:
+        slots = asyncio.Semaphore(self._concurrency)
+        running: set[asyncio.Task[None]] = set()
+        for item in items:
+            if stop.reason is not None:
+                break
+            if isinstance(item, wire.BatchLine):
+                stop.started.add(item.line)
+                self._metrics.batch_lines.labels("invalid").inc()
+                self._emit(item)
+                continue
+            await slots.acquire()
+            if stop.reason is not None:
+                slots.release()
+                break
+            stop.started.add(item.line)
+            task = asyncio.create_task(self._line(batch, item))
+            running.add(task)
+            task.add_done_callback(running.discard)
+            task.add_done_callback(lambda _: slots.release())
+        if running:
+            await asyncio.gather(*running)
+
+    async def _line(self, batch: StoredBatch, item: Prepared) -> None:
+        request = item.request
+        self._metrics.batch_lines_running.inc()
+        try:
+            for attempt in range(_TRIES):
+                if attempt:
+                    request = msgspec.structs.replace(request, request_id=f"{item.request.request_id}-r{attempt}")
+                status, body = await self._answer(request, item)
+                if status not in (429, 503) or attempt == _TRIES - 1:
+                    break
+                await asyncio.sleep(_RETRY_PAUSE_S * 2 ** attempt)
+        finally:
+            self._metrics.batch_lines_running.dec()
+        self._metrics.batch_lines.labels("answered" if status == 200 else "failed").inc()
+        self._emit(line_event(batch.batch_id, item.line, item.custom_id, status, request.request_id, body))
+
+    async def _answer(self, request: wire.GenerateRequest, item: Prepared) -> tuple[int, dict[str, Any]]:
+        try:
+            await check_enforceable(request, item.constraint_param)
+            response = await self._generations.serve(None, request, item.formatter, HANDLER, item.output_param)
+        except ServingError as exc:
+            return exc.status, error_body(exc.status, exc.message, exc.code)
+        content = response.content
+        body = msgspec.json.decode(content) if isinstance(content, bytes) else content
+        return response.status_code or 200, body if isinstance(body, dict) else {"content": body}
+
+    async def _watch(self, batch_id: str, stop: _Stop) -> None:
+        while stop.reason is None:
+            await asyncio.sleep(_POLL_S)
+            batch = await self._batches.read(batch_id)
+            if batch is not None and batch.status == "cancelling":
+                stop.reason = "cancelled"
+            stop.check_expiry()
+
+    async def _input(self, batch: StoredBatch) -> bytes | None:
+        try:
+            _, chunks = await self._files.content(batch.row["input_file_id"], batch.principal)
+        except ServingError:
+            return None
+        return b"".join([chunk async for chunk in chunks])
+
+    async def _until_lines(self, batch_id: str, lines: set[int]) -> None:
+        """Wait until the ledger has `lines`; an event lost on its way (the publisher's backlog full)
+        ends the wait with TimeoutError, and the claim comes back to run what is missing."""
+        async with asyncio.timeout(_PROJECTION_WAIT_S):
+            while not lines <= await self._batches.lines_done(batch_id):
+                await asyncio.sleep(_POLL_S / 4)
+
+    async def _until(self, batch_id: str, done: Callable[[StoredBatch], bool]) -> None:
+        async with asyncio.timeout(_PROJECTION_WAIT_S):
+            while True:
+                batch = await self._batches.read(batch_id)
+                if batch is not None and done(batch):
+                    return
+                await asyncio.sleep(_POLL_S / 4)
+
+    async def _write_outputs(self, batch: StoredBatch) -> tuple[str | None, str | None]:
+        rows = await self._batches.lines(batch.batch_id)
+        answered = [row for row in rows if row["status_code"] == 200]
+        failed = [row for row in rows if row["status_code"] != 200]
+        ids: list[str | None] = []
+        for name, chosen in (("output", answered), ("errors", failed)):
+            if not chosen:
+                ids.append(None)
+                continue
+            stored = await self._files.create_output(batch.principal, f"{batch.batch_id}_{name}.jsonl",
+                                                     _chunks(chosen))
+            ids.append(stored.file_id)
+        return ids[0], ids[1]
+
+
+async def _chunks(rows: list[Any]) -> AsyncIterator[bytes]:
+    buffer = bytearray()
+    for row in rows:
+        buffer += output_line(row)
+        if len(buffer) >= 1 << 20:
+            yield bytes(buffer)
+            buffer.clear()
+    if buffer:
+        yield bytes(buffer)
+
+
+class _Stop:
+    """Why no further line of a batch starts: None (they do), `cancelled` or `expired`."""
+
+    def __init__(self, batch: StoredBatch) -> None:
+        self.reason: str | None = "cancelled" if batch.status == "cancelling" else None
+        self.expires_at = batch.row["expires_at"]
+        # The lines this run recorded or started (each is recorded once it finishes).
+        self.started: set[int] = set()
+        self.check_expiry()
+
+    def check_expiry(self) -> None:
+        if self.reason is None and self.expires_at is not None and time.time() >= self.expires_at:
+            self.reason = "expired"

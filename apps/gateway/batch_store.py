@@ -1,0 +1,199 @@
+"""Batches (/v1/batches): what a batch is and where it stands, as the ledger has it.
+
+A batch's state is events, as every stored thing here: `batch.created` when it is made,
+`batch.status` at each step, `batch.line` per finished line (`apps.gateway.batch_runner`), which the
+recorder projects into `batches` and `batch_lines` (migration 0010); the gateway's PostgreSQL role
+only reads them. Making a batch also puts a claim on the BATCHES work queue, which one gateway's
+runner takes. A batch made moments ago through another gateway is waited for until the recorder
+announces it (`helexa_batches` NOTIFY); this gateway's own new batches are served from memory
+until then. A missing batch and another principal's are the same 404.
+
+The Batch object is built from the row and the counts of its lines: `completed` are the lines
+answered 200, `failed` the others (errors and invalid lines), `total` the input file's lines.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import asyncpg
+import msgspec
+
+from apps.bus import topology, wire
+from apps.bus.codes import ErrorCode, ServingError, Unavailable, unavailable
+from apps.bus.publish import publish
+from apps.gateway.capability_ids import CapabilityIds
+from apps.gateway.events import EventPublisher
+from apps.gateway.ledger_pool import LedgerPool
+from apps.gateway.projection_notices import ProjectionNotices
+from apps.recorder.projector import BATCHES_CHANNEL
+
+BATCH_IDS = CapabilityIds("batch_")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+COMPLETION_WINDOWS = {"24h": 24 * 3600}
+TERMINAL = ("completed", "failed", "expired", "cancelled")
+_STATUS_TIMES = ("in_progress", "cancelling", "finalizing", "completed", "failed", "expired", "cancelled")
+# This gateway's own batches kept until the ledger has them.
+_RECENT_MAX = 10_000
+
+_ONE = """
+SELECT b.*, (SELECT count(*) FILTER (WHERE status_code = 200) FROM batch_lines l WHERE l.batch_id = b.batch_id)
+              AS done,
+            (SELECT count(*) FILTER (WHERE status_code IS DISTINCT FROM 200) FROM batch_lines l
+              WHERE l.batch_id = b.batch_id) AS failed
+FROM batches b WHERE b.batch_id = $1 AND b.event_id IS NOT NULL
+"""
+# A principal's batches past a cursor, newest first.
+_PAGE = """
+SELECT batch_id FROM batches
+WHERE principal IS NOT DISTINCT FROM $1 AND event_id IS NOT NULL AND ($2::text IS NULL OR batch_id < $2)
+ORDER BY batch_id DESC LIMIT $3
+"""
+_LINES_DONE = "SELECT line FROM batch_lines WHERE batch_id = $1"
+_LINES = "SELECT * FROM batch_lines WHERE batch_id = $1 ORDER BY line"
+
+
+@dataclass(slots=True, frozen=True)
+class StoredBatch:
+    row: dict[str, Any]
+
+    @property
+    def batch_id(self) -> str:
+        return str(self.row["batch_id"])
+
+    @property
+    def principal(self) -> str | None:
+        return self.row["principal"]
+
+    @property
+    def status(self) -> str:
+        return str(self.row["status"])
+
+    def as_object(self) -> dict[str, Any]:
+        """The OpenAI Batch object."""
+        row = self.row
+        errors = row.get("errors")
+        return {
+            "id": row["batch_id"], "object": "batch", "endpoint": row["endpoint"],
+            "input_file_id": row["input_file_id"], "completion_window": row["completion_window"],
+            "status": row["status"], "output_file_id": row.get("output_file_id"),
+            "error_file_id": row.get("error_file_id"), "created_at": row["created_at"],
+            "expires_at": row["expires_at"], "metadata": row.get("metadata"),
+            "errors": {"object": "list", "data": errors} if errors else None,
+            "request_counts": {"total": row.get("total") or 0, "completed": row.get("done") or 0,
+                               "failed": row.get("failed") or 0},
+            **{f"{status}_at": row.get(f"{status}_at") for status in _STATUS_TIMES},
+        }
+
+
+def _decoded(row: asyncpg.Record) -> dict[str, Any]:
+    out = dict(row)
+    for key in ("metadata", "errors"):
+        if isinstance(out.get(key), str):
+            out[key] = msgspec.json.decode(out[key])
+    return out
+
+
+def not_found(batch_id: str) -> ServingError:
+    shown = batch_id if BATCH_IDS.valid(batch_id) else wire.bounded_text(batch_id, 64)
+    return ServingError(404, ErrorCode.BATCH_NOT_FOUND, f"No batch found with id '{shown}'.", param="batch_id",
+                        context={"detail": "unknown or another principal's batch"})
+
+
+class BatchStore:
+    def __init__(self, database_url: str, events: EventPublisher, js: Any, projection_wait_s: float = 30.0) -> None:
+        self._events = events
+        self._js = js
+        self.projection_wait_s = projection_wait_s
+        self._notices = ProjectionNotices(database_url, channel=BATCHES_CHANNEL)
+        self._ledger = LedgerPool(database_url)
+        self._recent: OrderedDict[str, StoredBatch] = OrderedDict()
+
+    async def close(self) -> None:
+        await self._notices.close()
+        await self._ledger.close()
+
+    # -- writing --------------------------------------------------------------------------------
+
+    async def create(self, principal: str | None, input_file_id: str, endpoint: str, window: str,
+                     metadata: dict[str, str] | None) -> StoredBatch:
+        """Record a new batch and put its claim on the BATCHES work queue."""
+        self._events.check_room()
+        batch_id = BATCH_IDS.new()
+        now = int(time.time())
+        created = wire.BatchCreated(model="-", node="gateway", batch_id=batch_id, principal=principal,
+                                    input_file_id=input_file_id, endpoint=endpoint, completion_window=window,
+                                    metadata=metadata, created_at=now, expires_at=now + COMPLETION_WINDOWS[window])
+        self._events.emit(created)
+        await publish(self._js(), topology.BATCH_SUBJECT, batch_id.encode(), batch_id)
+        stored = StoredBatch({"batch_id": batch_id, "principal": principal, "input_file_id": input_file_id,
+                              "endpoint": endpoint, "completion_window": window, "metadata": metadata,
+                              "created_at": now, "expires_at": created.expires_at, "status": "validating"})
+        self._recent[batch_id] = stored
+        while len(self._recent) > _RECENT_MAX:
+            self._recent.popitem(last=False)
+        return stored
+
+    def set_status(self, batch_id: str, status: str, **fields: Any) -> None:
+        self._events.emit(wire.BatchStatus(model="-", node="gateway", batch_id=batch_id, status=status,
+                                           at=int(time.time()), **fields))
+
+    async def cancel(self, batch_id: str, principal: str | None) -> StoredBatch:
+        stored = await self.get(batch_id, principal)
+        if stored.status not in TERMINAL and stored.status != "finalizing":
+            self._events.check_room()
+            self.set_status(batch_id, "cancelling")
+            return StoredBatch({**stored.row, "status": "cancelling", "cancelling_at": int(time.time())})
+        return stored
+
+    # -- reading --------------------------------------------------------------------------------
+
+    async def get(self, batch_id: str, principal: str | None) -> StoredBatch:
+        if not BATCH_IDS.valid(batch_id):
+            raise not_found(batch_id)
+        stored = await self.read(batch_id)
+        if stored is None or stored.principal != principal:
+            raise not_found(batch_id)
+        return stored
+
+    async def read(self, batch_id: str, wait_s: float | None = None) -> StoredBatch | None:
+        """The batch from the ledger, else this gateway's new one, else (made moments ago, through
+        another gateway) from the ledger once the recorder announces it."""
+        wait = self.projection_wait_s if wait_s is None else wait_s
+        return await self._notices.read_when_projected(batch_id, BATCH_IDS.made_at_s(batch_id), wait,
+                                                       lambda: self._one_or_recent(batch_id))
+
+    async def _one_or_recent(self, batch_id: str) -> StoredBatch | None:
+        rows = await self.fetch(_ONE, batch_id)
+        if rows:
+            self._recent.pop(batch_id, None)
+            return StoredBatch(_decoded(rows[0]))
+        return self._recent.get(batch_id)
+
+    async def page(self, principal: str | None, limit: int, after: str | None) -> tuple[list[StoredBatch], bool]:
+        ids = [row["batch_id"] for row in await self.fetch(_PAGE, principal, after, limit + 1)]
+        mine = [b for b in self._recent.values() if b.principal == principal and b.batch_id not in ids
+                and (after is None or b.batch_id < after)]
+        batches = [b for b in [*(await self._many(ids)), *mine] if b is not None]
+        batches.sort(key=lambda b: b.batch_id, reverse=True)
+        return batches[:limit], len(batches) > limit
+
+    async def _many(self, ids: list[str]) -> list[StoredBatch | None]:
+        return [await self._one_or_recent(batch_id) for batch_id in ids]
+
+    async def lines_done(self, batch_id: str) -> set[int]:
+        return {row["line"] for row in await self.fetch(_LINES_DONE, batch_id)}
+
+    async def lines(self, batch_id: str) -> list[asyncpg.Record]:
+        return await self.fetch(_LINES, batch_id)
+
+    async def fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
+        try:
+            pool = await self._ledger.get()
+            async with pool.acquire() as conn:
+                return list(await conn.fetch(query, *args))
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
+            raise unavailable(Unavailable.LEDGER_UNAVAILABLE, {"detail": f"postgres: {exc!r}"}) from None

@@ -1,0 +1,65 @@
+"""A batch survives the gateway that runs it: SIGKILLed mid-batch, its claim on the BATCHES work
+queue comes back after the ack wait to the gateway started again, which runs the lines the ledger
+does not have; every custom_id is answered exactly once in the output. (The session's own gateway
+runs no batches, so the one killed here is the one that held the batch.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from openai.types import Batch
+
+from apps.embedded import free_port
+from tests.e2e.conftest import System, scripted_worker
+from tests.support import eventually, fetch_rows
+from tests.system import api_keys_file, keyed_gateway
+
+KEY = "sk-takeover"
+MODEL = "batch-takeover"
+# Each line holds its slot about 2 s.
+SCRIPT = {"rules": [{"match": "", "reply": "one two three", "first_token_delay_s": 1.0, "token_delay_s": 0.3}],
+          "default": ""}
+LINES = 16
+
+
+def lines_done(system: System, batch_id: str) -> int:
+    rows = asyncio.run(fetch_rows(system.database_url, "SELECT count(*) AS n FROM batch_lines WHERE batch_id = $1",
+                                  batch_id))
+    return int(rows[0]["n"])
+
+
+def test_a_batch_completes_after_its_gateway_is_killed_and_started_again(
+        system: System, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    keys = api_keys_file(tmp_path_factory.mktemp("keys"), {KEY: "carol"})
+    port = free_port()
+    env = {"HELEXA_BATCH_CONCURRENCY": "2"}
+    with scripted_worker(system, tmp_path, MODEL, SCRIPT):
+        first = keyed_gateway(system, keys, KEY, port=port, env=env)
+        client = first.client()
+        content = b"".join(json.dumps({
+            "custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": MODEL, "messages": [{"role": "user", "content": f"q{i}"}]}}).encode() + b"\n"
+            for i in range(LINES))
+        upload = client.files.create(file=("batch.jsonl", content), purpose="batch")
+        created = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                        completion_window="24h")
+        eventually(lambda: lines_done(system, created.id) >= 2, 120, message="no line finished")
+        first.process.kill()
+        assert lines_done(system, created.id) < LINES
+
+        second = keyed_gateway(system, keys, KEY, port=port, env=env)
+        try:
+            client = second.client()
+            done: Batch = eventually(
+                lambda: (b := client.batches.retrieve(created.id)).status == "completed" and b, 300,
+                message="the batch never completed after the restart")
+            assert done.request_counts is not None
+            assert (done.request_counts.total, done.request_counts.completed) == (LINES, LINES)
+            assert done.output_file_id is not None
+            output = [json.loads(row) for row in client.files.content(done.output_file_id).text.splitlines()]
+            assert sorted(row["custom_id"] for row in output) == sorted(f"line-{i}" for i in range(LINES))
+        finally:
+            second.process.stop()

@@ -1,0 +1,159 @@
+"""The Batch API end to end, with the `openai` SDK as client: a batch of a purpose=batch file's
+lines runs through the gateway's own pipeline on a scripted worker, its state and lines land in the
+ledger (through the recorder), its output and error files in the files bucket; owned by its
+principal; cancelled mid-way it stops starting lines."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from openai.types import Batch
+from openai.types.chat import ChatCompletion
+
+from tests.e2e.conftest import System, scripted_worker
+from tests.support import eventually, fetch_rows
+from tests.system import KeyedGateway, api_keys_file, keyed_gateway
+
+ALICE, BOB = "sk-alice-batches", "sk-bob-batches"
+MODEL = "batch-scripted"
+# "slow" lines hold their slot about 3 s; the others answer at once.
+SCRIPT = {"rules": [{"match": "slow", "reply": "one two three four", "first_token_delay_s": 1.0,
+                     "token_delay_s": 0.5}],
+          "default": "a quick answer"}
+CONCURRENCY = 2
+
+
+@pytest.fixture(scope="module")
+def gateway(system: System, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KeyedGateway]:
+    keys = api_keys_file(tmp_path_factory.mktemp("keys"), {ALICE: "alice", BOB: "bob"})
+    with scripted_worker(system, tmp_path_factory.mktemp("script"), MODEL, SCRIPT):
+        started = keyed_gateway(system, keys, ALICE, env={"HELEXA_BATCH_CONCURRENCY": str(CONCURRENCY)})
+        try:
+            yield started
+        finally:
+            started.process.stop()
+
+
+def line(custom_id: str, text: str, url: str = "/v1/chat/completions") -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": url,
+            "body": {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 16}}
+
+
+def jsonl(lines: list[dict]) -> bytes:
+    return b"".join(json.dumps(item).encode() + b"\n" for item in lines)
+
+
+def finished(client: openai.OpenAI, batch_id: str, status: str) -> Batch | None:
+    batch = client.batches.retrieve(batch_id)
+    return batch if batch.status == status else None
+
+
+def completed_lines(client: openai.OpenAI, batch_id: str) -> int:
+    counts = client.batches.retrieve(batch_id).request_counts
+    return counts.completed if counts is not None else 0
+
+
+def ledger(system: System, sql: str, *args: object) -> list[dict]:
+    return [dict(row) for row in asyncio.run(fetch_rows(system.database_url, sql, *args))]
+
+
+def test_a_batch_runs_to_completed_with_its_invalid_lines_as_errors(system: System, gateway: KeyedGateway) -> None:
+    client = gateway.client()
+    lines = [line(f"req-{i}", f"question {i}") for i in range(18)]
+    lines.insert(5, line("wrong-url", "hi", url="/v1/completions"))
+    lines.insert(11, {"custom_id": "no-messages", "method": "POST", "url": "/v1/chat/completions",
+                      "body": {"model": MODEL}})
+    upload = client.files.create(file=("batch.jsonl", jsonl(lines)), purpose="batch")
+    created = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                    completion_window="24h", metadata={"job": "nightly"})
+    Batch.model_validate(created.model_dump(), strict=True)
+    assert created.id.startswith("batch_") and created.status == "validating"
+    assert created.metadata == {"job": "nightly"}
+
+    done = eventually(lambda: finished(client, created.id, "completed"), 120, message="the batch never completed")
+    Batch.model_validate(done.model_dump(), strict=True)
+    assert done.request_counts is not None
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (20, 18, 2)
+    assert done.in_progress_at and done.finalizing_at and done.completed_at
+    assert done.output_file_id and done.error_file_id
+
+    output = [json.loads(row) for row in client.files.content(done.output_file_id).text.splitlines()]
+    assert sorted(row["custom_id"] for row in output) == sorted(f"req-{i}" for i in range(18))
+    for row in output:
+        assert row["response"]["status_code"] == 200 and row["error"] is None
+        completion = ChatCompletion.model_validate(row["response"]["body"])
+        assert completion.choices[0].message.content == "a quick answer"
+    errors = [json.loads(row) for row in client.files.content(done.error_file_id).text.splitlines()]
+    assert sorted(row["custom_id"] for row in errors) == ["no-messages", "wrong-url"]
+    assert all(row["response"] is None and row["error"]["message"] for row in errors)
+    assert client.files.retrieve(done.output_file_id).purpose == "batch_output"
+
+    rows = ledger(system, "SELECT count(*) AS n, count(DISTINCT custom_id) AS ids FROM batch_lines WHERE batch_id = $1",
+                  created.id)
+    assert rows == [{"n": 20, "ids": 20}]
+    assert created.id in [batch.id for batch in client.batches.list()]
+    metrics = httpx.get(f"{gateway.url}/metrics").text
+    assert 'helexa:gateway_batch_lines_total{outcome="answered"} 18.0' in metrics
+    assert 'helexa:gateway_batch_lines_total{outcome="invalid"} 2.0' in metrics
+
+
+def test_another_principal_cannot_see_or_cancel_a_batch(gateway: KeyedGateway) -> None:
+    alice, bob = gateway.client(), gateway.client(BOB)
+    upload = alice.files.create(file=("one.jsonl", jsonl([line("only", "hi")])), purpose="batch")
+    with pytest.raises(openai.NotFoundError):  # nor can anyone use another's file
+        bob.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+    created = alice.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                   completion_window="24h")
+    with pytest.raises(openai.NotFoundError) as seen:
+        bob.batches.retrieve(created.id)
+    with pytest.raises(openai.NotFoundError) as cancelled:
+        bob.batches.cancel(created.id)
+    with pytest.raises(openai.NotFoundError) as missing:
+        bob.batches.retrieve("batch_" + "0" * 44)
+    assert seen.value.body == missing.value.body | {"message": seen.value.body["message"]}
+    assert cancelled.value.status_code == 404
+    assert created.id not in [batch.id for batch in bob.batches.list()]
+    eventually(lambda: finished(alice, created.id, "completed"), 120, message="the batch never completed")
+
+
+def test_bounds_name_their_parameter(gateway: KeyedGateway) -> None:
+    client = gateway.client()
+    upload = client.files.create(file=("one.jsonl", jsonl([line("only", "hi")])), purpose="batch")
+    notes = client.files.create(file=("notes.txt", b"notes"), purpose="user_data")
+    cases = [({"endpoint": "/v1/embeddings"}, "endpoint"), ({"completion_window": "1h"}, "completion_window"),
+             ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+             ({"input_file_id": notes.id}, "input_file_id")]
+    for change, param in cases:
+        body = {"input_file_id": upload.id, "endpoint": "/v1/chat/completions", "completion_window": "24h", **change}
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.post("/batches", cast_to=Batch, body=body)
+        assert refused.value.body["param"] == param
+
+
+def test_a_cancelled_batch_stops_starting_lines_while_interactive_work_runs(
+        system: System, gateway: KeyedGateway) -> None:
+    client = gateway.client()
+    lines = [line(f"slow-{i}", f"slow question {i}") for i in range(40)]
+    upload = client.files.create(file=("slow.jsonl", jsonl(lines)), purpose="batch")
+    created = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                    completion_window="24h")
+    eventually(lambda: completed_lines(client, created.id) >= 1, 120, message="no line finished")
+    # An interactive stream finishes while the batch's lines hold the worker.
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "now"}], stream=True)
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == "a quick answer"
+
+    assert client.batches.cancel(created.id).status in ("cancelling", "cancelled")
+    done = eventually(lambda: finished(client, created.id, "cancelled"), 120, message="the batch never cancelled")
+    assert done.cancelling_at and done.cancelled_at and done.request_counts is not None
+    completed = done.request_counts.completed
+    assert 1 <= completed < 40 and done.request_counts.failed == 0
+    output = [json.loads(row) for row in client.files.content(done.output_file_id).text.splitlines()]
+    assert len(output) == completed == len({row["custom_id"] for row in output})
+    # Every line that started finished and is in the output: none started after the cancel took.
+    eventually(lambda: len(ledger(system, "SELECT request_id FROM runs WHERE starts_with(request_id, $1)",
+                                  f"{created.id}-")) == completed, 60, message="runs of lines not in the output")

@@ -1,0 +1,63 @@
+"""A batch's input lines, each decoded and bounded by the live route's own code: a valid line is
+the request the live route would build (batch class, not streamed, a deterministic id); anything
+else is that line's error line, never the batch's failure."""
+
+from __future__ import annotations
+
+import json
+
+from apps.bus import wire
+from apps.gateway.batch_lines import Prepared, output_line, prepare, split_lines
+from apps.gateway.batch_store import StoredBatch
+from engine.frontend.protocol import ServiceClass
+
+BATCH = StoredBatch({"batch_id": "batch_x", "principal": "alice", "endpoint": "/v1/chat/completions"})
+MAX_BODY = 4096
+
+
+def raw(custom_id: str = "c1", url: str = "/v1/chat/completions", **body: object) -> bytes:
+    body = body or {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body}).encode()
+
+
+def test_a_valid_line_is_the_live_routes_request_in_the_batch_class() -> None:
+    prepared = prepare(BATCH, 3, raw(), 2, MAX_BODY)
+    assert isinstance(prepared, Prepared)
+    request = prepared.request
+    assert (request.request_id, request.principal, request.model) == ("batch_x-3-2", "alice", "m")
+    assert request.service_class == ServiceClass.BATCH and request.stream is False
+    assert prepare(BATCH, 3, raw(), 2, MAX_BODY).request.request_id == request.request_id  # type: ignore[union-attr]
+
+
+def test_invalid_lines_are_error_lines_naming_what_is_wrong() -> None:
+    cases = {
+        b"[1, 2]": (None, "not a batch request line"),
+        raw(url="/v1/completions"): ("c1", "must be a POST to /v1/chat/completions"),
+        raw(model="m"): ("c1", "'messages'"),
+        raw(model="m", messages=[{"role": "user", "content": "x" * MAX_BODY}]): ("c1", "max_request_bytes"),
+    }
+    for line, (custom_id, says) in cases.items():
+        error = prepare(BATCH, 7, line, 1, MAX_BODY)
+        assert isinstance(error, wire.BatchLine), line
+        assert (error.event_id, error.line, error.custom_id, error.status_code) == ("batch_x.7", 7, custom_id, None)
+        assert error.error is not None and says in error.error["message"], error.error
+
+
+def test_lines_and_output_lines() -> None:
+    assert split_lines(b'{"a": 1}\r\n{"b": 2}\n') == [b'{"a": 1}', b'{"b": 2}']
+    row = {"batch_id": "batch_x", "line": 4, "custom_id": "c4", "status_code": 200, "request_id": "batch_x-4-1",
+           "body": '{"id": "chatcmpl-1"}', "error": None}
+    assert json.loads(output_line(row)) == {
+        "id": "batch_req_x_4", "custom_id": "c4", "error": None,
+        "response": {"status_code": 200, "request_id": "batch_x-4-1", "body": {"id": "chatcmpl-1"}}}
+
+
+def test_a_completions_batch_decodes_completion_requests() -> None:
+    batch = StoredBatch({**BATCH.row, "endpoint": "/v1/completions"})
+    line = json.dumps({"custom_id": "p1", "method": "POST", "url": "/v1/completions",
+                       "body": {"model": "m", "prompt": "Once", "max_tokens": 4}}).encode()
+    prepared = prepare(batch, 1, line, 1, MAX_BODY)
+    assert isinstance(prepared, Prepared)
+    assert prepared.request.service_class == ServiceClass.BATCH and prepared.request.sampling.max_tokens == 4
+    wrong = prepare(batch, 2, raw(url="/v1/completions"), 1, MAX_BODY)  # a chat body is not a completion
+    assert isinstance(wrong, wire.BatchLine) and wrong.error is not None
