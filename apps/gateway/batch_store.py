@@ -23,7 +23,7 @@ import asyncpg
 import msgspec
 
 from apps.bus import topology, wire
-from apps.bus.codes import ErrorCode, ServingError, Unavailable, unavailable
+from apps.bus.codes import ErrorCode, ServingError
 from apps.bus.publish import publish
 from apps.gateway.capability_ids import CapabilityIds
 from apps.gateway.events import EventPublisher
@@ -191,9 +191,4 @@ class BatchStore:
         return await self.fetch(_LINES, batch_id)
 
     async def fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
-        try:
-            pool = await self._ledger.get()
-            async with pool.acquire() as conn:
-                return list(await conn.fetch(query, *args))
-        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
-            raise unavailable(Unavailable.LEDGER_UNAVAILABLE, {"detail": f"postgres: {exc!r}"}) from None
+        return await self._ledger.fetch(query, *args)

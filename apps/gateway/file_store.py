@@ -37,7 +37,7 @@ from nats.js.errors import NotFoundError
 from nats.js.object_store import ObjectStore
 
 from apps.bus import topology, wire
-from apps.bus.codes import ErrorCode, ServingError, Unavailable, unavailable
+from apps.bus.codes import ErrorCode, ServingError
 from apps.bus.object_streams import put_stream, read_stream
 from apps.gateway.capability_ids import CapabilityIds
 from apps.gateway.ledger_pool import LedgerPool
@@ -371,12 +371,7 @@ class FileStore:
         return _from_row(rows[0]) if rows else self._recent.get(file_id)
 
     async def _fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
-        try:
-            pool = await self._ledger.get()
-            async with pool.acquire() as conn:
-                return list(await conn.fetch(query, *args))
-        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
-            raise unavailable(Unavailable.LEDGER_UNAVAILABLE, {"detail": f"postgres: {exc!r}"}) from None
+        return await self._ledger.fetch(query, *args)
 
     async def _store(self) -> ObjectStore:
         return await self._js().object_store(topology.FILES_BUCKET)

@@ -4,8 +4,11 @@ gateway whose ledger is away starts and serves everything else; queries time out
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import asyncpg
+
+from apps.bus.codes import Unavailable, unavailable
 
 
 class LedgerPool:
@@ -21,6 +24,15 @@ class LedgerPool:
                 self._pool = await asyncpg.create_pool(self._database_url, min_size=0, max_size=self._max_size,
                                                        timeout=5, command_timeout=10)
             return self._pool
+
+    async def fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
+        """The query's rows; a ledger that cannot answer is a 503 `ledger_unavailable`."""
+        try:
+            pool = await self.get()
+            async with pool.acquire() as conn:
+                return list(await conn.fetch(query, *args))
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
+            raise unavailable(Unavailable.LEDGER_UNAVAILABLE, {"detail": f"postgres: {exc!r}"}) from None
 
     async def close(self) -> None:
         pool, self._pool = self._pool, None
