@@ -30,7 +30,7 @@ CONCURRENCY = 2
 
 @pytest.fixture(scope="module")
 def gateway(system: System, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KeyedGateway]:
-    keys = api_keys_file(tmp_path_factory.mktemp("keys"), {ALICE: "alice", BOB: "bob"})
+    keys = api_keys_file(tmp_path_factory.mktemp("keys"), {ALICE: "batches-alice", BOB: "batches-bob"})
     with scripted_worker(system, tmp_path_factory.mktemp("script"), MODEL, SCRIPT):
         started = keyed_gateway(system, keys, ALICE, env={"HELEXA_BATCH_CONCURRENCY": str(CONCURRENCY)})
         try:

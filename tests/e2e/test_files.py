@@ -34,7 +34,7 @@ def start_gateway(system: System, keys: Path) -> KeyedGateway:
 
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return api_keys_file(tmp_path_factory.mktemp("keys"), {ALICE: "alice", BOB: "bob"})
+    return api_keys_file(tmp_path_factory.mktemp("keys"), {ALICE: "files-alice", BOB: "files-bob"})
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,8 @@ def test_upload_list_retrieve_download_delete(system: System, gateway: KeyedGate
 
     eventually(lambda: ledger_row(system, created.id), 30, message="the recorder never projected the file")
     row = ledger_row(system, created.id)
-    assert row is not None and (row["principal"], row["bytes"], row["purpose"]) == ("alice", len(content), "batch")
+    assert row is not None
+    assert (row["principal"], row["bytes"], row["purpose"]) == ("files-alice", len(content), "batch")
 
     deleted = client.files.delete(created.id)
     FileDeleted.model_validate(deleted.model_dump(), strict=True)
