@@ -82,22 +82,31 @@ class BatchRunner:
         self._metrics = metrics
         self._emit = events_emit
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+        """Stop pulling and running; bounded, so a gateway's shutdown never waits on it: a
+        cancellation that `asyncio.wait_for` lost (Python 3.11) is repeated, and the loop also
+        checks `_stopping` between pulls."""
+        self._stopping = True
+        task = self._task
+        if task is None:
+            return
+        for _ in range(3):
+            task.cancel()
+            done, _pending = await asyncio.wait({task}, timeout=2.0)
+            if done:
+                break
+        if task.done() and not task.cancelled():
+            task.exception()  # retrieved, so it is not logged as never retrieved
 
     async def _loop(self) -> None:
         puller: BatchPuller | None = None
         try:
-            while True:
+            while not self._stopping:
                 try:
                     if puller is None or puller.nc is not self._bus.nc:  # the connection was replaced
                         puller = await topology.batch_puller(self._bus.nc)
