@@ -15,6 +15,7 @@ import msgspec
 import nats.errors
 import pytest
 from nats.aio.client import Client as NatsClient
+from nats.aio.subscription import Subscription
 
 from apps.bus import connection, publish, roles, topology, wire
 from apps.bus.codes import RunStatus
@@ -94,6 +95,17 @@ async def _try_event(client: RoleClient, event: wire.Event, subject_kind: str | 
     return subject
 
 
+async def _see(subscription: Subscription, subject: str, publisher: RoleClient) -> None:
+    """Read `subscription` until a message on `subject` arrives; a hang guard that says what it saw instead."""
+    others: list[str] = []
+    try:
+        while (msg := await subscription.next_msg(timeout=60)).subject != subject:
+            others.append(msg.subject)
+    except TimeoutError:
+        pytest.fail(f"no message on {subject}; saw {len(others)} others (last: {others[-5:]}), "
+                    f"the publisher was refused {publisher.refused}, pending {subscription.pending_msgs}")
+
+
 async def test_a_worker_takes_requests_only_through_its_consumer(nats_server: NatsServer) -> None:
     request = wire.GenerateRequest(request_id="roles-1", model=MODEL, reply_subject="_INBOX.gateway.x.y.z",
                                    sampling=SamplingParams(), prompt="hi")
@@ -171,8 +183,7 @@ async def test_the_operator_reads_everything_and_writes_nothing_an_app_owns(nats
         seen = await operator.nc.subscribe(topology.every_subject())
         await operator.nc.flush()  # subscribed at the server before the worker publishes
         subject = await _try_event(worker, started("roles-7", model=MODEL))
-        while (await seen.next_msg(timeout=60)).subject != subject:  # a hang guard only
-            pass
+        await _see(seen, subject, worker)
         for subject in (topology.request_subject(MODEL), topology.event_subject("response.stored", MODEL),
                         topology.cancel_subject("roles-7")):
             await operator.nc.publish(subject, b"{}")
