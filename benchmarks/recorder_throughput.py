@@ -48,8 +48,9 @@ import asyncpg
 import httpx
 
 from apps.bus.connection import connect
+from apps.bus.events import AdmissionDecided, Event, RunFinished, RunStarted, event_kind
 from apps.bus.topology import EVENTS_STREAM, RECORDER_CONSUMER, BusLimits, ensure_topology, event_subject
-from apps.bus.wire import AdmissionDecided, Event, RunFinished, RunStarted, encode, event_kind
+from apps.bus.wire import encode
 from apps.embedded.nats_server import NatsServer, nats_server_binary
 from apps.embedded.postgres import PostgresServer
 from apps.recorder.migrate import migrate

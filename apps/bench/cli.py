@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from apps.bus.events import ScoreRecorded
+
 if TYPE_CHECKING:
     from apps.settings import BenchSettings
 
@@ -116,7 +118,6 @@ async def _find_run(database_url: str, run_id: str) -> tuple[str, str] | None:
 
 def cmd_score(args: argparse.Namespace) -> None:
     from apps.bench.publish import EventPublisher, bench_node
-    from apps.bus import wire
     from apps.fleet.operator import without_password
     from apps.settings import bus_limits
 
@@ -129,7 +130,7 @@ def cmd_score(args: argparse.Namespace) -> None:
     if found is None:
         sys.exit(f"helexa bench: no bench run {args.run!r} in bench_runs")
     model, scenario = found
-    event = wire.ScoreRecorded(model=model, node=bench_node(), run_id=args.run, scenario=scenario,
+    event = ScoreRecorded(model=model, node=bench_node(), run_id=args.run, scenario=scenario,
                                metric=args.metric, value=args.score, unit=args.unit, scorer=args.scorer)
 
     async def publish() -> None:

@@ -15,7 +15,8 @@ import msgspec
 from nats.aio.client import Client as NatsClient
 
 from apps.bench.scenarios import Outcome
-from apps.bus import connection, roles, topology, wire
+from apps.bus import connection, roles, topology
+from apps.bus.events import BenchRunRecorded, ScoreRecorded
 from apps.bus.publish import publish_event
 from apps.bus.topology import BusLimits
 
@@ -30,18 +31,18 @@ def bench_node() -> str:
 
 def outcome_events(
     outcome: Outcome, *, target: str, model: str, config: dict[str, Any]
-) -> tuple[wire.BenchRunRecorded, list[wire.ScoreRecorded]]:
+) -> tuple[BenchRunRecorded, list[ScoreRecorded]]:
     run_id = uuid.uuid4().hex
     node = bench_node()
     results = dict(outcome.results)
     if outcome.error:
         results["error"] = outcome.error
-    run = wire.BenchRunRecorded(
+    run = BenchRunRecorded(
         model=model, node=node, run_id=run_id, target=target, scenario=outcome.scenario, config=config,
         started_at=outcome.started_at, finished_at=outcome.finished_at, results=results,
     )
     scores = [
-        wire.ScoreRecorded(model=model, node=node, run_id=run_id, scenario=outcome.scenario,
+        ScoreRecorded(model=model, node=node, run_id=run_id, scenario=outcome.scenario,
                            metric=s.metric, value=s.value, unit=s.unit, scorer=MEASURED_BY)
         for s in outcome.scores
     ]
@@ -74,7 +75,7 @@ class EventPublisher:
             await self._nc.flush()
             await self._nc.close()
 
-    async def publish(self, events: Iterable[wire.BenchRunRecorded | wire.ScoreRecorded]) -> None:
+    async def publish(self, events: Iterable[BenchRunRecorded | ScoreRecorded]) -> None:
         assert self._nc is not None, "use EventPublisher as an async context manager"
         js = self._nc.jetstream()
         for event in events:
@@ -84,8 +85,8 @@ class EventPublisher:
 class ResultsFile(msgspec.Struct, kw_only=True):
     """What `helexa bench run --out` writes: the events it published, readable without PostgreSQL."""
 
-    runs: list[wire.BenchRunRecorded] = []
-    scores: list[wire.ScoreRecorded] = []
+    runs: list[BenchRunRecorded] = []
+    scores: list[ScoreRecorded] = []
 
     def write(self, path: str | Path) -> None:
         Path(path).write_bytes(msgspec.json.format(msgspec.json.encode(self)))

@@ -12,6 +12,7 @@ import time
 
 from apps.bus import wire
 from apps.bus.codes import FinishReason, RunStatus
+from apps.bus.events import AdmissionDecided, AdmissionDecision, RunFinished
 
 # The `node` of the admission events a gateway publishes (admission is not a node's decision).
 GATEWAY_NODE = "gateway"
@@ -21,11 +22,11 @@ def run_finished(request: wire.GenerateRequest, *, node: str, attempt: int, stat
                  finish_reason: FinishReason, error: str | None = None, served: bool | None = None,
                  prompt_tokens: int = 0, completion_tokens: int = 0, cached_tokens: int = 0,
                  reasoning_tokens: int = 0, queue_ms: float = 0.0, ttft_ms: float | None = None,
-                 prefill_ms: float = 0.0, decode_ms: float = 0.0, ended_at: float | None = None) -> wire.RunFinished:
+                 prefill_ms: float = 0.0, decode_ms: float = 0.0, ended_at: float | None = None) -> RunFinished:
     """`request`'s run ended on `node` at `ended_at` (now by default); the counts and timings a
     publisher does not know stay at zero."""
     end = time.time() if ended_at is None else ended_at
-    return wire.RunFinished(
+    return RunFinished(
         model=request.model, node=node, request_id=request.request_id, api=request.api,
         principal=request.principal, status=status, finish_reason=finish_reason, prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens, cached_tokens=cached_tokens, attempt=attempt, queue_ms=queue_ms,
@@ -35,11 +36,11 @@ def run_finished(request: wire.GenerateRequest, *, node: str, attempt: int, stat
     )
 
 
-def admission_decided(model: str, request_id: str, principal: str | None, decision: wire.AdmissionDecision, *,
+def admission_decided(model: str, request_id: str, principal: str | None, decision: AdmissionDecision, *,
                       pending: int, in_flight: int, node: str = GATEWAY_NODE, detail: str | None = None,
-                      retry_after_s: float | None = None, waited_ms: float = 0.0) -> wire.AdmissionDecided:
+                      retry_after_s: float | None = None, waited_ms: float = 0.0) -> AdmissionDecided:
     """How one request was admitted (or refused, or dropped) and the counters at that moment."""
-    return wire.AdmissionDecided(
+    return AdmissionDecided(
         model=model, node=node, request_id=request_id, principal=principal, decision=decision, detail=detail,
         pending=pending, in_flight=in_flight, retry_after_s=retry_after_s, waited_ms=waited_ms,
     )

@@ -34,6 +34,7 @@ from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
 from apps.bus import topology, wire
+from apps.bus.events import AnyEvent, EventRef, event_kind
 
 log = logging.getLogger("helexa.bus")
 
@@ -153,14 +154,14 @@ def held_events() -> int:
     return len(_held)
 
 
-async def publish_event(js: JetStreamContext, event: wire.AnyEvent, *, required: bool = False,
+async def publish_event(js: JetStreamContext, event: AnyEvent, *, required: bool = False,
                         on_full: Callable[[], None] | None = None,
                         current: Callable[[], JetStreamContext] | None = None,
                         subject_kind: str | None = None) -> bool:
     """Put one event on EVENTS under `helexa.events.<kind>.<model>`, keyed by its event id; under
     `subject_kind` instead of its own kind when its role reports it on another's behalf
     (`topology.WORKER_LOST`, `topology.DROPPED`: see `apps.bus.roles`). An event too large for one
-    message goes through the Object Store (`wire.EventRef`).
+    message goes through the Object Store (`EventRef`).
 
     Serving never fails for the ledger's sake: an event EVENTS does not take now (full, or the bus
     unreachable) is held and published again in the background until it is stored, and False is
@@ -168,7 +169,7 @@ async def publish_event(js: JetStreamContext, event: wire.AnyEvent, *, required:
     connection) gives the context to publish the held event on later. `required` (the bench, whose
     results exist to be recorded) raises instead.
     """
-    subject = topology.event_subject(subject_kind or wire.event_kind(event), event.model)
+    subject = topology.event_subject(subject_kind or event_kind(event), event.model)
     try:
         await _publish_event_once(js, subject, event)
     except (nats.errors.Error, TimeoutError) as exc:
@@ -181,7 +182,7 @@ async def publish_event(js: JetStreamContext, event: wire.AnyEvent, *, required:
     return True
 
 
-async def _publish_event_once(js: JetStreamContext, subject: str, event: wire.AnyEvent) -> None:
+async def _publish_event_once(js: JetStreamContext, subject: str, event: AnyEvent) -> None:
     body = wire.encode(event)
     if fits(client_of(js), body, {"Nats-Msg-Id": event.event_id}):
         await publish(js, subject, body, event.event_id)
@@ -194,14 +195,14 @@ async def _publish_event_once(js: JetStreamContext, subject: str, event: wire.An
         if is_stream_full(exc):
             raise StreamFull(topology.LARGE_EVENTS_BUCKET, exc.description or "") from exc
         raise
-    ref = wire.EventRef(event_id=event.event_id, ts=event.ts, model=event.model, node=event.node,
-                        ref_kind=wire.event_kind(event), object=event.event_id, size=len(body),
+    ref = EventRef(event_id=event.event_id, ts=event.ts, model=event.model, node=event.node,
+                        ref_kind=event_kind(event), object=event.event_id, size=len(body),
                         digest=hashlib.sha256(body).hexdigest())
     await publish(js, subject, wire.encode(ref), event.event_id)
 
 
-def _hold(js: Callable[[], JetStreamContext], subject: str, event: wire.AnyEvent, exc: BaseException) -> None:
-    context = {"kind": wire.event_kind(event), "event_id": event.event_id,
+def _hold(js: Callable[[], JetStreamContext], subject: str, event: AnyEvent, exc: BaseException) -> None:
+    context = {"kind": event_kind(event), "event_id": event.event_id,
                "request_id": getattr(event, "request_id", None), "error": wire.bounded_text(repr(exc))}
     if len(_held) >= MAX_HELD_EVENTS:
         log.error("event lost: too many events already held for EVENTS", extra={**context, "held": len(_held)})
@@ -212,7 +213,7 @@ def _hold(js: Callable[[], JetStreamContext], subject: str, event: wire.AnyEvent
     task.add_done_callback(_held.discard)
 
 
-async def _publish_held(js: Callable[[], JetStreamContext], subject: str, event: wire.AnyEvent) -> None:
+async def _publish_held(js: Callable[[], JetStreamContext], subject: str, event: AnyEvent) -> None:
     pause, longest = _HELD_RETRY_S
     while True:
         await asyncio.sleep(pause)
@@ -221,5 +222,5 @@ async def _publish_held(js: Callable[[], JetStreamContext], subject: str, event:
         except (nats.errors.Error, TimeoutError):
             pause = min(pause * 2, longest)
             continue
-        log.info("held event stored", extra={"kind": wire.event_kind(event), "event_id": event.event_id})
+        log.info("held event stored", extra={"kind": event_kind(event), "event_id": event.event_id})
         return

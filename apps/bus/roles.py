@@ -42,8 +42,30 @@ from typing import Any
 
 from nats.js.object_store import OBJ_STREAM_TEMPLATE
 
-from apps.bus import topology, wire
+from apps.bus import topology
 from apps.bus.codes import RunStatus
+from apps.bus.events import (
+    AdmissionDecided,
+    AdmissionDecision,
+    BatchCreated,
+    BatchLine,
+    BatchStatus,
+    BenchRunRecorded,
+    CoreRestarted,
+    Event,
+    EventRef,
+    FileCreated,
+    FileDeleted,
+    NodeStatusChanged,
+    ResponseDeleted,
+    ResponseStored,
+    RunFinished,
+    RunPreempted,
+    RunStarted,
+    ScoreRecorded,
+    event_kind,
+    kind_of,
+)
 
 GATEWAY, WORKER, RECORDER, BENCH, OPERATOR = "gateway", "worker", "recorder", "bench", "operator"
 ROLES = (GATEWAY, WORKER, RECORDER, BENCH, OPERATOR)
@@ -57,31 +79,31 @@ _EVENTS_OBJ_SUBJECTS = f"$O.{topology.LARGE_EVENTS_BUCKET}"
 _FILES_OBJ_STREAM = OBJ_STREAM_TEMPLATE.format(bucket=topology.FILES_BUCKET)
 _FILES_OBJ_SUBJECTS = f"$O.{topology.FILES_BUCKET}"
 
-def _kind(event_type: type[wire.Event]) -> str:
-    return wire.kind_of(event_type)
+def _kind(event_type: type[Event]) -> str:
+    return kind_of(event_type)
 
 
 # Event kind (of the body) → the subject kinds it may arrive on, each with the one role that may
 # publish there. The routed subjects carry a kind on another role's behalf (`topology.WORKER_LOST`,
 # `topology.DROPPED`), with what such an event may say checked by `event_refused`.
 EVENT_SUBJECTS: dict[str, dict[str, str]] = {
-    _kind(wire.RunStarted): {_kind(wire.RunStarted): WORKER},
-    _kind(wire.RunPreempted): {_kind(wire.RunPreempted): WORKER},
-    _kind(wire.RunFinished): {_kind(wire.RunFinished): WORKER,
+    _kind(RunStarted): {_kind(RunStarted): WORKER},
+    _kind(RunPreempted): {_kind(RunPreempted): WORKER},
+    _kind(RunFinished): {_kind(RunFinished): WORKER,
                               topology.WORKER_LOST: GATEWAY},
-    _kind(wire.NodeStatusChanged): {_kind(wire.NodeStatusChanged): WORKER},
-    _kind(wire.CoreRestarted): {_kind(wire.CoreRestarted): WORKER},
-    _kind(wire.AdmissionDecided): {_kind(wire.AdmissionDecided): GATEWAY,
+    _kind(NodeStatusChanged): {_kind(NodeStatusChanged): WORKER},
+    _kind(CoreRestarted): {_kind(CoreRestarted): WORKER},
+    _kind(AdmissionDecided): {_kind(AdmissionDecided): GATEWAY,
                                                 topology.DROPPED: WORKER},
-    _kind(wire.ResponseStored): {_kind(wire.ResponseStored): GATEWAY},
-    _kind(wire.ResponseDeleted): {_kind(wire.ResponseDeleted): GATEWAY},
-    _kind(wire.FileCreated): {_kind(wire.FileCreated): GATEWAY},
-    _kind(wire.FileDeleted): {_kind(wire.FileDeleted): GATEWAY},
-    _kind(wire.BatchCreated): {_kind(wire.BatchCreated): GATEWAY},
-    _kind(wire.BatchStatus): {_kind(wire.BatchStatus): GATEWAY},
-    _kind(wire.BatchLine): {_kind(wire.BatchLine): GATEWAY},
-    _kind(wire.BenchRunRecorded): {_kind(wire.BenchRunRecorded): BENCH},
-    _kind(wire.ScoreRecorded): {_kind(wire.ScoreRecorded): BENCH},
+    _kind(ResponseStored): {_kind(ResponseStored): GATEWAY},
+    _kind(ResponseDeleted): {_kind(ResponseDeleted): GATEWAY},
+    _kind(FileCreated): {_kind(FileCreated): GATEWAY},
+    _kind(FileDeleted): {_kind(FileDeleted): GATEWAY},
+    _kind(BatchCreated): {_kind(BatchCreated): GATEWAY},
+    _kind(BatchStatus): {_kind(BatchStatus): GATEWAY},
+    _kind(BatchLine): {_kind(BatchLine): GATEWAY},
+    _kind(BenchRunRecorded): {_kind(BenchRunRecorded): BENCH},
+    _kind(ScoreRecorded): {_kind(ScoreRecorded): BENCH},
 }
 
 
@@ -91,22 +113,22 @@ def event_subject_kinds(role: str) -> list[str]:
                   if owner == role)
 
 
-def event_refused(subject: str, event: wire.Event) -> str | None:
+def event_refused(subject: str, event: Event) -> str | None:
     """Why an event must not be recorded as it came (None: it may): its body is not a kind its
     subject carries, or a routed one says more than its publisher may (a gateway reports only a
     failed run, a worker only a dropped request). A reference to a large event is checked for the
     kind it names here, and the event it resolves to again once read."""
-    kind, on = wire.event_kind(event), topology.kind_of_subject(subject)
-    if isinstance(event, wire.EventRef):
+    kind, on = event_kind(event), topology.kind_of_subject(subject)
+    if isinstance(event, EventRef):
         kind = event.ref_kind
     if on not in EVENT_SUBJECTS.get(kind, {}):
         return f"a {kind} event on {subject!r}: events are accepted on their own kind's subjects only"
-    if isinstance(event, wire.EventRef):
+    if isinstance(event, EventRef):
         return None
     if on == topology.WORKER_LOST and getattr(event, "status", None) != RunStatus.ERROR:
         return f"a {topology.WORKER_LOST} event must report a failed run"
     if on == topology.DROPPED and getattr(event, "decision", None) not in (
-            wire.AdmissionDecision.CANCELLED, wire.AdmissionDecision.TIMEOUT):
+            AdmissionDecision.CANCELLED, AdmissionDecision.TIMEOUT):
         return f"a {topology.DROPPED} event must report a cancelled or timed-out request"
     return None
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from apps.bus import event_builders, wire
 from apps.bus.codes import ErrorCode, ServingError, retry_after_s
-from apps.bus.wire import AdmissionDecision
+from apps.bus.events import AdmissionDecided, AdmissionDecision, AnyEvent
 from apps.gateway.metrics import GatewayMetrics
 
 
@@ -192,7 +192,7 @@ class Admissions:
     a flood of counts still queues, sheds and is capped per principal like generations are."""
 
     def __init__(self, defaults: AdmissionLimits, per_model: dict[str, AdmissionLimits] | None,
-                 metrics: GatewayMetrics, emit: Callable[[wire.AnyEvent], None]) -> None:
+                 metrics: GatewayMetrics, emit: Callable[[AnyEvent], None]) -> None:
         self._defaults = defaults
         self._per_model = per_model or {}
         self._metrics = metrics
@@ -223,7 +223,7 @@ class Admissions:
     async def _admit(self, admission: Admission, model: str, request_id: str, principal: str | None,
                      weight: int, kind: str | None = None) -> Ticket:
         def decided(decision: AdmissionDecision, pending: int, in_flight: int, retry_after_s: float | None = None,
-                    waited_ms: float = 0.0) -> wire.AdmissionDecided:
+                    waited_ms: float = 0.0) -> AdmissionDecided:
             return event_builders.admission_decided(model, request_id, principal, decision, pending=pending,
                                                     in_flight=in_flight, detail=kind, retry_after_s=retry_after_s,
                                                     waited_ms=waited_ms)

@@ -14,6 +14,7 @@ import msgspec
 
 from apps.bus import wire
 from apps.bus.codes import ServingError
+from apps.bus.events import BatchLine
 from apps.gateway.api import openai_schema as oa
 from apps.gateway.api.chat import ChatFormatter
 from apps.gateway.api.chat import to_bus_request as chat_request
@@ -47,12 +48,12 @@ def line_error(code: str, message: str) -> dict[str, Any]:
 
 
 def prepare(batch: StoredBatch, line: int, raw: bytes, delivery: int,
-            max_body_bytes: int) -> Prepared | wire.BatchLine:
+            max_body_bytes: int) -> Prepared | BatchLine:
     """One input line as the request it asks for, validated as the live route validates it, or
     its error line."""
     batch_id = batch.batch_id
 
-    def failed(message: str, custom_id: str | None = None) -> wire.BatchLine:
+    def failed(message: str, custom_id: str | None = None) -> BatchLine:
         return line_event(batch_id, line, custom_id, error=line_error("invalid_request", message))
 
     try:
@@ -85,8 +86,8 @@ def prepare(batch: StoredBatch, line: int, raw: bytes, delivery: int,
 
 def line_event(batch_id: str, line: int, custom_id: str | None, status_code: int | None = None,
                request_id: str | None = None, body: dict[str, Any] | None = None,
-               error: dict[str, Any] | None = None) -> wire.BatchLine:
-    return wire.BatchLine(event_id=f"{batch_id}.{line}", model="-", node="gateway", batch_id=batch_id, line=line,
+               error: dict[str, Any] | None = None) -> BatchLine:
+    return BatchLine(event_id=f"{batch_id}.{line}", model="-", node="gateway", batch_id=batch_id, line=line,
                           custom_id=custom_id, status_code=status_code, request_id=request_id, body=body,
                           error=error)
 

@@ -44,6 +44,7 @@ from nats.aio.msg import Msg
 
 from apps.bus import topology, wire
 from apps.bus.codes import ServingError
+from apps.bus.events import AnyEvent, BatchLine
 from apps.bus.pull import BatchPuller
 from apps.gateway.api.structured import check_enforceable
 from apps.gateway.batch_lines import Prepared, line_error, line_event, output_line, prepare, split_lines
@@ -71,7 +72,7 @@ _UNKNOWN_BATCH_S = 600.0
 
 class BatchRunner:
     def __init__(self, bus: GatewayBus, batches: BatchStore, files: FileStore, generations: GenerationPipeline,
-                 concurrency: int, max_body_bytes: int, events_emit: Callable[[wire.AnyEvent], None],
+                 concurrency: int, max_body_bytes: int, events_emit: Callable[[AnyEvent], None],
                  metrics: GatewayMetrics) -> None:
         self._bus = bus
         self._batches = batches
@@ -181,8 +182,8 @@ class BatchRunner:
         return True
 
     def _prepare_all(self, batch: StoredBatch, lines: list[bytes], done: set[int],
-                     delivery: int) -> list[Prepared | wire.BatchLine]:
-        out: list[Prepared | wire.BatchLine] = []
+                     delivery: int) -> list[Prepared | BatchLine]:
+        out: list[Prepared | BatchLine] = []
         seen: set[str] = set()
         for number, raw in enumerate(lines, start=1):
             item = prepare(batch, number, raw, delivery, self._max_body_bytes)
@@ -196,13 +197,13 @@ class BatchRunner:
                 out.append(item)
         return out
 
-    async def _run_lines(self, batch: StoredBatch, items: list[Prepared | wire.BatchLine], stop: _Stop) -> None:
+    async def _run_lines(self, batch: StoredBatch, items: list[Prepared | BatchLine], stop: _Stop) -> None:
         slots = asyncio.Semaphore(self._concurrency)
         running: set[asyncio.Task[None]] = set()
         for item in items:
             if stop.reason is not None:
                 break
-            if isinstance(item, wire.BatchLine):
+            if isinstance(item, BatchLine):
                 stop.started.add(item.line)
                 self._metrics.batch_lines.labels("invalid").inc()
                 self._emit(item)

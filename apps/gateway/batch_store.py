@@ -24,6 +24,7 @@ import msgspec
 
 from apps.bus import topology, wire
 from apps.bus.codes import ErrorCode, ServingError
+from apps.bus.events import BatchCreated, BatchStatus
 from apps.bus.publish import publish
 from apps.gateway.capability_ids import CapabilityIds
 from apps.gateway.events import EventPublisher
@@ -124,7 +125,7 @@ class BatchStore:
         self._events.check_room()
         batch_id = BATCH_IDS.new()
         now = int(time.time())
-        created = wire.BatchCreated(model="-", node="gateway", batch_id=batch_id, principal=principal,
+        created = BatchCreated(model="-", node="gateway", batch_id=batch_id, principal=principal,
                                     input_file_id=input_file_id, endpoint=endpoint, completion_window=window,
                                     metadata=metadata, created_at=now, expires_at=now + COMPLETION_WINDOWS[window])
         self._events.emit(created)
@@ -138,7 +139,7 @@ class BatchStore:
         return stored
 
     def set_status(self, batch_id: str, status: str, **fields: Any) -> None:
-        self._events.emit(wire.BatchStatus(model="-", node="gateway", batch_id=batch_id, status=status,
+        self._events.emit(BatchStatus(model="-", node="gateway", batch_id=batch_id, status=status,
                                            at=int(time.time()), **fields))
 
     async def cancel(self, batch_id: str, principal: str | None) -> StoredBatch:

@@ -20,8 +20,9 @@ import logging
 
 import nats.errors
 
-from apps.bus import topology, wire
+from apps.bus import topology
 from apps.bus.codes import ErrorCode, Unavailable, unavailable
+from apps.bus.events import AnyEvent, event_kind
 from apps.bus.publish import held_events, publish_event
 from apps.gateway.bus_client import GatewayBus
 from apps.gateway.metrics import GatewayMetrics
@@ -41,7 +42,7 @@ class EventPublisher:
         self._bus = bus
         self._metrics = metrics
         # Each event with the subject kind it goes under (None: its own kind).
-        self._queue: asyncio.Queue[tuple[wire.AnyEvent, str | None]] = asyncio.Queue(max_backlog)
+        self._queue: asyncio.Queue[tuple[AnyEvent, str | None]] = asyncio.Queue(max_backlog)
         self._tasks: list[asyncio.Task[None]] = []
         self.events_full = False
         metrics.event_backlog.set_function(lambda: self._queue.qsize())
@@ -96,7 +97,7 @@ class EventPublisher:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    def emit(self, event: wire.AnyEvent, subject_kind: str | None = None) -> None:
+    def emit(self, event: AnyEvent, subject_kind: str | None = None) -> None:
         """Queue `event` for publishing (under `subject_kind`, see `publish_event`); never blocks,
         never raises."""
         try:
@@ -112,6 +113,6 @@ class EventPublisher:
                 await publish_event(self._bus.js, event, on_full=self._refused, current=lambda: self._bus.js,
                                     subject_kind=subject_kind)
             except Exception:  # one bad event must not stop the publisher
-                log.exception("event dropped", extra={"kind": wire.event_kind(event)})
+                log.exception("event dropped", extra={"kind": event_kind(event)})
             finally:
                 self._queue.task_done()

@@ -38,6 +38,7 @@ from nats.js.object_store import ObjectStore
 
 from apps.bus import topology, wire
 from apps.bus.codes import ErrorCode, ServingError
+from apps.bus.events import FileCreated, FileDeleted
 from apps.bus.object_streams import put_stream, read_stream
 from apps.gateway.capability_ids import CapabilityIds
 from apps.gateway.ledger_pool import LedgerPool
@@ -273,7 +274,7 @@ class FileStore:
                 self._uploading.pop(principal, None)
         stored = StoredFile(file_id, principal, filename, purpose, size, int(time.time()))
         self._recent.put(stored)
-        self._events.emit(wire.FileCreated(model="-", node="gateway", file_id=file_id, principal=principal,
+        self._events.emit(FileCreated(model="-", node="gateway", file_id=file_id, principal=principal,
                                            filename=filename, purpose=purpose, bytes=size,
                                            created_at=stored.created_at))
         return stored
@@ -293,7 +294,7 @@ class FileStore:
         await put_stream(self._js(), topology.FILES_BUCKET, file_id, counted())
         stored = StoredFile(file_id, principal, filename, "batch_output", size, int(time.time()))
         self._recent.put(stored)
-        self._events.emit(wire.FileCreated(model="-", node="gateway", file_id=file_id, principal=principal,
+        self._events.emit(FileCreated(model="-", node="gateway", file_id=file_id, principal=principal,
                                            filename=filename, purpose=stored.purpose, bytes=size,
                                            created_at=stored.created_at))
         return stored
@@ -307,7 +308,7 @@ class FileStore:
         except NotFoundError:
             pass  # deleted by a request racing this one
         self._recent.delete(file_id)
-        self._events.emit(wire.FileDeleted(model="-", node="gateway", file_id=file_id, principal=principal))
+        self._events.emit(FileDeleted(model="-", node="gateway", file_id=file_id, principal=principal))
         return stored
 
     # -- reading --------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ import asyncpg
 
 from apps.bus import wire
 from apps.bus.codes import ErrorCode, ServingError, Unavailable, unavailable
+from apps.bus.events import AnyEvent, ResponseDeleted, ResponseStored
 from apps.gateway.capability_ids import CapabilityIds
 from apps.gateway.ledger_pool import LedgerPool
 from apps.gateway.projection_notices import ProjectionNotices
@@ -93,7 +94,7 @@ class StoreLimits:
 class Events(Protocol):
     """Where a store's events go (`apps.gateway.events.EventPublisher`); the file store's too."""
 
-    def emit(self, event: wire.AnyEvent) -> None: ...
+    def emit(self, event: AnyEvent) -> None: ...
 
     def check_room(self, model: str | None = None) -> None: ...
 
@@ -234,7 +235,7 @@ class ResponseStore:
         stored = StoredResponse(stored.response_id, stored.principal, stored.previous_response_id,
                                 stored.input_items, response, size=stored_size(stored.input_items, response))
         self._recent.put(stored)
-        self._events.emit(wire.ResponseStored(
+        self._events.emit(ResponseStored(
             model=model, node="gateway", response_id=stored.response_id, principal=stored.principal,
             previous_response_id=stored.previous_response_id, input_items=stored.input_items,
             response=stored.response))
@@ -245,7 +246,7 @@ class ResponseStore:
         stored = await self.get(response_id, principal)
         self._events.check_room(stored.response.get("model"))
         self._recent.delete(response_id)
-        self._events.emit(wire.ResponseDeleted(model=stored.response.get("model") or "-", node="gateway",
+        self._events.emit(ResponseDeleted(model=stored.response.get("model") or "-", node="gateway",
                                                response_id=response_id, principal=principal))
         return stored
 

@@ -38,6 +38,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from apps.bus.connection import connect
+from apps.bus.events import Event, EventRef, ResponseDeleted, ResponseStored, event_decoder, event_kind
 from apps.bus.pull import BatchPuller, stream_sequence
 from apps.bus.roles import RECORDER, event_refused
 from apps.bus.topology import (
@@ -48,7 +49,6 @@ from apps.bus.topology import (
     replay_puller,
     require_topology,
 )
-from apps.bus.wire import Event, EventRef, ResponseDeleted, ResponseStored, event_decoder, event_kind
 from apps.logs import announce_ready, monotonic_ms
 from apps.recorder import dead_letters, large_events, projector
 from apps.recorder.dead_letters import DeadLetter, Reason, kind_from_subject

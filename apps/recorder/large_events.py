@@ -1,6 +1,6 @@
 """The recorder's side of events stored by reference, of deleted responses, and of a full EVENTS.
 
-An event too large for one bus message arrives as a `wire.EventRef`; `resolve` reads the event
+An event too large for one bus message arrives as a `EventRef`; `resolve` reads the event
 itself from the `helexa_events` Object Store, within a byte budget per batch (the references past
 it are handed back for the next batch), so a batch of references costs bounded memory. The
 `events` table records the event itself, so rebuilding needs no object.
@@ -29,7 +29,8 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError, ObjectNotFoundError
 
-from apps.bus import topology, wire
+from apps.bus import topology
+from apps.bus.events import Event, EventRef, event_decoder, event_kind
 from apps.bus.pull import stream_sequence
 from apps.bus.roles import event_refused
 from apps.recorder.dead_letters import DeadLetter, Reason
@@ -49,17 +50,17 @@ WHERE kind = 'response.stored' AND payload->>'response_id' IN (
 """
 
 
-async def resolve(js: JetStreamContext, pending: Sequence[tuple[Msg, wire.Event]], budget_bytes: int
-                  ) -> tuple[list[tuple[Msg, wire.Event]], list[tuple[Msg, DeadLetter]], list[tuple[Msg, wire.Event]]]:
+async def resolve(js: JetStreamContext, pending: Sequence[tuple[Msg, Event]], budget_bytes: int
+                  ) -> tuple[list[tuple[Msg, Event]], list[tuple[Msg, DeadLetter]], list[tuple[Msg, Event]]]:
     """(events, dead letters, references left for later): each reference replaced by its event while
     the objects read stay within `budget_bytes` (the first one always is, so a batch makes progress);
     a reference whose object is gone or is not its event is a dead letter."""
-    events: list[tuple[Msg, wire.Event]] = []
+    events: list[tuple[Msg, Event]] = []
     buried: list[tuple[Msg, DeadLetter]] = []
-    later: list[tuple[Msg, wire.Event]] = []
+    later: list[tuple[Msg, Event]] = []
     spent = 0
     for msg, event in pending:
-        if not isinstance(event, wire.EventRef):
+        if not isinstance(event, EventRef):
             events.append((msg, event))
             continue
         if spent and spent + event.size > budget_bytes:
@@ -70,8 +71,8 @@ async def resolve(js: JetStreamContext, pending: Sequence[tuple[Msg, wire.Event]
             data = (await (await js.object_store(topology.LARGE_EVENTS_BUCKET)).get(event.object)).data or b""
             if hashlib.sha256(data).hexdigest() != event.digest:
                 raise msgspec.ValidationError("the object is not the one its reference names (digest)")
-            resolved = wire.event_decoder.decode(data)
-            if resolved.event_id != event.event_id or wire.event_kind(resolved) != event.ref_kind:
+            resolved = event_decoder.decode(data)
+            if resolved.event_id != event.event_id or event_kind(resolved) != event.ref_kind:
                 raise msgspec.ValidationError("the object is not the event its reference names")
             refused = event_refused(msg.subject, resolved)  # as for an event that came inline
             if refused is not None:

@@ -48,7 +48,7 @@ from typing import NamedTuple
 
 import asyncpg
 
-from apps.bus.wire import (
+from apps.bus.events import (
     AdmissionDecided,
     BatchCreated,
     BatchLine,
@@ -64,10 +64,10 @@ from apps.bus.wire import (
     RunPreempted,
     RunStarted,
     ScoreRecorded,
-    encode,
     event_kind,
     kind_of,
 )
+from apps.bus.wire import encode
 
 __all__ = ["BATCHES_CHANNEL", "FILES_CHANNEL", "PROJECTIONS", "RESPONSES_CHANNEL", "Recorded", "event_kind",
            "ledger_json", "project", "rebuild"]

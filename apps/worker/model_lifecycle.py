@@ -12,8 +12,8 @@ import functools
 import logging
 from collections.abc import Awaitable, Callable
 
-from apps.bus import wire
 from apps.bus.codes import ErrorCode, ServingError, Unavailable, unavailable
+from apps.bus.events import CoreRestarted
 from apps.bus.publish import publish_event
 from apps.fleet.catalogue import CatalogueEntry
 from apps.worker.intake import NodeBus
@@ -61,7 +61,7 @@ class ModelLifecycle:
             loop.wake()
         elif report.out_of_service is not None:
             loop.health.poison(report.out_of_service)  # a no-op where its runs saw the device fault first
-        await publish_event(self.bus.js, wire.CoreRestarted(
+        await publish_event(self.bus.js, CoreRestarted(
             model=loop.model_id, node=self.bus.node, restarted=report.restarted, exitcode=report.exitcode,
             held_requests=report.held_requests, restarts=report.restarts, max_restarts=report.max_restarts,
             restart_ms=report.restart_ms, detail=report.out_of_service,

@@ -30,6 +30,7 @@ from nats.aio.msg import Msg
 
 from apps.bus import event_builders, topology, wire
 from apps.bus.codes import ErrorCode, ServingError
+from apps.bus.events import AdmissionDecision, RunFinished
 from apps.bus.publish import publish_event
 from apps.settings import WorkerSettings
 from apps.worker import liveness
@@ -137,7 +138,7 @@ class ModelLoop:
             # Its client has already been answered (a 503 or a hang-up): nobody waits for it.
             log.info("dropped request nobody waits for", extra={"request_id": request.request_id})
             await self.intake.settle(msg, held.ref, terminate=True)
-            decision = wire.AdmissionDecision.CANCELLED if cancelled else wire.AdmissionDecision.TIMEOUT
+            decision = AdmissionDecision.CANCELLED if cancelled else AdmissionDecision.TIMEOUT
             await publish_event(self.bus.js, event_builders.admission_decided(
                 request.model, request.request_id, request.principal, decision, node=self.bus.node,
                 detail="dropped by the worker: nobody waits for it", pending=len(self.active),
@@ -174,7 +175,7 @@ class ModelLoop:
             return
         await self.intake.settle(msg, held.ref, terminate=outcome.terminate)
 
-    async def serve_once(self, request: wire.GenerateRequest, replier: Replier) -> wire.RunFinished:
+    async def serve_once(self, request: wire.GenerateRequest, replier: Replier) -> RunFinished:
         """One request not pulled from the consumer (the `generate` endpoint), served the same way;
         it takes its slots like any other. Raises ServingError (409) for an id already running here."""
         if holds(self._held, request):

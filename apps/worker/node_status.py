@@ -17,6 +17,7 @@ from nats.js.kv import KeyValue
 
 from apps.bus import wire
 from apps.bus.codes import ModelState, NodeState
+from apps.bus.events import NodeStatusChanged
 from apps.bus.publish import publish_event
 from apps.worker.model_lifecycle import ModelLifecycle
 from apps.worker.model_loop import ModelLoop
@@ -97,7 +98,7 @@ class NodeEntry:
                    tuple((m.model, m.state) for m in status.models))
         if summary != self._last_summary:
             self._last_summary = summary
-            await publish_event(self.js, wire.NodeStatusChanged(
+            await publish_event(self.js, NodeStatusChanged(
                 model=status.models[0].model if status.models else "-", node=self.node, status=summary[0],
                 version=status.version, models=[m.model for m in status.models],
                 slots=sum(m.slots for m in status.models), free_slots=sum(m.free_slots for m in status.models),

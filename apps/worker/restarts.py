@@ -14,7 +14,7 @@ Not every death is restarted:
 - past the budget (`max_restarts` within `window_s`): a core that keeps dying is not a one-off,
   so the model goes out of service, poisoned with the reason, until it is reloaded. A new core
   that fails to start spends the budget too.
-Each death is reported (`CoreExit`) to the worker, which publishes it (`wire.CoreRestarted`).
+Each death is reported (`CoreExit`) to the worker, which publishes it (`CoreRestarted`).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from nats.js import JetStreamContext
 
 from apps.bus import wire
 from apps.bus.codes import ErrorCode, RunStatus, ServingError
+from apps.bus.events import RunFinished
 from apps.bus.publish import publish_event
 from apps.worker import liveness
 from apps.worker.choices import engine_request_ids, generate
@@ -85,7 +86,7 @@ class RunOutcome:
     terminated rather than acked (a request no worker could prepare: it must not come back, nor
     wait for it)."""
 
-    finished: wire.RunFinished
+    finished: RunFinished
     terminate: bool = False
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from apps.bus import event_builders, wire
 from apps.bus.codes import RunStatus
+from apps.bus.events import RunFinished, RunPreempted, RunStarted
 from engine.frontend.protocol import FinishReason, PreemptionReason
 
 
@@ -37,7 +38,7 @@ class RunRecord:
     first_token_at: float | None = None
     finished_at: float | None = None
     # The engine's preemptions of this run's sequences, as run.preempted events to publish.
-    preemptions: list[wire.RunPreempted] = field(default_factory=list)
+    preemptions: list[RunPreempted] = field(default_factory=list)
 
     @property
     def queue_ms(self) -> float:
@@ -58,12 +59,12 @@ class RunRecord:
     def preempted(self, reason: PreemptionReason, tokens_kept: int) -> None:
         if len(self.preemptions) >= MAX_PREEMPTION_EVENTS:
             return
-        self.preemptions.append(wire.RunPreempted(
+        self.preemptions.append(RunPreempted(
             model=self.request.model, node=self.node, request_id=self.request.request_id, reason=reason,
             service_class=self.request.service_class, tokens_kept=tokens_kept))
 
-    def started_event(self) -> wire.RunStarted:
-        return wire.RunStarted(
+    def started_event(self) -> RunStarted:
+        return RunStarted(
             model=self.request.model,
             node=self.node,
             request_id=self.request.request_id,
@@ -75,7 +76,7 @@ class RunRecord:
         )
 
     def finished_event(self, status: RunStatus, finish_reason: FinishReason,
-                       error: str | None = None, served: bool = True) -> wire.RunFinished:
+                       error: str | None = None, served: bool = True) -> RunFinished:
         usage = self.usage()
         ttft = (self.first_token_at - self.request.created_at) * 1000.0 if self.first_token_at else None
         return event_builders.run_finished(

@@ -21,6 +21,18 @@ from nats.js.api import DiscardPolicy
 
 from apps.bus import connection, publish, topology, wire
 from apps.bus.codes import Api, ErrorCode, FinishReason, RunStatus
+from apps.bus.events import (
+    AdmissionDecided,
+    AdmissionDecision,
+    BenchRunRecorded,
+    Event,
+    EventRef,
+    ResponseDeleted,
+    ResponseStored,
+    RunFinished,
+    RunStarted,
+    event_decoder,
+)
 from apps.bus.topology import BusLimits
 from apps.embedded.nats_server import NatsServer
 from apps.recorder.large_events import resolve
@@ -48,32 +60,32 @@ async def connected(url: str, limits: BusLimits | None = None, closed: list[bool
     return nc
 
 
-def _run_finished(pad: str) -> wire.Event:
-    return wire.RunFinished(model="m", node="n", request_id="r", api=Api.CHAT_COMPLETIONS, principal=None,
+def _run_finished(pad: str) -> Event:
+    return RunFinished(model="m", node="n", request_id="r", api=Api.CHAT_COMPLETIONS, principal=None,
                             status=RunStatus.ERROR, finish_reason=FinishReason.ERROR, prompt_tokens=1,
                             completion_tokens=0, cached_tokens=0, attempt=1, queue_ms=0.0, ttft_ms=None,
                             prefill_ms=0.0, decode_ms=0.0, e2e_ms=1.0, error=pad)
 
 
 # Each kind of event whose size a client can influence, padded through a field a client fills.
-KINDS: dict[str, Callable[[str], wire.Event]] = {
-    "response.stored": lambda pad: wire.ResponseStored(
+KINDS: dict[str, Callable[[str], Event]] = {
+    "response.stored": lambda pad: ResponseStored(
         model="m", node="gateway", response_id="resp_x", principal=None,
         input_items=[{"type": "reasoning", "encrypted_content": pad}], response={"id": "resp_x", "output": []}),
-    "response.deleted": lambda pad: wire.ResponseDeleted(model="m", node="gateway", response_id=pad, principal=None),
+    "response.deleted": lambda pad: ResponseDeleted(model="m", node="gateway", response_id=pad, principal=None),
     "run.finished": _run_finished,
-    "run.started": lambda pad: wire.RunStarted(model="m", node="n", request_id="r", api=Api.RESPONSES,
+    "run.started": lambda pad: RunStarted(model="m", node="n", request_id="r", api=Api.RESPONSES,
                                                principal=pad, prompt_tokens=1, attempt=1, queue_ms=0.0),
-    "admission": lambda pad: wire.AdmissionDecided(model="m", node="gateway", request_id="r", principal=None,
-                                                   decision=wire.AdmissionDecision.ADMITTED, detail=pad,
+    "admission": lambda pad: AdmissionDecided(model="m", node="gateway", request_id="r", principal=None,
+                                                   decision=AdmissionDecision.ADMITTED, detail=pad,
                                                    pending=0, in_flight=0),
-    "bench.run": lambda pad: wire.BenchRunRecorded(model="m", node="bench", run_id="b", target="t",
+    "bench.run": lambda pad: BenchRunRecorded(model="m", node="bench", run_id="b", target="t",
                                                    scenario="capability:x", started_at=0.0, finished_at=1.0,
                                                    results={"text": pad}),
 }
 
 
-def event_of_wire_size(kind: str, size: int) -> wire.Event:
+def event_of_wire_size(kind: str, size: int) -> Event:
     """An event whose message (headers with its Nats-Msg-Id, and body) is exactly `size` bytes."""
     make = KINDS[kind]
     base = make("")
@@ -84,14 +96,14 @@ def event_of_wire_size(kind: str, size: int) -> wire.Event:
     return event
 
 
-async def read_events(nc: NatsClient, count: int) -> list[tuple[Msg, wire.Event]]:
+async def read_events(nc: NatsClient, count: int) -> list[tuple[Msg, Event]]:
     """The events of EVENTS from its first, references read back from the Object Store."""
     js = nc.jetstream()
     puller = await topology.replay_puller(nc)
     try:
         msgs = await puller.fetch(count, timeout=10)
         assert len(msgs) == count
-        pending = [(msg, wire.event_decoder.decode(msg.data)) for msg in msgs]
+        pending = [(msg, event_decoder.decode(msg.data)) for msg in msgs]
         events, buried, later = await resolve(js, pending, budget_bytes=64 << 20)
         assert not buried and not later
         return events
@@ -113,7 +125,7 @@ async def test_every_client_sized_event_at_the_boundary_is_stored_whole(stock_se
         got = await read_events(nc, len(sent))
         assert [event for _, event in got] == sent
         # Within the limit inline (the server counts the headers too), past it by reference.
-        by_ref = [isinstance(wire.event_decoder.decode(msg.data), wire.EventRef) for msg, _ in got]
+        by_ref = [isinstance(event_decoder.decode(msg.data), EventRef) for msg, _ in got]
         assert by_ref == [offset > 0 for offset in OFFSETS]
         assert all(len(msg.data) < 1024 for (msg, _), ref in zip(got, by_ref, strict=True) if ref)
         await nc.flush()

@@ -6,7 +6,7 @@ import threading
 import time
 import uuid
 
-from apps.bus import wire
+from apps.bus.events import AdmissionDecided
 from apps.bus.uuid7 import Uuid7Generator, uuid7, uuid7_hex
 
 
@@ -66,9 +66,9 @@ def test_threads_share_one_increasing_sequence() -> None:
 
 
 def test_events_get_uuid7_ids_by_default() -> None:
-    first = wire.AdmissionDecided(model="m", node="g", request_id="r", principal=None, decision="admitted",
+    first = AdmissionDecided(model="m", node="g", request_id="r", principal=None, decision="admitted",
                                   pending=0, in_flight=0)
-    second = wire.AdmissionDecided(model="m", node="g", request_id="r", principal=None, decision="admitted",
+    second = AdmissionDecided(model="m", node="g", request_id="r", principal=None, decision="admitted",
                                    pending=0, in_flight=0)
     assert uuid.UUID(hex=first.event_id).version == 7
     assert first.event_id < second.event_id

@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from apps.bus import connection, topology, wire
 from apps.bus.codes import Api, FinishReason, RunStatus
+from apps.bus.events import RunFinished
 from apps.embedded import free_port
 from apps.embedded.nats_server import NatsServer
 from apps.embedded.postgres import PostgresServer
@@ -40,7 +41,7 @@ def _error_in_the_header_window() -> str:
     """An engine error whose `run.finished` body lands ~30 bytes under 1 MiB: within what nats-py
     lets through (it checks the body) and past what the server takes with the Nats-Msg-Id header,
     the window where an unmeasured publish cost the worker its connection."""
-    run = wire.RunFinished(
+    run = RunFinished(
         model=MODEL, node="bounds-worker", request_id=f"chatcmpl-{uuid.uuid4().hex}", api=Api.CHAT_COMPLETIONS,
         principal=None, status=RunStatus.ERROR, finish_reason=FinishReason.ERROR, prompt_tokens=30,
         completion_tokens=0, cached_tokens=0, attempt=1, queue_ms=12.345, ttft_ms=None, prefill_ms=0.0,

@@ -18,6 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from apps.bus import connection, publish, topology, wire
+from apps.bus.events import AdmissionDecided, AdmissionDecision
 from apps.bus.topology import BusLimits
 from apps.embedded import free_port
 from apps.embedded.nats_server import NatsServer
@@ -42,8 +43,8 @@ async def fill(nats_url: str) -> int:
     try:
         js = nc.jetstream()
         for n in range(10_000):
-            event = wire.AdmissionDecided(model=MODEL, node="filler", request_id=f"filler-{n}", principal=None,
-                                          decision=wire.AdmissionDecision.ADMITTED, detail="filler " + "x" * 900,
+            event = AdmissionDecided(model=MODEL, node="filler", request_id=f"filler-{n}", principal=None,
+                                          decision=AdmissionDecision.ADMITTED, detail="filler " + "x" * 900,
                                           pending=0, in_flight=0)
             try:
                 await publish.publish(js, topology.event_subject("admission", MODEL), wire.encode(event),

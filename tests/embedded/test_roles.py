@@ -19,6 +19,7 @@ from nats.aio.subscription import Subscription
 
 from apps.bus import connection, publish, roles, topology, wire
 from apps.bus.codes import RunStatus
+from apps.bus.events import Event, event_decoder, event_kind
 from apps.embedded import free_port
 from apps.embedded.nats_server import NatsServer, nats_server_binary
 from apps.embedded.postgres import PostgresServer
@@ -88,9 +89,9 @@ async def _try_publish(client: RoleClient, subject: str, body: bytes) -> None:
         pass  # a refused publish gets no acknowledgement
 
 
-async def _try_event(client: RoleClient, event: wire.Event, subject_kind: str | None = None) -> str:
+async def _try_event(client: RoleClient, event: Event, subject_kind: str | None = None) -> str:
     """Publish `event` as `client`'s role; returns its subject (stored there or not)."""
-    subject = topology.event_subject(subject_kind or wire.event_kind(event), event.model)
+    subject = topology.event_subject(subject_kind or event_kind(event), event.model)
     await _try_publish(client, subject, wire.encode(event))
     return subject
 
@@ -309,7 +310,7 @@ async def test_a_large_event_is_recorded_only_as_its_own_role_stored_it(
         js = recorder.nc.jetstream()
         puller = await js.pull_subscribe(topology.event_subject("response.stored", MODEL), durable=None)
         msgs = await puller.fetch(2, timeout=10)
-        pending = [(msg, wire.event_decoder.decode(msg.data)) for msg in msgs]
+        pending = [(msg, event_decoder.decode(msg.data)) for msg in msgs]
         assert all(roles.event_refused(msg.subject, ref) is None for msg, ref in pending)
         events, buried, later = await large_events.resolve(js, pending, 1 << 20)
         assert [event for _, event in events] == [kept] and not later

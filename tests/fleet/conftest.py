@@ -26,7 +26,8 @@ import nats
 import pytest
 from nats.js.api import DeliverPolicy
 
-from apps.bus import topology, wire
+from apps.bus import topology
+from apps.bus.events import Event, event_decoder
 from apps.embedded import free_port
 from apps.embedded.nats_server import NatsCluster, NatsServer
 from tests.support import REPO, AppProcess
@@ -157,15 +158,15 @@ def finished_subjects(model: str) -> list[str]:
     return [topology.event_subject("run.finished", model), topology.event_subject(topology.WORKER_LOST, model)]
 
 
-async def _collect(nats_url: str, subject: str | list[str], until: Callable[[list[wire.Event]], bool],
-                   timeout_s: float) -> list[wire.Event]:
+async def _collect(nats_url: str, subject: str | list[str], until: Callable[[list[Event]], bool],
+                   timeout_s: float) -> list[Event]:
     nc = await nats.connect(nats_url)
     wanted = [subject] if isinstance(subject, str) else subject
     try:
         # Several subjects: the whole stream, kept where it matches one of them.
         sub = await nc.jetstream().subscribe(wanted[0] if len(wanted) == 1 else topology.every_event(),
                                              ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
-        events: list[wire.Event] = []
+        events: list[Event] = []
         deadline = time.monotonic() + timeout_s
         while not until(events):
             remaining = deadline - time.monotonic()
@@ -176,14 +177,14 @@ async def _collect(nats_url: str, subject: str | list[str], until: Callable[[lis
             except TimeoutError:
                 continue
             if len(wanted) == 1 or msg.subject in wanted:
-                events.append(wire.event_decoder.decode(msg.data))
+                events.append(event_decoder.decode(msg.data))
         return events
     finally:
         await nc.close()
 
 
-def wait_events(nats_url: str, subject: str | list[str], until: Callable[[list[wire.Event]], bool],
-                timeout_s: float = 60.0) -> list[wire.Event]:
+def wait_events(nats_url: str, subject: str | list[str], until: Callable[[list[Event]], bool],
+                timeout_s: float = 60.0) -> list[Event]:
     """EVENTS on `subject` (or on any of several, exact) from the stream's start, read until
     `until(events)` holds."""
     return asyncio.run(_collect(nats_url, subject, until, timeout_s))

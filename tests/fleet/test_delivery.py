@@ -9,7 +9,8 @@ import httpx
 import openai
 import pytest
 
-from apps.bus import topology, wire
+from apps.bus import topology
+from apps.bus.events import Event, RunFinished
 from tests.fleet.conftest import Fleet, finished_subjects, wait_events
 from tests.support import eventually
 
@@ -25,8 +26,8 @@ def ask(fleet: Fleet, model: str, content: str) -> str:
     return reply.choices[0].message.content or ""
 
 
-def finished(events: list[wire.Event], request_ids: set[str] | None = None) -> list[wire.RunFinished]:
-    return [e for e in events if isinstance(e, wire.RunFinished)
+def finished(events: list[Event], request_ids: set[str] | None = None) -> list[RunFinished]:
+    return [e for e in events if isinstance(e, RunFinished)
             and (request_ids is None or e.request_id in request_ids)]
 
 

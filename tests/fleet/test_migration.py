@@ -23,6 +23,7 @@ import msgspec
 
 from apps.bus import connection, topology, wire
 from apps.bus.codes import FinishReason
+from apps.bus.events import Event, RunFinished
 from apps.settings import bus_limits
 from tests.fleet.conftest import Fleet, finished_subjects, wait_events
 from tests.support import eventually
@@ -78,8 +79,8 @@ def stream_chat(base_url: str, body: dict[str, Any], on_text: threading.Event | 
     return got
 
 
-def finished(events: list[wire.Event], request_id: str) -> list[wire.RunFinished]:
-    return [e for e in events if isinstance(e, wire.RunFinished) and e.request_id == request_id]
+def finished(events: list[Event], request_id: str) -> list[RunFinished]:
+    return [e for e in events if isinstance(e, RunFinished) and e.request_id == request_id]
 
 
 def started_on(fleet: Fleet, model: str, request_id: str) -> str:

@@ -10,6 +10,7 @@ import pytest
 
 from apps.bus import wire
 from apps.bus.codes import ServingError
+from apps.bus.events import AdmissionDecided
 from apps.gateway.admission import Admission, AdmissionLimits, Admissions, Rejected
 from apps.gateway.metrics import GatewayMetrics
 from engine.frontend.protocol import SamplingParams
@@ -154,7 +155,7 @@ async def test_a_request_with_n_choices_takes_n_slots() -> None:
 async def test_admission_is_released_whenever_the_caller_is_cancelled() -> None:
     """Cancel admitted and queued requests at every await of their life (the permanent-429
     regression): the counters return to zero and every decision is emitted without waiting."""
-    emitted: list[wire.AdmissionDecided] = []
+    emitted: list[AdmissionDecided] = []
     admissions = Admissions(AdmissionLimits(max_in_flight=2, max_queue_depth=50, max_per_principal=40), None,
                             GatewayMetrics(), emitted.append)
     rng = random.Random(7)
@@ -185,7 +186,7 @@ async def test_admission_is_released_whenever_the_caller_is_cancelled() -> None:
 async def test_calls_are_admitted_in_pools_of_their_own_kind() -> None:
     """Token counts and stored-response reads take slots of their own kind, under the model's
     limits: they queue and shed like generations, and never wait behind one."""
-    emitted: list[wire.AdmissionDecided] = []
+    emitted: list[AdmissionDecided] = []
     admissions = Admissions(AdmissionLimits(max_in_flight=1, max_queue_depth=1, max_per_principal=1), None,
                             GatewayMetrics(), emitted.append)
     generation = await admissions.admit(wire.GenerateRequest(request_id="g", model="m", reply_subject="",

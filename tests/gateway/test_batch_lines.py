@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from apps.bus import wire
+from apps.bus.events import BatchLine
 from apps.gateway.batch_lines import Prepared, output_line, prepare, split_lines
 from apps.gateway.batch_store import StoredBatch
 from engine.frontend.protocol import ServiceClass
@@ -38,7 +38,7 @@ def test_invalid_lines_are_error_lines_naming_what_is_wrong() -> None:
     }
     for line, (custom_id, says) in cases.items():
         error = prepare(BATCH, 7, line, 1, MAX_BODY)
-        assert isinstance(error, wire.BatchLine), line
+        assert isinstance(error, BatchLine), line
         assert (error.event_id, error.line, error.custom_id, error.status_code) == ("batch_x.7", 7, custom_id, None)
         assert error.error is not None and says in error.error["message"], error.error
 
@@ -60,4 +60,4 @@ def test_a_completions_batch_decodes_completion_requests() -> None:
     assert isinstance(prepared, Prepared)
     assert prepared.request.service_class == ServiceClass.BATCH and prepared.request.sampling.max_tokens == 4
     wrong = prepare(batch, 2, raw(url="/v1/completions"), 1, MAX_BODY)  # a chat body is not a completion
-    assert isinstance(wrong, wire.BatchLine) and wrong.error is not None
+    assert isinstance(wrong, BatchLine) and wrong.error is not None

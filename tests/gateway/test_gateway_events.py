@@ -3,7 +3,8 @@ and a full queue drops (and counts) instead of blocking."""
 
 from __future__ import annotations
 
-from apps.bus import topology, wire
+from apps.bus import topology
+from apps.bus.events import AdmissionDecided, AdmissionDecision
 from apps.bus.topology import BusLimits
 from apps.embedded.nats_server import NatsServer
 from apps.gateway.bus_client import GatewayBus
@@ -12,9 +13,9 @@ from apps.gateway.metrics import GatewayMetrics
 from tests.support import eventually_async
 
 
-def decided(i: int) -> wire.AdmissionDecided:
-    return wire.AdmissionDecided(model="m", node="gateway", request_id=f"r{i}", principal=None,
-                                 decision=wire.AdmissionDecision.ADMITTED, pending=1, in_flight=1)
+def decided(i: int) -> AdmissionDecided:
+    return AdmissionDecided(model="m", node="gateway", request_id=f"r{i}", principal=None,
+                                 decision=AdmissionDecision.ADMITTED, pending=1, in_flight=1)
 
 
 def sample(metrics: GatewayMetrics, name: str) -> float:

@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator
 import asyncpg
 import pytest
 
-from apps.bus import wire
 from apps.bus.codes import ServingError
+from apps.bus.events import AnyEvent, ResponseDeleted, ResponseStored, event_kind
 from apps.bus.topology import event_subject
 from apps.embedded.postgres import PostgresServer
 from apps.gateway.response_store import (
@@ -34,9 +34,9 @@ class Emitted:
     """Stands in for the gateway's event publisher: keeps what the store emits."""
 
     def __init__(self) -> None:
-        self.events: list[wire.AnyEvent] = []
+        self.events: list[AnyEvent] = []
 
-    def emit(self, event: wire.AnyEvent) -> None:
+    def emit(self, event: AnyEvent) -> None:
         self.events.append(event)
 
     def check_room(self, model: str | None = None) -> None:
@@ -64,11 +64,11 @@ def stored(response_id: str, principal: str | None = "alice", previous: str | No
                            "output": [{"type": "message", "role": "assistant", "content": []}]})
 
 
-async def record(url: str, events: list[wire.AnyEvent]) -> None:
+async def record(url: str, events: list[AnyEvent]) -> None:
     """What the recorder does with the events, so the ledger has them."""
     conn = await asyncpg.connect(url)
     try:
-        await project(conn, [(event_subject(wire.event_kind(e), e.model), e) for e in events])
+        await project(conn, [(event_subject(event_kind(e), e.model), e) for e in events])
     finally:
         await conn.close()
 
@@ -117,7 +117,7 @@ async def test_a_fresh_id_from_elsewhere_is_waited_for(database_url: str) -> Non
     store = ResponseStore(database_url, Emitted(), projection_wait_s=5.0)  # type: ignore[arg-type]
     try:
         response_id = new_response_id()
-        event = wire.ResponseStored(model="tiny", node="gateway", response_id=response_id, principal="alice",
+        event = ResponseStored(model="tiny", node="gateway", response_id=response_id, principal="alice",
                                     input_items=[], response=stored(response_id).response)
         waiting = asyncio.create_task(store.get(response_id, "alice"))
         await asyncio.sleep(0.3)
@@ -148,7 +148,7 @@ async def test_a_deletion_hides_the_response_at_once_here_and_once_recorded_ever
         await record(database_url, emitted.events[1:])
         with pytest.raises(ServingError):
             await other.get(response_id, "alice")
-        assert isinstance(emitted.events[1], wire.ResponseDeleted)
+        assert isinstance(emitted.events[1], ResponseDeleted)
     finally:
         await store.close()
         await other.close()
@@ -275,7 +275,7 @@ async def test_a_read_from_elsewhere_waits_for_the_recorders_notice_not_by_polli
         # The waiter counts itself before its listening connection is up: wait for both.
         await eventually_async(lambda: store._notices.waiters == 1 and store._notices.listening, 10,
                                message="the read waits, listening")
-        event = wire.ResponseStored(model="tiny", node="gateway", response_id=response_id, principal="alice",
+        event = ResponseStored(model="tiny", node="gateway", response_id=response_id, principal="alice",
                                     input_items=[], response=stored(response_id).response)
         await record(database_url, [event])
         assert (await asyncio.wait_for(waiting, 30)).response_id == response_id

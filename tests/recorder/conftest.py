@@ -16,6 +16,19 @@ from nats.js import JetStreamContext
 
 from apps.bus import wire
 from apps.bus.connection import connect
+from apps.bus.events import (
+    AdmissionDecided,
+    BenchRunRecorded,
+    Event,
+    NodeStatusChanged,
+    ResponseDeleted,
+    ResponseStored,
+    RunFinished,
+    RunPreempted,
+    RunStarted,
+    ScoreRecorded,
+    event_kind,
+)
 from apps.bus.topology import EVENTS_STREAM, RECORDER_CONSUMER, BusLimits, ensure_topology, event_subject
 from apps.embedded.nats_server import NatsServer
 from apps.embedded.postgres import PostgresServer
@@ -63,64 +76,64 @@ async def conn(database_url: str) -> AsyncIterator[asyncpg.Connection]:
         await conn.close()
 
 
-def on_subjects(*events: wire.Event) -> list[tuple[str, wire.Event]]:
+def on_subjects(*events: Event) -> list[tuple[str, Event]]:
     """Events with the subjects they are published on, as the projector takes them."""
-    return [(event_subject(wire.event_kind(e), e.model), e) for e in events]
+    return [(event_subject(event_kind(e), e.model), e) for e in events]
 
 
-def started(request_id: str, **fields: Any) -> wire.RunStarted:
+def started(request_id: str, **fields: Any) -> RunStarted:
     defaults: dict[str, Any] = dict(
         model="tiny", node="node-a", api="chat.completions", principal="alice",
         prompt_tokens=12, attempt=1, queue_ms=3.0,
     )  # fmt: skip
-    return wire.RunStarted(request_id=request_id, **{**defaults, **fields})
+    return RunStarted(request_id=request_id, **{**defaults, **fields})
 
 
-def finished(request_id: str, **fields: Any) -> wire.RunFinished:
+def finished(request_id: str, **fields: Any) -> RunFinished:
     defaults: dict[str, Any] = dict(
         model="tiny", node="node-a", api="chat.completions", principal="alice",
         status="ok", finish_reason="stop", prompt_tokens=12, completion_tokens=7, cached_tokens=4,
         attempt=1, queue_ms=3.0, ttft_ms=20.0, prefill_ms=15.0, decode_ms=40.0, e2e_ms=63.0,
     )  # fmt: skip
-    return wire.RunFinished(request_id=request_id, **{**defaults, **fields})
+    return RunFinished(request_id=request_id, **{**defaults, **fields})
 
 
-def preempted(request_id: str, **fields: Any) -> wire.RunPreempted:
+def preempted(request_id: str, **fields: Any) -> RunPreempted:
     defaults: dict[str, Any] = dict(
         model="tiny", node="node-a", reason="interactive_waiting", service_class="batch", tokens_kept=5,
     )  # fmt: skip
-    return wire.RunPreempted(request_id=request_id, **{**defaults, **fields})
+    return RunPreempted(request_id=request_id, **{**defaults, **fields})
 
 
-def admission(request_id: str, **fields: Any) -> wire.AdmissionDecided:
+def admission(request_id: str, **fields: Any) -> AdmissionDecided:
     defaults: dict[str, Any] = dict(
         model="tiny", node="gateway", principal="alice", decision="admitted", pending=1, in_flight=1, waited_ms=2.5,
     )  # fmt: skip
-    return wire.AdmissionDecided(request_id=request_id, **{**defaults, **fields})
+    return AdmissionDecided(request_id=request_id, **{**defaults, **fields})
 
 
-def node_status(node: str, **fields: Any) -> wire.NodeStatusChanged:
+def node_status(node: str, **fields: Any) -> NodeStatusChanged:
     defaults: dict[str, Any] = dict(
         model="tiny", status="ready", version="0.1.0", models=["tiny"], slots=16, free_slots=16, kv_usage=0.0,
     )  # fmt: skip
-    return wire.NodeStatusChanged(node=node, **{**defaults, **fields})
+    return NodeStatusChanged(node=node, **{**defaults, **fields})
 
 
-def bench_run(run_id: str, **fields: Any) -> wire.BenchRunRecorded:
+def bench_run(run_id: str, **fields: Any) -> BenchRunRecorded:
     defaults: dict[str, Any] = dict(
         model="tiny", node="bench", target="http://127.0.0.1:8000/v1", scenario="chat:128",
         config={"samples": 3}, started_at=1_700_000_000.0, finished_at=1_700_000_010.0,
         results={"ttft_ms": [20.0, 21.0, 25.0]},
     )  # fmt: skip
-    return wire.BenchRunRecorded(run_id=run_id, **{**defaults, **fields})
+    return BenchRunRecorded(run_id=run_id, **{**defaults, **fields})
 
 
-def score(run_id: str, metric: str, value: float, **fields: Any) -> wire.ScoreRecorded:
+def score(run_id: str, metric: str, value: float, **fields: Any) -> ScoreRecorded:
     defaults: dict[str, Any] = dict(model="tiny", node="bench", scenario="chat:128", unit="ms", scorer="helexa-bench")
-    return wire.ScoreRecorded(run_id=run_id, metric=metric, value=value, **{**defaults, **fields})
+    return ScoreRecorded(run_id=run_id, metric=metric, value=value, **{**defaults, **fields})
 
 
-def response_stored(response_id: str, **fields: Any) -> wire.ResponseStored:
+def response_stored(response_id: str, **fields: Any) -> ResponseStored:
     defaults: dict[str, Any] = dict(
         model="tiny", node="gateway", principal="alice",
         input_items=[{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
@@ -128,12 +141,12 @@ def response_stored(response_id: str, **fields: Any) -> wire.ResponseStored:
                   "output": [{"type": "message", "role": "assistant", "content": [{"type": "output_text",
                                                                                  "text": "hello"}]}]},
     )  # fmt: skip
-    return wire.ResponseStored(response_id=response_id, **{**defaults, **fields})
+    return ResponseStored(response_id=response_id, **{**defaults, **fields})
 
 
-def response_deleted(response_id: str, **fields: Any) -> wire.ResponseDeleted:
+def response_deleted(response_id: str, **fields: Any) -> ResponseDeleted:
     defaults: dict[str, Any] = dict(model="tiny", node="gateway", principal="alice")
-    return wire.ResponseDeleted(response_id=response_id, **{**defaults, **fields})
+    return ResponseDeleted(response_id=response_id, **{**defaults, **fields})
 
 
 @pytest.fixture
@@ -152,19 +165,19 @@ def js(nc: NatsClient) -> JetStreamContext:
     return nc.jetstream()
 
 
-async def publish(js: JetStreamContext, *events: wire.Event) -> None:
+async def publish(js: JetStreamContext, *events: Event) -> None:
     # No Nats-Msg-Id: JetStream stores every copy, as a republish after a lost ack would.
     for event in events:
-        await js.publish(event_subject(wire.event_kind(event), event.model), wire.encode(event))
+        await js.publish(event_subject(event_kind(event), event.model), wire.encode(event))
 
 
-async def publish_fast(nc: NatsClient, events: list[wire.Event]) -> None:
+async def publish_fast(nc: NatsClient, events: list[Event]) -> None:
     """Core-NATS publishes (no per-message ack), then wait until the stream has taken every one
     (by sequence: the recorder removes deleted responses' events from the stream meanwhile)."""
     js = nc.jetstream()
     before = (await js.stream_info(EVENTS_STREAM)).state.last_seq
     for event in events:
-        await nc.publish(event_subject(wire.event_kind(event), event.model), wire.encode(event))
+        await nc.publish(event_subject(event_kind(event), event.model), wire.encode(event))
     await nc.flush()
 
     async def stored() -> bool:

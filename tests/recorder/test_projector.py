@@ -7,7 +7,7 @@ import json
 import asyncpg
 import pytest
 
-from apps.bus import wire
+from apps.bus.events import BatchCreated, BatchLine, BatchStatus, FileCreated, FileDeleted
 from apps.bus.topology import event_subject
 from apps.recorder.projector import PROJECTIONS, Recorded, event_kind, project, rebuild
 from tests.recorder.conftest import (
@@ -145,18 +145,18 @@ async def test_a_preemption_is_a_row_with_its_reason(conn: asyncpg.Connection) -
                                         ("r9", "tiny", "node-a", "kv_cache_full", "batch", 8)]
 
 
-def batch_created(batch_id: str) -> wire.BatchCreated:
-    return wire.BatchCreated(model="-", node="gateway", batch_id=batch_id, principal="alice", input_file_id="file-1",
+def batch_created(batch_id: str) -> BatchCreated:
+    return BatchCreated(model="-", node="gateway", batch_id=batch_id, principal="alice", input_file_id="file-1",
                              endpoint="/v1/chat/completions", completion_window="24h", metadata={"k": "v"},
                              created_at=100, expires_at=100 + 86400)
 
 
-def batch_status(batch_id: str, status: str, at: int, **fields: object) -> wire.BatchStatus:
-    return wire.BatchStatus(model="-", node="gateway", batch_id=batch_id, status=status, at=at, **fields)
+def batch_status(batch_id: str, status: str, at: int, **fields: object) -> BatchStatus:
+    return BatchStatus(model="-", node="gateway", batch_id=batch_id, status=status, at=at, **fields)
 
 
-def batch_line(batch_id: str, line: int, custom_id: str, event_id: str | None = None) -> wire.BatchLine:
-    return wire.BatchLine(event_id=event_id or f"{batch_id}.{line}", model="-", node="gateway", batch_id=batch_id,
+def batch_line(batch_id: str, line: int, custom_id: str, event_id: str | None = None) -> BatchLine:
+    return BatchLine(event_id=event_id or f"{batch_id}.{line}", model="-", node="gateway", batch_id=batch_id,
                           line=line, custom_id=custom_id, status_code=200, request_id=f"req-{line}", body={"ok": line})
 
 
@@ -231,13 +231,13 @@ async def test_a_response_stored_again_keeps_its_latest_copy(conn: asyncpg.Conne
     assert (row["event_id"], row["status"], row["deleted_at"]) == (newer.event_id, "incomplete", None)
 
 
-def file_created(file_id: str, ts: float = 10.0, principal: str | None = "alice") -> wire.FileCreated:
-    return wire.FileCreated(model="-", node="gateway", ts=ts, file_id=file_id, principal=principal,
+def file_created(file_id: str, ts: float = 10.0, principal: str | None = "alice") -> FileCreated:
+    return FileCreated(model="-", node="gateway", ts=ts, file_id=file_id, principal=principal,
                             filename="in.jsonl", purpose="batch", bytes=42, created_at=int(ts))
 
 
-def file_deleted(file_id: str, ts: float = 20.0) -> wire.FileDeleted:
-    return wire.FileDeleted(model="-", node="gateway", ts=ts, file_id=file_id, principal="alice")
+def file_deleted(file_id: str, ts: float = 20.0) -> FileDeleted:
+    return FileDeleted(model="-", node="gateway", ts=ts, file_id=file_id, principal="alice")
 
 
 async def test_files_merge_creation_and_deletion_in_either_order(conn: asyncpg.Connection) -> None:

@@ -10,8 +10,8 @@ import asyncpg
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
+from apps.bus.events import ResponseDeleted, ResponseStored
 from apps.bus.topology import EVENTS_STREAM, RECORDER_CONSUMER
-from apps.bus.wire import ResponseDeleted, ResponseStored
 from apps.embedded.nats_server import NatsServer
 from apps.recorder.projector import PROJECTIONS
 from apps.settings import RecorderSettings

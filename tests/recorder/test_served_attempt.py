@@ -12,7 +12,7 @@ import itertools
 import asyncpg
 import pytest
 
-from apps.bus.wire import Event
+from apps.bus.events import Event
 from apps.recorder.projector import project, rebuild
 from tests.recorder.conftest import finished, on_subjects, started
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import asyncpg
 import pytest
 
+from apps.bus.events import BatchCreated, BatchLine, BatchStatus, Event, FileCreated, event_kind
 from apps.bus.topology import event_subject
-from apps.bus.wire import BatchCreated, BatchLine, BatchStatus, Event, FileCreated, event_kind
 from apps.recorder.migrate import migrate
 from apps.recorder.projector import project
 from tests.recorder.conftest import admission, bench_run, finished, node_status, response_stored, score, started

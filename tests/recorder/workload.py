@@ -14,7 +14,17 @@ from typing import Any
 
 import asyncpg
 
-from apps.bus import wire
+from apps.bus.events import (
+    AdmissionDecided,
+    BenchRunRecorded,
+    Event,
+    FileCreated,
+    FileDeleted,
+    NodeStatusChanged,
+    ResponseDeleted,
+    ResponseStored,
+    ScoreRecorded,
+)
 from tests.recorder.conftest import (
     admission,
     bench_run,
@@ -35,20 +45,20 @@ def at(ts: float) -> datetime:
     return datetime.fromtimestamp(ts, UTC)
 
 
-def expected_rows(events: list[wire.Event]) -> dict[str, dict[str, tuple]]:
+def expected_rows(events: list[Event]) -> dict[str, dict[str, tuple]]:
     """The rows of the append-only projections and `bench_runs`, by primary key, from distinct events
     (jsonb columns as Python values)."""
     rows: dict[str, dict[str, tuple]] = {"admission_events": {}, "nodes": {}, "bench_runs": {}, "scores": {},
                                          "responses": {}, "files": {}}
-    stored: dict[str, wire.ResponseStored] = {}
-    deleted: dict[str, wire.ResponseDeleted] = {}
+    stored: dict[str, ResponseStored] = {}
+    deleted: dict[str, ResponseDeleted] = {}
     for e in events:
         # responses: the latest stored event and the earliest deletion of each id, by (ts, event_id).
-        if isinstance(e, wire.ResponseStored):
+        if isinstance(e, ResponseStored):
             held = stored.get(e.response_id)
             if held is None or (e.ts, e.event_id) > (held.ts, held.event_id):
                 stored[e.response_id] = e
-        elif isinstance(e, wire.ResponseDeleted):
+        elif isinstance(e, ResponseDeleted):
             held = deleted.get(e.response_id)
             if held is None or (e.ts, e.event_id) < (held.ts, held.event_id):
                 deleted[e.response_id] = e
@@ -60,13 +70,13 @@ def expected_rows(events: list[wire.Event]) -> dict[str, dict[str, tuple]]:
             kept = (*kept[:5], None, None, None)  # a deleted response's content is erased
         rows["responses"][response_id] = (response_id, *kept, at(d.ts) if d else None, d.event_id if d else None)
     # files: the first created event and the earliest deletion of each id, by (ts, event_id).
-    created: dict[str, wire.FileCreated] = {}
-    removed: dict[str, wire.FileDeleted] = {}
+    created: dict[str, FileCreated] = {}
+    removed: dict[str, FileDeleted] = {}
     for e in events:
-        if isinstance(e, wire.FileCreated):
+        if isinstance(e, FileCreated):
             if e.file_id not in created or (e.ts, e.event_id) < (created[e.file_id].ts, created[e.file_id].event_id):
                 created[e.file_id] = e
-        elif isinstance(e, wire.FileDeleted):
+        elif isinstance(e, FileDeleted):
             if e.file_id not in removed or (e.ts, e.event_id) < (removed[e.file_id].ts, removed[e.file_id].event_id):
                 removed[e.file_id] = e
     for file_id in created.keys() | removed.keys():
@@ -74,21 +84,21 @@ def expected_rows(events: list[wire.Event]) -> dict[str, dict[str, tuple]]:
         file = (c.event_id, at(c.ts), c.principal, c.filename, c.purpose, c.bytes, c.created_at) if c else (None,) * 7
         rows["files"][file_id] = (file_id, *file, at(r.ts) if r else None, r.event_id if r else None)
     for e in events:
-        if isinstance(e, wire.AdmissionDecided):
+        if isinstance(e, AdmissionDecided):
             rows["admission_events"][e.event_id] = (
                 e.event_id, at(e.ts), e.model, e.node, e.request_id, e.principal, str(e.decision), e.detail,
                 e.pending, e.in_flight, e.retry_after_s, e.waited_ms,
             )  # fmt: skip
-        elif isinstance(e, wire.NodeStatusChanged):
+        elif isinstance(e, NodeStatusChanged):
             rows["nodes"][e.event_id] = (
                 e.event_id, at(e.ts), e.node, e.model, e.status, e.version, e.models, e.slots, e.free_slots, e.kv_usage,
             )  # fmt: skip
-        elif isinstance(e, wire.BenchRunRecorded):
+        elif isinstance(e, BenchRunRecorded):
             rows["bench_runs"][e.run_id] = (
                 e.run_id, e.event_id, at(e.ts), e.model, e.node, e.target, e.scenario, e.config, e.results,
                 at(e.started_at), at(e.finished_at),
             )  # fmt: skip
-        elif isinstance(e, wire.ScoreRecorded):
+        elif isinstance(e, ScoreRecorded):
             rows["scores"][e.event_id] = (
                 e.event_id, at(e.ts), e.run_id, e.model, e.node, e.scenario, e.metric, e.value, e.unit, e.scorer,
             )  # fmt: skip
@@ -97,14 +107,14 @@ def expected_rows(events: list[wire.Event]) -> dict[str, dict[str, tuple]]:
 
 @dataclass(slots=True)
 class Workload:
-    events: list[wire.Event] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
     # request_id → the `runs` row it must end up as (columns named as in the table).
     runs: dict[str, dict[str, Any]] = field(default_factory=dict)
     # (request_id, attempt) → the `run_attempts` row.
     attempts: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
 
-    def with_duplicates(self, n: int, rng: random.Random) -> list[wire.Event]:
+    def with_duplicates(self, n: int, rng: random.Random) -> list[Event]:
         """Every event once plus `n` of them again (same event_id, separate messages), shuffled."""
         sent = self.events + rng.sample(self.events, n)
         rng.shuffle(sent)
@@ -260,13 +270,13 @@ def mixed(num_requests: int = 1500, seed: int = 7, base_ts: float = BASE_TS) -> 
     # known only by its deletion.
     for i in range(n_files):
         file_id, ts = f"file-{seed}-{i:04d}", base_ts + 2 * i
-        w.events.append(wire.FileCreated(model="-", node="gateway", ts=ts, file_id=file_id,
+        w.events.append(FileCreated(model="-", node="gateway", ts=ts, file_id=file_id,
                                          principal=PRINCIPALS[i % 3], filename=f"f{i}.jsonl",
                                          purpose=("batch", "user_data")[i % 2], bytes=100 * i, created_at=int(ts)))
         if i % 3 == 0:
-            w.events.append(wire.FileDeleted(model="-", node="gateway", ts=ts + (-1.0 if i == 0 else 1.0),
+            w.events.append(FileDeleted(model="-", node="gateway", ts=ts + (-1.0 if i == 0 else 1.0),
                                              file_id=file_id, principal=PRINCIPALS[i % 3]))
-    w.events.append(wire.FileDeleted(model="-", node="gateway", ts=base_ts, file_id=f"file-{seed}-gone",
+    w.events.append(FileDeleted(model="-", node="gateway", ts=base_ts, file_id=f"file-{seed}-gone",
                                      principal=None))
     w.counts = dict(
         events=len(w.events), runs=num_requests, run_attempts=len(w.attempts), admission_events=n_admission,

@@ -26,6 +26,7 @@ from nats.aio.subscription import Subscription
 
 from apps.bus import topology, wire
 from apps.bus.codes import ErrorCode, RunStatus
+from apps.bus.events import AnyEvent, RunFinished, event_decoder, event_kind
 from apps.bus.topology import BusLimits
 from apps.embedded.nats_server import NatsServer
 from apps.settings import WorkerSettings
@@ -113,16 +114,16 @@ class RunEvents:
     """The run.finished events of MODEL, as the worker publishes them."""
 
     def __init__(self) -> None:
-        self.finished: list[wire.RunFinished] = []
+        self.finished: list[RunFinished] = []
         self.changed = asyncio.Event()
 
     async def on_msg(self, msg: Msg) -> None:
-        event = wire.event_decoder.decode(msg.data)
-        assert isinstance(event, wire.RunFinished)
+        event = event_decoder.decode(msg.data)
+        assert isinstance(event, RunFinished)
         self.finished.append(event)
         self.changed.set()
 
-    async def wait_for(self, count: int, timeout_s: float = 30.0) -> list[wire.RunFinished]:
+    async def wait_for(self, count: int, timeout_s: float = 30.0) -> list[RunFinished]:
         async def enough() -> None:
             while len(self.finished) < count:
                 self.changed.clear()
@@ -273,8 +274,8 @@ async def test_run_finished_is_published_before_the_ack_so_a_failed_ack_loses_no
     order: list[str] = []
     publish_event = model_loop.publish_event
 
-    async def recorded_publish(js: object, event: wire.AnyEvent, **kw: object) -> bool:
-        order.append(wire.event_kind(event))
+    async def recorded_publish(js: object, event: AnyEvent, **kw: object) -> bool:
+        order.append(event_kind(event))
         return await publish_event(js, event, **kw)  # type: ignore[arg-type]
 
     async def failing_ack(self: Msg) -> None:
