@@ -42,30 +42,8 @@ from typing import Any
 
 from nats.js.object_store import OBJ_STREAM_TEMPLATE
 
-from apps.bus import topology
+from apps.bus import events, topology
 from apps.bus.codes import RunStatus
-from apps.bus.events import (
-    AdmissionDecided,
-    AdmissionDecision,
-    BatchCreated,
-    BatchLine,
-    BatchStatus,
-    BenchRunRecorded,
-    CoreRestarted,
-    Event,
-    EventRef,
-    FileCreated,
-    FileDeleted,
-    NodeStatusChanged,
-    ResponseDeleted,
-    ResponseStored,
-    RunFinished,
-    RunPreempted,
-    RunStarted,
-    ScoreRecorded,
-    event_kind,
-    kind_of,
-)
 
 GATEWAY, WORKER, RECORDER, BENCH, OPERATOR = "gateway", "worker", "recorder", "bench", "operator"
 ROLES = (GATEWAY, WORKER, RECORDER, BENCH, OPERATOR)
@@ -79,31 +57,31 @@ _EVENTS_OBJ_SUBJECTS = f"$O.{topology.LARGE_EVENTS_BUCKET}"
 _FILES_OBJ_STREAM = OBJ_STREAM_TEMPLATE.format(bucket=topology.FILES_BUCKET)
 _FILES_OBJ_SUBJECTS = f"$O.{topology.FILES_BUCKET}"
 
-def _kind(event_type: type[Event]) -> str:
-    return kind_of(event_type)
+def _kind(event_type: type[events.Event]) -> str:
+    return events.kind_of(event_type)
 
 
 # Event kind (of the body) → the subject kinds it may arrive on, each with the one role that may
 # publish there. The routed subjects carry a kind on another role's behalf (`topology.WORKER_LOST`,
 # `topology.DROPPED`), with what such an event may say checked by `event_refused`.
 EVENT_SUBJECTS: dict[str, dict[str, str]] = {
-    _kind(RunStarted): {_kind(RunStarted): WORKER},
-    _kind(RunPreempted): {_kind(RunPreempted): WORKER},
-    _kind(RunFinished): {_kind(RunFinished): WORKER,
+    _kind(events.RunStarted): {_kind(events.RunStarted): WORKER},
+    _kind(events.RunPreempted): {_kind(events.RunPreempted): WORKER},
+    _kind(events.RunFinished): {_kind(events.RunFinished): WORKER,
                               topology.WORKER_LOST: GATEWAY},
-    _kind(NodeStatusChanged): {_kind(NodeStatusChanged): WORKER},
-    _kind(CoreRestarted): {_kind(CoreRestarted): WORKER},
-    _kind(AdmissionDecided): {_kind(AdmissionDecided): GATEWAY,
+    _kind(events.NodeStatusChanged): {_kind(events.NodeStatusChanged): WORKER},
+    _kind(events.CoreRestarted): {_kind(events.CoreRestarted): WORKER},
+    _kind(events.AdmissionDecided): {_kind(events.AdmissionDecided): GATEWAY,
                                                 topology.DROPPED: WORKER},
-    _kind(ResponseStored): {_kind(ResponseStored): GATEWAY},
-    _kind(ResponseDeleted): {_kind(ResponseDeleted): GATEWAY},
-    _kind(FileCreated): {_kind(FileCreated): GATEWAY},
-    _kind(FileDeleted): {_kind(FileDeleted): GATEWAY},
-    _kind(BatchCreated): {_kind(BatchCreated): GATEWAY},
-    _kind(BatchStatus): {_kind(BatchStatus): GATEWAY},
-    _kind(BatchLine): {_kind(BatchLine): GATEWAY},
-    _kind(BenchRunRecorded): {_kind(BenchRunRecorded): BENCH},
-    _kind(ScoreRecorded): {_kind(ScoreRecorded): BENCH},
+    _kind(events.ResponseStored): {_kind(events.ResponseStored): GATEWAY},
+    _kind(events.ResponseDeleted): {_kind(events.ResponseDeleted): GATEWAY},
+    _kind(events.FileCreated): {_kind(events.FileCreated): GATEWAY},
+    _kind(events.FileDeleted): {_kind(events.FileDeleted): GATEWAY},
+    _kind(events.BatchCreated): {_kind(events.BatchCreated): GATEWAY},
+    _kind(events.BatchStatus): {_kind(events.BatchStatus): GATEWAY},
+    _kind(events.BatchLine): {_kind(events.BatchLine): GATEWAY},
+    _kind(events.BenchRunRecorded): {_kind(events.BenchRunRecorded): BENCH},
+    _kind(events.ScoreRecorded): {_kind(events.ScoreRecorded): BENCH},
 }
 
 
@@ -113,22 +91,22 @@ def event_subject_kinds(role: str) -> list[str]:
                   if owner == role)
 
 
-def event_refused(subject: str, event: Event) -> str | None:
+def event_refused(subject: str, event: events.Event) -> str | None:
     """Why an event must not be recorded as it came (None: it may): its body is not a kind its
     subject carries, or a routed one says more than its publisher may (a gateway reports only a
     failed run, a worker only a dropped request). A reference to a large event is checked for the
     kind it names here, and the event it resolves to again once read."""
-    kind, on = event_kind(event), topology.kind_of_subject(subject)
-    if isinstance(event, EventRef):
+    kind, on = events.event_kind(event), topology.kind_of_subject(subject)
+    if isinstance(event, events.EventRef):
         kind = event.ref_kind
     if on not in EVENT_SUBJECTS.get(kind, {}):
         return f"a {kind} event on {subject!r}: events are accepted on their own kind's subjects only"
-    if isinstance(event, EventRef):
+    if isinstance(event, events.EventRef):
         return None
     if on == topology.WORKER_LOST and getattr(event, "status", None) != RunStatus.ERROR:
         return f"a {topology.WORKER_LOST} event must report a failed run"
     if on == topology.DROPPED and getattr(event, "decision", None) not in (
-            AdmissionDecision.CANCELLED, AdmissionDecision.TIMEOUT):
+            events.AdmissionDecision.CANCELLED, events.AdmissionDecision.TIMEOUT):
         return f"a {topology.DROPPED} event must report a cancelled or timed-out request"
     return None
 
@@ -205,13 +183,13 @@ def permissions(role: str, user: str | None) -> dict[str, Any]:
         deny = [topology.request_wildcard(), f"{topology.inbox_root(GATEWAY)}.>"]
         return _permissions(publish, subscribe, responses=True, deny_subscribe=deny)
     if role == RECORDER:
-        events = topology.EVENTS_STREAM
+        stream = topology.EVENTS_STREAM
         publish = [
-            *every_stream, f"{_API}.CONSUMER.CREATE.{events}.>", f"{_API}.CONSUMER.INFO.{events}.*",
-            f"{_API}.CONSUMER.MSG.NEXT.{events}.*", f"{_API}.CONSUMER.DELETE.{events}.*", f"$JS.ACK.{events}.>",
-            f"{_API}.STREAM.MSG.GET.{events}", f"{_API}.DIRECT.GET.{events}", f"{_API}.DIRECT.GET.{events}.>",
+            *every_stream, f"{_API}.CONSUMER.CREATE.{stream}.>", f"{_API}.CONSUMER.INFO.{stream}.*",
+            f"{_API}.CONSUMER.MSG.NEXT.{stream}.*", f"{_API}.CONSUMER.DELETE.{stream}.*", f"$JS.ACK.{stream}.>",
+            f"{_API}.STREAM.MSG.GET.{stream}", f"{_API}.DIRECT.GET.{stream}", f"{_API}.DIRECT.GET.{stream}.>",
             # Trimming what it recorded, erasing a deleted response's event and large events' objects.
-            f"{_API}.STREAM.PURGE.{events}", f"{_API}.STREAM.MSG.DELETE.{events}",
+            f"{_API}.STREAM.PURGE.{stream}", f"{_API}.STREAM.MSG.DELETE.{stream}",
             *_read_bucket(_EVENTS_OBJ_STREAM), f"{_EVENTS_OBJ_SUBJECTS}.M.>",
             f"{_API}.STREAM.PURGE.{_EVENTS_OBJ_STREAM}",
         ]

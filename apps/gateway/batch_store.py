@@ -30,7 +30,7 @@ from apps.gateway.capability_ids import CapabilityIds
 from apps.gateway.events import EventPublisher
 from apps.gateway.ledger_pool import LedgerPool
 from apps.gateway.projection_notices import ProjectionNotices
-from apps.recorder.projector import BATCHES_CHANNEL
+from apps.recorder.projections import BATCHES_CHANNEL
 
 BATCH_IDS = CapabilityIds("batch_")
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")

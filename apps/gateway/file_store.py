@@ -44,7 +44,7 @@ from apps.gateway.capability_ids import CapabilityIds
 from apps.gateway.ledger_pool import LedgerPool
 from apps.gateway.projection_notices import ProjectionNotices
 from apps.gateway.response_store import Events
-from apps.recorder.projector import FILES_CHANNEL
+from apps.recorder.projections import FILES_CHANNEL
 
 log = logging.getLogger("helexa.gateway")
 

@@ -22,7 +22,7 @@ from typing import TypeVar
 
 import asyncpg
 
-from apps.recorder.projector import RESPONSES_CHANNEL
+from apps.recorder.projections import RESPONSES_CHANNEL
 
 log = logging.getLogger("helexa.gateway")
 

@@ -14,27 +14,14 @@ import pytest
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
-from apps.bus import wire
+from apps.bus import events, wire
 from apps.bus.connection import connect
-from apps.bus.events import (
-    AdmissionDecided,
-    BenchRunRecorded,
-    Event,
-    NodeStatusChanged,
-    ResponseDeleted,
-    ResponseStored,
-    RunFinished,
-    RunPreempted,
-    RunStarted,
-    ScoreRecorded,
-    event_kind,
-)
 from apps.bus.topology import EVENTS_STREAM, RECORDER_CONSUMER, BusLimits, ensure_topology, event_subject
 from apps.embedded.nats_server import NatsServer
 from apps.embedded.postgres import PostgresServer
 from apps.recorder.app import run_recorder
 from apps.recorder.migrate import migrate
-from apps.recorder.projector import PROJECTIONS
+from apps.recorder.projections import PROJECTIONS
 from apps.settings import RecorderSettings
 from tests.support import eventually_async
 
@@ -76,64 +63,64 @@ async def conn(database_url: str) -> AsyncIterator[asyncpg.Connection]:
         await conn.close()
 
 
-def on_subjects(*events: Event) -> list[tuple[str, Event]]:
+def on_subjects(*sent: events.Event) -> list[tuple[str, events.Event]]:
     """Events with the subjects they are published on, as the projector takes them."""
-    return [(event_subject(event_kind(e), e.model), e) for e in events]
+    return [(event_subject(events.event_kind(e), e.model), e) for e in sent]
 
 
-def started(request_id: str, **fields: Any) -> RunStarted:
+def started(request_id: str, **fields: Any) -> events.RunStarted:
     defaults: dict[str, Any] = dict(
         model="tiny", node="node-a", api="chat.completions", principal="alice",
         prompt_tokens=12, attempt=1, queue_ms=3.0,
     )  # fmt: skip
-    return RunStarted(request_id=request_id, **{**defaults, **fields})
+    return events.RunStarted(request_id=request_id, **{**defaults, **fields})
 
 
-def finished(request_id: str, **fields: Any) -> RunFinished:
+def finished(request_id: str, **fields: Any) -> events.RunFinished:
     defaults: dict[str, Any] = dict(
         model="tiny", node="node-a", api="chat.completions", principal="alice",
         status="ok", finish_reason="stop", prompt_tokens=12, completion_tokens=7, cached_tokens=4,
         attempt=1, queue_ms=3.0, ttft_ms=20.0, prefill_ms=15.0, decode_ms=40.0, e2e_ms=63.0,
     )  # fmt: skip
-    return RunFinished(request_id=request_id, **{**defaults, **fields})
+    return events.RunFinished(request_id=request_id, **{**defaults, **fields})
 
 
-def preempted(request_id: str, **fields: Any) -> RunPreempted:
+def preempted(request_id: str, **fields: Any) -> events.RunPreempted:
     defaults: dict[str, Any] = dict(
         model="tiny", node="node-a", reason="interactive_waiting", service_class="batch", tokens_kept=5,
     )  # fmt: skip
-    return RunPreempted(request_id=request_id, **{**defaults, **fields})
+    return events.RunPreempted(request_id=request_id, **{**defaults, **fields})
 
 
-def admission(request_id: str, **fields: Any) -> AdmissionDecided:
+def admission(request_id: str, **fields: Any) -> events.AdmissionDecided:
     defaults: dict[str, Any] = dict(
         model="tiny", node="gateway", principal="alice", decision="admitted", pending=1, in_flight=1, waited_ms=2.5,
     )  # fmt: skip
-    return AdmissionDecided(request_id=request_id, **{**defaults, **fields})
+    return events.AdmissionDecided(request_id=request_id, **{**defaults, **fields})
 
 
-def node_status(node: str, **fields: Any) -> NodeStatusChanged:
+def node_status(node: str, **fields: Any) -> events.NodeStatusChanged:
     defaults: dict[str, Any] = dict(
         model="tiny", status="ready", version="0.1.0", models=["tiny"], slots=16, free_slots=16, kv_usage=0.0,
     )  # fmt: skip
-    return NodeStatusChanged(node=node, **{**defaults, **fields})
+    return events.NodeStatusChanged(node=node, **{**defaults, **fields})
 
 
-def bench_run(run_id: str, **fields: Any) -> BenchRunRecorded:
+def bench_run(run_id: str, **fields: Any) -> events.BenchRunRecorded:
     defaults: dict[str, Any] = dict(
         model="tiny", node="bench", target="http://127.0.0.1:8000/v1", scenario="chat:128",
         config={"samples": 3}, started_at=1_700_000_000.0, finished_at=1_700_000_010.0,
         results={"ttft_ms": [20.0, 21.0, 25.0]},
     )  # fmt: skip
-    return BenchRunRecorded(run_id=run_id, **{**defaults, **fields})
+    return events.BenchRunRecorded(run_id=run_id, **{**defaults, **fields})
 
 
-def score(run_id: str, metric: str, value: float, **fields: Any) -> ScoreRecorded:
+def score(run_id: str, metric: str, value: float, **fields: Any) -> events.ScoreRecorded:
     defaults: dict[str, Any] = dict(model="tiny", node="bench", scenario="chat:128", unit="ms", scorer="helexa-bench")
-    return ScoreRecorded(run_id=run_id, metric=metric, value=value, **{**defaults, **fields})
+    return events.ScoreRecorded(run_id=run_id, metric=metric, value=value, **{**defaults, **fields})
 
 
-def response_stored(response_id: str, **fields: Any) -> ResponseStored:
+def response_stored(response_id: str, **fields: Any) -> events.ResponseStored:
     defaults: dict[str, Any] = dict(
         model="tiny", node="gateway", principal="alice",
         input_items=[{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
@@ -141,12 +128,12 @@ def response_stored(response_id: str, **fields: Any) -> ResponseStored:
                   "output": [{"type": "message", "role": "assistant", "content": [{"type": "output_text",
                                                                                  "text": "hello"}]}]},
     )  # fmt: skip
-    return ResponseStored(response_id=response_id, **{**defaults, **fields})
+    return events.ResponseStored(response_id=response_id, **{**defaults, **fields})
 
 
-def response_deleted(response_id: str, **fields: Any) -> ResponseDeleted:
+def response_deleted(response_id: str, **fields: Any) -> events.ResponseDeleted:
     defaults: dict[str, Any] = dict(model="tiny", node="gateway", principal="alice")
-    return ResponseDeleted(response_id=response_id, **{**defaults, **fields})
+    return events.ResponseDeleted(response_id=response_id, **{**defaults, **fields})
 
 
 @pytest.fixture
@@ -165,25 +152,25 @@ def js(nc: NatsClient) -> JetStreamContext:
     return nc.jetstream()
 
 
-async def publish(js: JetStreamContext, *events: Event) -> None:
+async def publish(js: JetStreamContext, *sent: events.Event) -> None:
     # No Nats-Msg-Id: JetStream stores every copy, as a republish after a lost ack would.
-    for event in events:
-        await js.publish(event_subject(event_kind(event), event.model), wire.encode(event))
+    for event in sent:
+        await js.publish(event_subject(events.event_kind(event), event.model), wire.encode(event))
 
 
-async def publish_fast(nc: NatsClient, events: list[Event]) -> None:
+async def publish_fast(nc: NatsClient, sent: list[events.Event]) -> None:
     """Core-NATS publishes (no per-message ack), then wait until the stream has taken every one
     (by sequence: the recorder removes deleted responses' events from the stream meanwhile)."""
     js = nc.jetstream()
     before = (await js.stream_info(EVENTS_STREAM)).state.last_seq
-    for event in events:
-        await nc.publish(event_subject(event_kind(event), event.model), wire.encode(event))
+    for event in sent:
+        await nc.publish(event_subject(events.event_kind(event), event.model), wire.encode(event))
     await nc.flush()
 
     async def stored() -> bool:
-        return (await js.stream_info(EVENTS_STREAM)).state.last_seq >= before + len(events)
+        return (await js.stream_info(EVENTS_STREAM)).state.last_seq >= before + len(sent)
 
-    await eventually_async(stored, 20.0, message=f"{len(events)} events stored")
+    await eventually_async(stored, 20.0, message=f"{len(sent)} events stored")
 
 
 async def wait_all_acked(js: JetStreamContext, timeout_s: float = 30.0) -> None:

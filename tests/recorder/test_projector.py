@@ -9,7 +9,8 @@ import pytest
 
 from apps.bus.events import BatchCreated, BatchLine, BatchStatus, FileCreated, FileDeleted
 from apps.bus.topology import event_subject
-from apps.recorder.projector import PROJECTIONS, Recorded, event_kind, project, rebuild
+from apps.recorder.projections import PROJECTIONS
+from apps.recorder.projector import Recorded, event_kind, project, rebuild
 from tests.recorder.conftest import (
     admission,
     bench_run,

@@ -13,7 +13,7 @@ from nats.js import JetStreamContext
 from apps.bus.events import ResponseDeleted, ResponseStored
 from apps.bus.topology import EVENTS_STREAM, RECORDER_CONSUMER
 from apps.embedded.nats_server import NatsServer
-from apps.recorder.projector import PROJECTIONS
+from apps.recorder.projections import PROJECTIONS
 from apps.settings import RecorderSettings
 from tests.recorder.conftest import LogWatch, publish_fast, recording, snapshot, wait_all_acked, wait_rows
 from tests.recorder.workload import assert_projections, mixed
