@@ -45,7 +45,7 @@ from apps.settings import WorkerSettings
 from benchmarks.core_timing import run_greedy
 from benchmarks.export_hf import export_hf_dir
 from benchmarks.ledger_timing import breakdown, database_url
-from benchmarks.lib import emit, machine_info
+from benchmarks.lib import TEXT, emit, machine_info
 from benchmarks.openai_load import LoadResult, OpenAILoad
 from benchmarks.process_cpu import ProcessCPU
 from benchmarks.servers import Server, free_port, helexa_up, llamacpp_server, null_server, vllm_server
@@ -56,13 +56,6 @@ from tests.engine.greedy_agreement import Agreement, argmax_gaps
 
 HERE = Path(__file__).resolve().parent
 NUM_PROMPTS, PROMPT_TOKENS, MAX_TOKENS = 16, 128, 64
-TEXT = (
-    "The history of navigation is a story of people learning to read the sky, the sea and the land. "
-    "Early sailors kept close to the coast and steered by landmarks, then by the sun and the stars. "
-    "The magnetic compass, the astrolabe and later the sextant let ships cross open water with growing "
-    "confidence, while the marine chronometer finally solved the problem of longitude. Maps improved as "
-    "surveyors measured coastlines and mountains, and today satellites give every phone its position. "
-)
 
 
 def prompts(checkpoint: Checkpoint) -> list[list[int]]:

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.core_timing import RunResult, StepClock, run_greedy
-from benchmarks.lib import emit
+from benchmarks.lib import TEXT, emit
 from engine.core.engine_core import EngineCore
 from engine.frontend.engine_config import EngineConfig
 from engine.loading.default_model import default_model_path
@@ -38,13 +38,6 @@ from engine.loading.loader import Checkpoint, load_checkpoint
 
 NUM_REQUESTS = 32
 CHECK_TOKENS = 16
-TEXT = (
-    "The history of navigation is a story of people learning to read the sky, the sea and the land. "
-    "Early sailors kept close to the coast and steered by landmarks, then by the sun and the stars. "
-    "The magnetic compass, the astrolabe and later the sextant let ships cross open water with growing "
-    "confidence, while the marine chronometer finally solved the problem of longitude. Maps improved as "
-    "surveyors measured coastlines and mountains, and today satellites give every phone its position. "
-)
 
 
 @dataclass

@@ -13,6 +13,15 @@ from pathlib import Path
 
 from helexa_kernels.machine import cpu_identity
 
+# The prose the engine benchmarks tokenize into prompts (repeated to the length they need).
+TEXT = (
+    "The history of navigation is a story of people learning to read the sky, the sea and the land. "
+    "Early sailors kept close to the coast and steered by landmarks, then by the sun and the stars. "
+    "The magnetic compass, the astrolabe and later the sextant let ships cross open water with growing "
+    "confidence, while the marine chronometer finally solved the problem of longitude. Maps improved as "
+    "surveyors measured coastlines and mountains, and today satellites give every phone its position. "
+)
+
 # The instruction sets that change which dtype is fastest for a linear layer.
 MATMUL_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "avx_vnni",
                 "amx_tile", "amx_bf16", "amx_int8", "amx_fp16")

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -135,3 +137,23 @@ def keyed_gateway(system: System, keys: Path, default_key: str, port: int | None
                                        "HELEXA_API_KEYS": str(keys), **(env or {})})
     process.wait_ready()
     return KeyedGateway(f"http://127.0.0.1:{port}", process, default_key)
+
+
+def read_chat_stream(response: httpx.Response, first_text: threading.Event) -> dict:
+    """A streamed chat completion read to its end: its text, finish reason, usage and error events;
+    `first_text` is set when the first text arrives."""
+    text, finish, usage, errors = [], None, None, []
+    for line in response.iter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            errors.append(chunk["error"])
+            continue
+        for choice in chunk["choices"]:
+            text.append(choice["delta"].get("content") or "")
+            finish = choice.get("finish_reason") or finish
+            if choice["delta"].get("content"):
+                first_text.set()
+        usage = chunk.get("usage") or usage
+    return {"text": "".join(text), "finish": finish, "usage": usage, "errors": errors}

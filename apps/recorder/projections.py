@@ -218,16 +218,21 @@ WHERE r.event_id IS NULL OR (EXCLUDED.ts, EXCLUDED.event_id) > (r.ts, r.event_id
 """
 
 
-def _responses_deleted(source: str) -> str:
-    # The earliest (ts, event_id) deletion wins, whether or not the stored event came first.
+def _deleted(table: str, id_field: str, kind: str, source: str) -> str:
+    """The earliest (ts, event_id) deletion of each id in `table` wins, whether or not the event
+    that made the row came first."""
     return f"""
-INSERT INTO responses AS r (response_id, deleted_at, deleted_by)
-SELECT DISTINCT ON (p->>'response_id') p->>'response_id', ts, event_id
-FROM (SELECT *, payload AS p FROM {source} WHERE kind = '{_RESPONSE_DELETED}') AS e
-ORDER BY p->>'response_id', ts, event_id
-ON CONFLICT (response_id) DO UPDATE SET deleted_at = EXCLUDED.deleted_at, deleted_by = EXCLUDED.deleted_by
-WHERE r.deleted_at IS NULL OR (EXCLUDED.deleted_at, EXCLUDED.deleted_by) < (r.deleted_at, r.deleted_by)
+INSERT INTO {table} AS t ({id_field}, deleted_at, deleted_by)
+SELECT DISTINCT ON (p->>'{id_field}') p->>'{id_field}', ts, event_id
+FROM (SELECT *, payload AS p FROM {source} WHERE kind = '{kind}') AS e
+ORDER BY p->>'{id_field}', ts, event_id
+ON CONFLICT ({id_field}) DO UPDATE SET deleted_at = EXCLUDED.deleted_at, deleted_by = EXCLUDED.deleted_by
+WHERE t.deleted_at IS NULL OR (EXCLUDED.deleted_at, EXCLUDED.deleted_by) < (t.deleted_at, t.deleted_by)
 """
+
+
+def _responses_deleted(source: str) -> str:
+    return _deleted("responses", "response_id", _RESPONSE_DELETED, source)
 
 
 def _responses_erased(source: str) -> str:
@@ -264,15 +269,7 @@ WHERE f.event_id IS NULL OR (EXCLUDED.ts, EXCLUDED.event_id) < (f.ts, f.event_id
 
 
 def _files_deleted(source: str) -> str:
-    # The earliest (ts, event_id) deletion wins, whether or not the created event came first.
-    return f"""
-INSERT INTO files AS f (file_id, deleted_at, deleted_by)
-SELECT DISTINCT ON (p->>'file_id') p->>'file_id', ts, event_id
-FROM (SELECT *, payload AS p FROM {source} WHERE kind = '{_FILE_DELETED}') AS e
-ORDER BY p->>'file_id', ts, event_id
-ON CONFLICT (file_id) DO UPDATE SET deleted_at = EXCLUDED.deleted_at, deleted_by = EXCLUDED.deleted_by
-WHERE f.deleted_at IS NULL OR (EXCLUDED.deleted_at, EXCLUDED.deleted_by) < (f.deleted_at, f.deleted_by)
-"""
+    return _deleted("files", "file_id", _FILE_DELETED, source)
 
 
 # What an erased response.stored payload holds instead of its input items and response object.

@@ -21,6 +21,7 @@ import pytest
 
 from tests.e2e.conftest import STATUS_INTERVAL_S, System
 from tests.support import AppProcess, eventually_async
+from tests.system import read_chat_stream
 
 MODEL = "restart-e2e"
 TOKENS = 120
@@ -46,24 +47,10 @@ def worker(system: System) -> Iterator[AppProcess]:
 
 def stream(system: System, model: str, first_text: threading.Event, out: dict) -> None:
     """One streamed chat completion; what it said, how it ended, its usage and any error event."""
-    text, finish, usage, errors = [], None, None, []
     with httpx.Client(base_url=system.base_url, timeout=600) as http:
         with http.stream("POST", "/v1/chat/completions", json=body(model, True)) as response:
             out["status"] = response.status_code
-            for line in response.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    errors.append(chunk["error"])
-                    continue
-                for choice in chunk["choices"]:
-                    text.append(choice["delta"].get("content") or "")
-                    finish = choice.get("finish_reason") or finish
-                    if choice["delta"].get("content"):
-                        first_text.set()
-                usage = chunk.get("usage") or usage
-    out.update(text="".join(text), finish=finish, usage=usage, errors=errors)
+            out.update(read_chat_stream(response, first_text))
 
 
 def core_pid(worker: AppProcess) -> int:

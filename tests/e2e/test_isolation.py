@@ -12,7 +12,6 @@ text it has alone, the model is not poisoned, and `/ready` stays 200.
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import uuid
 from typing import Any
@@ -23,6 +22,7 @@ from apps.bus import connection, roles, topology, wire
 from engine.frontend.protocol import SamplingParams
 from tests.e2e.conftest import System
 from tests.e2e.test_chat import finished_run
+from tests.system import read_chat_stream
 
 LONG_TOKENS = 200
 LONG = {"messages": [{"role": "user", "content": "Tell me everything you know about the sea."}],
@@ -86,22 +86,12 @@ async def _duplicate_delivery(system: System, model: str, request_id: str) -> wi
 
 def _stream_long(system: System, first_text: threading.Event, out: dict) -> None:
     body = {"model": system.model, "stream": True, "stream_options": {"include_usage": True}, **LONG}
-    text, finish, usage = [], None, None
     with httpx.Client(base_url=system.base_url, timeout=600) as http:
         with http.stream("POST", "/v1/chat/completions", json=body) as response:
             out["request_id"] = response.headers["X-Request-Id"]
-            for line in response.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                assert "error" not in chunk, chunk
-                for choice in chunk["choices"]:
-                    text.append(choice["delta"].get("content") or "")
-                    finish = choice.get("finish_reason") or finish
-                    if choice["delta"].get("content"):
-                        first_text.set()
-                usage = chunk.get("usage") or usage
-    out.update(text="".join(text), finish=finish, usage=usage)
+            read = read_chat_stream(response, first_text)
+    assert not read.pop("errors"), read
+    out.update(read)
 
 
 def test_a_long_stream_survives_every_destructive_request(system: System) -> None:

@@ -12,6 +12,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from torch import nn
 
+from engine.core.engine_core import EngineCore
+from engine.frontend.protocol import EngineOutput, EngineRequest
 from engine.runner.model_runner import allocate_kv_caches
 from engine.runner.state_cache import HybridCaches, LinearStateCache
 from engine.runner.step_metadata import KVCaches, SequenceChunk, StepInputs, build_step_inputs
@@ -166,3 +168,19 @@ def random_block_tables(seq_lens: list[int], block_size: int, num_blocks: int,
         tables.append(free[:n])
         free = free[n:]
     return tables
+
+
+def run_all(core: EngineCore, requests: list[EngineRequest]) -> dict[str, tuple[list[int], EngineOutput]]:
+    """Every request's tokens and final output, stepping the real core until it is idle."""
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    final: dict[str, EngineOutput] = {}
+    for request in requests:
+        core.add_request(request)
+    while core.has_work():
+        for out in core.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                assert out.request_id not in final, f"{out.request_id} finished twice"
+                final[out.request_id] = out
+    assert set(final) == set(tokens)
+    return {request_id: (tokens[request_id], final[request_id]) for request_id in tokens}

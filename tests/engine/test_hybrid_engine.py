@@ -16,7 +16,7 @@ from engine.frontend.engine_config import EngineConfig
 from engine.frontend.protocol import EngineOutput, EngineRequest, FinishReason, SamplingParams
 from engine.loading.loader import Checkpoint, load_checkpoint
 from engine.runner.model_runner import kv_bytes_per_token
-from tests.engine.helpers import RaisesAfterForward
+from tests.engine.helpers import RaisesAfterForward, run_all
 from tests.engine.hybrid_models import LONG_PROMPT, reference_model, save_hybrid_dir
 
 
@@ -48,15 +48,10 @@ def greedy(max_tokens: int = 8) -> SamplingParams:
 
 
 def run(core: EngineCore, requests: list[EngineRequest]) -> dict[str, list[int]]:
-    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
-    for request in requests:
-        core.add_request(request)
-    while core.has_work():
-        for out in core.step():
-            tokens[out.request_id].extend(out.new_token_ids)
-            if out.finished:
-                assert out.finish_reason is FinishReason.LENGTH, out
-    return tokens
+    outputs = run_all(core, requests)
+    for _, final in outputs.values():
+        assert final.finish_reason is FinishReason.LENGTH, final
+    return {request_id: tokens for request_id, (tokens, _) in outputs.items()}
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from engine.frontend.protocol import (
 )
 from engine.loading.loader import Checkpoint
 from engine.runner.sampler import NO_FINITE_LOGITS
-from tests.engine.helpers import RaisesAfterForward
+from tests.engine.helpers import RaisesAfterForward, run_all
 from tests.engine.test_engine_core import greedy, prompts
 
 MAX_TOKENS = 10
@@ -37,22 +37,6 @@ def make_core(checkpoint: Checkpoint) -> EngineCore:
 
 def bystanders(checkpoint: Checkpoint) -> list[EngineRequest]:
     return [EngineRequest(f"g{i}", p, greedy(MAX_TOKENS)) for i, p in enumerate(prompts(checkpoint)[:3])]
-
-
-def run_all(core: EngineCore, requests: list[EngineRequest]) -> dict[str, tuple[list[int], EngineOutput]]:
-    """Every request's tokens and final output, stepping the real core until it is idle."""
-    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
-    final: dict[str, EngineOutput] = {}
-    for request in requests:
-        core.add_request(request)
-    while core.has_work():
-        for out in core.step():
-            tokens[out.request_id].extend(out.new_token_ids)
-            if out.finished:
-                assert out.request_id not in final, f"{out.request_id} finished twice"
-                final[out.request_id] = out
-    assert set(final) == set(tokens)
-    return {request_id: (tokens[request_id], final[request_id]) for request_id in tokens}
 
 
 @pytest.fixture(scope="module")

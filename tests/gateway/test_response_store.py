@@ -84,13 +84,19 @@ def test_ids_say_when_they_were_made() -> None:
     assert created_at_s("resp_nothex") is None and created_at_s("msg_" + uuid.uuid4().hex) is None
 
 
+def keep_two_turns(store: ResponseStore) -> tuple[str, str]:
+    """A conversation of two responses kept in `store`'s own cache (the second answers the first)."""
+    first, second = new_response_id(), new_response_id()
+    store.keep(stored(first), "tiny")
+    store.keep(stored(second, previous=first), "tiny")
+    return first, second
+
+
 async def test_own_responses_are_served_before_the_ledger_has_them(database_url: str) -> None:
     emitted = Emitted()
     store = ResponseStore(database_url, emitted, projection_wait_s=0.0)  # type: ignore[arg-type]
     try:
-        first, second = new_response_id(), new_response_id()
-        store.keep(stored(first), "tiny")
-        store.keep(stored(second, previous=first), "tiny")
+        first, second = keep_two_turns(store)
         # Nothing projected yet: the conversation comes from this gateway's own cache.
         items = await store.conversation(second, "alice")
         assert [i["content"] for i in items if i["role"] == "user"] == [f"question {first}", f"question {second}"]
@@ -237,9 +243,7 @@ async def test_a_conversation_through_a_deleted_response_is_gone_with_it(databas
     emitted = Emitted()
     store = ResponseStore(database_url, emitted, projection_wait_s=0.0)  # type: ignore[arg-type]
     try:
-        first, second = new_response_id(), new_response_id()
-        store.keep(stored(first), "tiny")
-        store.keep(stored(second, previous=first), "tiny")
+        first, second = keep_two_turns(store)
         await record(database_url, emitted.events)
         await store.delete(first, "alice")
         await record(database_url, emitted.events[2:])
