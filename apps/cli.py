@@ -44,6 +44,13 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
+def _flags_over(settings: object, args: argparse.Namespace, *names: str) -> None:
+    """The values given on the command line for `names` over the environment's (a flag not given keeps it)."""
+    for name in names:
+        if value := getattr(args, name):
+            setattr(settings, name, value)
+
+
 def cmd_gateway(args: argparse.Namespace) -> None:
     import uvicorn
 
@@ -52,10 +59,7 @@ def cmd_gateway(args: argparse.Namespace) -> None:
     from apps.settings import GatewaySettings
 
     settings = GatewaySettings()
-    if args.host:
-        settings.host = args.host
-    if args.port:
-        settings.port = args.port
+    _flags_over(settings, args, "host", "port")
 
     async def main(stop: asyncio.Event) -> None:
         app = create_app(settings)
@@ -108,10 +112,7 @@ def cmd_worker(args: argparse.Namespace) -> None:
     from engine.frontend.protocol import EngineRefused
 
     settings = WorkerSettings()
-    if args.model:
-        settings.model = args.model
-    if args.served_model_name:
-        settings.served_model_name = args.served_model_name
+    _flags_over(settings, args, "model", "served_model_name")
     if args.tensor_parallel is not None:
         try:
             settings = dataclasses.replace(settings, tensor_parallel=args.tensor_parallel)  # checked again

@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import nats
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
@@ -61,6 +62,13 @@ async def worker(nats_url: str, tok: Tokenizer, tmp_path: Path, *, limits: BusLi
     settings = WorkerSettings(nats_url=nats_url, node_id="iso", heartbeat_s=heartbeat_s, status_interval_s=0.5)
     engine = CoreLikeEngine(ScriptedEngine(script, tok, MODEL))
     loop = ModelLoop(settings, engine, tokenizer or tok, MODEL)  # type: ignore[arg-type]
+    async with running_worker(settings, limits, loop) as process:
+        yield process, engine
+
+
+@asynccontextmanager
+async def running_worker(settings: WorkerSettings, limits: BusLimits, loop: ModelLoop) -> AsyncIterator[WorkerProcess]:
+    """A worker process serving `loop`, in this event loop, once it is ready; stopped on exit."""
     process = WorkerProcess(settings, limits)
     stop = asyncio.Event()
     running = asyncio.create_task(process.run(stop, loop))
@@ -69,10 +77,20 @@ async def worker(nats_url: str, tok: Tokenizer, tmp_path: Path, *, limits: BusLi
     if running.done():
         running.result()  # it failed to start: say why
     try:
-        yield process, engine
+        yield process
     finally:
         stop.set()
         await running
+
+
+@asynccontextmanager
+async def client(url: str) -> AsyncIterator[NatsClient]:
+    """A plain NATS connection to `url`, closed on exit."""
+    nc = await nats.connect(url)
+    try:
+        yield nc
+    finally:
+        await nc.close()
 
 
 class Frames:

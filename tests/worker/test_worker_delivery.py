@@ -38,6 +38,7 @@ from engine.frontend.scripted import ScriptedEngine
 from engine.frontend.tokenizer import Tokenizer
 from tests.recorder.conftest import LogWatch
 from tests.support import AppProcess, eventually_async
+from tests.worker.in_process import client, running_worker
 
 MODEL = "delivery-model"
 LONG_REPLY = " ".join(f"word{i}" for i in range(60))
@@ -146,27 +147,8 @@ async def worker(nats_url: str, tok: Tokenizer, tmp_path: Path, limits: BusLimit
     config = WorkerSettings(nats_url=nats_url, node_id="delivery", heartbeat_s=0.5, status_interval_s=0.5,
                             **settings)  # type: ignore[arg-type]
     loop = ModelLoop(config, ScriptedEngine(script, tok, MODEL), tok, MODEL)
-    process = WorkerProcess(config, limits)
-    stop = asyncio.Event()
-    running = asyncio.create_task(process.run(stop, loop))
-    ready = asyncio.create_task(process.ready.wait())
-    await asyncio.wait({running, ready}, return_when=asyncio.FIRST_COMPLETED)
-    if running.done():
-        running.result()
-    try:
+    async with running_worker(config, limits, loop) as process:
         yield process
-    finally:
-        stop.set()
-        await running
-
-
-@asynccontextmanager
-async def client(url: str) -> AsyncIterator[NatsClient]:
-    nc = await nats.connect(url)
-    try:
-        yield nc
-    finally:
-        await nc.close()
 
 
 async def test_an_attempt_told_it_lost_stops_sends_nothing_more_and_leaves_the_message(

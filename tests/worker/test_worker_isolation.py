@@ -30,7 +30,17 @@ from apps.worker.node_status import model_status
 from apps.worker.process import EXIT_BUS_LOST
 from engine.frontend.tokenizer import Tokenizer
 from tests.support import AppProcess, eventually_async
-from tests.worker.in_process import MODEL, SCRIPT, SLOW_REPLY, Frames, listen, publish, terminations, worker
+from tests.worker.in_process import (
+    MODEL,
+    SCRIPT,
+    SLOW_REPLY,
+    Frames,
+    client,
+    listen,
+    publish,
+    terminations,
+    worker,
+)
 
 
 class BreakingTokenizer:
@@ -63,97 +73,86 @@ def clean_stream(frames: Frames, attempt: int = 1) -> None:
     assert isinstance(frames.frames[-1], wire.Final) and frames.frames[-1].finish_reason == "stop"
 
 
+async def answered(nc: NatsClient, request_id: str, inbox: str) -> Frames:
+    """A plain request's frames, once its one clean stream has ended."""
+    frames = await listen(nc, inbox)
+    await publish(nc, request_id, "hello", inbox)
+    await asyncio.wait_for(frames.ended.wait(), 20)
+    clean_stream(frames)
+    return frames
+
+
 async def test_a_redelivery_while_the_first_attempt_runs_never_reaches_the_engine(
         own_nats: NatsServer, tok: Tokenizer, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     # Heartbeats far apart and a short ack wait: JetStream redelivers the message to this same
     # worker while it is still running it, as it does when in-progress acks come late.
     limits = BusLimits(request_ack_wait_s=1.0, max_deliver=3)
     caplog.set_level(logging.INFO, logger="helexa")
-    async with worker(own_nats.url, tok, tmp_path, limits=limits, heartbeat_s=30.0) as (_, engine):
-        nc = await nats.connect(own_nats.url)
-        try:
-            terminated = await terminations(nc)
-            frames = await listen(nc, "_INBOX.dup")
-            seq = await publish(nc, "dup-1", "SLOW please", "_INBOX.dup")
-            await asyncio.wait_for(frames.ended.wait(), 30)
-            clean_stream(frames)
-            assert frames.text() == SLOW_REPLY
-            assert engine.submitted == ["dup-1"]
-            assert any("left to that attempt" in r.getMessage() for r in caplog.records), "never redelivered"
-            # The running attempt's ack settles the message, whichever delivery it came with.
-            await eventually_async(lambda: request_settled(nc), 20.0, message="the message acked")
-            assert seq not in terminated.seqs
-        finally:
-            await nc.close()
+    async with worker(own_nats.url, tok, tmp_path, limits=limits, heartbeat_s=30.0) as (_, engine), \
+            client(own_nats.url) as nc:
+        terminated = await terminations(nc)
+        frames = await listen(nc, "_INBOX.dup")
+        seq = await publish(nc, "dup-1", "SLOW please", "_INBOX.dup")
+        await asyncio.wait_for(frames.ended.wait(), 30)
+        clean_stream(frames)
+        assert frames.text() == SLOW_REPLY
+        assert engine.submitted == ["dup-1"]
+        assert any("left to that attempt" in r.getMessage() for r in caplog.records), "never redelivered"
+        # The running attempt's ack settles the message, whichever delivery it came with.
+        await eventually_async(lambda: request_settled(nc), 20.0, message="the message acked")
+        assert seq not in terminated.seqs
 
 
 async def test_another_message_reusing_a_running_id_is_refused_alone(
         own_nats: NatsServer, tok: Tokenizer, tmp_path: Path) -> None:
-    async with worker(own_nats.url, tok, tmp_path, limits=BusLimits()) as (_, engine):
-        nc = await nats.connect(own_nats.url)
-        try:
-            terminated = await terminations(nc)
-            first = await listen(nc, "_INBOX.first")
-            await publish(nc, "reused", "SLOW please", "_INBOX.first")
-            await asyncio.wait_for(first.accepted.wait(), 20)
-            second = await listen(nc, "_INBOX.second")
-            seq = await publish(nc, "reused", "hello", "_INBOX.second", msg_id="reused-again")
-            await asyncio.wait_for(second.ended.wait(), 20)
-            refusal = second.frames[-1]
-            assert isinstance(refusal, wire.ErrorFrame) and refusal.status == 409
-            assert refusal.code == ErrorCode.INVALID_REQUEST
-            await terminated.wait_for(seq)
-            await asyncio.wait_for(first.ended.wait(), 30)
-            clean_stream(first)
-            assert first.text() == SLOW_REPLY
-            assert engine.submitted == ["reused"]
-        finally:
-            await nc.close()
+    async with worker(own_nats.url, tok, tmp_path, limits=BusLimits()) as (_, engine), client(own_nats.url) as nc:
+        terminated = await terminations(nc)
+        first = await listen(nc, "_INBOX.first")
+        await publish(nc, "reused", "SLOW please", "_INBOX.first")
+        await asyncio.wait_for(first.accepted.wait(), 20)
+        second = await listen(nc, "_INBOX.second")
+        seq = await publish(nc, "reused", "hello", "_INBOX.second", msg_id="reused-again")
+        await asyncio.wait_for(second.ended.wait(), 20)
+        refusal = second.frames[-1]
+        assert isinstance(refusal, wire.ErrorFrame) and refusal.status == 409
+        assert refusal.code == ErrorCode.INVALID_REQUEST
+        await terminated.wait_for(seq)
+        await asyncio.wait_for(first.ended.wait(), 30)
+        clean_stream(first)
+        assert first.text() == SLOW_REPLY
+        assert engine.submitted == ["reused"]
 
 
 async def test_a_failing_preparation_is_an_error_frame_and_a_term_and_poisons_nothing(
         own_nats: NatsServer, tok: Tokenizer, tmp_path: Path) -> None:
     tokenizer = BreakingTokenizer(tok)
-    async with worker(own_nats.url, tok, tmp_path, limits=BusLimits(), tokenizer=tokenizer) as (process, engine):
-        nc = await nats.connect(own_nats.url)
-        try:
-            terminated = await terminations(nc)
-            broken = await listen(nc, "_INBOX.broken")
-            seq = await publish(nc, "broken-1", "BREAK the template", "_INBOX.broken")
-            await asyncio.wait_for(broken.ended.wait(), 20)
-            assert len(broken.frames) == 1
-            error = broken.frames[0]
-            assert isinstance(error, wire.ErrorFrame) and error.status == 500
-            assert error.code == ErrorCode.INTERNAL_ERROR and "RuntimeError" not in error.message
-            await terminated.wait_for(seq)
-            assert engine.submitted == []
-            # The next request on the same model is served; the model was never out of service.
-            fine = await listen(nc, "_INBOX.fine")
-            await publish(nc, "fine-1", "hello", "_INBOX.fine")
-            await asyncio.wait_for(fine.ended.wait(), 20)
-            clean_stream(fine)
-            assert fine.text() == "fine"
-            assert model_status(process.models[MODEL]).state == ModelState.READY
-        finally:
-            await nc.close()
+    async with worker(own_nats.url, tok, tmp_path, limits=BusLimits(), tokenizer=tokenizer) as (process, engine), \
+            client(own_nats.url) as nc:
+        terminated = await terminations(nc)
+        broken = await listen(nc, "_INBOX.broken")
+        seq = await publish(nc, "broken-1", "BREAK the template", "_INBOX.broken")
+        await asyncio.wait_for(broken.ended.wait(), 20)
+        assert len(broken.frames) == 1
+        error = broken.frames[0]
+        assert isinstance(error, wire.ErrorFrame) and error.status == 500
+        assert error.code == ErrorCode.INTERNAL_ERROR and "RuntimeError" not in error.message
+        await terminated.wait_for(seq)
+        assert engine.submitted == []
+        # The next request on the same model is served; the model was never out of service.
+        fine = await answered(nc, "fine-1", "_INBOX.fine")
+        assert fine.text() == "fine"
+        assert model_status(process.models[MODEL]).state == ModelState.READY
 
 
 async def test_a_reply_subject_the_server_would_refuse_is_terminated_unanswered(
         own_nats: NatsServer, tok: Tokenizer, tmp_path: Path) -> None:
-    async with worker(own_nats.url, tok, tmp_path, limits=BusLimits()) as (process, engine):
-        nc = await nats.connect(own_nats.url)
-        try:
-            terminated = await terminations(nc)
-            seq = await publish(nc, "long-reply", "hello", "_INBOX." + "x" * 5000)
-            await terminated.wait_for(seq)
-            assert engine.submitted == []
-            fine = await listen(nc, "_INBOX.after")
-            await publish(nc, "after-1", "hello", "_INBOX.after")
-            await asyncio.wait_for(fine.ended.wait(), 20)
-            clean_stream(fine)
-            assert process.nc.is_connected
-        finally:
-            await nc.close()
+    async with worker(own_nats.url, tok, tmp_path, limits=BusLimits()) as (process, engine), client(own_nats.url) as nc:
+        terminated = await terminations(nc)
+        seq = await publish(nc, "long-reply", "hello", "_INBOX." + "x" * 5000)
+        await terminated.wait_for(seq)
+        assert engine.submitted == []
+        await answered(nc, "after-1", "_INBOX.after")
+        assert process.nc.is_connected
 
 
 def _server_with_short_control_lines(folder: Path, max_control_line: int) -> tuple[subprocess.Popen[bytes], str]:

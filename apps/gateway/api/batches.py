@@ -15,12 +15,9 @@ from litestar.response import Response
 
 from apps.bus import wire
 from apps.bus.codes import ErrorCode, ServingError
-from apps.gateway.api.validate import decode_body
+from apps.gateway.api.validate import check_metadata, decode_body
 from apps.gateway.batch_store import BATCH_IDS, COMPLETION_WINDOWS, ENDPOINTS, BatchStore
 
-MAX_METADATA_PAIRS = 16
-MAX_METADATA_KEY_CHARS = 64
-MAX_METADATA_VALUE_CHARS = 512
 MAX_LIST_LIMIT = 100
 MAX_CREATE_BYTES = 64 << 10
 
@@ -42,12 +39,7 @@ def _check(req: CreateBatch) -> None:
                       f"'{wire.bounded_text(req.endpoint, 64)}'.", "endpoint")
     if req.completion_window not in COMPLETION_WINDOWS:
         raise _refuse("'completion_window' must be '24h'.", "completion_window")
-    metadata = req.metadata or {}
-    if len(metadata) > MAX_METADATA_PAIRS or any(
-            len(k) > MAX_METADATA_KEY_CHARS or len(v) > MAX_METADATA_VALUE_CHARS for k, v in metadata.items()):
-        raise _refuse(f"'metadata' holds at most {MAX_METADATA_PAIRS} pairs, keys of at most "
-                      f"{MAX_METADATA_KEY_CHARS} characters and values of at most {MAX_METADATA_VALUE_CHARS}.",
-                      "metadata")
+    check_metadata(req.metadata)
 
 
 @post("/v1/batches", status_code=200, request_max_body_size=MAX_CREATE_BYTES)

@@ -38,15 +38,12 @@ from apps.gateway.api.openapi_docs import operation_for
 from apps.gateway.api.responses_output import ResponsesFormatter
 from apps.gateway.api.responses_tools import WARNING_HEADER, OfferedTools, forced, offered_tools, qualified
 from apps.gateway.api.structured import check_enforceable, json_constraint
-from apps.gateway.api.validate import check_json_depth
+from apps.gateway.api.validate import check_json_depth, check_metadata
 from apps.gateway.response_store import ResponseStore, StoredResponse, new_response_id
 from engine.frontend.protocol import SamplingParams, StructuredOutput
 
 HANDLER = "responses"
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-MAX_METADATA_PAIRS = 16
-MAX_METADATA_KEY_CHARS = 64
-MAX_METADATA_VALUE_CHARS = 512
 
 
 def _refuse(message: str, param: str | None) -> ServingError:
@@ -153,12 +150,7 @@ def check_storable(req: rs.ResponsesRequest, store: ResponseStore, items: list[d
                    template: dict[str, Any]) -> None:
     """What a `store` request would keep: metadata within OpenAI's bounds, no NUL, and within the
     store's byte cap (413); checked before the request is accepted."""
-    metadata = req.metadata or {}
-    if len(metadata) > MAX_METADATA_PAIRS or any(
-            len(k) > MAX_METADATA_KEY_CHARS or len(v) > MAX_METADATA_VALUE_CHARS for k, v in metadata.items()):
-        raise _refuse(f"'metadata' holds at most {MAX_METADATA_PAIRS} pairs, with keys of at most "
-                      f"{MAX_METADATA_KEY_CHARS} characters and values of at most {MAX_METADATA_VALUE_CHARS}.",
-                      "metadata")
+    check_metadata(req.metadata)
     stored = {"input": items, "instructions": req.instructions, "metadata": req.metadata, "user": req.user,
               "tools": template.get("tools"), "text": template.get("text")}
     for param, value in stored.items():

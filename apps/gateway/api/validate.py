@@ -52,12 +52,26 @@ T = TypeVar("T")
 
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _BRACKET = re.compile(rb"[\[\]{}]")
+# OpenAI's bounds on the `metadata` of a stored response or batch.
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
 _PATH = re.compile(r"at `\$\.([A-Za-z_]+)")
 _MISSING = re.compile(r"missing required field `([A-Za-z_]+)`")
 
 
 def _refuse(message: str, param: str | None = None, code: ErrorCode = ErrorCode.INVALID_REQUEST) -> ServingError:
     return ServingError(400, code, message, param=param)
+
+
+def check_metadata(metadata: dict[str, str] | None) -> None:
+    """A stored object's `metadata` (a response's, a batch's) within OpenAI's bounds."""
+    metadata = metadata or {}
+    if len(metadata) > MAX_METADATA_PAIRS or any(
+            len(k) > MAX_METADATA_KEY_CHARS or len(v) > MAX_METADATA_VALUE_CHARS for k, v in metadata.items()):
+        raise _refuse(f"'metadata' holds at most {MAX_METADATA_PAIRS} pairs, with keys of at most "
+                      f"{MAX_METADATA_KEY_CHARS} characters and values of at most {MAX_METADATA_VALUE_CHARS}.",
+                      "metadata")
 
 
 def json_too_deep(data: bytes | str, limit: int = MAX_JSON_DEPTH) -> bool:
