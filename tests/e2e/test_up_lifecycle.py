@@ -48,11 +48,15 @@ def script(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def start_up(data: Path, port: int, script: Path, env: dict[str, str] | None = None) -> AppProcess:
-    """`helexa up` with nothing exported (its own NATS and PostgreSQL) unless `env` says otherwise."""
-    return AppProcess(["up", "--data-dir", str(data), "--port", str(port)],
-                      {"NATS_URL": "", "DATABASE_URL": "", "HELEXA_URL": "", "HELEXA_WORKER_SCRIPT": str(script),
-                       **(env or {})})
+def start_up(ups: list[AppProcess], data: Path, port: int, script: Path,
+             env: dict[str, str] | None = None) -> AppProcess:
+    """`helexa up` with nothing exported (its own NATS and PostgreSQL) unless `env` says otherwise,
+    added to `ups` (the fixture that kills it at the test's end)."""
+    up = AppProcess(["up", "--data-dir", str(data), "--port", str(port)],
+                    {"NATS_URL": "", "DATABASE_URL": "", "HELEXA_URL": "", "HELEXA_WORKER_SCRIPT": str(script),
+                     **(env or {})})
+    ups.append(up)
+    return up
 
 
 def wait_up(up: AppProcess) -> dict:
@@ -156,8 +160,7 @@ async def _reach(values: dict[str, str]) -> None:
 def test_a_second_up_on_the_same_data_dir_fails_in_one_line_and_the_first_serves_on(
         tmp_path: Path, script: Path, ups: list[AppProcess]) -> None:
     data = tmp_path / "data"
-    first = start_up(data, free_port(), script)
-    ups.append(first)
+    first = start_up(ups, data, free_port(), script)
     ready = wait_up(first)
     nats_log = data / "nats" / "nats-server.log"
     starts = nats_log.read_text().count("Starting nats-server")
@@ -201,8 +204,7 @@ def test_a_taken_gateway_port_starts_nothing(tmp_path: Path, script: Path) -> No
 def test_restarts_keep_ports_and_env_file_and_a_sourced_env_file_still_means_embedded_servers(
         tmp_path: Path, script: Path, ups: list[AppProcess]) -> None:
     data, port = tmp_path / "data", free_port()
-    first = start_up(data, port, script)
-    ups.append(first)
+    first = start_up(ups, data, port, script)
     ready = wait_up(first)
     values = read_env(data)
     assert f"source {data / 'env'}" in first.output()
@@ -212,8 +214,7 @@ def test_restarts_keep_ports_and_env_file_and_a_sourced_env_file_still_means_emb
     assert first.stop(signal.SIGTERM, timeout_s=60) == 0
 
     # As after `source .helexa/env`: the exported URLs are this data directory's own servers.
-    second = start_up(data, port, script, env=values)
-    ups.append(second)
+    second = start_up(ups, data, port, script, env=values)
     wait_up(second)
     assert {"nats-server", "postgres"} <= {p.info["name"] for p in processes_using(data)}
     assert read_env(data) == values
@@ -224,8 +225,7 @@ def test_restarts_keep_ports_and_env_file_and_a_sourced_env_file_still_means_emb
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", _port(values["NATS_URL"])))
         squatter.listen()
-        third = start_up(data, port, script, env=values)
-        ups.append(third)
+        third = start_up(ups, data, port, script, env=values)
         wait_up(third)
         (moved,) = [e for e in third.lines if e.get("old_port")]
         assert (moved["server"], moved["old_port"]) == ("nats", _port(values["NATS_URL"]))
@@ -239,8 +239,7 @@ def test_restarts_keep_ports_and_env_file_and_a_sourced_env_file_still_means_emb
 def test_ctrl_c_ends_the_streams_then_stops_the_apps_then_the_servers_quietly(
         tmp_path: Path, script: Path, ups: list[AppProcess]) -> None:
     data = tmp_path / "data"
-    up = start_up(data, free_port(), script)
-    ups.append(up)
+    up = start_up(ups, data, free_port(), script)
     ready = wait_up(up)
     streams = [Stream(ready["url"], ready["model"], "slow") for _ in range(4)]
     assert all(s.first_text.wait(60) for s in streams)
@@ -260,8 +259,7 @@ def test_ctrl_c_ends_the_streams_then_stops_the_apps_then_the_servers_quietly(
 def test_up_killed_with_sigkill_under_load_leaves_no_process(tmp_path: Path, script: Path,
                                                            ups: list[AppProcess]) -> None:
     data, port = tmp_path / "data", free_port()
-    up = start_up(data, port, script)
-    ups.append(up)
+    up = start_up(ups, data, port, script)
     ready = wait_up(up)
     streams = [Stream(ready["url"], ready["model"], "slow") for _ in range(4)]
     assert all(s.first_text.wait(60) for s in streams)
@@ -276,8 +274,7 @@ def test_up_killed_with_sigkill_under_load_leaves_no_process(tmp_path: Path, scr
 
 def test_an_app_that_cannot_start_ends_up_in_one_line(tmp_path: Path, script: Path, ups: list[AppProcess]) -> None:
     data = tmp_path / "data"
-    up = start_up(data, free_port(), script, env={"HELEXA_MODEL": str(tmp_path / "missing.gguf")})
-    ups.append(up)
+    up = start_up(ups, data, free_port(), script, env={"HELEXA_MODEL": str(tmp_path / "missing.gguf")})
     up.wait_for(lambda e: e.get("event") == "the model could not be loaded", timeout_s=180)
     assert up.process.wait(10) != 0
     up.stop()  # collects the rest of its output

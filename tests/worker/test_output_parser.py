@@ -23,25 +23,23 @@ def run(text: str, chunk: int, **kw: bool) -> Parsed:
 CHUNKS = [1, 2, 3, 7, 1000]
 
 
-@pytest.mark.parametrize("chunk", CHUNKS, ids=lambda c: f"chunk-{c}")
-def test_think_block_is_reasoning(chunk: int) -> None:
-    out = run("<think>\nLet me add 2 and 2.\n</think>\n\nThe answer is 4.", chunk)
-    assert out.reasoning == "\nLet me add 2 and 2.\n"
-    assert out.content == "The answer is 4."
+# (case, streamed text, whether the template opened a think block, reasoning, content)
+REASONING_CASES = [
+    ("think_block_is_reasoning", "<think>\nLet me add 2 and 2.\n</think>\n\nThe answer is 4.", False,
+     "\nLet me add 2 and 2.\n", "The answer is 4."),
+    ("template_that_preopens_think", "Hmm, 2 plus 2 is 4.</think>\n\n4", True, "Hmm, 2 plus 2 is 4.", "4"),
+    ("generation_cut_off_mid_thought_stays_reasoning", "<think>I should consider the </th", False,
+     "I should consider the </th", ""),
+]
 
 
 @pytest.mark.parametrize("chunk", CHUNKS, ids=lambda c: f"chunk-{c}")
-def test_template_that_preopens_think(chunk: int) -> None:
-    out = run("Hmm, 2 plus 2 is 4.</think>\n\n4", chunk, in_reasoning=True)
-    assert out.reasoning == "Hmm, 2 plus 2 is 4."
-    assert out.content == "4"
-
-
-@pytest.mark.parametrize("chunk", CHUNKS, ids=lambda c: f"chunk-{c}")
-def test_generation_cut_off_mid_thought_stays_reasoning(chunk: int) -> None:
-    out = run("<think>I should consider the </th", chunk)
-    assert out.reasoning == "I should consider the </th"
-    assert out.content == ""
+@pytest.mark.parametrize(("text", "in_reasoning", "reasoning", "content"), [case[1:] for case in REASONING_CASES],
+                         ids=[case[0] for case in REASONING_CASES])
+def test_reasoning_and_content(text: str, in_reasoning: bool, reasoning: str, content: str, chunk: int) -> None:
+    out = run(text, chunk, in_reasoning=in_reasoning)
+    assert out.reasoning == reasoning
+    assert out.content == content
 
 
 @pytest.mark.parametrize("chunk", CHUNKS, ids=lambda c: f"chunk-{c}")
