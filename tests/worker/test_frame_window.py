@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 from nats.aio.client import Client as NatsClient
-from nats.aio.msg import Msg
 
 from apps.bus import connection, wire
 from apps.bus.codes import ErrorCode, FinishReason
 from apps.embedded.nats_server import NatsServer
 from apps.worker.replies import Replier
 from tests.support import eventually_async
+from tests.worker.in_process import listen
 
 SUBJECT = "_INBOX.frame-window"
 
@@ -25,19 +25,10 @@ SUBJECT = "_INBOX.frame-window"
 async def frames(tmp_path: Path):  # type: ignore[no-untyped-def]
     with NatsServer(tmp_path / "nats") as server:
         nc = await connection.connect(server.url, "frame-window-test", max_reconnect_attempts=0)
-        got: list[wire.ReplyFrame] = []
-        final = asyncio.Event()
-
-        async def on_frame(msg: Msg) -> None:
-            frame = wire.frame_decoder.decode(msg.data)
-            got.append(frame)
-            if isinstance(frame, wire.Final | wire.ErrorFrame):
-                final.set()
-
-        await nc.subscribe(SUBJECT, cb=on_frame)
+        collected = await listen(nc, SUBJECT)
         await nc.flush()
         try:
-            yield nc, got, final
+            yield nc, collected.frames, collected.ended
         finally:
             await nc.close()
 
