@@ -30,6 +30,15 @@ if TYPE_CHECKING:
 
 REPO = Path(__file__).resolve().parent.parent
 
+# A `helexa bench` config whose one target is a port nothing listens on (format it with `port`).
+BENCH_AGAINST_NOTHING = """
+models = ["m"]
+scenarios = ["chat:8"]
+[[targets]]
+name = "t"
+base_url = "http://127.0.0.1:{port}/v1"
+"""
+
 
 def declared(server: NatsServer | NatsCluster, limits: BusLimits | None = None) -> None:
     """Declare the topology on `server` as its administrator, as `helexa up` does (apps may not)."""

@@ -8,15 +8,7 @@ import sys
 from pathlib import Path
 
 from apps.embedded import free_port
-from tests.support import REPO
-
-CONFIG = """
-models = ["m"]
-scenarios = ["chat:8"]
-[[targets]]
-name = "t"
-base_url = "http://127.0.0.1:{port}/v1"
-"""
+from tests.support import BENCH_AGAINST_NOTHING, REPO
 
 
 def helexa(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -26,7 +18,7 @@ def helexa(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
 
 def test_an_unreachable_nats_stops_the_run_before_it_starts(tmp_path: Path) -> None:
     config = tmp_path / "bench.toml"
-    config.write_text(CONFIG.format(port=free_port()), encoding="utf-8")
+    config.write_text(BENCH_AGAINST_NOTHING.format(port=free_port()), encoding="utf-8")
     ran = helexa("bench", "run", str(config), NATS_URL=f"nats://127.0.0.1:{free_port()}")
     assert ran.returncode == 1
     assert "cannot publish to NATS" in ran.stderr and "--no-publish" in ran.stderr
@@ -35,7 +27,7 @@ def test_an_unreachable_nats_stops_the_run_before_it_starts(tmp_path: Path) -> N
 
 def test_no_publish_needs_somewhere_to_write(tmp_path: Path) -> None:
     config = tmp_path / "bench.toml"
-    config.write_text(CONFIG.format(port=free_port()), encoding="utf-8")
+    config.write_text(BENCH_AGAINST_NOTHING.format(port=free_port()), encoding="utf-8")
     ran = helexa("bench", "run", str(config), "--no-publish")
     assert ran.returncode == 1
     assert "--no-publish needs --out" in ran.stderr
@@ -51,7 +43,7 @@ def test_a_target_that_refuses_connections_is_recorded_as_a_failed_run(tmp_path:
     from apps.bench.publish import ResultsFile
 
     config = tmp_path / "bench.toml"
-    config.write_text(CONFIG.format(port=free_port()), encoding="utf-8")
+    config.write_text(BENCH_AGAINST_NOTHING.format(port=free_port()), encoding="utf-8")
     out = tmp_path / "results.json"
     ran = helexa("bench", "run", str(config), "--no-publish", "--out", str(out))
     assert ran.returncode == 1

@@ -17,7 +17,7 @@ from apps.bus import connection, topology
 from apps.embedded import free_port
 from apps.embedded.nats_server import NatsCluster
 from tests.fleet.conftest import FLEET_ENV, bus_setup, role_env
-from tests.support import REPO, AppProcess
+from tests.support import BENCH_AGAINST_NOTHING, REPO, AppProcess
 
 REPLY = "replicated and still here"
 
@@ -80,13 +80,6 @@ def test_losing_one_of_three_servers_loses_no_request(tmp_path: Path) -> None:
                 app.stop()
 
 
-BENCH_AGAINST_NOTHING = """
-models = ["m"]
-scenarios = ["chat:8"]
-[[targets]]
-name = "t"
-base_url = "http://127.0.0.1:{port}/v1"
-"""
 
 
 async def _replicas(nats_url: str) -> dict[str, int]:
