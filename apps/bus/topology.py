@@ -42,7 +42,7 @@ EVENTS_STREAM = "EVENTS"
 NODES_BUCKET = "helexa_nodes"
 # JetStream Object Store bucket of requests too large for one message (`apps.bus.large_requests`).
 LARGE_REQUESTS_BUCKET = "helexa_requests"
-# Object Store bucket of events too large for one message, referenced from EVENTS (`EventRef`).
+# Object Store bucket of events too large for one message, referenced from EVENTS (`events.EventRef`).
 LARGE_EVENTS_BUCKET = "helexa_events"
 # Object Store bucket of uploaded files (`/v1/files`), one object per file id, kept until deleted.
 FILES_BUCKET = "helexa_files"
