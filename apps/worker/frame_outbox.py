@@ -1,6 +1,7 @@
 """One worker connection's reply frames on their way out: frames for one gateway share a message.
 
-Every `Replier` of a connection hands its encoded frames here (`put`) instead of publishing them.
+Every `Replier` of a connection hands its encoded frames here (`put`) instead of publishing them,
+and waits for a frame that must go at once (`send_now`: what it sends outside a window's flush).
 Frames put while the event loop runs one turn are sent together by one sender task: grouped by
 the gateway connection they go to (`apps.bus.bundles`), several frames for one gateway become
 one bundle message, split into several when one would pass the server's max_payload; a frame
@@ -49,6 +50,13 @@ class FrameOutbox:
         self._pending.append((subject, frame))
         if self._sender is None or self._sender.done():
             self._sender = asyncio.get_running_loop().create_task(self._send())
+
+    async def send_now(self) -> None:
+        """Hand everything put so far to the connection before returning (a frame that must not
+        wait: a first token, a final frame), with whatever else this turn put beside it."""
+        if self._sender is None or self._sender.done():
+            self._sender = asyncio.get_running_loop().create_task(self._send())
+        await asyncio.shield(self._sender)
 
     def wake_at(self, holder: Holder, deadline: float) -> None:
         """Call `holder.flush_held()` by `deadline` (loop time), with every other holder due then."""

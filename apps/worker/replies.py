@@ -85,6 +85,7 @@ class Replier:
 
     async def accepted(self, prompt_tokens: int) -> None:
         self._send(wire.Accepted(**self._next(), node=self.node, prompt_tokens=prompt_tokens))
+        await self._sent()
 
     async def delta(
         self,
@@ -106,6 +107,7 @@ class Replier:
         window_open = self._last_text_at is not None and now - self._last_text_at < self.frame_window_s
         if finish_reason is not None or tool_calls or not window_open:
             self._flush(index, finish_reason=finish_reason, tool_calls=tool_calls, stop_sequence=stop_sequence)
+            await self._sent()
         else:
             assert self._last_text_at is not None
             loop = asyncio.get_running_loop()
@@ -114,6 +116,11 @@ class Replier:
     async def flush(self) -> None:
         """Send every held delta now (before a frame that must not overtake them)."""
         self.flush_held()
+        await self._sent()
+
+    async def _sent(self) -> None:
+        if self.nc is not None:
+            await outbox_of(self.nc).send_now()
 
     def flush_held(self) -> None:
         self._cancel_timer()
@@ -144,14 +151,17 @@ class Replier:
     async def heartbeat(self) -> None:
         self.flush_held()
         self._send(wire.Heartbeat(**self._next()))
+        await self._sent()
 
     async def final(self, finish_reason: FinishReason, usage: wire.Usage) -> None:
         self.flush_held()
         self._send(wire.Final(**self._next(), finish_reason=finish_reason, usage=usage))
+        await self._sent()
 
     async def error(self, status: int, code: ErrorCode, message: str) -> None:
         self.flush_held()
         self._send(wire.ErrorFrame(**self._next(), status=status, code=code, message=wire.bounded_text(message)))
+        await self._sent()
 
 
 class _HeldDelta:
