@@ -152,6 +152,9 @@ class GatewayBus:
         process lives it answers the worker's liveness probes; when it dies, nobody does.
         Raises what `large_requests.publish_request` raises (`StreamFull` among them)."""
         nc, router = self.nc, self.router
+        if not router.owns(request.reply_subject):
+            # Made for a connection replaced since: frames come only to the current one's home.
+            request = msgspec.structs.replace(request, reply_subject=router.new_reply_subject())
         stream = ReplyStream(max_frames, on_overflow)
         router.follow(stream, request.reply_subject)
         self._streams.add(stream)

@@ -39,15 +39,19 @@ class ReplyRouter:
         """A reply subject for one request: this connection's home and 128 random bits."""
         return bundles.reply_subject(self.home, secrets.token_urlsafe(16))
 
+    def owns(self, reply_subject: str) -> bool:
+        split = bundles.split_reply_subject(reply_subject)
+        return split is not None and split[0] == self.home
+
     def follow(self, stream: ReplyStream, reply_subject: str) -> None:
         """Frames on `reply_subject` (one of `new_reply_subject`'s) go to `stream` from now, and no
         longer those on the stream's previous subject."""
-        split = bundles.split_reply_subject(reply_subject)
-        if split is None or split[0] != self.home:
+        if not self.owns(reply_subject):
             raise ValueError(f"not a reply subject of this connection: {reply_subject!r}")
+        token = reply_subject.rpartition(".")[2]
         self.forget(stream)
-        self._frames[split[1]] = stream
-        self._token_of[stream] = split[1]
+        self._frames[token] = stream
+        self._token_of[stream] = token
 
     def forget(self, stream: ReplyStream) -> None:
         token = self._token_of.pop(stream, None)

@@ -50,12 +50,15 @@ class FrameOutbox:
         self._pending.append((subject, frame))
         if self._sender is None or self._sender.done():
             self._sender = asyncio.get_running_loop().create_task(self._send())
+            self._sender.add_done_callback(_note_failure)
 
     async def send_now(self) -> None:
         """Hand everything put so far to the connection before returning (a frame that must not
         wait: a first token, a final frame), with whatever else this turn put beside it."""
         if self._sender is None or self._sender.done():
             self._sender = asyncio.get_running_loop().create_task(self._send())
+            self._sender.add_done_callback(_note_failure)
+        # A bus error reaches the Replier that waits, as a publish's did.
         await asyncio.shield(self._sender)
 
     def wake_at(self, holder: Holder, deadline: float) -> None:
@@ -111,6 +114,11 @@ class FrameOutbox:
                     messages.append((bundles.bundle_subject(home),
                                      bundles.encode([(token, frame) for _, token, frame in chunk])))
         return messages
+
+
+def _note_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("reply frames not sent", extra={"error": repr(task.exception())})
 
 
 def _chunks(items: list[tuple[str, str, bytes]], limit: int,
