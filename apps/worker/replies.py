@@ -4,11 +4,11 @@ one-shot `generate` endpoint, kept in memory and answered at once).
 Text frames coalesce by design (`frame_window_s`, the worker's `HELEXA_FRAME_WINDOW_MS`): a
 choice's first delta goes out at once, and after any frame the next deltas of the window are merged
 into one frame (text, reasoning, token ids and logprobs joined in order, token counts summed) and
-sent when the window closes. A choice's last delta, a tool call, the final and error frames and
-heartbeats first flush what is held, so nothing waits longer than one window and no frame is
-reordered. At 100 tokens/s per stream and a 20 ms window that is about one message for every two
-or three tokens instead of one per token; an SSE chunk then carries those tokens together, as
-OpenAI's own streams do.
+sent when the window closes (or sooner, with other streams' frames). A choice's last delta, a
+tool call, the final and error frames and heartbeats first flush what is held, so nothing waits
+longer than one window and no frame is reordered. At 100 tokens/s per stream and a 20 ms window
+that is about one frame for every two or three tokens instead of one per token; an SSE chunk then
+carries those tokens together, as OpenAI's own streams do.
 
 Frames leave through the connection's `FrameOutbox` (`apps.worker.frame_outbox`): the windows of
 all streams close together, and the frames one flush makes for one gateway share a message.
@@ -63,7 +63,7 @@ class Replier:
         if self.silenced is None:
             self.silenced = reason
             self._held.clear()
-            self._cancel_timer()
+            self._stop_waking()
 
     def _send(self, frame: wire.ReplyFrame) -> None:
         if self.silenced is not None:
@@ -123,7 +123,7 @@ class Replier:
             await outbox_of(self.nc).send_now()
 
     def flush_held(self) -> None:
-        self._cancel_timer()
+        self._stop_waking()
         for index in sorted(self._held):
             self._flush(index)
 
@@ -131,7 +131,7 @@ class Replier:
                tool_calls: list[wire.ToolCallDelta] | None = None, stop_sequence: str | None = None) -> None:
         held = self._held.pop(index, None)
         if not self._held:
-            self._cancel_timer()
+            self._stop_waking()
         if held is None or not (held or finish_reason or tool_calls):
             return
         self.sent_tokens = self.sent_tokens or bool(held.text or held.reasoning or tool_calls)
@@ -144,7 +144,7 @@ class Replier:
             )
         )
 
-    def _cancel_timer(self) -> None:
+    def _stop_waking(self) -> None:
         if self.nc is not None:
             outbox_of(self.nc).forget(self)
 
