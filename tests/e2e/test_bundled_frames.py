@@ -1,7 +1,8 @@
 """A worker's frames for one gateway share NATS messages (apps/worker/frame_outbox.py): with a
 scripted engine at 100 tokens/s per stream, 16 streams and a 20 ms frame window, the reply
 messages the gateway gets (counted on the bus, every frame alone or in a bundle) are at most 0.3
-per generated token, and every stream's text is the script's, whole and in order."""
+per generated token, every stream's first token comes alone, and every stream's text is the
+script's, whole and in order."""
 
 from __future__ import annotations
 
@@ -44,17 +45,20 @@ class ReplyCounter:
         self.finals += sum(isinstance(wire.frame_decoder.decode(f), wire.Final) for f in frames)
 
 
-async def stream(client: openai.AsyncOpenAI, n: int) -> tuple[str, int]:
-    text, tokens = "", 0
+async def stream(client: openai.AsyncOpenAI, n: int) -> tuple[str, int, str]:
+    """The stream's text, its completion tokens and its first chunk's text."""
+    text, tokens, first = "", 0, None
     chunks = await client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": f"count {n}"}], stream=True,
         stream_options={"include_usage": True})
     async for chunk in chunks:
         for choice in chunk.choices:
             text += choice.delta.content or ""
+            if first is None and choice.delta.content:
+                first = choice.delta.content
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
-    return text, tokens
+    return text, tokens, first or ""
 
 
 async def test_frames_of_many_streams_share_messages_and_the_text_is_whole(system: System, tmp_path: Path) -> None:
@@ -73,8 +77,10 @@ async def test_frames_of_many_streams_share_messages_and_the_text_is_whole(syste
         finally:
             await client.close()
             await watcher.close()
-    assert [text for text, _ in answers] == [REPLY] * STREAMS
-    tokens = sum(count for _, count in answers)
+    assert [text for text, _, _ in answers] == [REPLY] * STREAMS
+    # The first token was not held for the window: it came alone.
+    assert [first for _, _, first in answers] == [WORDS[0]] * STREAMS
+    tokens = sum(count for _, count, _ in answers)
     assert tokens >= STREAMS * len(WORDS) * 3
     assert counter.bundles > 0
     # Accepted, first-token and final frames included: the steady state is lower still.
