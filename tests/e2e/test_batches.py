@@ -26,6 +26,8 @@ SCRIPT = {"rules": [{"match": "slow", "reply": "one two three four", "first_toke
                      "token_delay_s": 0.5}],
           "default": "a quick answer"}
 CONCURRENCY = 2
+# The acceptance's 200-line batch: every valid line answered, each custom_id once.
+VALID = 200
 
 
 @pytest.fixture(scope="module")
@@ -62,11 +64,12 @@ def ledger(system: System, sql: str, *args: object) -> list[dict]:
     return [dict(row) for row in asyncio.run(fetch_rows(system.database_url, sql, *args))]
 
 
-def test_a_batch_runs_to_completed_with_its_invalid_lines_as_errors(system: System, gateway: KeyedGateway) -> None:
+def test_a_200_line_batch_runs_to_completed_with_its_invalid_lines_as_errors(
+        system: System, gateway: KeyedGateway) -> None:
     client = gateway.client()
-    lines = [line(f"req-{i}", f"question {i}") for i in range(18)]
+    lines = [line(f"req-{i}", f"question {i}") for i in range(VALID)]
     lines.insert(5, line("wrong-url", "hi", url="/v1/completions"))
-    lines.insert(11, {"custom_id": "no-messages", "method": "POST", "url": "/v1/chat/completions",
+    lines.insert(111, {"custom_id": "no-messages", "method": "POST", "url": "/v1/chat/completions",
                       "body": {"model": MODEL}})
     upload = client.files.create(file=("batch.jsonl", jsonl(lines)), purpose="batch")
     created = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
@@ -78,12 +81,14 @@ def test_a_batch_runs_to_completed_with_its_invalid_lines_as_errors(system: Syst
     done = eventually(lambda: finished(client, created.id, "completed"), 120, message="the batch never completed")
     Batch.model_validate(done.model_dump(), strict=True)
     assert done.request_counts is not None
-    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (20, 18, 2)
+    counts = done.request_counts
+    assert (counts.total, counts.completed, counts.failed) == (VALID + 2, VALID, 2)
     assert done.in_progress_at and done.finalizing_at and done.completed_at
     assert done.output_file_id and done.error_file_id
 
     output = [json.loads(row) for row in client.files.content(done.output_file_id).text.splitlines()]
-    assert sorted(row["custom_id"] for row in output) == sorted(f"req-{i}" for i in range(18))
+    assert len(output) == VALID
+    assert sorted(row["custom_id"] for row in output) == sorted(f"req-{i}" for i in range(VALID))
     for row in output:
         assert row["response"]["status_code"] == 200 and row["error"] is None
         completion = ChatCompletion.model_validate(row["response"]["body"])
@@ -95,10 +100,10 @@ def test_a_batch_runs_to_completed_with_its_invalid_lines_as_errors(system: Syst
 
     rows = ledger(system, "SELECT count(*) AS n, count(DISTINCT custom_id) AS ids FROM batch_lines WHERE batch_id = $1",
                   created.id)
-    assert rows == [{"n": 20, "ids": 20}]
+    assert rows == [{"n": VALID + 2, "ids": VALID + 2}]
     assert created.id in [batch.id for batch in client.batches.list()]
     metrics = httpx.get(f"{gateway.url}/metrics").text
-    assert 'helexa:gateway_batch_lines_total{outcome="answered"} 18.0' in metrics
+    assert 'helexa:gateway_batch_lines_total{outcome="answered"} 200.0' in metrics
     assert 'helexa:gateway_batch_lines_total{outcome="invalid"} 2.0' in metrics
 
 
