@@ -34,7 +34,7 @@ from apps.bus.publish import publish_event
 from apps.settings import WorkerSettings
 from apps.worker import liveness
 from apps.worker.context_limit import ContextLimit
-from apps.worker.intake import Held, Intake, NodeBus, holds
+from apps.worker.intake import Held, Intake, NodeBus, holds, interactive_reserve
 from apps.worker.replies import Replier
 from apps.worker.run import ModelHealth, ServedModel, abort_request, run_request
 from apps.worker.tokenizing import Tokenizing
@@ -58,7 +58,8 @@ class ModelLoop:
         # What is known of each held request's message and run (a redelivery is told from a reused
         # id by the message's stream sequence).
         self._held: dict[str, Held] = {}
-        self.intake = Intake(model_id, engine, self._held)
+        self.intake = Intake(model_id, engine, self._held,
+                             interactive_reserve(settings.interactive_reserve, engine.max_num_seqs))
         info = engine.info
         self.context = ContextLimit(
             max_position_embeddings=info.max_position_embeddings or engine.max_model_len,
