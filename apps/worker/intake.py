@@ -98,7 +98,7 @@ def holds(held: Mapping[str, Held], request: wire.GenerateRequest) -> bool:
 
 
 class Intake:
-    """One model's messages: pulled while `free_slots()` has room, each request it may serve handed
+    """One model's messages: pulled while `free_slots(service_class)` has room, each request it may serve handed
     to `begin`. `held` is the loop's table of what it holds (read here to refuse duplicates)."""
 
     def __init__(self, model_id: str, engine: Engine, held: Mapping[str, Held], reserve: int = 0) -> None:
@@ -115,7 +115,8 @@ class Intake:
         self._stop = asyncio.Event()
         self._pulling: asyncio.Task[None] | None = None
 
-    async def start(self, bus: NodeBus, free_slots: Callable[[], int], begin: Callable[[Held], None]) -> None:
+    async def start(self, bus: NodeBus, free_slots: Callable[[ServiceClass], int],
+                    begin: Callable[[Held], None]) -> None:
         self.bus = bus
         self._free_slots = free_slots
         self._begin_run = begin
@@ -135,7 +136,7 @@ class Intake:
     def _room(self, cls: ServiceClass, waits: Mapping[ServiceClass, object]) -> int:
         """Messages of `cls` that may be pulled now. A wait under way may bring one message, so it
         holds a slot until it ends; batch-class requests leave the reserve free besides."""
-        free = self._free_slots() - len(waits)
+        free = self._free_slots(cls) - len(waits)
         return free - self.reserve if cls == ServiceClass.BATCH else free
 
     async def _pull_loop(self, pullers: Mapping[ServiceClass, BatchPuller]) -> None:
