@@ -6,7 +6,8 @@ One `helexa up` (the default model, or with `--script` a scripted worker emittin
 times; then a batch of `--lines` chat lines is uploaded and created with the same SDK
 (`/v1/files`, `/v1/batches`), and once it is in progress the same streams run again, while its
 lines hold the engine. The report gives both TTFT p50s and their ratio (the issue's goal: at most
-1.25x), and the batch's counts when the measurement ended (then it is cancelled). A run whose
+1.25x), and the batch's counts when the measurement ended (then it is cancelled; a batch already
+done by then did not load the whole measurement: `batch_ran_throughout` says so). A run whose
 streams did not all carry their `--max-tokens` tokens of text is reported as failed, without
 figures.
 
@@ -86,6 +87,8 @@ def measure(args: argparse.Namespace, scratch: Path) -> dict:
     result = {"idle": idle, "with_batch": busy,
               "batch_counts_at_end": counts.model_dump() if counts is not None else None,
               "server": server.details()}
+    # A batch that was done before the streams were would have measured a partly idle system.
+    result["batch_ran_throughout"] = counts is not None and counts.completed + counts.failed < counts.total
     if "failed" not in idle and "failed" not in busy:
         result["ttft_ratio"] = round(busy["ttft_ms_p50"] / idle["ttft_ms_p50"], 3)
     return result
