@@ -24,6 +24,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from openai import OpenAI
 
@@ -84,7 +85,7 @@ def measure(args: argparse.Namespace, scratch: Path) -> dict:
         counts = client.batches.retrieve(batch_id).request_counts
         client.batches.cancel(batch_id)
         client.close()
-    result = {"idle": idle, "with_batch": busy,
+    result: dict[str, Any] = {"idle": idle, "with_batch": busy,
               "batch_counts_at_end": counts.model_dump() if counts is not None else None,
               "server": server.details()}
     # A batch that was done before the streams were would have measured a partly idle system.
