@@ -146,6 +146,8 @@ class Intake:
         waits: dict[ServiceClass, asyncio.Task[list[Msg]]] = {}
         try:
             while not self._stop.is_set():
+                # Cleared before the slots are counted, so a slot freed from here on wakes the wait below.
+                self._slot_freed.clear()
                 for cls, task in list(waits.items()):
                     if task.done():
                         del waits[cls]
@@ -169,7 +171,6 @@ class Intake:
                 for cls in ServiceClass:
                     if cls not in waits and self._room(cls, waits) > 0:
                         waits[cls] = asyncio.create_task(pullers[cls].fetch(1, timeout=1.0))
-                self._slot_freed.clear()
                 freed = asyncio.create_task(self._slot_freed.wait())
                 await asyncio.wait({*waits.values(), freed, stopping}, return_when=asyncio.FIRST_COMPLETED)
                 freed.cancel()
