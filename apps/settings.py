@@ -233,6 +233,9 @@ class WorkerSettings:
     kv_cache_mb: int = field(default_factory=lambda: _env_int("HELEXA_KV_CACHE_MB", 1024))
     # Engine steps a batch-class request waits at most before it is admitted as interactive work.
     batch_aging_steps: int = field(default_factory=lambda: _env_int("HELEXA_BATCH_AGING_STEPS", 512))
+    # Free slots a worker never pulls batch-class requests into, kept for interactive work; -1: a
+    # quarter of max_num_seqs, at least 1 (apps.worker.intake.interactive_reserve).
+    interactive_reserve: int = field(default_factory=lambda: _env_int("HELEXA_INTERACTIVE_RESERVE", -1))
     # How long an idle engine gathers a burst of requests before its first step (0: not at all).
     batch_window_ms: float = field(default_factory=lambda: _env_float("HELEXA_BATCH_WINDOW_MS", 30.0))
     enable_prefix_caching: bool = field(default_factory=lambda: _env("HELEXA_PREFIX_CACHING", "on") != "off")
@@ -277,6 +280,8 @@ class WorkerSettings:
             raise ValueError("HELEXA_FRAME_WINDOW_MS must be between 0 and 1000")
         if self.max_model_len < 0:
             raise ValueError("HELEXA_MAX_MODEL_LEN must be >= 0 (0 = the model's own limit)")
+        if self.interactive_reserve < -1:
+            raise ValueError("HELEXA_INTERACTIVE_RESERVE must be >= 0 (or -1: a quarter of max_num_seqs)")
         if self.status_interval_s <= 0:
             raise ValueError("HELEXA_STATUS_INTERVAL_S must be positive")
         if self.kv_cache_mb < 1:
