@@ -117,8 +117,9 @@ def test_a_200_line_batch_runs_to_completed_with_its_invalid_lines_as_errors(
 def test_another_principal_cannot_see_or_cancel_a_batch(gateway: KeyedGateway) -> None:
     alice, bob = gateway.client(), gateway.client(BOB)
     upload = alice.files.create(file=("one.jsonl", jsonl([line("only", "hi")])), purpose="batch")
-    with pytest.raises(openai.NotFoundError):  # nor can anyone use another's file
+    with pytest.raises(openai.NotFoundError) as borrowed:  # nor can anyone use another's file
         bob.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert borrowed.value.body["param"] == "input_file_id"
     created = alice.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
                                    completion_window="24h")
     with pytest.raises(openai.NotFoundError) as seen:

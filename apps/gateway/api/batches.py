@@ -55,7 +55,7 @@ async def create_batch(request: Request, state: State) -> Response:
     req = decode_body(await request.body(), CreateBatch)
     _check(req)
     principal = request.state.principal
-    stored = await state.files.get(req.input_file_id, principal)
+    stored = await state.files.get(req.input_file_id, principal, param="input_file_id")
     if stored.purpose != "batch":
         raise _refuse("'input_file_id' must name a file uploaded with purpose 'batch'.", "input_file_id")
     batches: BatchStore = state.batches
