@@ -189,6 +189,24 @@ def cmd_models(args: argparse.Namespace) -> None:
         raise SystemExit(str(exc)) from None
 
 
+def cmd_batches(args: argparse.Namespace) -> None:
+    """`helexa batches ls|show|cancel`: the Batch API over the gateway's HTTP (apps.fleet.batches)."""
+    import json
+
+    from apps.fleet import batches, operator
+
+    try:
+        found = batches.run(args.action, args.batch, batches.gateway_url(args.url), batches.api_key(args.api_key),
+                            args.limit)
+    except batches.Refused as exc:
+        print(json.dumps({"ok": False, "error": str(exc)}))
+        raise SystemExit(1) from None
+    except operator.Unreachable as exc:
+        raise SystemExit(str(exc)) from None
+    for item in found:
+        print(json.dumps(item))
+
+
 def cmd_bus(args: argparse.Namespace) -> None:
     """`helexa bus sub [SUBJECT]`: print the bus's messages as they pass (see apps.fleet.bus_watch);
     `helexa bus setup`: declare the streams, as the administrator NATS_URL names; `helexa bus roles
@@ -298,6 +316,14 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("model", nargs="?", default="")
     models.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the workers")
     models.set_defaults(func=cmd_models)
+
+    batches = sub.add_parser("batches", help="list, show or cancel batches (/v1/batches) as an API key's principal")
+    batches.add_argument("action", choices=["ls", "show", "cancel"])
+    batches.add_argument("batch", nargs="?", default="")
+    batches.add_argument("--url", default=None, help="the gateway (HELEXA_URL)")
+    batches.add_argument("--api-key", default=None, help="the API key (HELEXA_API_KEY or OPENAI_API_KEY)")
+    batches.add_argument("--limit", type=int, default=20, help="`ls`: how many, newest first (at most 100)")
+    batches.set_defaults(func=cmd_batches)
 
     bus = sub.add_parser("bus", help="watch the bus: `helexa bus sub [SUBJECT]` prints its messages; "
                                      "`setup` declares its streams; `roles` prints its users' permissions")

@@ -156,6 +156,10 @@ class GatewaySettings:
     # Batches (/v1/batches): how many of a batch's lines this gateway's runner has in flight at once;
     # 0: this gateway runs no batches (it still takes them, and another gateway's runner runs them).
     batch_concurrency: int = field(default_factory=lambda: _env_int("HELEXA_BATCH_CONCURRENCY", 8))
+    # How many of a principal's batches may be live (not yet completed, failed, expired or cancelled):
+    # a new one past it is a 429 naming max_live_batches_per_principal.
+    max_live_batches_per_principal: int = field(
+        default_factory=lambda: _env_int("HELEXA_MAX_LIVE_BATCHES_PER_PRINCIPAL", 100))
     upload_timeout_s: float = field(default_factory=lambda: _env_float("HELEXA_UPLOAD_TIMEOUT_S", 600.0))
     # On SIGTERM, how long answers in flight get to finish (then an error event ends each).
     stop_grace_s: float = field(default_factory=lambda: _env_float("HELEXA_STOP_GRACE_S", 10.0))
@@ -187,6 +191,8 @@ class GatewaySettings:
             raise ValueError("HELEXA_RESPONSE_WAIT_S must be >= 0")
         if self.batch_concurrency < 0:
             raise ValueError("HELEXA_BATCH_CONCURRENCY must be >= 0")
+        if self.max_live_batches_per_principal < 1:
+            raise ValueError("HELEXA_MAX_LIVE_BATCHES_PER_PRINCIPAL must be >= 1")
         if self.stop_grace_s < 0:
             raise ValueError("HELEXA_STOP_GRACE_S must be >= 0")
         if min(self.max_stored_response_bytes, self.max_chain_responses, self.max_chain_bytes,
@@ -227,6 +233,9 @@ class WorkerSettings:
     kv_cache_mb: int = field(default_factory=lambda: _env_int("HELEXA_KV_CACHE_MB", 1024))
     # Engine steps a batch-class request waits at most before it is admitted as interactive work.
     batch_aging_steps: int = field(default_factory=lambda: _env_int("HELEXA_BATCH_AGING_STEPS", 512))
+    # Free slots a worker never pulls batch-class requests into, kept for interactive work; -1: a
+    # quarter of max_num_seqs, at least 1 (apps.worker.intake.interactive_reserve).
+    interactive_reserve: int = field(default_factory=lambda: _env_int("HELEXA_INTERACTIVE_RESERVE", -1))
     # How long an idle engine gathers a burst of requests before its first step (0: not at all).
     batch_window_ms: float = field(default_factory=lambda: _env_float("HELEXA_BATCH_WINDOW_MS", 30.0))
     enable_prefix_caching: bool = field(default_factory=lambda: _env("HELEXA_PREFIX_CACHING", "on") != "off")
@@ -271,6 +280,8 @@ class WorkerSettings:
             raise ValueError("HELEXA_FRAME_WINDOW_MS must be between 0 and 1000")
         if self.max_model_len < 0:
             raise ValueError("HELEXA_MAX_MODEL_LEN must be >= 0 (0 = the model's own limit)")
+        if self.interactive_reserve < -1:
+            raise ValueError("HELEXA_INTERACTIVE_RESERVE must be >= 0 (or -1: a quarter of max_num_seqs)")
         if self.status_interval_s <= 0:
             raise ValueError("HELEXA_STATUS_INTERVAL_S must be positive")
         if self.kv_cache_mb < 1:

@@ -5,10 +5,12 @@ parsers and frames) that emits one token every `--token-delay-ms` per stream, a 
 what is measured is the pipeline around an engine, not the engine. For each frame window
 (`HELEXA_FRAME_WINDOW_MS`) one system is started; at each stream count S, S streams of
 `--max-tokens` tokens run at once through the OpenAI SDK, `--runs` times. Each text chunk the client
-gets is one `Delta` frame, one NATS message on the reply subject (the frame window's unit), so
-`frames_per_token` is text chunks / tokens. CPU per request comes from each process's threads
-(benchmarks.process_cpu) by role. A run whose streams did not all carry the script's text is
-reported as failed, without figures.
+gets is one `Delta` frame (the frame window's unit), so `frames_per_token` is text chunks / tokens.
+Frames for one gateway share NATS messages (`apps.bus.bundles`): `messages_per_token` counts, with an
+operator's subscription to the gateways' inboxes, every message on a reply subject or a bundle
+subject (frames of every kind, alone or bundled), per generated token. CPU per request comes from
+each process's threads (benchmarks.process_cpu) by role. A run whose streams did not all carry the
+script's text is reported as failed, without figures.
 
     python -m benchmarks.frame_window --windows 0 10 20 --streams 1 16 64 \
         --out benchmarks/results/frame_window-<machine>.json
@@ -17,13 +19,20 @@ reported as failed, without figures.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import statistics
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
+from nats.aio.msg import Msg
+
+from apps.bus import bundles, connection, roles, topology
+from apps.embedded import stored_port
+from apps.embedded.nats_server import NatsServer
 from benchmarks.lib import emit, machine_info
 from benchmarks.openai_load import OpenAILoad
 from benchmarks.process_cpu import ProcessCPU
@@ -39,6 +48,43 @@ def script(tokens: int, token_delay_s: float) -> dict:
     return {"default": reply, "rules": [{"match": "", "reply": reply, "token_delay_s": token_delay_s}]}
 
 
+class ReplyMessages:
+    """Counts the reply messages (frames alone, and bundles) every gateway of a system receives,
+    from an operator's connection on a loop of its own."""
+
+    def __init__(self, nats_dir: Path) -> None:
+        self._url = NatsServer(nats_dir, stored_port(nats_dir)).url_for(roles.OPERATOR)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self.count = 0
+
+    def __enter__(self) -> ReplyMessages:
+        self._thread.start()
+        self._nc = self._call(connection.connect(self._url, "bench-reply-messages", role=roles.OPERATOR))
+        self._call(self._nc.subscribe(f"{topology.inbox_root(roles.GATEWAY)}.>", cb=self._on_message))
+        self._call(self._nc.flush())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._call(self._nc.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+
+    def _call(self, work: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(work, self._loop).result(timeout=30)
+
+    async def _on_message(self, msg: Msg) -> None:
+        parts = msg.subject.split(".")
+        # `_INBOX.gateway.<user>.<home id>.r.<token or bundle>`; not alive probes, not other inbox traffic.
+        if len(parts) == 6 and parts[4] == bundles.REPLY:
+            self.count += 1
+
+    def counted(self) -> int:
+        """Messages so far; everything the server routed here before this call is counted."""
+        self._call(self._nc.flush())
+        return self.count
+
+
 def measure(window_ms: float, streams: list[int], runs: int, max_tokens: int, token_delay_s: float,
             scratch: Path) -> dict:
     script_path = scratch / "script.json"
@@ -48,14 +94,17 @@ def measure(window_ms: float, streams: list[int], runs: int, max_tokens: int, to
                        "HELEXA_MAX_NUM_SEQS": str(max(streams)), "HELEXA_RATE_LIMIT_RPS": "0"})
     results: dict = {"window_ms": window_ms, "by_streams": {}}
     server = helexa_up(scratch / f"w{window_ms}", free_port(), "float32")
-    with server, OpenAILoad(server.base_url, server.model) as load:
+    with server, OpenAILoad(server.base_url, server.model) as load, \
+            ReplyMessages(scratch / f"w{window_ms}" / "data" / "nats") as messages:
         load.run([[1, 2, 3]], max_tokens, concurrent=False)  # warm-up: connections, first templates
         for count in streams:
             per_run: list[dict[str, Any]] = []
             for _ in range(runs):
                 cpu = ProcessCPU(server.pid, server.cpu_role)
+                before = messages.counted()
                 with cpu:
                     result = load.run([[1, 2, 3]] * count, max_tokens, concurrent=True)
+                sent = messages.counted() - before
                 texts_ok = all(s.text.strip() and expected["default"].startswith(s.text.strip())
                                and s.completion_tokens == max_tokens for s in result.streams)
                 if not texts_ok:
@@ -63,7 +112,8 @@ def measure(window_ms: float, streams: list[int], runs: int, max_tokens: int, to
                     continue
                 chunks = sum(len(s.gaps) + 1 for s in result.streams)
                 tokens = sum(s.completion_tokens for s in result.streams)
-                per_run.append({"frames_per_token": chunks / tokens, "tokens_per_s": tokens / result.wall_s,
+                per_run.append({"frames_per_token": chunks / tokens, "messages_per_token": sent / tokens,
+                                "tokens_per_s": tokens / result.wall_s,
                                 "itl_ms_median": result.itl_ms_median, "cpu_ms_per_request": cpu.per_request(count)})
             good = [r for r in per_run if "failed" not in r]
             if len(good) < len(per_run):
@@ -72,6 +122,7 @@ def measure(window_ms: float, streams: list[int], runs: int, max_tokens: int, to
             results["by_streams"][count] = {
                 "runs": len(good),
                 "frames_per_token": round(statistics.median(r["frames_per_token"] for r in good), 3),
+                "messages_per_token": round(statistics.median(r["messages_per_token"] for r in good), 3),
                 "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in good), 1),
                 "itl_ms_median": round(statistics.median(r["itl_ms_median"] for r in good), 2),
                 "cpu_ms_per_request": {role: round(statistics.median(r["cpu_ms_per_request"].get(role, 0.0)
@@ -103,6 +154,8 @@ def main() -> None:
             f"{r['window_ms']}ms": {
                 str(s): {"frames_per_token": round(r["by_streams"][s]["frames_per_token"]
                                                    / base["by_streams"][s]["frames_per_token"], 3),
+                         "messages_per_token": round(r["by_streams"][s]["messages_per_token"]
+                                                     / base["by_streams"][s]["messages_per_token"], 3),
                          "server_cpu_per_request": round(r["by_streams"][s]["cpu_ms_per_request"]["server_total"]
                                                          / base["by_streams"][s]["cpu_ms_per_request"]["server_total"],
                                                          3)}

@@ -53,13 +53,13 @@ def names_its_own_object(ref: wire.RequestRef) -> bool:
 
 async def publish_request(js: JetStreamContext, nc: NatsClient, request: wire.GenerateRequest,
                           msg_id: str | None = None) -> PubAck:
-    """Publish `request` on its model's subject, through the Object Store when it is too large for
+    """Publish `request` on its model's subject for its service class, through the Object Store when it is too large for
     one message. `msg_id` (default: the request id) is its dedupe id and, for a large one, its
     object's name: a retried publish replaces the object and is stored once. Raises what
     `apps.bus.publish.publish` raises (StreamFull among them, also when the bucket is full),
     having removed the object then."""
     msg_id = msg_id or request.request_id
-    subject = topology.request_subject(request.model)
+    subject = topology.request_subject(request.model, request.service_class)
     body = wire.encode(request)
     if fits(nc, body, {"Nats-Msg-Id": msg_id}):
         return await publish(js, subject, body, msg_id)

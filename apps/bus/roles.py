@@ -170,8 +170,10 @@ def permissions(role: str, user: str | None) -> dict[str, Any]:
             # Frames and alive probes; which request's subject a worker knows is the point (see above).
             f"{topology.inbox_root(GATEWAY)}.>", *_events(WORKER),
             *every_stream,
-            # Its model's consumer, filtered on one model's subject, and fetching and acking through it.
+            # Its model's consumers (interactive and batch), each filtered on one model's subject,
+            # and fetching and acking through them.
             f"{_API}.CONSUMER.CREATE.{requests}.*.{topology.request_wildcard('*')}",
+            f"{_API}.CONSUMER.CREATE.{requests}.*.{topology.batch_request_wildcard()}",
             f"{_API}.CONSUMER.INFO.{requests}.*", f"{_API}.CONSUMER.MSG.NEXT.{requests}.*",
             f"$JS.ACK.{requests}.>",
             f"$KV.{topology.NODES_BUCKET}.>",

@@ -34,6 +34,7 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import OBJ_STREAM_TEMPLATE, ObjectStore
 
 from apps.bus.pull import BatchPuller
+from engine.frontend.protocol import ServiceClass
 
 log = logging.getLogger("helexa.bus")
 
@@ -58,6 +59,9 @@ BATCH_CLAIM_MAX_AGE_S = 48 * 3600.0
 BATCH_ACK_WAIT_S = 60.0
 
 _REQUEST_PREFIX = "helexa.req"
+# The last token of a model's batch-class request subject (a model's own token is one token, so
+# `helexa.req.<model>.batch` never overlaps another model's interactive `helexa.req.<model>`).
+_BATCH_TOKEN = "batch"
 _EVENT_PREFIX = "helexa.events"
 _CANCEL_PREFIX = "helexa.cancel"
 _NODE_PREFIX = "helexa.node"
@@ -82,7 +86,12 @@ def model_token(model: str) -> str:
     return token
 
 
-def request_subject(model: str) -> str:
+def request_subject(model: str, service_class: ServiceClass = ServiceClass.INTERACTIVE) -> str:
+    """Where a request for `model` is queued: interactive ones on the model's subject, batch-class
+    ones (the batch runner's lines) on one of their own beside it, which the model's workers pull
+    only into the slots interactive work leaves free (`apps.worker.intake`)."""
+    if service_class == ServiceClass.BATCH:
+        return f"{_REQUEST_PREFIX}.{model_token(model)}.{_BATCH_TOKEN}"
     return f"{_REQUEST_PREFIX}.{model_token(model)}"
 
 
@@ -113,9 +122,11 @@ def valid_reply_subject(subject: str) -> bool:
     return len(subject.encode()) <= MAX_REPLY_SUBJECT_BYTES and _REPLY_SUBJECT.fullmatch(subject) is not None
 
 
-def worker_consumer(model: str) -> str:
-    """The durable pull consumer every worker of `model` shares."""
-    return f"worker-{model_token(model)}"
+def worker_consumer(model: str, service_class: ServiceClass = ServiceClass.INTERACTIVE) -> str:
+    """The durable pull consumer every worker of `model` shares, one per service class (the
+    prefixes differ, so no model's name can make one the other's)."""
+    prefix = "batch-worker" if service_class == ServiceClass.BATCH else "worker"
+    return f"{prefix}-{model_token(model)}"
 
 
 @dataclass(slots=True, frozen=True)
@@ -217,12 +228,13 @@ def batch_runners_config(ack_wait_s: float = BATCH_ACK_WAIT_S) -> ConsumerConfig
     )
 
 
-def worker_consumer_config(model: str, ack_wait_s: float = 10.0, max_deliver: int = 3) -> ConsumerConfig:
-    name = worker_consumer(model)
+def worker_consumer_config(model: str, ack_wait_s: float = 10.0, max_deliver: int = 3,
+                           service_class: ServiceClass = ServiceClass.INTERACTIVE) -> ConsumerConfig:
+    name = worker_consumer(model, service_class)
     return ConsumerConfig(
         name=name,
         durable_name=name,
-        filter_subject=request_subject(model),
+        filter_subject=request_subject(model, service_class),
         ack_policy=AckPolicy.EXPLICIT,
         deliver_policy=DeliverPolicy.ALL,
         # Workers send in-progress acks while generating, so ack_wait only bounds a dead worker.
@@ -411,11 +423,12 @@ async def node_registry(js: JetStreamContext, limits: BusLimits) -> KeyValue:
         )
 
 
-async def worker_puller(nc: NatsClient, model: str, limits: BusLimits) -> BatchPuller:
-    """Batches from `model`'s shared worker consumer, declared (or converged) first."""
-    config = worker_consumer_config(model, limits.request_ack_wait_s, limits.max_deliver)
+async def worker_puller(nc: NatsClient, model: str, limits: BusLimits,
+                        service_class: ServiceClass = ServiceClass.INTERACTIVE) -> BatchPuller:
+    """Batches from `model`'s shared worker consumer of `service_class`, declared (or converged) first."""
+    config = worker_consumer_config(model, limits.request_ack_wait_s, limits.max_deliver, service_class)
     await nc.jetstream().add_consumer(REQUESTS_STREAM, config=config)
-    return await BatchPuller(nc, REQUESTS_STREAM, worker_consumer(model)).start()
+    return await BatchPuller(nc, REQUESTS_STREAM, worker_consumer(model, service_class)).start()
 
 
 def max_deliveries_advisories() -> str:
@@ -460,6 +473,11 @@ async def model_is_known(js: JetStreamContext, model: str) -> bool:
 def cancel_wildcard() -> str:
     """Workers listen here for every cancellation and abort the ones they hold."""
     return f"{_CANCEL_PREFIX}.*"
+
+
+def batch_request_wildcard() -> str:
+    """Every model's batch-class request subject: what a worker's batch consumer may filter on."""
+    return f"{_REQUEST_PREFIX}.*.{_BATCH_TOKEN}"
 
 
 def request_wildcard(wildcard: str = ">") -> str:

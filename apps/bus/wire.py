@@ -215,6 +215,8 @@ class ModelStatus(Wire, frozen=True, kw_only=True):
     # grammars it composes), and constrained requests that shared a compile done or under way.
     grammar_compiles: int = 0
     grammar_cache_hits: int = 0
+    # Requests this worker pulled for the model since it started, by service class.
+    pulled: dict[ServiceClass, int] = {}
 
 
 class NodeStatus(Wire, frozen=True, kw_only=True):

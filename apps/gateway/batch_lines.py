@@ -92,6 +92,21 @@ def line_event(batch_id: str, line: int, custom_id: str | None, status_code: int
                           error=error)
 
 
+def expired_lines(batch_id: str, items: list[Prepared | BatchLine], started: set[int]) -> list[BatchLine]:
+    """At expiry, the error lines of the lines that never started: `batch_expired`, as OpenAI
+    writes them (an invalid line keeps its own error)."""
+    out: list[BatchLine] = []
+    for item in items:
+        if item.line in started:
+            continue
+        if isinstance(item, BatchLine):
+            out.append(item)
+            continue
+        out.append(line_event(batch_id, item.line, item.custom_id, error=line_error(
+            "batch_expired", "This line was not run before the batch expired.")))
+    return out
+
+
 def split_lines(content: bytes) -> list[bytes]:
     """The file's lines (as the upload checked them: every one a JSON object, none blank)."""
     lines = content.split(b"\n")

@@ -25,10 +25,11 @@ once. Once the ledger has a row for every line, the output and error JSONL files
 the files bucket as the batch owner's (purpose `batch_output`), then the batch is `completed`.
 
 Cancelling (`batch.status` cancelling, from any gateway) stops new lines from starting; the ones
-running finish, then the batch is `cancelled` with what is done. At `expires_at` the same happens
-and the batch is `expired`. A line refused for lack of capacity (429, 503) is retried after a
-pause, with a new request id, a bounded number of times. Waits on the ledger are bounded too: a
-line event lost on its way gives the claim back, and the next run records what is missing.
+running finish, then the batch is `cancelled` with what is done. At `expires_at` the same happens,
+the lines that never started become error lines `batch_expired`, and the batch is `expired`. A
+line refused for lack of capacity (429, 503) is retried after a pause, with a new request id, a
+bounded number of times. Waits on the ledger are bounded too: a line event lost on its way gives
+the claim back, and the next run records what is missing.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from apps.bus.codes import ServingError
 from apps.bus.events import AnyEvent, BatchLine
 from apps.bus.pull import BatchPuller
 from apps.gateway.api.structured import check_enforceable
-from apps.gateway.batch_lines import Prepared, line_error, line_event, output_line, prepare, split_lines
+from apps.gateway.batch_lines import Prepared, expired_lines, line_error, line_event, output_line, prepare, split_lines
 from apps.gateway.batch_store import BATCH_IDS, TERMINAL, BatchStore, StoredBatch
 from apps.gateway.bus_client import GatewayBus
 from apps.gateway.errors import error_body
@@ -173,6 +174,10 @@ class BatchRunner:
             await self._run_lines(batch, prepared, stop)
         finally:
             watcher.cancel()
+        if stop.reason == "expired":
+            for expired in expired_lines(batch_id, prepared, stop.started):
+                stop.started.add(expired.line)
+                self._emit(expired)
         await self._until_lines(batch_id, done | stop.started)
         final = stop.reason or "completed"
         self._batches.set_status(batch_id, "finalizing")

@@ -53,6 +53,11 @@ SELECT batch_id FROM batches
 WHERE principal IS NOT DISTINCT FROM $1 AND event_id IS NOT NULL AND ($2::text IS NULL OR batch_id < $2)
 ORDER BY batch_id DESC LIMIT $3
 """
+# A principal's live batches (none of TERMINAL).
+_LIVE = """
+SELECT batch_id FROM batches
+WHERE principal IS NOT DISTINCT FROM $1 AND event_id IS NOT NULL AND status <> ALL($2::text[])
+"""
 _LINES_DONE = "SELECT line FROM batch_lines WHERE batch_id = $1"
 _LINES = "SELECT * FROM batch_lines WHERE batch_id = $1 ORDER BY line"
 
@@ -181,6 +186,13 @@ class BatchStore:
         batches = [b for b in [*(await self._many(ids)), *mine] if b is not None]
         batches.sort(key=lambda b: b.batch_id, reverse=True)
         return batches[:limit], len(batches) > limit
+
+    async def live(self, principal: str | None) -> int:
+        """How many of `principal`'s batches are live: the ledger's, and this gateway's own that
+        it does not have yet."""
+        ids = {row["batch_id"] for row in await self.fetch(_LIVE, principal, list(TERMINAL))}
+        return len(ids) + sum(1 for b in self._recent.values() if b.principal == principal and b.batch_id not in ids
+                              and b.status not in TERMINAL)
 
     async def _many(self, ids: list[str]) -> list[StoredBatch | None]:
         return [await self._one_or_recent(batch_id) for batch_id in ids]

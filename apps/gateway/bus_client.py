@@ -1,9 +1,11 @@
 """The gateway's NATS connection, and putting a request on the bus: listen, then publish.
 
-A request's reply subject is this connection's inbox plus 128 random bits (`new_reply_subject`):
-only a worker delivered the request learns it, and workers may not subscribe to gateways' inboxes
-(`apps.bus.roles`), so frames on it come from the worker that took the request, and no other can
-take the stream over with a later attempt number. A migrated request gets a new one.
+A request's reply subject is this connection's home (under its inbox) plus 128 random bits
+(`new_reply_subject`): only a worker delivered the request learns it, and workers may not subscribe
+to gateways' inboxes (`apps.bus.roles`), so frames for it come from the worker that took the
+request, and no other can take the stream over with a later attempt number. A migrated request
+gets a new one. Frames of every request arrive through the connection's one `ReplyRouter`
+subscription, alone or in a worker's bundle (`apps.bus.bundles`).
 
 `submit` returns the request's `ReplyStream`; a max-deliveries advisory (JetStream gave up on a
 request) is turned into an error frame on that stream, so its client is answered at once.
@@ -20,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import secrets
 from collections.abc import Callable
 
 import msgspec
@@ -35,6 +36,7 @@ from apps.bus.publish import publish_core
 from apps.bus.topology import BusLimits
 from apps.gateway.liveness import answer_probes
 from apps.gateway.metrics import GatewayMetrics
+from apps.gateway.reply_router import ReplyRouter
 from apps.gateway.reply_stream import DEFAULT_MAX_FRAMES, ReplyStream
 
 log = logging.getLogger("helexa.gateway")
@@ -50,6 +52,7 @@ class GatewayBus:
         self._metrics = metrics
         self.nc: NatsClient = NatsClient()
         self.js: JetStreamContext = self.nc.jetstream()
+        self.router = ReplyRouter(self.nc)
         # Which connection is current: a closed callback of an older one changes nothing.
         self._generation = 0
         self._replacing: asyncio.Task[None] | None = None
@@ -77,10 +80,12 @@ class GatewayBus:
         try:
             await topology.require_topology(nc.jetstream())
             await nc.subscribe(topology.max_deliveries_advisories(), cb=self._on_max_deliveries)
+            router = ReplyRouter(nc)
+            await router.start()
         except BaseException:
             await nc.close()
             raise
-        self.nc, self.js, self._generation = nc, nc.jetstream(), generation
+        self.nc, self.js, self.router, self._generation = nc, nc.jetstream(), router, generation
 
     async def _on_closed(self, generation: int) -> None:
         if self._closing or generation != self._generation:
@@ -146,11 +151,19 @@ class GatewayBus:
         """Listen on the reply subject first, then publish, so no frame can be missed. While this
         process lives it answers the worker's liveness probes; when it dies, nobody does.
         Raises what `large_requests.publish_request` raises (`StreamFull` among them)."""
-        nc = self.nc
+        nc, router = self.nc, self.router
+        if not router.owns(request.reply_subject):
+            # Made for a connection replaced since: frames come only to the current one's home.
+            request = msgspec.structs.replace(request, reply_subject=router.new_reply_subject())
         stream = ReplyStream(max_frames, on_overflow)
-        await stream.follow(await nc.subscribe(request.reply_subject, cb=stream.on_message))
+        router.follow(stream, request.reply_subject)
         self._streams.add(stream)
-        stream.on_close = lambda: self._streams.discard(stream)
+
+        def forget() -> None:
+            self._streams.discard(stream)
+            router.forget(stream)
+
+        stream.on_close = forget
         try:
             stream.subscriptions.append(await answer_probes(nc, stream, request.reply_subject))
             request = msgspec.structs.replace(request, liveness_probe=True)
@@ -168,7 +181,7 @@ class GatewayBus:
         still answered: that attempt was taken)."""
         stream.migrate(request.attempt)
         request = msgspec.structs.replace(request, reply_subject=self.new_reply_subject())
-        await stream.follow(await self.nc.subscribe(request.reply_subject, cb=stream.on_message))
+        self.router.follow(stream, request.reply_subject)
         stream.subscriptions.append(await answer_probes(self.nc, stream, request.reply_subject))
         previous = self._message_of.get(stream)
         await self._publish(stream, request, f"{request.request_id}.{request.attempt}")
@@ -187,8 +200,11 @@ class GatewayBus:
         self._waiting[ack.seq] = request
         self._message_of[stream] = ack.seq
 
+        router = self.router
+
         def forget() -> None:
             self._streams.discard(stream)
+            router.forget(stream)
             self._waiting.pop(ack.seq, None)
             self._message_of.pop(stream, None)
 
@@ -219,6 +235,6 @@ class GatewayBus:
             log.warning("could not drop an undeliverable request", extra={"seq": seq, "error": str(exc)})
 
     def new_reply_subject(self) -> str:
-        """A reply subject for one request: an inbox of this connection (whose prefix only this
+        """A reply subject for one request: the home of this connection (under the inbox only this
         gateway's NATS user may subscribe to) and 128 random bits nobody can guess."""
-        return f"{self.nc.new_inbox()}.{secrets.token_urlsafe(16)}"
+        return self.router.new_reply_subject()

@@ -110,9 +110,11 @@ def _from_row(row: asyncpg.Record) -> StoredFile:
                       row["created_at"])
 
 
-def not_found(file_id: str) -> ServingError:
+def not_found(file_id: str, param: str = "file_id") -> ServingError:
+    """The one answer for a file this caller may not have: unknown, deleted or another principal's.
+    `param` names the request's field that held the id (`input_file_id` when creating a batch)."""
     shown = file_id if valid_id(file_id) else wire.bounded_text(file_id, 64)
-    return ServingError(404, ErrorCode.FILE_NOT_FOUND, f"No file found with id '{shown}'.", param="file_id",
+    return ServingError(404, ErrorCode.FILE_NOT_FOUND, f"No file found with id '{shown}'.", param=param,
                         context={"detail": "unknown, deleted or another principal's file"})
 
 
@@ -323,12 +325,12 @@ class FileStore:
             raise not_found(file_id)
         return stored, read_stream(self._js(), info)
 
-    async def get(self, file_id: str, principal: str | None) -> StoredFile:
+    async def get(self, file_id: str, principal: str | None, param: str = "file_id") -> StoredFile:
         if not valid_id(file_id):
-            raise not_found(file_id)
+            raise not_found(file_id, param)
         stored = await self._read(file_id)
         if stored is None or stored.deleted or self._recent.was_deleted(file_id) or stored.principal != principal:
-            raise not_found(file_id)
+            raise not_found(file_id, param)
         return stored
 
     async def page(self, principal: str | None, limit: int, after: str | None, descending: bool,

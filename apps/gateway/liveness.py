@@ -2,7 +2,8 @@
 
 The protocol, per request (the worker's half lives in `apps/worker/liveness.py`):
 
-- **Listening first.** The gateway subscribes to the request's reply subject and to
+- **Listening first.** The gateway routes the request's reply subject to its stream (its
+  connection's one subscription, `apps.gateway.reply_router`) and subscribes to
   `<reply subject>.alive` before it publishes, so no frame and no probe can be missed.
 - **Alive probes.** While generating, a worker asks `<reply subject>.alive` every second. An empty
   probe is answered with an empty body ("still listening"); when nobody answers (no responders)

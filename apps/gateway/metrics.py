@@ -105,6 +105,8 @@ class _NodeCollector(Collector):
                                           "Batch-class sequences waiting in engines", labels=["model"])
         preemptions = CounterMetricFamily("helexa:preemptions", "Running sequences the engines preempted",
                                           labels=["model", "reason"])
+        pulled = CounterMetricFamily("helexa:requests_pulled", "Requests workers pulled from the bus, by service class",
+                                     labels=["model", "service_class"])
         per_model: dict[str, list[wire.ModelStatus]] = {}
         for node in self.metrics._nodes:
             for status in node.models:
@@ -122,8 +124,10 @@ class _NodeCollector(Collector):
             batch_waiting.add_metric([model], sum(s.batch_waiting for s in statuses))
             for reason in sorted({reason for s in statuses for reason in s.preemptions}):
                 preemptions.add_metric([model, reason], sum(s.preemptions.get(reason, 0) for s in statuses))
+            for cls in sorted({cls for s in statuses for cls in s.pulled}):
+                pulled.add_metric([model, cls], sum(s.pulled.get(cls, 0) for s in statuses))
         yield from (running, waiting, kv, queries, hits, state_slots, compiles, compile_hits)
-        yield from (batch_running, batch_waiting, preemptions)
+        yield from (batch_running, batch_waiting, preemptions, pulled)
         gateway_compiles = CounterMetricFamily("helexa:gateway_grammar_compiles",
                                                "Grammar checks this gateway started compiling")
         gateway_compiles.add_metric([], CHECKER.started)

@@ -9,7 +9,7 @@ newer attempt (`migrate`): from then on, frames of the attempts before it are dr
 
 Which frames arrive at all is decided before this: a request's reply subject is a secret only the
 worker delivered it learns (`apps.gateway.bus_client`), and a migrated request moves to a new one
-(`follow`), so the worker that lost it cannot send a later attempt's frames here.
+(`apps.gateway.reply_router`), so the worker that lost it cannot send a later attempt's frames here.
 
 Frames arrive as fast as the worker makes them and leave as fast as the client reads. A client
 that reads too slowly would make the gateway hold every frame in between, so the buffer is
@@ -48,14 +48,12 @@ class ReplyStream:
 
     Once the client has been sent text, `lock()` pins the attempt that sent it: a later attempt
     (JetStream redelivered the request) would start the text again, so its frames are dropped.
-    The owner subscribes `on_message` to the reply subject (`follow`) and sets `subscriptions`
-    and `on_close`.
+    The owner routes the reply subject's frames to `on_frame` (`apps.gateway.reply_router`) and
+    sets `subscriptions` (closed with the stream) and `on_close`.
     """
 
     def __init__(self, max_frames: int = DEFAULT_MAX_FRAMES, on_overflow: Callable[[], None] | None = None) -> None:
         self.subscriptions: list[Subscription] = []
-        # Where frames come from now: the current reply subject's subscription.
-        self._frames: Subscription | None = None
         self.on_close: Callable[[], None] | None = None
         self.node: str | None = None
         self._max_frames = max_frames
@@ -93,23 +91,14 @@ class ReplyStream:
         self._next_seq = 0
         self._locked = False
 
-    async def follow(self, frames: Subscription) -> None:
-        """Read frames from `frames` (a subscription of `on_message` to the current reply subject)
-        and no longer from the previous one: what the lost attempt's worker sends there is gone."""
-        previous, self._frames = self._frames, frames
-        self.subscriptions.append(frames)
-        if previous is not None:
-            self.subscriptions.remove(previous)
-            try:
-                await previous.unsubscribe()
-            except nats.errors.Error:
-                pass
-
     async def on_message(self, msg: Msg) -> None:
+        self.on_frame(msg.data)
+
+    def on_frame(self, data: bytes) -> None:
         if self._failure is not None:
             return
-        self._buffer.append(msg.data)
-        self._buffered_bytes += len(msg.data)
+        self._buffer.append(data)
+        self._buffered_bytes += len(data)
         self._arrived.set()
         if len(self._buffer) > self._max_frames or self._buffered_bytes > MAX_BUFFERED_BYTES:
             self._buffer.clear()
@@ -174,4 +163,3 @@ class ReplyStream:
             except nats.errors.Error:
                 pass
         self.subscriptions = []
-        self._frames = None

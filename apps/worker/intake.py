@@ -1,10 +1,15 @@
 """Worker intake (runs in the worker process): the step between JetStream and a model's serving loop.
 
-It pulls from the model's shared consumer (through `apps.bus.pull.BatchPuller`, as the recorder
+It pulls from the model's shared consumers (through `apps.bus.pull.BatchPuller`, as the recorder
 does) only as many messages as the loop has free slots, so JetStream spreads work across the
-workers of a model by capacity with no router of our own. It decodes each message, fetches a body
-too large for its message from the Object Store, and hands the loop (`ModelLoop`) each request it
-may serve as a `Held`. It settles messages for good (ack,
+workers of a model by capacity with no router of our own. There is one consumer per service class
+(`topology.worker_consumer`): interactive requests are pulled into every free slot, batch-class
+ones (the batch runner's lines) only into the free slots beyond a reserve kept for interactive
+work (`interactive_reserve`), so a worker full of batch lines still takes an interactive request
+at once; the engine's scheduler then preempts batch sequences for it where it must.
+
+It decodes each message, fetches a body too large for its message from the Object Store, and hands
+the loop (`ModelLoop`) each request it may serve as a `Held`. It settles messages for good (ack,
 or term with the large body deleted) and hands them back (nak) when the worker stops.
 
 The engine never sees a request id twice: a redelivery of a message still running here is left to
@@ -35,7 +40,7 @@ from apps.worker import liveness
 from apps.worker.choices import engine_request_ids
 from apps.worker.replies import Replier
 from apps.worker.run import abort_request
-from engine.frontend.protocol import Engine
+from engine.frontend.protocol import Engine, ServiceClass
 
 log = logging.getLogger("helexa.worker")
 
@@ -77,6 +82,14 @@ class NodeBus:
     status_changed: asyncio.Event
 
 
+def interactive_reserve(setting: int, max_num_seqs: int) -> int:
+    """Slots batch-class requests are never pulled into: `setting` (HELEXA_INTERACTIVE_RESERVE), or
+    when it is negative a quarter of `max_num_seqs`, at least 1; never every slot (an engine of one
+    sequence keeps none: batch lines would never run there)."""
+    reserve = max(1, max_num_seqs // 4) if setting < 0 else setting
+    return max(min(reserve, max_num_seqs - 1), 0)
+
+
 def holds(held: Mapping[str, Held], request: wire.GenerateRequest) -> bool:
     """Whether one of `request`'s engine ids is already running here: the engine core must never
     see an id twice (it cannot tell the two apart and fails)."""
@@ -85,25 +98,30 @@ def holds(held: Mapping[str, Held], request: wire.GenerateRequest) -> bool:
 
 
 class Intake:
-    """One model's messages: pulled while `free_slots()` has room, each request it may serve handed
+    """One model's messages: pulled while `free_slots(service_class)` has room, each request it may serve handed
     to `begin`. `held` is the loop's table of what it holds (read here to refuse duplicates)."""
 
-    def __init__(self, model_id: str, engine: Engine, held: Mapping[str, Held]) -> None:
+    def __init__(self, model_id: str, engine: Engine, held: Mapping[str, Held], reserve: int = 0) -> None:
         self.model_id = model_id
         self.engine = engine
         self.held = held
+        # Free slots batch-class requests are not pulled into (`interactive_reserve`).
+        self.reserve = reserve
+        # Requests pulled since the start, by class (the node status carries them to /metrics).
+        self.pulled = dict.fromkeys(ServiceClass, 0)
         # Large requests whose body is being fetched from the Object Store (each takes a slot).
         self.fetching = 0
         self._slot_freed = asyncio.Event()
         self._stop = asyncio.Event()
         self._pulling: asyncio.Task[None] | None = None
 
-    async def start(self, bus: NodeBus, free_slots: Callable[[], int], begin: Callable[[Held], None]) -> None:
+    async def start(self, bus: NodeBus, free_slots: Callable[[ServiceClass], int],
+                    begin: Callable[[Held], None]) -> None:
         self.bus = bus
         self._free_slots = free_slots
         self._begin_run = begin
-        puller = await topology.worker_puller(bus.nc, self.model_id, bus.limits)
-        self._pulling = asyncio.create_task(self._pull_loop(puller))
+        pullers = {cls: await topology.worker_puller(bus.nc, self.model_id, bus.limits, cls) for cls in ServiceClass}
+        self._pulling = asyncio.create_task(self._pull_loop(pullers))
 
     async def stop(self) -> None:
         """Pull nothing more."""
@@ -115,29 +133,70 @@ class Intake:
         """Look for requests again now (a slot was freed, or the engine has slots again)."""
         self._slot_freed.set()
 
-    async def _pull_loop(self, puller: BatchPuller) -> None:
+    def _room(self, cls: ServiceClass, waits: Mapping[ServiceClass, object]) -> int:
+        """Messages of `cls` that may be pulled now. A wait under way may bring one message, so it
+        holds a slot until it ends; batch-class requests leave the reserve free besides."""
+        free = self._free_slots(cls) - len(waits)
+        return free - self.reserve if cls == ServiceClass.BATCH else free
+
+    async def _pull_loop(self, pullers: Mapping[ServiceClass, BatchPuller]) -> None:
+        """Take what is ready, interactive first; when nothing is, wait for the first message of
+        either class (one wait per class, each for one message) or for a slot to free."""
         stopping = asyncio.create_task(self._stop.wait())
+        waits: dict[ServiceClass, asyncio.Task[list[Msg]]] = {}
         try:
             while not self._stop.is_set():
-                free = self._free_slots()
-                if free <= 0:
-                    self._slot_freed.clear()
-                    freed = asyncio.create_task(self._slot_freed.wait())
-                    await asyncio.wait({freed, stopping}, return_when=asyncio.FIRST_COMPLETED)
-                    freed.cancel()
-                    continue
-                try:
-                    msgs = await puller.fetch(free, timeout=1.0)  # [] when nothing came
-                except nats.errors.Error as exc:
-                    log.warning("fetch failed", extra={"model": self.model_id, "error": str(exc)})
+                # Cleared before the slots are counted, so a slot freed from here on wakes the wait below.
+                self._slot_freed.clear()
+                for cls, task in list(waits.items()):
+                    if task.done():
+                        del waits[cls]
+                        self._start_all(cls, self._waited(task))
+                took, failed = 0, False
+                for cls in ServiceClass:  # interactive first
+                    room = 0 if cls in waits else self._room(cls, waits)
+                    if room <= 0:
+                        continue
+                    try:
+                        msgs = await pullers[cls].take_ready(room)
+                    except nats.errors.Error as exc:
+                        log.warning("fetch failed", extra={"model": self.model_id, "error": str(exc)})
+                        msgs, failed = [], True
+                    self._start_all(cls, msgs)
+                    took += len(msgs)
+                if failed:
                     await asyncio.wait({stopping}, timeout=1.0)
+                if took or failed:
                     continue
-                for msg in msgs:
-                    self._start(msg)
+                for cls in ServiceClass:
+                    if cls not in waits and self._room(cls, waits) > 0:
+                        waits[cls] = asyncio.create_task(pullers[cls].fetch(1, timeout=1.0))
+                freed = asyncio.create_task(self._slot_freed.wait())
+                await asyncio.wait({*waits.values(), freed, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                freed.cancel()
         finally:
             stopping.cancel()
-            with contextlib.suppress(nats.errors.Error):
-                await puller.stop()
+            for task in waits.values():  # each ends within its fetch's timeout; what came goes back
+                await asyncio.wait({task})
+                for msg in self._waited(task):
+                    with contextlib.suppress(nats.errors.Error):
+                        await msg.nak()
+            for puller in pullers.values():
+                with contextlib.suppress(nats.errors.Error):
+                    await puller.stop()
+
+    def _waited(self, task: asyncio.Task[list[Msg]]) -> list[Msg]:
+        """What a finished wait brought ([] when its fetch failed: the loop asks again)."""
+        try:
+            return task.result()
+        except nats.errors.Error as exc:
+            log.warning("fetch failed", extra={"model": self.model_id, "error": str(exc)})
+            return []
+
+    def _start_all(self, cls: ServiceClass, msgs: list[Msg]) -> None:
+        self.pulled[cls] += len(msgs)
+        for msg in msgs:
+            self._start(msg)
 
     def _start(self, msg: Msg) -> None:
         try:

@@ -35,11 +35,11 @@ from apps.bus.publish import publish_event
 from apps.settings import WorkerSettings
 from apps.worker import liveness
 from apps.worker.context_limit import ContextLimit
-from apps.worker.intake import Held, Intake, NodeBus, holds
+from apps.worker.intake import Held, Intake, NodeBus, holds, interactive_reserve
 from apps.worker.replies import Replier
 from apps.worker.run import ModelHealth, ServedModel, abort_request, run_request
 from apps.worker.tokenizing import Tokenizing
-from engine.frontend.protocol import Engine
+from engine.frontend.protocol import Engine, ServiceClass
 from engine.frontend.tokenizer import Tokenizer
 
 log = logging.getLogger("helexa.worker")
@@ -59,7 +59,8 @@ class ModelLoop:
         # What is known of each held request's message and run (a redelivery is told from a reused
         # id by the message's stream sequence).
         self._held: dict[str, Held] = {}
-        self.intake = Intake(model_id, engine, self._held)
+        self.intake = Intake(model_id, engine, self._held,
+                             interactive_reserve(settings.interactive_reserve, engine.max_num_seqs))
         info = engine.info
         self.context = ContextLimit(
             max_position_embeddings=info.max_position_embeddings or engine.max_model_len,
@@ -194,11 +195,18 @@ class ModelLoop:
         """Look for requests again now: the engine has slots again (a new core after a restart)."""
         self.intake.wake()
 
-    def free_slots(self) -> int:
-        """Engine sequences not promised to a pulled request (a request takes one per choice)."""
+    def free_slots(self, service_class: ServiceClass = ServiceClass.INTERACTIVE) -> int:
+        """Engine sequences not promised to a pulled request (a request takes one per choice), for
+        a request of `service_class`."""
         if self.engine.free_slots() <= 0:
             return 0  # e.g. the engine process is gone
-        if self.engine.stats.num_waiting > 0:
+        stats = self.engine.stats
+        # Batch work waiting in the engine does not hold an interactive request back: the scheduler
+        # takes it first, preempting batch sequences where it must.
+        waiting = stats.num_waiting
+        if service_class == ServiceClass.INTERACTIVE:
+            waiting -= stats.num_batch_waiting
+        if waiting > 0:
             # The engine already holds work it has no KV blocks (or batch room) for: more would
             # only wait here, where another worker might have served it at once.
             return 0

@@ -4,13 +4,16 @@ one-shot `generate` endpoint, kept in memory and answered at once).
 Text frames coalesce by design (`frame_window_s`, the worker's `HELEXA_FRAME_WINDOW_MS`): a
 choice's first delta goes out at once, and after any frame the next deltas of the window are merged
 into one frame (text, reasoning, token ids and logprobs joined in order, token counts summed) and
-sent when the window closes. A choice's last delta, a tool call, the final and error frames and
-heartbeats first flush what is held, so nothing waits longer than one window and no frame is
-reordered. At 100 tokens/s per stream and a 20 ms window that is about one message for every two
-or three tokens instead of one per token; an SSE chunk then carries those tokens together, as
-OpenAI's own streams do.
+sent when the window closes (or sooner, with other streams' frames). A choice's last delta, a
+tool call, the final and error frames and heartbeats first flush what is held, so nothing waits
+longer than one window and no frame is reordered. At 100 tokens/s per stream and a 20 ms window
+that is about one frame for every two or three tokens instead of one per token; an SSE chunk then
+carries those tokens together, as OpenAI's own streams do.
 
-Every frame is measured before it is sent (`apps.bus.publish.publish_core`): one the server would
+Frames leave through the connection's `FrameOutbox` (`apps.worker.frame_outbox`): the windows of
+all streams close together, and the frames one flush makes for one gateway share a message.
+
+Every frame is measured before it is handed on (`apps.bus.publish.fits`): one the server would
 refuse (a tool call's arguments past max_payload) is replaced by an error frame, so the client
 learns its answer could not be delivered and the worker keeps its connection. Error messages are
 bounded (`wire.bounded_text`).
@@ -26,7 +29,8 @@ from nats.aio.client import Client as NatsClient
 
 from apps.bus import wire
 from apps.bus.codes import ErrorCode, FinishReason
-from apps.bus.publish import TooLarge, publish_core
+from apps.bus.publish import fits, message_size
+from apps.worker.frame_outbox import outbox_of
 
 log = logging.getLogger("helexa.worker")
 
@@ -46,12 +50,10 @@ class Replier:
         self.node = node
         self.frame_window_s = frame_window_s
         self._seq = 0
-        # Deltas held for the window, merged per choice; when the last text frame went; the timer
-        # that sends what is held when the window closes.
+        # Deltas held for the window, merged per choice; when the last text frame went. The
+        # connection's outbox wakes this Replier when the window closes.
         self._held: dict[int, _HeldDelta] = {}
         self._last_text_at: float | None = None
-        self._flush_timer: asyncio.TimerHandle | None = None
-        self._flushing: asyncio.Task[None] | None = None
         # Whether the client has had text (content, reasoning or a tool call) from this attempt.
         self.sent_tokens = False
         # Why this attempt went silent (None: it still speaks to the client).
@@ -61,28 +63,29 @@ class Replier:
         if self.silenced is None:
             self.silenced = reason
             self._held.clear()
-            self._cancel_timer()
+            self._stop_waking()
 
-    async def _send(self, frame: wire.ReplyFrame) -> None:
+    def _send(self, frame: wire.ReplyFrame) -> None:
         if self.silenced is not None:
             return
         self._seq += 1
-        try:
-            await publish_core(self.nc, self.subject, wire.encode(frame))
-        except TooLarge as exc:
+        data = wire.encode(frame)
+        if not fits(self.nc, data):
+            size, limit = message_size(data, None), self.nc.max_payload
             log.warning("reply frame too large for the bus; the client gets an error instead",
-                        extra={"subject": self.subject, "size": exc.size, "max_payload": exc.limit})
-            error = wire.ErrorFrame(seq=frame.seq, attempt=self.attempt, status=500, code=ErrorCode.GENERATION_FAILED,
-                                    message=f"A part of the answer ({exc.size} bytes) is larger than the message "
-                                            f"bus carries ({exc.limit} bytes).")
+                        extra={"subject": self.subject, "size": size, "max_payload": limit})
             # In the refused frame's place in the sequence; the gateway ends the answer and cancels the run.
-            await publish_core(self.nc, self.subject, wire.encode(error))
+            data = wire.encode(wire.ErrorFrame(
+                seq=frame.seq, attempt=self.attempt, status=500, code=ErrorCode.GENERATION_FAILED,
+                message=f"A part of the answer ({size} bytes) is larger than the message bus carries ({limit} bytes)."))
+        outbox_of(self.nc).put(self.subject, data)
 
     def _next(self) -> dict[str, int]:
         return {"seq": self._seq, "attempt": self.attempt}
 
     async def accepted(self, prompt_tokens: int) -> None:
-        await self._send(wire.Accepted(**self._next(), node=self.node, prompt_tokens=prompt_tokens))
+        self._send(wire.Accepted(**self._next(), node=self.node, prompt_tokens=prompt_tokens))
+        await self._sent()
 
     async def delta(
         self,
@@ -103,28 +106,37 @@ class Replier:
         now = time.monotonic()
         window_open = self._last_text_at is not None and now - self._last_text_at < self.frame_window_s
         if finish_reason is not None or tool_calls or not window_open:
-            await self._flush(index, finish_reason=finish_reason, tool_calls=tool_calls, stop_sequence=stop_sequence)
-        elif self._flush_timer is None:
+            self._flush(index, finish_reason=finish_reason, tool_calls=tool_calls, stop_sequence=stop_sequence)
+            await self._sent()
+        else:
             assert self._last_text_at is not None
-            delay = self._last_text_at + self.frame_window_s - now
-            self._flush_timer = asyncio.get_running_loop().call_later(delay, self._window_closed)
+            loop = asyncio.get_running_loop()
+            outbox_of(self.nc).wake_at(self, loop.time() + self._last_text_at + self.frame_window_s - now)
 
     async def flush(self) -> None:
         """Send every held delta now (before a frame that must not overtake them)."""
-        self._cancel_timer()
-        for index in sorted(self._held):
-            await self._flush(index)
+        self.flush_held()
+        await self._sent()
 
-    async def _flush(self, index: int, finish_reason: FinishReason | None = None,
-                     tool_calls: list[wire.ToolCallDelta] | None = None, stop_sequence: str | None = None) -> None:
+    async def _sent(self) -> None:
+        if self.nc is not None:
+            await outbox_of(self.nc).send_now()
+
+    def flush_held(self) -> None:
+        self._stop_waking()
+        for index in sorted(self._held):
+            self._flush(index)
+
+    def _flush(self, index: int, finish_reason: FinishReason | None = None,
+               tool_calls: list[wire.ToolCallDelta] | None = None, stop_sequence: str | None = None) -> None:
         held = self._held.pop(index, None)
         if not self._held:
-            self._cancel_timer()
+            self._stop_waking()
         if held is None or not (held or finish_reason or tool_calls):
             return
         self.sent_tokens = self.sent_tokens or bool(held.text or held.reasoning or tool_calls)
         self._last_text_at = time.monotonic()
-        await self._send(
+        self._send(
             wire.Delta(
                 **self._next(), text="".join(held.text), num_tokens=held.num_tokens, index=index,
                 finish_reason=finish_reason, reasoning="".join(held.reasoning), tool_calls=tool_calls or [],
@@ -132,27 +144,24 @@ class Replier:
             )
         )
 
-    def _window_closed(self) -> None:
-        self._flush_timer = None
-        if self._held and (self._flushing is None or self._flushing.done()):
-            self._flushing = asyncio.create_task(self.flush())
-
-    def _cancel_timer(self) -> None:
-        if self._flush_timer is not None:
-            self._flush_timer.cancel()
-            self._flush_timer = None
+    def _stop_waking(self) -> None:
+        if self.nc is not None:
+            outbox_of(self.nc).forget(self)
 
     async def heartbeat(self) -> None:
-        await self.flush()
-        await self._send(wire.Heartbeat(**self._next()))
+        self.flush_held()
+        self._send(wire.Heartbeat(**self._next()))
+        await self._sent()
 
     async def final(self, finish_reason: FinishReason, usage: wire.Usage) -> None:
-        await self.flush()
-        await self._send(wire.Final(**self._next(), finish_reason=finish_reason, usage=usage))
+        self.flush_held()
+        self._send(wire.Final(**self._next(), finish_reason=finish_reason, usage=usage))
+        await self._sent()
 
     async def error(self, status: int, code: ErrorCode, message: str) -> None:
-        await self.flush()
-        await self._send(wire.ErrorFrame(**self._next(), status=status, code=code, message=wire.bounded_text(message)))
+        self.flush_held()
+        self._send(wire.ErrorFrame(**self._next(), status=status, code=code, message=wire.bounded_text(message)))
+        await self._sent()
 
 
 class _HeldDelta:
@@ -187,7 +196,7 @@ class CollectingReplier(Replier):
         super().__init__(None, "", attempt, node)  # type: ignore[arg-type]  # no bus: frames stay here
         self.frames: list[wire.ReplyFrame] = []
 
-    async def _send(self, frame: wire.ReplyFrame) -> None:
+    def _send(self, frame: wire.ReplyFrame) -> None:
         if self.silenced is not None:
             return
         self._seq += 1

@@ -30,7 +30,7 @@ from apps.settings import WorkerSettings
 from apps.worker.model_loop import ModelLoop
 from apps.worker.process import WorkerProcess
 from engine.frontend.model_source import load_tokenizer
-from engine.frontend.protocol import SamplingParams
+from engine.frontend.protocol import SamplingParams, ServiceClass
 from engine.frontend.scripted import ScriptedEngine
 from engine.loading.default_model import default_model_path
 from tests.support import declared, eventually_async
@@ -123,6 +123,32 @@ async def test_a_3_mib_request_travels_and_leaves_nothing_behind(server: NatsSer
         info = await js.stream_info(f"OBJ_{topology.LARGE_REQUESTS_BUCKET}")
         assert info.state.bytes < 4096  # no chunk left, only the deletion marker at most
         assert info.config.max_age == BusLimits().request_max_age_s  # objects go with their messages
+    finally:
+        await nc.close()
+
+
+async def test_a_large_batch_line_queues_on_its_class_subject(small_server: NatsServer) -> None:
+    """A batch-class request, too large for its message, goes where its class's consumer pulls it
+    (as a reference to its object), never onto the model's interactive subject."""
+    nc = await connected(small_server.url)
+    try:
+        js = nc.jetstream()
+        await js.add_consumer(topology.REQUESTS_STREAM, config=topology.worker_consumer_config(MODEL))
+        request = msgspec.structs.replace(request_of_size(3 << 20, "big-batch"), service_class=ServiceClass.BATCH)
+        ack = await large_requests.publish_request(js, nc, request)
+        stored = await js.get_msg(topology.REQUESTS_STREAM, ack.seq)
+        assert stored.subject == topology.request_subject(MODEL, ServiceClass.BATCH) != topology.request_subject(MODEL)
+        puller = await topology.worker_puller(nc, MODEL, BusLimits(), ServiceClass.BATCH)
+        try:
+            (msg,) = await puller.fetch(1, timeout=10)
+        finally:
+            await puller.stop()
+        ref = wire.decode_request(msg.data)
+        assert isinstance(ref, wire.RequestRef) and await large_requests.fetch(js, ref) == request
+        await msg.ack()
+        await large_requests.delete(js, ref)
+        interactive = await js.consumer_info(topology.REQUESTS_STREAM, topology.worker_consumer(MODEL))
+        assert interactive.num_pending == 0 and not interactive.delivered.stream_seq
     finally:
         await nc.close()
 

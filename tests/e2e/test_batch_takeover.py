@@ -23,6 +23,7 @@ MODEL = "batch-takeover"
 SCRIPT = {"rules": [{"match": "", "reply": "one two three", "first_token_delay_s": 1.0, "token_delay_s": 0.3}],
           "default": ""}
 LINES = 16
+DOOMED = "e2e-workerkill-a"
 
 
 def lines_done(system: System, batch_id: str) -> int:
@@ -63,3 +64,63 @@ def test_a_batch_completes_after_its_gateway_is_killed_and_started_again(
             assert sorted(row["custom_id"] for row in output) == sorted(f"line-{i}" for i in range(LINES))
         finally:
             second.process.stop()
+
+
+def running_on(system: System, batch_id: str, node: str) -> bool:
+    rows = asyncio.run(fetch_rows(system.database_url, "SELECT count(*) AS n FROM run_attempts WHERE"
+                                  " starts_with(request_id, $1) AND node = $2 AND status = 'running'",
+                                  f"{batch_id}-", node))
+    return int(rows[0]["n"]) > 0
+
+
+def test_a_batch_completes_after_a_worker_is_killed_with_one_served_run_per_line(
+        system: System, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Two workers serve the batch's model; one is SIGKILLed while it holds lines. Its lines migrate
+    (text already sent) or are redelivered (none yet) to the other; no line is answered twice."""
+    keys = api_keys_file(tmp_path_factory.mktemp("keys"), {KEY: "carol"})
+    model = "batch-workerkill"
+    with scripted_worker(system, tmp_path_factory.mktemp("a"), model, SCRIPT,
+                         env={"HELEXA_NODE_ID": DOOMED}) as doomed, \
+            scripted_worker(system, tmp_path_factory.mktemp("b"), model, SCRIPT,
+                            env={"HELEXA_NODE_ID": "e2e-workerkill-b"}):
+        gateway = keyed_gateway(system, keys, KEY, env={"HELEXA_BATCH_CONCURRENCY": "4"})
+        try:
+            client = gateway.client()
+            content = b"".join(json.dumps({
+                "custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": model, "messages": [{"role": "user", "content": f"q{i}"}]}}).encode() + b"\n"
+                for i in range(LINES))
+            upload = client.files.create(file=("batch.jsonl", content), purpose="batch")
+            created = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                            completion_window="24h")
+            eventually(lambda: lines_done(system, created.id) >= 2 and running_on(system, created.id, DOOMED), 120,
+                       message="no line running on the worker to kill")
+            doomed.kill()
+            assert lines_done(system, created.id) < LINES
+
+            done: Batch = eventually(
+                lambda: (b := client.batches.retrieve(created.id)).status == "completed" and b, 300,
+                message="the batch never completed after its worker was killed")
+            assert done.request_counts is not None
+            assert (done.request_counts.total, done.request_counts.completed) == (LINES, LINES)
+            assert done.output_file_id is not None
+            output = [json.loads(row) for row in client.files.content(done.output_file_id).text.splitlines()]
+            assert sorted(row["custom_id"] for row in output) == sorted(f"line-{i}" for i in range(LINES))
+            assert all(row["response"]["body"]["choices"][0]["message"]["content"] == "one two three"
+                       for row in output)
+            # Each line's answer is its request's run, and that run is the one served (`ok`).
+            served = (
+                "SELECT l.custom_id, r.status FROM batch_lines l JOIN runs r USING (request_id)"
+                " WHERE l.batch_id = $1 AND r.status = 'ok'")
+            rows = eventually(lambda: (found := asyncio.run(fetch_rows(system.database_url, served, created.id)))
+                              and len(found) == LINES and found, 60, message="a line's run is not served")
+            assert sorted(row["custom_id"] for row in rows) == sorted(f"line-{i}" for i in range(LINES))
+            runs = asyncio.run(fetch_rows(system.database_url, "SELECT count(*) AS n FROM runs"
+                                          " WHERE starts_with(request_id, $1) AND status = 'ok'", f"{created.id}-"))
+            assert runs[0]["n"] == LINES  # no line ran to an answer twice
+            moved = asyncio.run(fetch_rows(
+                system.database_url, "SELECT request_id FROM run_attempts WHERE starts_with(request_id, $1)"
+                " GROUP BY request_id HAVING count(DISTINCT node) = 2", f"{created.id}-"))
+            assert moved, "no line held by the killed worker was answered by the other"
+        finally:
+            gateway.process.stop()

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -16,7 +20,7 @@ from openai.types import Batch
 from openai.types.chat import ChatCompletion
 
 from tests.e2e.conftest import System, scripted_worker
-from tests.support import eventually, fetch_rows
+from tests.support import REPO, eventually, fetch_rows
 from tests.system import KeyedGateway, api_keys_file, keyed_gateway
 
 ALICE, BOB = "sk-alice-batches", "sk-bob-batches"
@@ -26,13 +30,18 @@ SCRIPT = {"rules": [{"match": "slow", "reply": "one two three four", "first_toke
                      "token_delay_s": 0.5}],
           "default": "a quick answer"}
 CONCURRENCY = 2
+# The most live batches a principal may have here (each other test has at most one at a time).
+LIVE_CAP = 3
+# The acceptance's 200-line batch: every valid line answered, each custom_id once.
+VALID = 200
 
 
 @pytest.fixture(scope="module")
 def gateway(system: System, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KeyedGateway]:
     keys = api_keys_file(tmp_path_factory.mktemp("keys"), {ALICE: "batches-alice", BOB: "batches-bob"})
     with scripted_worker(system, tmp_path_factory.mktemp("script"), MODEL, SCRIPT):
-        started = keyed_gateway(system, keys, ALICE, env={"HELEXA_BATCH_CONCURRENCY": str(CONCURRENCY)})
+        started = keyed_gateway(system, keys, ALICE, env={"HELEXA_BATCH_CONCURRENCY": str(CONCURRENCY),
+                                                          "HELEXA_MAX_LIVE_BATCHES_PER_PRINCIPAL": str(LIVE_CAP)})
         try:
             yield started
         finally:
@@ -62,11 +71,12 @@ def ledger(system: System, sql: str, *args: object) -> list[dict]:
     return [dict(row) for row in asyncio.run(fetch_rows(system.database_url, sql, *args))]
 
 
-def test_a_batch_runs_to_completed_with_its_invalid_lines_as_errors(system: System, gateway: KeyedGateway) -> None:
+def test_a_200_line_batch_runs_to_completed_with_its_invalid_lines_as_errors(
+        system: System, gateway: KeyedGateway) -> None:
     client = gateway.client()
-    lines = [line(f"req-{i}", f"question {i}") for i in range(18)]
+    lines = [line(f"req-{i}", f"question {i}") for i in range(VALID)]
     lines.insert(5, line("wrong-url", "hi", url="/v1/completions"))
-    lines.insert(11, {"custom_id": "no-messages", "method": "POST", "url": "/v1/chat/completions",
+    lines.insert(111, {"custom_id": "no-messages", "method": "POST", "url": "/v1/chat/completions",
                       "body": {"model": MODEL}})
     upload = client.files.create(file=("batch.jsonl", jsonl(lines)), purpose="batch")
     created = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
@@ -78,12 +88,14 @@ def test_a_batch_runs_to_completed_with_its_invalid_lines_as_errors(system: Syst
     done = eventually(lambda: finished(client, created.id, "completed"), 120, message="the batch never completed")
     Batch.model_validate(done.model_dump(), strict=True)
     assert done.request_counts is not None
-    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (20, 18, 2)
+    counts = done.request_counts
+    assert (counts.total, counts.completed, counts.failed) == (VALID + 2, VALID, 2)
     assert done.in_progress_at and done.finalizing_at and done.completed_at
     assert done.output_file_id and done.error_file_id
 
     output = [json.loads(row) for row in client.files.content(done.output_file_id).text.splitlines()]
-    assert sorted(row["custom_id"] for row in output) == sorted(f"req-{i}" for i in range(18))
+    assert len(output) == VALID
+    assert sorted(row["custom_id"] for row in output) == sorted(f"req-{i}" for i in range(VALID))
     for row in output:
         assert row["response"]["status_code"] == 200 and row["error"] is None
         completion = ChatCompletion.model_validate(row["response"]["body"])
@@ -95,18 +107,19 @@ def test_a_batch_runs_to_completed_with_its_invalid_lines_as_errors(system: Syst
 
     rows = ledger(system, "SELECT count(*) AS n, count(DISTINCT custom_id) AS ids FROM batch_lines WHERE batch_id = $1",
                   created.id)
-    assert rows == [{"n": 20, "ids": 20}]
+    assert rows == [{"n": VALID + 2, "ids": VALID + 2}]
     assert created.id in [batch.id for batch in client.batches.list()]
     metrics = httpx.get(f"{gateway.url}/metrics").text
-    assert 'helexa:gateway_batch_lines_total{outcome="answered"} 18.0' in metrics
+    assert 'helexa:gateway_batch_lines_total{outcome="answered"} 200.0' in metrics
     assert 'helexa:gateway_batch_lines_total{outcome="invalid"} 2.0' in metrics
 
 
 def test_another_principal_cannot_see_or_cancel_a_batch(gateway: KeyedGateway) -> None:
     alice, bob = gateway.client(), gateway.client(BOB)
     upload = alice.files.create(file=("one.jsonl", jsonl([line("only", "hi")])), purpose="batch")
-    with pytest.raises(openai.NotFoundError):  # nor can anyone use another's file
+    with pytest.raises(openai.NotFoundError) as borrowed:  # nor can anyone use another's file
         bob.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert borrowed.value.body["param"] == "input_file_id"
     created = alice.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
                                    completion_window="24h")
     with pytest.raises(openai.NotFoundError) as seen:
@@ -157,3 +170,88 @@ def test_a_cancelled_batch_stops_starting_lines_while_interactive_work_runs(
     # Every line that started finished and is in the output: none started after the cancel took.
     eventually(lambda: len(ledger(system, "SELECT request_id FROM runs WHERE starts_with(request_id, $1)",
                                   f"{created.id}-")) == completed, 60, message="runs of lines not in the output")
+
+
+def helexa_batches(gateway: KeyedGateway, data_dir: Path, *args: str, key: str = ALICE) -> tuple[int, list[dict]]:
+    """`helexa batches ARGS` as an operator runs it, with the gateway's URL and `key` exported."""
+    env = {**os.environ, "HELEXA_URL": gateway.url, "HELEXA_API_KEY": key}
+    done = subprocess.run([sys.executable, "-m", "apps.cli", "--data-dir", str(data_dir), "batches", *args],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    return done.returncode, [json.loads(row) for row in done.stdout.splitlines() if row.startswith("{")]
+
+
+def test_the_batches_command_lists_shows_and_cancels_as_the_keys_principal(
+        gateway: KeyedGateway, tmp_path: Path) -> None:
+    client = gateway.client()
+    upload = client.files.create(file=("cli.jsonl", jsonl([line(f"cli-{i}", f"slow cli {i}") for i in range(10)])),
+                                 purpose="batch")
+    created = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                    completion_window="24h")
+
+    code, listed = helexa_batches(gateway, tmp_path, "ls")
+    assert code == 0 and created.id in [row["id"] for row in listed]
+    code, shown = helexa_batches(gateway, tmp_path, "show", created.id)
+    assert code == 0 and Batch.model_validate(shown[0]).id == created.id
+    code, refused = helexa_batches(gateway, tmp_path, "cancel", created.id, key=BOB)
+    assert code == 1 and refused[0]["ok"] is False and refused[0]["error"].startswith("404")
+    code, listed = helexa_batches(gateway, tmp_path, "ls", key=BOB)
+    assert code == 0 and created.id not in [row["id"] for row in listed]
+
+    code, cancelled = helexa_batches(gateway, tmp_path, "cancel", created.id)
+    assert code == 0 and cancelled[0]["status"] in ("cancelling", "cancelled")
+    eventually(lambda: finished(client, created.id, "cancelled"), 120, message="the batch never cancelled")
+    code, shown = helexa_batches(gateway, tmp_path, "show", created.id)
+    assert code == 0 and shown[0]["status"] == "cancelled"
+
+
+def test_a_small_batch_on_the_real_model_answers_as_the_live_route(system: System, gateway: KeyedGateway) -> None:
+    client = gateway.client()
+    questions = ["What is the capital of France?", "Name a primary color.", "Count to three.", "Say hello."]
+    bodies = [{"model": system.model, "messages": [{"role": "user", "content": text}], "max_tokens": 8,
+               "temperature": 0} for text in questions]
+    lines = [{"custom_id": f"real-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+             for i, body in enumerate(bodies)]
+    upload = client.files.create(file=("real.jsonl", jsonl(lines)), purpose="batch")
+    created = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                    completion_window="24h")
+    done = eventually(lambda: finished(client, created.id, "completed"), 180, message="the batch never completed")
+    assert done.output_file_id is not None
+    output = {row["custom_id"]: ChatCompletion.model_validate(row["response"]["body"])
+              for row in map(json.loads, client.files.content(done.output_file_id).text.splitlines())}
+    assert sorted(output) == [f"real-{i}" for i in range(len(questions))]
+    for i, body in enumerate(bodies):
+        live = client.chat.completions.create(**body)
+        assert output[f"real-{i}"].choices[0].message.content == live.choices[0].message.content
+        batch_usage, live_usage = output[f"real-{i}"].usage, live.usage
+        assert batch_usage is not None and live_usage is not None  # cached prompt tokens may differ
+        assert (batch_usage.prompt_tokens, batch_usage.completion_tokens) == (live_usage.prompt_tokens,
+                                                                              live_usage.completion_tokens)
+
+
+def test_a_principal_past_its_live_batches_cap_gets_429_naming_it(gateway: KeyedGateway) -> None:
+    alice, bob = gateway.client(), gateway.client(BOB)
+    # Slow lines, so the first batch is still running when the cap is reached.
+    upload = alice.files.create(file=("cap.jsonl", jsonl([line(f"cap-{i}", f"slow cap {i}") for i in range(10)])),
+                                purpose="batch")
+
+    def create() -> Batch:
+        return alice.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+
+    live = [create() for _ in range(LIVE_CAP)]
+    with pytest.raises(openai.RateLimitError) as refused:
+        create()
+    assert refused.value.body["param"] == "max_live_batches_per_principal"
+    # The cap is per principal: another's batches are not counted.
+    theirs = bob.files.create(file=("one.jsonl", jsonl([line("only", "hi")])), purpose="batch")
+    bobs = bob.batches.create(input_file_id=theirs.id, endpoint="/v1/chat/completions", completion_window="24h")
+    bob.batches.cancel(bobs.id)
+
+    for batch in live:
+        alice.batches.cancel(batch.id)
+    for batch_id in [batch.id for batch in live]:
+        eventually(lambda: finished(alice, batch_id, "cancelled"), 120, message="a batch never cancelled")  # noqa: B023  # called before the loop moves on
+    again = create()
+    alice.batches.cancel(again.id)
+    eventually(lambda: finished(alice, again.id, "cancelled"), 120, message="the batch never cancelled")
+    eventually(lambda: finished(bob, bobs.id, "cancelled") or finished(bob, bobs.id, "completed"), 120,
+               message="bob's batch never ended")

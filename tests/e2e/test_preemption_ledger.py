@@ -51,3 +51,13 @@ def test_a_preemption_is_a_ledger_row_with_its_reason(system: System, tmp_path: 
 
         # The worker's node entry carries its engine's counts to the gateway's /metrics.
         assert eventually(preemptions_metric, timeout_s=30.0) == 1
+
+        def pulled_metric() -> dict[str, float]:
+            text = httpx.get(f"{system.base_url}/metrics", timeout=30).text
+            return {sample.labels["service_class"]: sample.value for family in text_string_to_metric_families(text)
+                    for sample in family.samples
+                    if sample.name == "helexa:requests_pulled_total" and sample.labels.get("model") == PREEMPTED}
+
+        # And what its intake pulled, by class (this model got one interactive request, no batch line).
+        assert eventually(lambda: pulled_metric().get("interactive") == 1, timeout_s=30.0)
+        assert pulled_metric().get("batch", 0) == 0

@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 import asyncpg
 import httpx
 import nats
+import openai
 import psutil
 import pytest
 
@@ -303,3 +304,40 @@ def test_a_gateway_that_cannot_bind_exits_at_once_naming_the_address(nats_server
             assert errors == [f"[Errno 98] error while attempting to bind on address ('127.0.0.1', {port}): "
                               "address already in use"]
             assert "Traceback" not in gateway.output(last=100_000)
+
+
+def test_a_batch_completes_across_ctrl_c_and_up_again_on_the_same_data_dir(
+        tmp_path: Path, script: Path, ups: list[AppProcess]) -> None:
+    """The whole system stopped mid-batch (Ctrl-C) and started again: the batch's claim and lines
+    wait in the data directory's NATS and PostgreSQL, and the new gateway runs what is missing."""
+    data, port, lines = tmp_path / "data", free_port(), 16
+    env = {"HELEXA_BATCH_CONCURRENCY": "4"}
+    first = start_up(data, port, script, env=env)
+    ups.append(first)
+    ready = wait_up(first)
+    client = openai.OpenAI(base_url=f"{ready['url']}/v1", api_key="unused", max_retries=0, timeout=60)
+    content = b"".join(json.dumps({
+        "custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
+        "body": {"model": ready["model"], "messages": [{"role": "user", "content": f"medium {i}"}]}}).encode() + b"\n"
+        for i in range(lines))
+    upload = client.files.create(file=("batch.jsonl", content), purpose="batch")
+    created = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+
+    def completed() -> int:
+        counts = client.batches.retrieve(created.id).request_counts
+        return counts.completed if counts is not None else 0
+
+    eventually(lambda: completed() >= 2, 120, message="no line finished")
+    os.killpg(first.process.pid, signal.SIGINT)
+    assert first.process.wait(60) == 0
+
+    second = start_up(data, port, script, env=env)
+    ups.append(second)
+    wait_up(second)
+    done = eventually(lambda: (b := client.batches.retrieve(created.id)).status == "completed" and b, 180,
+                      message="the batch never completed after the restart")
+    assert done.request_counts is not None and done.output_file_id is not None
+    assert (done.request_counts.total, done.request_counts.completed) == (lines, lines)
+    output = [json.loads(row) for row in client.files.content(done.output_file_id).text.splitlines()]
+    assert sorted(row["custom_id"] for row in output) == sorted(f"line-{i}" for i in range(lines))
+    assert second.stop(signal.SIGTERM, timeout_s=60) == 0

@@ -26,7 +26,7 @@ from apps.embedded.postgres import PostgresServer
 from apps.recorder import large_events
 from apps.recorder.migrate import discover, migrate
 from apps.settings import migrations_dir
-from engine.frontend.protocol import SamplingParams
+from engine.frontend.protocol import SamplingParams, ServiceClass
 from tests.recorder.conftest import admission, finished, response_stored, started
 from tests.support import REPO, eventually_async
 
@@ -127,6 +127,17 @@ async def test_a_worker_takes_requests_only_through_its_consumer(nats_server: Na
         await gateway.nc.jetstream().publish(topology.request_subject(MODEL), wire.encode(request))
         (msg,) = await pulled.fetch(1, timeout=10)
         assert wire.request_decoder.decode(msg.data).request_id == "roles-1"
+        await msg.ack()
+        # And its model's batch consumer the batch-class ones, on their own subject.
+        batch = msgspec.structs.replace(request, request_id="roles-2", service_class=ServiceClass.BATCH)
+        batch_subject = topology.request_subject(MODEL, ServiceClass.BATCH)
+        await worker.nc.subscribe(batch_subject)
+        assert await worker.was_refused(f'subscription to "{batch_subject}"')
+        worker.refused.clear()
+        batch_pulled = await topology.worker_puller(worker.nc, MODEL, topology.BusLimits(), ServiceClass.BATCH)
+        await gateway.nc.jetstream().publish(batch_subject, wire.encode(batch))
+        (msg,) = await batch_pulled.fetch(1, timeout=10)
+        assert wire.request_decoder.decode(msg.data).request_id == "roles-2"
         await msg.ack()
         assert await worker.refused_nothing()
         # A worker may not put requests on the bus: `principal` and `attempt` are the gateway's.

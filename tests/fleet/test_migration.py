@@ -44,6 +44,8 @@ class Streamed:
     errors: list[dict[str, Any]] = field(default_factory=list)
     request_id: str | None = None
     done: bool = False
+    # Chunks with content.
+    chunks: int = 0
 
 
 def stream_chat(base_url: str, body: dict[str, Any], on_text: threading.Event | None = None,
@@ -74,6 +76,7 @@ def stream_chat(base_url: str, body: dict[str, Any], on_text: threading.Event | 
                     if content:
                         got.text += content
                         chunks += 1
+                        got.chunks = chunks
                         if on_text is not None and chunks == after_chunks:
                             on_text.set()
     return got
@@ -89,10 +92,11 @@ def started_on(fleet: Fleet, model: str, request_id: str) -> str:
     return next(e.node for e in events if e.request_id == request_id)
 
 
-def test_a_stream_whose_worker_dies_goes_on_from_another_worker(fleet: Fleet) -> None:
-    model = "migrate-model"
-    with fleet.workers_of([("mig-a", model, SLOW), ("mig-b", model, SLOW)]) as workers:
-        by_node = {"mig-a": workers[0], "mig-b": workers[1]}
+def _dies_midway(fleet: Fleet, model: str, **env: str) -> tuple[Streamed, Streamed]:
+    """A stream whose worker is killed once the client has text, beside one left undisturbed;
+    checks the killed attempt and the migrated one finished as they should."""
+    with fleet.workers_of([(f"{model}-a", model, SLOW), (f"{model}-b", model, SLOW)], **env) as workers:
+        by_node = {f"{model}-a": workers[0], f"{model}-b": workers[1]}
         body = {"model": model, "messages": [{"role": "user", "content": "slow please"}]}
         undisturbed = stream_chat(fleet.base_url, body)
         has_text = threading.Event()
@@ -109,15 +113,31 @@ def test_a_stream_whose_worker_dies_goes_on_from_another_worker(fleet: Fleet) ->
         events = wait_events(fleet.nats_url, finished_subjects(model),
                              lambda es: any(e.attempt == MIGRATED_ATTEMPT for e in finished(es, running.request_id)))
     assert got.request_id == running.request_id
+    outcomes = {(e.node, e.attempt, e.status, e.error, e.served) for e in finished(events, running.request_id)}
+    assert outcomes == {(running.node, 1, "error", "worker_lost", False),
+                        (survivor, MIGRATED_ATTEMPT, "ok", None, True)}
+    return got, undisturbed
+
+
+def test_a_stream_whose_worker_dies_goes_on_from_another_worker(fleet: Fleet) -> None:
+    got, undisturbed = _dies_midway(fleet, "migrate-model")
     assert got.errors == [] and got.done
     assert got.text == undisturbed.text == REPLY
     assert got.finish_reason == "stop"
     assert got.usage is not None and undisturbed.usage is not None
     assert (got.usage["prompt_tokens"], got.usage["completion_tokens"]) == (
         undisturbed.usage["prompt_tokens"], undisturbed.usage["completion_tokens"])
-    outcomes = {(e.node, e.attempt, e.status, e.error, e.served) for e in finished(events, running.request_id)}
-    assert outcomes == {(running.node, 1, "error", "worker_lost", False),
-                        (survivor, MIGRATED_ATTEMPT, "ok", None, True)}
+
+
+def test_a_stream_of_multi_token_frames_goes_on_from_another_worker(fleet: Fleet) -> None:
+    # A window of two and a half tokens: after the first, every frame carries two or three.
+    got, undisturbed = _dies_midway(fleet, "migrate-window-model", HELEXA_FRAME_WINDOW_MS="600")
+    assert undisturbed.chunks < len(REPLY.split())
+    assert got.errors == [] and got.done
+    assert got.text == undisturbed.text == REPLY
+    assert got.finish_reason == "stop"
+    assert got.usage is not None and undisturbed.usage is not None
+    assert got.usage["completion_tokens"] == undisturbed.usage["completion_tokens"]
 
 
 def test_with_the_migration_limit_at_0_the_client_gets_worker_lost(fleet: Fleet) -> None:

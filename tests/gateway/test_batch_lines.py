@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from apps.bus.events import BatchLine
-from apps.gateway.batch_lines import Prepared, output_line, prepare, split_lines
+from apps.gateway.batch_lines import Prepared, expired_lines, output_line, prepare, split_lines
 from apps.gateway.batch_store import StoredBatch
 from engine.frontend.protocol import ServiceClass
 
@@ -61,3 +61,14 @@ def test_a_completions_batch_decodes_completion_requests() -> None:
     assert prepared.request.service_class == ServiceClass.BATCH and prepared.request.sampling.max_tokens == 4
     wrong = prepare(batch, 2, raw(url="/v1/completions"), 1, MAX_BODY)  # a chat body is not a completion
     assert isinstance(wrong, BatchLine) and wrong.error is not None
+
+
+def test_at_expiry_the_lines_never_started_are_batch_expired_error_lines() -> None:
+    items = [prepare(BATCH, 1, raw("a"), 1, MAX_BODY), prepare(BATCH, 2, b"[1]", 1, MAX_BODY),
+             prepare(BATCH, 3, raw("c"), 1, MAX_BODY), prepare(BATCH, 4, raw("d"), 1, MAX_BODY)]
+    expired = expired_lines("batch_x", items, started={1})
+    assert [(e.line, e.custom_id) for e in expired] == [(2, None), (3, "c"), (4, "d")]
+    assert expired[0] is items[1]  # an invalid line keeps its own error
+    for event in expired[1:]:
+        assert event.error is not None and event.error["code"] == "batch_expired"
+        assert (event.status_code, event.body, event.event_id) == (None, None, f"batch_x.{event.line}")

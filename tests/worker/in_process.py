@@ -21,13 +21,15 @@ from apps.bus.topology import BusLimits
 from apps.settings import WorkerSettings
 from apps.worker.model_loop import ModelLoop
 from apps.worker.process import WorkerProcess
-from engine.frontend.protocol import EngineOutput, EngineRequest, SamplingParams
+from engine.frontend.protocol import EngineOutput, EngineRequest, SamplingParams, ServiceClass
 from engine.frontend.scripted import ScriptedEngine
 from engine.frontend.tokenizer import Tokenizer
 
 MODEL = "iso-model"
 SLOW_REPLY = "one two three four five six"
-SCRIPT = {"default": "fine", "rules": [{"match": "SLOW", "reply": SLOW_REPLY, "token_delay_s": 0.4}]}
+SCRIPT = {"default": "fine", "rules": [{"match": "SLOW", "reply": SLOW_REPLY, "token_delay_s": 0.4},
+                                       # Holds its slot, with no text sent, until aborted or handed back.
+                                       {"match": "HOLD", "reply": "held", "first_token_delay_s": 600.0}]}
 
 
 class CoreLikeEngine:
@@ -56,11 +58,13 @@ class CoreLikeEngine:
 
 @asynccontextmanager
 async def worker(nats_url: str, tok: Tokenizer, tmp_path: Path, *, limits: BusLimits, heartbeat_s: float = 0.5,
-                 tokenizer: Any = None) -> AsyncIterator[tuple[WorkerProcess, CoreLikeEngine]]:
+                 tokenizer: Any = None, max_num_seqs: int = 16,
+                 interactive_reserve: int = -1) -> AsyncIterator[tuple[WorkerProcess, CoreLikeEngine]]:
     script = tmp_path / "script.json"
     script.write_text(json.dumps(SCRIPT), encoding="utf-8")
-    settings = WorkerSettings(nats_url=nats_url, node_id="iso", heartbeat_s=heartbeat_s, status_interval_s=0.5)
-    engine = CoreLikeEngine(ScriptedEngine(script, tok, MODEL))
+    settings = WorkerSettings(nats_url=nats_url, node_id="iso", heartbeat_s=heartbeat_s, status_interval_s=0.5,
+                              interactive_reserve=interactive_reserve)
+    engine = CoreLikeEngine(ScriptedEngine(script, tok, MODEL, max_num_seqs=max_num_seqs))
     loop = ModelLoop(settings, engine, tokenizer or tok, MODEL)  # type: ignore[arg-type]
     async with running_worker(settings, limits, loop) as process:
         yield process, engine
@@ -119,11 +123,13 @@ async def listen(nc: NatsClient, reply_subject: str) -> Frames:
     return frames
 
 
-async def publish(nc: NatsClient, request_id: str, content: str, reply_subject: str, msg_id: str | None = None) -> int:
+async def publish(nc: NatsClient, request_id: str, content: str, reply_subject: str, msg_id: str | None = None,
+                  service_class: ServiceClass = ServiceClass.INTERACTIVE) -> int:
     request = wire.GenerateRequest(request_id=request_id, model=MODEL, reply_subject=reply_subject,
                                    sampling=SamplingParams(max_tokens=32),
-                                   messages=[wire.ChatMessage(role="user", content=content)])
-    ack = await nc.jetstream().publish(topology.request_subject(MODEL), wire.encode(request),
+                                   messages=[wire.ChatMessage(role="user", content=content)],
+                                   service_class=service_class)
+    ack = await nc.jetstream().publish(topology.request_subject(MODEL, service_class), wire.encode(request),
                                        headers={"Nats-Msg-Id": msg_id or request_id})
     return ack.seq
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from apps.bus import wire
 from apps.settings import WorkerSettings
 from apps.worker.model_loop import ModelLoop
-from engine.frontend.protocol import CoreInfo, CoreStats, SamplingParams
+from engine.frontend.protocol import CoreInfo, CoreStats, SamplingParams, ServiceClass
 
 
 @dataclass
@@ -42,6 +42,14 @@ def test_each_choice_takes_a_slot() -> None:
 
 def test_nothing_is_pulled_while_the_engine_has_work_waiting() -> None:
     assert worker(FakeEngine(stats=CoreStats(num_blocks=10, num_free_blocks=0, num_waiting=1))).free_slots() == 0
+
+
+def test_batch_work_waiting_in_the_engine_holds_back_only_batch_work() -> None:
+    w = worker(FakeEngine(stats=CoreStats(num_blocks=10, num_free_blocks=0, num_waiting=2, num_batch_waiting=2)))
+    assert w.free_slots(ServiceClass.INTERACTIVE) == 4  # the scheduler takes it before the batch work
+    assert w.free_slots(ServiceClass.BATCH) == 0
+    mixed = worker(FakeEngine(stats=CoreStats(num_blocks=10, num_free_blocks=0, num_waiting=2, num_batch_waiting=1)))
+    assert mixed.free_slots(ServiceClass.INTERACTIVE) == 0
 
 
 def test_a_dead_engine_takes_nothing() -> None:

@@ -47,14 +47,14 @@ class DyingReplier(CollectingReplier):
         self.on_death = on_death
         self.dead = False
 
-    async def _send(self, frame: wire.ReplyFrame) -> None:
+    def _send(self, frame: wire.ReplyFrame) -> None:
         if self.dead:
             return
         if not self.alive([*self.frames, frame]):
             self.dead = True
             self.on_death()
             return
-        await super()._send(frame)
+        super()._send(frame)
 
 
 class Answer:
