@@ -48,8 +48,9 @@ import asyncpg
 import httpx
 
 from apps.bus.connection import connect
+from apps.bus.declaration import ensure_topology
 from apps.bus.events import AdmissionDecided, Event, RunFinished, RunStarted, event_kind
-from apps.bus.topology import EVENTS_STREAM, RECORDER_CONSUMER, BusLimits, ensure_topology, event_subject
+from apps.bus.topology import EVENTS_STREAM, RECORDER_CONSUMER, BusLimits, event_subject
 from apps.bus.wire import encode
 from apps.embedded.nats_server import NatsServer, nats_server_binary
 from apps.embedded.postgres import PostgresServer

@@ -15,7 +15,7 @@ import msgspec
 from nats.aio.client import Client as NatsClient
 
 from apps.bench.scenarios import Outcome
-from apps.bus import connection, roles, topology
+from apps.bus import connection, declaration, roles
 from apps.bus.events import BenchRunRecorded, ScoreRecorded
 from apps.bus.publish import publish_event
 from apps.bus.topology import BusLimits
@@ -66,7 +66,7 @@ class EventPublisher:
         self._nc = await connection.connect(self.nats_url, "helexa-bench", role=roles.BENCH, max_reconnect_attempts=3,
                                           error_cb=_reported_later)
         # Declared by an administrator (`helexa bus setup`, `helexa up`): the bench's role may not.
-        await topology.require_topology(self._nc.jetstream(), wait=False)
+        await declaration.require_topology(self._nc.jetstream(), wait=False)
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,

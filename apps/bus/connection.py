@@ -14,7 +14,8 @@ from urllib.parse import unquote, urlsplit
 import nats
 from nats.aio.client import Client as NatsClient
 
-from apps.bus.topology import BusLimits, Stopped, ensure_topology, inbox_prefix
+from apps.bus.declaration import Stopped, ensure_topology
+from apps.bus.topology import BusLimits, inbox_prefix
 
 log = logging.getLogger("helexa.bus")
 

@@ -42,7 +42,7 @@ from typing import Any
 
 from nats.js.object_store import OBJ_STREAM_TEMPLATE
 
-from apps.bus import events, topology
+from apps.bus import declaration, events, topology
 from apps.bus.codes import RunStatus
 
 GATEWAY, WORKER, RECORDER, BENCH, OPERATOR = "gateway", "worker", "recorder", "bench", "operator"
@@ -143,7 +143,7 @@ def _events(role: str) -> list[str]:
 
 def permissions(role: str, user: str | None) -> dict[str, Any]:
     """The nats-server `permissions` of `role`'s NATS user `user`."""
-    every_stream = _info(*topology.topology_streams())
+    every_stream = _info(*declaration.topology_streams())
     inbox = _own_inbox(role, user)
     if role == GATEWAY:
         publish = [

@@ -1,21 +1,18 @@
 """Subjects, streams, consumers and the node registry: the shape of the bus in one place.
 
-`ensure_topology` declares everything idempotently, as an administrator (`helexa up`, `helexa bus
+`apps.bus.declaration` declares everything idempotently, as an administrator (`helexa up`, `helexa bus
 setup`): the apps' NATS roles may not create or change streams (`apps.bus.roles`, which derives
-their permissions from the names here), so each app waits for it (`require_topology`), then asks
+their permissions from the names here), so each app waits for it (`declaration.require_topology`), then asks
 this module for the subject or consumer it needs instead of spelling names itself.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 import uuid
 from dataclasses import dataclass
 
-import nats
-import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 from nats.js.api import (
@@ -29,9 +26,8 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
+from nats.js.errors import BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
-from nats.js.object_store import OBJ_STREAM_TEMPLATE, ObjectStore
 
 from apps.bus.pull import BatchPuller
 from engine.frontend.protocol import ServiceClass
@@ -269,78 +265,6 @@ def replay_consumer_config(name: str) -> ConsumerConfig:
     )
 
 
-async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
-    try:
-        await js.add_stream(config)
-    except BadRequestError:
-        # Exists with other settings (e.g. limits changed by an operator): converge on ours.
-        await js.update_stream(config)
-
-
-async def ensure_topology(js: JetStreamContext, limits: BusLimits) -> None:
-    """Declare (or converge) both streams, the node registry and the large-request bucket.
-    `limits` is the fleet's own (`apps.settings.bus_limits`): declaring with other limits would
-    reset the fleet's streams."""
-    await _ensure_stream(js, requests_stream_config(limits))
-    await _ensure_stream(js, events_stream_config(limits))
-    await node_registry(js, limits)
-    await large_request_store(js, limits)
-    await _object_store(js, LARGE_EVENTS_BUCKET, large_events_config(limits))
-    await _object_store(js, FILES_BUCKET, files_config(limits))
-    await _ensure_stream(js, batches_stream_config(limits))
-    await js.add_consumer(BATCHES_STREAM, config=batch_runners_config())
-
-
-def topology_streams() -> tuple[str, ...]:
-    """The streams `ensure_topology` declares, the node registry's and the buckets' included."""
-    return (REQUESTS_STREAM, EVENTS_STREAM, f"KV_{NODES_BUCKET}",
-            OBJ_STREAM_TEMPLATE.format(bucket=LARGE_REQUESTS_BUCKET),
-            OBJ_STREAM_TEMPLATE.format(bucket=LARGE_EVENTS_BUCKET),
-            OBJ_STREAM_TEMPLATE.format(bucket=FILES_BUCKET), BATCHES_STREAM)
-
-
-class Stopped(Exception):
-    """`connect` gave up because the app was asked to stop before NATS answered."""
-
-
-class TopologyMissing(nats.errors.Error):
-    """The bus lacks streams that only an administrator declares (`helexa bus setup`, `helexa up`);
-    a `nats.errors.Error`, so code that treats any bus error as "unavailable" catches it."""
-
-
-async def require_topology(js: JetStreamContext, *, wait: bool = True, stop: asyncio.Event | None = None,
-                           every_s: float = 1.0) -> None:
-    """Return once every stream of the topology exists. The apps do not declare them (their NATS
-    roles may not create or change streams): an administrator does, with the fleet's limits. While
-    some are missing this waits, saying so in one log line (`wait`; else TopologyMissing at once);
-    `stop` set meanwhile raises Stopped."""
-    said = False
-    while True:
-        missing = []
-        for stream in topology_streams():
-            try:
-                await js.stream_info(stream)
-            except NotFoundError:
-                missing.append(stream)
-        if not missing:
-            return
-        what = (f"the bus has no {', '.join(missing)}: declare the topology with the administrator's "
-                "credentials (`helexa bus setup`; `helexa up` does it)")
-        if not wait:
-            raise TopologyMissing(what)
-        if not said:
-            log.warning("waiting for the bus topology", extra={"missing": missing, "error": what})
-            said = True
-        if stop is None:
-            await asyncio.sleep(every_s)
-        else:
-            try:
-                await asyncio.wait_for(stop.wait(), every_s)
-            except TimeoutError:
-                continue
-            raise Stopped("stopped while waiting for the bus topology")
-
-
 def large_requests_config(limits: BusLimits) -> ObjectStoreConfig:
     """Objects live as long as a queued request may (REQUESTS' max_age), so one nobody deletes
     (its gateway died between storing it and publishing the reference) goes with its message."""
@@ -373,23 +297,6 @@ def files_config(limits: BusLimits) -> ObjectStoreConfig:
         storage=StorageType.FILE,
         replicas=limits.replicas,
     )
-
-
-async def large_request_store(js: JetStreamContext, limits: BusLimits) -> ObjectStore:
-    """The large-request bucket, declared (or its limits converged on ours)."""
-    return await _object_store(js, LARGE_REQUESTS_BUCKET, large_requests_config(limits))
-
-
-async def _object_store(js: JetStreamContext, bucket: str, config: ObjectStoreConfig) -> ObjectStore:
-    try:
-        return await js.create_object_store(bucket, config=config)
-    except BadRequestError:
-        # It exists with other limits: converge the stream under it, as `_ensure_stream` does.
-        info = await js.stream_info(OBJ_STREAM_TEMPLATE.format(bucket=bucket))
-        stream = info.config
-        stream.max_age, stream.max_bytes, stream.num_replicas = config.ttl, config.max_bytes, config.replicas
-        await js.update_stream(stream)
-        return await js.object_store(bucket)
 
 
 @dataclass(slots=True, frozen=True)

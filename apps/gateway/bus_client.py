@@ -30,7 +30,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from apps.bus import connection, large_requests, roles, topology, wire
+from apps.bus import connection, declaration, large_requests, roles, topology, wire
 from apps.bus.codes import ErrorCode, ServingError, Unavailable, unavailable
 from apps.bus.publish import publish_core
 from apps.bus.topology import BusLimits
@@ -78,7 +78,7 @@ class GatewayBus:
 
         nc = await connection.connect(self.url, name="helexa-gateway", role=roles.GATEWAY, closed_cb=closed)
         try:
-            await topology.require_topology(nc.jetstream())
+            await declaration.require_topology(nc.jetstream())
             await nc.subscribe(topology.max_deliveries_advisories(), cb=self._on_max_deliveries)
             router = ReplyRouter(nc)
             await router.start()

@@ -38,17 +38,11 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from apps.bus.connection import connect
+from apps.bus.declaration import Stopped, require_topology
 from apps.bus.events import Event, EventRef, ResponseDeleted, ResponseStored, event_decoder, event_kind
 from apps.bus.pull import BatchPuller, stream_sequence
 from apps.bus.roles import RECORDER, event_refused
-from apps.bus.topology import (
-    EVENTS_STREAM,
-    RECORDER_CONSUMER,
-    Stopped,
-    recorder_puller,
-    replay_puller,
-    require_topology,
-)
+from apps.bus.topology import EVENTS_STREAM, RECORDER_CONSUMER, recorder_puller, replay_puller
 from apps.logs import announce_ready, monotonic_ms
 from apps.recorder import dead_letters, large_events, projector
 from apps.recorder.dead_letters import DeadLetter, Reason, kind_from_subject

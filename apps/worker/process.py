@@ -23,7 +23,7 @@ from typing import Any
 import nats.errors
 import nats.micro
 
-from apps.bus import connection, roles, topology
+from apps.bus import connection, declaration, roles, topology
 from apps.bus.publish import held_events
 from apps.bus.topology import BusLimits
 from apps.fleet.catalogue import CatalogueEntry
@@ -67,15 +67,15 @@ class WorkerProcess:
         try:
             self.nc = await connection.connect(self.settings.nats_url, name=f"helexa-worker-{self.node}",
                                              role=roles.WORKER, closed_cb=self._on_closed, stop=stop)
-        except topology.Stopped:
+        except declaration.Stopped:
             if first is not None:
                 await first.engine.shutdown()
             return
         self.js = self.nc.jetstream()
         try:
             # Declared by an administrator (`helexa up`, `helexa bus setup`): a worker may not.
-            await topology.require_topology(self.js, stop=stop)
-        except topology.Stopped:
+            await declaration.require_topology(self.js, stop=stop)
+        except declaration.Stopped:
             if first is not None:
                 await first.engine.shutdown()
             self._closing = True

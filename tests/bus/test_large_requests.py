@@ -22,7 +22,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.errors import ObjectNotFoundError
 
-from apps.bus import connection, large_requests, topology, wire
+from apps.bus import connection, declaration, large_requests, topology, wire
 from apps.bus.publish import StreamFull
 from apps.bus.topology import BusLimits
 from apps.embedded.nats_server import EMBEDDED_MAX_PAYLOAD, NatsServer
@@ -56,7 +56,7 @@ def small_server(tmp_path: Path) -> Iterator[NatsServer]:
 
 async def connected(url: str) -> NatsClient:
     nc = await connection.connect(url, "large-requests-test", max_reconnect_attempts=0)
-    await topology.ensure_topology(nc.jetstream(), BusLimits())
+    await declaration.ensure_topology(nc.jetstream(), BusLimits())
     return nc
 
 
@@ -218,7 +218,7 @@ async def test_a_publish_the_stream_refuses_leaves_no_object(small_server: NatsS
     nc = await connected(small_server.url)
     try:
         js = nc.jetstream()
-        await topology.ensure_topology(js, BusLimits(request_max_msgs=1))
+        await declaration.ensure_topology(js, BusLimits(request_max_msgs=1))
         await large_requests.publish_request(js, nc, request_of_size(1000, request_id="first"))
         with pytest.raises(nats.errors.Error):
             await large_requests.publish_request(js, nc, request_of_size(2 << 20, request_id="refused"))
@@ -274,7 +274,7 @@ async def test_a_full_bucket_is_a_full_queue(small_server: NatsServer) -> None:
     nc = await connected(small_server.url)
     try:
         js = nc.jetstream()
-        await topology.ensure_topology(js, BusLimits(request_max_bytes=3 << 20))
+        await declaration.ensure_topology(js, BusLimits(request_max_bytes=3 << 20))
         await large_requests.publish_request(js, nc, request_of_size(2 << 20, request_id="fits"))
         with pytest.raises(StreamFull):
             await large_requests.publish_request(js, nc, request_of_size(2 << 20, request_id="over"))

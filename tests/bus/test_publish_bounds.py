@@ -19,7 +19,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.api import DiscardPolicy
 
-from apps.bus import connection, publish, topology, wire
+from apps.bus import connection, declaration, publish, topology, wire
 from apps.bus.codes import Api, ErrorCode, FinishReason, RunStatus
 from apps.bus.events import (
     AdmissionDecided,
@@ -56,7 +56,7 @@ async def connected(url: str, limits: BusLimits | None = None, closed: list[bool
             closed.append(True)
 
     nc = await connection.connect(url, "publish-bounds-test", max_reconnect_attempts=0, closed_cb=on_closed)
-    await topology.ensure_topology(nc.jetstream(), limits or BusLimits())
+    await declaration.ensure_topology(nc.jetstream(), limits or BusLimits())
     return nc
 
 
@@ -244,7 +244,7 @@ async def test_an_existing_discard_old_events_stream_is_converged_to_discard_new
         old = dataclasses.replace(topology.events_stream_config(BusLimits()), discard=DiscardPolicy.OLD)
         await js.add_stream(old)
         assert (await js.stream_info(topology.EVENTS_STREAM)).config.discard == DiscardPolicy.OLD
-        await topology.ensure_topology(js, BusLimits())
+        await declaration.ensure_topology(js, BusLimits())
         assert (await js.stream_info(topology.EVENTS_STREAM)).config.discard == DiscardPolicy.NEW
     finally:
         await nc.close()

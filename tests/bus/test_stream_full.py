@@ -11,7 +11,7 @@ import pytest
 from nats.aio.client import Client as NatsClient
 from nats.js.api import DiscardPolicy
 
-from apps.bus import connection, topology
+from apps.bus import connection, declaration, topology
 from apps.bus.publish import StreamFull, is_stream_full, publish
 from apps.embedded.nats_server import NatsServer
 
@@ -36,7 +36,7 @@ async def _queued(nc: NatsClient) -> list[bytes]:
 
 async def test_a_full_stream_refuses_the_new_request_and_keeps_the_queued_ones(nc: NatsClient) -> None:
     js = nc.jetstream()
-    await topology.ensure_topology(js, topology.BusLimits(request_max_msgs=3))
+    await declaration.ensure_topology(js, topology.BusLimits(request_max_msgs=3))
     queued = [f"request {i} of another user".encode() for i in range(3)]
     for i, body in enumerate(queued):
         await publish(js, SUBJECT, body, f"req-{i}")
@@ -65,7 +65,7 @@ async def test_a_full_stream_refuses_the_new_request_and_keeps_the_queued_ones(n
 
 async def test_the_byte_limit_refuses_too(nc: NatsClient) -> None:
     js = nc.jetstream()
-    await topology.ensure_topology(js, topology.BusLimits(request_max_bytes=4096))
+    await declaration.ensure_topology(js, topology.BusLimits(request_max_bytes=4096))
     await publish(js, SUBJECT, b"x" * 1000, "small")
     with pytest.raises(StreamFull) as refused:
         await publish(js, SUBJECT, b"y" * 8000, "large")
@@ -78,7 +78,7 @@ async def test_a_stream_declared_with_discard_old_converges_on_discard_new(nc: N
     limits = topology.BusLimits()
     await js.delete_stream(topology.REQUESTS_STREAM)  # as declared by a version from before discard-new
     await js.add_stream(dataclasses.replace(topology.requests_stream_config(limits), discard=DiscardPolicy.OLD))
-    await topology.ensure_topology(js, limits)
+    await declaration.ensure_topology(js, limits)
     assert (await js.stream_info(topology.REQUESTS_STREAM)).config.discard == DiscardPolicy.NEW
 
 

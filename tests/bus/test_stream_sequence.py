@@ -6,8 +6,9 @@ import pytest
 from nats.aio.msg import Msg
 
 from apps.bus.connection import connect
+from apps.bus.declaration import ensure_topology
 from apps.bus.pull import BatchPuller, stream_sequence
-from apps.bus.topology import EVENTS_STREAM, BusLimits, ensure_topology, event_subject, replay_puller
+from apps.bus.topology import EVENTS_STREAM, BusLimits, event_subject, replay_puller
 from apps.embedded.nats_server import NatsServer
 
 

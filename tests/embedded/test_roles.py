@@ -17,7 +17,7 @@ import pytest
 from nats.aio.client import Client as NatsClient
 from nats.aio.subscription import Subscription
 
-from apps.bus import connection, publish, roles, topology, wire
+from apps.bus import connection, declaration, publish, roles, topology, wire
 from apps.bus.codes import RunStatus
 from apps.bus.events import Event, event_decoder, event_kind
 from apps.embedded import free_port
@@ -209,7 +209,7 @@ async def test_the_operator_reads_everything_and_writes_nothing_an_app_owns(nats
 async def test_no_app_role_may_declare_or_change_the_streams(nats_server: NatsServer) -> None:
     for role in (roles.GATEWAY, roles.WORKER, roles.RECORDER, roles.BENCH):
         async with as_role(nats_server, role) as client:
-            await topology.require_topology(client.nc.jetstream(), wait=False)  # it may look
+            await declaration.require_topology(client.nc.jetstream(), wait=False)  # it may look
             with pytest.raises((TimeoutError, nats.errors.Error)):
                 await client.nc.jetstream(timeout=1).delete_stream(topology.REQUESTS_STREAM)
             assert await client.was_refused("stream.delete.requests")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import openai
 
-from apps.bus import connection, topology
+from apps.bus import connection, declaration, topology
 from apps.embedded import free_port
 from apps.embedded.nats_server import NatsCluster
 from tests.fleet.conftest import FLEET_ENV, bus_setup, role_env
@@ -110,7 +110,7 @@ def test_a_bench_run_keeps_the_fleets_three_replicas(tmp_path: Path) -> None:
         async def declare_as_the_fleet_does() -> None:
             nc = await connection.connect(cluster.url, "fleet")
             try:
-                await topology.ensure_topology(nc.jetstream(), topology.BusLimits(replicas=3))
+                await declaration.ensure_topology(nc.jetstream(), topology.BusLimits(replicas=3))
             finally:
                 await nc.close()
 

@@ -16,7 +16,8 @@ from nats.js import JetStreamContext
 
 from apps.bus import events, wire
 from apps.bus.connection import connect
-from apps.bus.topology import EVENTS_STREAM, RECORDER_CONSUMER, BusLimits, ensure_topology, event_subject
+from apps.bus.declaration import ensure_topology
+from apps.bus.topology import EVENTS_STREAM, RECORDER_CONSUMER, BusLimits, event_subject
 from apps.embedded.nats_server import NatsServer
 from apps.embedded.postgres import PostgresServer
 from apps.recorder.app import run_recorder

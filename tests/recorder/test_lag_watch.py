@@ -6,7 +6,7 @@ import time
 
 from nats.aio.client import Client as NatsClient
 
-from apps.bus import topology
+from apps.bus import declaration, topology
 from apps.recorder.metrics import LagWatch, RecorderMetrics
 from tests.recorder.conftest import LogWatch, publish, started
 
@@ -16,7 +16,7 @@ WARNING = "EVENTS nearing its limit with unrecorded events"
 async def _unrecorded_backlog(nc: NatsClient, limits: topology.BusLimits, count: int) -> None:
     """EVENTS with `limits`, the recorders' consumer declared, and `count` events no recorder has read."""
     js = nc.jetstream()
-    await topology.ensure_topology(js, limits)
+    await declaration.ensure_topology(js, limits)
     await js.add_consumer(topology.EVENTS_STREAM, config=topology.recorder_consumer_config())
     await publish(js, *(started(f"req-{i}", node="n" * 400) for i in range(count)))
 

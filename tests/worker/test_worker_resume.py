@@ -22,7 +22,7 @@ import nats
 import pytest
 from nats.js import JetStreamContext
 
-from apps.bus import topology, wire
+from apps.bus import declaration, wire
 from apps.bus.topology import BusLimits
 from apps.embedded.nats_server import NatsServer
 from apps.settings import WorkerSettings
@@ -95,7 +95,7 @@ async def js(nats_server: NatsServer) -> AsyncIterator[JetStreamContext]:
     nc = await nats.connect(nats_server.url)
     try:
         js = nc.jetstream()
-        await topology.ensure_topology(js, BusLimits())  # the runs' events have somewhere to go
+        await declaration.ensure_topology(js, BusLimits())  # the runs' events have somewhere to go
         yield js
     finally:
         await nc.close()
