@@ -159,27 +159,4 @@ SELECT DISTINCT ON (node) node, ts, model, status, version, models, slots, free_
 FROM nodes
 ORDER BY node, ts DESC, event_id DESC;
 
--- Retention for old rows: `SELECT * FROM helexa_prune(interval '90 days')` deletes raw events and
--- projection rows older than that and reports how many went from each table. Keep it longer than
--- the EVENTS stream's max_age, or a `--rebuild` replays the younger stream back in.
-CREATE FUNCTION helexa_prune(older_than interval)
-RETURNS TABLE (table_name text, deleted bigint)
-LANGUAGE plpgsql AS $$
-DECLARE
-    cutoff timestamptz := now() - older_than;
-    n bigint;
-BEGIN
-    DELETE FROM events WHERE ts < cutoff;
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'events'; deleted := n; RETURN NEXT;
-    DELETE FROM runs WHERE last_event_at < cutoff;
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'runs'; deleted := n; RETURN NEXT;
-    DELETE FROM admission_events WHERE ts < cutoff;
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'admission_events'; deleted := n; RETURN NEXT;
-    DELETE FROM nodes WHERE ts < cutoff;
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'nodes'; deleted := n; RETURN NEXT;
-    DELETE FROM bench_runs WHERE finished_at < cutoff;
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'bench_runs'; deleted := n; RETURN NEXT;
-    DELETE FROM scores WHERE ts < cutoff;
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'scores'; deleted := n; RETURN NEXT;
-END
-$$;
+-- Retention (helexa_prune) is defined once, in migrations/functions/helexa_prune.sql.

@@ -43,27 +43,4 @@ CREATE TABLE run_attempts (
 CREATE INDEX run_attempts_model_finished_at_idx ON run_attempts (model, finished_at);
 CREATE INDEX run_attempts_node_finished_at_idx ON run_attempts (node, finished_at);
 
--- Retention now covers run_attempts too (same signature, so CREATE OR REPLACE keeps callers working).
-CREATE OR REPLACE FUNCTION helexa_prune(older_than interval)
-RETURNS TABLE (table_name text, deleted bigint)
-LANGUAGE plpgsql AS $$
-DECLARE
-    cutoff timestamptz := now() - older_than;
-    n bigint;
-BEGIN
-    DELETE FROM events WHERE ts < cutoff;
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'events'; deleted := n; RETURN NEXT;
-    DELETE FROM runs WHERE last_event_at < cutoff;
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'runs'; deleted := n; RETURN NEXT;
-    DELETE FROM run_attempts WHERE last_event_at < cutoff;
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'run_attempts'; deleted := n; RETURN NEXT;
-    DELETE FROM admission_events WHERE ts < cutoff;
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'admission_events'; deleted := n; RETURN NEXT;
-    DELETE FROM nodes WHERE ts < cutoff;
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'nodes'; deleted := n; RETURN NEXT;
-    DELETE FROM bench_runs WHERE finished_at < cutoff;
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'bench_runs'; deleted := n; RETURN NEXT;
-    DELETE FROM scores WHERE ts < cutoff;
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'scores'; deleted := n; RETURN NEXT;
-END
-$$;
+-- Retention (helexa_prune) is defined once, in migrations/functions/helexa_prune.sql.

@@ -27,29 +27,4 @@ CREATE TABLE responses (
 CREATE INDEX responses_principal_ts_idx ON responses (principal, ts);
 CREATE INDEX responses_previous_idx ON responses (previous_response_id);
 
--- Retention covers responses too (same signature, so CREATE OR REPLACE keeps callers working).
-CREATE OR REPLACE FUNCTION helexa_prune(older_than interval)
-RETURNS TABLE (table_name text, deleted bigint)
-LANGUAGE plpgsql AS $$
-DECLARE
-    cutoff timestamptz := now() - older_than;
-    n bigint;
-BEGIN
-    DELETE FROM events WHERE ts < cutoff;
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'events'; deleted := n; RETURN NEXT;
-    DELETE FROM runs WHERE last_event_at < cutoff;
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'runs'; deleted := n; RETURN NEXT;
-    DELETE FROM run_attempts WHERE last_event_at < cutoff;
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'run_attempts'; deleted := n; RETURN NEXT;
-    DELETE FROM admission_events WHERE ts < cutoff;
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'admission_events'; deleted := n; RETURN NEXT;
-    DELETE FROM nodes WHERE ts < cutoff;
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'nodes'; deleted := n; RETURN NEXT;
-    DELETE FROM bench_runs WHERE finished_at < cutoff;
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'bench_runs'; deleted := n; RETURN NEXT;
-    DELETE FROM scores WHERE ts < cutoff;
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'scores'; deleted := n; RETURN NEXT;
-    DELETE FROM responses WHERE coalesce(ts, deleted_at) < cutoff;
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'responses'; deleted := n; RETURN NEXT;
-END
-$$;
+-- Retention (helexa_prune) is defined once, in migrations/functions/helexa_prune.sql.

@@ -51,39 +51,4 @@ CREATE TABLE batch_lines (
 
 GRANT SELECT ON batches, batch_lines TO helexa_gateway;
 
--- Retention: a batch that ended before the cutoff goes with its lines (its output and error files
--- stay until their owner deletes them) and its events; a batch still running keeps its events,
--- whatever their age, since its rows are rebuilt from them (same signature as before).
-CREATE OR REPLACE FUNCTION helexa_prune(older_than interval)
-RETURNS TABLE (table_name text, deleted bigint)
-LANGUAGE plpgsql AS $$
-DECLARE
-    cutoff timestamptz := now() - older_than;
-    n bigint;
-    ended text[] := ARRAY(
-        SELECT batch_id FROM batches
-        WHERE status_rank = 4 AND to_timestamp(greatest(completed_at, failed_at, expired_at, cancelled_at)) < cutoff);
-BEGIN
-    DELETE FROM events WHERE ts < cutoff AND kind NOT IN ('file.created', 'file.deleted')
-      AND (kind NOT LIKE 'batch.%' OR payload->>'batch_id' = ANY(ended));
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'events'; deleted := n; RETURN NEXT;
-    DELETE FROM runs WHERE last_event_at < cutoff;
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'runs'; deleted := n; RETURN NEXT;
-    DELETE FROM run_attempts WHERE last_event_at < cutoff;
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'run_attempts'; deleted := n; RETURN NEXT;
-    DELETE FROM admission_events WHERE ts < cutoff;
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'admission_events'; deleted := n; RETURN NEXT;
-    DELETE FROM nodes WHERE ts < cutoff;
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'nodes'; deleted := n; RETURN NEXT;
-    DELETE FROM bench_runs WHERE finished_at < cutoff;
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'bench_runs'; deleted := n; RETURN NEXT;
-    DELETE FROM scores WHERE ts < cutoff;
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'scores'; deleted := n; RETURN NEXT;
-    DELETE FROM responses WHERE coalesce(ts, deleted_at) < cutoff;
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'responses'; deleted := n; RETURN NEXT;
-    DELETE FROM batch_lines WHERE batch_id = ANY(ended);
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'batch_lines'; deleted := n; RETURN NEXT;
-    DELETE FROM batches WHERE batch_id = ANY(ended);
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'batches'; deleted := n; RETURN NEXT;
-END
-$$;
+-- Retention (helexa_prune) is defined once, in migrations/functions/helexa_prune.sql.

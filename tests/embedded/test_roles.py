@@ -278,7 +278,8 @@ async def test_the_recorder_writes_the_ledger_and_the_reader_only_reads_it(ledge
             assert await reader.fetchval("SELECT count(*) FROM schema_migrations") == len(discover(migrations_dir()))
             await recorder.execute("DELETE FROM dead_letters WHERE payload_sha256 = 'roles-test'")
         for conn, statement in ((reader, "DELETE FROM runs"), (reader, "INSERT INTO scores (event_id) VALUES ('x')"),
-                                (recorder, "DELETE FROM schema_migrations"), (recorder, "CREATE TABLE mine (x int)")):
+                                (recorder, "DELETE FROM schema_migrations"), (recorder, "DELETE FROM schema_functions"),
+                                (recorder, "CREATE TABLE mine (x int)")):
             with pytest.raises(asyncpg.InsufficientPrivilegeError):
                 await conn.execute(statement)
         with pytest.raises(asyncpg.InsufficientPrivilegeError):

@@ -16,10 +16,11 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from apps.bus.events import BatchCreated, BatchLine, BatchStatus, Event, FileCreated, event_kind
+from apps.bus.events import BatchCreated, BatchLine, BatchStatus, Event, FileCreated, RunPreempted, event_kind
 from apps.bus.topology import event_subject
 from apps.recorder.migrate import migrate
 from apps.recorder.projector import project
+from engine.frontend.protocol import PreemptionReason, ServiceClass
 from tests.recorder.conftest import admission, bench_run, finished, node_status, response_stored, score, started
 from tests.support import REPO
 
@@ -192,6 +193,8 @@ async def test_failures_per_model_and_node(conn: asyncpg.Connection, ledger: dic
 async def test_prune_keeps_recent_rows_and_drops_old_ones(conn: asyncpg.Connection, ledger: dict) -> None:
     ancient = time.time() - 100 * 86400
     old = [started("ancient", ts=ancient), admission("ancient", ts=ancient),
+           RunPreempted(model="tiny", node="node-a", ts=ancient, request_id="ancient",
+                        reason=PreemptionReason.INTERACTIVE_WAITING, service_class=ServiceClass.BATCH, tokens_kept=3),
            response_stored("resp_ancient", ts=ancient), response_stored("resp_recent", ts=time.time()),
            # A file is kept until deleted, whatever its age: its row and the event it is rebuilt from.
            FileCreated(model="-", node="gateway", ts=ancient, file_id="file-ancient", principal="alice",
@@ -207,8 +210,8 @@ async def test_prune_keeps_recent_rows_and_drops_old_ones(conn: asyncpg.Connecti
                      status_code=200)]
     await project(conn, [(event_subject(event_kind(e), e.model), e) for e in old])
     counts = {r["table_name"]: r["deleted"] for r in await conn.fetch(PRUNE)}
-    assert counts == {"events": 6, "runs": 1, "run_attempts": 1, "admission_events": 1, "nodes": 0, "bench_runs": 0,
-                      "scores": 0, "responses": 1, "batch_lines": 1, "batches": 1}
+    assert counts == {"events": 7, "runs": 1, "run_attempts": 1, "admission_events": 1, "nodes": 0, "bench_runs": 0,
+                      "scores": 0, "responses": 1, "preemptions": 1, "batch_lines": 1, "batches": 1}
     assert await conn.fetchval("SELECT array_agg(batch_id) FROM batches") == ["batch_running"]
     assert await conn.fetchval("SELECT count(*) FROM events WHERE kind LIKE 'batch.%'") == 1
     assert await conn.fetchval("SELECT count(*) FROM runs") == 42
