@@ -61,6 +61,7 @@ def model_status(loop: ModelLoop) -> wire.ModelStatus:
         vocab_size=loop.tokenizer.vocab_size,
         dtype=info.dtype,
         dtype_reason=info.dtype_reason,
+        tensor_parallel=info.tensor_parallel,
         grammar_compiles=stats.grammar_compiles + loop.model.grammars.started,
         grammar_cache_hits=stats.grammar_cache_hits,
     )
