@@ -22,7 +22,8 @@ def run_finished(request: wire.GenerateRequest, *, node: str, attempt: int, stat
                  finish_reason: FinishReason, error: str | None = None, served: bool | None = None,
                  prompt_tokens: int = 0, completion_tokens: int = 0, cached_tokens: int = 0,
                  reasoning_tokens: int = 0, queue_ms: float = 0.0, ttft_ms: float | None = None,
-                 prefill_ms: float = 0.0, decode_ms: float = 0.0, ended_at: float | None = None) -> RunFinished:
+                 prefill_ms: float = 0.0, decode_ms: float = 0.0, ended_at: float | None = None,
+                 tensor_parallel: int | None = None) -> RunFinished:
     """`request`'s run ended on `node` at `ended_at` (now by default); the counts and timings a
     publisher does not know stay at zero."""
     end = time.time() if ended_at is None else ended_at
@@ -32,7 +33,7 @@ def run_finished(request: wire.GenerateRequest, *, node: str, attempt: int, stat
         completion_tokens=completion_tokens, cached_tokens=cached_tokens, attempt=attempt, queue_ms=queue_ms,
         ttft_ms=ttft_ms, prefill_ms=prefill_ms, decode_ms=decode_ms,
         e2e_ms=round((end - request.created_at) * 1000.0, 3), error=error, reasoning_tokens=reasoning_tokens,
-        served=served,
+        served=served, tensor_parallel=tensor_parallel,
     )
 
 

@@ -36,6 +36,8 @@ class RunStarted(Event, tag="run.started", frozen=True, kw_only=True):
     prompt_tokens: int
     attempt: int
     queue_ms: float
+    # Tensor-parallel ranks the model runs on (None: not said).
+    tensor_parallel: int | None = None
 
 
 class RunPreempted(Event, tag="run.preempted", frozen=True, kw_only=True):
@@ -65,6 +67,8 @@ class RunFinished(Event, tag="run.finished", frozen=True, kw_only=True):
     decode_ms: float
     e2e_ms: float
     error: str | None = None
+    # Tensor-parallel ranks the run was served on (None: not said, e.g. a gateway's for a dead worker).
+    tensor_parallel: int | None = None
     reasoning_tokens: int = 0
     # Whether the client's answer came from this attempt (it ended the client's stream): True for
     # the attempt that served, False for one that lost to another attempt, None when the publisher

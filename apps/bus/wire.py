@@ -211,6 +211,8 @@ class ModelStatus(Wire, frozen=True, kw_only=True):
     dtype: str = ""
     # Why that dtype, in a sentence ("" unknown): measured figures, or "bf16 unsupported here (...)".
     dtype_reason: str = ""
+    # Model-runner ranks the engine shards the model across (`--tensor-parallel`).
+    tensor_parallel: int = 1
     # Grammar compiles started for this model (the engine's, and the worker's checks of the tool
     # grammars it composes), and constrained requests that shared a compile done or under way.
     grammar_compiles: int = 0

@@ -65,6 +65,7 @@ _OUTCOME_COLUMNS = (
     "model", "node", "principal", "api", "status", "finish_reason",
     "prompt_tokens", "completion_tokens", "cached_tokens", "reasoning_tokens",
     "queue_ms", "ttft_ms", "prefill_ms", "decode_ms", "e2e_ms", "error", "finished_at", "decided_by",
+    "tensor_parallel",
 )  # fmt: skip
 _ATTEMPT_COLUMNS = (*_OUTCOME_COLUMNS, "attempt", "served_attempt")
 
@@ -78,12 +79,12 @@ _CANDIDATE = f"""
        (p->>'queue_ms')::float8, (p->>'ttft_ms')::float8, (p->>'prefill_ms')::float8,
        (p->>'decode_ms')::float8, (p->>'e2e_ms')::float8, p->>'error',
        CASE WHEN kind = '{_STARTED}' THEN ts END, CASE WHEN kind = '{_FINISHED}' THEN ts END, ts, event_id,
-       (p->>'attempt')::integer"""
+       (p->>'attempt')::integer, (p->>'tensor_parallel')::integer"""
 _CANDIDATE_COLUMNS = """
     request_id, model, node, principal, api, status, finish_reason,
     prompt_tokens, completion_tokens, cached_tokens, reasoning_tokens,
     queue_ms, ttft_ms, prefill_ms, decode_ms, e2e_ms, error,
-    started_at, finished_at, last_event_at, decided_by, attempt"""
+    started_at, finished_at, last_event_at, decided_by, attempt, tensor_parallel"""
 
 # The orders of the module docstring, as row comparisons (a NULL decided_by predates migration 0004).
 _RUNS_WINS = (

@@ -63,6 +63,7 @@ def model_status(loop: ModelLoop) -> wire.ModelStatus:
         dtype=info.dtype,
         dtype_reason=info.dtype_reason,
         pulled=dict(loop.intake.pulled),
+        tensor_parallel=info.tensor_parallel,
         grammar_compiles=stats.grammar_compiles + loop.model.grammars.started,
         grammar_cache_hits=stats.grammar_cache_hits,
     )

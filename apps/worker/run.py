@@ -115,7 +115,8 @@ async def run_request(model: ServedModel, request: wire.GenerateRequest, replier
     and stopped and silenced when another attempt serves its client. A run whose replier was
     silenced (that, or the worker handed it back) records that it did not serve (`served=False`).
     """
-    record = RunRecord(request=request, node=node, attempt=attempt, received_at=time.time())
+    record = RunRecord(request=request, node=node, attempt=attempt, received_at=time.time(),
+                       tensor_parallel=model.engine.info.tensor_parallel)
     if model.health.poisoned is not None:
         await replier.error(503, ErrorCode.MODEL_POISONED, poisoned_message(model.model_id))
         return RunOutcome(record.finished_event(RunStatus.REJECTED, FinishReason.ERROR, ErrorCode.MODEL_POISONED))

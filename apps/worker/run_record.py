@@ -30,6 +30,8 @@ class RunRecord:
     node: str
     attempt: int
     received_at: float
+    # The engine's tensor-parallel ranks, as the ledger's run rows keep them.
+    tensor_parallel: int = 1
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -73,6 +75,7 @@ class RunRecord:
             prompt_tokens=self.prompt_tokens,
             attempt=self.attempt,
             queue_ms=round(self.queue_ms, 3),
+            tensor_parallel=self.tensor_parallel,
         )
 
     def finished_event(self, status: RunStatus, finish_reason: FinishReason,
@@ -85,5 +88,5 @@ class RunRecord:
             completion_tokens=self.completion_tokens, cached_tokens=self.cached_tokens,
             reasoning_tokens=self.reasoning_tokens, queue_ms=usage.queue_ms,
             ttft_ms=round(ttft, 3) if ttft is not None else None, prefill_ms=usage.prefill_ms,
-            decode_ms=usage.decode_ms, ended_at=self.finished_at,
+            decode_ms=usage.decode_ms, ended_at=self.finished_at, tensor_parallel=self.tensor_parallel,
         )

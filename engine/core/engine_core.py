@@ -91,6 +91,7 @@ class EngineCore:
             eos_token_ids=checkpoint.tokenizer.all_stop_token_ids,
             max_position_embeddings=model_config.max_position_embeddings,
             dtype=str(self.runner.dtype).removeprefix("torch."),
+            tensor_parallel=self.runner.tensor_parallel,
         )
         # Grammar-constrained requests (engine.core.structured_output): masks before sampling.
         self.structured = StructuredOutputs(checkpoint.tokenizer, model_config.vocab_size,

@@ -224,6 +224,8 @@ class CoreInfo(msgspec.Struct, frozen=True, kw_only=True):
     dtype: str = ""
     dtype_reason: str = ""
     dtype_timings_ms: dict[str, dict[str, float]] = {}
+    # Model-runner ranks the model is sharded across (engine.runner.tensor_parallel).
+    tensor_parallel: int = 1
 
 
 class CoreStats(msgspec.Struct, kw_only=True):

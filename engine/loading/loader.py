@@ -4,7 +4,9 @@ Two sources: a `.gguf` file (see `engine.loading.gguf_file` and `engine.loading.
 HF model directory (config.json, *.safetensors, tokenizer.json). Both end in the same
 `load_weights`, which insists every parameter is filled exactly once. Nothing is ever downloaded.
 Given a `Shard` of a tensor-parallel group, an HF directory is read one rank's slice at a time
-(`shard_reader`): no rank ever holds a whole sharded tensor.
+(`shard_reader`): no rank ever holds a whole sharded tensor. A GGUF file's tensors are quantized in
+blocks, so each rank dequantizes one tensor at a time (its q/k rows un-permuted per head first),
+keeps its slice and drops the rest: no rank holds the whole model, only one tensor in passing.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.frontend.model_source import is_gguf, model_id
-from engine.frontend.protocol import EngineRefused
 from engine.frontend.tokenizer import Tokenizer
 from engine.loading import gguf_import
 from engine.loading.gguf_file import GGUFFile, read_config, read_tokenizer
@@ -47,10 +48,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
     path = Path(path)
     shard = shard or Shard()
     if is_gguf(path):
-        if shard.world > 1:
-            raise EngineRefused(f"{path.name}: tensor parallelism over a GGUF file is not built yet; "
-                                "use the HF model directory")
-        return _load_gguf(path, dtype, device)
+        return _load_gguf(path, dtype, device, shard)
     if path.is_dir():
         return _load_hf_dir(path, dtype, device, shard)
     raise FileNotFoundError(f"{path} is neither a .gguf file nor a model directory")
@@ -76,11 +74,28 @@ def weights_bytes(path: str | Path) -> int:
         return 0
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str) -> Checkpoint:
+class _Whole:
+    """A dequantized tensor read the way `shard_reader` reads a safetensors slice."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index: object) -> torch.Tensor:
+        return self.tensor[index]  # type: ignore[index]
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str, shard: Shard) -> Checkpoint:
     gguf = GGUFFile(path)
     config = read_config(gguf)
-    model = empty_model(config, dtype, device)
-    load_weights(model, gguf_import.iter_weights(gguf, config, dtype))
+    model = empty_model(config, dtype, device, shard)
+    weights = gguf_import.iter_weights(gguf, config, dtype)
+    read = shard_reader(model, shard)
+    if read is not None:
+        weights = ((name, read(name, _Whole(tensor)).to(dtype)) for name, tensor in weights)
+    load_weights(model, weights)
     return Checkpoint(config=config, model=model.eval(), tokenizer=read_tokenizer(gguf), model_id=model_id(path))
 
 

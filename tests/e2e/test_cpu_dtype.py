@@ -51,7 +51,7 @@ def test_a_worker_without_bf16_starts_in_fp32_with_default_settings_and_answers(
         assert entry["helexa"]["dtype"] == "float32"
         assert entry["helexa"]["dtype_reason"] == ready["dtype_reason"]
         assert entry["helexa"]["nodes"] == [{"node": "e2e-no-bf16", "dtype": "float32",
-                                             "dtype_reason": ready["dtype_reason"]}]
+                                             "dtype_reason": ready["dtype_reason"], "tensor_parallel": 1}]
         reply = httpx.post(f"{system.base_url}/v1/chat/completions", timeout=120, json={
             "model": SERVED, "temperature": 0, "max_tokens": 12,
             "messages": [{"role": "user", "content": "What is the capital of France?"}]})

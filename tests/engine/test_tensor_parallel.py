@@ -37,11 +37,16 @@ TOLERANCE = 1e-4
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("tp-llama")
+    return save_tp_llama(tmp_path_factory.mktemp("tp-llama"))
+
+
+def save_tp_llama(directory: Path, max_position_embeddings: int = 128) -> Path:
+    """The tiny random llama (with a tokenizer and chat template) every sharded dimension of which
+    divides by 2 and by 3."""
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=VOCAB_SIZE, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=6, num_key_value_heads=6, head_dim=8, max_position_embeddings=128,
+        num_attention_heads=6, num_key_value_heads=6, head_dim=8, max_position_embeddings=max_position_embeddings,
         attention_bias=True, mlp_bias=True, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     model = transformers.LlamaForCausalLM(config).float()
     perturb_norms_and_biases(model)

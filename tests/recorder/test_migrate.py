@@ -22,7 +22,7 @@ async def _ledger(url: str) -> list[tuple[int, str]]:
 
 SHIPPED = ["0001_events_and_runs", "0002_admission_nodes_bench", "0003_dead_letters", "0004_run_attempts",
            "0005_responses", "0006_response_bounds", "0007_app_roles", "0008_files",
-           "0009_preemptions", "0010_batches", "0011_schema_functions"]
+           "0009_preemptions", "0010_batches", "0011_schema_functions", "0012_run_ranks"]
 LEDGER = [(int(name[:4]), name) for name in SHIPPED]
 FUNCTIONS = ["functions/helexa_prune"]
 

@@ -58,6 +58,17 @@ async def test_started_and_finished_merge_in_any_order(conn: asyncpg.Connection,
     assert await conn.fetchval("SELECT count(*) FROM runs") == 1
 
 
+async def test_a_run_row_says_on_how_many_ranks_it_was_served(conn: asyncpg.Connection) -> None:
+    """run.started and run.finished carry the engine's tensor-parallel ranks (migration 0012); a
+    finish a gateway published for a dead worker does not know them (NULL)."""
+    await project(conn, on_subjects(started("tp3", tensor_parallel=3), finished("tp3", tensor_parallel=3),
+                                    started("tp-unknown"), finished("tp-unknown")))
+    rows = await conn.fetch("SELECT request_id, tensor_parallel FROM runs WHERE request_id LIKE 'tp%' ORDER BY 1")
+    assert [tuple(r) for r in rows] == [("tp-unknown", None), ("tp3", 3)]
+    attempt = await conn.fetchval("SELECT tensor_parallel FROM run_attempts WHERE request_id = 'tp3'")
+    assert attempt == 3
+
+
 async def test_started_alone_is_running(conn: asyncpg.Connection) -> None:
     await project(conn, on_subjects(started("r3")))
     row = await conn.fetchrow("SELECT status, finished_at, attempt FROM runs WHERE request_id = 'r3'")

@@ -130,6 +130,7 @@ def _outcome(finish: Any, first_start_ts: float | None, last_ts: float) -> dict:
         prefill_ms=finish.prefill_ms, decode_ms=finish.decode_ms, e2e_ms=finish.e2e_ms, attempt=finish.attempt,
         error=finish.error, started_at=at(first_start_ts) if first_start_ts is not None else None,
         finished_at=at(finish.ts), last_event_at=at(last_ts), decided_by=finish.event_id,
+        tensor_parallel=finish.tensor_parallel,
     )  # fmt: skip
 
 
@@ -148,7 +149,7 @@ def _running_row(start: Any) -> dict:
         status="running", finish_reason=None, prompt_tokens=start.prompt_tokens, completion_tokens=None,
         cached_tokens=None, reasoning_tokens=None, queue_ms=start.queue_ms, ttft_ms=None, prefill_ms=None,
         decode_ms=None, e2e_ms=None, attempt=start.attempt, error=None, started_at=at(start.ts), finished_at=None,
-        last_event_at=at(start.ts), decided_by=start.event_id,
+        last_event_at=at(start.ts), decided_by=start.event_id, tensor_parallel=start.tensor_parallel,
     )  # fmt: skip
 
 

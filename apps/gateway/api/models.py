@@ -13,12 +13,13 @@ from apps.bus import wire
 
 
 def _helexa_entry(statuses: list[tuple[str, wire.ModelStatus]]) -> dict[str, Any]:
-    """Per node, the dtype and why; at the top the same two where every node agrees (a fleet of
-    like machines, or one node). Unknown values are absent."""
-    nodes = [{"node": node, **{k: v for k, v in (("dtype", s.dtype), ("dtype_reason", s.dtype_reason)) if v}}
+    """Per node, the dtype and why and the ranks; at the top the same three where every node agrees
+    (a fleet of like machines, or one node). Unknown values are absent."""
+    nodes = [{"node": node, **{k: v for k, v in (("dtype", s.dtype), ("dtype_reason", s.dtype_reason),
+                                                 ("tensor_parallel", s.tensor_parallel)) if v}}
              for node, s in statuses]
     entry: dict[str, Any] = {"nodes": nodes}
-    for key in ("dtype", "dtype_reason"):
+    for key in ("dtype", "dtype_reason", "tensor_parallel"):
         values = {n.get(key) for n in nodes}
         if len(values) == 1 and None not in values:
             entry[key] = values.pop()
