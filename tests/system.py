@@ -140,8 +140,8 @@ def keyed_gateway(system: System, keys: Path, default_key: str, port: int | None
 
 
 def read_chat_stream(response: httpx.Response, first_text: threading.Event) -> dict:
-    """A streamed chat completion read to its end: its text, finish reason, usage and error events;
-    `first_text` is set when the first text arrives."""
+    """A streamed chat completion (or completion: its choices carry `text`) read to its end: its
+    text, finish reason, usage and error events; `first_text` is set when the first text arrives."""
     text, finish, usage, errors = [], None, None, []
     for line in response.iter_lines():
         if not line.startswith("data: ") or line == "data: [DONE]":
@@ -151,9 +151,10 @@ def read_chat_stream(response: httpx.Response, first_text: threading.Event) -> d
             errors.append(chunk["error"])
             continue
         for choice in chunk["choices"]:
-            text.append(choice["delta"].get("content") or "")
+            piece = choice["text"] if "text" in choice else choice["delta"].get("content")
+            text.append(piece or "")
             finish = choice.get("finish_reason") or finish
-            if choice["delta"].get("content"):
+            if piece:
                 first_text.set()
         usage = chunk.get("usage") or usage
     return {"text": "".join(text), "finish": finish, "usage": usage, "errors": errors}

@@ -13,33 +13,24 @@ RETURNS TABLE (table_name text, deleted bigint)
 LANGUAGE plpgsql AS $$
 DECLARE
     cutoff timestamptz := now() - older_than;
-    n bigint;
     ended text[] := ARRAY(
         SELECT batch_id FROM batches
         WHERE status_rank = 4 AND to_timestamp(greatest(completed_at, failed_at, expired_at, cancelled_at)) < cutoff);
+    -- Each table and the rows it loses, in this order: $1 is the cutoff, $2 the batches that ended before it.
+    rules text[] := ARRAY[
+        ['events', $r$ts < $1 AND kind NOT IN ('file.created', 'file.deleted')
+                      AND (kind NOT LIKE 'batch.%' OR payload->>'batch_id' = ANY($2))$r$],
+        ['runs', 'last_event_at < $1'], ['run_attempts', 'last_event_at < $1'],
+        ['admission_events', 'ts < $1'], ['nodes', 'ts < $1'], ['bench_runs', 'finished_at < $1'],
+        ['scores', 'ts < $1'], ['responses', 'coalesce(ts, deleted_at) < $1'], ['preemptions', 'ts < $1'],
+        ['batch_lines', 'batch_id = ANY($2)'], ['batches', 'batch_id = ANY($2)']];
+    rule text[];
 BEGIN
-    DELETE FROM events WHERE ts < cutoff AND kind NOT IN ('file.created', 'file.deleted')
-      AND (kind NOT LIKE 'batch.%' OR payload->>'batch_id' = ANY(ended));
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'events'; deleted := n; RETURN NEXT;
-    DELETE FROM runs WHERE last_event_at < cutoff;
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'runs'; deleted := n; RETURN NEXT;
-    DELETE FROM run_attempts WHERE last_event_at < cutoff;
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'run_attempts'; deleted := n; RETURN NEXT;
-    DELETE FROM admission_events WHERE ts < cutoff;
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'admission_events'; deleted := n; RETURN NEXT;
-    DELETE FROM nodes WHERE ts < cutoff;
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'nodes'; deleted := n; RETURN NEXT;
-    DELETE FROM bench_runs WHERE finished_at < cutoff;
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'bench_runs'; deleted := n; RETURN NEXT;
-    DELETE FROM scores WHERE ts < cutoff;
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'scores'; deleted := n; RETURN NEXT;
-    DELETE FROM responses WHERE coalesce(ts, deleted_at) < cutoff;
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'responses'; deleted := n; RETURN NEXT;
-    DELETE FROM preemptions WHERE ts < cutoff;
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'preemptions'; deleted := n; RETURN NEXT;
-    DELETE FROM batch_lines WHERE batch_id = ANY(ended);
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'batch_lines'; deleted := n; RETURN NEXT;
-    DELETE FROM batches WHERE batch_id = ANY(ended);
-    GET DIAGNOSTICS n = ROW_COUNT; table_name := 'batches'; deleted := n; RETURN NEXT;
+    FOREACH rule SLICE 1 IN ARRAY rules LOOP
+        EXECUTE format('DELETE FROM %I WHERE %s', rule[1], rule[2]) USING cutoff, ended;
+        GET DIAGNOSTICS deleted = ROW_COUNT;
+        table_name := rule[1];
+        RETURN NEXT;
+    END LOOP;
 END
 $$;

@@ -9,6 +9,7 @@ import asyncio
 import json
 from pathlib import Path
 
+import openai
 import pytest
 from openai.types import Batch
 
@@ -32,6 +33,28 @@ def lines_done(system: System, batch_id: str) -> int:
     return int(rows[0]["n"])
 
 
+def start_batch(client: openai.OpenAI, model: str) -> Batch:
+    """A batch of LINES chat lines for `model`, created."""
+    content = b"".join(json.dumps({
+        "custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
+        "body": {"model": model, "messages": [{"role": "user", "content": f"q{i}"}]}}).encode() + b"\n"
+        for i in range(LINES))
+    upload = client.files.create(file=("batch.jsonl", content), purpose="batch")
+    return client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+
+
+def completed_with_every_line_once(client: openai.OpenAI, batch_id: str, after: str) -> list[dict]:
+    """Waits for `batch_id` to complete; asserts every line was answered once; returns the output lines."""
+    done: Batch = eventually(lambda: (b := client.batches.retrieve(batch_id)).status == "completed" and b, 300,
+                             message=f"the batch never completed after {after}")
+    assert done.request_counts is not None
+    assert (done.request_counts.total, done.request_counts.completed) == (LINES, LINES)
+    assert done.output_file_id is not None
+    output = [json.loads(row) for row in client.files.content(done.output_file_id).text.splitlines()]
+    assert sorted(row["custom_id"] for row in output) == sorted(f"line-{i}" for i in range(LINES))
+    return output
+
+
 def test_a_batch_completes_after_its_gateway_is_killed_and_started_again(
         system: System, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     keys = api_keys_file(tmp_path_factory.mktemp("keys"), {KEY: "carol"})
@@ -39,29 +62,14 @@ def test_a_batch_completes_after_its_gateway_is_killed_and_started_again(
     env = {"HELEXA_BATCH_CONCURRENCY": "2"}
     with scripted_worker(system, tmp_path, MODEL, SCRIPT):
         first = keyed_gateway(system, keys, KEY, port=port, env=env)
-        client = first.client()
-        content = b"".join(json.dumps({
-            "custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": MODEL, "messages": [{"role": "user", "content": f"q{i}"}]}}).encode() + b"\n"
-            for i in range(LINES))
-        upload = client.files.create(file=("batch.jsonl", content), purpose="batch")
-        created = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
-                                        completion_window="24h")
+        created = start_batch(first.client(), MODEL)
         eventually(lambda: lines_done(system, created.id) >= 2, 120, message="no line finished")
         first.process.kill()
         assert lines_done(system, created.id) < LINES
 
         second = keyed_gateway(system, keys, KEY, port=port, env=env)
         try:
-            client = second.client()
-            done: Batch = eventually(
-                lambda: (b := client.batches.retrieve(created.id)).status == "completed" and b, 300,
-                message="the batch never completed after the restart")
-            assert done.request_counts is not None
-            assert (done.request_counts.total, done.request_counts.completed) == (LINES, LINES)
-            assert done.output_file_id is not None
-            output = [json.loads(row) for row in client.files.content(done.output_file_id).text.splitlines()]
-            assert sorted(row["custom_id"] for row in output) == sorted(f"line-{i}" for i in range(LINES))
+            completed_with_every_line_once(second.client(), created.id, "the restart")
         finally:
             second.process.stop()
 
@@ -86,26 +94,13 @@ def test_a_batch_completes_after_a_worker_is_killed_with_one_served_run_per_line
         gateway = keyed_gateway(system, keys, KEY, env={"HELEXA_BATCH_CONCURRENCY": "4"})
         try:
             client = gateway.client()
-            content = b"".join(json.dumps({
-                "custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
-                "body": {"model": model, "messages": [{"role": "user", "content": f"q{i}"}]}}).encode() + b"\n"
-                for i in range(LINES))
-            upload = client.files.create(file=("batch.jsonl", content), purpose="batch")
-            created = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
-                                            completion_window="24h")
+            created = start_batch(client, model)
             eventually(lambda: lines_done(system, created.id) >= 2 and running_on(system, created.id, DOOMED), 120,
                        message="no line running on the worker to kill")
             doomed.kill()
             assert lines_done(system, created.id) < LINES
 
-            done: Batch = eventually(
-                lambda: (b := client.batches.retrieve(created.id)).status == "completed" and b, 300,
-                message="the batch never completed after its worker was killed")
-            assert done.request_counts is not None
-            assert (done.request_counts.total, done.request_counts.completed) == (LINES, LINES)
-            assert done.output_file_id is not None
-            output = [json.loads(row) for row in client.files.content(done.output_file_id).text.splitlines()]
-            assert sorted(row["custom_id"] for row in output) == sorted(f"line-{i}" for i in range(LINES))
+            output = completed_with_every_line_once(client, created.id, "its worker was killed")
             assert all(row["response"]["body"]["choices"][0]["message"]["content"] == "one two three"
                        for row in output)
             # Each line's answer is its request's run, and that run is the one served (`ok`).

@@ -7,7 +7,6 @@ run rows say the runs were served on 3 ranks."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import threading
@@ -22,6 +21,7 @@ from tests.e2e.conftest import STATUS_INTERVAL_S, System
 from tests.e2e.test_core_restart import core_pid
 from tests.engine.test_tensor_parallel import save_tp_llama
 from tests.support import AppProcess, eventually, eventually_async
+from tests.system import read_chat_stream
 
 NODE = "e2e-tp-death"
 TOKENS = 400  # long enough to be running when the rank dies (the output limit is a quarter of 4096)
@@ -44,7 +44,6 @@ def tp_worker(system: System, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 def stream(system: System, model: str, prompt: list[int], first_text: threading.Event, out: dict) -> None:
     """One streamed completion; its text, how it ended, its usage and any error event."""
-    text, finish, usage, errors = [], None, None, []
     with httpx.Client(base_url=system.base_url, timeout=600) as http:
         with http.stream("POST", "/v1/completions", json={
                 "model": model, "prompt": prompt, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True,
@@ -54,20 +53,7 @@ def stream(system: System, model: str, prompt: list[int], first_text: threading.
                 out["body"] = response.read().decode()
                 first_text.set()  # nothing will come: the assertions below say why
                 return
-            for line in response.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    errors.append(chunk["error"])
-                    continue
-                for choice in chunk["choices"]:
-                    text.append(choice.get("text") or "")
-                    finish = choice.get("finish_reason") or finish
-                    if choice.get("text"):
-                        first_text.set()
-                usage = chunk.get("usage") or usage
-    out.update(text="".join(text), finish=finish, usage=usage, errors=errors)
+            out.update(read_chat_stream(response, first_text))
 
 
 async def run_ranks(database_url: str) -> list[int | None]:

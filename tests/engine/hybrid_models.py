@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 
+from engine.loading.loader import Checkpoint, load_checkpoint
 from tests.engine.helpers import perturb_norms_and_biases, save_tokenizer
 
 VOCAB_SIZE = 320
@@ -68,3 +71,20 @@ def save_hybrid_dir(transformers, model_type: str, directory: Path,
     model.save_pretrained(directory)
     save_tokenizer(directory, VOCAB_SIZE)
     return directory
+
+
+def hybrid_fixtures(model_types: list[str], folder: str) -> tuple[Callable[..., Path], Callable[..., Checkpoint]]:
+    """A module's `model_dir` (one tiny checkpoint per model type, saved by transformers) and its
+    loaded `checkpoint`, both once per module: `model_dir, checkpoint = hybrid_fixtures([...], "x")`."""
+
+    @pytest.fixture(params=model_types, scope="module")
+    def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+        import transformers
+
+        return save_hybrid_dir(transformers, request.param, tmp_path_factory.mktemp(folder) / f"tiny-{request.param}")
+
+    @pytest.fixture(scope="module")
+    def checkpoint(model_dir: Path) -> Checkpoint:
+        return load_checkpoint(model_dir)
+
+    return model_dir, checkpoint

@@ -14,21 +14,12 @@ import transformers
 from engine.core.engine_core import EngineCore
 from engine.frontend.engine_config import EngineConfig
 from engine.frontend.protocol import EngineOutput, EngineRequest, FinishReason, SamplingParams
-from engine.loading.loader import Checkpoint, load_checkpoint
+from engine.loading.loader import Checkpoint
 from engine.runner.model_runner import kv_bytes_per_token
 from tests.engine.helpers import RaisesAfterForward, run_all
-from tests.engine.hybrid_models import LONG_PROMPT, reference_model, save_hybrid_dir
+from tests.engine.hybrid_models import LONG_PROMPT, hybrid_fixtures, reference_model
 
-
-@pytest.fixture(params=["qwen3_next", "qwen3_5"], scope="module")
-def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_hybrid_dir(transformers, request.param,
-                           tmp_path_factory.mktemp("hybrid-engine") / f"tiny-{request.param}")
-
-
-@pytest.fixture(scope="module")
-def checkpoint(model_dir: Path) -> Checkpoint:
-    return load_checkpoint(model_dir)
+model_dir, checkpoint = hybrid_fixtures(["qwen3_next", "qwen3_5"], "hybrid-engine")
 
 
 @pytest.fixture(scope="module")

@@ -13,26 +13,18 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from engine.loading.loader import Checkpoint, load_checkpoint
+from engine.loading.loader import Checkpoint
 from tests.engine.helpers import (
     assert_mixed_steps_match_each_alone,
     assert_ragged_batch_matches_each_alone,
     chunked_logits,
 )
-from tests.engine.hybrid_models import LONG_PROMPT, VOCAB_SIZE, reference_model, save_hybrid_dir
+from tests.engine.hybrid_models import LONG_PROMPT, VOCAB_SIZE, hybrid_fixtures, reference_model
 
 MODEL_TYPES = ["qwen3_moe", "qwen3_next", "qwen3_5"]
 
 
-@pytest.fixture(params=MODEL_TYPES, scope="module")
-def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_hybrid_dir(transformers, request.param,
-                           tmp_path_factory.mktemp("hybrid") / f"tiny-{request.param}")
-
-
-@pytest.fixture(scope="module")
-def checkpoint(model_dir: Path) -> Checkpoint:
-    return load_checkpoint(model_dir)
+model_dir, checkpoint = hybrid_fixtures(MODEL_TYPES, "hybrid")
 
 
 @pytest.fixture(scope="module")

@@ -15,15 +15,7 @@ from apps.bus.wire import encode
 from apps.embedded.nats_server import NatsServer
 from apps.embedded.postgres import PostgresServer
 from apps.settings import RecorderSettings
-from tests.recorder.conftest import (
-    LogWatch,
-    fetchval,
-    finished,
-    publish,
-    recording,
-    started,
-    wait_all_acked,
-)
+from tests.recorder.conftest import LogWatch, fetchval, finished, publish, recording, started, wait_all_acked
 from tests.support import eventually_async
 
 

@@ -14,16 +14,7 @@ from apps.bus.wire import encode
 from apps.embedded import free_port
 from apps.embedded.nats_server import NatsServer
 from apps.settings import RecorderSettings
-from tests.recorder.conftest import (
-    LogWatch,
-    admission,
-    fetchval,
-    finished,
-    publish,
-    recording,
-    started,
-    wait_all_acked,
-)
+from tests.recorder.conftest import LogWatch, admission, fetchval, finished, publish, recording, started, wait_all_acked
 from tests.support import eventually_async
 
 
