@@ -7,22 +7,27 @@ once); a recorded line as a line of the output or error file, in OpenAI's shape.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from apps.bus import wire
-from apps.bus.codes import ServingError
+from apps.bus.codes import ErrorCode, ServingError
 from apps.bus.events import BatchLine
 from apps.gateway.api import openai_schema as oa
+from apps.gateway.api import responses as live_responses
+from apps.gateway.api import responses_schema as rs
 from apps.gateway.api.chat import ChatFormatter
 from apps.gateway.api.chat import to_bus_request as chat_request
 from apps.gateway.api.completions import CompletionFormatter
 from apps.gateway.api.completions import to_bus_request as completion_request
+from apps.gateway.api.responses_output import ResponsesFormatter
 from apps.gateway.api.validate import decode_body
 from apps.gateway.batch_store import StoredBatch
 from apps.gateway.rendering import Formatter
+from apps.gateway.response_store import new_response_id
 from engine.frontend.protocol import ServiceClass
 
 
@@ -41,6 +46,52 @@ class Prepared:
     formatter: Formatter
     output_param: str
     constraint_param: str | None
+
+
+# A line's body as (request, formatter, output parameter, constraint parameter), decoded by the
+# live route's own code: one entry per endpoint a batch may name (`batch_store.ENDPOINTS`).
+Decoded = tuple[wire.GenerateRequest, Formatter, str, str | None]
+
+
+def _chat(body: bytes, request_id: str, principal: str | None) -> Decoded:
+    chat = decode_body(body, oa.ChatCompletionRequest)
+    request = chat_request(chat, request_id, principal)
+    return request, ChatFormatter(request, False), chat.completion_limit_param(), chat.constraint_param()
+
+
+def _completion(body: bytes, request_id: str, principal: str | None) -> Decoded:
+    plain = decode_body(body, oa.CompletionRequest)
+    request = completion_request(plain, request_id, principal)
+    return request, CompletionFormatter(request, False), "max_tokens", plain.constraint_param()
+
+
+class _Stored(msgspec.Struct):
+    """Whether a Responses line asked for `store` itself (the live route's default is true)."""
+    store: bool | None = None
+
+
+def _response(body: bytes, request_id: str, principal: str | None) -> Decoded:
+    """A Responses line: stateless only. A batch keeps no response (`store: true` is refused; left
+    out, it is false) and continues none (`previous_response_id` is refused); `background` and
+    the rest are refused by the live route's own checks."""
+    req = decode_body(body, rs.ResponsesRequest)
+    if msgspec.json.decode(body, type=_Stored).store:
+        raise ServingError(400, ErrorCode.INVALID_REQUEST, "'store' must be false in a batch: a batch "
+                           "line's response is kept in the output file, not stored.", param="store")
+    if req.previous_response_id is not None:
+        raise ServingError(400, ErrorCode.INVALID_REQUEST, "'previous_response_id' is not supported in a "
+                           "batch: each line is answered on its own.", param="previous_response_id")
+    req = msgspec.structs.replace(req, store=False, stream=False)
+    items = live_responses.parse_items(req.input, "input")
+    template = live_responses.response_template(req, new_response_id())
+    request, offered = live_responses.to_bus_request(req, request_id, principal, [], items)
+    formatter = ResponsesFormatter(template, live_responses.wants_logprobs(req), namespaces=offered.namespaces)
+    return request, formatter, "max_output_tokens", "text.format"
+
+
+DECODERS: dict[str, Callable[[bytes, str, str | None], Decoded]] = {
+    "/v1/chat/completions": _chat, "/v1/completions": _completion, "/v1/responses": _response,
+}
 
 
 def line_error(code: str, message: str) -> dict[str, Any]:
@@ -68,18 +119,10 @@ def prepare(batch: StoredBatch, line: int, raw: bytes, delivery: int,
     request_id = f"{batch_id}-{line}-{delivery}"
     principal = batch.principal
     try:
-        if item.url == "/v1/chat/completions":
-            chat = decode_body(bytes(item.body), oa.ChatCompletionRequest)
-            request = chat_request(chat, request_id, principal)
-            formatter: Formatter = ChatFormatter(request, False)
-            output_param, constraint = chat.completion_limit_param(), chat.constraint_param()
-        else:
-            plain = decode_body(bytes(item.body), oa.CompletionRequest)
-            request = completion_request(plain, request_id, principal)
-            formatter = CompletionFormatter(request, False)
-            output_param, constraint = "max_tokens", plain.constraint_param()
+        decoded = DECODERS[item.url](bytes(item.body), request_id, principal)
     except ServingError as exc:
         return failed(f"Line {line}: {exc.message}", item.custom_id)
+    request, formatter, output_param, constraint = decoded
     request = msgspec.structs.replace(request, stream=False, service_class=ServiceClass.BATCH)
     return Prepared(line, item.custom_id, request, formatter, output_param, constraint)
 

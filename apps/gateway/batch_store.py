@@ -33,7 +33,7 @@ from apps.gateway.projection_notices import ProjectionNotices
 from apps.recorder.projections import BATCHES_CHANNEL
 
 BATCH_IDS = CapabilityIds("batch_")
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 _STATUS_TIMES = ("in_progress", "cancelling", "finalizing", "completed", "failed", "expired", "cancelled")

@@ -18,6 +18,7 @@ import openai
 import pytest
 from openai.types import Batch
 from openai.types.chat import ChatCompletion
+from openai.types.responses import Response
 
 from tests.e2e.conftest import System, scripted_worker
 from tests.support import REPO, eventually, fetch_rows
@@ -255,3 +256,44 @@ def test_a_principal_past_its_live_batches_cap_gets_429_naming_it(gateway: Keyed
     eventually(lambda: finished(alice, again.id, "cancelled"), 120, message="the batch never cancelled")
     eventually(lambda: finished(bob, bobs.id, "cancelled") or finished(bob, bobs.id, "completed"), 120,
                message="bob's batch never ended")
+
+
+def response_line(custom_id: str, **body: object) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/responses",
+            "body": {"model": MODEL, "max_output_tokens": 16, **body}}
+
+
+def test_a_responses_batch_answers_as_the_live_route_and_refuses_stateful_lines(gateway: KeyedGateway) -> None:
+    client = gateway.client()
+    valid = [response_line("plain", input="hello"), response_line("unstored", input="hi", store=False),
+             response_line("items", input=[{"role": "user", "content": "hey"}], instructions="Be brief."),
+             response_line("meta", input="again", metadata={"tag": "x"})]
+    invalid = [response_line("no-input"), response_line("stored", input="hi", store=True),
+               response_line("continued", input="hi", previous_response_id="resp_abc"),
+               response_line("background", input="hi", background=True)]
+    upload = client.files.create(file=("responses.jsonl", jsonl(valid + invalid)), purpose="batch")
+    created = client.batches.create(input_file_id=upload.id, endpoint="/v1/responses", completion_window="24h")
+
+    done = eventually(lambda: finished(client, created.id, "completed"), 120, message="the batch never completed")
+    assert done.request_counts is not None and done.output_file_id and done.error_file_id
+    assert (done.request_counts.completed, done.request_counts.failed) == (len(valid), len(invalid))
+    rows = client.files.content(done.output_file_id).text.splitlines()
+    output = {row["custom_id"]: row for row in map(json.loads, rows)}
+    assert sorted(output) == sorted(item["custom_id"] for item in valid)
+    for row in output.values():
+        assert row["response"]["status_code"] == 200 and row["error"] is None
+        response = Response.model_validate(row["response"]["body"])
+        assert response.status == "completed" and response.output_text == "a quick answer"
+        assert response.id.startswith("resp_") and response.store is False
+    live = client.responses.with_raw_response.create(model=MODEL, input="hello", max_output_tokens=16, store=False)
+    live_body, batch_body = live.http_response.json(), output["unstored"]["response"]["body"]
+    assert sorted(batch_body) == sorted(live_body) and batch_body["output"][0].keys() == live_body["output"][0].keys()
+    assert output["items"]["response"]["body"]["instructions"] == "Be brief."
+    assert output["meta"]["response"]["body"]["metadata"] == {"tag": "x"}
+    errors = {row["custom_id"]: row["error"]["message"]
+              for row in map(json.loads, client.files.content(done.error_file_id).text.splitlines())}
+    assert sorted(errors) == sorted(item["custom_id"] for item in invalid)
+    assert "input" in errors["no-input"]
+    for custom_id, param in (("stored", "store"), ("continued", "previous_response_id"),
+                             ("background", "background")):
+        assert param in errors[custom_id].lower()
