@@ -154,7 +154,7 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
         app.state.bus, app.state.registry = bus, registry
         app.state.metrics, app.state.admissions = gateway_metrics, admissions
         app.state.generations = GenerationPipeline(bus, cold_starts, admissions, Canceller(lambda: bus.nc), events,
-                                                   gateway_metrics, settings)
+                                                   gateway_metrics, settings, batch_load=registry.batch_running)
         app.state.bodies = BodyReader()
         app.state.token_counter = AdmittedTokenCounter(admissions, bus, registry, cold_starts)
         app.state.responses = ResponseStore(settings.database_url, events, settings.response_wait_s, StoreLimits(

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import msgspec
 from litestar import Request
@@ -44,13 +44,14 @@ from apps.settings import GatewaySettings
 
 class GenerationPipeline:
     def __init__(self, bus: GatewayBus, cold_starts: ColdStarts, admissions: Admissions, canceller: Canceller,
-                 events: EventPublisher, metrics: GatewayMetrics, settings: GatewaySettings) -> None:
+                 events: EventPublisher, metrics: GatewayMetrics, settings: GatewaySettings,
+                 batch_load: Callable[[str], bool] | None = None) -> None:
         self._bus = bus
         self._cold_starts = cold_starts
         self._admissions = admissions
         self._canceller = canceller
         self._events = events
-        self._metrics = GenerationMetrics(metrics)
+        self._metrics = GenerationMetrics(metrics, batch_load)
         self._migrator = Migrator(bus, events, self._metrics, settings)
         self._settings = settings
         self.first_frames = FirstFrames(bus, canceller, self._metrics, self._migrator, settings)

@@ -10,14 +10,19 @@ what each step of a generation records in them.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from apps.bus import wire
 from apps.gateway.metrics import GatewayMetrics
+from engine.frontend.protocol import ServiceClass
 
 
 class GenerationMetrics:
-    def __init__(self, metrics: GatewayMetrics) -> None:
+    """`batch_load(model)`: whether the model's workers last reported batch sequences running."""
+
+    def __init__(self, metrics: GatewayMetrics, batch_load: Callable[[str], bool] | None = None) -> None:
         self._metrics = metrics
+        self._batch_load = batch_load
 
     def rejected(self, model: str, reason: str | None) -> None:
         self._metrics.rejections.labels(model, reason).inc()
@@ -36,15 +41,18 @@ class GenerationMetrics:
         self._metrics.queue.labels(request.model).observe(max(time.time() - request.created_at, 0.0))
 
     def answer(self, request: wire.GenerateRequest) -> AnswerTimer:
-        return AnswerTimer(self._metrics, request)
+        return AnswerTimer(self._metrics, request, self._batch_load)
 
 
 class AnswerTimer:
     """One answer's timings and totals, recorded as its frames come."""
 
-    def __init__(self, metrics: GatewayMetrics, request: wire.GenerateRequest) -> None:
+    def __init__(self, metrics: GatewayMetrics, request: wire.GenerateRequest,
+                 batch_load: Callable[[str], bool] | None = None) -> None:
         self._metrics = metrics
         self._model = request.model
+        self._interactive = request.service_class == ServiceClass.INTERACTIVE
+        self._batch_load = batch_load
         self._created_at = request.created_at
         self._last_text_at: float | None = None
 
@@ -52,7 +60,11 @@ class AnswerTimer:
         now, metrics, model = time.time(), self._metrics, self._model
         if isinstance(frame, wire.Delta) and (frame.text or frame.reasoning or frame.tool_calls):
             if self._last_text_at is None:
-                metrics.ttft.labels(model).observe(max(now - self._created_at, 0.0))
+                ttft = max(now - self._created_at, 0.0)
+                metrics.ttft.labels(model).observe(ttft)
+                if self._interactive:
+                    load = "yes" if self._batch_load is not None and self._batch_load(model) else "no"
+                    metrics.interactive_ttft.labels(model, load).observe(ttft)
             else:
                 metrics.itl.labels(model).observe(now - self._last_text_at)
             self._last_text_at = now

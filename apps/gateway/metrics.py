@@ -30,6 +30,11 @@ class GatewayMetrics:
         r = self.registry
         self.ttft = Histogram("helexa:time_to_first_token_seconds", "Time to first token", ["model"],
                               buckets=LATENCY_BUCKETS, registry=r)
+        self.interactive_ttft = Histogram(
+            "helexa:interactive_time_to_first_token_seconds",
+            "Time to first token of interactive requests, by whether the model's workers last reported batch "
+            "sequences running (batch_load yes/no): what batch work costs interactive users",
+            ["model", "batch_load"], buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("helexa:inter_token_latency_seconds", "Time between streamed deltas", ["model"],
                              buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("helexa:e2e_request_latency_seconds", "Request latency, publish to final frame",

@@ -33,6 +33,11 @@ def serving(nodes: list[wire.NodeStatus], model: str, state: ModelState | None =
     return [n for n in nodes if any(m.model == model and (state is None or m.state == state) for m in n.models)]
 
 
+def batch_running(nodes: list[wire.NodeStatus], model: str) -> bool:
+    """Whether any of `nodes` reported batch-class sequences of `model` running."""
+    return any(m.batch_running for n in nodes for m in n.models if m.model == model)
+
+
 class NodeRegistry:
     def __init__(self, bus: GatewayBus, limits: BusLimits) -> None:
         self._bus = bus
@@ -59,8 +64,15 @@ class NodeRegistry:
     async def live_nodes(self) -> list[wire.NodeStatus]:
         """Nodes whose last refresh is younger than the bucket's TTL (expiry leaves no marker)."""
         await self._ready.wait()
+        return self._live()
+
+    def _live(self) -> list[wire.NodeStatus]:
         horizon = time.time() - self._limits.node_ttl_s
         return [n for n in self._nodes.values() if n.updated_at >= horizon and n.status != NodeState.STOPPING]
+
+    def batch_running(self, model: str) -> bool:
+        """Whether a live node last reported batch-class sequences of `model` running."""
+        return batch_running(self._live(), model)
 
     async def models(self) -> list[str]:
         """Every model some live node serves, sorted."""
