@@ -312,8 +312,7 @@ def test_a_batch_completes_across_ctrl_c_and_up_again_on_the_same_data_dir(
     wait in the data directory's NATS and PostgreSQL, and the new gateway runs what is missing."""
     data, port, lines = tmp_path / "data", free_port(), 16
     env = {"HELEXA_BATCH_CONCURRENCY": "4"}
-    first = start_up(data, port, script, env=env)
-    ups.append(first)
+    first = start_up(ups, data, port, script, env=env)
     ready = wait_up(first)
     client = openai.OpenAI(base_url=f"{ready['url']}/v1", api_key="unused", max_retries=0, timeout=60)
     content = b"".join(json.dumps({
@@ -331,8 +330,7 @@ def test_a_batch_completes_across_ctrl_c_and_up_again_on_the_same_data_dir(
     os.killpg(first.process.pid, signal.SIGINT)
     assert first.process.wait(60) == 0
 
-    second = start_up(data, port, script, env=env)
-    ups.append(second)
+    second = start_up(ups, data, port, script, env=env)
     wait_up(second)
     done = eventually(lambda: (b := client.batches.retrieve(created.id)).status == "completed" and b, 180,
                       message="the batch never completed after the restart")
