@@ -274,6 +274,14 @@ class Intake:
     async def _refuse_duplicate(self, msg: Msg, request: wire.GenerateRequest,
                                 ref: wire.RequestRef | None = None) -> None:
         running = self.held.get(request.request_id)
+        if running is None and not holds(self.held, request):
+            # The run that held the id ended between `_begin`'s check and this task (a migrated
+            # attempt arriving as its engine-lost run settles): nothing to refuse any more, so the
+            # message goes back and is served as any other.
+            log.info("a duplicate's run ended meanwhile; handed back to be served",
+                     extra={"request_id": request.request_id})
+            await msg.nak()
+            return
         held = running.request if running is not None else None
         if running is not None and running.stream_seq == msg.metadata.sequence.stream:
             # JetStream redelivered the message this worker is still running (its in-progress acks
