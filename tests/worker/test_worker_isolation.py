@@ -26,6 +26,7 @@ from apps.bus.codes import ErrorCode, ModelState
 from apps.bus.topology import BusLimits
 from apps.embedded import free_port
 from apps.embedded.nats_server import NatsServer, nats_server_binary
+from apps.worker.intake import Intake, holds
 from apps.worker.node_status import model_status
 from apps.worker.process import EXIT_BUS_LOST
 from engine.frontend.tokenizer import Tokenizer
@@ -121,6 +122,44 @@ async def test_another_message_reusing_a_running_id_is_refused_alone(
         clean_stream(first)
         assert first.text() == SLOW_REPLY
         assert engine.submitted == ["reused"]
+
+
+async def test_a_duplicate_whose_running_run_ends_before_its_refusal_is_served(
+        own_nats: NatsServer, tok: Tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The intake sees the id held and schedules the refusal; the run holding it ends before the
+    # refusal runs (a migrated attempt arriving as its engine-lost run settles). The refusal is
+    # held back here until that run is over, so the race is taken every time.
+    refuse = Intake._refuse_duplicate
+    first_ended = asyncio.Event()
+    refusals_started = 0
+
+    async def late_refusal(self: Intake, msg: Any, request: wire.GenerateRequest, ref: Any = None) -> None:
+        nonlocal refusals_started
+        refusals_started += 1
+        await first_ended.wait()
+        await eventually_async(lambda: not holds(self.held, request), 20.0, message="the first run let go of the id")
+        await refuse(self, msg, request, ref)
+
+    monkeypatch.setattr(Intake, "_refuse_duplicate", late_refusal)
+    async with worker(own_nats.url, tok, tmp_path, limits=BusLimits()) as (_, engine), client(own_nats.url) as nc:
+        terminated = await terminations(nc)
+        first = await listen(nc, "_INBOX.first")
+        await publish(nc, "reused", "SLOW please", "_INBOX.first")
+        await asyncio.wait_for(first.accepted.wait(), 20)
+        second = await listen(nc, "_INBOX.second")
+        seq = await publish(nc, "reused", "hello", "_INBOX.second", msg_id="reused-again")
+        await eventually_async(lambda: refusals_started == 1, 20.0, message="the duplicate seen as held")
+        await asyncio.wait_for(first.ended.wait(), 30)
+        first_ended.set()
+        clean_stream(first)
+        assert first.text() == SLOW_REPLY
+        # Nothing holds the id any more: the second message is served, not refused.
+        await asyncio.wait_for(second.ended.wait(), 20)
+        clean_stream(second, attempt=2)  # its second delivery: the first went back unanswered
+        assert second.text() == "fine"
+        assert engine.submitted == ["reused", "reused"]
+        await eventually_async(lambda: request_settled(nc), 20.0, message="both messages acked")
+        assert seq not in terminated.seqs
 
 
 async def test_a_failing_preparation_is_an_error_frame_and_a_term_and_poisons_nothing(
