@@ -44,7 +44,7 @@ def _case(query_lens: list[int], seq_lens: list[int], num_heads: int, num_kv_hea
     return q, k_cache, v_cache, meta
 
 
-def _args(meta: AttentionMetadata):
+def _args(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     return meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.max_query_len
 
 
