@@ -8,6 +8,7 @@ import pytest
 from benchmarks.fleet_sim import (
     DEFAULT_POINTS,
     Point,
+    busy_share,
     ceilings,
     fleet_role,
     host_bound,
@@ -40,14 +41,14 @@ def test_one_runs_figures() -> None:
     # 2,000 tokens in 2 s on 2 cores; 1,500 ms of CPU in all is 37.5 % of the host.
     figures = run_figures(tokens=2000, wall_s=2.0, cpu_ms={"gateway": 600.0, "worker": 400.0, "nats": 200.0,
                                                             "client": 300.0},
-                          messages=5000, cpus=2, ttfts_s=[0.06, 0.07, 0.08], gaps_s=[0.021, 0.022, 0.030],
-                          ttft_script_s=0.05, token_delay_s=0.02)
+                          messages=5000, cpus=2, host_busy_share=0.5, ttfts_s=[0.06, 0.07, 0.08],
+                          gaps_s=[0.021, 0.022, 0.030], ttft_script_s=0.05, token_delay_s=0.02)
     assert figures["tokens_per_s"] == 1000
     assert figures["nats_messages_per_s"] == 2500
     assert figures["nats_messages_per_token"] == 2.5
     assert figures["cpu_ms_per_1k_tokens"] == {"gateway": 300.0, "worker": 200.0, "recorder": 0.0, "nats": 100.0,
                                                "postgres": 0.0, "client": 150.0}
-    assert figures["host_cpu_share"] == 0.375
+    assert figures["fleet_cpu_share"] == 0.375
     assert figures["host_bound"] is False
     assert figures["ttft_added_ms_p50"] == pytest.approx(20.0)
     assert figures["itl_added_ms_p50"] == pytest.approx(2.0)
@@ -55,8 +56,19 @@ def test_one_runs_figures() -> None:
 
 
 def test_a_point_over_ninety_percent_of_the_cores_is_host_bound() -> None:
-    assert host_bound(cpu_ms_total=3700.0, wall_s=2.0, cpus=2)
-    assert not host_bound(cpu_ms_total=3500.0, wall_s=2.0, cpus=2)
+    assert host_bound(cpu_ms_total=3700.0, wall_s=2.0, cpus=2, host_busy_share=0.5)
+    assert not host_bound(cpu_ms_total=3500.0, wall_s=2.0, cpus=2, host_busy_share=0.5)
+
+
+def test_a_host_kept_busy_by_others_makes_the_point_host_bound() -> None:
+    assert host_bound(cpu_ms_total=1000.0, wall_s=2.0, cpus=2, host_busy_share=0.95)
+
+
+def test_busy_share_counts_idle_and_iowait_as_not_busy() -> None:
+    from collections import namedtuple
+
+    Times = namedtuple("Times", "user system idle iowait")
+    assert busy_share(Times(0, 0, 0, 0), Times(30.0, 10.0, 50.0, 10.0)) == 0.4
 
 
 def test_a_kinds_ceiling_is_one_core_over_its_cost() -> None:
