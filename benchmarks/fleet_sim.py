@@ -1,18 +1,19 @@
 """A simulated fleet: what each token costs in NATS messages and CPU per process kind as gateways,
 workers and streams grow.
 
-One NATS server (monitoring on, for /varz message counts), PostgreSQL and a recorder, G real gateway
-processes and W scripted workers (`helexa worker --script`: no model, the real tokenizer, parsers,
-frames and bus; each worker serves a model name of its own, `fleet-<i>`, so streams spread over
-workers by name). The fleet is started once at the largest G and W of the sweep; a point (G, W, S)
-drives S concurrent streams through the first G gateways onto the first W workers (stream i to
-gateway i mod G, model i mod W) with a light httpx client; the other processes idle meanwhile and
-their idle cost is counted with the rest. The script emits one token every 1/`--token-rate` s per
-stream after `--ttft-ms`, so TTFT and inter-token gaps are reported as what the pipeline adds over
-the script. CPU comes from each process's threads (benchmarks.process_cpu) by kind; a point is
-labelled host-bound when the fleet (client included) or the whole host (others' work included)
-kept more than 90 % of the cores busy: its latencies then measure the host, not the pipeline.
-A run whose streams did not all carry the script's text is reported failed, without figures.
+One NATS server or a cluster (`--cluster 3`; monitoring on, for /varz message counts), PostgreSQL
+and a recorder, G real gateway processes and W scripted workers (`helexa worker --script`: no model,
+the real tokenizer, parsers, frames and bus; each worker serves a model name of its own,
+`fleet-<i>`, so streams spread over workers by name). The fleet is started once at the largest G and
+W of the sweep; a point (G, W, S) drives S concurrent streams through the first G gateways onto the
+first W workers (stream i to gateway i mod G, model i mod W) with a light httpx client; the other
+processes idle meanwhile and their idle cost is counted with the rest. The script emits one token
+every 1/`--token-rate` s per stream after `--ttft-ms`, so TTFT and inter-token gaps are reported as
+what the pipeline adds over the script. CPU comes from each process's threads
+(benchmarks.process_cpu) by kind; a point is labelled host-bound when the fleet (client included) or
+the whole host (others' work included) kept more than 90 % of the cores busy: its latencies then
+measure the host, not the pipeline. A run whose streams did not all carry the script's text is
+reported failed, without figures.
 
     python -m benchmarks.fleet_sim --out benchmarks/results/fleet_sim-<machine>.json
 """
@@ -41,7 +42,7 @@ import psutil
 from apps.bus import connection
 from apps.bus.topology import BusLimits
 from apps.embedded import free_port
-from apps.embedded.nats_server import NatsServer
+from apps.embedded.nats_server import NatsCluster, NatsServer
 from apps.embedded.postgres import APP_ROLES, PostgresServer
 from apps.recorder.migrate import migrate
 from benchmarks.lib import emit, machine_info
@@ -82,11 +83,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=128, help="tokens per stream")
     parser.add_argument("--token-rate", type=float, default=50.0, help="tokens/s per stream in the script")
     parser.add_argument("--ttft-ms", type=float, default=50.0, help="the script's time to first token")
+    parser.add_argument("--cluster", type=int, default=1, help="NATS servers: 1, or a cluster (e.g. 3)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--chart", type=Path, help="an SVG of the results")
     args = parser.parse_args(argv)
-    if args.runs < 1 or args.tokens < 1 or args.token_rate <= 0 or args.ttft_ms < 0:
-        parser.error("--runs and --tokens must be at least 1, --token-rate above 0, --ttft-ms at least 0")
+    if args.runs < 1 or args.tokens < 1 or args.cluster < 1 or args.token_rate <= 0 or args.ttft_ms < 0:
+        parser.error("--runs, --tokens and --cluster must be at least 1, --token-rate above 0, --ttft-ms at least 0")
     return args
 
 
@@ -176,8 +178,27 @@ class MonitoredNats(NatsServer):
             text += f"http: \"127.0.0.1:{self.http_port}\"\n"
         return text
 
-    def varz(self) -> dict:
-        return httpx.get(f"http://127.0.0.1:{self.http_port}/varz", timeout=10).json()
+
+def bus(folder: Path, cluster: int) -> NatsServer | NatsCluster:
+    """One monitored server, or a cluster of `cluster` servers (a cluster's servers monitor already)."""
+    return NatsCluster(folder, size=cluster) if cluster > 1 else MonitoredNats(folder)
+
+
+def servers_of(nats: NatsServer | NatsCluster) -> list[NatsServer]:
+    return nats.servers if isinstance(nats, NatsCluster) else [nats]
+
+
+def messages(nats: NatsServer | NatsCluster) -> int:
+    """Messages in and out of every server so far (/varz): a message crossing a route counts on both."""
+    total = 0
+    for server in servers_of(nats):
+        varz = httpx.get(f"http://127.0.0.1:{server.http_port}/varz", timeout=10).json()
+        total += varz["in_msgs"] + varz["out_msgs"]
+    return total
+
+
+def rss_mib(nats: NatsServer | NatsCluster) -> float:
+    return sum(psutil.Process(s.process.pid).memory_info().rss for s in servers_of(nats) if s.process) / 2**20
 
 
 @contextmanager
@@ -251,24 +272,24 @@ async def drive(point: Point, ports: list[int], tokens: int) -> tuple[list[dict]
         return list(streams), time.perf_counter() - start
 
 
-def measure(point: Point, args: argparse.Namespace, ports: list[int], nats: MonitoredNats, expected: str) -> dict:
+def measure(point: Point, args: argparse.Namespace, ports: list[int], nats: NatsServer | NatsCluster,
+            expected: str) -> dict:
     cpus = os.cpu_count() or 1
     runs: list[dict] = []
     for _ in range(args.runs):
         cpu = ProcessCPU(os.getpid(), fleet_role)
-        before, host_before = nats.varz(), psutil.cpu_times()
+        before, host_before = messages(nats), psutil.cpu_times()
         with cpu:
             streams, wall_s = asyncio.run(drive(point, ports, args.tokens))
-        after, host_after = nats.varz(), psutil.cpu_times()
+        after, host_after = messages(nats), psutil.cpu_times()
         if not all(s["tokens"] == args.tokens and expected.startswith(s["text"].strip()) and s["text"].strip()
                    for s in streams):
             return {"failed": "a stream's text or token count differs from the script"}
-        messages = (after["in_msgs"] - before["in_msgs"]) + (after["out_msgs"] - before["out_msgs"])
-        figures = run_figures(sum(s["tokens"] for s in streams), wall_s, dict(cpu.ms), messages, cpus,
+        figures = run_figures(sum(s["tokens"] for s in streams), wall_s, dict(cpu.ms), after - before, cpus,
                               busy_share(host_before, host_after),
                               [s["ttft_s"] for s in streams], [g for s in streams for g in s["gaps_s"]],
                               args.ttft_ms / 1000, 1 / args.token_rate)
-        figures["nats_rss_mib"] = psutil.Process(nats.process.pid).memory_info().rss / 2**20 if nats.process else 0
+        figures["nats_rss_mib"] = rss_mib(nats)
         runs.append(figures)
     return medians(runs)
 
@@ -281,7 +302,7 @@ def run_sweep(args: argparse.Namespace, scratch: Path) -> list[dict]:
     script_path = scratch / "script.json"
     script_path.write_text(json.dumps(expected))
     with ExitStack() as stack:
-        nats = MonitoredNats(scratch / "nats")
+        nats = bus(scratch / "nats", args.cluster)
         stack.enter_context(nats)
         asyncio.run(connection.setup(nats.url, BusLimits()))
         postgres = stack.enter_context(PostgresServer(scratch / "pg"))
@@ -351,7 +372,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     report = {"benchmark": "fleet_sim", "machine": machine_info(), "load_average_1m_before": round(load_before, 2),
               "inputs": {"points": [f"{p.gateways},{p.workers},{p.streams}" for p in args.points], "runs": args.runs,
                          "tokens": args.tokens, "token_rate": args.token_rate, "ttft_ms": args.ttft_ms,
-                         "recorder_and_postgres": True, "nats": "one server"},
+                         "recorder_and_postgres": True,
+                         "nats": f"a cluster of {args.cluster}" if args.cluster > 1 else "one server"},
               "results": results}
     emit(report, args.out)
     if args.chart:
