@@ -32,8 +32,8 @@ def free_port() -> int:
 class Server:
     def __init__(self, name: str, command: list[str], env: dict[str, str], port: int, log_path: Path,
                  details: Callable[[], dict] = dict, model: str = DEFAULT_MODEL_ID, keep_alive: bool = True,
-                 cpu_role: Callable[[list[str]], str] = whole_server) -> None:
-        self.name, self.command, self.env, self.port = name, command, env, port
+                 cpu_role: Callable[[list[str]], str] = whole_server, cwd: Path = ROOT) -> None:
+        self.name, self.command, self.env, self.port, self.cwd = name, command, env, port, cwd
         self.log_path, self.details, self.model = log_path, details, model
         # What part of the server a process is, from its command line (benchmarks.process_cpu).
         self.cpu_role = cpu_role
@@ -47,7 +47,7 @@ class Server:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("w")
         start = time.perf_counter()
-        self._process = subprocess.Popen(self.command, env=self.env, cwd=ROOT, stdout=log,
+        self._process = subprocess.Popen(self.command, env=self.env, cwd=self.cwd, stdout=log,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True)
         print(f"[cpu_peers] starting {self.name} (log: {self.log_path})", file=sys.stderr, flush=True)
@@ -111,8 +111,9 @@ def vllm_server(python: Path, model_dir: Path, dtype: str, port: int) -> Server:
                   details=lambda: {"dtype": dtype})
 
 
-def helexa_up(scratch: Path, port: int, dtype: str) -> Server:
-    """`helexa up` on a fresh data directory and dtype cache, so "auto" measures on this run."""
+def helexa_up(scratch: Path, port: int, dtype: str, tree: Path = ROOT) -> Server:
+    """`helexa up` on a fresh data directory and dtype cache, so "auto" measures on this run; run from
+    `tree` (a checkout of another commit: its code comes first on sys.path)."""
     cache = scratch / "cache"
     env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "DATABASE_URL")}
     env |= {"HELEXA_DTYPE": dtype, "XDG_CACHE_HOME": str(cache), "PYTHONUNBUFFERED": "1"}
@@ -127,8 +128,8 @@ def helexa_up(scratch: Path, port: int, dtype: str) -> Server:
         return {"dtype": entry["dtype"], "dtype_reason": "measured",
                 "dtype_timings_ms": entry["timings_ms"], "dtype_measure_s": entry["measure_s"]}
 
-    return Server("helexa-up", command, env, port, WORK / "helexa-up.log", details,
-                  cpu_role=helexa_role)
+    return Server("helexa-up", command, env, port, WORK / f"helexa-up-{tree.name}.log", details,
+                  cpu_role=helexa_role, cwd=tree)
 
 
 def llamacpp_server(server_bin: Path, gguf: Path, port: int) -> Server:

@@ -123,7 +123,9 @@ class ReplyStream:
             if remaining <= 0:
                 raise ReplyTimeout
             try:
-                await asyncio.wait_for(self._arrived.wait(), remaining)
+                # A timeout scope on this task, not wait_for's extra task per frame awaited.
+                async with asyncio.timeout(remaining):
+                    await self._arrived.wait()
             except TimeoutError:
                 raise ReplyTimeout from None
         data = self._buffer.popleft()
