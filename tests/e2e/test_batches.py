@@ -173,6 +173,43 @@ def test_a_cancelled_batch_stops_starting_lines_while_interactive_work_runs(
                                   f"{created.id}-")) == completed, 60, message="runs of lines not in the output")
 
 
+
+def test_a_batch_whose_window_passes_mid_run_writes_what_is_done_and_expires_the_rest(
+        system: System, gateway: KeyedGateway) -> None:
+    client = gateway.client()
+    total = 20
+    lines = [line(f"late-{i}", f"slow late {i}") for i in range(total)]
+    upload = client.files.create(file=("late.jsonl", jsonl(lines)), purpose="batch")
+    created = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                    completion_window="24h")
+    eventually(lambda: completed_lines(client, created.id) >= 2, 120, message="no line finished")
+    # An interactive stream is under way while the window passes.
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "slow now"}],
+                                            stream=True)
+    # The window passes: the batch's deadline is the ledger's, moved into the past as time would.
+    moved = ledger(system, "UPDATE batches SET expires_at = extract(epoch FROM now())::bigint - 1 "
+                           "WHERE batch_id = $1 RETURNING expires_at", created.id)
+    assert len(moved) == 1
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == "one two three four"
+
+    done = eventually(lambda: finished(client, created.id, "expired"), 120, message="the batch never expired")
+    Batch.model_validate(done.model_dump(), strict=True)
+    assert done.expired_at and done.request_counts is not None and done.output_file_id and done.error_file_id
+    answered = done.request_counts.completed
+    assert 2 <= answered < total and done.request_counts.failed == total - answered
+    output = [json.loads(row) for row in client.files.content(done.output_file_id).text.splitlines()]
+    errors = [json.loads(row) for row in client.files.content(done.error_file_id).text.splitlines()]
+    assert len(output) == answered and len(errors) == total - answered
+    assert all(row["response"]["status_code"] == 200 for row in output)
+    assert all(row["response"] is None and row["error"]["code"] == "batch_expired" for row in errors)
+    # Every custom_id exactly once across both files.
+    assert sorted(row["custom_id"] for row in output + errors) == sorted(f"late-{i}" for i in range(total))
+    # No line started that is not in the output: each started line finished and was answered, and
+    # the expired ones never ran.
+    runs = ledger(system, "SELECT request_id FROM runs WHERE starts_with(request_id, $1)", f"{created.id}-")
+    assert len(runs) == answered
+
+
 def helexa_batches(gateway: KeyedGateway, data_dir: Path, *args: str, key: str = ALICE) -> tuple[int, list[dict]]:
     """`helexa batches ARGS` as an operator runs it, with the gateway's URL and `key` exported."""
     env = {**os.environ, "HELEXA_URL": gateway.url, "HELEXA_API_KEY": key}
