@@ -25,7 +25,8 @@ once. Once the ledger has a row for every line, the output and error JSONL files
 the files bucket as the batch owner's (purpose `batch_output`), then the batch is `completed`.
 
 Cancelling (`batch.status` cancelling, from any gateway) stops new lines from starting; the ones
-running finish, then the batch is `cancelled` with what is done. At `expires_at` the same happens,
+running finish, then the batch is `cancelled` with what is done. At `expires_at` (re-read from
+the ledger at every poll, so the deadline has one owner, the `batches` row) the same happens,
 the lines that never started become error lines `batch_expired`, and the batch is `expired`. A
 line refused for lack of capacity (429, 503) is retried after a pause, with a new request id, a
 bounded number of times. Waits on the ledger are bounded too: a line event lost on its way gives
@@ -255,8 +256,10 @@ class BatchRunner:
         while stop.reason is None:
             await asyncio.sleep(_POLL_S)
             batch = await self._batches.read(batch_id)
-            if batch is not None and batch.status == "cancelling":
-                stop.reason = "cancelled"
+            if batch is not None:
+                if batch.status == "cancelling":
+                    stop.reason = "cancelled"
+                stop.expires_at = batch.row["expires_at"]  # the ledger owns the deadline
             stop.check_expiry()
 
     async def _input(self, batch: StoredBatch) -> bytes | None:

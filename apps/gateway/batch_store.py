@@ -8,6 +8,13 @@ runner takes. A batch made moments ago through another gateway is waited for unt
 announces it (`helexa_batches` NOTIFY); this gateway's own new batches are served from memory
 until then. A missing batch and another principal's are the same 404.
 
+The live-batch cap per principal holds across gateways by construction: a create takes the
+principal's PostgreSQL advisory lock (transaction-scoped, on a connection of the gateway's read
+role), counts the principal's live batches in the ledger, emits `batch.created` and keeps the lock
+until the recorder has projected it, so the next create through any gateway counts it. A batch the
+recorder does not project within the wait is marked `failed` at once (it never runs) and the
+create is a 503, so it never counts against the cap unseen.
+
 The Batch object is built from the row and the counts of its lines: `completed` are the lines
 answered 200, `failed` the others (errors and invalid lines), `total` the input file's lines.
 """
@@ -23,7 +30,7 @@ import asyncpg
 import msgspec
 
 from apps.bus import topology, wire
-from apps.bus.codes import ErrorCode, ServingError
+from apps.bus.codes import ErrorCode, ServingError, Unavailable, unavailable
 from apps.bus.events import BatchCreated, BatchStatus
 from apps.bus.publish import publish
 from apps.gateway.capability_ids import CapabilityIds
@@ -53,11 +60,16 @@ SELECT batch_id FROM batches
 WHERE principal IS NOT DISTINCT FROM $1 AND event_id IS NOT NULL AND ($2::text IS NULL OR batch_id < $2)
 ORDER BY batch_id DESC LIMIT $3
 """
-# A principal's live batches (none of TERMINAL).
-_LIVE = """
-SELECT batch_id FROM batches
+# A principal's live batches (none of TERMINAL), counted under the principal's creation lock.
+_LIVE_COUNT = """
+SELECT count(*) FROM batches
 WHERE principal IS NOT DISTINCT FROM $1 AND event_id IS NOT NULL AND status <> ALL($2::text[])
 """
+# The principal's creation lock, held to the end of the create's transaction.
+_LOCK = "SELECT pg_advisory_xact_lock(hashtextextended('helexa.batch.create:' || $1, 0))"
+# How long a create waits for a connection to take the lock on, and how many creates take locks at once.
+_LOCK_WAIT_S = 10.0
+_LOCK_CONNECTIONS = 2
 _LINES_DONE = "SELECT line FROM batch_lines WHERE batch_id = $1"
 _LINES = "SELECT * FROM batch_lines WHERE batch_id = $1 ORDER BY line"
 
@@ -103,6 +115,13 @@ def _decoded(row: asyncpg.Record) -> dict[str, Any]:
     return out
 
 
+def over_cap(cap: int) -> ServingError:
+    return ServingError(429, ErrorCode.RATE_LIMIT_EXCEEDED,
+                        f"You have {cap} live batches, the most a principal may have "
+                        "(max_live_batches_per_principal): wait for one to end, or cancel one.",
+                        param="max_live_batches_per_principal")
+
+
 def not_found(batch_id: str) -> ServingError:
     shown = batch_id if BATCH_IDS.valid(batch_id) else wire.bounded_text(batch_id, 64)
     return ServingError(404, ErrorCode.BATCH_NOT_FOUND, f"No batch found with id '{shown}'.", param="batch_id",
@@ -116,18 +135,48 @@ class BatchStore:
         self.projection_wait_s = projection_wait_s
         self._notices = ProjectionNotices(database_url, channel=BATCHES_CHANNEL)
         self._ledger = LedgerPool(database_url)
+        # Connections that hold a principal's creation lock, apart from the reads a create waits on.
+        self._locks = LedgerPool(database_url, max_size=_LOCK_CONNECTIONS)
         self._recent: OrderedDict[str, StoredBatch] = OrderedDict()
 
     async def close(self) -> None:
         await self._notices.close()
         await self._ledger.close()
+        await self._locks.close()
 
     # -- writing --------------------------------------------------------------------------------
 
     async def create(self, principal: str | None, input_file_id: str, endpoint: str, window: str,
-                     metadata: dict[str, str] | None) -> StoredBatch:
-        """Record a new batch and put its claim on the BATCHES work queue."""
+                     metadata: dict[str, str] | None, live_cap: int) -> StoredBatch:
+        """Record a new batch and put its claim on the BATCHES work queue, unless `principal` has
+        `live_cap` live batches already (429 naming `max_live_batches_per_principal`)."""
         self._events.check_room()
+        try:
+            pool = await self._locks.get()
+            async with pool.acquire(timeout=_LOCK_WAIT_S) as conn, conn.transaction():
+                await conn.execute(_LOCK, principal or "")
+                live = await conn.fetchval(_LIVE_COUNT, principal, list(TERMINAL))
+                if live >= live_cap:
+                    raise over_cap(live_cap)
+                stored = await self._record(principal, input_file_id, endpoint, window, metadata)
+                if await self._projected(stored.batch_id) is None:
+                    self.set_status(stored.batch_id, "failed", errors=[{
+                        "code": "not_recorded", "message": "The ledger did not record the batch in time."}])
+                    raise unavailable(Unavailable.LEDGER_UNAVAILABLE,
+                                      {"detail": f"batch {stored.batch_id} not projected in time; marked failed"})
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
+            raise unavailable(Unavailable.LEDGER_UNAVAILABLE, {"detail": f"postgres: {exc!r}"}) from None
+        return stored
+
+    async def _projected(self, batch_id: str) -> StoredBatch | None:
+        async def from_ledger() -> StoredBatch | None:
+            rows = await self.fetch(_ONE, batch_id)
+            return StoredBatch(_decoded(rows[0])) if rows else None
+        return await self._notices.read_when_projected(batch_id, BATCH_IDS.made_at_s(batch_id),
+                                                       self.projection_wait_s, from_ledger)
+
+    async def _record(self, principal: str | None, input_file_id: str, endpoint: str, window: str,
+                      metadata: dict[str, str] | None) -> StoredBatch:
         batch_id = BATCH_IDS.new()
         now = int(time.time())
         created = BatchCreated(model="-", node="gateway", batch_id=batch_id, principal=principal,
@@ -186,13 +235,6 @@ class BatchStore:
         batches = [b for b in [*(await self._many(ids)), *mine] if b is not None]
         batches.sort(key=lambda b: b.batch_id, reverse=True)
         return batches[:limit], len(batches) > limit
-
-    async def live(self, principal: str | None) -> int:
-        """How many of `principal`'s batches are live: the ledger's, and this gateway's own that
-        it does not have yet."""
-        ids = {row["batch_id"] for row in await self.fetch(_LIVE, principal, list(TERMINAL))}
-        return len(ids) + sum(1 for b in self._recent.values() if b.principal == principal and b.batch_id not in ids
-                              and b.status not in TERMINAL)
 
     async def _many(self, ids: list[str]) -> list[StoredBatch | None]:
         return [await self._one_or_recent(batch_id) for batch_id in ids]

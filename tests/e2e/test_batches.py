@@ -10,7 +10,9 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -24,7 +26,7 @@ from tests.e2e.conftest import System, scripted_worker
 from tests.support import REPO, eventually, fetch_rows
 from tests.system import KeyedGateway, api_keys_file, keyed_gateway
 
-ALICE, BOB = "sk-alice-batches", "sk-bob-batches"
+ALICE, BOB, CAROL = "sk-alice-batches", "sk-bob-batches", "sk-carol-batches"
 MODEL = "batch-scripted"
 # "slow" lines hold their slot about 3 s; the others answer at once.
 SCRIPT = {"rules": [{"match": "slow", "reply": "one two three four", "first_token_delay_s": 1.0,
@@ -37,12 +39,19 @@ LIVE_CAP = 3
 VALID = 200
 
 
+GATEWAY_ENV = {"HELEXA_BATCH_CONCURRENCY": str(CONCURRENCY), "HELEXA_MAX_LIVE_BATCHES_PER_PRINCIPAL": str(LIVE_CAP)}
+
+
 @pytest.fixture(scope="module")
-def gateway(system: System, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KeyedGateway]:
-    keys = api_keys_file(tmp_path_factory.mktemp("keys"), {ALICE: "batches-alice", BOB: "batches-bob"})
+def keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return api_keys_file(tmp_path_factory.mktemp("keys"),
+                         {ALICE: "batches-alice", BOB: "batches-bob", CAROL: "batches-carol"})
+
+
+@pytest.fixture(scope="module")
+def gateway(system: System, keys: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KeyedGateway]:
     with scripted_worker(system, tmp_path_factory.mktemp("script"), MODEL, SCRIPT):
-        started = keyed_gateway(system, keys, ALICE, env={"HELEXA_BATCH_CONCURRENCY": str(CONCURRENCY),
-                                                          "HELEXA_MAX_LIVE_BATCHES_PER_PRINCIPAL": str(LIVE_CAP)})
+        started = keyed_gateway(system, keys, ALICE, env=GATEWAY_ENV)
         try:
             yield started
         finally:
@@ -173,6 +182,43 @@ def test_a_cancelled_batch_stops_starting_lines_while_interactive_work_runs(
                                   f"{created.id}-")) == completed, 60, message="runs of lines not in the output")
 
 
+
+def test_a_batch_whose_window_passes_mid_run_writes_what_is_done_and_expires_the_rest(
+        system: System, gateway: KeyedGateway) -> None:
+    client = gateway.client()
+    total = 20
+    lines = [line(f"late-{i}", f"slow late {i}") for i in range(total)]
+    upload = client.files.create(file=("late.jsonl", jsonl(lines)), purpose="batch")
+    created = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                    completion_window="24h")
+    eventually(lambda: completed_lines(client, created.id) >= 2, 120, message="no line finished")
+    # An interactive stream is under way while the window passes.
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "slow now"}],
+                                            stream=True)
+    # The window passes: the batch's deadline is the ledger's, moved into the past as time would.
+    moved = ledger(system, "UPDATE batches SET expires_at = extract(epoch FROM now())::bigint - 1 "
+                           "WHERE batch_id = $1 RETURNING expires_at", created.id)
+    assert len(moved) == 1
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == "one two three four"
+
+    done = eventually(lambda: finished(client, created.id, "expired"), 120, message="the batch never expired")
+    Batch.model_validate(done.model_dump(), strict=True)
+    assert done.expired_at and done.request_counts is not None and done.output_file_id and done.error_file_id
+    answered = done.request_counts.completed
+    assert 2 <= answered < total and done.request_counts.failed == total - answered
+    output = [json.loads(row) for row in client.files.content(done.output_file_id).text.splitlines()]
+    errors = [json.loads(row) for row in client.files.content(done.error_file_id).text.splitlines()]
+    assert len(output) == answered and len(errors) == total - answered
+    assert all(row["response"]["status_code"] == 200 for row in output)
+    assert all(row["response"] is None and row["error"]["code"] == "batch_expired" for row in errors)
+    # Every custom_id exactly once across both files.
+    assert sorted(row["custom_id"] for row in output + errors) == sorted(f"late-{i}" for i in range(total))
+    # No line started that is not in the output: each started line finished and was answered, and
+    # the expired ones never ran.
+    runs = ledger(system, "SELECT request_id FROM runs WHERE starts_with(request_id, $1)", f"{created.id}-")
+    assert len(runs) == answered
+
+
 def helexa_batches(gateway: KeyedGateway, data_dir: Path, *args: str, key: str = ALICE) -> tuple[int, list[dict]]:
     """`helexa batches ARGS` as an operator runs it, with the gateway's URL and `key` exported."""
     env = {**os.environ, "HELEXA_URL": gateway.url, "HELEXA_API_KEY": key}
@@ -256,6 +302,44 @@ def test_a_principal_past_its_live_batches_cap_gets_429_naming_it(gateway: Keyed
     eventually(lambda: finished(alice, again.id, "cancelled"), 120, message="the batch never cancelled")
     eventually(lambda: finished(bob, bobs.id, "cancelled") or finished(bob, bobs.id, "completed"), 120,
                message="bob's batch never ended")
+
+
+
+def test_the_live_batches_cap_holds_across_two_gateways_racing(
+        system: System, gateway: KeyedGateway, keys: Path) -> None:
+    other = keyed_gateway(system, keys, CAROL, env=GATEWAY_ENV)
+    try:
+        clients = [gateway.client(CAROL), other.client(CAROL)]
+        upload = clients[0].files.create(file=("race.jsonl", jsonl([line(f"race-{i}", f"slow race {i}")
+                                                                      for i in range(10)])), purpose="batch")
+        attempts = 12
+        start = threading.Barrier(attempts)
+
+        def create(index: int) -> Batch | openai.RateLimitError:
+            client = clients[index % 2]  # half through each gateway, all at once
+            start.wait()
+            try:
+                return client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                             completion_window="24h")
+            except openai.RateLimitError as refused:
+                return refused
+
+        with ThreadPoolExecutor(attempts) as pool:
+            results = list(pool.map(create, range(attempts)))
+        made = [result for result in results if isinstance(result, Batch)]
+        refused = [result for result in results if isinstance(result, openai.RateLimitError)]
+        assert len(made) == LIVE_CAP and len(refused) == attempts - LIVE_CAP
+        assert all(error.body["param"] == "max_live_batches_per_principal" for error in refused)
+        assert len(ledger(system, "SELECT batch_id FROM batches WHERE principal = 'batches-carol' "
+                                  "AND status <> ALL($1::text[])",
+                          ["completed", "failed", "expired", "cancelled"])) == LIVE_CAP
+        for batch in made:
+            clients[0].batches.cancel(batch.id)
+        for batch_id in [batch.id for batch in made]:
+            eventually(lambda: finished(clients[0], batch_id, "cancelled"), 120,  # noqa: B023  # called before the loop moves on
+                       message="a batch never cancelled")
+    finally:
+        other.process.stop()
 
 
 def response_line(custom_id: str, **body: object) -> dict:

@@ -51,13 +51,8 @@ async def create_batch(request: Request, state: State) -> Response:
     if stored.purpose != "batch":
         raise _refuse("'input_file_id' must name a file uploaded with purpose 'batch'.", "input_file_id")
     batches: BatchStore = state.batches
-    cap = state.settings.max_live_batches_per_principal
-    if await batches.live(principal) >= cap:
-        raise ServingError(429, ErrorCode.RATE_LIMIT_EXCEEDED,
-                           f"You have {cap} live batches, the most a principal may have "
-                           "(max_live_batches_per_principal): wait for one to end, or cancel one.",
-                           param="max_live_batches_per_principal")
-    batch = await batches.create(principal, req.input_file_id, req.endpoint, req.completion_window, req.metadata)
+    batch = await batches.create(principal, req.input_file_id, req.endpoint, req.completion_window, req.metadata,
+                                 live_cap=state.settings.max_live_batches_per_principal)
     return Response(batch.as_object(), media_type="application/json")
 
 
