@@ -61,6 +61,11 @@ def refuse_indivisible(config: ModelConfig, world: int) -> None:
             "num_key_value_heads": config.num_key_value_heads,
             "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size}
     bad = [f"{name} {size}" for name, size in dims.items() if size % world]
+    if config.num_key_value_heads < world:
+        # Replicating KV heads across ranks (each rank a copy of one head) is not built: each
+        # rank's KV cache would shrink by fewer than N, and a copy's layout differs from a shard's.
+        bad[bad.index(f"num_key_value_heads {config.num_key_value_heads}")] += (
+            " (fewer KV heads than ranks: replicating KV heads is not built)")
     if bad:
         raise EngineRefused(f"tensor_parallel {world} does not divide {', '.join(bad)} of this model")
 

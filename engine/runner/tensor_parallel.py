@@ -14,11 +14,18 @@ waits on a pipe with no timeout, and a collective's timeout (`COLLECTIVE_TIMEOUT
 the wait inside a step, where every rank is doing the same work.
 
 Death. A follower arms the parent-death signal (`engine.frontend.parent_death`), so it dies with
-the core. The core watches the followers' pipes from a thread (`RankWatch`; a follower never
-writes after its ready report, so a readable pipe is its end): one ending calls `on_lost`, which
+the core. The core watches the followers' pipes from a thread (`RankWatch`; after its ready report a
+follower writes only its step timings, so a pipe that ends is its end): one ending calls `on_lost`, which
 in the core process ends the core (`exit_core`), so the worker sees a core death and takes its
 restart path. A step that raises on rank 0 leaves the other ranks inside a collective, so at
 N > 1 any step error is the group's end (`GroupLost`), never one request's.
+
+Timing. Each rank adds up the seconds its steps take (`StepTally`); a follower sends its running
+totals up its pipe after its first step and then at most once every `REPORT_INTERVAL_S` (one small
+fixed message, never a collective: the step's latency is untouched), and the watch keeps the
+latest, which the core reports as per-rank step time (`/metrics`: `helexa:engine_step_seconds`).
+A rank's step time includes its waits inside the collectives, so a slow rank shows as its own
+larger compute share only where the others wait less; the figure is for spotting one.
 
 Every rank gets the same resolved `EngineConfig` (dtype and kernel choice made once by the core)
 and its share of the CPU cores.
@@ -36,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -52,6 +60,8 @@ log = logging.getLogger("helexa.engine")
 
 # How long a rank waits inside one collective (or for the group to form) before it gives up.
 COLLECTIVE_TIMEOUT_S = 120.0
+# How often at most a follower sends its step timings up its pipe.
+REPORT_INTERVAL_S = 1.0
 
 
 class GroupLost(RuntimeError):
@@ -64,6 +74,19 @@ class RankReport:
     weight_bytes: int
     kv_bytes: int
     num_blocks: int
+
+
+@dataclass(slots=True)
+class StepTally:
+    """One rank's steps so far and the seconds they took (running totals: a lost report loses nothing)."""
+
+    rank: int
+    seconds: float = 0.0
+    steps: int = 0
+
+    def add(self, seconds: float) -> None:
+        self.seconds += seconds
+        self.steps += 1
 
 
 def backend_for(device: str) -> str:
@@ -100,6 +123,8 @@ class RankWatch:
         self.on_lost = on_lost
         self.closing = threading.Event()
         self.lost: str | None = None
+        # Each follower's latest step timings, by rank (written by the watch thread only).
+        self.tallies: dict[int, StepTally] = {}
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -108,10 +133,10 @@ class RankWatch:
         self._thread.start()
 
     def _watch(self) -> None:
-        ended = wait(self.conns)
+        while (rank := self._read_reports()) is None:
+            pass
         if self.closing.is_set():
             return
-        rank = next(rank for rank, conn in enumerate(self.conns, start=1) if conn in ended)
         try:
             code: int | None = self.processes[rank - 1].wait(5)
         except subprocess.TimeoutExpired:
@@ -119,6 +144,20 @@ class RankWatch:
         self.lost = f"tensor-parallel rank {rank} died (exit code {code})"
         log.error("%s: the group ends", self.lost)
         self.on_lost(self.lost)
+
+    def _read_reports(self) -> int | None:
+        """Wait for the pipes; keep the timings they carry; the rank whose pipe ended, if one did."""
+        ready = wait(self.conns)
+        for rank, conn in enumerate(self.conns, start=1):
+            if conn not in ready:
+                continue
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                return rank
+            if isinstance(message, StepTally):
+                self.tallies[rank] = message
+        return None
 
 
 class Followers:
@@ -152,6 +191,11 @@ class Followers:
             raise GroupLost(message)
         assert isinstance(message, RankReport)
         return message
+
+    def tallies(self) -> list[StepTally]:
+        """Ranks 1..N-1's step timings as last reported (zeros before a rank's first report)."""
+        got = self.watch.tallies
+        return [got.get(rank, StepTally(rank)) for rank in range(1, len(self.conns) + 1)]
 
     def send_step(self, chunks: object) -> None:
         if self.watch.lost is not None:
@@ -220,6 +264,7 @@ def follower_main(conn: Connection) -> None:
     except Exception as exc:
         conn.send(f"tensor-parallel rank {shard.rank} failed to start: {type(exc).__name__}: {exc}")
         return
+    tally, reported = StepTally(shard.rank), None
     while True:
         try:
             chunks = conn.recv()
@@ -227,7 +272,15 @@ def follower_main(conn: Connection) -> None:
             return
         if chunks is None:
             break
+        started = time.perf_counter()
         runner.follow(chunks)
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
+        done = time.perf_counter()
+        tally.add(done - started)
+        if reported is None or done - reported >= REPORT_INTERVAL_S:
+            conn.send(tally)
+            reported = done
     dist.destroy_process_group()
 
 

@@ -15,6 +15,8 @@ import pytest
 import torch
 import transformers
 
+from apps.bus import wire
+from apps.gateway.metrics import GatewayMetrics
 from apps.settings import WorkerSettings
 from engine.core.core_process import build_core
 from engine.core.engine_core import EngineCore
@@ -25,7 +27,7 @@ from engine.loading.loader import load_checkpoint
 from engine.loading.model_config import ModelConfig
 from engine.models.parallel_layers import Shard, refuse_indivisible, split_of
 from tests.engine.helpers import perturb_norms_and_biases, save_tokenizer
-from tests.support import eventually_async
+from tests.support import eventually, eventually_async
 
 VOCAB_SIZE = 384  # every sharded dimension divides by 2 and by 3
 NUM_BLOCKS = 64
@@ -130,6 +132,29 @@ def test_each_rank_holds_its_share_of_weights_and_kv(sharded: EngineCore, one_ra
     assert {r.num_blocks for r in reports} == {sharded.runner.num_blocks} == {NUM_BLOCKS}
 
 
+def test_each_rank_reports_its_step_time_to_metrics(sharded: EngineCore) -> None:
+    world = sharded.runner.tensor_parallel
+    sharded.add_request(EngineRequest("timed", PROMPTS[0], SamplingParams(max_tokens=4, temperature=0.0)))
+    while sharded.has_work():
+        sharded.step()
+    followers = sharded.runner.followers
+    assert followers is not None
+    # A follower reports after its first step, up its pipe; the watch thread keeps it.
+    eventually(lambda: all(t.steps > 0 for t in followers.tallies()), timeout_s=30,
+               message=lambda: f"followers' reports: {followers.tallies()}")
+    sharded.step()  # an idle step refreshes the stats the worker reads
+    stats = sharded.stats
+    assert len(stats.rank_steps) == len(stats.rank_step_seconds) == world
+    assert all(steps > 0 for steps in stats.rank_steps) and all(s > 0 for s in stats.rank_step_seconds)
+    # As the worker's node entry carries them (apps.worker.node_status), the gateway's /metrics.
+    node = wire.NodeStatus(node="n", version="test", models=[wire.ModelStatus(
+        model="tiny", rank_steps=stats.rank_steps, rank_step_seconds=stats.rank_step_seconds)])
+    text = GatewayMetrics().render([node], {}).decode()
+    for rank in range(world):
+        assert f'helexa:engine_step_seconds_count{{model="tiny",rank="{rank}"}} {float(stats.rank_steps[rank])}' \
+            in text, text
+
+
 def smollm2_shapes(model_type: str = "llama") -> ModelConfig:
     return ModelConfig.from_hf_config({
         "model_type": model_type, "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
@@ -143,6 +168,11 @@ def test_shapes_that_do_not_divide_are_refused_in_one_line(tmp_path: Path) -> No
         refuse_indivisible(smollm2_shapes(), 2)
     assert str(refused.value) == ("tensor_parallel 2 does not divide num_attention_heads 9, "
                                   "num_key_value_heads 3 of this model")
+    # KV heads fewer than the ranks would have to be replicated: refused, and the line says so.
+    with pytest.raises(EngineRefused) as refused:
+        refuse_indivisible(smollm2_shapes(), 6)
+    assert str(refused.value) == ("tensor_parallel 6 does not divide num_attention_heads 9, num_key_value_heads 3 "
+                                  "(fewer KV heads than ranks: replicating KV heads is not built) of this model")
     # build_core refuses before any rank is started.
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
