@@ -24,8 +24,8 @@ Timing. Each rank adds up the seconds its steps take (`StepTally`); a follower s
 totals up its pipe after its first step and then at most once every `REPORT_INTERVAL_S` (one small
 fixed message, never a collective: the step's latency is untouched), and the watch keeps the
 latest, which the core reports as per-rank step time (`/metrics`: `helexa:engine_step_seconds`).
-A rank's step time includes its waits inside the collectives, so a slow rank shows as its own
-larger compute share only where the others wait less; the figure is for spotting one.
+A rank's step time includes its waits inside the collectives, so the ranks' figures stay close;
+a rank whose count stops growing is the one to look at.
 
 Every rank gets the same resolved `EngineConfig` (dtype and kernel choice made once by the core)
 and its share of the CPU cores.
