@@ -137,9 +137,17 @@ class ParallelLMHead(Linear):
         local = super().fp32_output(x)  # [n, vocab_size / world]
         if self.shard.world == 1:
             return local
-        parts = [torch.empty_like(local) for _ in range(self.shard.world)]
-        dist.all_gather(parts, local.contiguous())
-        return torch.cat(parts, dim=-1)
+        return all_gather(local.contiguous(), self.shard)
+
+
+def all_gather(x: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """Every rank's `x` side by side along the last dimension. Gloo has no all-gather of CUDA
+    tensors (it serves several ranks on one GPU, where NCCL refuses): those go by way of the host."""
+    through_host = x.is_cuda and dist.get_backend() == "gloo"
+    local = x.cpu() if through_host else x
+    parts = [torch.empty_like(local) for _ in range(shard.world)]
+    dist.all_gather(parts, local)
+    return torch.cat(parts, dim=-1).to(x.device)
 
 
 def rank_bytes(model: nn.Module) -> int:

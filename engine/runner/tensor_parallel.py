@@ -9,9 +9,10 @@ end of a pipe passed down (the core is a daemonic multiprocessing child, which `
 forbids to have children of its own). Each step rank 0 sends the step's chunks (token ids,
 positions, block tables: a few KB) down every follower's pipe, then all ranks run the same
 forward, whose only communication is the collectives of `engine.models.parallel_layers` (gloo on
-CPU, nccl on CUDA, the same code). Steps go down pipes rather than a broadcast so an idle follower
-waits on a pipe with no timeout, and a collective's timeout (`COLLECTIVE_TIMEOUT_S`) bounds only
-the wait inside a step, where every rank is doing the same work.
+CPU, nccl on CUDA with a GPU a rank, gloo over CUDA tensors where ranks share one; the same code).
+Steps go down pipes rather than a broadcast so an idle follower waits on a pipe with no timeout,
+and a collective's timeout (`COLLECTIVE_TIMEOUT_S`) bounds only the wait inside a step, where
+every rank is doing the same work.
 
 Death. A follower arms the parent-death signal (`engine.frontend.parent_death`), so it dies with
 the core. The core watches the followers' pipes from a thread (`RankWatch`; after its ready report a
@@ -89,8 +90,10 @@ class StepTally:
         self.steps += 1
 
 
-def backend_for(device: str) -> str:
-    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+def backend_for(device: str, world: int, gpus: int) -> str:
+    """NCCL where every rank has a GPU of its own; gloo on CPU, and where ranks share a GPU (NCCL
+    refuses two ranks on one device; gloo takes CUDA tensors: the GPU check of one-GPU machines)."""
+    return "nccl" if torch.device(device).type == "cuda" and gpus >= world else "gloo"
 
 
 def join_group(shard: Shard, init_file: str, device: str) -> None:
@@ -103,7 +106,8 @@ def join_group(shard: Shard, init_file: str, device: str) -> None:
                         "correctness, not speed", shard.world, os.cpu_count() or 1)
     else:
         torch.cuda.set_device(shard.rank % torch.cuda.device_count())
-    dist.init_process_group(backend_for(device), init_method=f"file://{init_file}", rank=shard.rank,
+    gpus = torch.cuda.device_count() if torch.device(device).type == "cuda" else 0
+    dist.init_process_group(backend_for(device, shard.world, gpus), init_method=f"file://{init_file}", rank=shard.rank,
                             world_size=shard.world, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
 
 

@@ -78,10 +78,13 @@ def greedy_run(core: EngineCore) -> tuple[dict[str, list[int]], dict[str, list[t
     sampling = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(PROMPTS):
         core.add_request(EngineRequest(f"r{i}", prompt, sampling))
-    while core.has_work():
-        for out in core.step():
-            tokens[out.request_id].extend(out.new_token_ids)
-            assert out.error is None, out.error
+    try:
+        while core.has_work():
+            for out in core.step():
+                tokens[out.request_id].extend(out.new_token_ids)
+                assert out.error is None, out.error
+    finally:
+        core.runner.mask_logits = mask
     return tokens, logits
 
 
@@ -233,3 +236,12 @@ def test_a_tied_embedding_and_lm_head_shard_together(tmp_path: Path) -> None:
         shard = load_checkpoint(tmp_path, shard=Shard(rank, 3)).model
         assert shard.lm_head.weight is shard.model.embed_tokens.weight
         assert torch.equal(shard.lm_head.weight, whole.model.embed_tokens.weight[rank * rows:(rank + 1) * rows])
+
+
+def test_ranks_sharing_a_gpu_use_gloo_and_ranks_with_a_gpu_each_nccl() -> None:
+    from engine.runner.tensor_parallel import backend_for
+
+    assert backend_for("cpu", 3, 0) == "gloo"
+    assert backend_for("cuda", 2, 1) == "gloo"  # NCCL refuses two ranks on one device
+    assert backend_for("cuda:0", 2, 2) == "nccl"
+    assert backend_for("cuda", 3, 2) == "gloo"
