@@ -94,8 +94,8 @@ def main() -> None:
         "benchmark": "tensor_parallel", "model": model, "device": args.device, "prompt_tokens": PROMPT_TOKENS,
         "new_tokens": args.tokens, "streams": list(STREAMS), "machine": machine,
         "greedy_identical": agree,
-        "note": ("ranks share the machine's cores; below a core or more a rank there is no speed-up "
-                 "to expect: this figure is for larger machines") if (machine["cpus"] or 1) < 2 * args.tensor_parallel
+        "note": ("the ranks share the machine's cores, fewer than two a rank: no speed-up to expect "
+                 "here; the figure is for larger machines") if (machine["cpus"] or 1) < 2 * args.tensor_parallel
         and args.device == "cpu" else "",
     }
     for entry in (one, many):
