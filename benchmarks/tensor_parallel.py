@@ -7,8 +7,10 @@ then the ratios TP=N / TP=1. Correctness gate: TP=N's greedy tokens must equal T
 stream, or no speed is printed (the first difference is). On a machine with fewer cores than the
 ranks want (2 cores here), expect no speed-up: the figure is for larger machines.
 
-On a GPU (`--device cuda`) the same run is the GPU check of tensor parallelism: ranks sharing one
-GPU use gloo over CUDA tensors (NCCL refuses two ranks on one device), one GPU a rank uses NCCL.
+On a GPU (`--device cuda --random`, gpu_run.sh's `tp` stage) the same run is the GPU check of
+tensor parallelism, on a small random llama written to a temporary folder (the GPU machine has
+no checkpoint): ranks sharing one GPU use gloo over CUDA tensors (NCCL refuses two ranks on one
+device), one GPU a rank uses NCCL. tests/engine/test_tensor_parallel.py runs it on CPU.
 
     python -m benchmarks.tensor_parallel --tensor-parallel 3 --out benchmarks/results/tensor_parallel-cpu.json
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,6 +34,22 @@ from engine.loading.default_model import default_model_path
 
 PROMPT_TOKENS = 32
 STREAMS = (1, 16)
+
+
+def save_random_llama(directory: Path) -> str:
+    """A small random llama whose sharded dimensions divide by 2, 3 and 4, in float32."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=8192, hidden_size=384, intermediate_size=1152, num_hidden_layers=4, num_attention_heads=12,
+        num_key_value_heads=12, head_dim=32, max_position_embeddings=512, tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(config).float().save_pretrained(directory)
+    # The engine runs on token ids; the loader still wants a tokenizer: a one-word one will do.
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")).save(str(directory / "tokenizer.json"))
+    return str(directory)
 
 
 def requests(streams: int, tokens: int) -> list[tuple[str, list[int], int]]:
@@ -75,15 +94,22 @@ def first_difference(ours: dict[str, list[int]], reference: dict[str, list[int]]
     return None
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
+    """The report, printed (and written to --out); exits 1 when TP=N's tokens differ from TP=1's."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="HF directory or GGUF (default: SmolLM2-135M)")
     parser.add_argument("--tensor-parallel", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--random", action="store_true", help="a small random llama instead of --model")
     parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
-    model = args.model or str(default_model_path())
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="helexa-tp-bench-") as scratch:
+        model = save_random_llama(Path(scratch)) if args.random else args.model or str(default_model_path())
+        return compare(model, args)
+
+
+def compare(model: str, args: argparse.Namespace) -> dict:
     machine = machine_info()
     started = time.perf_counter()
     one = measure(model, 1, args.device, args.tokens)
@@ -115,6 +141,7 @@ def main() -> None:
     emit(report, args.out)
     if not agree:
         raise SystemExit(1)
+    return report
 
 
 if __name__ == "__main__":
