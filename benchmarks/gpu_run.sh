@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU check of the engine and its kernels in one device call of at most 8 minutes, installs
-# included; everything lands under $OUT (6 files, no folders):
+# included; everything lands under $OUT (7 files, no folders):
 #
 #   gpu_run.log            everything below, as it ran (each stage's start, limit, status, time)
 #   gpu_tests.log          the GPU tests: full-size kernels, decode CUDA graphs, the Triton engine
@@ -11,15 +11,19 @@
 #   gpu_kernels.json       benchmarks/gpu_kernels.py: each Triton kernel against its reference,
 #                          fla-core and the engine's SDPA path
 #   gpu_engine.json        the Qwen3-0.6B shape at 1, 64 and 256 streams, graphs on and off at 1
+#   gpu_tp.json            benchmarks/tensor_parallel.py on a small random llama: TP=2 against
+#                          TP=1, greedy tokens identical (on one GPU the two ranks use gloo over
+#                          CUDA tensors, NCCL refuses two ranks on one device; NCCL on 2+ GPUs)
 #
 # The stages run in that order, most wanted first, each under its own time limit in seconds
-# (tests 140, 8B 110, hybrid 70, kernels 100, 0.6B 50, sized from the H200 runs of 2026-12-04; TESTS_S, ENGINE_8B_S, ENGINE_HYBRID_S,
-# KERNELS_S, ENGINE_06B_S override them), all under TOTAL_S (470): a stage that would start
+# (tests 140, 8B 110, hybrid 70, kernels 100, 0.6B 50, sized from the H200 runs of 2026-12-04,
+# where they took 64, 78, 49, 56 and 48 s; tp 45, not yet run on a GPU; TESTS_S, ENGINE_8B_S,
+# ENGINE_HYBRID_S, KERNELS_S, ENGINE_06B_S, TP_S override them), all under TOTAL_S (470): a stage that would start
 # with less than 20 s left is skipped, and one cut off still leaves the JSON of what it finished
 # (the benchmarks rewrite theirs after each level or case).
 #
 # For a shorter loan: GPU_RUN_STAGES picks stages and their order (default "tests engine-8b
-# engine-hybrid kernels engine-0.6b"), KERNELS_ONLY limits the kernel benchmark to some ops
+# engine-hybrid kernels engine-0.6b tp"), KERNELS_ONLY limits the kernel benchmark to some ops
 # (gpu_kernels.py --only, e.g. "gated_delta_rule,paged_attention"), and ENGINE_8B_PEER sets
 # the 8B stage's HF generate levels ("" for none; default 64). E.g., in at most 285 s (the 8B
 # stage's 115 s give its 64-stream level a 60 s budget to start in):
@@ -152,10 +156,12 @@ run_stage() {  # NAME
     engine-0.6b) stage engine-0.6b "${ENGINE_06B_S:-50}" bash -c 'engine 25 --models qwen3-0.6b \
         --concurrency 1,64,256 --runs 2 --new 256 --peer-concurrency "" --graphs-off 1 \
         --profile 1,64 --out "$OUT/gpu_engine.json"' ;;
+    tp) stage tp "${TP_S:-45}" bash -c '$PY -m benchmarks.tensor_parallel --random --device cuda \
+        --tensor-parallel 2 --tokens 16 --out "$OUT/gpu_tp.json" >/dev/null' ;;
     *) echo "== $1: no such stage"; status=1 ;;
     esac
 }
-for name in ${GPU_RUN_STAGES:-tests engine-8b engine-hybrid kernels engine-0.6b}; do
+for name in ${GPU_RUN_STAGES:-tests engine-8b engine-hybrid kernels engine-0.6b tp}; do
     run_stage "$name"
 done
 echo "gpu_run: done after $((SECONDS - START)) s, exit $status"

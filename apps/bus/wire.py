@@ -213,6 +213,10 @@ class ModelStatus(Wire, frozen=True, kw_only=True):
     dtype_reason: str = ""
     # Model-runner ranks the engine shards the model across (`--tensor-parallel`).
     tensor_parallel: int = 1
+    # Each rank's engine steps and their seconds, by rank (tensor_parallel entries; /metrics'
+    # helexa:engine_step_seconds).
+    rank_steps: list[int] = []
+    rank_step_seconds: list[float] = []
     # Grammar compiles started for this model (the engine's, and the worker's checks of the tool
     # grammars it composes), and constrained requests that shared a compile done or under way.
     grammar_compiles: int = 0

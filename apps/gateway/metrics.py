@@ -12,7 +12,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
 from apps.bus import wire
@@ -87,7 +87,7 @@ class _NodeCollector(Collector):
     def __init__(self, metrics: GatewayMetrics) -> None:
         self.metrics = metrics
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | SummaryMetricFamily]:
         running = GaugeMetricFamily("helexa:num_requests_running", "Sequences in running batches", labels=["model"])
         waiting = GaugeMetricFamily("helexa:num_requests_waiting", "Sequences waiting in engines", labels=["model"])
         kv = GaugeMetricFamily("helexa:kv_cache_usage_perc", "Largest KV-cache usage among workers (0-1)",
@@ -112,6 +112,9 @@ class _NodeCollector(Collector):
                                           labels=["model", "reason"])
         pulled = CounterMetricFamily("helexa:requests_pulled", "Requests workers pulled from the bus, by service class",
                                      labels=["model", "service_class"])
+        step_seconds = SummaryMetricFamily("helexa:engine_step_seconds",
+                                           "Engine steps and their seconds, by model-runner rank (tensor parallelism)",
+                                           labels=["model", "rank"])
         per_model: dict[str, list[wire.ModelStatus]] = {}
         for node in self.metrics._nodes:
             for status in node.models:
@@ -131,8 +134,12 @@ class _NodeCollector(Collector):
                 preemptions.add_metric([model, reason], sum(s.preemptions.get(reason, 0) for s in statuses))
             for cls in sorted({cls for s in statuses for cls in s.pulled}):
                 pulled.add_metric([model, cls], sum(s.pulled.get(cls, 0) for s in statuses))
+            for rank in range(max(len(s.rank_steps) for s in statuses)):
+                ranked = [s for s in statuses if rank < min(len(s.rank_steps), len(s.rank_step_seconds))]
+                step_seconds.add_metric([model, str(rank)], count_value=sum(s.rank_steps[rank] for s in ranked),
+                                        sum_value=sum(s.rank_step_seconds[rank] for s in ranked))
         yield from (running, waiting, kv, queries, hits, state_slots, compiles, compile_hits)
-        yield from (batch_running, batch_waiting, preemptions, pulled)
+        yield from (batch_running, batch_waiting, preemptions, pulled, step_seconds)
         gateway_compiles = CounterMetricFamily("helexa:gateway_grammar_compiles",
                                                "Grammar checks this gateway started compiling")
         gateway_compiles.add_metric([], CHECKER.started)

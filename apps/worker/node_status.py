@@ -64,6 +64,8 @@ def model_status(loop: ModelLoop) -> wire.ModelStatus:
         dtype_reason=info.dtype_reason,
         pulled=dict(loop.intake.pulled),
         tensor_parallel=info.tensor_parallel,
+        rank_steps=list(stats.rank_steps),
+        rank_step_seconds=[round(seconds, 6) for seconds in stats.rank_step_seconds],
         grammar_compiles=stats.grammar_compiles + loop.model.grammars.started,
         grammar_cache_hits=stats.grammar_cache_hits,
     )

@@ -313,6 +313,9 @@ class EngineCore:
         s.prefix_hits = self.kv_cache.prefix_hits
         s.grammar_compiles = self.structured.compiles
         s.grammar_cache_hits = self.structured.cache_hits
+        tallies = self.runner.rank_tallies()
+        s.rank_steps = [t.steps for t in tallies]
+        s.rank_step_seconds = [t.seconds for t in tallies]
         if self.state_slots is not None:
             s.num_state_slots = self.state_slots.num_slots
             s.num_free_state_slots = self.state_slots.num_free

@@ -252,6 +252,10 @@ class CoreStats(msgspec.Struct, kw_only=True):
     # Grammar compiles started, and constrained requests that shared one done or under way.
     grammar_compiles: int = 0
     grammar_cache_hits: int = 0
+    # Each model-runner rank's steps and the seconds they took, by rank (one entry a rank: bounded
+    # by tensor_parallel); followers' figures are their last reports (engine.runner.tensor_parallel).
+    rank_steps: list[int] = []
+    rank_step_seconds: list[float] = []
 
     @property
     def kv_usage(self) -> float:

@@ -61,6 +61,11 @@ def refuse_indivisible(config: ModelConfig, world: int) -> None:
             "num_key_value_heads": config.num_key_value_heads,
             "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size}
     bad = [f"{name} {size}" for name, size in dims.items() if size % world]
+    if config.num_key_value_heads < world:
+        # Replicating KV heads across ranks (each rank a copy of one head) is not built: each
+        # rank's KV cache would shrink by fewer than N, and a copy's layout differs from a shard's.
+        bad[bad.index(f"num_key_value_heads {config.num_key_value_heads}")] += (
+            " (fewer KV heads than ranks: replicating KV heads is not built)")
     if bad:
         raise EngineRefused(f"tensor_parallel {world} does not divide {', '.join(bad)} of this model")
 
@@ -132,9 +137,17 @@ class ParallelLMHead(Linear):
         local = super().fp32_output(x)  # [n, vocab_size / world]
         if self.shard.world == 1:
             return local
-        parts = [torch.empty_like(local) for _ in range(self.shard.world)]
-        dist.all_gather(parts, local.contiguous())
-        return torch.cat(parts, dim=-1)
+        return all_gather(local.contiguous(), self.shard)
+
+
+def all_gather(x: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """Every rank's `x` side by side along the last dimension. Gloo has no all-gather of CUDA
+    tensors (it serves several ranks on one GPU, where NCCL refuses): those go by way of the host."""
+    through_host = x.is_cuda and dist.get_backend() == "gloo"
+    local = x.cpu() if through_host else x
+    parts = [torch.empty_like(local) for _ in range(shard.world)]
+    dist.all_gather(parts, local)
+    return torch.cat(parts, dim=-1).to(x.device)
 
 
 def rank_bytes(model: nn.Module) -> int:

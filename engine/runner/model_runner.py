@@ -19,6 +19,7 @@ and the CPU decode stack run no collectives, so a rank runs layer by layer.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -35,7 +36,7 @@ from engine.runner.cuda_graphs import DecodeGraphs, graphs_wanted
 from engine.runner.sampler import Sampler, SamplingRow
 from engine.runner.state_cache import HybridCaches, LinearStateCache
 from engine.runner.step_metadata import KVCaches, SequenceChunk, StepInputs, build_step_inputs
-from engine.runner.tensor_parallel import Followers, GroupLost
+from engine.runner.tensor_parallel import Followers, GroupLost, StepTally
 
 log = logging.getLogger("helexa.engine")
 
@@ -93,6 +94,8 @@ class ModelRunner:
         self.tensor_parallel = shard.world if shard is not None else 1
         # Set by the core on rank 0 of a group: the ranks each step's chunks go to.
         self.followers: Followers | None = None
+        # This rank's steps and their seconds (engine.runner.tensor_parallel's per-rank step time).
+        self.step_tally = StepTally(0)
         self.block_size = engine.block_size
         self.num_blocks = engine.num_kv_blocks or max(engine.kv_cache_bytes // (
             kv_bytes_per_token(config, self.dtype, self.tensor_parallel) * self.block_size), 1)
@@ -177,16 +180,24 @@ class ModelRunner:
         """Run one step: the sampled token of each request that samples, or why its row failed. In
         a tensor-parallel group any error is the group's (`GroupLost`): the followers are left
         inside a collective."""
+        started = time.perf_counter()
         if self.followers is None:
-            return self._execute(step)
-        try:
-            chunks = self.chunks(step)
-            self.followers.send_step(chunks)
-            return self._execute(step, chunks)
-        except GroupLost:
-            raise
-        except Exception as exc:
-            raise GroupLost(f"tensor-parallel step failed: {type(exc).__name__}: {exc}") from exc
+            result = self._execute(step)
+        else:
+            try:
+                chunks = self.chunks(step)
+                self.followers.send_step(chunks)
+                result = self._execute(step, chunks)
+            except GroupLost:
+                raise
+            except Exception as exc:
+                raise GroupLost(f"tensor-parallel step failed: {type(exc).__name__}: {exc}") from exc
+        self.step_tally.add(time.perf_counter() - started)
+        return result
+
+    def rank_tallies(self) -> list[StepTally]:
+        """Every rank's step timings, by rank: this one's, then the followers' last reports."""
+        return [self.step_tally, *(self.followers.tallies() if self.followers is not None else [])]
 
     @torch.inference_mode()
     def _execute(self, step: SchedulerOutput, chunks: list[SequenceChunk] | None = None) -> StepResult:

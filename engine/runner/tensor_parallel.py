@@ -9,16 +9,24 @@ end of a pipe passed down (the core is a daemonic multiprocessing child, which `
 forbids to have children of its own). Each step rank 0 sends the step's chunks (token ids,
 positions, block tables: a few KB) down every follower's pipe, then all ranks run the same
 forward, whose only communication is the collectives of `engine.models.parallel_layers` (gloo on
-CPU, nccl on CUDA, the same code). Steps go down pipes rather than a broadcast so an idle follower
-waits on a pipe with no timeout, and a collective's timeout (`COLLECTIVE_TIMEOUT_S`) bounds only
-the wait inside a step, where every rank is doing the same work.
+CPU, nccl on CUDA with a GPU a rank, gloo over CUDA tensors where ranks share one; the same code).
+Steps go down pipes rather than a broadcast so an idle follower waits on a pipe with no timeout,
+and a collective's timeout (`COLLECTIVE_TIMEOUT_S`) bounds only the wait inside a step, where
+every rank is doing the same work.
 
 Death. A follower arms the parent-death signal (`engine.frontend.parent_death`), so it dies with
-the core. The core watches the followers' pipes from a thread (`RankWatch`; a follower never
-writes after its ready report, so a readable pipe is its end): one ending calls `on_lost`, which
+the core. The core watches the followers' pipes from a thread (`RankWatch`; after its ready report a
+follower writes only its step timings, so a pipe that ends is its end): one ending calls `on_lost`, which
 in the core process ends the core (`exit_core`), so the worker sees a core death and takes its
 restart path. A step that raises on rank 0 leaves the other ranks inside a collective, so at
 N > 1 any step error is the group's end (`GroupLost`), never one request's.
+
+Timing. Each rank adds up the seconds its steps take (`StepTally`); a follower sends its running
+totals up its pipe after its first step and then at most once every `REPORT_INTERVAL_S` (one small
+fixed message, never a collective: the step's latency is untouched), and the watch keeps the
+latest, which the core reports as per-rank step time (`/metrics`: `helexa:engine_step_seconds`).
+A rank's step time includes its waits inside the collectives, so the ranks' figures stay close;
+a rank whose count stops growing is the one to look at.
 
 Every rank gets the same resolved `EngineConfig` (dtype and kernel choice made once by the core)
 and its share of the CPU cores.
@@ -36,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -52,6 +61,8 @@ log = logging.getLogger("helexa.engine")
 
 # How long a rank waits inside one collective (or for the group to form) before it gives up.
 COLLECTIVE_TIMEOUT_S = 120.0
+# How often at most a follower sends its step timings up its pipe.
+REPORT_INTERVAL_S = 1.0
 
 
 class GroupLost(RuntimeError):
@@ -66,8 +77,23 @@ class RankReport:
     num_blocks: int
 
 
-def backend_for(device: str) -> str:
-    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+@dataclass(slots=True)
+class StepTally:
+    """One rank's steps so far and the seconds they took (running totals: a lost report loses nothing)."""
+
+    rank: int
+    seconds: float = 0.0
+    steps: int = 0
+
+    def add(self, seconds: float) -> None:
+        self.seconds += seconds
+        self.steps += 1
+
+
+def backend_for(device: str, world: int, gpus: int) -> str:
+    """NCCL where every rank has a GPU of its own; gloo on CPU, and where ranks share a GPU (NCCL
+    refuses two ranks on one device; gloo takes CUDA tensors: the GPU check of one-GPU machines)."""
+    return "nccl" if torch.device(device).type == "cuda" and gpus >= world else "gloo"
 
 
 def join_group(shard: Shard, init_file: str, device: str) -> None:
@@ -80,7 +106,8 @@ def join_group(shard: Shard, init_file: str, device: str) -> None:
                         "correctness, not speed", shard.world, os.cpu_count() or 1)
     else:
         torch.cuda.set_device(shard.rank % torch.cuda.device_count())
-    dist.init_process_group(backend_for(device), init_method=f"file://{init_file}", rank=shard.rank,
+    gpus = torch.cuda.device_count() if torch.device(device).type == "cuda" else 0
+    dist.init_process_group(backend_for(device, shard.world, gpus), init_method=f"file://{init_file}", rank=shard.rank,
                             world_size=shard.world, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
 
 
@@ -100,6 +127,8 @@ class RankWatch:
         self.on_lost = on_lost
         self.closing = threading.Event()
         self.lost: str | None = None
+        # Each follower's latest step timings, by rank (written by the watch thread only).
+        self.tallies: dict[int, StepTally] = {}
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -108,10 +137,10 @@ class RankWatch:
         self._thread.start()
 
     def _watch(self) -> None:
-        ended = wait(self.conns)
+        while (rank := self._read_reports()) is None:
+            pass
         if self.closing.is_set():
             return
-        rank = next(rank for rank, conn in enumerate(self.conns, start=1) if conn in ended)
         try:
             code: int | None = self.processes[rank - 1].wait(5)
         except subprocess.TimeoutExpired:
@@ -119,6 +148,20 @@ class RankWatch:
         self.lost = f"tensor-parallel rank {rank} died (exit code {code})"
         log.error("%s: the group ends", self.lost)
         self.on_lost(self.lost)
+
+    def _read_reports(self) -> int | None:
+        """Wait for the pipes; keep the timings they carry; the rank whose pipe ended, if one did."""
+        ready = wait(self.conns)
+        for rank, conn in enumerate(self.conns, start=1):
+            if conn not in ready:
+                continue
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                return rank
+            if isinstance(message, StepTally):
+                self.tallies[rank] = message
+        return None
 
 
 class Followers:
@@ -152,6 +195,11 @@ class Followers:
             raise GroupLost(message)
         assert isinstance(message, RankReport)
         return message
+
+    def tallies(self) -> list[StepTally]:
+        """Ranks 1..N-1's step timings as last reported (zeros before a rank's first report)."""
+        got = self.watch.tallies
+        return [got.get(rank, StepTally(rank)) for rank in range(1, len(self.conns) + 1)]
 
     def send_step(self, chunks: object) -> None:
         if self.watch.lost is not None:
@@ -220,6 +268,7 @@ def follower_main(conn: Connection) -> None:
     except Exception as exc:
         conn.send(f"tensor-parallel rank {shard.rank} failed to start: {type(exc).__name__}: {exc}")
         return
+    tally, reported = StepTally(shard.rank), None
     while True:
         try:
             chunks = conn.recv()
@@ -227,7 +276,15 @@ def follower_main(conn: Connection) -> None:
             return
         if chunks is None:
             break
+        started = time.perf_counter()
         runner.follow(chunks)
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
+        done = time.perf_counter()
+        tally.add(done - started)
+        if reported is None or done - reported >= REPORT_INTERVAL_S:
+            conn.send(tally)
+            reported = done
     dist.destroy_process_group()
 
 

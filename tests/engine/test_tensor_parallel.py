@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +17,8 @@ import pytest
 import torch
 import transformers
 
+from apps.bus import wire
+from apps.gateway.metrics import GatewayMetrics
 from apps.settings import WorkerSettings
 from engine.core.core_process import build_core
 from engine.core.engine_core import EngineCore
@@ -25,7 +29,7 @@ from engine.loading.loader import load_checkpoint
 from engine.loading.model_config import ModelConfig
 from engine.models.parallel_layers import Shard, refuse_indivisible, split_of
 from tests.engine.helpers import perturb_norms_and_biases, save_tokenizer
-from tests.support import eventually_async
+from tests.support import eventually, eventually_async
 
 VOCAB_SIZE = 384  # every sharded dimension divides by 2 and by 3
 NUM_BLOCKS = 64
@@ -76,10 +80,13 @@ def greedy_run(core: EngineCore) -> tuple[dict[str, list[int]], dict[str, list[t
     sampling = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(PROMPTS):
         core.add_request(EngineRequest(f"r{i}", prompt, sampling))
-    while core.has_work():
-        for out in core.step():
-            tokens[out.request_id].extend(out.new_token_ids)
-            assert out.error is None, out.error
+    try:
+        while core.has_work():
+            for out in core.step():
+                tokens[out.request_id].extend(out.new_token_ids)
+                assert out.error is None, out.error
+    finally:
+        core.runner.mask_logits = mask
     return tokens, logits
 
 
@@ -130,6 +137,29 @@ def test_each_rank_holds_its_share_of_weights_and_kv(sharded: EngineCore, one_ra
     assert {r.num_blocks for r in reports} == {sharded.runner.num_blocks} == {NUM_BLOCKS}
 
 
+def test_each_rank_reports_its_step_time_to_metrics(sharded: EngineCore) -> None:
+    world = sharded.runner.tensor_parallel
+    sharded.add_request(EngineRequest("timed", PROMPTS[0], SamplingParams(max_tokens=4, temperature=0.0)))
+    while sharded.has_work():
+        sharded.step()
+    followers = sharded.runner.followers
+    assert followers is not None
+    # A follower reports after its first step, up its pipe; the watch thread keeps it.
+    eventually(lambda: all(t.steps > 0 for t in followers.tallies()), timeout_s=30,
+               message=lambda: f"followers' reports: {followers.tallies()}")
+    sharded.step()  # an idle step refreshes the stats the worker reads
+    stats = sharded.stats
+    assert len(stats.rank_steps) == len(stats.rank_step_seconds) == world
+    assert all(steps > 0 for steps in stats.rank_steps) and all(s > 0 for s in stats.rank_step_seconds)
+    # As the worker's node entry carries them (apps.worker.node_status), the gateway's /metrics.
+    node = wire.NodeStatus(node="n", version="test", models=[wire.ModelStatus(
+        model="tiny", rank_steps=stats.rank_steps, rank_step_seconds=stats.rank_step_seconds)])
+    text = GatewayMetrics().render([node], {}).decode()
+    for rank in range(world):
+        assert f'helexa:engine_step_seconds_count{{model="tiny",rank="{rank}"}} {float(stats.rank_steps[rank])}' \
+            in text, text
+
+
 def smollm2_shapes(model_type: str = "llama") -> ModelConfig:
     return ModelConfig.from_hf_config({
         "model_type": model_type, "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
@@ -143,6 +173,11 @@ def test_shapes_that_do_not_divide_are_refused_in_one_line(tmp_path: Path) -> No
         refuse_indivisible(smollm2_shapes(), 2)
     assert str(refused.value) == ("tensor_parallel 2 does not divide num_attention_heads 9, "
                                   "num_key_value_heads 3 of this model")
+    # KV heads fewer than the ranks would have to be replicated: refused, and the line says so.
+    with pytest.raises(EngineRefused) as refused:
+        refuse_indivisible(smollm2_shapes(), 6)
+    assert str(refused.value) == ("tensor_parallel 6 does not divide num_attention_heads 9, num_key_value_heads 3 "
+                                  "(fewer KV heads than ranks: replicating KV heads is not built) of this model")
     # build_core refuses before any rank is started.
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
@@ -203,3 +238,25 @@ def test_a_tied_embedding_and_lm_head_shard_together(tmp_path: Path) -> None:
         shard = load_checkpoint(tmp_path, shard=Shard(rank, 3)).model
         assert shard.lm_head.weight is shard.model.embed_tokens.weight
         assert torch.equal(shard.lm_head.weight, whole.model.embed_tokens.weight[rank * rows:(rank + 1) * rows])
+
+
+def test_ranks_sharing_a_gpu_use_gloo_and_ranks_with_a_gpu_each_nccl() -> None:
+    from engine.runner.tensor_parallel import backend_for
+
+    assert backend_for("cpu", 3, 0) == "gloo"
+    assert backend_for("cuda", 2, 1) == "gloo"  # NCCL refuses two ranks on one device
+    assert backend_for("cuda:0", 2, 2) == "nccl"
+    assert backend_for("cuda", 3, 2) == "gloo"
+
+
+def test_the_gpu_runs_tp_check_agrees_on_cpu(tmp_path: Path) -> None:
+    """gpu_run.sh's `tp` stage is this run with --device cuda: here its CPU side, the same code."""
+    out = tmp_path / "tp.json"
+    # A process of its own, as gpu_run.sh runs it (this one may hold another group already).
+    subprocess.run([sys.executable, "-m", "benchmarks.tensor_parallel", "--random", "--tensor-parallel", "2",
+                    "--tokens", "4", "--out", str(out)], check=True, timeout=300, stdout=subprocess.DEVNULL)
+    report = json.loads(out.read_text())
+    assert report["greedy_identical"]
+    assert [r["rank"] for r in report["tp2"]["ranks"]] == [0, 1]
+    assert report["per_rank_kv_ratio"] == 0.5
+    assert set(report["ratio_tok_per_s"]) == {"1", "16"}
