@@ -36,6 +36,7 @@ from tests.worker.in_process import (
     SCRIPT,
     SLOW_REPLY,
     Frames,
+    Terminations,
     client,
     listen,
     publish,
@@ -104,15 +105,22 @@ async def test_a_redelivery_while_the_first_attempt_runs_never_reaches_the_engin
         assert seq not in terminated.seqs
 
 
+async def reuse_a_running_id(nc: NatsClient) -> tuple[Terminations, Frames, Frames, int]:
+    """A slow request once it is accepted, then another message (its own msg id) reusing its id: the
+    termination advisories, both reply subjects' frames and the second message's stream sequence."""
+    terminated = await terminations(nc)
+    first = await listen(nc, "_INBOX.first")
+    await publish(nc, "reused", "SLOW please", "_INBOX.first")
+    await asyncio.wait_for(first.accepted.wait(), 20)
+    second = await listen(nc, "_INBOX.second")
+    seq = await publish(nc, "reused", "hello", "_INBOX.second", msg_id="reused-again")
+    return terminated, first, second, seq
+
+
 async def test_another_message_reusing_a_running_id_is_refused_alone(
         own_nats: NatsServer, tok: Tokenizer, tmp_path: Path) -> None:
     async with worker(own_nats.url, tok, tmp_path, limits=BusLimits()) as (_, engine), client(own_nats.url) as nc:
-        terminated = await terminations(nc)
-        first = await listen(nc, "_INBOX.first")
-        await publish(nc, "reused", "SLOW please", "_INBOX.first")
-        await asyncio.wait_for(first.accepted.wait(), 20)
-        second = await listen(nc, "_INBOX.second")
-        seq = await publish(nc, "reused", "hello", "_INBOX.second", msg_id="reused-again")
+        terminated, first, second, seq = await reuse_a_running_id(nc)
         await asyncio.wait_for(second.ended.wait(), 20)
         refusal = second.frames[-1]
         assert isinstance(refusal, wire.ErrorFrame) and refusal.status == 409
@@ -142,12 +150,7 @@ async def test_a_duplicate_whose_running_run_ends_before_its_refusal_is_served(
 
     monkeypatch.setattr(Intake, "_refuse_duplicate", late_refusal)
     async with worker(own_nats.url, tok, tmp_path, limits=BusLimits()) as (_, engine), client(own_nats.url) as nc:
-        terminated = await terminations(nc)
-        first = await listen(nc, "_INBOX.first")
-        await publish(nc, "reused", "SLOW please", "_INBOX.first")
-        await asyncio.wait_for(first.accepted.wait(), 20)
-        second = await listen(nc, "_INBOX.second")
-        seq = await publish(nc, "reused", "hello", "_INBOX.second", msg_id="reused-again")
+        terminated, first, second, seq = await reuse_a_running_id(nc)
         await eventually_async(lambda: refusals_started == 1, 20.0, message="the duplicate seen as held")
         await asyncio.wait_for(first.ended.wait(), 30)
         first_ended.set()
