@@ -58,6 +58,9 @@ class Replier:
         self.sent_tokens = False
         # Why this attempt went silent (None: it still speaks to the client).
         self.silenced: ErrorCode | None = None
+        # Whether the attempt's last frame (final or error) has gone: nothing follows it, not even
+        # a heartbeat that raced the end.
+        self.ended = False
 
     def silence(self, reason: ErrorCode) -> None:
         if self.silenced is None:
@@ -65,8 +68,11 @@ class Replier:
             self._held.clear()
             self._stop_waking()
 
+    def _speaks(self) -> bool:
+        return self.silenced is None and not self.ended
+
     def _send(self, frame: wire.ReplyFrame) -> None:
-        if self.silenced is not None:
+        if not self._speaks():
             return
         self._seq += 1
         data = wire.encode(frame)
@@ -99,7 +105,7 @@ class Replier:
         stop_sequence: str | None = None,
         token_ids: list[int] | None = None,
     ) -> None:
-        if self.silenced is not None:
+        if not self._speaks():
             return
         held = self._held.setdefault(index, _HeldDelta())
         held.add(text, num_tokens, reasoning, logprobs, token_ids)
@@ -156,11 +162,13 @@ class Replier:
     async def final(self, finish_reason: FinishReason, usage: wire.Usage) -> None:
         self.flush_held()
         self._send(wire.Final(**self._next(), finish_reason=finish_reason, usage=usage))
+        self.ended = True
         await self._sent()
 
     async def error(self, status: int, code: ErrorCode, message: str) -> None:
         self.flush_held()
         self._send(wire.ErrorFrame(**self._next(), status=status, code=code, message=wire.bounded_text(message)))
+        self.ended = True
         await self._sent()
 
 
@@ -197,7 +205,7 @@ class CollectingReplier(Replier):
         self.frames: list[wire.ReplyFrame] = []
 
     def _send(self, frame: wire.ReplyFrame) -> None:
-        if self.silenced is not None:
+        if not self._speaks():
             return
         self._seq += 1
         self.frames.append(frame)

@@ -113,3 +113,23 @@ async def test_a_silenced_attempt_drops_what_it_held(
     await nc.flush()
     await eventually_async(lambda: any(isinstance(f, wire.Heartbeat) and f.attempt == 9 for f in got), 10)
     assert [d.text for d in deltas(got)] == ["sent"]
+
+
+async def test_nothing_follows_an_attempts_last_frame(
+        frames: tuple[NatsClient, list[wire.ReplyFrame], asyncio.Event]) -> None:
+    """A heartbeat or text that races the end of an attempt (a stopping worker's error frame while
+    the run's keep-alive ticks) does not reach the client after the error or final frame."""
+    nc, got, _ = frames
+    replier = Replier(nc, SUBJECT, attempt=1, node="n")
+    await replier.delta("sent", 1, token_ids=[1])
+    await replier.error(503, ErrorCode.WORKER_STOPPING, "stopping")
+    await replier.heartbeat()
+    await replier.delta("late", 1, token_ids=[2])
+    await replier.final(FinishReason.STOP, wire.Usage(prompt_tokens=1, completion_tokens=2))
+    await nc.flush()
+    marker = Replier(nc, SUBJECT, attempt=9, node="n")
+    await marker.heartbeat()
+    await nc.flush()
+    await eventually_async(lambda: any(isinstance(f, wire.Heartbeat) and f.attempt == 9 for f in got), 10)
+    of_attempt = [f for f in got if f.attempt == 1]
+    assert [type(f) for f in of_attempt] == [wire.Delta, wire.ErrorFrame]
