@@ -198,7 +198,7 @@ class ModelLoop:
     def free_slots(self, service_class: ServiceClass = ServiceClass.INTERACTIVE) -> int:
         """Engine sequences not promised to a pulled request (a request takes one per choice), for
         a request of `service_class`."""
-        if self.engine.free_slots() <= 0:
+        if self.engine.free_slots(service_class) <= 0:
             return 0  # e.g. the engine process is gone
         stats = self.engine.stats
         # Batch work waiting in the engine does not hold an interactive request back: the scheduler
@@ -210,5 +210,9 @@ class ModelLoop:
             # The engine already holds work it has no KV blocks (or batch room) for: more would
             # only wait here, where another worker might have served it at once.
             return 0
-        promised = sum(r.sampling.n for r in self.requests.values()) + self.intake.fetching
+        # Interactive work does not count the seats batch work holds: the scheduler preempts batch
+        # sequences for it (they keep their tokens and resume first among batch work).
+        counted = self.requests.values() if service_class == ServiceClass.BATCH else (
+            r for r in self.requests.values() if r.service_class != ServiceClass.BATCH)
+        promised = sum(r.sampling.n for r in counted) + self.intake.fetching
         return max(self.engine.max_num_seqs - promised, 0)

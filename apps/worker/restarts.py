@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.frontend.core_client import AsyncEngine
-from engine.frontend.protocol import CoreInfo, CoreStats, EngineOutputs, EngineRequest
+from engine.frontend.protocol import CoreInfo, CoreStats, EngineOutputs, EngineRequest, ServiceClass
 
 log = logging.getLogger("helexa.worker")
 
@@ -122,8 +122,8 @@ class SupervisedEngine:
     def restarting(self) -> bool:
         return self._restarting is not None
 
-    def free_slots(self) -> int:
-        return 0 if self._restarting is not None else self._engine.free_slots()
+    def free_slots(self, service_class: ServiceClass = ServiceClass.INTERACTIVE) -> int:
+        return 0 if self._restarting is not None else self._engine.free_slots(service_class)
 
     def generate(self, request: EngineRequest) -> EngineOutputs:
         # A dead core (restarting, or out of service) answers with its error output at once.

@@ -35,6 +35,7 @@ from engine.frontend.protocol import (
     EngineRefused,
     EngineRequest,
     FinishReason,
+    ServiceClass,
     Shutdown,
     StepOutputs,
     ToCore,
@@ -55,6 +56,8 @@ class AsyncEngine:
         self._info: CoreInfo | None = None
         self._stats = CoreStats()
         self._queues: dict[str, asyncio.Queue[EngineOutput]] = {}
+        # The batch-class requests among them.
+        self._batch: set[str] = set()
         self._dead: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._conn: Connection | None = None
@@ -151,10 +154,13 @@ class AsyncEngine:
     def max_num_seqs(self) -> int:
         return self.info.max_num_seqs
 
-    def free_slots(self) -> int:
+    def free_slots(self, service_class: ServiceClass = ServiceClass.INTERACTIVE) -> int:
         if self._dead:
             return 0
-        return max(self.max_num_seqs - len(self._queues), 0)
+        taken = len(self._queues)
+        if service_class == ServiceClass.INTERACTIVE:
+            taken -= len(self._batch)  # the scheduler preempts batch sequences for interactive ones
+        return max(self.max_num_seqs - taken, 0)
 
     def _read(self) -> None:
         assert self._conn is not None and self._loop is not None
@@ -219,6 +225,8 @@ class AsyncEngine:
                                           finish_reason=FinishReason.ERROR, error=refused))
             return OutputStream(queue, lambda finished: None)
         self._queues[request.request_id] = queue
+        if request.service_class == ServiceClass.BATCH:
+            self._batch.add(request.request_id)
         self._send(AddRequest(request))
         return OutputStream(queue, lambda finished: self._release(request.request_id, finished))
 
@@ -226,6 +234,7 @@ class AsyncEngine:
         if not finished:
             self._send(AbortRequests([request_id]))
         self._queues.pop(request_id, None)
+        self._batch.discard(request_id)
 
     async def abort(self, request_id: str) -> None:
         if request_id in self._queues:

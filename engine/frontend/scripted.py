@@ -33,6 +33,7 @@ from engine.frontend.protocol import (
     EngineRequest,
     FinishReason,
     PreemptionReason,
+    ServiceClass,
 )
 from engine.frontend.tokenizer import Tokenizer
 
@@ -60,6 +61,7 @@ class ScriptedEngine:
         self.max_num_seqs = max_num_seqs
         # Each running request's abort signal: an abort ends it at once, even mid-delay.
         self._running: dict[str, asyncio.Event] = {}
+        self._batch: set[str] = set()  # the batch-class requests among them
         self._preemptions = dict.fromkeys(PreemptionReason, 0)
         # No KV pool: no blocks, and stats that only count what runs (and the preemptions reported).
         self.info = CoreInfo(model_id=model_id, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -71,8 +73,10 @@ class ScriptedEngine:
         return CoreStats(num_running=len(self._running), num_preemptions=sum(self._preemptions.values()),
                          preemptions_by_reason=dict(self._preemptions))
 
-    def free_slots(self) -> int:
-        return max(self.max_num_seqs - len(self._running), 0)
+    def free_slots(self, service_class: ServiceClass = ServiceClass.INTERACTIVE) -> int:
+        # As the real engine: interactive work may take the seats batch work holds (it is preempted).
+        taken = len(self._running) - (len(self._batch) if service_class == ServiceClass.INTERACTIVE else 0)
+        return max(self.max_num_seqs - taken, 0)
 
     def rule_for(self, prompt: str) -> Rule:
         return next((rule for rule in self.rules if rule.match in prompt), self.default_rule)
@@ -108,6 +112,8 @@ class ScriptedEngine:
                                num_prompt_tokens=len(request.prompt_token_ids))
             return
         aborted = self._running[request.request_id] = asyncio.Event()
+        if request.service_class == ServiceClass.BATCH:
+            self._batch.add(request.request_id)
         try:
             for i in range(start, limit):
                 token = tokens[i]
@@ -130,6 +136,7 @@ class ScriptedEngine:
                     yield EngineOutput(request.request_id, [], preempted=preempted, tokens_kept=i + 1)
         finally:
             self._running.pop(request.request_id, None)
+            self._batch.discard(request.request_id)
 
     async def abort(self, request_id: str) -> None:
         if request_id in self._running:

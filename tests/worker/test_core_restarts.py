@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from apps.worker.restarts import CoreExit, RestartBudget, SupervisedEngine
-from engine.frontend.protocol import CoreInfo, CoreStats
+from engine.frontend.protocol import CoreInfo, CoreStats, ServiceClass
 from tests.support import eventually_async
 
 
@@ -31,7 +31,7 @@ class Core:
     max_model_len = 64
     max_num_seqs = 4
 
-    def free_slots(self) -> int:
+    def free_slots(self, service_class: ServiceClass = ServiceClass.INTERACTIVE) -> int:
         return 0 if self.dead else 4
 
     def die(self, held: int = 2, exitcode: int = -9) -> None:

@@ -61,7 +61,8 @@ async def test_batch_lines_leave_the_reserve_to_an_interactive_request(
                 await publish(nc, f"line-{i}", "HOLD this batch line", f"_INBOX.line.{i}", service_class=BATCH)
             await eventually_async(lambda: _batch_queue_is(nc, (3, 3)), timeout_s=30)
             assert loop.intake.pulled == {INTERACTIVE: 0, BATCH: 3}
-            assert loop.free_slots() == 1  # the reserve, free; no batch line takes it
+            assert loop.free_slots(BATCH) == 1  # the reserve, free; no batch line takes it
+            assert loop.free_slots(INTERACTIVE) == 4  # the seats batch lines hold are preempted for interactive work
 
             # An interactive request is pulled into the reserve and answered while the lines hold
             # their slots and the rest stay queued in JetStream.
@@ -73,7 +74,7 @@ async def test_batch_lines_leave_the_reserve_to_an_interactive_request(
             assert await batch_queue(nc) == (3, 3)
 
             # Its slot is the reserve again once it is done: still no batch line goes into it.
-            await eventually_async(lambda: loop.free_slots() == 1, timeout_s=30)
+            await eventually_async(lambda: loop.free_slots(BATCH) == 1, timeout_s=30)
             frames = await listen(nc, "_INBOX.live2")
             await publish(nc, "live-2", "hello again", "_INBOX.live2")
             await asyncio.wait_for(frames.ended.wait(), 30)
@@ -81,6 +82,29 @@ async def test_batch_lines_leave_the_reserve_to_an_interactive_request(
             assert loop.intake.pulled == {INTERACTIVE: 2, BATCH: 3}
             assert model_status(loop).pulled == {INTERACTIVE: 2, BATCH: 3}
             assert {rid for rid in engine.submitted if rid.startswith("line-")} == {"line-0", "line-1", "line-2"}
+        finally:
+            await nc.close()
+
+
+async def test_interactive_requests_beyond_the_reserve_take_the_seats_batch_lines_hold(
+        own_nats: NatsServer, tok: Tokenizer, tmp_path: Path) -> None:
+    """Three batch lines hold three of four seats; three interactive requests that hold too are all
+    pulled and running at once (the engine's scheduler preempts batch sequences for them): none
+    waits in the stream behind the batch work."""
+    async with worker(own_nats.url, tok, tmp_path, limits=BusLimits(), max_num_seqs=4,
+                      interactive_reserve=1) as (process, engine):
+        loop = process.models[MODEL]
+        nc = await nats.connect(own_nats.url)
+        try:
+            for i in range(3):
+                await publish(nc, f"line-{i}", "HOLD this batch line", f"_INBOX.line.{i}", service_class=BATCH)
+            await eventually_async(lambda: _batch_queue_is(nc, (3, 0)), timeout_s=30)
+            for i in range(3):
+                await publish(nc, f"live-{i}", "HOLD this interactive request", f"_INBOX.live.{i}")
+            await eventually_async(lambda: {f"live-{i}" for i in range(3)} <= set(engine.submitted), timeout_s=30,
+                                   message=lambda: f"submitted: {engine.submitted}")
+            assert loop.intake.pulled == {INTERACTIVE: 3, BATCH: 3}
+            assert loop.free_slots(INTERACTIVE) == 1 and loop.free_slots(BATCH) == 0
         finally:
             await nc.close()
 
