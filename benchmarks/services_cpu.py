@@ -9,6 +9,12 @@ Systems alternate A, B, A, B... (`--rounds`), each round starting a fresh system
 measuring `--runs` loads; every figure is a median over the loads of a side. CPU comes from each
 thread's schedstat by role (benchmarks.process_cpu).
 
+Two figures per role: the raw CPU of the load, and the marginal CPU: the raw less what the role
+spends idle (measured over `--idle-s` just before each load) over the load's wall time. Timers,
+heartbeats and waiting pulls cost CPU per second, not per request, so on a slow or contended engine
+they inflate the raw figure with the load's wall time; the marginal figure is what the requests
+themselves cost, and the ratio of the two trees is printed for both.
+
 Correctness gate: greedy with ignore_eos, so every stream of a prompt must carry the same text, in
 every load of both trees, and exactly `--max-tokens` tokens; otherwise no figure is printed.
 
@@ -23,6 +29,8 @@ import os
 import statistics
 import subprocess
 import tempfile
+import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from benchmarks.lib import emit, machine_info
@@ -44,31 +52,58 @@ def commit_of(tree: Path) -> str:
                           text=True, check=True).stdout.strip()
 
 
-def one_round(tree: Path, work: list[list[int]], runs: int, max_tokens: int, scratch: Path) -> list[dict]:
+def one_round(tree: Path, work: list[list[int]], runs: int, max_tokens: int, scratch: Path,
+              idle_s: float) -> list[dict]:
     server = helexa_up(scratch, free_port(), "float32", tree=tree)
     loads: list[dict] = []
     with server, OpenAILoad(server.base_url, server.model) as load:
         load.run(work, 8, concurrent=True)  # warm-up: connections, first batches
         for _ in range(runs):
+            idle = ProcessCPU(server.pid, server.cpu_role)
+            started = time.monotonic()
+            with idle:
+                time.sleep(idle_s)  # nothing to wait for: the window is the measurement
+            idle_wall_s = time.monotonic() - started
             cpu = ProcessCPU(server.pid, server.cpu_role)
+            started = time.monotonic()
             with cpu:
                 result: LoadResult = load.run(work, max_tokens, concurrent=True)
-            by_role = cpu.per_request(len(work))
+            wall_s = time.monotonic() - started
             loads.append({"texts": [s.text for s in sorted(result.streams, key=lambda s: s.prompt_index)],
                           "tokens": [s.completion_tokens for s in result.streams],
-                          "cpu_ms_per_request": by_role, "tok_per_s": result.tok_per_s})
+                          "cpu_ms_per_request": cpu.per_request(len(work)),
+                          "idle_cpu_ms_per_s": {role: round(ms / idle_wall_s, 3) for role, ms in idle.ms.items()},
+                          "marginal_cpu_ms_per_request": marginal(cpu.ms, idle.ms, idle_wall_s, wall_s, len(work)),
+                          "wall_s": round(wall_s, 3), "tok_per_s": result.tok_per_s})
     return loads
 
 
-def summary(loads: list[dict]) -> dict:
-    def med(role: str) -> float:
-        return round(statistics.median(load["cpu_ms_per_request"].get(role, 0.0) for load in loads), 3)
+def marginal(load_ms: Mapping[str, float], idle_ms: Mapping[str, float], idle_wall_s: float, wall_s: float,
+             requests: int) -> dict[str, float]:
+    """CPU milliseconds per request by role beyond what the role spends idle over the load's wall
+    time (timers, heartbeats, pulls waiting): the cost of the requests themselves, which a slow or
+    contended engine does not inflate the way it inflates the raw figure."""
+    return {role: round((ms - idle_ms.get(role, 0.0) / idle_wall_s * wall_s) / requests, 3)
+            for role, ms in sorted(load_ms.items())}
 
-    services = [sum(load["cpu_ms_per_request"].get(role, 0.0) for role in SERVICES) for load in loads]
+
+def summary(loads: list[dict]) -> dict:
+    def med(key: str, role: str) -> float:
+        return round(statistics.median(load[key].get(role, 0.0) for load in loads), 3)
+
+    def services(key: str) -> list[float]:
+        return [round(sum(load[key].get(role, 0.0) for role in SERVICES), 3) for load in loads]
+
+    roles = (*SERVICES, "engine", CLIENT, "other")
     return {"loads": len(loads),
-            "services_ms_per_request": round(statistics.median(services), 3),
-            "services_ms_per_request_each_load": [round(s, 3) for s in services],
-            "by_role_ms_per_request": {role: med(role) for role in (*SERVICES, "engine", CLIENT, "other")},
+            "services_ms_per_request": round(statistics.median(services("cpu_ms_per_request")), 3),
+            "services_ms_per_request_each_load": services("cpu_ms_per_request"),
+            "marginal_services_ms_per_request": round(statistics.median(services("marginal_cpu_ms_per_request")), 3),
+            "marginal_services_ms_per_request_each_load": services("marginal_cpu_ms_per_request"),
+            "by_role_ms_per_request": {role: med("cpu_ms_per_request", role) for role in roles},
+            "marginal_by_role_ms_per_request": {role: med("marginal_cpu_ms_per_request", role) for role in roles},
+            "idle_by_role_ms_per_s": {role: med("idle_cpu_ms_per_s", role) for role in roles},
+            "wall_s": round(statistics.median(load["wall_s"] for load in loads), 3),
             "tok_per_s": round(statistics.median(load["tok_per_s"] for load in loads), 1)}
 
 
@@ -80,6 +115,8 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--idle-s", type=float, default=5.0,
+                        help="idle window before each load, for each role's idle CPU per second")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     trees = {"this": ROOT, "base": args.base.resolve()}
@@ -89,7 +126,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="helexa-services-cpu-") as scratch:
         for round_ in range(args.rounds):
             for name, tree in trees.items():
-                loads[name] += one_round(tree, work, args.runs, args.max_tokens, Path(scratch) / f"{name}{round_}")
+                loads[name] += one_round(tree, work, args.runs, args.max_tokens, Path(scratch) / f"{name}{round_}",
+                                         args.idle_s)
     reference = loads["base"][0]["texts"]
     wrong = [f"{name} load {i}" for name, runs in loads.items() for i, load in enumerate(runs)
              if load["texts"] != reference or any(t != args.max_tokens for t in load["tokens"])
@@ -105,8 +143,11 @@ def main() -> None:
         report["failed"] = f"streams differ from the base's first load or miss tokens: {wrong}"
     else:
         report["results"] = {name: summary(runs) for name, runs in loads.items()}
-        report["ratio_services_this_over_base"] = round(report["results"]["this"]["services_ms_per_request"]
-                                                        / report["results"]["base"]["services_ms_per_request"], 3)
+        this, base = report["results"]["this"], report["results"]["base"]
+        report["ratio_services_this_over_base"] = round(this["services_ms_per_request"]
+                                                        / base["services_ms_per_request"], 3)
+        report["ratio_marginal_services_this_over_base"] = round(this["marginal_services_ms_per_request"]
+                                                                 / base["marginal_services_ms_per_request"], 3)
     emit(report, args.out)
 
 
