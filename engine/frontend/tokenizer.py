@@ -176,7 +176,10 @@ class IncrementalDetokenizer:
     and compares it with the window's already-emitted part `[prefix_offset:read_offset]` so that
     tokenizers which render a token differently at the start of a string (SentencePiece spaces)
     still produce the right delta. While the window decodes to text ending in U+FFFD the last
-    token(s) are an unfinished UTF-8 character, so the delta is held back.
+    token(s) may be an unfinished UTF-8 character, so the delta is held back, but for at most
+    `MAX_HELD_TOKENS`: a character is at most 4 bytes and a token at least one, so text held over
+    4 tokens ends in bytes that are invalid, not unfinished (a model repeating a lone byte token
+    would otherwise hold its whole answer until the end, and decode a growing window every step).
 
         detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
         for out in outputs:
@@ -185,6 +188,8 @@ class IncrementalDetokenizer:
 
     # Prompt tokens kept as left context for the first generated tokens.
     PROMPT_CONTEXT = 5
+    # Tokens that may be held back as a possibly unfinished character (see above).
+    MAX_HELD_TOKENS = 4
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int] | None = None,
                  skip_special_tokens: bool = True) -> None:
@@ -212,7 +217,8 @@ class IncrementalDetokenizer:
         self.token_ids.append(token_id)
         prefix_text = self._decode(self.prefix_offset, self.read_offset)
         new_text = self._decode(self.prefix_offset)
-        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+        unfinished = len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR)
+        if unfinished and len(self.token_ids) - self.read_offset < self.MAX_HELD_TOKENS:
             return ""
         delta = new_text[len(prefix_text):]
         self.prefix_offset = self.read_offset

@@ -87,3 +87,14 @@ def test_incremental_detokenizer_flushes_cut_off_character(tok: Tokenizer) -> No
     assert detok.step(byte_token_ids(tok, "a")) == "a"
     assert detok.step(byte_token_ids(tok, "🙂")[:2]) == ""  # half an emoji is held back
     assert detok.flush() == REPLACEMENT_CHAR
+
+
+def test_invalid_bytes_are_held_back_for_four_tokens_at_most(tok: Tokenizer) -> None:
+    """A model repeating a lone continuation byte (a random model's greedy answer) gets its text
+    out every 4 tokens, not only at the end; valid characters of up to 4 byte tokens are never cut."""
+    lone = byte_token_ids(tok, "é")[1]  # 0xA9, a continuation byte with no lead
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.step([lone]) for _ in range(12)]
+    assert deltas == ["", "", "", REPLACEMENT_CHAR * 4] * 3
+    detok = IncrementalDetokenizer(tok)
+    assert "".join(detok.step([t]) for t in byte_token_ids(tok, "a🙂b")) == "a🙂b"
