@@ -33,6 +33,16 @@ async def frames(tmp_path: Path):  # type: ignore[no-untyped-def]
             await nc.close()
 
 
+async def everything_sent_arrived(nc: NatsClient, got: list[wire.ReplyFrame]) -> None:
+    """Publishes a marker after everything sent so far and waits for it: once it arrives, nothing
+    more sent before it is coming."""
+    await nc.flush()
+    marker = Replier(nc, SUBJECT, attempt=9, node="n")
+    await marker.heartbeat()
+    await nc.flush()
+    await eventually_async(lambda: any(isinstance(f, wire.Heartbeat) and f.attempt == 9 for f in got), 10)
+
+
 def deltas(got: list[wire.ReplyFrame], index: int = 0) -> list[wire.Delta]:
     return [frame for frame in got if isinstance(frame, wire.Delta) and frame.index == index]
 
@@ -106,12 +116,7 @@ async def test_a_silenced_attempt_drops_what_it_held(
     assert replier.sent_tokens
     replier.silence(ErrorCode.ATTEMPT_TAKEN)
     await replier.final(FinishReason.STOP, wire.Usage(prompt_tokens=1, completion_tokens=2))
-    await nc.flush()
-    # A marker published after everything above: once it arrives, nothing more from the replier is coming.
-    marker = Replier(nc, SUBJECT, attempt=9, node="n")
-    await marker.heartbeat()
-    await nc.flush()
-    await eventually_async(lambda: any(isinstance(f, wire.Heartbeat) and f.attempt == 9 for f in got), 10)
+    await everything_sent_arrived(nc, got)
     assert [d.text for d in deltas(got)] == ["sent"]
 
 
@@ -126,10 +131,6 @@ async def test_nothing_follows_an_attempts_last_frame(
     await replier.heartbeat()
     await replier.delta("late", 1, token_ids=[2])
     await replier.final(FinishReason.STOP, wire.Usage(prompt_tokens=1, completion_tokens=2))
-    await nc.flush()
-    marker = Replier(nc, SUBJECT, attempt=9, node="n")
-    await marker.heartbeat()
-    await nc.flush()
-    await eventually_async(lambda: any(isinstance(f, wire.Heartbeat) and f.attempt == 9 for f in got), 10)
+    await everything_sent_arrived(nc, got)
     of_attempt = [f for f in got if f.attempt == 1]
     assert [type(f) for f in of_attempt] == [wire.Delta, wire.ErrorFrame]

@@ -1,5 +1,7 @@
 """Worker admission by class: batch-class requests are pulled only into the free slots beyond the
-interactive reserve, so an interactive request finds a slot at once on a worker full of batch lines.
+interactive reserve, so an interactive request finds a slot at once on a worker full of batch lines;
+interactive requests count only interactive work, so beyond the reserve they take the seats batch
+lines hold (the engine's scheduler preempts those).
 
 The worker runs in this process (its real `WorkerProcess`, `ModelLoop` and intake) on a real NATS
 server with the scripted engine; requests are published straight onto their class's subject, as
@@ -9,6 +11,8 @@ the gateway does (`topology.request_subject(model, service_class)`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import nats
@@ -20,11 +24,12 @@ from apps.bus.topology import BusLimits
 from apps.embedded.nats_server import NatsServer
 from apps.settings import WorkerSettings
 from apps.worker.intake import interactive_reserve
+from apps.worker.model_loop import ModelLoop
 from apps.worker.node_status import model_status
 from engine.frontend.protocol import ServiceClass
 from engine.frontend.tokenizer import Tokenizer
 from tests.support import eventually_async
-from tests.worker.in_process import MODEL, listen, publish, worker
+from tests.worker.in_process import MODEL, CoreLikeEngine, listen, publish, worker
 
 BATCH = ServiceClass.BATCH
 INTERACTIVE = ServiceClass.INTERACTIVE
@@ -49,41 +54,49 @@ async def batch_queue(nc: NatsClient) -> tuple[int, int]:
     return info.num_ack_pending, info.num_pending
 
 
+@contextlib.asynccontextmanager
+async def holding_batch_lines(own_nats: NatsServer, tok: Tokenizer, tmp_path: Path,
+                              lines: int) -> AsyncIterator[tuple[ModelLoop, CoreLikeEngine, NatsClient]]:
+    """A worker of four seats, one kept for interactive work, and `lines` batch lines published
+    that hold their seats once pulled; yields its model loop, its engine and a connection."""
+    async with worker(own_nats.url, tok, tmp_path, limits=BusLimits(), max_num_seqs=4,
+                      interactive_reserve=1) as (process, engine):
+        nc = await nats.connect(own_nats.url)
+        try:
+            for i in range(lines):
+                await publish(nc, f"line-{i}", "HOLD this batch line", f"_INBOX.line.{i}", service_class=BATCH)
+            yield process.models[MODEL], engine, nc
+        finally:
+            await nc.close()
+
+
 async def test_batch_lines_leave_the_reserve_to_an_interactive_request(
         own_nats: NatsServer, tok: Tokenizer, tmp_path: Path) -> None:
     # Four slots, one kept for interactive work: at most three batch lines run here.
-    async with worker(own_nats.url, tok, tmp_path, limits=BusLimits(), max_num_seqs=4,
-                      interactive_reserve=1) as (process, engine):
-        loop = process.models[MODEL]
-        nc = await nats.connect(own_nats.url)
-        try:
-            for i in range(6):
-                await publish(nc, f"line-{i}", "HOLD this batch line", f"_INBOX.line.{i}", service_class=BATCH)
-            await eventually_async(lambda: _batch_queue_is(nc, (3, 3)), timeout_s=30)
-            assert loop.intake.pulled == {INTERACTIVE: 0, BATCH: 3}
-            assert loop.free_slots(BATCH) == 1  # the reserve, free; no batch line takes it
-            assert loop.free_slots(INTERACTIVE) == 4  # the seats batch lines hold are preempted for interactive work
+    async with holding_batch_lines(own_nats, tok, tmp_path, 6) as (loop, engine, nc):
+        await eventually_async(lambda: _batch_queue_is(nc, (3, 3)), timeout_s=30)
+        assert loop.intake.pulled == {INTERACTIVE: 0, BATCH: 3}
+        assert loop.free_slots(BATCH) == 1  # the reserve, free; no batch line takes it
+        assert loop.free_slots(INTERACTIVE) == 4  # the seats batch lines hold are preempted for interactive work
 
-            # An interactive request is pulled into the reserve and answered while the lines hold
-            # their slots and the rest stay queued in JetStream.
-            frames = await listen(nc, "_INBOX.live")
-            await publish(nc, "live-1", "hello", "_INBOX.live")
-            await asyncio.wait_for(frames.ended.wait(), 30)
-            assert frames.text() == "fine"
-            assert "live-1" in engine.submitted
-            assert await batch_queue(nc) == (3, 3)
+        # An interactive request is pulled into the reserve and answered while the lines hold
+        # their slots and the rest stay queued in JetStream.
+        frames = await listen(nc, "_INBOX.live")
+        await publish(nc, "live-1", "hello", "_INBOX.live")
+        await asyncio.wait_for(frames.ended.wait(), 30)
+        assert frames.text() == "fine"
+        assert "live-1" in engine.submitted
+        assert await batch_queue(nc) == (3, 3)
 
-            # Its slot is the reserve again once it is done: still no batch line goes into it.
-            await eventually_async(lambda: loop.free_slots(BATCH) == 1, timeout_s=30)
-            frames = await listen(nc, "_INBOX.live2")
-            await publish(nc, "live-2", "hello again", "_INBOX.live2")
-            await asyncio.wait_for(frames.ended.wait(), 30)
-            assert await batch_queue(nc) == (3, 3)
-            assert loop.intake.pulled == {INTERACTIVE: 2, BATCH: 3}
-            assert model_status(loop).pulled == {INTERACTIVE: 2, BATCH: 3}
-            assert {rid for rid in engine.submitted if rid.startswith("line-")} == {"line-0", "line-1", "line-2"}
-        finally:
-            await nc.close()
+        # Its slot is the reserve again once it is done: still no batch line goes into it.
+        await eventually_async(lambda: loop.free_slots(BATCH) == 1, timeout_s=30)
+        frames = await listen(nc, "_INBOX.live2")
+        await publish(nc, "live-2", "hello again", "_INBOX.live2")
+        await asyncio.wait_for(frames.ended.wait(), 30)
+        assert await batch_queue(nc) == (3, 3)
+        assert loop.intake.pulled == {INTERACTIVE: 2, BATCH: 3}
+        assert model_status(loop).pulled == {INTERACTIVE: 2, BATCH: 3}
+        assert {rid for rid in engine.submitted if rid.startswith("line-")} == {"line-0", "line-1", "line-2"}
 
 
 async def test_interactive_requests_beyond_the_reserve_take_the_seats_batch_lines_hold(
@@ -91,22 +104,14 @@ async def test_interactive_requests_beyond_the_reserve_take_the_seats_batch_line
     """Three batch lines hold three of four seats; three interactive requests that hold too are all
     pulled and running at once (the engine's scheduler preempts batch sequences for them): none
     waits in the stream behind the batch work."""
-    async with worker(own_nats.url, tok, tmp_path, limits=BusLimits(), max_num_seqs=4,
-                      interactive_reserve=1) as (process, engine):
-        loop = process.models[MODEL]
-        nc = await nats.connect(own_nats.url)
-        try:
-            for i in range(3):
-                await publish(nc, f"line-{i}", "HOLD this batch line", f"_INBOX.line.{i}", service_class=BATCH)
-            await eventually_async(lambda: _batch_queue_is(nc, (3, 0)), timeout_s=30)
-            for i in range(3):
-                await publish(nc, f"live-{i}", "HOLD this interactive request", f"_INBOX.live.{i}")
-            await eventually_async(lambda: {f"live-{i}" for i in range(3)} <= set(engine.submitted), timeout_s=30,
-                                   message=lambda: f"submitted: {engine.submitted}")
-            assert loop.intake.pulled == {INTERACTIVE: 3, BATCH: 3}
-            assert loop.free_slots(INTERACTIVE) == 1 and loop.free_slots(BATCH) == 0
-        finally:
-            await nc.close()
+    async with holding_batch_lines(own_nats, tok, tmp_path, 3) as (loop, engine, nc):
+        await eventually_async(lambda: _batch_queue_is(nc, (3, 0)), timeout_s=30)
+        for i in range(3):
+            await publish(nc, f"live-{i}", "HOLD this interactive request", f"_INBOX.live.{i}")
+        await eventually_async(lambda: {f"live-{i}" for i in range(3)} <= set(engine.submitted), timeout_s=30,
+                               message=lambda: f"submitted: {engine.submitted}")
+        assert loop.intake.pulled == {INTERACTIVE: 3, BATCH: 3}
+        assert loop.free_slots(INTERACTIVE) == 1 and loop.free_slots(BATCH) == 0
 
 
 async def test_a_batch_line_starts_when_a_batch_slot_frees(own_nats: NatsServer, tok: Tokenizer,
