@@ -1,0 +1,133 @@
+"""Tensor parallelism of the hybrid family on CPU (gloo): tiny random Qwen3.5 (separate q|k|v, z, b, a
+tensors) and dense Qwen3-Next (q|k|v|z and b|a fused per key-head group) sharded over 2 ranks give
+one rank's logits and greedy tokens; each rank holds 1/2 of the weights, KV and linear-attention
+state beyond the named replicated parts; linear heads that do not divide, and MoE layers, are
+refused in one line."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from engine.core.core_process import build_core
+from engine.core.engine_core import EngineCore
+from engine.frontend.protocol import EngineRefused
+from engine.loading.loader import load_checkpoint
+from engine.loading.model_config import ModelConfig
+from engine.models.parallel_layers import Shard, refuse_indivisible, split_of
+from tests.engine.helpers import perturb_norms_and_biases, save_tokenizer
+from tests.engine.hybrid_models import hybrid_config, save_hybrid_dir
+from tests.engine.test_tensor_parallel import TOLERANCE, engine_config, greedy_run
+
+WORLD = 2
+# Replicated on every rank: every norm (the gated norm is one head's width).
+REPLICATED = ("norm.weight",)
+
+
+def save_dense_qwen3_next(directory: Path) -> Path:
+    """Qwen3-Next with every MLP dense: its fused linear-attention tensors, no experts."""
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    config = hybrid_config(transformers, "qwen3_next", 512)
+    config.mlp_only_layers = list(range(config.num_hidden_layers))
+    model = transformers.Qwen3NextForCausalLM(config).float()
+    perturb_norms_and_biases(model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("dt_bias", "A_log")):
+                param.add_(torch.randn_like(param) * 0.3)
+    model.save_pretrained(directory)
+    save_tokenizer(directory, config.vocab_size)
+    return directory
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
+def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("tp-hybrid") / request.param
+    if request.param == "qwen3_next":
+        return save_dense_qwen3_next(directory)
+    return save_hybrid_dir(transformers, request.param, directory)
+
+
+@pytest.fixture(scope="module")
+def one_rank(model_dir: Path) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]], EngineCore]:
+    core = build_core(engine_config(model_dir, 1))
+    tokens, logits = greedy_run(core)
+    return tokens, logits, core
+
+
+@pytest.fixture(scope="module")
+def sharded(model_dir: Path) -> Iterator[EngineCore]:
+    lost: list[str] = []
+    core = build_core(engine_config(model_dir, WORLD), on_rank_lost=lost.append)
+    yield core
+    core.close()
+    assert not lost, lost
+
+
+def test_sharded_hybrid_logits_and_tokens_match_one_rank(sharded: EngineCore, one_rank: tuple) -> None:
+    tokens, logits, _ = one_rank
+    sharded_tokens, sharded_logits = greedy_run(sharded)
+    assert sharded_tokens == tokens
+    for request_id, rows in logits.items():
+        assert len(sharded_logits[request_id]) == len(rows) == 32
+        for step, (ours, reference) in enumerate(zip(sharded_logits[request_id], rows, strict=True)):
+            error = (ours - reference).abs().max().item()
+            assert error <= TOLERANCE * reference.abs().max().item(), (request_id, step, error)
+
+
+def test_each_rank_holds_its_share_of_weights_kv_and_state(sharded: EngineCore, one_rank: tuple) -> None:
+    whole = one_rank[2].runner
+    model = sharded.runner.model
+    splits = {name: split_of(model, name) for name, _ in model.named_parameters()}
+    replicated = sum(p.nbytes for name, p in model.named_parameters() if splits[name].dim is None)
+    assert replicated == sum(p.nbytes for name, p in model.named_parameters() if name.endswith(REPLICATED))
+    assert not any(split.rank0_only for split in splits.values())  # no biases in these layers
+    share = (whole.weight_bytes - replicated) // WORLD + replicated
+    followers = sharded.runner.followers
+    assert followers is not None
+    [report] = followers.reports
+    assert whole.state_bytes > 0
+    assert {sharded.runner.weight_bytes, report.weight_bytes} == {share}
+    assert {sharded.runner.kv_bytes, report.kv_bytes} == {whole.kv_bytes // WORLD}
+    assert {sharded.runner.state_bytes, report.state_bytes} == {whole.state_bytes // WORLD}
+    shape = sharded.runner.hybrid_caches.states.shape  # type: ignore[union-attr]
+    whole_shape = whole.hybrid_caches.states.shape  # type: ignore[union-attr]
+    assert (shape.conv_dim, shape.num_v_heads) == (whole_shape.conv_dim // WORLD, whole_shape.num_v_heads // WORLD)
+
+
+def test_a_rank_reads_whole_head_groups_of_the_conv_channels(model_dir: Path) -> None:
+    """Rank 1's conv channels are the second half of each of q, k and v, not of their concatenation."""
+    whole = load_checkpoint(model_dir).model.model.layers[0].linear_attn
+    shard = load_checkpoint(model_dir, shard=Shard(1, WORLD)).model.model.layers[0].linear_attn
+    key_size, value_size = whole.num_k_heads * whole.k_dim, whole.num_v_heads * whole.v_dim
+    q, k, v = whole.conv1d.weight.split((key_size, key_size, value_size))
+    halves = [part[part.shape[0] // 2:] for part in (q, k, v)]
+    assert torch.equal(shard.conv1d.weight, torch.cat(halves))
+    assert torch.equal(shard.A_log, whole.A_log[whole.num_v_heads // 2:])
+    assert torch.equal(shard.norm.weight, whole.norm.weight)
+
+
+def hybrid_shapes(**overrides: object) -> ModelConfig:
+    return ModelConfig.from_hf_config({
+        "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 1024, "intermediate_size": 3584,
+        "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 16, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "full_attention_interval": 4, "hidden_act": "silu"} | overrides)
+
+
+def test_linear_heads_that_do_not_divide_and_moe_layers_are_refused_in_one_line() -> None:
+    refuse_indivisible(hybrid_shapes(), 2)
+    with pytest.raises(EngineRefused) as refused:
+        refuse_indivisible(hybrid_shapes(num_key_value_heads=4, linear_num_key_heads=6,
+                                         linear_num_value_heads=18), 4)
+    assert str(refused.value) == ("tensor_parallel 4 does not divide linear_num_key_heads 6, "
+                                  "linear_num_value_heads 18 of this model")
+    with pytest.raises(EngineRefused) as refused:
+        refuse_indivisible(hybrid_shapes(model_type="qwen3_next", num_experts=512, num_experts_per_tok=10), 2)
+    assert str(refused.value) == ("tensor parallelism is not built for mixture-of-experts layers "
+                                  "(qwen3_next): MoE sharding is not built")
