@@ -74,7 +74,7 @@ def weights_bytes(path: str | Path) -> int:
         return 0
 
 
-class _Whole:
+class WholeTensor:
     """A dequantized tensor read the way `shard_reader` reads a safetensors slice."""
 
     def __init__(self, tensor: torch.Tensor) -> None:
@@ -94,7 +94,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str, shard
     weights = gguf_import.iter_weights(gguf, config, dtype)
     read = shard_reader(model, shard)
     if read is not None:
-        weights = ((name, read(name, _Whole(tensor)).to(dtype)) for name, tensor in weights)
+        weights = ((name, read(name, WholeTensor(tensor)).to(dtype)) for name, tensor in weights)
     load_weights(model, weights)
     return Checkpoint(config=config, model=model.eval(), tokenizer=read_tokenizer(gguf), model_id=model_id(path))
 

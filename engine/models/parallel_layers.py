@@ -54,8 +54,7 @@ class Shard:
 
 def refuse_indivisible(config: ModelConfig, world: int) -> None:
     """One line naming every dimension `world` ranks cannot split evenly (KV heads fewer than the
-    ranks are refused too: replicating them is not built), or what has no sharded form: a family
-    without one, mixture-of-experts layers."""
+    ranks are refused too: replicating them is not built), or the family when it has no sharded form."""
     from engine.models import get_model_class
     from engine.models.moe import is_sparse_layer
 
@@ -63,12 +62,13 @@ def refuse_indivisible(config: ModelConfig, world: int) -> None:
         return
     if not getattr(get_model_class(config.model_type), "supports_tensor_parallel", False):
         raise EngineRefused(f"tensor parallelism is not built for the {config.model_type} family yet")
-    if any(is_sparse_layer(config, i) for i in range(config.num_hidden_layers)):
-        raise EngineRefused(f"tensor parallelism is not built for mixture-of-experts layers "
-                            f"({config.model_type}): MoE sharding is not built")
     dims = {"num_attention_heads": config.num_attention_heads,
             "num_key_value_heads": config.num_key_value_heads,
             "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size}
+    # Mixture-of-experts layers split every expert's MLP (and the shared expert's) by column.
+    if any(is_sparse_layer(config, i) for i in range(config.num_hidden_layers)):
+        dims |= {name: int(config.extra[name]) for name in ("moe_intermediate_size",
+                 "shared_expert_intermediate_size") if config.extra.get(name)}
     # The hybrid families' linear-attention layers split by key and value head.
     dims |= {name: int(config.extra[name]) for name in ("linear_num_key_heads", "linear_num_value_heads")
              if "linear_attention" in config.layer_types and name in config.extra}
@@ -147,14 +147,20 @@ class ColumnParallelPacked(PackedLinear):
 
 
 class RowParallelLinear(Linear):
-    def __init__(self, in_features: int, out_features: int, shard: Shard, bias: bool = False) -> None:
+    """`reduce=False`: the caller sums the partial outputs, with others' in one all-reduce (an MoE
+    block's shared expert beside its routed experts)."""
+
+    def __init__(self, in_features: int, out_features: int, shard: Shard, bias: bool = False,
+                 reduce: bool = True) -> None:
         super().__init__(shard.part(in_features), out_features, bias=bias)
         self.shard = shard
+        self.reduce = reduce
         self.tp_dims = {"weight": 1}
         self.tp_rank0_only = {"bias"}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(super().forward(x), self.shard)
+        out = super().forward(x)
+        return all_reduce(out, self.shard) if self.reduce else out
 
 
 class VocabParallelEmbedding(nn.Embedding):

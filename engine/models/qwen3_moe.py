@@ -18,11 +18,10 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     family = "qwen3_moe"
 
     def __init__(self, config: ModelConfig, shard: Shard | None = None) -> None:
-        # Sharded only where no layer is sparse (parallel_layers.refuse_indivisible refuses MoE).
         super().__init__(config, shard)
         for index, layer in enumerate(self.model.layers):
             if is_sparse_layer(config, index):
-                layer.mlp = SparseMoeBlock(config)
+                layer.mlp = SparseMoeBlock(config, self.shard)
 
     @staticmethod
     def checkpoint_targets(name: str, tensor: torch.Tensor) -> list[CheckpointTarget]:

@@ -15,8 +15,8 @@ full attention as Llama's (query and KV heads split, o_proj row-parallel); linea
 key head, each rank taking whole key-head groups (its key heads and the value heads they serve):
 the q, k and v parts of the conv channels each cut on their own (`tp_sections`), z, b, a, A_log and
 dt_bias by value head, the gated norm (one head's width) whole, out_proj row-parallel; the dense MLP
-column/row-parallel. So each rank's conv and recurrent state hold its heads only. MoE layers are
-not sharded (`refuse_indivisible` refuses them).
+column/row-parallel, MoE layers by column of every expert (`engine.models.moe`). So each rank's
+conv and recurrent state hold its heads only.
 
 Qwen3-Next checkpoints fuse q,k,v,z and b,a per key-head group (`in_proj_qkvz`, `in_proj_ba`);
 `checkpoint_targets` de-interleaves them into Qwen3.5's separate layout, and the loader packs
@@ -169,7 +169,7 @@ class HybridDecoderLayer(nn.Module):
         else:
             self.self_attn = GatedAttention(config, shard)
         if is_sparse_layer(config, index):
-            self.mlp: nn.Module = SparseMoeBlock(config)  # never sharded: refused at world > 1
+            self.mlp: nn.Module = SparseMoeBlock(config, shard)
         else:
             self.mlp = LlamaMLP(config, shard)
         self.input_layernorm = UnitOffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -214,7 +214,7 @@ class HybridModel(nn.Module):
 
 class Qwen3NextForCausalLM(nn.Module):
     family = "qwen3_next"
-    # Built as one rank's shard when given a `Shard` (engine.models.parallel_layers); not its MoE layers.
+    # Built as one rank's shard when given a `Shard` (engine.models.parallel_layers).
     supports_tensor_parallel = True
 
     def __init__(self, config: ModelConfig, shard: Shard | None = None) -> None:

@@ -1,8 +1,8 @@
-"""Tensor parallelism of the hybrid family on CPU (gloo): tiny random Qwen3.5 (separate q|k|v, z, b, a
-tensors) and dense Qwen3-Next (q|k|v|z and b|a fused per key-head group) sharded over 2 ranks give
-one rank's logits and greedy tokens; each rank holds 1/2 of the weights, KV and linear-attention
-state beyond the named replicated parts; linear heads that do not divide, and MoE layers, are
-refused in one line."""
+"""Tensor parallelism of the hybrid family on CPU (gloo): tiny random Qwen3.5 (dense MLPs; separate
+q|k|v, z, b, a tensors) and Qwen3-Next (MoE layers with a shared expert beside a dense one; q|k|v|z
+and b|a fused per key-head group) sharded over 2 ranks give one rank's logits and greedy tokens;
+each rank holds 1/2 of the weights, KV and linear-attention state beyond the named replicated parts;
+linear heads or expert widths that do not divide are refused in one line."""
 
 from __future__ import annotations
 
@@ -16,41 +16,21 @@ import transformers
 from engine.core.core_process import build_core
 from engine.core.engine_core import EngineCore
 from engine.frontend.protocol import EngineRefused
-from engine.loading.loader import load_checkpoint
+from engine.loading.loader import WholeTensor, load_checkpoint, shard_reader
 from engine.loading.model_config import ModelConfig
 from engine.models.parallel_layers import Shard, refuse_indivisible, split_of
-from tests.engine.helpers import perturb_norms_and_biases, save_tokenizer
-from tests.engine.hybrid_models import hybrid_config, save_hybrid_dir
+from tests.engine.hybrid_models import save_hybrid_dir
 from tests.engine.test_tensor_parallel import TOLERANCE, engine_config, greedy_run
 
 WORLD = 2
-# Replicated on every rank: every norm (the gated norm is one head's width).
-REPLICATED = ("norm.weight",)
-
-
-def save_dense_qwen3_next(directory: Path) -> Path:
-    """Qwen3-Next with every MLP dense: its fused linear-attention tensors, no experts."""
-    directory.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
-    config = hybrid_config(transformers, "qwen3_next", 512)
-    config.mlp_only_layers = list(range(config.num_hidden_layers))
-    model = transformers.Qwen3NextForCausalLM(config).float()
-    perturb_norms_and_biases(model)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(("dt_bias", "A_log")):
-                param.add_(torch.randn_like(param) * 0.3)
-    model.save_pretrained(directory)
-    save_tokenizer(directory, config.vocab_size)
-    return directory
+# Replicated on every rank: every norm (the gated norm is one head's width), and the MoE router and
+# shared-expert gate (so every rank routes alike).
+REPLICATED = ("norm.weight", "mlp.gate.weight", "shared_expert_gate.weight")
 
 
 @pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
 def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("tp-hybrid") / request.param
-    if request.param == "qwen3_next":
-        return save_dense_qwen3_next(directory)
-    return save_hybrid_dir(transformers, request.param, directory)
+    return save_hybrid_dir(transformers, request.param, tmp_path_factory.mktemp("tp-hybrid") / request.param)
 
 
 @pytest.fixture(scope="module")
@@ -120,14 +100,34 @@ def hybrid_shapes(**overrides: object) -> ModelConfig:
         "linear_value_head_dim": 128, "full_attention_interval": 4, "hidden_act": "silu"} | overrides)
 
 
-def test_linear_heads_that_do_not_divide_and_moe_layers_are_refused_in_one_line() -> None:
+def test_linear_heads_and_expert_widths_that_do_not_divide_are_refused_in_one_line() -> None:
     refuse_indivisible(hybrid_shapes(), 2)
     with pytest.raises(EngineRefused) as refused:
         refuse_indivisible(hybrid_shapes(num_key_value_heads=4, linear_num_key_heads=6,
                                          linear_num_value_heads=18), 4)
     assert str(refused.value) == ("tensor_parallel 4 does not divide linear_num_key_heads 6, "
                                   "linear_num_value_heads 18 of this model")
+    moe = {"model_type": "qwen3_next", "num_experts": 512, "num_experts_per_tok": 10}
+    refuse_indivisible(hybrid_shapes(**moe, moe_intermediate_size=512, shared_expert_intermediate_size=512), 2)
     with pytest.raises(EngineRefused) as refused:
-        refuse_indivisible(hybrid_shapes(model_type="qwen3_next", num_experts=512, num_experts_per_tok=10), 2)
-    assert str(refused.value) == ("tensor parallelism is not built for mixture-of-experts layers "
-                                  "(qwen3_next): MoE sharding is not built")
+        refuse_indivisible(hybrid_shapes(**moe, num_key_value_heads=4, moe_intermediate_size=510,
+                                         shared_expert_intermediate_size=510), 4)
+    assert str(refused.value) == ("tensor_parallel 4 does not divide moe_intermediate_size 510, "
+                                  "shared_expert_intermediate_size 510 of this model")
+
+
+def test_a_rank_holds_its_columns_of_every_expert(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Per-expert checkpoint tensors and a stacked [gate | up] tensor give rank 1 the same part:
+    the second half of each expert's gate rows and of its up rows, and those columns of down."""
+    model_dir = save_hybrid_dir(transformers, "qwen3_next", tmp_path_factory.mktemp("tp-moe") / "qwen3_next")
+    whole = load_checkpoint(model_dir).model
+    shard = load_checkpoint(model_dir, shard=Shard(1, WORLD)).model
+    experts, mine = whole.model.layers[0].mlp.experts, shard.model.layers[0].mlp.experts
+    width = experts.down_proj.shape[-1]
+    gate, up = experts.gate_up_proj.split(width, dim=1)
+    assert torch.equal(mine.gate_up_proj, torch.cat([gate[:, width // 2:], up[:, width // 2:]], dim=1))
+    assert torch.equal(mine.down_proj, experts.down_proj[..., width // 2:])
+    read = shard_reader(shard, Shard(1, WORLD))
+    assert read is not None
+    stacked = read("model.layers.0.mlp.experts.gate_up_proj", WholeTensor(experts.gate_up_proj.detach()))
+    assert torch.equal(stacked, mine.gate_up_proj)
