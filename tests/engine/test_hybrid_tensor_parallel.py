@@ -1,6 +1,7 @@
 """Tensor parallelism of the hybrid family on CPU (gloo): tiny random Qwen3.5 (dense MLPs; separate
 q|k|v, z, b, a tensors) and Qwen3-Next (MoE layers with a shared expert beside a dense one; q|k|v|z
-and b|a fused per key-head group) sharded over 2 ranks give one rank's logits and greedy tokens;
+and b|a fused per key-head group), and Qwen3-MoE, sharded over 2 ranks give one rank's logits and
+greedy tokens;
 each rank holds 1/2 of the weights, KV and linear-attention state beyond the named replicated parts;
 linear heads or expert widths that do not divide are refused in one line."""
 
@@ -28,7 +29,8 @@ WORLD = 2
 REPLICATED = ("norm.weight", "mlp.gate.weight", "shared_expert_gate.weight")
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
+# qwen3_moe: the llama-family MoE, its experts sharded the same way (no linear attention, no state).
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next", "qwen3_moe"])
 def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_hybrid_dir(transformers, request.param, tmp_path_factory.mktemp("tp-hybrid") / request.param)
 
@@ -71,17 +73,20 @@ def test_each_rank_holds_its_share_of_weights_kv_and_state(sharded: EngineCore, 
     followers = sharded.runner.followers
     assert followers is not None
     [report] = followers.reports
-    assert whole.state_bytes > 0
+    assert (whole.state_bytes > 0) == whole.is_hybrid
     assert {sharded.runner.weight_bytes, report.weight_bytes} == {share}
     assert {sharded.runner.kv_bytes, report.kv_bytes} == {whole.kv_bytes // WORLD}
     assert {sharded.runner.state_bytes, report.state_bytes} == {whole.state_bytes // WORLD}
-    shape = sharded.runner.hybrid_caches.states.shape  # type: ignore[union-attr]
-    whole_shape = whole.hybrid_caches.states.shape  # type: ignore[union-attr]
-    assert (shape.conv_dim, shape.num_v_heads) == (whole_shape.conv_dim // WORLD, whole_shape.num_v_heads // WORLD)
+    if whole.hybrid_caches is not None:
+        shape, whole_shape = sharded.runner.hybrid_caches.states.shape, whole.hybrid_caches.states.shape  # type: ignore[union-attr]
+        assert (shape.conv_dim, shape.num_v_heads) == (whole_shape.conv_dim // WORLD, whole_shape.num_v_heads // WORLD)
 
 
-def test_a_rank_reads_whole_head_groups_of_the_conv_channels(model_dir: Path) -> None:
-    """Rank 1's conv channels are the second half of each of q, k and v, not of their concatenation."""
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_next"])
+def test_a_rank_reads_whole_head_groups_of_the_conv_channels(model_type: str, tmp_path: Path) -> None:
+    """Rank 1's conv channels are the second half of each of q, k and v, not of their concatenation
+    (Qwen3.5's separate q|k|v tensor and Qwen3-Next's fused q|k|v|z groups alike)."""
+    model_dir = save_hybrid_dir(transformers, model_type, tmp_path / model_type)
     whole = load_checkpoint(model_dir).model.model.layers[0].linear_attn
     shard = load_checkpoint(model_dir, shard=Shard(1, WORLD)).model.model.layers[0].linear_attn
     key_size, value_size = whole.num_k_heads * whole.k_dim, whole.num_v_heads * whole.v_dim
@@ -131,3 +136,4 @@ def test_a_rank_holds_its_columns_of_every_expert(tmp_path_factory: pytest.TempP
     assert read is not None
     stacked = read("model.layers.0.mlp.experts.gate_up_proj", WholeTensor(experts.gate_up_proj.detach()))
     assert torch.equal(stacked, mine.gate_up_proj)
+
