@@ -1,9 +1,8 @@
 """Tensor parallelism of the hybrid family on CPU (gloo): tiny random Qwen3.5 (dense MLPs; separate
-q|k|v, z, b, a tensors) and Qwen3-Next (MoE layers with a shared expert beside a dense one; q|k|v|z
-and b|a fused per key-head group), and Qwen3-MoE, sharded over 2 ranks give one rank's logits and
-greedy tokens;
-each rank holds 1/2 of the weights, KV and linear-attention state beyond the named replicated parts;
-linear heads or expert widths that do not divide are refused in one line."""
+q|k|v, z, b, a tensors), Qwen3-Next (MoE layers with a shared expert beside a dense one; q|k|v|z and
+b|a fused per key-head group) and Qwen3-MoE sharded over 2 ranks give one rank's logits and greedy
+tokens; each rank holds 1/2 of the weights, KV and linear-attention state beyond the named
+replicated parts; linear heads or expert widths that do not divide are refused in one line."""
 
 from __future__ import annotations
 
