@@ -27,7 +27,7 @@ from engine.loading.gguf_file import GGUFFile, read_config, read_tokenizer
 from engine.loading.model_config import ModelConfig
 from engine.models import get_model_class
 from engine.models.layers import PackedLinear
-from engine.models.parallel_layers import Shard, refuse_indivisible, split_of
+from engine.models.parallel_layers import Shard, Split, refuse_indivisible, shard_slices, split_of
 
 # Reads one checkpoint tensor from a safetensors slice: (name, slice) -> tensor.
 SliceReader = Callable[[str, object], torch.Tensor]
@@ -74,7 +74,7 @@ def weights_bytes(path: str | Path) -> int:
         return 0
 
 
-class _Whole:
+class WholeTensor:
     """A dequantized tensor read the way `shard_reader` reads a safetensors slice."""
 
     def __init__(self, tensor: torch.Tensor) -> None:
@@ -94,7 +94,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device | str, shard
     weights = gguf_import.iter_weights(gguf, config, dtype)
     read = shard_reader(model, shard)
     if read is not None:
-        weights = ((name, read(name, _Whole(tensor)).to(dtype)) for name, tensor in weights)
+        weights = ((name, read(name, WholeTensor(tensor)).to(dtype)) for name, tensor in weights)
     load_weights(model, weights)
     return Checkpoint(config=config, model=model.eval(), tokenizer=read_tokenizer(gguf), model_id=model_id(path))
 
@@ -149,26 +149,28 @@ def iter_safetensors(path: Path, dtype: torch.dtype,
 
 
 def shard_reader(model: nn.Module, shard: Shard) -> SliceReader | None:
-    """How one rank reads each checkpoint tensor: its slice along the dimension its parameter is
-    cut on (`engine.models.parallel_layers.split_of`), zeros for a bias only rank 0 adds, whole
-    for a replicated one (norms). None at world 1."""
+    """How one rank reads each checkpoint tensor: its slice along the dimension it is cut on
+    (`engine.models.parallel_layers.split_of`: the checkpoint name where a module declares it,
+    else the parameter it fills), each section's slice where the dimension is several side by side,
+    zeros for a bias only rank 0 adds, whole for a replicated one (norms). None at world 1."""
     if shard.world == 1:
         return None
-    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     packed = packed_targets(model)
+    # A family whose checkpoints nest its tensors under another prefix says how it names them.
+    rename: Callable[[str], str] = getattr(model, "checkpoint_name", lambda name: name)
 
     def read(name: str, piece: object) -> torch.Tensor:
-        param_name = packed[name][0] if name in packed else name
-        dim, rank0_only = split_of(model, param_name) if param_name in params else (None, False)
+        name = rename(name)
+        split = split_of(model, name)
+        if split == Split(None) and name in packed:
+            split = split_of(model, packed[name][0])
         shape = piece.get_shape()  # a safetensors slice
-        if rank0_only and shard.rank != 0:
+        if split.rank0_only and shard.rank != 0:
             return torch.zeros(shape)
-        if dim is None:
+        if split.dim is None:
             return piece[:]  # type: ignore[index]
-        size = shape[dim] // shard.world
-        index = [slice(None)] * len(shape)
-        index[dim] = slice(shard.rank * size, (shard.rank + 1) * size)
-        return piece[tuple(index)]  # type: ignore[index]
+        parts = [piece[index] for index in shard_slices(shape, split, shard)]  # type: ignore[index]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=split.dim)
 
     return read
 

@@ -68,14 +68,16 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)): gate/up column-parallel, down row-parallel (one all-reduce)."""
+    """down(silu(gate(x)) * up(x)): gate/up column-parallel, down row-parallel (one all-reduce;
+    none with `reduce=False`, where the caller sums the partial outputs). `width`: the config's
+    intermediate_size unless given (an MoE block's shared expert)."""
 
-    def __init__(self, config: ModelConfig, shard: Shard) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard, width: int | None = None, reduce: bool = True) -> None:
         super().__init__()
-        width, bias = config.intermediate_size, config.mlp_bias
+        width, bias = width or config.intermediate_size, config.mlp_bias
         self.gate_up_proj = ColumnParallelPacked(
             config.hidden_size, {"gate_proj": width, "up_proj": width}, shard, bias)
-        self.down_proj = RowParallelLinear(width, config.hidden_size, shard, bias=bias)
+        self.down_proj = RowParallelLinear(width, config.hidden_size, shard, bias=bias, reduce=reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))

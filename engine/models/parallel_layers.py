@@ -14,13 +14,17 @@ A model built with a `Shard` of `world` ranks holds 1/world of every sharded wei
   moves `num_sampled × vocab` floats a step, small beside the weights).
 Each parallel module names its sharded parameters in `tp_dims` (the checkpoint dimension each
 is cut along; kept on the module, where it survives `to_empty`) and a row-parallel bias in
-`tp_rank0_only`; the loader reads only this rank's slice of each tensor (`split_of`,
+`tp_rank0_only`; a module may name a child's tensor or a checkpoint tensor it is built from
+(`"conv1d.weight"`, a fused `"in_proj_qkvz.weight"`), and where that dimension is several parts
+side by side (a linear-attention layer's q | k | v channels) their sizes in `tp_sections`: each
+part is cut on its own. The loader reads only this rank's slice of each tensor (`split_of`,
 `engine.loading.loader.shard_reader`). At world 1 every layer is its plain counterpart.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -52,6 +56,7 @@ def refuse_indivisible(config: ModelConfig, world: int) -> None:
     """One line naming every dimension `world` ranks cannot split evenly (KV heads fewer than the
     ranks are refused too: replicating them is not built), or the family when it has no sharded form."""
     from engine.models import get_model_class
+    from engine.models.moe import is_sparse_layer
 
     if world == 1:
         return
@@ -60,6 +65,13 @@ def refuse_indivisible(config: ModelConfig, world: int) -> None:
     dims = {"num_attention_heads": config.num_attention_heads,
             "num_key_value_heads": config.num_key_value_heads,
             "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size}
+    # Mixture-of-experts layers split every expert's MLP (and the shared expert's) by column.
+    if any(is_sparse_layer(config, i) for i in range(config.num_hidden_layers)):
+        dims |= {name: int(config.extra[name]) for name in ("moe_intermediate_size",
+                 "shared_expert_intermediate_size") if config.extra.get(name)}
+    # The hybrid families' linear-attention layers split by key and value head.
+    dims |= {name: int(config.extra[name]) for name in ("linear_num_key_heads", "linear_num_value_heads")
+             if "linear_attention" in config.layer_types and name in config.extra}
     bad = [f"{name} {size}" for name, size in dims.items() if size % world]
     if config.num_key_value_heads < world:
         # Replicating KV heads across ranks (each rank a copy of one head) is not built: each
@@ -70,13 +82,48 @@ def refuse_indivisible(config: ModelConfig, world: int) -> None:
         raise EngineRefused(f"tensor_parallel {world} does not divide {', '.join(bad)} of this model")
 
 
-def split_of(model: nn.Module, param_name: str) -> tuple[int | None, bool]:
-    """(the dimension `param_name` is cut along, None when replicated; whether only rank 0 holds
-    its values, the others zeros)."""
-    module_name, _, attr = param_name.rpartition(".")
-    module = model.get_submodule(module_name)
-    dims: dict[str, int] = getattr(module, "tp_dims", {})
-    return dims.get(attr), attr in getattr(module, "tp_rank0_only", ())
+class Split(NamedTuple):
+    """How the ranks share one tensor."""
+
+    dim: int | None  # the dimension it is cut along; None: every rank holds all of it
+    rank0_only: bool = False  # rank 0 holds its values, the others zeros (a row-parallel bias)
+    sections: tuple[int, ...] = ()  # `dim` is these parts side by side, each cut on its own
+
+
+def split_of(model: nn.Module, name: str) -> Split:
+    """How `name` (a parameter's, or a checkpoint tensor's a module declares) is split: the nearest
+    module on its path that declares the rest of the name in `tp_dims` or `tp_rank0_only` says."""
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, -1, -1):
+        try:
+            module = model.get_submodule(".".join(parts[:cut]))
+        except AttributeError:
+            continue
+        key = ".".join(parts[cut:])
+        dims: dict[str, int] = getattr(module, "tp_dims", {})
+        if key in getattr(module, "tp_rank0_only", ()):
+            return Split(None, rank0_only=True)
+        if key in dims:
+            return Split(dims[key], sections=getattr(module, "tp_sections", {}).get(key, ()))
+    return Split(None)
+
+
+def shard_slices(shape: list[int], split: Split, shard: Shard) -> list[tuple[slice, ...]]:
+    """The index of this rank's part of a tensor of `shape` split as `split` (one per section,
+    to be joined along `split.dim`)."""
+    dim = split.dim
+    assert dim is not None
+    sections = split.sections or (shape[dim],)
+    if sum(sections) != shape[dim]:
+        raise ValueError(f"sections {sections} do not make up dimension {dim} of shape {tuple(shape)}")
+    slices, offset = [], 0
+    for size in sections:
+        part = size // shard.world
+        index = [slice(None)] * len(shape)
+        index[dim] = slice(offset + shard.rank * part, offset + (shard.rank + 1) * part)
+        slices.append(tuple(index))
+        offset += size
+    return slices
 
 
 def all_reduce(x: torch.Tensor, shard: Shard) -> torch.Tensor:
@@ -100,14 +147,20 @@ class ColumnParallelPacked(PackedLinear):
 
 
 class RowParallelLinear(Linear):
-    def __init__(self, in_features: int, out_features: int, shard: Shard, bias: bool = False) -> None:
+    """`reduce=False`: the caller sums the partial outputs, with others' in one all-reduce (an MoE
+    block's shared expert beside its routed experts)."""
+
+    def __init__(self, in_features: int, out_features: int, shard: Shard, bias: bool = False,
+                 reduce: bool = True) -> None:
         super().__init__(shard.part(in_features), out_features, bias=bias)
         self.shard = shard
+        self.reduce = reduce
         self.tp_dims = {"weight": 1}
         self.tp_rank0_only = {"bias"}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(super().forward(x), self.shard)
+        out = super().forward(x)
+        return all_reduce(out, self.shard) if self.reduce else out
 
 
 class VocabParallelEmbedding(nn.Embedding):

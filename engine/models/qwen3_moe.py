@@ -10,17 +10,18 @@ import torch
 
 from engine.loading.model_config import ModelConfig
 from engine.models.moe import CheckpointTarget, SparseMoeBlock, expert_checkpoint_targets, is_sparse_layer
+from engine.models.parallel_layers import Shard
 from engine.models.qwen3 import Qwen3ForCausalLM
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     family = "qwen3_moe"
 
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: ModelConfig, shard: Shard | None = None) -> None:
+        super().__init__(config, shard)
         for index, layer in enumerate(self.model.layers):
             if is_sparse_layer(config, index):
-                layer.mlp = SparseMoeBlock(config)
+                layer.mlp = SparseMoeBlock(config, self.shard)
 
     @staticmethod
     def checkpoint_targets(name: str, tensor: torch.Tensor) -> list[CheckpointTarget]:

@@ -10,6 +10,14 @@ layers, `config.layer_types` saying which is which.
 - MLP: MoE (with a shared expert) where the config has experts, dense otherwise (Qwen3.5).
 - Every other norm scales by (1 + w).
 
+Built with a `Shard` (`engine.models.parallel_layers`), each rank holds its share of the heads:
+full attention as Llama's (query and KV heads split, o_proj row-parallel); linear attention split by
+key head, each rank taking whole key-head groups (its key heads and the value heads they serve):
+the q, k and v parts of the conv channels each cut on their own (`tp_sections`), z, b, a, A_log and
+dt_bias by value head, the gated norm (one head's width) whole, out_proj row-parallel; the dense MLP
+column/row-parallel, MoE layers by column of every expert (`engine.models.moe`). So each rank's
+conv and recurrent state hold its heads only.
+
 Qwen3-Next checkpoints fuse q,k,v,z and b,a per key-head group (`in_proj_qkvz`, `in_proj_ba`);
 `checkpoint_targets` de-interleaves them into Qwen3.5's separate layout, and the loader packs
 those (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`) into this module's one `in_proj`,
@@ -23,8 +31,16 @@ import torch
 from torch import nn
 
 from engine.loading.model_config import ModelConfig
-from engine.models.layers import GatedMLP, Linear, PackedLinear, RotaryEmbedding, residual_stream
+from engine.models.layers import RotaryEmbedding, residual_stream
+from engine.models.llama import LlamaMLP
 from engine.models.moe import CheckpointTarget, SparseMoeBlock, expert_checkpoint_targets, is_sparse_layer
+from engine.models.parallel_layers import (
+    ColumnParallelPacked,
+    ParallelLMHead,
+    RowParallelLinear,
+    Shard,
+    VocabParallelEmbedding,
+)
 from engine.runner import ops
 from engine.runner.attention import AttentionMetadata, KVCache
 from engine.runner.state_cache import HybridCaches, LinearStateShape
@@ -47,18 +63,20 @@ class UnitOffsetRMSNorm(nn.Module):
 
 
 class GatedAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """This rank's query and KV heads (all of them at world 1)."""
+
+    def __init__(self, config: ModelConfig, shard: Shard) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = shard.part(config.num_attention_heads)
+        self.num_kv_heads = shard.part(config.num_key_value_heads)
         self.head_dim = config.head_dim
         self.scale = self.head_dim ** -0.5
         hidden, bias = config.hidden_size, config.attention_bias
-        kv_size = self.num_kv_heads * self.head_dim
-        # q_proj is twice as wide: per head [query | gate].
-        self.qkv_proj = PackedLinear(hidden, {
-            "q_proj": self.num_heads * self.head_dim * 2, "k_proj": kv_size, "v_proj": kv_size}, bias)
-        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        q_size, kv_size = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
+        # q_proj is twice as wide: per head [query | gate], so a cut by head keeps whole pairs.
+        self.qkv_proj = ColumnParallelPacked(hidden, {"q_proj": 2 * q_size, "k_proj": kv_size, "v_proj": kv_size},
+                                             shard, bias)
+        self.o_proj = RowParallelLinear(q_size, hidden, shard, bias=bias)
         self.q_norm = UnitOffsetRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = UnitOffsetRMSNorm(self.head_dim, config.rms_norm_eps)
 
@@ -78,22 +96,25 @@ class GatedAttention(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """This rank's linear-attention heads: whole key-head groups (all of them at world 1)."""
+
+    def __init__(self, config: ModelConfig, shard: Shard) -> None:
         super().__init__()
         extra = config.extra
-        self.num_k_heads = int(extra["linear_num_key_heads"])
-        self.num_v_heads = int(extra["linear_num_value_heads"])
+        all_k_heads, all_v_heads = int(extra["linear_num_key_heads"]), int(extra["linear_num_value_heads"])
+        self.num_k_heads, self.num_v_heads = shard.part(all_k_heads), shard.part(all_v_heads)
         self.k_dim = int(extra["linear_key_head_dim"])
         self.v_dim = int(extra["linear_value_head_dim"])
         self.conv_kernel = int(extra.get("linear_conv_kernel_dim", 4))
         self.eps = config.rms_norm_eps
-        key_size, value_size = self.num_k_heads * self.k_dim, self.num_v_heads * self.v_dim
-        self.conv_dim = 2 * key_size + value_size
+        key_size, value_size = all_k_heads * self.k_dim, all_v_heads * self.v_dim  # all ranks'
+        channels = (key_size, key_size, value_size)  # q | k | v
+        self.conv_dim = shard.part(sum(channels))  # this rank's
         hidden = config.hidden_size
         # Every input projection in one GEMM: q|k|v (the conv's channels), z, b, a.
-        self.in_proj = PackedLinear(hidden, {
-            "in_proj_qkv": self.conv_dim, "in_proj_z": value_size,
-            "in_proj_b": self.num_v_heads, "in_proj_a": self.num_v_heads})
+        self.in_proj = ColumnParallelPacked(hidden, {
+            "in_proj_qkv": sum(channels), "in_proj_z": value_size,
+            "in_proj_b": all_v_heads, "in_proj_a": all_v_heads}, shard)
         # Depthwise conv weight [conv_dim, 1, kernel]; named as in the checkpoints.
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_kernel, groups=self.conv_dim,
                                 bias=False)
@@ -101,7 +122,12 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.ones(self.v_dim))  # plain w: the gated norm
-        self.out_proj = Linear(value_size, hidden, bias=False)
+        self.out_proj = RowParallelLinear(value_size, hidden, shard)
+        # By head (see the module docstring); Qwen3-Next's fused tensors are grouped per key head,
+        # so a plain cut of them gives whole groups.
+        self.tp_dims = {"conv1d.weight": 0, "dt_bias": 0, "A_log": 0, "in_proj_qkv.weight": 0,
+                        "in_proj_qkvz.weight": 0, "in_proj_ba.weight": 0}
+        self.tp_sections = {"conv1d.weight": channels, "in_proj_qkv.weight": channels}
 
     def forward(self, hidden: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor,
                 slot_indices: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -135,26 +161,27 @@ def _has_initial_state(meta: AttentionMetadata) -> torch.Tensor:
 
 
 class HybridDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, index: int) -> None:
+    def __init__(self, config: ModelConfig, index: int, shard: Shard) -> None:
         super().__init__()
         self.is_linear = config.layer_types[index] == "linear_attention"
         if self.is_linear:
-            self.linear_attn = GatedDeltaNet(config)
+            self.linear_attn = GatedDeltaNet(config, shard)
         else:
-            self.self_attn = GatedAttention(config)
+            self.self_attn = GatedAttention(config, shard)
         if is_sparse_layer(config, index):
-            self.mlp: nn.Module = SparseMoeBlock(config)
+            self.mlp: nn.Module = SparseMoeBlock(config, shard)
         else:
-            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+            self.mlp = LlamaMLP(config, shard)
         self.input_layernorm = UnitOffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = UnitOffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class HybridModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(HybridDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, shard)
+        self.layers = nn.ModuleList(HybridDecoderLayer(config, i, shard)
+                                    for i in range(config.num_hidden_layers))
         self.norm = UnitOffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
 
@@ -187,20 +214,25 @@ class HybridModel(nn.Module):
 
 class Qwen3NextForCausalLM(nn.Module):
     family = "qwen3_next"
+    # Built as one rank's shard when given a `Shard` (engine.models.parallel_layers).
+    supports_tensor_parallel = True
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard | None = None) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise NotImplementedError(f"{self.family} hidden_act {config.hidden_act!r} is not supported")
         self.config = config
         # The paged KV cache covers the full-attention layers only.
         self.num_layers = config.num_attention_layers
-        self.num_kv_heads = config.num_key_value_heads
+        shard = shard or Shard()
+        self.shard = shard
+        self.num_kv_heads = shard.part(config.num_key_value_heads)  # this rank's
         self.head_dim = config.head_dim
-        self.model = HybridModel(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = HybridModel(config, shard)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, shard)
         linear = [layer.linear_attn for layer in self.model.layers if layer.is_linear]
-        # Per-sequence state the engine keeps in slots (zero layers still takes HybridCaches).
+        # Per-sequence state the engine keeps in slots, this rank's heads (zero layers still takes
+        # HybridCaches).
         self.linear_state_shape = LinearStateShape(
             num_layers=len(linear), conv_dim=linear[0].conv_dim if linear else 1,
             conv_kernel=linear[0].conv_kernel if linear else 2,
@@ -221,6 +253,10 @@ class Qwen3NextForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.fp32_output(hidden)
 
+    def checkpoint_name(self, name: str) -> str:
+        """A checkpoint tensor's name as this module names it (before any split or fuse)."""
+        return name
+
     def checkpoint_targets(self, name: str, tensor: torch.Tensor) -> list[CheckpointTarget]:
         if name.startswith("mtp."):
             return []  # multi-token-prediction head: not used for decoding here
@@ -234,11 +270,12 @@ class Qwen3NextForCausalLM(nn.Module):
         return [(name, (), tensor)]
 
     def _split_qkvz(self, prefix: str, tensor: torch.Tensor) -> list[CheckpointTarget]:
-        """Rows grouped per key head as [q | k | v of its value heads | z of its value heads]."""
+        """Rows grouped per key head as [q | k | v of its value heads | z of its value heads]
+        (this rank's groups: as many as the tensor holds)."""
         extra = self.config.extra
         nk, k_dim = extra["linear_num_key_heads"], extra["linear_key_head_dim"]
         per_group_v = extra["linear_num_value_heads"] // nk * extra["linear_value_head_dim"]
-        grouped = tensor.reshape(nk, 2 * k_dim + 2 * per_group_v, -1)
+        grouped = tensor.reshape(-1, 2 * k_dim + 2 * per_group_v, tensor.shape[-1])
         q, k, v, z = grouped.split((k_dim, k_dim, per_group_v, per_group_v), dim=1)
         hidden = tensor.shape[-1]
         qkv = torch.cat([part.reshape(-1, hidden) for part in (q, k, v)])
@@ -246,11 +283,11 @@ class Qwen3NextForCausalLM(nn.Module):
                 (prefix + "in_proj_z.weight", (), z.reshape(-1, hidden))]
 
     def _split_ba(self, prefix: str, tensor: torch.Tensor) -> list[CheckpointTarget]:
-        """Rows grouped per key head as [b of its value heads | a of its value heads]."""
+        """Rows grouped per key head as [b of its value heads | a of its value heads] (this rank's
+        groups)."""
         extra = self.config.extra
-        nk = extra["linear_num_key_heads"]
-        per_group = extra["linear_num_value_heads"] // nk
-        b, a = tensor.reshape(nk, 2 * per_group, -1).split((per_group, per_group), dim=1)
+        per_group = extra["linear_num_value_heads"] // extra["linear_num_key_heads"]
+        b, a = tensor.reshape(-1, 2 * per_group, tensor.shape[-1]).split((per_group, per_group), dim=1)
         hidden = tensor.shape[-1]
         return [(prefix + "in_proj_b.weight", (), b.reshape(-1, hidden)),
                 (prefix + "in_proj_a.weight", (), a.reshape(-1, hidden))]
@@ -262,9 +299,12 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
 
     family = "qwen3_5"
 
+    def checkpoint_name(self, name: str) -> str:
+        if name.startswith("model.language_model."):
+            return "model." + name.removeprefix("model.language_model.")
+        return name
+
     def checkpoint_targets(self, name: str, tensor: torch.Tensor) -> list[CheckpointTarget]:
         if name.startswith("model.visual."):
             return []
-        if name.startswith("model.language_model."):
-            name = "model." + name.removeprefix("model.language_model.")
-        return super().checkpoint_targets(name, tensor)
+        return super().checkpoint_targets(self.checkpoint_name(name), tensor)

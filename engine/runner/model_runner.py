@@ -111,6 +111,7 @@ class ModelRunner:
         self.is_hybrid = self.hybrid_caches is not None
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.kv_bytes = sum(k.nbytes + v.nbytes for k, v in self.kv_caches)
+        self.state_bytes = 0 if self.hybrid_caches is None else self.hybrid_caches.states.nbytes
         if self.hybrid_caches is not None:
             log.info("%s: %d linear-attention state slots, %.1f MiB beside the KV cache", model_id,
                      engine.max_num_seqs, engine.max_num_seqs
@@ -145,6 +146,7 @@ class ModelRunner:
                 start=start,
                 block_table=request.block_ids,
                 sample_id=request.request_id if scheduled.sample else None,
+                state_slot=-1 if request.state_slot is None else request.state_slot,
             ))
         return chunks
 
@@ -165,9 +167,18 @@ class ModelRunner:
     def follow(self, chunks: list[SequenceChunk]) -> None:
         """A follower rank's step: the same forward and LM-head gather as rank 0, nothing sampled."""
         inputs = build_step_inputs(chunks, self.block_size, self.device)
-        hidden = self.forward(inputs, self.kv_caches)
+        hidden = self.forward(inputs, self.caches(chunks))
         if inputs.sample_indices:
             self._logits(inputs, hidden)
+
+    def caches(self, chunks: list[SequenceChunk]) -> KVCaches | HybridCaches:
+        """What the model's forward takes for these chunks: a hybrid model's caches with each
+        sequence's state slot, in batch order."""
+        if self.hybrid_caches is None:
+            return self.kv_caches
+        slots = [chunk.state_slot for chunk in chunks]
+        self.hybrid_caches.slot_indices = torch.tensor(slots, dtype=torch.int32, device=self.device)
+        return self.hybrid_caches
 
     def _logits(self, inputs: StepInputs, hidden: torch.Tensor) -> torch.Tensor:
         rows = inputs.sample_indices
@@ -201,14 +212,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, step: SchedulerOutput, chunks: list[SequenceChunk] | None = None) -> StepResult:
-        inputs = build_step_inputs(chunks if chunks is not None else self.chunks(step), self.block_size,
-                                   self.device)
-        caches: KVCaches | HybridCaches = self.kv_caches
-        if self.hybrid_caches is not None:  # hybrid: each sequence's state slot, in batch order
-            slots = [s.request.state_slot for s in step.scheduled]
-            self.hybrid_caches.slot_indices = torch.tensor(slots, dtype=torch.int32, device=self.device)
-            caches = self.hybrid_caches
-        hidden = self.forward(inputs, caches)
+        chunks = chunks if chunks is not None else self.chunks(step)
+        inputs = build_step_inputs(chunks, self.block_size, self.device)
+        hidden = self.forward(inputs, self.caches(chunks))
         result = StepResult()
         if not inputs.sample_indices:
             return result

@@ -4,7 +4,8 @@ Every linear-attention layer has a conv state [num_slots, conv_dim, kernel - 1] 
 last inputs of the causal conv) and a recurrent state [num_slots, v_heads, k_dim, v_dim] in fp32
 (the delta-rule memory, which drifts if kept in bf16). Slot ids come from `StateSlotPool`; a slot is
 never cleared on reuse, because a sequence with no computed tokens starts from zeros
-(`has_initial_state` False) and overwrites its slot.
+(`has_initial_state` False) and overwrites its slot. In a tensor-parallel group each rank's shape
+is its own heads' (`conv_dim` and `num_v_heads` 1/N of the model's).
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ class LinearStateCache:
         self.recurrent = [torch.zeros(num_slots, shape.num_v_heads, shape.k_dim, shape.v_dim,
                                       dtype=torch.float32, device=device)
                           for _ in range(shape.num_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (*self.conv, *self.recurrent))
 
 
 @dataclass(slots=True)

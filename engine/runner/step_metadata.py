@@ -95,6 +95,8 @@ class SequenceChunk:
     block_table: list[int]
     # The request whose next token is sampled from this chunk's last row; None: no sample.
     sample_id: str | None = None
+    # A hybrid model's state slot for this sequence (engine.runner.state_cache); -1: none.
+    state_slot: int = -1
 
 
 @dataclass(slots=True)

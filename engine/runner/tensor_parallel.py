@@ -75,6 +75,7 @@ class RankReport:
     weight_bytes: int
     kv_bytes: int
     num_blocks: int
+    state_bytes: int = 0  # a hybrid model's linear-attention state slots
 
 
 @dataclass(slots=True)
@@ -264,7 +265,8 @@ def follower_main(conn: Connection) -> None:
         num_blocks = conn.recv()
         runner = ModelRunner(checkpoint.model, checkpoint.config,
                              dataclasses.replace(config, num_kv_blocks=num_blocks), checkpoint.model_id)
-        conn.send(RankReport(shard.rank, runner.weight_bytes, runner.kv_bytes, runner.num_blocks))
+        conn.send(RankReport(shard.rank, runner.weight_bytes, runner.kv_bytes, runner.num_blocks,
+                             runner.state_bytes))
     except Exception as exc:
         conn.send(f"tensor-parallel rank {shard.rank} failed to start: {type(exc).__name__}: {exc}")
         return
