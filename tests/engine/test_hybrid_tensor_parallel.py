@@ -20,7 +20,7 @@ from engine.loading.loader import WholeTensor, load_checkpoint, shard_reader
 from engine.loading.model_config import ModelConfig
 from engine.models.parallel_layers import Shard, refuse_indivisible, split_of
 from tests.engine.hybrid_models import save_hybrid_dir
-from tests.engine.test_tensor_parallel import TOLERANCE, engine_config, greedy_run
+from tests.engine.test_tensor_parallel import assert_matches_one_rank, engine_config, greedy_run, sharded_core
 
 WORLD = 2
 # Replicated on every rank: every norm (the gated norm is one head's width), and the MoE router and
@@ -43,22 +43,11 @@ def one_rank(model_dir: Path) -> tuple[dict[str, list[int]], dict[str, list[torc
 
 @pytest.fixture(scope="module")
 def sharded(model_dir: Path) -> Iterator[EngineCore]:
-    lost: list[str] = []
-    core = build_core(engine_config(model_dir, WORLD), on_rank_lost=lost.append)
-    yield core
-    core.close()
-    assert not lost, lost
+    yield from sharded_core(model_dir, WORLD)
 
 
 def test_sharded_hybrid_logits_and_tokens_match_one_rank(sharded: EngineCore, one_rank: tuple) -> None:
-    tokens, logits, _ = one_rank
-    sharded_tokens, sharded_logits = greedy_run(sharded)
-    assert sharded_tokens == tokens
-    for request_id, rows in logits.items():
-        assert len(sharded_logits[request_id]) == len(rows) == 32
-        for step, (ours, reference) in enumerate(zip(sharded_logits[request_id], rows, strict=True)):
-            error = (ours - reference).abs().max().item()
-            assert error <= TOLERANCE * reference.abs().max().item(), (request_id, step, error)
+    assert_matches_one_rank(sharded, one_rank)
 
 
 def test_each_rank_holds_its_share_of_weights_kv_and_state(sharded: EngineCore, one_rank: tuple) -> None:

@@ -97,16 +97,17 @@ def one_rank(model_dir: Path) -> tuple[dict[str, list[int]], dict[str, list[torc
     return tokens, logits, core
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["tp2", "tp3"])
-def sharded(request: pytest.FixtureRequest, model_dir: Path) -> Iterator[EngineCore]:
+def sharded_core(model_dir: Path, world: int) -> Iterator[EngineCore]:
+    """An engine core of `world` ranks for a module fixture; no rank may be lost meanwhile."""
     lost: list[str] = []
-    core = build_core(engine_config(model_dir, request.param), on_rank_lost=lost.append)
+    core = build_core(engine_config(model_dir, world), on_rank_lost=lost.append)
     yield core
     core.close()
     assert not lost, lost
 
 
-def test_sharded_logits_and_tokens_match_one_rank(sharded: EngineCore, one_rank: tuple) -> None:
+def assert_matches_one_rank(sharded: EngineCore, one_rank: tuple) -> None:
+    """The greedy tokens are one rank's, and the logits agree within TOLERANCE at every step."""
     tokens, logits, _ = one_rank
     sharded_tokens, sharded_logits = greedy_run(sharded)
     assert sharded_tokens == tokens
@@ -115,6 +116,15 @@ def test_sharded_logits_and_tokens_match_one_rank(sharded: EngineCore, one_rank:
         for step, (ours, reference) in enumerate(zip(sharded_logits[request_id], rows, strict=True)):
             error = (ours - reference).abs().max().item()
             assert error <= TOLERANCE * reference.abs().max().item(), (request_id, step, error)
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["tp2", "tp3"])
+def sharded(request: pytest.FixtureRequest, model_dir: Path) -> Iterator[EngineCore]:
+    yield from sharded_core(model_dir, request.param)
+
+
+def test_sharded_logits_and_tokens_match_one_rank(sharded: EngineCore, one_rank: tuple) -> None:
+    assert_matches_one_rank(sharded, one_rank)
 
 
 def test_each_rank_holds_its_share_of_weights_and_kv(sharded: EngineCore, one_rank: tuple, model_dir: Path) -> None:
