@@ -177,9 +177,13 @@ def test_the_choices_of_one_grammar_compile_once(system: System) -> None:
     choices = [f"yes {tag}", f"no {tag}"]
     gateway_before = metric(system, "helexa:gateway_grammar_compiles_total")
     compiles, shared = worker_compiles(system, 0.0)
-    response = post(system, "/v1/chat/completions", chat(system, n=16, temperature=1.0, guided_choice=choices))
+    # Room for any tokenization of a choice: sampled at temperature 1 a choice may take a token per
+    # character, and the default 8 cut one answer short ('length') in CI.
+    body = chat(system, n=16, temperature=1.0, max_tokens=32, guided_choice=choices)
+    response = post(system, "/v1/chat/completions", body)
     assert response.status_code == 200, response.text
     answers = [c["message"]["content"] for c in response.json()["choices"]]
+    assert [c["finish_reason"] for c in response.json()["choices"]] == ["stop"] * 16, response.text
     assert len(answers) == 16 and set(answers) <= set(choices)
     assert metric(system, "helexa:gateway_grammar_compiles_total") == gateway_before + 1
     eventually(lambda: worker_compiles(system, 0.0)[1] >= shared + 15, 30,
