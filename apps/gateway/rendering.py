@@ -52,18 +52,21 @@ async def whole_response(frames: AsyncIterator[wire.Delta | wire.Final], formatt
 async def sse_chunks(accepted: wire.Accepted, frames: AsyncIterator[wire.Delta | wire.Final], formatter: Formatter,
                      close: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes]:
     """The answer as SSE chunks; an error after the first frame is an error event. `close` runs
-    before the stream's end chunks, however the frames ended."""
+    before the stream's end chunks, however the frames ended.
+
+    What one frame renders to goes out as one body part (one socket write), however many events
+    it holds: each part costs a write on the gateway and a read on the client."""
     try:
-        for chunk in formatter.stream_start(accepted):
-            yield chunk
+        if start := b"".join(formatter.stream_start(accepted)):
+            yield start
         async for frame in frames:
-            chunks = (formatter.stream_delta(frame) if isinstance(frame, wire.Delta)
-                      else formatter.stream_final(frame))
-            for chunk in chunks:
-                yield chunk
+            part = b"".join(formatter.stream_delta(frame) if isinstance(frame, wire.Delta)
+                            else formatter.stream_final(frame))
+            if part:
+                yield part
     except ServingError as exc:
         yield formatter.stream_error(exc)
     finally:
         await close()
-    for chunk in formatter.stream_end():
-        yield chunk
+    if end := b"".join(formatter.stream_end()):
+        yield end

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib.metadata
 import logging
 from collections.abc import Awaitable, Callable
@@ -25,7 +26,9 @@ from apps.worker.model_loop import ModelLoop
 log = logging.getLogger("helexa.worker")
 
 
+@functools.cache
 def helexa_version() -> str:
+    """The installed package's version (read once: reading it parses the package's metadata file)."""
     try:
         return importlib.metadata.version("helexa")
     except importlib.metadata.PackageNotFoundError:
