@@ -294,9 +294,18 @@ def test_a_gateway_that_cannot_bind_exits_at_once_naming_the_address(nats_server
         squatter.listen()
         port = squatter.getsockname()[1]
         for _ in range(3):  # the hang came one start in a few
-            gateway = AppProcess(["gateway", "--port", str(port)], {"NATS_URL": nats_server.url_for("gateway")})
+            # faulthandler: a hung gateway given SIGABRT writes every thread's stack before it dies.
+            gateway = AppProcess(["gateway", "--port", str(port)],
+                                 {"NATS_URL": nats_server.url_for("gateway"), "PYTHONFAULTHANDLER": "1"})
             try:
-                assert gateway.process.wait(60) != 0  # the hang was forever; a loaded host imports slowly
+                try:
+                    code = gateway.process.wait(60)  # the hang was forever; a loaded host imports slowly
+                except subprocess.TimeoutExpired:
+                    gateway.process.send_signal(signal.SIGABRT)
+                    gateway.process.wait(30)
+                    gateway.stop()
+                    raise AssertionError(f"the gateway hung; its output and stacks:\n{gateway.output(400)}") from None
+                assert code != 0
             finally:
                 gateway.kill()
             gateway.stop()
