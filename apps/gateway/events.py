@@ -93,8 +93,14 @@ class EventPublisher:
             log.warning("events left unpublished at shutdown", extra={"backlog": self._queue.qsize()})
         if held_events():
             log.warning("events EVENTS did not take are lost at shutdown", extra={"held": held_events()})
+        # Cancelled again until each ends: the room watch's JetStream request can swallow a
+        # cancellation (Python 3.11's `wait_for`, or nats-py turning it into its own error, which the
+        # watch survives), and it would go on polling while the gateway's shutdown waited for it
+        # forever (a gateway that could not bind its port hung this way now and then).
         for task in self._tasks:
-            task.cancel()
+            while not task.done():
+                task.cancel()
+                await asyncio.wait({task}, timeout=0.2)
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def emit(self, event: AnyEvent, subject_kind: str | None = None) -> None:
