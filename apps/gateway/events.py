@@ -26,6 +26,7 @@ from apps.bus.events import AnyEvent, event_kind
 from apps.bus.publish import held_events, publish_event
 from apps.gateway.bus_client import GatewayBus
 from apps.gateway.metrics import GatewayMetrics
+from apps.gateway.task_stop import cancel_until_done
 
 log = logging.getLogger("helexa.gateway")
 
@@ -93,14 +94,9 @@ class EventPublisher:
             log.warning("events left unpublished at shutdown", extra={"backlog": self._queue.qsize()})
         if held_events():
             log.warning("events EVENTS did not take are lost at shutdown", extra={"held": held_events()})
-        # Cancelled again until each ends: the room watch's JetStream request can swallow a
-        # cancellation (Python 3.11's `wait_for`, or nats-py turning it into its own error, which the
-        # watch survives), and it would go on polling while the gateway's shutdown waited for it
-        # forever (a gateway that could not bind its port hung this way now and then).
+        # The room watch once survived a single cancellation: a gateway that could not bind its port hung.
         for task in self._tasks:
-            while not task.done():
-                task.cancel()
-                await asyncio.wait({task}, timeout=0.2)
+            await cancel_until_done(task)
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def emit(self, event: AnyEvent, subject_kind: str | None = None) -> None:

@@ -20,6 +20,7 @@ from apps.bus import topology, wire
 from apps.bus.codes import ModelState, NodeState
 from apps.bus.topology import BusLimits
 from apps.gateway.bus_client import GatewayBus
+from apps.gateway.task_stop import cancel_until_done
 
 log = logging.getLogger("helexa.gateway")
 
@@ -54,12 +55,8 @@ class NodeRegistry:
         self._watch = asyncio.create_task(self._watch_forever())
 
     async def stop(self) -> None:
-        # Cancelled again until it ends: Python 3.11's `wait_for` can swallow a cancellation that
-        # lands as the wait it wraps completes, and the watch would go on (a gateway that could
-        # not bind its port hung in its shutdown that way).
-        while self._watch is not None and not self._watch.done():
-            self._watch.cancel()
-            await asyncio.wait({self._watch}, timeout=0.2)
+        if self._watch is not None:
+            await cancel_until_done(self._watch)
 
     async def live_nodes(self) -> list[wire.NodeStatus]:
         """Nodes whose last refresh is younger than the bucket's TTL (expiry leaves no marker)."""
