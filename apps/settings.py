@@ -233,6 +233,9 @@ class WorkerSettings:
     kv_cache_mb: int = field(default_factory=lambda: _env_int("HELEXA_KV_CACHE_MB", 1024))
     # Engine steps a batch-class request waits at most before it is admitted as interactive work.
     batch_aging_steps: int = field(default_factory=lambda: _env_int("HELEXA_BATCH_AGING_STEPS", 512))
+    # While interactive work runs or waits, running batch requests are computed in one engine step
+    # of this many (1: every step, where a step costs little more with more rows, as on a GPU).
+    batch_step_interval: int = field(default_factory=lambda: _env_int("HELEXA_BATCH_STEP_INTERVAL", 8))
     # Free slots a worker never pulls batch-class requests into, kept for interactive work; -1: a
     # quarter of max_num_seqs, at least 1 (apps.worker.intake.interactive_reserve).
     interactive_reserve: int = field(default_factory=lambda: _env_int("HELEXA_INTERACTIVE_RESERVE", -1))
@@ -314,6 +317,7 @@ class WorkerSettings:
             batch_window_ms=self.batch_window_ms,
             tensor_parallel=self.tensor_parallel,
             batch_aging_steps=self.batch_aging_steps,
+            batch_step_interval=self.batch_step_interval,
         )
 
 

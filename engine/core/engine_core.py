@@ -78,6 +78,7 @@ class EngineCore:
                 max_model_len=self.runner.max_model_len,
                 vocab_size=model_config.vocab_size,
                 batch_aging_steps=config.batch_aging_steps,
+                batch_step_interval=config.batch_step_interval,
             ),
             self.kv_cache,
             self.state_slots,

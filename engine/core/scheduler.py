@@ -14,10 +14,16 @@ Priority classes: a waiting interactive request that finds no seat, state slot o
 running batch sequences, newest first, until it fits (`interactive_waiting`); it never preempts
 interactive work, and batch work never preempts anything for itself. While an interactive request
 waits, running batch requests still mid-prefill get no chunk, so the step's token budget is its.
-No batch sequence is kept running for a share: batch progress is bounded by aging instead. Every
-step a batch request spends waiting counts (across preemptions); after `batch_aging_steps` of them
-it is admitted as interactive and is no longer preempted for interactive work, so a batch
-request waits at most that many steps plus the time interactive work ahead of it takes.
+
+Batch turns: while interactive work runs or waits, the running batch requests that were not
+preempted keep their seats and KV blocks but are computed in only one step of every
+`batch_step_interval` (their turn); the other steps carry interactive work alone, so they cost what
+they would without the batch (on a CPU a step's time grows with its rows). With no interactive
+work every step is a batch turn. Waiting batch requests are bounded by aging: every step one spends
+waiting counts (across preemptions); after `batch_aging_steps` of them it is admitted as interactive
+and is no longer preempted or held to turns, so a batch request waits at most that many steps plus
+the time interactive work ahead of it takes, and once running it is computed at least once every
+`batch_step_interval` steps.
 
 For hybrid models a running request also holds one linear-attention state slot (`StateSlotPool`):
 taken on admission, so free slots cap the running set, and given back on finish, abort and
@@ -56,6 +62,8 @@ class SchedulerConfig:
     vocab_size: int = 0
     # Steps a batch request may wait (in all) before it is admitted as interactive work.
     batch_aging_steps: int = 512
+    # While interactive work runs or waits, running batch requests are computed in one step of this many.
+    batch_step_interval: int = 8
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -68,6 +76,8 @@ class SchedulerConfig:
             raise ValueError("vocab_size must be >= 0")
         if self.batch_aging_steps < 1:
             raise ValueError("batch_aging_steps must be at least 1")
+        if self.batch_step_interval < 1:
+            raise ValueError("batch_step_interval must be at least 1")
 
 
 @dataclass(slots=True)
@@ -117,6 +127,8 @@ class Scheduler:
         self._next_front = 0
         # Batch requests that waited batch_aging_steps: admitted, and kept, as interactive work.
         self._aged: set[str] = set()
+        # Steps with interactive work since running batch requests last had a turn.
+        self._steps_since_batch_turn = 0
         # Ended at add time (refused, or resumed complete); handed back in the next
         # update_from_output's finished list.
         self._ended_at_add: list[Request] = []
@@ -234,13 +246,17 @@ class Scheduler:
         preemptions: list[Preemption] = []
         self.waiting = deque(sorted(self.waiting, key=self._waiting_key))
         interactive_waiting = any(self._interactive(r) for r in self.waiting)
+        batch_turn = self._batch_turn(interactive_waiting)
 
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-            if interactive_waiting and num_new_tokens > 1 and not self._interactive(request):
-                index += 1  # a batch prefill chunk: the budget goes to the interactive request
+            if not self._interactive(request) and (
+                    not batch_turn or (interactive_waiting and num_new_tokens > 1)):
+                # Not the batch's turn; or a batch prefill chunk while the budget goes to the
+                # interactive request waiting.
+                index += 1
                 continue
             if not self._allocate_or_preempt(request, num_new_tokens, preemptions):
                 break  # it was the newest running request, so none is left after it
@@ -297,6 +313,17 @@ class Scheduler:
             self.running.pop()
             scheduled[:] = [item for item in scheduled if item.request is not victim]
             self._preempt(victim, INTERACTIVE_WAITING, preemptions)
+
+    def _batch_turn(self, interactive_waiting: bool) -> bool:
+        """Whether the running batch requests are computed this step (see the module's doc)."""
+        if not interactive_waiting and not any(self._interactive(r) for r in self.running):
+            self._steps_since_batch_turn = 0
+            return True
+        self._steps_since_batch_turn += 1
+        if self._steps_since_batch_turn < self.config.batch_step_interval:
+            return False
+        self._steps_since_batch_turn = 0
+        return True
 
     def _interactive(self, request: Request) -> bool:
         """Admitted and run as interactive work: interactive, or batch that has aged."""

@@ -40,6 +40,9 @@ class EngineConfig:
     # Steps a batch-class request may wait in all before the scheduler admits it as interactive
     # work (engine.core.scheduler's aging bound).
     batch_aging_steps: int = 512
+    # While interactive work runs or waits, running batch requests are computed in one step of this
+    # many (engine.core.scheduler's batch turns); 1: in every step.
+    batch_step_interval: int = 8
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -56,6 +59,8 @@ class EngineConfig:
             raise ValueError("max_model_len must be >= 0")
         if self.batch_aging_steps < 1:
             raise ValueError("batch_aging_steps must be >= 1")
+        if self.batch_step_interval < 1:
+            raise ValueError("batch_step_interval must be >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
         if self.kernels not in KERNEL_CHOICES:

@@ -133,6 +133,30 @@ def test_a_batch_request_ages_into_interactive_admission():
 def test_batch_aging_steps_is_validated():
     with pytest.raises(ValueError, match="batch_aging_steps"):
         SchedulerConfig(batch_aging_steps=0)
+    with pytest.raises(ValueError, match="batch_step_interval"):
+        SchedulerConfig(batch_step_interval=0)
+
+
+def test_running_batch_sequences_get_one_step_in_an_interval_while_interactive_work_runs():
+    config = SchedulerConfig(max_num_seqs=4, batch_step_interval=3)
+    scheduler = Scheduler(config, KVCacheManager(num_blocks=64, block_size=BLOCK_SIZE))
+    scheduler.add_request(batch_request("b0", 4, max_tokens=40))
+    scheduler.add_request(batch_request("b1", 4, max_tokens=40))
+    step(scheduler)
+    scheduler.add_request(make_request("i", 4, max_tokens=8))
+    turns = []
+    while "i" in scheduler.requests:
+        output, _, _ = step(scheduler)
+        scheduled = [item.request.request_id for item in output.scheduled]
+        assert "i" in scheduled  # interactive work is in every step
+        turns.append([r for r in scheduled if r != "i"])
+    # The step that admits "i" carries it alone; then the batch's turn comes every third step.
+    assert turns == [[], [], ["b0", "b1"], [], [], ["b0", "b1"], [], []]
+    assert scheduler.num_preemptions == 0
+    # Without interactive work every step is the batch's.
+    for _ in range(3):
+        output, _, _ = step(scheduler)
+        assert [item.request.request_id for item in output.scheduled] == ["b0", "b1"]
 
 
 # --- the engine core on a tiny random-weight Llama ------------------------------------------
