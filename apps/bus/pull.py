@@ -13,6 +13,10 @@ for the next pull. Messages that arrive after a request was given up on (a reply
 than our wait) are kept and handed out with the next batch; they are delivered and waiting for an
 ack like any other. No call returns more than the batch it asked for.
 
+An idle consumer costs one pull request (and the server's 408 answer) per wait: once a pull has
+found nothing, the next `fetch` goes straight to the pull that waits, rather than first asking
+again, with no_wait, for what was not there.
+
 The recorder and the worker's intake (`apps.worker.intake`) both pull this way.
 """
 
@@ -42,6 +46,8 @@ class BatchPuller:
         self._arrived: list[Msg] = []
         self._wanted = 0
         self._settled = asyncio.Event()
+        # The last pull found nothing and nothing has arrived since.
+        self._found_nothing = False
 
     async def start(self) -> BatchPuller:
         self._sub = await self.nc.subscribe(self._inbox, cb=self._on_msg)
@@ -56,6 +62,7 @@ class BatchPuller:
         status = msg.headers.get(_STATUS) if msg.headers else None
         if status is None:
             self._arrived.append(msg)
+            self._found_nothing = False
             if len(self._arrived) >= self._wanted:
                 self._settled.set()
         elif status != _HEARTBEAT:
@@ -76,6 +83,7 @@ class BatchPuller:
             await asyncio.wait_for(self._settled.wait(), wait_s + (0.0 if no_wait else 0.25))
         except TimeoutError:
             pass
+        self._found_nothing = not self._arrived
 
     async def fetch(self, batch: int, timeout: float, max_bytes: int | None = None) -> list[Msg]:
         """Up to about `batch` messages (and about `max_bytes`): what is there now, else the first to
@@ -83,9 +91,10 @@ class BatchPuller:
 
         Returns [] when nothing came; never raises on a timeout.
         """
-        msgs = await self.take_ready(batch, timeout, max_bytes)
-        if msgs:
-            return msgs
+        if self._arrived or not self._found_nothing:
+            msgs = await self.take_ready(batch, timeout, max_bytes)
+            if msgs:
+                return msgs
         # Nothing there: wait for the first to arrive, then take what came with it.
         await self._pull(1, timeout, no_wait=False, max_bytes=max_bytes)
         if self._arrived and batch > 1:

@@ -7,7 +7,9 @@ event is dropped and counted. The backlog is the `helexa:gateway_event_backlog` 
 EVENTS refused (full, or the bus away) are held and published again (`helexa:gateway_events_held`).
 
 EVENTS refuses new events when full rather than dropping old ones, so the gateway stops taking new
-work before it gets there: the publisher reads how full EVENTS is every `ROOM_CHECK_S`, and past
+work before it gets there: the publisher reads how full EVENTS is every `ROOM_CHECK_S` (every
+`ROOM_CHECK_IDLE_S` while it is under `EVENTS_NEAR_FULL_AT`, a reading that costs the server a
+JetStream API call), and past
 `EVENTS_FULL_AT` of a limit (or as soon as EVENTS refuses one of its events) `check_room` answers
 new requests 503 `events_full` with `Retry-After`, until the recorder has caught up and trimmed
 what it recorded (`helexa:gateway_events_full` is 1 meanwhile).
@@ -36,6 +38,10 @@ _PUBLISHERS = 4
 # of the requests already running.
 EVENTS_FULL_AT = 0.95
 ROOM_CHECK_S = 1.0
+# Under this share EVENTS is read less often: filling the rest takes far longer than the interval,
+# and a refused event marks it full at once anyway.
+EVENTS_NEAR_FULL_AT = 0.5
+ROOM_CHECK_IDLE_S = 5.0
 
 
 class EventPublisher:
@@ -73,18 +79,30 @@ class EventPublisher:
 
     async def _watch_room(self) -> None:
         while True:
+            interval = ROOM_CHECK_S
             try:
                 room = await topology.events_room(self._bus.js)
             except (nats.errors.Error, TimeoutError) as exc:
                 log.debug("could not read how full EVENTS is", extra={"error": repr(exc)})
             else:
+                if room.share() < EVENTS_NEAR_FULL_AT and not self.events_full:
+                    interval = ROOM_CHECK_IDLE_S
                 full = room.share() >= EVENTS_FULL_AT
                 if full != self.events_full:
                     log.warning("EVENTS full: new requests refused" if full else "EVENTS has room again",
                                 extra={"bytes": room.bytes, "max_bytes": room.max_bytes, "messages": room.messages,
                                        "max_msgs": room.max_msgs})
                 self.events_full = full
+            await self._pause(interval)
+
+    async def _pause(self, interval: float) -> None:
+        """Sleep `interval`, cut short at the next ROOM_CHECK_S once an event has been refused."""
+        slept = 0.0
+        while slept < interval:
             await asyncio.sleep(ROOM_CHECK_S)
+            slept += ROOM_CHECK_S
+            if self.events_full:
+                return
 
     async def stop(self, drain_s: float = 2.0) -> None:
         """Give the backlog a moment to go out, then stop."""

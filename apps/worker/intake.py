@@ -148,14 +148,20 @@ class Intake:
             while not self._stop.is_set():
                 # Cleared before the slots are counted, so a slot freed from here on wakes the wait below.
                 self._slot_freed.clear()
+                # Classes whose wait just ended on the server's "nothing came": asking again at once
+                # whether anything is there would only cost a pull; the next wait asks.
+                found_nothing = set()
                 for cls, task in list(waits.items()):
                     if task.done():
                         del waits[cls]
-                        self._start_all(cls, self._waited(task))
+                        msgs = self._waited(task)
+                        self._start_all(cls, msgs)
+                        if not msgs and task.exception() is None:
+                            found_nothing.add(cls)
                 took, failed = 0, False
                 for cls in ServiceClass:  # interactive first
                     room = 0 if cls in waits else self._room(cls, waits)
-                    if room <= 0:
+                    if room <= 0 or cls in found_nothing:
                         continue
                     try:
                         msgs = await pullers[cls].take_ready(room)
