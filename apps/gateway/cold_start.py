@@ -15,6 +15,9 @@ from apps.gateway.bus_client import GatewayBus
 from apps.gateway.metrics import GatewayMetrics
 from apps.gateway.node_registry import NodeRegistry, serving
 
+# Model names a 404 for an unknown model suggests at most.
+_HINTED_MODELS = 8
+
 
 class ColdStarts:
     def __init__(self, bus: GatewayBus, registry: NodeRegistry, metrics: GatewayMetrics,
@@ -45,10 +48,19 @@ class ColdStarts:
         raise ServingError(
             404,
             ErrorCode.MODEL_NOT_FOUND,
-            f"The model '{model}' does not exist.",
+            f"The model '{model}' does not exist.{self._served_hint(live)}",
             param="model",
             context={"model": model},
         )
+
+    def _served_hint(self, live: list[wire.NodeStatus]) -> str:
+        """The models a client could have meant: what is served or catalogued (at most a few)."""
+        names = sorted({m.model for n in live for m in n.models} | set(self.catalogue))
+        if not names:
+            return ""
+        shown = ", ".join(f"'{name}'" for name in names[:_HINTED_MODELS])
+        more = f" and {len(names) - _HINTED_MODELS} more" if len(names) > _HINTED_MODELS else ""
+        return f" Served here: {shown}{more} (GET /v1/models lists them)."
 
     def load_once(self, model: str) -> asyncio.Task[dict]:
         """One load of `model` through the control endpoint, shared by every request waiting on it."""

@@ -55,10 +55,12 @@ def test_invalid_parameter_is_400_naming_it(system: System, field: str, value: o
     assert error["param"] == field
 
 
-def test_unknown_model_is_404(system: System) -> None:
+def test_unknown_model_is_404_naming_the_models_served(system: System) -> None:
     body = {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}
     error = assert_envelope(post(system, body), 404)
     assert error["code"] == "model_not_found"
+    assert error["param"] == "model"
+    assert f"Served here: '{system.model}'" in error["message"]
 
 
 def test_known_model_without_worker_is_503_with_retry_after(system: System) -> None:
