@@ -17,7 +17,8 @@ waits, running batch requests still mid-prefill get no chunk, so the step's toke
 
 Batch turns: while interactive work runs or waits, the running batch requests that were not
 preempted keep their seats and KV blocks but are computed in only one step of every
-`batch_step_interval` (their turn); the other steps carry interactive work alone, so they cost what
+`batch_step_interval` (their turn), and waiting batch requests are admitted only in those steps;
+the other steps carry interactive work alone, so they cost what
 they would without the batch (on a CPU a step's time grows with its rows). With no interactive
 work every step is a batch turn. Waiting batch requests are bounded by aging: every step one spends
 waiting counts (across preemptions); after `batch_aging_steps` of them it is admitted as interactive
@@ -268,6 +269,8 @@ class Scheduler:
         kv_full = bool(preemptions)
         while not kv_full and self.waiting and budget > 0:
             request = self.waiting[0]
+            if not batch_turn and not self._interactive(request):
+                break  # batch work is admitted in its turns too; only batch work is left waiting
             admitted = self._make_room(request, scheduled, preemptions)
             if admitted is None:
                 break  # nobody overtakes the head of the queue

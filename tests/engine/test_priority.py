@@ -159,6 +159,23 @@ def test_running_batch_sequences_get_one_step_in_an_interval_while_interactive_w
         assert [item.request.request_id for item in output.scheduled] == ["b0", "b1"]
 
 
+def test_waiting_batch_requests_are_admitted_only_in_the_batchs_turns():
+    config = SchedulerConfig(max_num_seqs=4, batch_step_interval=3)
+    scheduler = Scheduler(config, KVCacheManager(num_blocks=64, block_size=BLOCK_SIZE))
+    scheduler.add_request(make_request("i", 4, max_tokens=8))
+    step(scheduler)
+    scheduler.add_request(batch_request("b", 4, max_tokens=8))
+    admitted_at = None
+    for index in range(4):
+        output, _, _ = step(scheduler)
+        if "b" in [item.request.request_id for item in output.scheduled]:
+            admitted_at = index
+            break
+    # A seat was free from the start; the batch request still waited for its turn (the third step
+    # with interactive work, the first of them being the one that admitted "i").
+    assert admitted_at == 1
+
+
 # --- the engine core on a tiny random-weight Llama ------------------------------------------
 
 VOCAB_SIZE = 256
