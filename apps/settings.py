@@ -236,6 +236,8 @@ class WorkerSettings:
     # While interactive work runs or waits, running batch requests are computed in one engine step
     # of this many (1: every step, where a step costs little more with more rows, as on a GPU).
     batch_step_interval: int = field(default_factory=lambda: _env_int("HELEXA_BATCH_STEP_INTERVAL", 8))
+    # Prompt tokens of batch-class requests one engine step computes at most.
+    batch_prefill_tokens: int = field(default_factory=lambda: _env_int("HELEXA_BATCH_PREFILL_TOKENS", 256))
     # Free slots a worker never pulls batch-class requests into, kept for interactive work; -1: a
     # quarter of max_num_seqs, at least 1 (apps.worker.intake.interactive_reserve).
     interactive_reserve: int = field(default_factory=lambda: _env_int("HELEXA_INTERACTIVE_RESERVE", -1))
@@ -318,6 +320,7 @@ class WorkerSettings:
             tensor_parallel=self.tensor_parallel,
             batch_aging_steps=self.batch_aging_steps,
             batch_step_interval=self.batch_step_interval,
+            batch_prefill_tokens=self.batch_prefill_tokens,
         )
 
 

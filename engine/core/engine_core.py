@@ -79,6 +79,7 @@ class EngineCore:
                 vocab_size=model_config.vocab_size,
                 batch_aging_steps=config.batch_aging_steps,
                 batch_step_interval=config.batch_step_interval,
+                batch_prefill_tokens=config.batch_prefill_tokens,
             ),
             self.kv_cache,
             self.state_slots,

@@ -24,7 +24,9 @@ work every step is a batch turn. Waiting batch requests are bounded by aging: ev
 waiting counts (across preemptions); after `batch_aging_steps` of them it is admitted as interactive
 and is no longer preempted or held to turns, so a batch request waits at most that many steps plus
 the time interactive work ahead of it takes, and once running it is computed at least once every
-`batch_step_interval` steps.
+`batch_step_interval` steps. Batch prompts go through at most `batch_prefill_tokens` a step (in
+chunks, as any prefill), in every step, so the step an interactive request arrives during is short
+even when no interactive work was running to hold batch work to its turns.
 
 For hybrid models a running request also holds one linear-attention state slot (`StateSlotPool`):
 taken on admission, so free slots cap the running set, and given back on finish, abort and
@@ -65,6 +67,9 @@ class SchedulerConfig:
     batch_aging_steps: int = 512
     # While interactive work runs or waits, running batch requests are computed in one step of this many.
     batch_step_interval: int = 8
+    # Prompt tokens of batch requests one step computes at most (their chunks), so a step holding
+    # batch prefill stays short for an interactive request arriving during it.
+    batch_prefill_tokens: int = 256
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -79,6 +84,8 @@ class SchedulerConfig:
             raise ValueError("batch_aging_steps must be at least 1")
         if self.batch_step_interval < 1:
             raise ValueError("batch_step_interval must be at least 1")
+        if self.batch_prefill_tokens < 1:
+            raise ValueError("batch_prefill_tokens must be at least 1")
 
 
 @dataclass(slots=True)
@@ -248,6 +255,7 @@ class Scheduler:
         self.waiting = deque(sorted(self.waiting, key=self._waiting_key))
         interactive_waiting = any(self._interactive(r) for r in self.waiting)
         batch_turn = self._batch_turn(interactive_waiting)
+        batch_prompt_left = self.config.batch_prefill_tokens
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -259,6 +267,12 @@ class Scheduler:
                 # interactive request waiting.
                 index += 1
                 continue
+            if not self._interactive(request) and num_new_tokens > 1:
+                num_new_tokens = min(num_new_tokens, batch_prompt_left)
+                if num_new_tokens == 0:
+                    index += 1  # this step's share of batch prompt tokens is spent
+                    continue
+                batch_prompt_left -= num_new_tokens
             if not self._allocate_or_preempt(request, num_new_tokens, preemptions):
                 break  # it was the newest running request, so none is left after it
             scheduled.append(self._scheduled(request, num_new_tokens))
@@ -269,12 +283,16 @@ class Scheduler:
         kv_full = bool(preemptions)
         while not kv_full and self.waiting and budget > 0:
             request = self.waiting[0]
-            if not batch_turn and not self._interactive(request):
-                break  # batch work is admitted in its turns too; only batch work is left waiting
-            admitted = self._make_room(request, scheduled, preemptions)
+            batch = not self._interactive(request)
+            if batch and (not batch_turn or batch_prompt_left == 0):
+                break  # batch work is admitted in its turns, within its share; only batch work is left
+            admitted = self._make_room(request, scheduled, preemptions,
+                                       batch_prompt_left if batch else None)
             if admitted is None:
                 break  # nobody overtakes the head of the queue
             num_hit_tokens, num_new_tokens = admitted
+            if batch:
+                batch_prompt_left -= num_new_tokens
             self.waiting.remove(request)  # the requests it preempted went in front of it
             self._front.pop(request.request_id, None)
             if self.state_slots is not None:
@@ -296,7 +314,7 @@ class Scheduler:
         )
 
     def _make_room(self, request: Request, scheduled: list[ScheduledRequest],
-                   preemptions: list[Preemption]) -> tuple[int, int] | None:
+                   preemptions: list[Preemption], max_tokens: int | None = None) -> tuple[int, int] | None:
         """Take a seat, a state slot and the KV blocks for admitting `request`, preempting running
         batch requests (newest first, their chunks unscheduled) when it is interactive work.
         Returns (its prefix-cache hit in tokens, the tokens it computes this step), or None if it
@@ -308,6 +326,8 @@ class Scheduler:
                 computed_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
                 budget = self.config.max_num_batched_tokens - sum(i.num_new_tokens for i in scheduled)
                 num_new_tokens = min(request.num_tokens - num_hit_tokens, budget)
+                if max_tokens is not None:
+                    num_new_tokens = min(num_new_tokens, max_tokens)
                 if self.kv_cache.allocate_slots(request, num_new_tokens, computed_blocks):
                     return num_hit_tokens, num_new_tokens
             victim = self.running[-1] if self.running else None

@@ -43,6 +43,8 @@ class EngineConfig:
     # While interactive work runs or waits, running batch requests are computed in one step of this
     # many (engine.core.scheduler's batch turns); 1: in every step.
     batch_step_interval: int = 8
+    # Prompt tokens of batch-class requests one step computes at most (engine.core.scheduler).
+    batch_prefill_tokens: int = 256
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -61,6 +63,8 @@ class EngineConfig:
             raise ValueError("batch_aging_steps must be >= 1")
         if self.batch_step_interval < 1:
             raise ValueError("batch_step_interval must be >= 1")
+        if self.batch_prefill_tokens < 1:
+            raise ValueError("batch_prefill_tokens must be >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
         if self.kernels not in KERNEL_CHOICES:

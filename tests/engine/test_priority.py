@@ -135,6 +135,23 @@ def test_batch_aging_steps_is_validated():
         SchedulerConfig(batch_aging_steps=0)
     with pytest.raises(ValueError, match="batch_step_interval"):
         SchedulerConfig(batch_step_interval=0)
+    with pytest.raises(ValueError, match="batch_prefill_tokens"):
+        SchedulerConfig(batch_prefill_tokens=0)
+
+
+def test_batch_prompts_take_at_most_their_share_of_a_step_interactive_ones_the_rest():
+    config = SchedulerConfig(max_num_seqs=8, batch_prefill_tokens=10)
+    scheduler = Scheduler(config, KVCacheManager(num_blocks=64, block_size=BLOCK_SIZE))
+    scheduler.add_request(batch_request("b0", 8, max_tokens=4))
+    scheduler.add_request(batch_request("b1", 8, first_token=2000, max_tokens=4))
+    output, _, _ = step(scheduler)
+    assert [(i.request.request_id, i.num_new_tokens) for i in output.scheduled] == [("b0", 8), ("b1", 2)]
+    output, _, _ = step(scheduler)
+    # b0 decodes (a decode is no prompt token); b1's prompt goes on within the share.
+    assert [(i.request.request_id, i.num_new_tokens) for i in output.scheduled] == [("b0", 1), ("b1", 6)]
+    scheduler.add_request(make_request("i", 30, first_token=3000))
+    output, _, _ = step(scheduler)
+    assert ("i", 30) in [(i.request.request_id, i.num_new_tokens) for i in output.scheduled]
 
 
 def test_running_batch_sequences_get_one_step_in_an_interval_while_interactive_work_runs():
