@@ -237,7 +237,7 @@ class WorkerSettings:
     # of this many (1: every step, where a step costs little more with more rows, as on a GPU).
     batch_step_interval: int = field(default_factory=lambda: _env_int("HELEXA_BATCH_STEP_INTERVAL", 8))
     # Prompt tokens of batch-class requests one engine step computes at most.
-    batch_prefill_tokens: int = field(default_factory=lambda: _env_int("HELEXA_BATCH_PREFILL_TOKENS", 256))
+    batch_prefill_tokens: int = field(default_factory=lambda: _env_int("HELEXA_BATCH_PREFILL_TOKENS", 64))
     # Free slots a worker never pulls batch-class requests into, kept for interactive work; -1: a
     # quarter of max_num_seqs, at least 1 (apps.worker.intake.interactive_reserve).
     interactive_reserve: int = field(default_factory=lambda: _env_int("HELEXA_INTERACTIVE_RESERVE", -1))

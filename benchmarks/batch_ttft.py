@@ -116,7 +116,8 @@ def measure(args: argparse.Namespace, scratch: Path) -> dict:
     env = {"HELEXA_RATE_LIMIT_RPS": "0", "HELEXA_MAX_NUM_SEQS": str(args.max_num_seqs),
            "HELEXA_BATCH_CONCURRENCY": str(args.batch_concurrency),
            "HELEXA_INTERACTIVE_RESERVE": str(args.interactive_reserve),
-           "HELEXA_BATCH_STEP_INTERVAL": str(args.batch_step_interval)}
+           "HELEXA_BATCH_STEP_INTERVAL": str(args.batch_step_interval),
+           "HELEXA_BATCH_PREFILL_TOKENS": str(args.batch_prefill_tokens)}
     if args.script:
         script_path = scratch / "script.json"
         script_path.write_text(json.dumps(script(args.max_tokens, args.token_delay_ms / 1000)))
@@ -159,6 +160,8 @@ def main() -> None:
                         help="the worker's HELEXA_INTERACTIVE_RESERVE (-1: its default, a quarter of max_num_seqs)")
     parser.add_argument("--batch-step-interval", type=int, default=8,
                         help="the worker's HELEXA_BATCH_STEP_INTERVAL (1: batch sequences in every step)")
+    parser.add_argument("--batch-prefill-tokens", type=int, default=64,
+                        help="the worker's HELEXA_BATCH_PREFILL_TOKENS (batch prompt tokens a step computes at most)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--script", action="store_true", help="a scripted worker instead of the model")
     parser.add_argument("--token-delay-ms", type=float, default=10.0, help="with --script: per stream")

@@ -69,7 +69,7 @@ class SchedulerConfig:
     batch_step_interval: int = 8
     # Prompt tokens of batch requests one step computes at most (their chunks), so a step holding
     # batch prefill stays short for an interactive request arriving during it.
-    batch_prefill_tokens: int = 256
+    batch_prefill_tokens: int = 64
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

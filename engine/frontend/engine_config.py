@@ -44,7 +44,7 @@ class EngineConfig:
     # many (engine.core.scheduler's batch turns); 1: in every step.
     batch_step_interval: int = 8
     # Prompt tokens of batch-class requests one step computes at most (engine.core.scheduler).
-    batch_prefill_tokens: int = 256
+    batch_prefill_tokens: int = 64
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
