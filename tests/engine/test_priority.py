@@ -28,6 +28,10 @@ def batch_request(request_id: str, num_prompt_tokens: int, **kw: object) -> Requ
     return request
 
 
+def configured(**config: int) -> Scheduler:
+    return Scheduler(SchedulerConfig(**config), KVCacheManager(num_blocks=64, block_size=BLOCK_SIZE))
+
+
 def ids(requests: object) -> list[str]:
     return [r.request_id for r in requests]  # type: ignore[attr-defined]
 
@@ -111,8 +115,7 @@ def test_preempted_batch_goes_first_among_batch_work():
 
 
 def test_a_batch_request_ages_into_interactive_admission():
-    config = SchedulerConfig(max_num_seqs=1, batch_aging_steps=3)
-    scheduler = Scheduler(config, KVCacheManager(num_blocks=64, block_size=BLOCK_SIZE))
+    scheduler = configured(max_num_seqs=1, batch_aging_steps=3)
     scheduler.add_request(make_request("i0", 4, max_tokens=10))
     step(scheduler)
     scheduler.add_request(batch_request("b", 4, max_tokens=10))
@@ -140,8 +143,7 @@ def test_batch_aging_steps_is_validated():
 
 
 def test_batch_prompts_take_at_most_their_share_of_a_step_interactive_ones_the_rest():
-    config = SchedulerConfig(max_num_seqs=8, batch_prefill_tokens=10)
-    scheduler = Scheduler(config, KVCacheManager(num_blocks=64, block_size=BLOCK_SIZE))
+    scheduler = configured(max_num_seqs=8, batch_prefill_tokens=10)
     scheduler.add_request(batch_request("b0", 8, max_tokens=4))
     scheduler.add_request(batch_request("b1", 8, first_token=2000, max_tokens=4))
     output, _, _ = step(scheduler)
@@ -155,8 +157,7 @@ def test_batch_prompts_take_at_most_their_share_of_a_step_interactive_ones_the_r
 
 
 def test_running_batch_sequences_get_one_step_in_an_interval_while_interactive_work_runs():
-    config = SchedulerConfig(max_num_seqs=4, batch_step_interval=3)
-    scheduler = Scheduler(config, KVCacheManager(num_blocks=64, block_size=BLOCK_SIZE))
+    scheduler = configured(max_num_seqs=4, batch_step_interval=3)
     scheduler.add_request(batch_request("b0", 4, max_tokens=40))
     scheduler.add_request(batch_request("b1", 4, max_tokens=40))
     step(scheduler)
@@ -177,8 +178,7 @@ def test_running_batch_sequences_get_one_step_in_an_interval_while_interactive_w
 
 
 def test_waiting_batch_requests_are_admitted_only_in_the_batchs_turns():
-    config = SchedulerConfig(max_num_seqs=4, batch_step_interval=3)
-    scheduler = Scheduler(config, KVCacheManager(num_blocks=64, block_size=BLOCK_SIZE))
+    scheduler = configured(max_num_seqs=4, batch_step_interval=3)
     scheduler.add_request(make_request("i", 4, max_tokens=8))
     step(scheduler)
     scheduler.add_request(batch_request("b", 4, max_tokens=8))
