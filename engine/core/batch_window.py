@@ -1,5 +1,4 @@
-"""The batch window: an idle engine that receives a request gathers the rest of its burst first,
-and so does an engine running only batch work that receives interactive work.
+"""The batch window: an idle engine that receives a request gathers the rest of its burst first.
 
 Sixteen clients that start together reach the engine over some 10–30 ms (each goes through
 HTTP, the gateway and JetStream on its own). Stepping at the first arrival runs a one-prompt
@@ -12,11 +11,8 @@ stops as soon as the waiting prompts fill a step, or at `window_s` in all, or at
 - `UNANNOUNCED_GAP_S` after any other: a request from another gateway, or from a client that sent
   its whole request at once, comes a gateway's and a worker's handling after the one before.
 
-A request that arrives alone waits the short gap; an engine busy with interactive work never waits
-(its next step takes whatever has arrived, as always). Batch work is no reason to skip the window:
-a burst of interactive requests meeting an engine full of batch sequences would otherwise be split
-over several prefill steps where an idle engine runs one, and wait for each (the batch's steps pause
-for the window, at most `window_s`).
+A request that arrives alone waits the short gap; a busy engine never waits (its next step takes
+whatever has arrived, as always).
 """
 
 from __future__ import annotations
@@ -29,12 +25,6 @@ ARRIVAL_GAP_S = 0.010
 # The wait for a request nobody announced: a gateway parses and publishes one in ~1 ms, a worker
 # pulls and tokenizes it in another.
 UNANNOUNCED_GAP_S = 0.003
-
-
-def opens_window(had_work: bool, had_interactive: bool, has_work: bool, has_interactive: bool) -> bool:
-    """Whether to gather a burst now: the engine had no work and has some, or had no interactive
-    work and has some (what it had before taking the messages that arrived, what it has after)."""
-    return (not had_work and has_work) or (not had_interactive and has_interactive)
 
 
 def gather_burst(poll: Callable[[float], bool], take: Callable[[], bool], step_is_full: Callable[[], bool],

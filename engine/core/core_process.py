@@ -16,7 +16,7 @@ from multiprocessing.connection import Connection
 import msgspec
 import torch
 
-from engine.core.batch_window import gather_burst, opens_window
+from engine.core.batch_window import gather_burst
 from engine.core.engine_core import GRAMMAR_POLL_S, EngineCore
 from engine.frontend.engine_config import EngineConfig
 from engine.frontend.protocol import (
@@ -170,7 +170,6 @@ def run_core_process(conn: Connection, config: EngineConfig) -> None:
             try:
                 # Block for commands only when idle; otherwise just take what has arrived.
                 idle = not core.has_work()
-                had_interactive = core.scheduler.has_interactive_work()
                 if idle:
                     conn.poll(None)
                 elif core.only_compiling:
@@ -178,8 +177,7 @@ def run_core_process(conn: Connection, config: EngineConfig) -> None:
                 while conn.poll():
                     if not _take(core, conn, outputs, arrivals):
                         return
-                if window_s and opens_window(not idle, had_interactive, core.has_work(),
-                                             core.scheduler.has_interactive_work()) and not gather_burst(
+                if idle and window_s and core.has_work() and not gather_burst(
                         conn.poll, lambda: _take(core, conn, outputs, arrivals),  # noqa: B023  (called before it returns)
                         core.scheduler.next_step_is_full,
                         lambda: arrivals.more_arriving, window_s):

@@ -159,10 +159,6 @@ class Scheduler:
     def num_batch_waiting(self) -> int:
         return sum(1 for r in self.waiting if r.service_class == ServiceClass.BATCH)
 
-    def has_interactive_work(self) -> bool:
-        """Some interactive work (or aged batch work) is running or waiting."""
-        return any(self._interactive(r) for r in self.running) or any(self._interactive(r) for r in self.waiting)
-
     def next_step_is_full(self) -> bool:
         """The waiting requests alone would fill the next step (its token budget or its seats)."""
         if len(self.waiting) >= self.config.max_num_seqs:

@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 
 from apps.settings import WorkerSettings
-from engine.core.batch_window import ARRIVAL_GAP_S, UNANNOUNCED_GAP_S, gather_burst, opens_window
+from engine.core.batch_window import ARRIVAL_GAP_S, UNANNOUNCED_GAP_S, gather_burst
 from engine.frontend.engine_config import EngineConfig
-from engine.frontend.protocol import ServiceClass
 from tests.engine.test_scheduler import make_request, make_scheduler
 
 
@@ -113,20 +112,3 @@ def test_helexa_batch_window_ms_reaches_the_engine_config(monkeypatch: pytest.Mo
         WorkerSettings()
     with pytest.raises(ValueError, match="batch_window_ms"):
         EngineConfig(model="m", batch_window_ms=-1)
-
-
-def test_interactive_work_reaching_an_engine_busy_only_with_batch_work_opens_the_window() -> None:
-    scheduler = make_scheduler()
-    batch_line = make_request("b", 4)
-    batch_line.service_class = ServiceClass.BATCH
-    scheduler.add_request(batch_line)
-    had_work, had_interactive = scheduler.has_unfinished(), scheduler.has_interactive_work()
-    assert (had_work, had_interactive) == (True, False)
-    scheduler.add_request(make_request("i", 4))
-    assert scheduler.has_interactive_work()
-    assert opens_window(had_work, had_interactive, True, scheduler.has_interactive_work())
-    # Interactive work already running: its next step takes what came, as always.
-    assert not opens_window(True, True, True, True)
-    # An idle engine getting any work, batch work too, gathers its burst as before.
-    assert opens_window(False, False, True, False)
-    assert not opens_window(True, False, True, False)
