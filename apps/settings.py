@@ -238,6 +238,10 @@ class WorkerSettings:
     batch_step_interval: int = field(default_factory=lambda: _env_int("HELEXA_BATCH_STEP_INTERVAL", 8))
     # Prompt tokens of batch-class requests one engine step computes at most.
     batch_prefill_tokens: int = field(default_factory=lambda: _env_int("HELEXA_BATCH_PREFILL_TOKENS", 64))
+    # For this long after interactive work last ran or waited (0: never), one engine step computes at
+    # most batch_narrow_tokens tokens of batch-class requests (decodes and prompt tokens alike).
+    batch_narrow_s: float = field(default_factory=lambda: _env_float("HELEXA_BATCH_NARROW_S", 10.0))
+    batch_narrow_tokens: int = field(default_factory=lambda: _env_int("HELEXA_BATCH_NARROW_TOKENS", 16))
     # Free slots a worker never pulls batch-class requests into, kept for interactive work; -1: a
     # quarter of max_num_seqs, at least 1 (apps.worker.intake.interactive_reserve).
     interactive_reserve: int = field(default_factory=lambda: _env_int("HELEXA_INTERACTIVE_RESERVE", -1))
@@ -321,6 +325,8 @@ class WorkerSettings:
             batch_aging_steps=self.batch_aging_steps,
             batch_step_interval=self.batch_step_interval,
             batch_prefill_tokens=self.batch_prefill_tokens,
+            batch_narrow_s=self.batch_narrow_s,
+            batch_narrow_tokens=self.batch_narrow_tokens,
         )
 
 

@@ -117,7 +117,9 @@ def measure(args: argparse.Namespace, scratch: Path) -> dict:
            "HELEXA_BATCH_CONCURRENCY": str(args.batch_concurrency),
            "HELEXA_INTERACTIVE_RESERVE": str(args.interactive_reserve),
            "HELEXA_BATCH_STEP_INTERVAL": str(args.batch_step_interval),
-           "HELEXA_BATCH_PREFILL_TOKENS": str(args.batch_prefill_tokens)}
+           "HELEXA_BATCH_PREFILL_TOKENS": str(args.batch_prefill_tokens),
+           "HELEXA_BATCH_NARROW_S": str(args.batch_narrow_s),
+           "HELEXA_BATCH_NARROW_TOKENS": str(args.batch_narrow_tokens)}
     if args.script:
         script_path = scratch / "script.json"
         script_path.write_text(json.dumps(script(args.max_tokens, args.token_delay_ms / 1000)))
@@ -162,6 +164,10 @@ def main() -> None:
                         help="the worker's HELEXA_BATCH_STEP_INTERVAL (1: batch sequences in every step)")
     parser.add_argument("--batch-prefill-tokens", type=int, default=64,
                         help="the worker's HELEXA_BATCH_PREFILL_TOKENS (batch prompt tokens a step computes at most)")
+    parser.add_argument("--batch-narrow-s", type=float, default=10.0,
+                        help="the worker's HELEXA_BATCH_NARROW_S (0: batch steps never narrow)")
+    parser.add_argument("--batch-narrow-tokens", type=int, default=16,
+                        help="the worker's HELEXA_BATCH_NARROW_TOKENS (batch tokens of a narrow step)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--script", action="store_true", help="a scripted worker instead of the model")
     parser.add_argument("--token-delay-ms", type=float, default=10.0, help="with --script: per stream")

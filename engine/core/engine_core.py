@@ -80,6 +80,8 @@ class EngineCore:
                 batch_aging_steps=config.batch_aging_steps,
                 batch_step_interval=config.batch_step_interval,
                 batch_prefill_tokens=config.batch_prefill_tokens,
+                batch_narrow_s=config.batch_narrow_s,
+                batch_narrow_tokens=config.batch_narrow_tokens,
             ),
             self.kv_cache,
             self.state_slots,

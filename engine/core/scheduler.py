@@ -28,6 +28,13 @@ the time interactive work ahead of it takes, and once running it is computed at 
 chunks, as any prefill), in every step, so the step an interactive request arrives during is short
 even when no interactive work was running to hold batch work to its turns.
 
+Narrow batch steps: for `batch_narrow_s` after interactive work last ran or waited, a step computes at
+most `batch_narrow_tokens` batch tokens (decodes and prompt tokens alike), the running batch
+requests taking turns (the least recently computed first), and a waiting batch request is admitted
+only into what is left of them. An interactive request that arrives mid-step waits for the step in
+flight; on a CPU a step's time grows with its tokens, so this keeps that wait short while
+interactive traffic goes on, and leaves batch work its full width once it has stopped.
+
 For hybrid models a running request also holds one linear-attention state slot (`StateSlotPool`):
 taken on admission, so free slots cap the running set, and given back on finish, abort and
 preemption (a recomputed request starts its state from zeros).
@@ -43,8 +50,10 @@ the step's tokens are computed. No torch here.
 from __future__ import annotations
 
 import bisect
+import math
+import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from engine.core.kv_cache import KVCacheManager
@@ -70,6 +79,10 @@ class SchedulerConfig:
     # Prompt tokens of batch requests one step computes at most (their chunks), so a step holding
     # batch prefill stays short for an interactive request arriving during it.
     batch_prefill_tokens: int = 64
+    # For this long after interactive work last ran or waited (0: never), a step computes at most
+    # batch_narrow_tokens batch tokens, decodes and prompt tokens alike.
+    batch_narrow_s: float = 10.0
+    batch_narrow_tokens: int = 16
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -86,6 +99,10 @@ class SchedulerConfig:
             raise ValueError("batch_step_interval must be at least 1")
         if self.batch_prefill_tokens < 1:
             raise ValueError("batch_prefill_tokens must be at least 1")
+        if not 0 <= self.batch_narrow_s <= 3600:
+            raise ValueError("batch_narrow_s must be between 0 and 3600")
+        if self.batch_narrow_tokens < 1:
+            raise ValueError("batch_narrow_tokens must be at least 1")
 
 
 @dataclass(slots=True)
@@ -118,8 +135,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
-                 state_slots: StateSlotPool | None = None) -> None:
+                 state_slots: StateSlotPool | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self._clock = clock
         self.kv_cache = kv_cache
         self.state_slots = state_slots
         self.waiting: deque[Request] = deque()
@@ -137,6 +155,11 @@ class Scheduler:
         self._aged: set[str] = set()
         # Steps with interactive work since running batch requests last had a turn.
         self._steps_since_batch_turn = 0
+        # When interactive work last ran or waited (narrow batch steps follow it), and when each
+        # running batch request was last computed, counted in turns given (narrow steps go round).
+        self._interactive_seen_at = -math.inf
+        self._batch_turns_given = 0
+        self._batch_computed_at: dict[str, int] = {}
         # Ended at add time (refused, or resumed complete); handed back in the next
         # update_from_output's finished list.
         self._ended_at_add: list[Request] = []
@@ -254,45 +277,63 @@ class Scheduler:
         preemptions: list[Preemption] = []
         self.waiting = deque(sorted(self.waiting, key=self._waiting_key))
         interactive_waiting = any(self._interactive(r) for r in self.waiting)
-        batch_turn = self._batch_turn(interactive_waiting)
+        interactive_present = interactive_waiting or any(self._interactive(r) for r in self.running)
+        batch_turn = self._batch_turn(interactive_present)
         batch_prompt_left = self.config.batch_prefill_tokens
+        batch_tokens_left, in_turn = self._batch_width(interactive_present)
+        offered = None if in_turn is None else set(in_turn)
+        computed_batch: set[str] = set()
 
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._interactive(request) and (
-                    not batch_turn or (interactive_waiting and num_new_tokens > 1)):
-                # Not the batch's turn; or a batch prefill chunk while the budget goes to the
-                # interactive request waiting.
+                    not batch_turn or (interactive_waiting and num_new_tokens > 1)
+                    or (offered is not None and request.request_id not in offered)):
+                # Not the batch's turn, or this request's in a narrow step; or a batch prefill
+                # chunk while the budget goes to the interactive request waiting.
                 index += 1
                 continue
-            if not self._interactive(request) and num_new_tokens > 1:
-                num_new_tokens = min(num_new_tokens, batch_prompt_left)
+            if not self._interactive(request):
+                prompt_chunk = num_new_tokens > 1
+                num_new_tokens = min(num_new_tokens, batch_tokens_left,
+                                     batch_prompt_left if prompt_chunk else 1)
                 if num_new_tokens == 0:
-                    index += 1  # this step's share of batch prompt tokens is spent
+                    index += 1  # this step's share of batch tokens (or of batch prompt tokens) is spent
                     continue
-                batch_prompt_left -= num_new_tokens
+                batch_tokens_left -= num_new_tokens
+                if prompt_chunk:
+                    batch_prompt_left -= num_new_tokens
+                computed_batch.add(request.request_id)
             if not self._allocate_or_preempt(request, num_new_tokens, preemptions):
                 break  # it was the newest running request, so none is left after it
             scheduled.append(self._scheduled(request, num_new_tokens))
             budget -= num_new_tokens
             index += 1
+        # Their turns, in the order they were offered (so a narrow step's turns go round).
+        for request_id in in_turn if in_turn is not None else [r.request_id for r in self.running]:
+            if request_id in computed_batch:
+                self._batch_turns_given += 1
+                self._batch_computed_at[request_id] = self._batch_turns_given
 
         # Right after a preemption for KV the cache is full; admitting now would only thrash.
         kv_full = bool(preemptions)
         while not kv_full and self.waiting and budget > 0:
             request = self.waiting[0]
             batch = not self._interactive(request)
-            if batch and (not batch_turn or batch_prompt_left == 0):
+            if batch and (not batch_turn or min(batch_prompt_left, batch_tokens_left) == 0):
                 break  # batch work is admitted in its turns, within its share; only batch work is left
             admitted = self._make_room(request, scheduled, preemptions,
-                                       batch_prompt_left if batch else None)
+                                       min(batch_prompt_left, batch_tokens_left) if batch else None)
             if admitted is None:
                 break  # nobody overtakes the head of the queue
             num_hit_tokens, num_new_tokens = admitted
             if batch:
                 batch_prompt_left -= num_new_tokens
+                batch_tokens_left -= num_new_tokens
+                self._batch_turns_given += 1
+                self._batch_computed_at[request.request_id] = self._batch_turns_given
             self.waiting.remove(request)  # the requests it preempted went in front of it
             self._front.pop(request.request_id, None)
             if self.state_slots is not None:
@@ -337,9 +378,22 @@ class Scheduler:
             scheduled[:] = [item for item in scheduled if item.request is not victim]
             self._preempt(victim, INTERACTIVE_WAITING, preemptions)
 
-    def _batch_turn(self, interactive_waiting: bool) -> bool:
+    def _batch_width(self, interactive_present: bool) -> tuple[int, list[str] | None]:
+        """The batch tokens this step may compute, and (in a narrow step) which running batch
+        requests may have them: the least recently computed first, one token each at least."""
+        now = self._clock()
+        if interactive_present:
+            self._interactive_seen_at = now
+        if now - self._interactive_seen_at >= self.config.batch_narrow_s:
+            return self.config.max_num_batched_tokens, None
+        width = self.config.batch_narrow_tokens
+        batch = [r.request_id for r in self.running if not self._interactive(r)]
+        batch.sort(key=lambda request_id: self._batch_computed_at.get(request_id, 0))
+        return width, batch[:width]
+
+    def _batch_turn(self, interactive_present: bool) -> bool:
         """Whether the running batch requests are computed this step (see the module's doc)."""
-        if not interactive_waiting and not any(self._interactive(r) for r in self.running):
+        if not interactive_present:
             self._steps_since_batch_turn = 0
             return True
         self._steps_since_batch_turn += 1
@@ -440,6 +494,7 @@ class Scheduler:
                                       request.num_output_tokens))
         self._front[request.request_id] = self._next_front
         self._next_front += 1
+        self._batch_computed_at.pop(request.request_id, None)
         self.waiting.appendleft(request)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
@@ -451,3 +506,4 @@ class Scheduler:
         del self._arrival[request.request_id]
         self._front.pop(request.request_id, None)
         self._aged.discard(request.request_id)
+        self._batch_computed_at.pop(request.request_id, None)

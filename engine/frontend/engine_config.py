@@ -45,6 +45,10 @@ class EngineConfig:
     batch_step_interval: int = 8
     # Prompt tokens of batch-class requests one step computes at most (engine.core.scheduler).
     batch_prefill_tokens: int = 64
+    # For this long after interactive work last ran or waited (0: never), a step computes at most
+    # batch_narrow_tokens batch tokens (engine.core.scheduler's narrow batch steps).
+    batch_narrow_s: float = 10.0
+    batch_narrow_tokens: int = 16
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -65,6 +69,10 @@ class EngineConfig:
             raise ValueError("batch_step_interval must be >= 1")
         if self.batch_prefill_tokens < 1:
             raise ValueError("batch_prefill_tokens must be >= 1")
+        if not 0 <= self.batch_narrow_s <= 3600:
+            raise ValueError("batch_narrow_s must be between 0 and 3600")
+        if self.batch_narrow_tokens < 1:
+            raise ValueError("batch_narrow_tokens must be >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
         if self.kernels not in KERNEL_CHOICES:

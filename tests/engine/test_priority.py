@@ -5,6 +5,9 @@ with exactly the tokens of an unpreempted greedy run."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import pytest
 import torch
 import transformers
@@ -28,8 +31,17 @@ def batch_request(request_id: str, num_prompt_tokens: int, **kw: object) -> Requ
     return request
 
 
-def configured(**config: int) -> Scheduler:
-    return Scheduler(SchedulerConfig(**config), KVCacheManager(num_blocks=64, block_size=BLOCK_SIZE))
+def configured(clock: Callable[[], float] = time.monotonic, **config: float) -> Scheduler:
+    return Scheduler(SchedulerConfig(**config), KVCacheManager(num_blocks=64, block_size=BLOCK_SIZE),  # type: ignore[arg-type]
+                     clock=clock)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def ids(requests: object) -> list[str]:
@@ -140,6 +152,10 @@ def test_batch_aging_steps_is_validated():
         SchedulerConfig(batch_step_interval=0)
     with pytest.raises(ValueError, match="batch_prefill_tokens"):
         SchedulerConfig(batch_prefill_tokens=0)
+    with pytest.raises(ValueError, match="batch_narrow_tokens"):
+        SchedulerConfig(batch_narrow_tokens=0)
+    with pytest.raises(ValueError, match="batch_narrow_s"):
+        SchedulerConfig(batch_narrow_s=-1)
 
 
 def test_batch_prompts_take_at_most_their_share_of_a_step_interactive_ones_the_rest():
@@ -191,6 +207,43 @@ def test_waiting_batch_requests_are_admitted_only_in_the_batchs_turns():
     # A seat was free from the start; the batch request still waited for its turn (the third step
     # with interactive work, the first of them being the one that admitted "i").
     assert admitted_at == 1
+
+
+def test_batch_steps_are_narrow_while_interactive_work_is_recent_the_batch_taking_turns():
+    clock = FakeClock()
+    scheduler = configured(clock, max_num_seqs=8, batch_narrow_s=5.0, batch_narrow_tokens=2)
+    for i in range(5):
+        scheduler.add_request(batch_request(f"b{i}", 4, first_token=100 * (i + 1), max_tokens=200))
+    output, _, _ = step(scheduler)
+    # No interactive work seen yet: the batch's full width.
+    assert len(output.scheduled) == 5
+    scheduler.add_request(make_request("i", 4, max_tokens=1))
+    step(scheduler)  # "i" runs alone (not the batch's turn) and finishes
+    assert "i" not in scheduler.requests
+    computed: dict[str, int] = {}
+    for _ in range(5):
+        output, _, _ = step(scheduler)
+        assert sum(item.num_new_tokens for item in output.scheduled) <= 2
+        for item in output.scheduled:
+            computed[item.request.request_id] = computed.get(item.request.request_id, 0) + 1
+    # Two tokens a step, every running batch request in its turn: each of the five twice in five steps.
+    assert computed == {f"b{i}": 2 for i in range(5)}
+    clock.now += 5.0  # interactive work is no longer recent: the full width again
+    output, _, _ = step(scheduler)
+    assert len(output.scheduled) == 5
+
+
+def test_a_batch_prompt_in_a_narrow_step_takes_what_the_running_batch_leaves():
+    clock = FakeClock()
+    scheduler = configured(clock, max_num_seqs=8, batch_narrow_tokens=6, batch_prefill_tokens=64)
+    scheduler.add_request(make_request("i", 4, max_tokens=1))
+    step(scheduler)
+    scheduler.add_request(batch_request("b0", 4, max_tokens=50))
+    scheduler.add_request(batch_request("b1", 20, first_token=2000, max_tokens=50))
+    output, _, _ = step(scheduler)
+    assert [(i.request.request_id, i.num_new_tokens) for i in output.scheduled] == [("b0", 4), ("b1", 2)]
+    output, _, _ = step(scheduler)
+    assert [(i.request.request_id, i.num_new_tokens) for i in output.scheduled] == [("b0", 1), ("b1", 5)]
 
 
 # --- the engine core on a tiny random-weight Llama ------------------------------------------
