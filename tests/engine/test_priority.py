@@ -15,7 +15,7 @@ import transformers
 from engine.core.engine_core import EngineCore
 from engine.core.kv_cache import KVCacheManager
 from engine.core.request import Request
-from engine.core.scheduler import INTERACTIVE_WAITING, KV_CACHE_FULL, Scheduler, SchedulerConfig
+from engine.core.scheduler import INTERACTIVE_WAITING, KV_CACHE_FULL, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.frontend.engine_config import EngineConfig
 from engine.frontend.protocol import EngineRequest, SamplingParams, ServiceClass
 from engine.loading.loader import Checkpoint, load_checkpoint
@@ -42,6 +42,11 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def chunks(output: SchedulerOutput) -> list[tuple[str, int]]:
+    """Each scheduled request's id and the tokens it computes this step."""
+    return [(item.request.request_id, item.num_new_tokens) for item in output.scheduled]
 
 
 def ids(requests: object) -> list[str]:
@@ -163,13 +168,13 @@ def test_batch_prompts_take_at_most_their_share_of_a_step_interactive_ones_the_r
     scheduler.add_request(batch_request("b0", 8, max_tokens=4))
     scheduler.add_request(batch_request("b1", 8, first_token=2000, max_tokens=4))
     output, _, _ = step(scheduler)
-    assert [(i.request.request_id, i.num_new_tokens) for i in output.scheduled] == [("b0", 8), ("b1", 2)]
+    assert chunks(output) == [("b0", 8), ("b1", 2)]
     output, _, _ = step(scheduler)
     # b0 decodes (a decode is no prompt token); b1's prompt goes on within the share.
-    assert [(i.request.request_id, i.num_new_tokens) for i in output.scheduled] == [("b0", 1), ("b1", 6)]
+    assert chunks(output) == [("b0", 1), ("b1", 6)]
     scheduler.add_request(make_request("i", 30, first_token=3000))
     output, _, _ = step(scheduler)
-    assert ("i", 30) in [(i.request.request_id, i.num_new_tokens) for i in output.scheduled]
+    assert ("i", 30) in chunks(output)
 
 
 def test_running_batch_sequences_get_one_step_in_an_interval_while_interactive_work_runs():
@@ -241,9 +246,9 @@ def test_a_batch_prompt_in_a_narrow_step_takes_what_the_running_batch_leaves():
     scheduler.add_request(batch_request("b0", 4, max_tokens=50))
     scheduler.add_request(batch_request("b1", 20, first_token=2000, max_tokens=50))
     output, _, _ = step(scheduler)
-    assert [(i.request.request_id, i.num_new_tokens) for i in output.scheduled] == [("b0", 4), ("b1", 2)]
+    assert chunks(output) == [("b0", 4), ("b1", 2)]
     output, _, _ = step(scheduler)
-    assert [(i.request.request_id, i.num_new_tokens) for i in output.scheduled] == [("b0", 1), ("b1", 5)]
+    assert chunks(output) == [("b0", 1), ("b1", 5)]
 
 
 # --- the engine core on a tiny random-weight Llama ------------------------------------------
