@@ -55,6 +55,8 @@ class AnswerTimer:
         self._batch_load = batch_load
         self._created_at = request.created_at
         self._last_text_at: float | None = None
+        # The model's inter-token histogram, labelled once (a frame's observation is the hot path).
+        self._itl = metrics.itl.labels(self._model)
 
     def frame(self, frame: wire.Delta | wire.Final) -> None:
         now, metrics, model = time.time(), self._metrics, self._model
@@ -66,7 +68,7 @@ class AnswerTimer:
                     load = "yes" if self._batch_load is not None and self._batch_load(model) else "no"
                     metrics.interactive_ttft.labels(model, load).observe(ttft)
             else:
-                metrics.itl.labels(model).observe(now - self._last_text_at)
+                self._itl.observe(now - self._last_text_at)
             self._last_text_at = now
         if isinstance(frame, wire.Final):
             metrics.e2e.labels(model).observe(max(now - self._created_at, 0.0))

@@ -60,7 +60,12 @@ class ReplyStream:
         self._on_overflow = on_overflow
         self._buffer: deque[bytes] = deque()
         self._buffered_bytes = 0
-        self._arrived = asyncio.Event()
+        # The reader's wait for a frame, and one timer that wakes it no later than its deadline.
+        # A deadline moves on with every frame; the timer is not moved with it, only re-armed when
+        # it fires early (one wake-up per silence allowance, not a timer per frame).
+        self._waiter: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_due = 0.0
         # Raised by `next` once the buffer is drained (or at once, for an overflow).
         self._failure: ServingError | None = None
         self._next_seq = 0
@@ -99,7 +104,7 @@ class ReplyStream:
             return
         self._buffer.append(data)
         self._buffered_bytes += len(data)
-        self._arrived.set()
+        self._wake()
         if len(self._buffer) > self._max_frames or self._buffered_bytes > MAX_BUFFERED_BYTES:
             self._buffer.clear()
             self._buffered_bytes = 0
@@ -112,22 +117,33 @@ class ReplyStream:
         """No more frames will come (e.g. the bus connection is gone): `next` raises `error`."""
         if self._failure is None:
             self._failure = error
-            self._arrived.set()
+            self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _timer_fired(self) -> None:
+        self._timer = None
+        self._wake()
 
     async def _next_data(self, deadline: float) -> bytes:
         while not self._buffer:
             if self._failure is not None:
                 raise self._failure
-            self._arrived.clear()
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            now = time.monotonic()
+            if deadline <= now:
                 raise ReplyTimeout
+            loop = asyncio.get_running_loop()
+            if self._timer is None or self._timer_due > deadline:
+                if self._timer is not None:
+                    self._timer.cancel()
+                self._timer, self._timer_due = loop.call_later(deadline - now, self._timer_fired), deadline
+            self._waiter = loop.create_future()
             try:
-                # A timeout scope on this task, not wait_for's extra task per frame awaited.
-                async with asyncio.timeout(remaining):
-                    await self._arrived.wait()
-            except TimeoutError:
-                raise ReplyTimeout from None
+                await self._waiter
+            finally:
+                self._waiter = None
         data = self._buffer.popleft()
         self._buffered_bytes -= len(data)
         return data
@@ -156,6 +172,9 @@ class ReplyStream:
             return frame
 
     async def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self.on_close is not None:
             self.on_close()
             self.on_close = None

@@ -117,3 +117,21 @@ async def test_failing_a_stream_wakes_its_waiting_reader() -> None:
     with pytest.raises(ServingError) as failed:
         await asyncio.wait_for(waiting, 5)
     assert failed.value.code == ErrorCode.BUS_UNAVAILABLE
+
+
+async def test_silence_past_the_allowance_is_a_timeout_and_frames_within_it_are_not() -> None:
+    """One timer per stream, not one per frame: a wait that outlives an earlier, shorter wait's
+    deadline keeps waiting until its own, and silence to its own deadline ends it."""
+    reply = ReplyStream()
+    first = asyncio.create_task(reply.next(0.05))  # arms the timer for 50 ms from now
+    await asyncio.sleep(0)
+    reply.on_frame(delta(0, "a"))
+    assert (await first).text == "a"
+    second = asyncio.create_task(reply.next(30))
+    await asyncio.sleep(0.2)  # the first wait's deadline (and its timer) is long past
+    assert not second.done()
+    reply.on_frame(delta(1, "b"))
+    assert (await second).text == "b"
+    with pytest.raises(ReplyTimeout):
+        await reply.next(0.05)
+    await reply.close()
