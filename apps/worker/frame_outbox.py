@@ -1,7 +1,8 @@
 """One worker connection's reply frames on their way out: frames for one gateway share a message.
 
-Every `Replier` of a connection hands its encoded frames here (`put`) instead of publishing them,
-and waits for a frame that must go at once (`send_now`: what it sends outside a window's flush).
+Every `Replier` of a connection hands its encoded frames here (`put`) instead of publishing them.
+It waits for the connection (`send_now`) after a frame whose send must be known (the accepted,
+final and error frames, heartbeats), and after a text delta only when the outbox is `backlogged`.
 Frames put while the event loop runs one turn are sent together by one sender task: grouped by
 the gateway connection they go to (`apps.bus.bundles`), several frames for one gateway become
 one bundle message, split into several when one would pass the server's max_payload; a frame
@@ -30,6 +31,11 @@ from apps.bus.publish import TooLarge, publish_core
 log = logging.getLogger("helexa.worker")
 
 
+# Frames put and not yet handed to the connection past which a Replier's delta waits for the
+# outbox (its backpressure: a bus slower than the engine holds the generation back).
+MAX_UNSENT_FRAMES = 1024
+
+
 class Holder(Protocol):
     def flush_held(self) -> None: ...
 
@@ -51,6 +57,10 @@ class FrameOutbox:
         if self._sender is None or self._sender.done():
             self._sender = asyncio.get_running_loop().create_task(self._send())
             self._sender.add_done_callback(_note_failure)
+
+    @property
+    def backlogged(self) -> bool:
+        return len(self._pending) >= MAX_UNSENT_FRAMES
 
     async def send_now(self) -> None:
         """Hand everything put so far to the connection before returning (a frame that must not

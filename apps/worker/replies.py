@@ -113,7 +113,10 @@ class Replier:
         window_open = self._last_text_at is not None and now - self._last_text_at < self.frame_window_s
         if finish_reason is not None or tool_calls or not window_open:
             self._flush(index, finish_reason=finish_reason, tool_calls=tool_calls, stop_sequence=stop_sequence)
-            await self._sent()
+            # A delta is on its way once put (the outbox sends it this loop turn); the run waits
+            # for the connection only when the outbox falls behind. A frame lost on the bus is a
+            # gap the gateway reports, and the run's final frame waits and learns of the error.
+            await self._keep_up()
         else:
             assert self._last_text_at is not None
             loop = asyncio.get_running_loop()
@@ -126,6 +129,10 @@ class Replier:
 
     async def _sent(self) -> None:
         if self.nc is not None:
+            await outbox_of(self.nc).send_now()
+
+    async def _keep_up(self) -> None:
+        if self.nc is not None and outbox_of(self.nc).backlogged:
             await outbox_of(self.nc).send_now()
 
     def flush_held(self) -> None:

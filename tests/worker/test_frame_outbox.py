@@ -7,11 +7,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from apps.bus import bundles, connection, wire
 from apps.bus.codes import FinishReason
 from apps.embedded.nats_server import NatsServer
 from apps.gateway.reply_router import ReplyRouter
 from apps.gateway.reply_stream import ReplyStream
+from apps.worker import frame_outbox
 from apps.worker.frame_outbox import outbox_of
 from apps.worker.replies import Replier
 
@@ -65,3 +68,22 @@ def test_only_a_gateway_home_reply_subject_is_bundled() -> None:
     assert bundles.split_reply_subject("_INBOX.gateway.g.abc.r.bundle") is None
     pairs = [("a", wire.encode(wire.Heartbeat(seq=0, attempt=1))), ("b", b'{"x":1}')]
     assert bundles.decode(bundles.encode(pairs)) == pairs
+
+
+async def test_a_delta_waits_for_the_connection_only_once_the_outbox_falls_behind(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(frame_outbox, "MAX_UNSENT_FRAMES", 3)
+    with NatsServer(tmp_path / "nats") as server:
+        worker = await connection.connect(server.url, "outbox-worker", max_reconnect_attempts=0)
+        try:
+            replier = Replier(worker, "_INBOX.backlog", attempt=1, node="w")
+            outbox = outbox_of(worker)
+            await replier.delta("a", 1, token_ids=[1])
+            await replier.delta("b", 1, token_ids=[2])
+            # Put and on their way, but the run did not wait for the connection to take them.
+            assert outbox.frames == 0 and not outbox.backlogged
+            await replier.delta("c", 1, token_ids=[3])
+            # The third reached the bound: the delta returned only once all three were handed on.
+            assert outbox.frames == 3 and not outbox.backlogged
+        finally:
+            await worker.close()
