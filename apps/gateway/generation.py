@@ -172,6 +172,8 @@ class GenerationPipeline:
             log_failure(generation.handler, exc.status, exc.message, model=model, node=generation.node,
                         request_id=request.request_id)
             raise
+        finally:
+            timer.close()
 
     async def _next_frame(self, generation: Generation) -> wire.ReplyFrame:
         """The next frame that matters; an error frame of a migratable kind, or an answer the

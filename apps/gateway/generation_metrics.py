@@ -44,6 +44,10 @@ class GenerationMetrics:
         return AnswerTimer(self._metrics, request, self._batch_load)
 
 
+# Gaps an answer counts before it adds them to the inter-token histogram.
+ITL_ADD_EVERY = 32
+
+
 class AnswerTimer:
     """One answer's timings and totals, recorded as its frames come."""
 
@@ -55,8 +59,9 @@ class AnswerTimer:
         self._batch_load = batch_load
         self._created_at = request.created_at
         self._last_text_at: float | None = None
-        # The model's inter-token histogram, labelled once (a frame's observation is the hot path).
-        self._itl = metrics.itl.labels(self._model)
+        # The gaps between texts, counted here and added to the model's histogram every
+        # `ITL_ADD_EVERY` gaps and when the answer ends (a frame's observation is the hot path).
+        self._itl = metrics.itl.tally()
 
     def frame(self, frame: wire.Delta | wire.Final) -> None:
         now, metrics, model = time.time(), self._metrics, self._model
@@ -69,9 +74,15 @@ class AnswerTimer:
                     metrics.interactive_ttft.labels(model, load).observe(ttft)
             else:
                 self._itl.observe(now - self._last_text_at)
+                if self._itl.count >= ITL_ADD_EVERY:
+                    metrics.itl.add(model, self._itl)
             self._last_text_at = now
         if isinstance(frame, wire.Final):
             metrics.e2e.labels(model).observe(max(now - self._created_at, 0.0))
             metrics.prompt_tokens.labels(model).inc(frame.usage.prompt_tokens)
             metrics.generation_tokens.labels(model).inc(frame.usage.completion_tokens)
             metrics.outcomes.labels(model, frame.finish_reason).inc()
+
+    def close(self) -> None:
+        """The answer ended (or its client left): its gaps not yet added go to the histogram."""
+        self._metrics.itl.add(self._model, self._itl)
