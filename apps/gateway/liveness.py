@@ -5,9 +5,12 @@ The protocol, per request (the worker's half lives in `apps/worker/liveness.py`)
 - **Listening first.** The gateway routes the request's reply subject to its stream (its
   connection's one subscription, `apps.gateway.reply_router`) and subscribes to
   `<reply subject>.alive` before it publishes, so no frame and no probe can be missed.
-- **Alive probes.** While generating, a worker asks `<reply subject>.alive` every second. An empty
-  probe is answered with an empty body ("still listening"); when nobody answers (no responders)
-  the gateway is gone and the worker aborts. A worker about to serve a *redelivered* attempt asks
+- **Alive probes.** While generating, a worker asks every second whether its requester still
+  listens: for all its requests on one gateway connection at once, on the connection's home
+  (`apps.bus.bundles`, answered by `apps.gateway.reply_router`), or per request on `<reply
+  subject>.alive` (answered here, for workers that ask that way). An empty probe is answered with
+  an empty body ("still listening"); when nobody answers (no responders) the gateway is gone and
+  the worker aborts. A worker about to serve a *redelivered* attempt asks
   with its attempt number; once another attempt has sent the client text, or the request was
   migrated past that attempt, the answer is `topology.ATTEMPT_TAKEN` and that attempt must not run
   (text cannot be taken back).
@@ -57,7 +60,11 @@ def attempt_taken(probe: bytes, locked_attempt: int | None, base_attempt: int = 
         asking = int(probe) if probe else None
     except ValueError:
         asking = None
-    return asking is not None and (asking < base_attempt or locked_attempt not in (None, asking))
+    return asking is not None and is_taken(asking, locked_attempt, base_attempt)
+
+
+def is_taken(asking: int, locked_attempt: int | None, base_attempt: int = 0) -> bool:
+    return asking < base_attempt or locked_attempt not in (None, asking)
 
 
 async def answer_probes(nc: NatsClient, reply: ReplyStream, reply_subject: str) -> Subscription:

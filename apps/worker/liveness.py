@@ -14,7 +14,10 @@ The protocol (the gateway's side answers it; any NATS client may):
   probes carry it.
 - **Alive probe.** A requester that sets `liveness_probe` answers every request on
   `<reply subject>.alive` while it listens. During a run the worker asks every `PROBE_S` with its
-  attempt number (`RequesterProbe.watch`). `ATTEMPT_TAKEN` means another attempt serves the client
+  attempt number (`RequesterProbe.watch`). For a gateway's reply subject it asks on the gateway
+  connection's home instead (`HomeProbes`, `apps.bus.bundles`): one message per home per interval
+  for every attempt the worker runs for it, answered per token (`gone` for a token the gateway no
+  longer holds: its request ended there). `ATTEMPT_TAKEN` means another attempt serves the client
   (this one lost, e.g. it was silent past the ack wait and another worker took over, or the
   request was migrated): the run stops at once, sends nothing more, leaves the message to the
   attempt that holds it now (an ack from here would settle it under that attempt: acks name a
@@ -41,21 +44,25 @@ import collections
 import enum
 import logging
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import msgspec
 import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from apps.bus import topology, wire
+from apps.bus import bundles, topology, wire
 from apps.worker.replies import Replier
 
 log = logging.getLogger("helexa.worker")
 
 # How often a running request checks that its requester still listens.
 PROBE_S = 1.0
+# Running attempts named in one home probe (a message of about 32 bytes each).
+MAX_ASKS_PER_PROBE = 1024
 # How long a redelivered attempt waits for the requester to say whether it may run.
 ATTEMPT_CHECK_S = 2.0
 # Cancellations of requests not pulled yet that a worker keeps; a flood cannot grow it forever.
@@ -96,6 +103,9 @@ class RequesterProbe:
 
     async def watch(self) -> Verdict:
         """Probe until the requester says this attempt lost, or has not listened for `grace_s`."""
+        home_and_token = bundles.split_reply_subject(self.reply_subject)
+        if home_and_token is not None:
+            return await home_probes_of(self.nc).watch(*home_and_token, self.attempt, self.grace_s)
         subject = topology.alive_subject(self.reply_subject)
         unanswered_since: float | None = None
         while True:
@@ -118,6 +128,96 @@ class RequesterProbe:
             unanswered_since = None
             if answer.data == topology.ATTEMPT_TAKEN:
                 return Verdict.TAKEN
+
+
+class _Watch:
+    """One running attempt's probe in `HomeProbes`: its verdict comes through `verdict`."""
+
+    __slots__ = ("attempt", "grace_s", "token", "unanswered_since", "verdict")
+
+    def __init__(self, token: str, attempt: int, grace_s: float) -> None:
+        self.token, self.attempt, self.grace_s = token, attempt, grace_s
+        self.unanswered_since: float | None = None
+        self.verdict: asyncio.Future[Verdict] = asyncio.get_running_loop().create_future()
+
+    def decide(self, verdict: Verdict) -> None:
+        if not self.verdict.done():
+            self.verdict.set_result(verdict)
+
+
+class HomeProbes:
+    """The alive probes of one connection's running attempts whose requesters are gateway
+    connections: every `PROBE_S`, one request per home naming all of them (in chunks of
+    `MAX_ASKS_PER_PROBE`), instead of one per attempt. Verdicts as `RequesterProbe.watch`'s: taken
+    at once, gone at once when the gateway says it no longer holds the token, or after `grace_s`
+    of no responders (the gateway connection itself gone, or reconnecting)."""
+
+    def __init__(self, nc: NatsClient) -> None:
+        self.nc = nc
+        self._watching: dict[str, dict[_Watch, None]] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    async def watch(self, home: str, token: str, attempt: int, grace_s: float) -> Verdict:
+        watch = _Watch(token, attempt, grace_s)
+        self._watching.setdefault(home, {})[watch] = None
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._probe_forever())
+            self._task.add_done_callback(_note_probe_failure)
+        try:
+            return await watch.verdict
+        finally:
+            watches = self._watching.get(home)
+            if watches is not None:
+                watches.pop(watch, None)
+                if not watches:
+                    del self._watching[home]
+
+    async def _probe_forever(self) -> None:
+        while self._watching:
+            await asyncio.sleep(PROBE_S)
+            homes = [(home, list(watches)) for home, watches in self._watching.items()]
+            await asyncio.gather(*(self._probe(home, watches[i:i + MAX_ASKS_PER_PROBE])
+                                   for home, watches in homes for i in range(0, len(watches), MAX_ASKS_PER_PROBE)))
+
+    async def _probe(self, home: str, watches: list[_Watch]) -> None:
+        asks = bundles.encode_probe([(watch.token, watch.attempt) for watch in watches])
+        try:
+            answer = await self.nc.request(bundles.home_alive_subject(home), asks, timeout=max(PROBE_S, 1.0))
+            verdicts = bundles.decode_verdicts(answer.data)
+        except nats.errors.NoRespondersError:
+            now = time.monotonic()
+            for watch in watches:
+                if watch.unanswered_since is None:
+                    watch.unanswered_since = now
+                if now - watch.unanswered_since >= watch.grace_s:
+                    watch.decide(Verdict.GONE)
+            if watches[0].unanswered_since == now:
+                log.info("requester not listening; waiting for it", extra={"attempts": len(watches)})
+            return  # its gateway may be reconnecting through a NATS outage
+        except (TimeoutError, nats.errors.Error, msgspec.DecodeError):
+            return  # slow, our own connection reconnecting, or not an answer: nothing of the requester
+        for watch, verdict in zip(watches, verdicts, strict=False):
+            watch.unanswered_since = None
+            if verdict == bundles.TAKEN:
+                watch.decide(Verdict.TAKEN)
+            elif verdict == bundles.GONE:
+                watch.decide(Verdict.GONE)
+
+
+def _note_probe_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("alive probes stopped", exc_info=task.exception())
+
+
+_home_probes: weakref.WeakKeyDictionary[NatsClient, HomeProbes] = weakref.WeakKeyDictionary()
+
+
+def home_probes_of(nc: NatsClient) -> HomeProbes:
+    """The one `HomeProbes` of a connection (every run on it shares it)."""
+    probes = _home_probes.get(nc)
+    if probes is None:
+        probes = _home_probes[nc] = HomeProbes(nc)
+    return probes
 
 
 async def still_wanted(nc: NatsClient, reply_subject: str, attempt: int) -> bool:
