@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
 import nats
@@ -18,6 +19,22 @@ from apps.bus.declaration import Stopped, ensure_topology
 from apps.bus.topology import BusLimits, inbox_prefix
 
 log = logging.getLogger("helexa.bus")
+
+T = TypeVar("T")
+
+
+def one_per_connection(make: Callable[[NatsClient], T]) -> Callable[[NatsClient], T]:
+    """`of(nc)`: what `make(nc)` made the first time it was asked for `nc`, shared by every user of
+    that connection (and gone with it)."""
+    made: weakref.WeakKeyDictionary[NatsClient, T] = weakref.WeakKeyDictionary()
+
+    def of(nc: NatsClient) -> T:
+        thing = made.get(nc)
+        if thing is None:
+            thing = made[nc] = make(nc)
+        return thing
+
+    return of
 
 
 def _credentials(servers: list[str]) -> dict[str, str]:

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import weakref
 from collections.abc import Callable
 from typing import Protocol
 
 from nats.aio.client import Client as NatsClient
 
 from apps.bus import bundles
+from apps.bus.connection import one_per_connection
 from apps.bus.publish import TooLarge, publish_core
 
 log = logging.getLogger("helexa.worker")
@@ -149,12 +149,5 @@ def _chunks(items: list[tuple[str, str, bytes]], limit: int,
     return chunks
 
 
-_outboxes: weakref.WeakKeyDictionary[NatsClient, FrameOutbox] = weakref.WeakKeyDictionary()
-
-
-def outbox_of(nc: NatsClient) -> FrameOutbox:
-    """The one outbox of a connection (every Replier on it shares it)."""
-    outbox = _outboxes.get(nc)
-    if outbox is None:
-        outbox = _outboxes[nc] = FrameOutbox(nc)
-    return outbox
+# The one outbox of a connection (every Replier on it shares it).
+outbox_of = one_per_connection(FrameOutbox)

@@ -44,7 +44,6 @@ import collections
 import enum
 import logging
 import time
-import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -55,6 +54,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from apps.bus import bundles, topology, wire
+from apps.bus.connection import one_per_connection
 from apps.worker.replies import Replier
 
 log = logging.getLogger("helexa.worker")
@@ -209,15 +209,8 @@ def _note_probe_failure(task: asyncio.Task[None]) -> None:
         log.error("alive probes stopped", exc_info=task.exception())
 
 
-_home_probes: weakref.WeakKeyDictionary[NatsClient, HomeProbes] = weakref.WeakKeyDictionary()
-
-
-def home_probes_of(nc: NatsClient) -> HomeProbes:
-    """The one `HomeProbes` of a connection (every run on it shares it)."""
-    probes = _home_probes.get(nc)
-    if probes is None:
-        probes = _home_probes[nc] = HomeProbes(nc)
-    return probes
+# The one `HomeProbes` of a connection (every run on it shares it).
+home_probes_of = one_per_connection(HomeProbes)
 
 
 async def still_wanted(nc: NatsClient, reply_subject: str, attempt: int) -> bool:

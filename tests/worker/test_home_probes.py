@@ -10,6 +10,8 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
 
 from apps.bus import bundles, connection
 from apps.embedded.nats_server import NatsServer
@@ -25,62 +27,64 @@ def quick_probes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(liveness, "PROBE_S", 0.05)
 
 
-async def test_one_probe_per_home_names_every_attempt_and_each_hears_its_own_verdict(tmp_path: Path) -> None:
+@pytest.fixture
+async def bus(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A gateway connection with its reply router started, and a worker connection."""
     with NatsServer(tmp_path / "nats") as server:
         gateway = await connection.connect(server.url, "probe-gateway", max_reconnect_attempts=0)
         worker = await connection.connect(server.url, "probe-worker", max_reconnect_attempts=0)
+        router = ReplyRouter(gateway)
+        await router.start()
         try:
-            router = ReplyRouter(gateway)
-            await router.start()
-            streams = [ReplyStream() for _ in range(8)]
-            subjects = [router.new_reply_subject() for _ in streams]
-            for stream, subject in zip(streams, subjects, strict=True):
-                router.follow(stream, subject)
-            probes: list[int] = []
-
-            async def spy(msg) -> None:  # type: ignore[no-untyped-def]
-                probes.append(len(bundles.decode_probe(msg.data)))
-
-            await gateway.subscribe(bundles.home_alive_subject(router.home), cb=spy)
-            await gateway.flush()
-            streams[0].migrate(2)  # the request moved on past attempt 1
-            watches = [asyncio.create_task(RequesterProbe(worker, subject, attempt=1, grace_s=30).watch())
-                       for subject in subjects]
-            # A token this gateway never handed out (or whose request ended): nobody listens for it.
-            stranger = asyncio.create_task(RequesterProbe(worker, router.new_reply_subject(), 1, 30).watch())
-            assert await asyncio.wait_for(watches[0], 10) is Verdict.TAKEN
-            assert await asyncio.wait_for(stranger, 10) is Verdict.GONE
-            await eventually_async(lambda: len(probes) >= 4, 10)
-            # Every probe named all the attempts still running: 9 at first, then the 7 left.
-            assert probes[0] == 9 and all(n in (9, 7) for n in probes), probes
-            assert not any(watch.done() for watch in watches[1:])
-            router.forget(streams[1])  # its client left: the stream closed
-            assert await asyncio.wait_for(watches[1], 10) is Verdict.GONE
-            assert not any(watch.done() for watch in watches[2:])
-            for watch in watches[2:]:
-                watch.cancel()
-            await asyncio.gather(*watches[2:], return_exceptions=True)
+            yield gateway, worker, router
         finally:
             await worker.close()
             await gateway.close()
 
 
-async def test_attempts_of_a_gateway_connection_that_is_gone_end_after_the_grace(tmp_path: Path) -> None:
-    with NatsServer(tmp_path / "nats") as server:
-        gateway = await connection.connect(server.url, "probe-gateway", max_reconnect_attempts=0)
-        worker = await connection.connect(server.url, "probe-worker", max_reconnect_attempts=0)
-        try:
-            router = ReplyRouter(gateway)
-            await router.start()
-            stream, subject = ReplyStream(), router.new_reply_subject()
-            router.follow(stream, subject)
-            await gateway.flush()
-            patient = asyncio.create_task(RequesterProbe(worker, subject, attempt=1, grace_s=3600).watch())
-            brief = asyncio.create_task(RequesterProbe(worker, subject, attempt=1, grace_s=0.2).watch())
-            await gateway.close()  # no responders on its home from now on
-            assert await asyncio.wait_for(brief, 10) is Verdict.GONE
-            assert not patient.done()  # within its grace: the gateway may be reconnecting
-            patient.cancel()
-            await asyncio.gather(patient, return_exceptions=True)
-        finally:
-            await worker.close()
+async def test_one_probe_per_home_names_every_attempt_and_each_hears_its_own_verdict(
+        bus: tuple[NatsClient, NatsClient, ReplyRouter]) -> None:
+    gateway, worker, router = bus
+    streams = [ReplyStream() for _ in range(8)]
+    subjects = [router.new_reply_subject() for _ in streams]
+    for stream, subject in zip(streams, subjects, strict=True):
+        router.follow(stream, subject)
+    probes: list[int] = []
+
+    async def spy(msg: Msg) -> None:
+        probes.append(len(bundles.decode_probe(msg.data)))
+
+    await gateway.subscribe(bundles.home_alive_subject(router.home), cb=spy)
+    await gateway.flush()
+    streams[0].migrate(2)  # the request moved on past attempt 1
+    watches = [asyncio.create_task(RequesterProbe(worker, subject, attempt=1, grace_s=30).watch())
+               for subject in subjects]
+    # A token this gateway never handed out (or whose request ended): nobody listens for it.
+    stranger = asyncio.create_task(RequesterProbe(worker, router.new_reply_subject(), 1, 30).watch())
+    assert await asyncio.wait_for(watches[0], 10) is Verdict.TAKEN
+    assert await asyncio.wait_for(stranger, 10) is Verdict.GONE
+    await eventually_async(lambda: len(probes) >= 4, 10)
+    # Every probe named all the attempts still running: 9 at first, then the 7 left.
+    assert probes[0] == 9 and all(n in (9, 7) for n in probes), probes
+    assert not any(watch.done() for watch in watches[1:])
+    router.forget(streams[1])  # its client left: the stream closed
+    assert await asyncio.wait_for(watches[1], 10) is Verdict.GONE
+    assert not any(watch.done() for watch in watches[2:])
+    for watch in watches[2:]:
+        watch.cancel()
+    await asyncio.gather(*watches[2:], return_exceptions=True)
+
+
+async def test_attempts_of_a_gateway_connection_that_is_gone_end_after_the_grace(
+        bus: tuple[NatsClient, NatsClient, ReplyRouter]) -> None:
+    gateway, worker, router = bus
+    stream, subject = ReplyStream(), router.new_reply_subject()
+    router.follow(stream, subject)
+    await gateway.flush()
+    patient = asyncio.create_task(RequesterProbe(worker, subject, attempt=1, grace_s=3600).watch())
+    brief = asyncio.create_task(RequesterProbe(worker, subject, attempt=1, grace_s=0.2).watch())
+    await gateway.close()  # no responders on its home from now on
+    assert await asyncio.wait_for(brief, 10) is Verdict.GONE
+    assert not patient.done()  # within its grace: the gateway may be reconnecting
+    patient.cancel()
+    await asyncio.gather(patient, return_exceptions=True)
