@@ -5,8 +5,8 @@ A gateway connection picks one home under its inbox (`_INBOX.gateway.<user>.<id>
 random bits only the worker delivered the request learns. A worker that has several frames for
 one home at once (one flush of its frame window, across all its streams) sends them as one
 message on `<home>.r.bundle`: a JSON list of `[token, frame]` pairs, the frame embedded as
-encoded. A frame on its own still goes to its reply subject, so the gateway reads both. (Alive
-probes, on `<reply subject>.alive`, are one level deeper and answered per request.)
+encoded. A frame on its own still goes to its reply subject, so the gateway reads both.
+(Per-request alive probes, on `<reply subject>.alive`, are one level deeper: not frames.)
 
 Alive probes share messages the same way: a worker asks `<home>.alive` once per probe interval for
 all its running attempts whose requester listens at that home, a JSON list of `[token, attempt]`
