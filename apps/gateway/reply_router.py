@@ -20,7 +20,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
 from apps.bus import bundles
-from apps.bus.publish import TooLarge, respond
+from apps.bus.publish import respond
 from apps.gateway.liveness import is_taken
 from apps.gateway.reply_stream import ReplyStream
 
@@ -89,14 +89,11 @@ class ReplyRouter:
                 verdicts.append(bundles.TAKEN)
             else:
                 verdicts.append(bundles.LISTENING)
-        if not msg.reply:
-            return
-        try:
+        if msg.reply:
+            # No longer than the probe, so it fits whatever the probe's size: a verdict is at most
+            # as long as the pair it answers (`"gone"` as `["",0]`; only a token held here, 22
+            # characters, can be `"taken"`). `respond` measures it all the same.
             await respond(msg, bundles.encode_verdicts(verdicts))
-        except TooLarge:
-            # Only a probe of near-empty tokens has an answer longer than itself (a real token is
-            # 22 characters): it gets none, as a slow gateway's would.
-            log.warning("alive probe answer too large for the bus; not answered", extra={"asks": len(asks)})
 
     async def _on_message(self, msg: Msg) -> None:
         token = msg.subject[len(self._prefix):]

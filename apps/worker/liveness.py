@@ -186,13 +186,13 @@ class HomeProbes:
             verdicts = bundles.decode_verdicts(answer.data)
         except nats.errors.NoRespondersError:
             now = time.monotonic()
+            newly = [watch for watch in watches if watch.unanswered_since is None]
+            if newly:
+                log.info("requester not listening; waiting for it", extra={"attempts": len(newly)})
             for watch in watches:
-                if watch.unanswered_since is None:
-                    watch.unanswered_since = now
+                watch.unanswered_since = watch.unanswered_since or now
                 if now - watch.unanswered_since >= watch.grace_s:
                     watch.decide(Verdict.GONE)
-            if watches[0].unanswered_since == now:
-                log.info("requester not listening; waiting for it", extra={"attempts": len(watches)})
             return  # its gateway may be reconnecting through a NATS outage
         except (TimeoutError, nats.errors.Error, msgspec.DecodeError):
             return  # slow, our own connection reconnecting, or not an answer: nothing of the requester
