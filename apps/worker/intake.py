@@ -44,6 +44,9 @@ from engine.frontend.protocol import Engine, ServiceClass
 
 log = logging.getLogger("helexa.worker")
 
+# How long one wait for the first message of a class lasts (the server answers 408 at its end).
+IDLE_WAIT_S = 1.0
+
 
 @dataclass(slots=True)
 class Held:
@@ -135,9 +138,13 @@ class Intake:
 
     def _room(self, cls: ServiceClass, waits: Mapping[ServiceClass, object]) -> int:
         """Messages of `cls` that may be pulled now. A wait under way may bring one message, so it
-        holds a slot until it ends; batch-class requests leave the reserve free besides."""
-        free = self._free_slots(cls) - len(waits)
-        return free - self.reserve if cls == ServiceClass.BATCH else free
+        holds a slot until it ends, for batch-class requests: they leave the reserve free besides.
+        Interactive requests count neither: the seat a batch wait might fill is one the scheduler
+        preempts for them (counting it kept the last interactive request of a full worker in the
+        stream until the batch wait expired)."""
+        if cls == ServiceClass.INTERACTIVE:
+            return self._free_slots(cls)
+        return self._free_slots(cls) - len(waits) - self.reserve
 
     async def _pull_loop(self, pullers: Mapping[ServiceClass, BatchPuller]) -> None:
         """Take what is ready, interactive first; when nothing is, wait for the first message of
@@ -176,7 +183,7 @@ class Intake:
                     continue
                 for cls in ServiceClass:
                     if cls not in waits and self._room(cls, waits) > 0:
-                        waits[cls] = asyncio.create_task(pullers[cls].fetch(1, timeout=1.0))
+                        waits[cls] = asyncio.create_task(pullers[cls].fetch(1, timeout=IDLE_WAIT_S))
                 freed = asyncio.create_task(self._slot_freed.wait())
                 await asyncio.wait({*waits.values(), freed, stopping}, return_when=asyncio.FIRST_COMPLETED)
                 freed.cancel()

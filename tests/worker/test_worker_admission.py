@@ -23,6 +23,7 @@ from apps.bus import topology
 from apps.bus.topology import BusLimits
 from apps.embedded.nats_server import NatsServer
 from apps.settings import WorkerSettings
+from apps.worker import intake
 from apps.worker.intake import interactive_reserve
 from apps.worker.model_loop import ModelLoop
 from apps.worker.node_status import model_status
@@ -135,6 +136,35 @@ async def test_a_batch_line_starts_when_a_batch_slot_frees(own_nats: NatsServer,
             await eventually_async(lambda: _batch_queue_is(nc, (0, 0)), timeout_s=30)
         finally:
             await nc.close()
+
+
+async def test_a_full_worker_pulls_its_last_interactive_request_while_a_batch_wait_is_under_way(
+        own_nats: NatsServer, tok: Tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An idle worker waits on both classes. Interactive requests filling every seat are all pulled
+    at once: the seat a batch wait might fill is one the scheduler would preempt for them. (It
+    was counted, so the last interactive request waited in the stream until the batch wait
+    expired: about half a second per burst at 16 streams, which then ran its own engine steps.)"""
+    monkeypatch.setattr(intake, "IDLE_WAIT_S", 60.0)  # the batch wait outlasts the test
+    async with worker(own_nats.url, tok, tmp_path, limits=BusLimits(), max_num_seqs=4,
+                      interactive_reserve=1) as (_, engine):
+        nc = await nats.connect(own_nats.url)
+        try:
+            await eventually_async(lambda: _batch_pulls_waiting(nc, 1), timeout_s=30)
+            for i in range(4):
+                await publish(nc, f"live-{i}", "HOLD this interactive request", f"_INBOX.live.{i}")
+            await eventually_async(lambda: {f"live-{i}" for i in range(4)} <= set(engine.submitted), timeout_s=30,
+                                   message=lambda: f"submitted: {engine.submitted}")
+            assert await _batch_pulls_waiting(nc, 1)  # the batch wait never ended: it held nothing back
+            # A batch line ends the wait, so the worker stops without waiting it out.
+            await publish(nc, "line-0", "a batch line", "_INBOX.line.0", service_class=BATCH)
+            await eventually_async(lambda: "line-0" in engine.submitted, timeout_s=30)
+        finally:
+            await nc.close()
+
+
+async def _batch_pulls_waiting(nc: NatsClient, expected: int) -> bool:
+    info = await nc.jetstream().consumer_info(topology.REQUESTS_STREAM, topology.worker_consumer(MODEL, BATCH))
+    return info.num_waiting == expected
 
 
 async def _batch_queue_is(nc: NatsClient, expected: tuple[int, int]) -> bool:
