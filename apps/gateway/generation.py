@@ -128,7 +128,10 @@ class GenerationPipeline:
         try:
             while True:
                 try:
-                    frame = await self._next_frame(generation)
+                    frame = generation.held or await next_live_frame(
+                        generation.reply, self._settings.stream_idle_timeout_s, generation.request.deadline)
+                    generation.held = None
+                    _raise_if_cut_short(frame)
                 except ServingError as exc:
                     if not self._migrator.may_migrate(exc, reply, migrations):
                         raise
@@ -175,19 +178,6 @@ class GenerationPipeline:
         finally:
             timer.close()
 
-    async def _next_frame(self, generation: Generation) -> wire.ReplyFrame:
-        """The next frame that matters; an error frame of a migratable kind, or an answer the
-        worker ended on its own (`abort`: the gateway did not ask for it), as a ServingError."""
-        frame = generation.held or await next_live_frame(generation.reply, self._settings.stream_idle_timeout_s,
-                                                         generation.request.deadline)
-        generation.held = None
-        if isinstance(frame, wire.ErrorFrame) and frame.code in MIGRATABLE:
-            raise ServingError(frame.status, frame.code, frame.message)
-        if isinstance(frame, wire.Final) and frame.finish_reason == FinishReason.ABORT:
-            # E.g. the worker could not reach this gateway for a while: the answer is not complete.
-            raise unavailable(Unavailable.WORKER_ABORTED)
-        return frame
-
     async def close(self, generation: Generation) -> None:
         """Stop the work if the client left early, give back the admission slot, stop listening."""
         if not generation.finished:
@@ -207,3 +197,13 @@ class GenerationPipeline:
 
     def _sse(self, generation: Generation, formatter: Formatter) -> AsyncIterator[bytes]:
         return sse_chunks(generation.accepted, self.frames(generation), formatter, lambda: self.close(generation))
+
+
+def _raise_if_cut_short(frame: wire.ReplyFrame) -> None:
+    """An error frame of a migratable kind, or an answer the worker ended on its own (`abort`: the
+    gateway did not ask for it), as a ServingError: the answer goes on elsewhere or fails."""
+    if isinstance(frame, wire.ErrorFrame) and frame.code in MIGRATABLE:
+        raise ServingError(frame.status, frame.code, frame.message)
+    if isinstance(frame, wire.Final) and frame.finish_reason == FinishReason.ABORT:
+        # E.g. the worker could not reach this gateway for a while: the answer is not complete.
+        raise unavailable(Unavailable.WORKER_ABORTED)

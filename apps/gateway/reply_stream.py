@@ -127,31 +127,29 @@ class ReplyStream:
         self._timer = None
         self._wake()
 
-    async def _next_data(self, deadline: float) -> bytes:
-        while not self._buffer:
-            if self._failure is not None:
-                raise self._failure
-            now = time.monotonic()
-            if deadline <= now:
-                raise ReplyTimeout
-            loop = asyncio.get_running_loop()
-            if self._timer is None or self._timer_due > deadline:
-                if self._timer is not None:
-                    self._timer.cancel()
-                self._timer, self._timer_due = loop.call_later(deadline - now, self._timer_fired), deadline
-            self._waiter = loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        data = self._buffer.popleft()
-        self._buffered_bytes -= len(data)
-        return data
-
     async def next(self, timeout_s: float) -> wire.ReplyFrame:
+        """The next frame in order; raises the stream's failure, or ReplyTimeout after `timeout_s`
+        without one. (One coroutine: it runs once per frame of every stream.)"""
         deadline = time.monotonic() + timeout_s
         while True:
-            data = await self._next_data(deadline)
+            while not self._buffer:
+                if self._failure is not None:
+                    raise self._failure
+                now = time.monotonic()
+                if deadline <= now:
+                    raise ReplyTimeout
+                loop = asyncio.get_running_loop()
+                if self._timer is None or self._timer_due > deadline:
+                    if self._timer is not None:
+                        self._timer.cancel()
+                    self._timer, self._timer_due = loop.call_later(deadline - now, self._timer_fired), deadline
+                self._waiter = loop.create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+            data = self._buffer.popleft()
+            self._buffered_bytes -= len(data)
             try:
                 frame = wire.frame_decoder.decode(data)
             except msgspec.DecodeError:

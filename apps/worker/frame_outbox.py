@@ -43,7 +43,7 @@ class Holder(Protocol):
 class FrameOutbox:
     def __init__(self, nc: NatsClient) -> None:
         self.nc = nc
-        self._pending: list[tuple[str, bytes]] = []
+        self._pending: list[tuple[str, bytes, tuple[str, str] | None]] = []
         self._sender: asyncio.Task[None] | None = None
         self._holders: dict[Holder, None] = {}
         self._timer: asyncio.TimerHandle | None = None
@@ -52,8 +52,10 @@ class FrameOutbox:
         self.messages = 0
         self.frames = 0
 
-    def put(self, subject: str, frame: bytes) -> None:
-        self._pending.append((subject, frame))
+    def put(self, subject: str, frame: bytes, bundle_key: tuple[str, str] | None) -> None:
+        """Send `frame` to `subject` (whose `bundles.split_reply_subject` is `bundle_key`: the
+        caller looks it up once per subject, not per frame)."""
+        self._pending.append((subject, frame, bundle_key))
         if self._sender is None or self._sender.done():
             self._sender = asyncio.get_running_loop().create_task(self._send())
             self._sender.add_done_callback(_note_failure)
@@ -103,13 +105,12 @@ class FrameOutbox:
                     continue
                 self.messages += 1
 
-    def _messages(self, pending: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+    def _messages(self, pending: list[tuple[str, bytes, tuple[str, str] | None]]) -> list[tuple[str, bytes]]:
         """The messages that carry `pending`: a bundle per gateway home, as few as fit."""
         self.frames += len(pending)
         plain: list[tuple[str, bytes]] = []
         homes: dict[str, list[tuple[str, str, bytes]]] = {}
-        for subject, frame in pending:
-            split = bundles.split_reply_subject(subject)
+        for subject, frame, split in pending:
             if split is None:
                 plain.append((subject, frame))
             else:

@@ -63,6 +63,9 @@ class OutputParser:
         return tags
 
     def feed(self, text: str) -> Parsed:
+        if not (self.parse_reasoning or self.parse_tools or self._buffer or self._strip_leading
+                or self.mode != "content" or self.num_tool_calls):
+            return Parsed(text)  # nothing to look for: the text is content, as it came
         self._buffer += text
         out = Parsed()
         while self._buffer:

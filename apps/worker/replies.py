@@ -27,7 +27,7 @@ import time
 
 from nats.aio.client import Client as NatsClient
 
-from apps.bus import wire
+from apps.bus import bundles, wire
 from apps.bus.codes import ErrorCode, FinishReason
 from apps.bus.publish import fits, message_size
 from apps.worker.frame_outbox import outbox_of
@@ -50,6 +50,12 @@ class Replier:
         self.node = node
         self.frame_window_s = frame_window_s
         self._seq = 0
+        # Looked up once, not per frame: the connection's outbox (none for a CollectingReplier) and
+        # where this subject's frames go in a bundle.
+        self._outbox = outbox_of(nc) if nc is not None else None
+        self._bundle_key = bundles.split_reply_subject(subject)
+        # Whether the outbox is to wake this Replier when its window closes.
+        self._waking = False
         # Deltas held for the window, merged per choice; when the last text frame went. The
         # connection's outbox wakes this Replier when the window closes.
         self._held: dict[int, _HeldDelta] = {}
@@ -84,7 +90,8 @@ class Replier:
             data = wire.encode(wire.ErrorFrame(
                 seq=frame.seq, attempt=self.attempt, status=500, code=ErrorCode.GENERATION_FAILED,
                 message=f"A part of the answer ({size} bytes) is larger than the message bus carries ({limit} bytes)."))
-        outbox_of(self.nc).put(self.subject, data)
+        assert self._outbox is not None
+        self._outbox.put(self.subject, data, self._bundle_key)
 
     def _next(self) -> dict[str, int]:
         return {"seq": self._seq, "attempt": self.attempt}
@@ -107,20 +114,31 @@ class Replier:
     ) -> None:
         if not self._speaks():
             return
-        held = self._held.setdefault(index, _HeldDelta())
-        held.add(text, num_tokens, reasoning, logprobs, token_ids)
         now = time.monotonic()
         window_open = self._last_text_at is not None and now - self._last_text_at < self.frame_window_s
-        if finish_reason is not None or tool_calls or not window_open:
+        if finish_reason is None and not tool_calls and window_open:
+            held = self._held.get(index)
+            if held is None:
+                held = self._held[index] = _HeldDelta()
+            held.add(text, num_tokens, reasoning, logprobs, token_ids)
+            assert self._last_text_at is not None and self._outbox is not None
+            self._waking = True
+            closes_in = self._last_text_at + self.frame_window_s - now
+            self._outbox.wake_at(self, asyncio.get_running_loop().time() + closes_in)
+            return
+        held = self._held.get(index)
+        if held is not None:
+            held.add(text, num_tokens, reasoning, logprobs, token_ids)
             self._flush(index, finish_reason=finish_reason, tool_calls=tool_calls, stop_sequence=stop_sequence)
-            # A delta is on its way once put (the outbox sends it this loop turn); the run waits
-            # for the connection only when the outbox falls behind. A frame lost on the bus is a
-            # gap the gateway reports, and the run's final frame waits and learns of the error.
-            await self._keep_up()
-        else:
-            assert self._last_text_at is not None
-            loop = asyncio.get_running_loop()
-            outbox_of(self.nc).wake_at(self, loop.time() + self._last_text_at + self.frame_window_s - now)
+        else:  # nothing held: this delta is the frame (most deltas, when the window is past)
+            if not self._held:
+                self._stop_waking()
+            self._send_delta(index, text, reasoning, num_tokens, token_ids or [], logprobs,
+                             finish_reason, tool_calls, stop_sequence)
+        # A delta is on its way once put (the outbox sends it this loop turn); the run waits for
+        # the connection only when the outbox falls behind. A frame lost on the bus is a gap the
+        # gateway reports, and the run's final frame waits and learns of the error.
+        await self._keep_up()
 
     async def flush(self) -> None:
         """Send every held delta now (before a frame that must not overtake them)."""
@@ -128,12 +146,12 @@ class Replier:
         await self._sent()
 
     async def _sent(self) -> None:
-        if self.nc is not None:
-            await outbox_of(self.nc).send_now()
+        if self._outbox is not None:
+            await self._outbox.send_now()
 
     async def _keep_up(self) -> None:
-        if self.nc is not None and outbox_of(self.nc).backlogged:
-            await outbox_of(self.nc).send_now()
+        if self._outbox is not None and self._outbox.backlogged:
+            await self._outbox.send_now()
 
     def flush_held(self) -> None:
         self._stop_waking()
@@ -145,21 +163,32 @@ class Replier:
         held = self._held.pop(index, None)
         if not self._held:
             self._stop_waking()
-        if held is None or not (held or finish_reason or tool_calls):
+        if held is None:
             return
-        self.sent_tokens = self.sent_tokens or bool(held.text or held.reasoning or tool_calls)
+        self._send_delta(index, "".join(held.text), "".join(held.reasoning), held.num_tokens, held.token_ids,
+                         held.logprobs, finish_reason, tool_calls, stop_sequence)
+
+    def _send_delta(self, index: int, text: str, reasoning: str, num_tokens: int, token_ids: list[int],
+                    logprobs: list[wire.TokenLogprobs] | None, finish_reason: FinishReason | None = None,
+                    tool_calls: list[wire.ToolCallDelta] | None = None, stop_sequence: str | None = None) -> None:
+        """One Delta frame, unless it would carry nothing at all."""
+        if not (num_tokens or token_ids or logprobs or text or reasoning or finish_reason or tool_calls):
+            return
+        self.sent_tokens = True  # any delta sent counts: its token ids are the client's too
         self._last_text_at = time.monotonic()
         self._send(
             wire.Delta(
-                **self._next(), text="".join(held.text), num_tokens=held.num_tokens, index=index,
-                finish_reason=finish_reason, reasoning="".join(held.reasoning), tool_calls=tool_calls or [],
-                logprobs=held.logprobs, stop_sequence=stop_sequence, token_ids=held.token_ids,
+                **self._next(), text=text, num_tokens=num_tokens, index=index, finish_reason=finish_reason,
+                reasoning=reasoning, tool_calls=tool_calls or [], logprobs=logprobs, stop_sequence=stop_sequence,
+                token_ids=token_ids,
             )
         )
 
     def _stop_waking(self) -> None:
-        if self.nc is not None:
-            outbox_of(self.nc).forget(self)
+        if self._waking:
+            self._waking = False
+            assert self._outbox is not None
+            self._outbox.forget(self)
 
     async def heartbeat(self) -> None:
         self.flush_held()
