@@ -254,9 +254,11 @@ class WorkerSettings:
     reasoning_parser: str = field(default_factory=lambda: _env("HELEXA_REASONING_PARSER", "auto"))
     # Heartbeat frames and in-progress acks while a request is held; well under the request ack wait.
     heartbeat_s: float = field(default_factory=lambda: _env_float("HELEXA_HEARTBEAT_S", 2.0))
-    # A stream's tokens within this window after a frame go out together as one frame (its first
-    # token never waits; apps/worker/replies.py); 0 sends every delta as it comes.
+    # A stream's tokens within a window after a frame go out together as one frame (its first
+    # token never waits): at least frame_window_ms, or frame_window_steps of the engine's steps at
+    # its pace (apps/worker/frame_window.py); both 0 send every delta as it comes.
     frame_window_ms: float = field(default_factory=lambda: _env_float("HELEXA_FRAME_WINDOW_MS", 20.0))
+    frame_window_steps: float = field(default_factory=lambda: _env_float("HELEXA_FRAME_WINDOW_STEPS", 3.0))
     # Memory this worker offers for models loaded on request (0: what the machine has).
     memory_mb: int = field(default_factory=lambda: _env_int("HELEXA_WORKER_MEMORY_MB", 0))
     # Hot-op implementation: auto (Triton on CUDA, the C++ CPU kernels on CPU), torch, triton or cpu.
@@ -287,6 +289,8 @@ class WorkerSettings:
             raise ValueError("HELEXA_HEARTBEAT_S must be positive")
         if not 0 <= self.frame_window_ms <= 1000:
             raise ValueError("HELEXA_FRAME_WINDOW_MS must be between 0 and 1000")
+        if not 0 <= self.frame_window_steps <= 100:
+            raise ValueError("HELEXA_FRAME_WINDOW_STEPS must be between 0 and 100")
         if self.max_model_len < 0:
             raise ValueError("HELEXA_MAX_MODEL_LEN must be >= 0 (0 = the model's own limit)")
         if self.interactive_reserve < -1:

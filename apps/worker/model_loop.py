@@ -35,6 +35,7 @@ from apps.bus.publish import publish_event
 from apps.settings import WorkerSettings
 from apps.worker import liveness
 from apps.worker.context_limit import ContextLimit
+from apps.worker.frame_window import FrameWindow
 from apps.worker.intake import Held, Intake, NodeBus, holds, interactive_reserve
 from apps.worker.replies import Replier
 from apps.worker.run import ModelHealth, ServedModel, abort_request, run_request
@@ -70,6 +71,9 @@ class ModelLoop:
             prefill_bound=info.num_blocks > 0,
         )
         self.health = ModelHealth(model_id)
+        # One window for the model's streams, paced by its engine's steps.
+        self.frame_window = FrameWindow(settings.frame_window_ms / 1000, settings.frame_window_steps,
+                                        lambda: self.engine.stats)
         self.model = ServedModel(model_id, engine, tokenizer, self.context, self.health,
                                  Tokenizing(tokenizer, processes=settings.tokenize_processes),
                                  reasoning_parser=settings.reasoning_parser)
@@ -148,7 +152,7 @@ class ModelLoop:
             return
         attempt = liveness.attempt_of(request, msg.metadata.num_delivered)
         replier = held.replier = Replier(self.bus.nc, request.reply_subject, attempt, self.bus.node,
-                                           frame_window_s=self.settings.frame_window_ms / 1000)
+                                           frame_window=self.frame_window)
         if attempt > 1 and request.liveness_probe and not await liveness.still_wanted(
                 self.bus.nc, request.reply_subject, attempt):
             # Another attempt serves its client (or nobody waits any more): this one must not run.

@@ -1,7 +1,8 @@
 """Frames from a worker to the client waiting on one request's reply subject (or, for the
 one-shot `generate` endpoint, kept in memory and answered at once).
 
-Text frames coalesce by design (`frame_window_s`, the worker's `HELEXA_FRAME_WINDOW_MS`): a
+Text frames coalesce by design (`frame_window`: `apps.worker.frame_window`, paced by the engine's
+steps, at least the worker's `HELEXA_FRAME_WINDOW_MS`): a
 choice's first delta goes out at once, and after any frame the next deltas of the window are merged
 into one frame (text, reasoning, token ids and logprobs joined in order, token counts summed) and
 sent when the window closes (or sooner, with other streams' frames). A choice's last delta, a
@@ -31,6 +32,7 @@ from apps.bus import bundles, wire
 from apps.bus.codes import ErrorCode, FinishReason
 from apps.bus.publish import fits, message_size
 from apps.worker.frame_outbox import outbox_of
+from apps.worker.frame_window import FrameWindow
 
 log = logging.getLogger("helexa.worker")
 
@@ -43,12 +45,14 @@ class Replier:
     the run records that it did not serve.
     """
 
-    def __init__(self, nc: NatsClient, subject: str, attempt: int, node: str, frame_window_s: float = 0.0) -> None:
+    def __init__(self, nc: NatsClient, subject: str, attempt: int, node: str,
+                 frame_window: FrameWindow | float = 0.0) -> None:
         self.nc = nc
         self.subject = subject
         self.attempt = attempt
         self.node = node
-        self.frame_window_s = frame_window_s
+        # The window (seconds, or the model's paced `FrameWindow`, read at each delta).
+        self.frame_window = frame_window if isinstance(frame_window, FrameWindow) else FrameWindow(frame_window)
         self._seq = 0
         # Looked up once, not per frame: the connection's outbox (none for a CollectingReplier) and
         # where this subject's frames go in a bundle.
@@ -115,7 +119,8 @@ class Replier:
         if not self._speaks():
             return
         now = time.monotonic()
-        window_open = self._last_text_at is not None and now - self._last_text_at < self.frame_window_s
+        window_s = self.frame_window.seconds
+        window_open = self._last_text_at is not None and now - self._last_text_at < window_s
         if finish_reason is None and not tool_calls and window_open:
             held = self._held.get(index)
             if held is None:
@@ -123,7 +128,7 @@ class Replier:
             held.add(text, num_tokens, reasoning, logprobs, token_ids)
             assert self._last_text_at is not None and self._outbox is not None
             self._waking = True
-            closes_in = self._last_text_at + self.frame_window_s - now
+            closes_in = self._last_text_at + window_s - now
             self._outbox.wake_at(self, asyncio.get_running_loop().time() + closes_in)
             return
         held = self._held.get(index)

@@ -51,7 +51,7 @@ async def test_tokens_within_the_window_share_a_frame_and_the_first_goes_alone(
         frames: tuple[NatsClient, list[wire.ReplyFrame], asyncio.Event]) -> None:
     nc, got, final = frames
     # A window far longer than the loop below takes: everything after the first token is held.
-    replier = Replier(nc, SUBJECT, attempt=1, node="n", frame_window_s=60.0)
+    replier = Replier(nc, SUBJECT, attempt=1, node="n", frame_window=60.0)
     for token in range(100):
         await replier.delta(f"t{token} ", 1, token_ids=[token])
     await everything_sent_arrived(nc, got)
@@ -74,7 +74,7 @@ async def test_tokens_within_the_window_share_a_frame_and_the_first_goes_alone(
 async def test_held_text_goes_out_when_the_window_closes(
         frames: tuple[NatsClient, list[wire.ReplyFrame], asyncio.Event]) -> None:
     nc, got, _ = frames
-    replier = Replier(nc, SUBJECT, attempt=1, node="n", frame_window_s=1.0)
+    replier = Replier(nc, SUBJECT, attempt=1, node="n", frame_window=1.0)
     for token in range(5):
         await replier.delta(str(token), 1, token_ids=[token])
     # Nothing else is sent: only the window's own timer can deliver the held tokens.
@@ -86,7 +86,7 @@ async def test_held_text_goes_out_when_the_window_closes(
 async def test_a_tool_call_and_each_choice_keep_their_own_frames(
         frames: tuple[NatsClient, list[wire.ReplyFrame], asyncio.Event]) -> None:
     nc, got, final = frames
-    replier = Replier(nc, SUBJECT, attempt=1, node="n", frame_window_s=60.0)
+    replier = Replier(nc, SUBJECT, attempt=1, node="n", frame_window=60.0)
     await replier.delta("a", 1, index=0, token_ids=[1])
     await replier.delta("b", 1, index=1, token_ids=[2])
     await replier.delta("c", 1, index=0, token_ids=[3])
@@ -111,7 +111,7 @@ async def test_a_tool_call_and_each_choice_keep_their_own_frames(
 async def test_a_silenced_attempt_drops_what_it_held(
         frames: tuple[NatsClient, list[wire.ReplyFrame], asyncio.Event]) -> None:
     nc, got, _ = frames
-    replier = Replier(nc, SUBJECT, attempt=1, node="n", frame_window_s=60.0)
+    replier = Replier(nc, SUBJECT, attempt=1, node="n", frame_window=60.0)
     await replier.delta("sent", 1, token_ids=[1])
     await replier.delta("held", 1, token_ids=[2])
     assert replier.sent_tokens
