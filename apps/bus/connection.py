@@ -37,6 +37,19 @@ def one_per_connection(make: Callable[[NatsClient], T]) -> Callable[[NatsClient]
     return of
 
 
+async def settle(nc: NatsClient, timeout_s: float = 10.0) -> None:
+    """Until the server has taken everything `nc` sent so far: its subscriptions are in place (a
+    message another connection publishes from now on reaches them) and its publishes arrived.
+
+    One `nc.flush()` is not that: nats-py writes the flush's PING straight to the socket, ahead of
+    the commands (SUB, PUB) still queued for its flusher task, so the PONG can come back before
+    the server saw them. The first flush wakes the flusher, which hands the queue to the socket
+    before the PONG can be read; the second PING follows the queue, and its PONG comes after it.
+    """
+    for _ in range(2):
+        await nc.flush(timeout=timeout_s)  # type: ignore[arg-type]  # a float works: wait_for
+
+
 def _credentials(servers: list[str]) -> dict[str, str]:
     """The first credentials found in the server URLs, as connect options, so they also apply to
     the servers a cluster announces later (whose URLs carry none)."""

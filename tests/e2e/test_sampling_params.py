@@ -15,7 +15,7 @@ import openai
 import pytest
 from nats.aio.msg import Msg
 
-from apps.bus import topology, wire
+from apps.bus import connection, topology, wire
 from apps.bus.codes import Api
 from apps.worker.prompt import resolve_sampling
 from engine.frontend.protocol import SamplingParams
@@ -43,7 +43,7 @@ class BusTap:
                 self.seen.append(decoded)
 
         await nc.subscribe(self._subject, cb=keep)
-        await nc.flush()
+        await connection.settle(nc)
         self._ready.set()
         await self._stop.wait()
         await nc.close()

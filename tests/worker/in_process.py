@@ -16,8 +16,10 @@ import nats
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from apps.bus import topology, wire
+from apps.bus import connection, topology, wire
 from apps.bus.topology import BusLimits
+from apps.embedded.nats_server import EMBEDDED_MAX_PAYLOAD, NatsServer
+from apps.gateway.reply_router import ReplyRouter
 from apps.settings import WorkerSettings
 from apps.worker.model_loop import ModelLoop
 from apps.worker.process import WorkerProcess
@@ -158,3 +160,22 @@ async def terminations(nc: NatsClient) -> Terminations:
     await nc.subscribe(f"$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.{topology.REQUESTS_STREAM}.*",
                        cb=advisories.on_msg)
     return advisories
+
+
+@asynccontextmanager
+async def gateway_and_worker(tmp_path: Path, name: str,
+                             max_payload: int | None = EMBEDDED_MAX_PAYLOAD) -> AsyncIterator[
+                                 tuple[NatsClient, NatsClient, ReplyRouter]]:
+    """A NATS server of its own, a gateway connection with its reply router started (at the server
+    before this yields), and a worker connection: (gateway, worker, router)."""
+    with NatsServer(tmp_path / "nats", max_payload=max_payload) as server:
+        gateway = await connection.connect(server.url, f"{name}-gateway", max_reconnect_attempts=0)
+        worker = await connection.connect(server.url, f"{name}-worker", max_reconnect_attempts=0)
+        try:
+            router = ReplyRouter(gateway)
+            await router.start()
+            await connection.settle(gateway)  # the router's subscriptions are at the server
+            yield gateway, worker, router
+        finally:
+            await worker.close()
+            await gateway.close()

@@ -15,13 +15,13 @@ from nats.aio.msg import Msg
 
 from apps.bus import bundles, connection, wire
 from apps.bus.codes import FinishReason
-from apps.embedded.nats_server import NatsServer
 from apps.gateway.reply_router import ReplyRouter
 from apps.gateway.reply_stream import ReplyStream
 from apps.worker import liveness
 from apps.worker.liveness import RequesterProbe, Verdict
 from apps.worker.replies import Replier
 from tests.support import eventually_async
+from tests.worker.in_process import gateway_and_worker
 
 MAX_PAYLOAD = 4096
 
@@ -34,16 +34,8 @@ def quick_probes(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 async def bus(tmp_path: Path):  # type: ignore[no-untyped-def]
     """A gateway connection with its reply router started, and a worker connection."""
-    with NatsServer(tmp_path / "nats") as server:
-        gateway = await connection.connect(server.url, "probe-gateway", max_reconnect_attempts=0)
-        worker = await connection.connect(server.url, "probe-worker", max_reconnect_attempts=0)
-        router = ReplyRouter(gateway)
-        await router.start()
-        try:
-            yield gateway, worker, router
-        finally:
-            await worker.close()
-            await gateway.close()
+    async with gateway_and_worker(tmp_path, "probe") as connections:
+        yield connections
 
 
 async def test_one_probe_per_home_names_every_attempt_and_each_hears_its_own_verdict(
@@ -59,7 +51,7 @@ async def test_one_probe_per_home_names_every_attempt_and_each_hears_its_own_ver
         probes.append(len(bundles.decode_probe(msg.data)))
 
     await gateway.subscribe(bundles.home_alive_subject(router.home), cb=spy)
-    await gateway.flush()
+    await connection.settle(gateway)
     streams[0].migrate(2)  # the request moved on past attempt 1
     watches = [asyncio.create_task(RequesterProbe(worker, subject, attempt=1, grace_s=30).watch())
                for subject in subjects]
@@ -84,7 +76,6 @@ async def test_attempts_of_a_gateway_connection_that_is_gone_end_after_the_grace
     gateway, worker, router = bus
     stream, subject = ReplyStream(), router.new_reply_subject()
     router.follow(stream, subject)
-    await gateway.flush()
     patient = asyncio.create_task(RequesterProbe(worker, subject, attempt=1, grace_s=3600).watch())
     brief = asyncio.create_task(RequesterProbe(worker, subject, attempt=1, grace_s=0.2).watch())
     await gateway.close()  # no responders on its home from now on
@@ -99,37 +90,28 @@ async def test_hostile_probes_get_no_answer_or_one_that_fits_and_a_stream_beside
     """A probe that is not a list of pairs is dropped unanswered; the largest probe the server takes,
     of tokens nobody holds, is answered in full within max_payload; the gateway keeps its connection
     and a stream on it runs to its final frame meanwhile."""
-    with NatsServer(tmp_path / "nats", max_payload=MAX_PAYLOAD) as server:
-        gateway = await connection.connect(server.url, "probe-gateway", max_reconnect_attempts=0)
-        worker = await connection.connect(server.url, "probe-worker", max_reconnect_attempts=0)
-        try:
-            router = ReplyRouter(gateway)
-            await router.start()
-            stream, subject = ReplyStream(), router.new_reply_subject()
-            router.follow(stream, subject)
-            await gateway.flush()
-            replier = Replier(worker, subject, attempt=1, node="w")
+    async with gateway_and_worker(tmp_path, "probe", max_payload=MAX_PAYLOAD) as (gateway, worker, router):
+        stream, subject = ReplyStream(), router.new_reply_subject()
+        router.follow(stream, subject)
+        replier = Replier(worker, subject, attempt=1, node="w")
 
-            async def answer() -> int:
-                for token in range(50):
-                    await replier.delta(f"t{token} ", 1, token_ids=[token])
-                    await asyncio.sleep(0)
-                await replier.final(FinishReason.LENGTH, wire.Usage(prompt_tokens=1, completion_tokens=50))
-                frames = [await stream.next(10) for _ in range(51)]
-                assert isinstance(frames[-1], wire.Final)
-                return sum(f.num_tokens for f in frames if isinstance(f, wire.Delta))
+        async def answer() -> int:
+            for token in range(50):
+                await replier.delta(f"t{token} ", 1, token_ids=[token])
+                await asyncio.sleep(0)
+            await replier.final(FinishReason.LENGTH, wire.Usage(prompt_tokens=1, completion_tokens=50))
+            frames = [await stream.next(10) for _ in range(51)]
+            assert isinstance(frames[-1], wire.Final)
+            return sum(f.num_tokens for f in frames if isinstance(f, wire.Delta))
 
-            streaming = asyncio.create_task(answer())
-            home = bundles.home_alive_subject(router.home)
-            with pytest.raises(TimeoutError):
-                await worker.request(home, b'{"not": "pairs"}', timeout=1)
-            pairs = (MAX_PAYLOAD - 2) // len('["",0],')
-            largest = bundles.encode_probe([("", 0)] * pairs)
-            assert len(largest) <= MAX_PAYLOAD
-            reply = await worker.request(home, largest, timeout=10)
-            assert bundles.decode_verdicts(reply.data) == [bundles.GONE] * pairs
-            assert await asyncio.wait_for(streaming, 30) == 50
-            assert gateway.is_connected and worker.is_connected
-        finally:
-            await worker.close()
-            await gateway.close()
+        streaming = asyncio.create_task(answer())
+        home = bundles.home_alive_subject(router.home)
+        with pytest.raises(TimeoutError):
+            await worker.request(home, b'{"not": "pairs"}', timeout=1)
+        pairs = (MAX_PAYLOAD - 2) // len('["",0],')
+        largest = bundles.encode_probe([("", 0)] * pairs)
+        assert len(largest) <= MAX_PAYLOAD
+        reply = await worker.request(home, largest, timeout=10)
+        assert bundles.decode_verdicts(reply.data) == [bundles.GONE] * pairs
+        assert await asyncio.wait_for(streaming, 30) == 50
+        assert gateway.is_connected and worker.is_connected

@@ -24,7 +24,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from apps.bus import topology, wire
+from apps.bus import connection, topology, wire
 from apps.bus.codes import ErrorCode, RunStatus
 from apps.bus.events import AnyEvent, RunFinished, event_decoder, event_kind
 from apps.bus.topology import BusLimits
@@ -66,12 +66,12 @@ class Requester:
 
     async def listen(self) -> None:
         self._alive = await self.nc.subscribe(topology.alive_subject(self.reply_subject), cb=self._on_probe)
-        await self.nc.flush()
+        await connection.settle(self.nc)
 
     async def stop_listening(self) -> None:
         assert self._alive is not None
         await self._alive.unsubscribe()
-        await self.nc.flush()
+        await connection.settle(self.nc)
 
     async def _on_probe(self, msg: Msg) -> None:
         asking = int(msg.data) if msg.data else None
