@@ -37,7 +37,7 @@ def one_per_connection(make: Callable[[NatsClient], T]) -> Callable[[NatsClient]
     return of
 
 
-async def settle(nc: NatsClient, timeout_s: float = 10.0) -> None:
+async def reached_server(nc: NatsClient, timeout_s: float = 10.0) -> None:
     """Until the server has taken everything `nc` sent so far: its subscriptions are in place (a
     message another connection publishes from now on reaches them) and its publishes arrived.
 

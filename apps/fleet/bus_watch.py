@@ -17,7 +17,7 @@ from typing import TextIO
 import msgspec
 from nats.aio.msg import Msg
 
-from apps.bus.connection import settle
+from apps.bus.connection import reached_server
 from apps.fleet import operator
 
 
@@ -53,7 +53,7 @@ async def watch(url: str, subject: str, stop: asyncio.Event, out: TextIO = sys.s
             out.flush()
 
         await nc.subscribe(subject, cb=show)
-        await settle(nc)
+        await reached_server(nc)
         # On stderr, so that stdout holds only messages: from here on nothing on `subject` is missed.
         print(f"watching {subject} on {operator.without_password(url)} (Ctrl-C to stop)", file=sys.stderr, flush=True)
         stopping, closing = asyncio.create_task(stop.wait()), asyncio.create_task(lost.wait())

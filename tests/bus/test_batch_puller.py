@@ -7,7 +7,7 @@ import asyncio
 
 from nats.aio.msg import Msg
 
-from apps.bus.connection import connect, settle
+from apps.bus.connection import connect, reached_server
 from apps.bus.declaration import ensure_topology
 from apps.bus.pull import BatchPuller
 from apps.bus.topology import EVENTS_STREAM, BusLimits, event_subject, replay_puller
@@ -27,12 +27,12 @@ async def test_an_idle_consumer_costs_one_pull_per_wait(own_nats: NatsServer) ->
             pulls.append(msg.data)
 
         sub = await watcher.subscribe(f"$JS.API.CONSUMER.MSG.NEXT.{EVENTS_STREAM}.{puller.consumer}", cb=count)
-        await settle(watcher)
+        await reached_server(watcher)
         assert await puller.fetch(8, timeout=0.2) == []
         assert len(pulls) == 2  # "anything there?" (no_wait), then the pull that waits
         for _ in range(3):
             assert await puller.fetch(8, timeout=0.2) == []
-        await settle(watcher)
+        await reached_server(watcher)
         assert len(pulls) == 5  # then only the pull that waits, once per fetch
         assert all(b"expires" in pull for pull in pulls[1:])
 

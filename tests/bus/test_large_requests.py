@@ -177,7 +177,7 @@ async def test_sizes_around_the_header_window_never_close_the_connection(small_s
             else:
                 assert body == request, f"size {size}"
             await msg.ack()
-        await connection.settle(nc)
+        await connection.reached_server(nc)
         assert nc.is_connected and not nc.is_closed
     finally:
         await nc.close()

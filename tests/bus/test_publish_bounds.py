@@ -128,7 +128,7 @@ async def test_every_client_sized_event_at_the_boundary_is_stored_whole(stock_se
         by_ref = [isinstance(event_decoder.decode(msg.data), EventRef) for msg, _ in got]
         assert by_ref == [offset > 0 for offset in OFFSETS]
         assert all(len(msg.data) < 1024 for (msg, _), ref in zip(got, by_ref, strict=True) if ref)
-        await connection.settle(nc)
+        await connection.reached_server(nc)
         assert nc.is_connected and not nc.is_closed and not closed
     finally:
         await nc.close()
@@ -144,7 +144,7 @@ async def test_a_jetstream_message_past_the_limit_is_refused_before_sending(stoc
         with pytest.raises(publish.TooLarge) as caught:
             await publish.publish(js, topology.event_subject("x", "y"), exact + b"x", "windox")
         assert caught.value.size == nc.max_payload + 1
-        await connection.settle(nc)
+        await connection.reached_server(nc)
         assert nc.is_connected
     finally:
         await nc.close()
@@ -173,7 +173,7 @@ async def test_a_frame_past_the_limit_becomes_an_error_frame_and_the_connection_
         await replier.error(500, ErrorCode.GENERATION_FAILED, "y" * (4 << 20))
         await asyncio.wait_for(got.wait(), 10)
         assert isinstance(frames[-1], wire.ErrorFrame) and len(frames[-1].message.encode()) <= wire.MAX_TEXT_BYTES
-        await connection.settle(nc)
+        await connection.reached_server(nc)
         assert nc.is_connected
     finally:
         await nc.close()

@@ -69,7 +69,7 @@ async def test_frames_of_many_streams_share_messages_and_the_text_is_whole(syste
         client = openai.AsyncOpenAI(base_url=f"{system.base_url}/v1", api_key="none", max_retries=0, timeout=120)
         try:
             await watcher.subscribe(f"{topology.inbox_root(roles.GATEWAY)}.>", cb=counter.on_message)
-            await connection.settle(watcher)
+            await connection.reached_server(watcher)
             answers = await asyncio.gather(*(stream(client, n) for n in range(STREAMS)))
             # Every final frame seen on the bus too, so no message is still on its way to the count.
             await eventually_async(lambda: counter.finals >= STREAMS, 30,

@@ -44,7 +44,7 @@ async def _forge(system: System, asked: threading.Event) -> list[str]:
                                    error_cb=note)
     try:
         requests = await operator.subscribe(topology.request_subject(MODEL))
-        await connection.settle(operator)
+        await connection.reached_server(operator)
         asked.set()
         request = wire.request_decoder.decode((await requests.next_msg(timeout=60)).data)
         # The gateway's inbox (`_INBOX.gateway.<user>.<id>`): predictable, see tests/gateway/test_reply_subjects.py.
@@ -55,7 +55,7 @@ async def _forge(system: System, asked: threading.Event) -> list[str]:
         for subject in (inbox, f"{inbox}.{secrets.token_urlsafe(16)}", f"{request.reply_subject[:-2]}xx"):
             for frame in forged(request.attempt + 1):
                 await rogue.publish(subject, wire.encode(frame))
-        await connection.settle(rogue)
+        await connection.reached_server(rogue)
 
         async def subscription_refused() -> bool:
             # The client hears the server's refusal in a task of its own: waited for, not assumed.

@@ -43,7 +43,7 @@ class BusTap:
                 self.seen.append(decoded)
 
         await nc.subscribe(self._subject, cb=keep)
-        await connection.settle(nc)
+        await connection.reached_server(nc)
         self._ready.set()
         await self._stop.wait()
         await nc.close()

@@ -53,7 +53,7 @@ class RoleClient:
 
     async def refused_nothing(self) -> bool:
         """Nothing refused since `refused` was cleared, once the server has answered a ping."""
-        await connection.settle(self.nc, timeout_s=5)
+        await connection.reached_server(self.nc, timeout_s=5)
         return not self.refused
 
 
@@ -203,7 +203,7 @@ async def test_events_come_only_from_the_role_that_owns_their_kind(nats_server: 
 async def test_the_operator_reads_everything_and_writes_nothing_an_app_owns(nats_server: NatsServer) -> None:
     async with as_role(nats_server, roles.OPERATOR) as operator, as_role(nats_server, roles.WORKER) as worker:
         seen = await operator.nc.subscribe(topology.every_subject())
-        await connection.settle(operator.nc)  # subscribed at the server before the worker publishes
+        await connection.reached_server(operator.nc)  # subscribed at the server before the worker publishes
         event = started("roles-7", model=MODEL)
         subject = topology.event_subject(event_kind(event), event.model)
         await _see(seen, subject, worker, operator, lambda: _try_event(worker, event))

@@ -32,7 +32,7 @@ def answer(attempt: int, text: str, token: int) -> list[wire.ReplyFrame]:
 async def send(nc: NatsClient, subject: str, frames: list[wire.ReplyFrame]) -> None:
     for frame in frames:
         await nc.publish(subject, wire.encode(frame))
-    await connection.settle(nc)
+    await connection.reached_server(nc)
 
 
 async def worker(server: NatsServer, name: str) -> NatsClient:

@@ -174,7 +174,7 @@ async def gateway_and_worker(tmp_path: Path, name: str,
         try:
             router = ReplyRouter(gateway)
             await router.start()
-            await connection.settle(gateway)  # the router's subscriptions are at the server
+            await connection.reached_server(gateway)  # the router's subscriptions are at the server
             yield gateway, worker, router
         finally:
             await worker.close()

@@ -51,7 +51,7 @@ async def test_one_probe_per_home_names_every_attempt_and_each_hears_its_own_ver
         probes.append(len(bundles.decode_probe(msg.data)))
 
     await gateway.subscribe(bundles.home_alive_subject(router.home), cb=spy)
-    await connection.settle(gateway)
+    await connection.reached_server(gateway)
     streams[0].migrate(2)  # the request moved on past attempt 1
     watches = [asyncio.create_task(RequesterProbe(worker, subject, attempt=1, grace_s=30).watch())
                for subject in subjects]

@@ -66,12 +66,12 @@ class Requester:
 
     async def listen(self) -> None:
         self._alive = await self.nc.subscribe(topology.alive_subject(self.reply_subject), cb=self._on_probe)
-        await connection.settle(self.nc)
+        await connection.reached_server(self.nc)
 
     async def stop_listening(self) -> None:
         assert self._alive is not None
         await self._alive.unsubscribe()
-        await connection.settle(self.nc)
+        await connection.reached_server(self.nc)
 
     async def _on_probe(self, msg: Msg) -> None:
         asking = int(msg.data) if msg.data else None
