@@ -55,7 +55,7 @@ def cmd_gateway(args: argparse.Namespace) -> None:
     import uvicorn
 
     from apps.gateway.app import create_app, end_in_flight
-    from apps.gateway.http_edge import EdgeLimits, protocol_class, raise_fd_limit
+    from apps.gateway.http_edge import EdgeLimits, EdgeServer, protocol_class, raise_fd_limit
     from apps.settings import GatewaySettings
 
     settings = GatewaySettings()
@@ -72,7 +72,7 @@ def cmd_gateway(args: argparse.Namespace) -> None:
             # A backstop: answers in flight are ended after the stop grace (`end_in_flight`).
             timeout_graceful_shutdown=settings.stop_grace_s + 5,  # type: ignore[arg-type]  # a float works: wait_for
         )
-        server = uvicorn.Server(config)
+        server = EdgeServer(config)
         # The signals are the app's (`_run_until_signal` sets `stop`, then answers in flight end after
         # the stop grace): uvicorn must not take SIGINT/SIGTERM itself while it serves.
         server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign, assignment]  # a no-op context
@@ -96,7 +96,7 @@ def cmd_gateway(args: argparse.Namespace) -> None:
         logs.announce_ready("gateway", url=f"http://{settings.host}:{settings.port}")
         stopping = asyncio.create_task(stop.wait())
         await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        server.should_exit = True
+        server.exit()
         ending = asyncio.create_task(end_in_flight(app, settings.stop_grace_s))
         await serving
         ending.cancel()

@@ -82,7 +82,6 @@ FIRST_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 30.0
 # A child running this long counts as healthy again: its next crash restarts it after FIRST_BACKOFF_S.
 STABLE_AFTER_S = 60.0
-SUPERVISE_EVERY_S = 0.2
 
 
 class Child:
@@ -90,11 +89,14 @@ class Child:
 
     Each child runs in a process group of its own, so the terminal's Ctrl-C reaches only `up`,
     which stops the children itself, in order; and the kernel kills it if `up` dies, even by
-    SIGKILL (`apps.embedded.tether`), so no app outlives `up` to serve on as an orphan."""
+    SIGKILL (`apps.embedded.tether`), so no app outlives `up` to serve on as an orphan.
+    `exited` is set once its process has exited (its output ends first), so whoever supervises it
+    waits on that rather than polling."""
 
-    def __init__(self, app: str, env: dict[str, str], nice: int = 0) -> None:
+    def __init__(self, app: str, env: dict[str, str], exited: threading.Event, nice: int = 0) -> None:
         self.app = app
         self.env = env
+        self.exited = exited
         self.nice = nice
         self.restarts = 0
         self.backoff_s = FIRST_BACKOFF_S
@@ -136,6 +138,8 @@ class Child:
             if not ready.is_set() and entry.get("event") == "ready":
                 self.ready_fields = entry
                 ready.set()
+        process.wait()
+        self.exited.set()
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -178,23 +182,28 @@ def lower_priority(pid: int, nice: int) -> None:
 
 
 class Supervisor:
-    """Restarts children that exit, each after its own backoff, until `stop` is set."""
+    """Restarts children that exit, each after its own backoff, until `stop` is set.
 
-    def __init__(self, children: list[Child], stop: threading.Event) -> None:
+    It sleeps until `attention` is set (a child exited, or `stop` was set: whoever sets either
+    sets it too) or a restart is due; an idle system wakes it never, not five times a second."""
+
+    def __init__(self, children: list[Child], stop: threading.Event, attention: threading.Event) -> None:
         self.children = children
         self.stop = stop
+        self.attention = attention
         self._due: dict[str, float] = {}  # app → monotonic time of its restart
 
     def run(self) -> None:
-        while not self.stop.wait(SUPERVISE_EVERY_S):
+        while not self.stop.is_set():
+            self.attention.clear()
             for child in self.children:
                 self._look_after(child)
+            due = min(self._due.values(), default=None)
+            self.attention.wait(None if due is None else max(due - time.monotonic(), 0.0))
 
     def _look_after(self, child: Child) -> None:
         now = time.monotonic()
         if child.alive():
-            if now - child.started_at >= STABLE_AFTER_S:
-                child.backoff_s = FIRST_BACKOFF_S
             return
         if child.app not in self._due:
             _kill_group(child.process.pid)  # what it leaves behind (an engine process) goes with it
@@ -327,6 +336,8 @@ def run_up(args: argparse.Namespace) -> int:
     from apps.recorder.migrate import migrate
 
     stop = threading.Event()
+    # Set with `stop` and whenever a child exits: what the supervisor waits on.
+    attention = threading.Event()
     children: list[Child] = []
 
     def on_signal(*_: object) -> None:
@@ -334,6 +345,7 @@ def run_up(args: argparse.Namespace) -> int:
             for child in children:
                 _kill_group(child.process.pid)
         stop.set()
+        attention.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
@@ -426,14 +438,14 @@ def run_up(args: argparse.Namespace) -> int:
                 env_values[BENCH_NATS_URL] = nats_urls[roles.BENCH]
             env_file = write_env(folder, env_values)
             for app in APPS:
-                children.append(Child(app, _child_env(env, app, nats_urls, database_urls),
+                children.append(Child(app, _child_env(env, app, nats_urls, database_urls), attention,
                                       0 if app in ENGINE_APPS else nice))
             _wait_until_ready(children, stop)
             worker = next(c.ready_fields for c in children if c.app == "worker")
             model = worker.get("model")
             print(banner(url, model or "", env_file, worker, credential_files, role_folders), flush=True)
             announce_ready("up", url=url, model=model, data_dir=str(folder), env_file=str(env_file))
-            Supervisor(children, stop).run()
+            Supervisor(children, stop, attention).run()
         except (StartFailed, RuntimeError, TimeoutError, OSError) as exc:
             if not stop.is_set():
                 failure = str(exc) if str(exc).startswith("helexa") else f"helexa: {exc}"

@@ -13,11 +13,14 @@ else, so `protocol_class` is uvicorn's httptools protocol with these bounds adde
   `body_timeout_s` after its headers (408, and the app sees the client gone), a file upload
   (`POST /v1/files`, bounded in bytes by its route) `upload_timeout_s` after them;
 - no protocol upgrades (`ws="none"`: the gateway has no WebSocket route).
+
+`EdgeServer` is uvicorn's server with a main loop that sleeps a second, not a tenth, between ticks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import resource
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import httptools
+import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from apps.gateway.errors import error_body, log_failure
@@ -36,6 +40,8 @@ log = logging.getLogger("helexa.gateway")
 UPLOAD_PATH = "/v1/files"
 # File descriptors beyond the connection cap: NATS, PostgreSQL, logs, the listening socket.
 SPARE_FDS = 256
+# How often the server's loop wakes to refresh the Date header (which counts in seconds).
+DATE_REFRESH_S = 1.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -235,3 +241,24 @@ def raise_fd_limit(max_connections: int) -> None:
         if new < wanted:
             log.warning("the open-file limit is below the connection cap",
                         extra={"nofile": new, "max_connections": max_connections})
+
+
+class EdgeServer(uvicorn.Server):
+    """uvicorn's server, woken once a second while it serves instead of ten times.
+
+    uvicorn's main loop ticks every 0.1 s only to refresh the Date header (once a second, its
+    resolution) and to look at `should_exit`: ~1 ms of CPU a second on an idle gateway. Here
+    each tick refreshes the header, and `exit()` ends the loop at once rather than at a tick."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self._exiting = asyncio.Event()
+
+    def exit(self) -> None:
+        self.should_exit = True
+        self._exiting.set()
+
+    async def main_loop(self) -> None:
+        while not await self.on_tick(0):  # tick 0: the Date header is refreshed
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._exiting.wait(), DATE_REFRESH_S)

@@ -257,6 +257,31 @@ def test_ctrl_c_ends_the_streams_then_stops_the_apps_then_the_servers_quietly(
     assert stopped == ["gateway", "worker", "recorder", "postgres", "nats"]
 
 
+def test_an_app_that_dies_is_restarted_and_serves_again(tmp_path: Path, script: Path, ups: list[AppProcess]) -> None:
+    """The supervisor sleeps until a child exits (no polling): a killed gateway is started again
+    after its backoff, on the same port, and answers; the other apps ran on untouched."""
+    up = start_up(ups, tmp_path / "data", free_port(), script)
+    ready = wait_up(up)
+    children = {p.cmdline()[-1]: p for p in psutil.Process(up.process.pid).children()
+                if p.cmdline()[-2:-1] == ["apps.cli"]}
+    assert {"gateway", "worker", "recorder"} <= set(children), children
+    children["gateway"].kill()
+    restarted = up.wait_for(lambda e: e.get("event") == "child restarted" and e.get("app") == "gateway", timeout_s=60)
+    assert restarted["restarts"] == 1
+    client = openai.OpenAI(base_url=f"{ready['url']}/v1", api_key="unused", max_retries=0)
+    answer = eventually(lambda: _answer(client, ready["model"]), timeout_s=60, message="the gateway never came back")
+    assert answer == "Paris."
+    assert all(children[app].is_running() for app in ("worker", "recorder"))
+
+
+def _answer(client: openai.OpenAI, model: str) -> str | None:
+    try:
+        reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "capital?"}])
+    except openai.APIConnectionError:
+        return None  # not listening again yet
+    return reply.choices[0].message.content
+
+
 def test_up_killed_with_sigkill_under_load_leaves_no_process(tmp_path: Path, script: Path,
                                                            ups: list[AppProcess]) -> None:
     data, port = tmp_path / "data", free_port()

@@ -1,7 +1,8 @@
 """The HTTP edge below the app (apps/gateway/http_edge.py), on real sockets against uvicorn with
 the gateway's protocol and a small echo app: header count and bytes (431), header and body read
 time (408), the connection cap (503), and that none of it touches a well-behaved request, a
-keep-alive connection's next request, or an answer that takes longer than every timeout."""
+keep-alive connection's next request, or an answer that takes longer than every timeout; and
+that the server (`EdgeServer`, whose loop ticks once a second) dates its answers and stops when told."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import pytest
 import uvicorn
 
 from apps.embedded import free_port
-from apps.gateway.http_edge import EdgeLimits, protocol_class
+from apps.gateway import http_edge
+from apps.gateway.http_edge import EdgeLimits, EdgeServer, protocol_class
 from tests.support import eventually_async
 
 LIMITS = EdgeLimits(max_connections=8, max_headers=20, max_header_bytes=4096, header_timeout_s=0.5,
@@ -51,8 +53,8 @@ async def echo(scope: dict, receive, send) -> None:  # type: ignore[no-untyped-d
 @contextlib.asynccontextmanager
 async def serving(limits: EdgeLimits) -> AsyncIterator[int]:
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(echo, host="127.0.0.1", port=port, http=protocol_class(limits),
-                                           ws="none", log_config=None))
+    server = EdgeServer(uvicorn.Config(echo, host="127.0.0.1", port=port, http=protocol_class(limits),
+                                       ws="none", log_config=None))
     task = asyncio.create_task(server.serve())
     while not server.started:
         assert not task.done(), "the server did not start"
@@ -60,7 +62,7 @@ async def serving(limits: EdgeLimits) -> AsyncIterator[int]:
     try:
         yield port
     finally:
-        server.should_exit = True
+        server.exit()
         await task
 
 
@@ -188,3 +190,18 @@ async def test_connections_past_the_cap_are_503_and_the_rest_are_served() -> Non
         finally:
             for _, writer in held:
                 writer.close()
+
+
+async def test_answers_are_dated_and_exit_stops_the_server_between_ticks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`EdgeServer` dates its answers; `exit()` ends `serve` without waiting for the next tick: with
+    ticks an hour apart, a loop that slept between them would never end here."""
+    monkeypatch.setattr(http_edge, "DATE_REFRESH_S", 3600.0)
+    port = free_port()
+    server = EdgeServer(uvicorn.Config(echo, host="127.0.0.1", port=port, http=protocol_class(LIMITS),
+                                       ws="none", log_config=None))
+    task = asyncio.create_task(server.serve())
+    await eventually_async(lambda: server.started, 30, message="the server did not start")
+    answer = await exchange(port, b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\nconnection: close\r\n\r\nhi")
+    assert answer.startswith(b"HTTP/1.1 200") and b"\r\ndate: " in answer.lower()
+    server.exit()
+    await asyncio.wait_for(task, 30)
