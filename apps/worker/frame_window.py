@@ -31,12 +31,14 @@ from engine.frontend.protocol import CoreStats
 MAX_WINDOW_S = 0.25
 # Steps between two readings of the engine's pace.
 REFRESH_STEPS = 16
+# How often `at` looks at the engine's counters (every delta of every stream asks for the window).
+LOOK_EVERY_S = 0.1
 
 
 class FrameWindow:
     """The frame window now, in seconds (`seconds`): fixed, or paced by the engine's steps."""
 
-    __slots__ = ("_floor_s", "_seconds", "_seen_seconds", "_seen_steps", "_stats", "_steps")
+    __slots__ = ("_floor_s", "_next_look", "_seconds", "_seen_seconds", "_seen_steps", "_stats", "_steps")
 
     def __init__(self, floor_s: float, steps: float = 0.0, stats: Callable[[], CoreStats] | None = None) -> None:
         self._floor_s = floor_s
@@ -45,6 +47,14 @@ class FrameWindow:
         self._seconds = floor_s
         self._seen_steps = 0
         self._seen_seconds = 0.0
+        self._next_look = 0.0
+
+    def at(self, now: float) -> float:
+        """The window at monotonic time `now`, the engine's counters read at most every `LOOK_EVERY_S`."""
+        if now < self._next_look:
+            return self._seconds
+        self._next_look = now + LOOK_EVERY_S
+        return self.seconds
 
     @property
     def seconds(self) -> float:

@@ -116,20 +116,21 @@ class Replier:
         stop_sequence: str | None = None,
         token_ids: list[int] | None = None,
     ) -> None:
-        if not self._speaks():
+        if self.silenced is not None or self.ended:  # `_speaks`, inline: once per token of every stream
             return
         now = time.monotonic()
-        window_s = self.frame_window.seconds
+        window_s = self.frame_window.at(now)
         window_open = self._last_text_at is not None and now - self._last_text_at < window_s
         if finish_reason is None and not tool_calls and window_open:
             held = self._held.get(index)
             if held is None:
                 held = self._held[index] = _HeldDelta()
             held.add(text, num_tokens, reasoning, logprobs, token_ids)
-            assert self._last_text_at is not None and self._outbox is not None
-            self._waking = True
-            closes_in = self._last_text_at + window_s - now
-            self._outbox.wake_at(self, asyncio.get_running_loop().time() + closes_in)
+            if not self._waking:  # once per window: the window closes when it closes
+                assert self._last_text_at is not None and self._outbox is not None
+                self._waking = True
+                closes_in = self._last_text_at + window_s - now
+                self._outbox.wake_at(self, asyncio.get_running_loop().time() + closes_in)
             return
         held = self._held.get(index)
         if held is not None:
@@ -143,7 +144,8 @@ class Replier:
         # A delta is on its way once put (the outbox sends it this loop turn); the run waits for
         # the connection only when the outbox falls behind. A frame lost on the bus is a gap the
         # gateway reports, and the run's final frame waits and learns of the error.
-        await self._keep_up()
+        if self._outbox is not None and self._outbox.backlogged:
+            await self._outbox.send_now()
 
     async def flush(self) -> None:
         """Send every held delta now (before a frame that must not overtake them)."""
@@ -152,10 +154,6 @@ class Replier:
 
     async def _sent(self) -> None:
         if self._outbox is not None:
-            await self._outbox.send_now()
-
-    async def _keep_up(self) -> None:
-        if self._outbox is not None and self._outbox.backlogged:
             await self._outbox.send_now()
 
     def flush_held(self) -> None:

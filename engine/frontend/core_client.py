@@ -2,7 +2,8 @@
 
 Typed messages (`engine.frontend.protocol`, msgpack) go down a pipe through a writer thread, so a request
 of megabytes, or a core busy in a long step that leaves the pipe full, never blocks the event loop
-(its heartbeats and acks); a reader thread hands each step's outputs to the request's asyncio queue.
+(its heartbeats and acks); what the core sends is read on the loop itself (`pipe_reader`), each step's
+outputs handed to the requests' queues.
 When a consumer falls behind, its queued outputs are merged into one (coalescing), so a slow client
 costs one bigger delta rather than a backlog.
 This module imports no torch: the core process (`engine.core.core_process.run_core_process`) does.
@@ -24,6 +25,7 @@ from typing import Any
 
 from engine.frontend import parent_death
 from engine.frontend.engine_config import EngineConfig
+from engine.frontend.pipe_reader import PipeReader
 from engine.frontend.protocol import (
     ENGINE_STOPPED,
     AbortRequests,
@@ -62,6 +64,8 @@ class AsyncEngine:
         self._dead: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._conn: Connection | None = None
+        # Reads what the core sends, on the loop (None until the core has started).
+        self._reader: PipeReader | None = None
         self._process: Any = None
         self._closed = False
         # Encoded messages for the core, in order; None stops the writer thread.
@@ -113,7 +117,7 @@ class AsyncEngine:
         self._info = info
         self._stats = CoreStats(num_blocks=info.num_blocks, num_free_blocks=info.num_blocks)
         self._loop = asyncio.get_running_loop()
-        threading.Thread(target=self._read, daemon=True, name="helexa-engine-reader").start()
+        self._reader = PipeReader(self._loop, conn, self._received, self._core_died)
         threading.Thread(target=self._write, daemon=True, name="helexa-engine-writer").start()
 
     def _recv_startup(self) -> CoreReady | CoreFailed:
@@ -163,16 +167,10 @@ class AsyncEngine:
             taken -= len(self._batch)  # the scheduler preempts batch sequences for interactive ones
         return max(self.max_num_seqs - taken, 0)
 
-    def _read(self) -> None:
-        assert self._conn is not None and self._loop is not None
-        while True:
-            try:
-                message = from_core_decoder.decode(self._conn.recv_bytes())
-            except (EOFError, OSError):
-                self._loop.call_soon_threadsafe(self._core_died)
-                return
-            if isinstance(message, StepOutputs):
-                self._loop.call_soon_threadsafe(self._dispatch, message)
+    def _received(self, data: bytes | memoryview) -> None:
+        message = from_core_decoder.decode(data)
+        if isinstance(message, StepOutputs):
+            self._dispatch(message)
 
     def _dispatch(self, message: StepOutputs) -> None:
         self._stats = message.stats
@@ -253,6 +251,8 @@ class AsyncEngine:
             if self._process.is_alive():
                 self._process.kill()
                 await asyncio.to_thread(self._process.join, 5)
+        if self._reader is not None:
+            self._reader.stop()
         if self._conn is not None:
             self._conn.close()
 
@@ -296,6 +296,7 @@ class OutputStream:
 
     def __init__(self, queue: OutputQueue, release: Callable[[bool], None]) -> None:
         self._queue = queue
+        self._items = queue._items  # read straight when outputs are there (once per token)
         self._release: Callable[[bool], None] | None = release
         self._finished = False
 
@@ -305,9 +306,10 @@ class OutputStream:
     async def __anext__(self) -> EngineOutput:
         if self._release is None:  # finished or closed
             raise StopAsyncIteration
-        output = await self._queue.get()
-        while not output.finished and not self._queue.empty():
-            output = output.merged(self._queue.get_nowait())
+        items = self._items
+        output = items.popleft() if items else await self._queue.get()
+        while items and not output.finished:
+            output = output.merged(items.popleft())
         if output.finished:
             self._finished = True
             self._close()

@@ -199,10 +199,11 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.token_ids)
         self.output_text = ""
+        # `tokenizers`' own decode, called straight: twice per generated token of every stream.
+        self._decode_ids = tokenizer.hf.decode
 
     def _decode(self, start: int, end: int | None = None) -> str:
-        return self.tokenizer.decode(self.token_ids[start:end],
-                                     skip_special_tokens=self.skip_special_tokens)
+        return self._decode_ids(self.token_ids[start:end], skip_special_tokens=self.skip_special_tokens)
 
     def step(self, new_token_ids: list[int]) -> str:
         """Add generated ids; return the text they complete (possibly empty).
@@ -211,18 +212,21 @@ class IncrementalDetokenizer:
         is a function of that prefix alone, however the ids came in chunks: a worker that resumes
         a migrated answer from its token ids is at exactly the point the first worker reached.
         """
+        if len(new_token_ids) == 1:  # the usual step
+            return self._step_one(new_token_ids[0])
         return "".join([self._step_one(token_id) for token_id in new_token_ids])
 
     def _step_one(self, token_id: int) -> str:
-        self.token_ids.append(token_id)
-        prefix_text = self._decode(self.prefix_offset, self.read_offset)
-        new_text = self._decode(self.prefix_offset)
+        ids, start, read = self.token_ids, self.prefix_offset, self.read_offset
+        ids.append(token_id)
+        prefix_text = self._decode_ids(ids[start:read], skip_special_tokens=self.skip_special_tokens)
+        new_text = self._decode_ids(ids[start:], skip_special_tokens=self.skip_special_tokens)
         unfinished = len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR)
-        if unfinished and len(self.token_ids) - self.read_offset < self.MAX_HELD_TOKENS:
+        if unfinished and len(ids) - read < self.MAX_HELD_TOKENS:
             return ""
         delta = new_text[len(prefix_text):]
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self.token_ids)
+        self.prefix_offset = read
+        self.read_offset = len(ids)
         self.output_text += delta
         return delta
 
