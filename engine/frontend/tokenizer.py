@@ -199,8 +199,8 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.token_ids)
         self.output_text = ""
-        # `tokenizers`' own decode, called straight: twice per generated token of every stream.
-        self._decode_ids = tokenizer.hf.decode
+        # Bound once: called twice per generated token of every stream.
+        self._decode_ids = tokenizer.decode
 
     def _decode(self, start: int, end: int | None = None) -> str:
         return self._decode_ids(self.token_ids[start:end], skip_special_tokens=self.skip_special_tokens)
