@@ -260,33 +260,28 @@ class AsyncEngine:
 class OutputQueue:
     """One request's outputs from the core: put by the dispatcher (on the loop), taken by its
     stream. An unbounded FIFO with one reader, which is all it needs of asyncio.Queue at a
-    fraction of the cost per output (one per token of every running request)."""
+    fraction of the cost per output (one per token of every running request). The reader takes
+    what is queued straight from `items` and awaits `wait` only when it is empty."""
 
-    __slots__ = ("_items", "_waiter")
+    __slots__ = ("_waiter", "items")
 
     def __init__(self) -> None:
-        self._items: deque[EngineOutput] = deque()
+        self.items: deque[EngineOutput] = deque()
         self._waiter: asyncio.Future[None] | None = None
 
     def put_nowait(self, output: EngineOutput) -> None:
-        self._items.append(output)
+        self.items.append(output)
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    def empty(self) -> bool:
-        return not self._items
-
-    def get_nowait(self) -> EngineOutput:
-        return self._items.popleft()
-
-    async def get(self) -> EngineOutput:
-        while not self._items:
+    async def wait(self) -> None:
+        """Until an output is queued."""
+        while not self.items:
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
             finally:
                 self._waiter = None
-        return self._items.popleft()
 
 
 class OutputStream:
@@ -296,7 +291,6 @@ class OutputStream:
 
     def __init__(self, queue: OutputQueue, release: Callable[[bool], None]) -> None:
         self._queue = queue
-        self._items = queue._items  # read straight when outputs are there (once per token)
         self._release: Callable[[bool], None] | None = release
         self._finished = False
 
@@ -306,8 +300,10 @@ class OutputStream:
     async def __anext__(self) -> EngineOutput:
         if self._release is None:  # finished or closed
             raise StopAsyncIteration
-        items = self._items
-        output = items.popleft() if items else await self._queue.get()
+        items = self._queue.items
+        if not items:
+            await self._queue.wait()
+        output = items.popleft()
         while items and not output.finished:
             output = output.merged(items.popleft())
         if output.finished:
