@@ -27,6 +27,7 @@ from engine.frontend.protocol import (
     EngineOutputs,
     EngineRequest,
     FinishReason,
+    HoldableOutputs,
     SamplingParams,
     TokenLogprob,
 )
@@ -104,6 +105,23 @@ class ChoiceText:
         text, hit_stop = self.stops.feed(self.detokenizer.step(token_ids))
         return self.parser.feed(text), hit_stop
 
+    def feed_counting_reasoning(self, token_ids: list[int]) -> tuple[Parsed, bool, int]:
+        """`feed`, and how many of the tokens were reasoning (fed while the parser was in it, as
+        `prime` counts them). Where reasoning may start or end, several tokens that came merged in
+        one output are fed one at a time, so the count never depends on how they were grouped."""
+        parser = self.parser
+        if len(token_ids) == 1 or not (parser.parse_reasoning or parser.in_reasoning):
+            reasoning = len(token_ids) if parser.in_reasoning else 0
+            return *self.feed(token_ids), reasoning
+        parsed, reasoning = Parsed(), 0
+        for token_id in token_ids:
+            reasoning += parser.in_reasoning
+            step, hit_stop = self.feed([token_id])
+            parsed = _joined(parsed, step)
+            if hit_stop:
+                return parsed, True, reasoning
+        return parsed, False, reasoning
+
     def end(self) -> tuple[Parsed, bool]:
         """The generation ended: the detokenizer's held-back tail (a stop string may end inside
         it), then whatever stop strings held back when none matched."""
@@ -120,6 +138,12 @@ class ChoiceText:
             if hit_stop:
                 return reasoning, True
         return reasoning, False
+
+
+def _joined(first: Parsed, then: Parsed) -> Parsed:
+    if not first:
+        return then
+    return Parsed(first.content + then.content, first.reasoning + then.reasoning, first.tool_calls + then.tool_calls)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +197,8 @@ async def generate_choice(
     if ended is not None and ended.sent:
         return ended.reason, None  # its client has its whole text and its finish already
     reason = ended.reason if ended is not None else FinishReason.ABORT
+    # The core's outputs wait out the frame window in its queue (`Replier.hold_outputs`).
+    holdable = outputs if isinstance(outputs, HoldableOutputs) else None
     if outputs is not None:
         async with contextlib.aclosing(outputs):
             async for out in outputs:
@@ -185,16 +211,17 @@ async def generate_choice(
                 if out.new_token_ids:
                     record.first_token_at = record.first_token_at or time.time()
                     record.completion_tokens += len(out.new_token_ids)
-                    if choice.parser.in_reasoning:
-                        record.reasoning_tokens += len(out.new_token_ids)
                     if out.logprobs:
                         pending_logprobs += wire_logprobs(tokenizer, out.logprobs)
                     pending_ids += out.new_token_ids
-                    parsed, hit_stop = choice.feed(out.new_token_ids)
+                    parsed, hit_stop, reasoning = choice.feed_counting_reasoning(out.new_token_ids)
+                    record.reasoning_tokens += reasoning
                     await send(parsed)
                     if hit_stop:
                         reason = FinishReason.STOP
                         break
+                    if holdable is not None and not out.finished:
+                        replier.hold_outputs(index, holdable)
                 if out.finished:
                     if out.finish_reason is FinishReason.ERROR:
                         return FinishReason.ERROR, out.error or "engine error"

@@ -9,10 +9,11 @@ one bundle message, split into several when one would pass the server's max_payl
 alone, or for a reply subject that is not a gateway's, goes as it is. Frames of one stream keep
 their order: they are put in order, grouped without reordering, and sent on one connection.
 
-The frame window is shared too: a Replier holding text for its window asks to be woken
-(`wake_at`); one timer, at the earliest of those deadlines, flushes every held Replier at once,
-so after the first flush the streams' windows close together and their frames leave in one
-message. No held text waits past its own window (a wake-up may come earlier, never later).
+The frame window is shared too: a Replier holding text (or its streams' engine outputs) for its
+window asks to be woken (`wake_at`); one timer, at the earliest of those deadlines, closes every
+holder's window at once, so after the first flush the streams' windows close together and their
+frames leave in one message. No held text waits past its own window (a wake-up may come earlier,
+never later).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ MAX_UNSENT_FRAMES = 1024
 
 
 class Holder(Protocol):
-    def flush_held(self) -> None: ...
+    def window_closed(self) -> None: ...
 
 
 class FrameOutbox:
@@ -74,7 +75,7 @@ class FrameOutbox:
         await asyncio.shield(self._sender)
 
     def wake_at(self, holder: Holder, deadline: float) -> None:
-        """Call `holder.flush_held()` by `deadline` (loop time), with every other holder due then."""
+        """Call `holder.window_closed()` by `deadline` (loop time), with every other holder due then."""
         self._holders[holder] = None
         if self._timer is None or deadline < self._deadline:
             if self._timer is not None:
@@ -89,9 +90,12 @@ class FrameOutbox:
         self._timer = None
         holders, self._holders = list(self._holders), {}
         for holder in holders:
-            holder.flush_held()
+            holder.window_closed()
 
     async def _send(self) -> None:
+        # One loop turn first: the runs a closing window woke (`Replier.window_closed`) put their
+        # frames in the turn after the wake-up, and those go in the same messages as the rest.
+        await asyncio.sleep(0)
         while self._pending:
             pending, self._pending = self._pending, []
             for subject, payload in self._messages(pending):

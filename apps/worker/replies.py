@@ -33,6 +33,7 @@ from apps.bus.codes import ErrorCode, FinishReason
 from apps.bus.publish import fits, message_size
 from apps.worker.frame_outbox import outbox_of
 from apps.worker.frame_window import FrameWindow
+from engine.frontend.protocol import HoldableOutputs
 
 log = logging.getLogger("helexa.worker")
 
@@ -60,6 +61,10 @@ class Replier:
         self._bundle_key = bundles.split_reply_subject(subject)
         # Whether the outbox is to wake this Replier when its window closes.
         self._waking = False
+        # Choices' engine outputs held until the window closes (`hold_outputs`), by index, and the
+        # choices whose held outputs were released when it closed: their next delta is sent at once.
+        self._sources: dict[int, HoldableOutputs] = {}
+        self._due: set[int] = set()
         # Deltas held for the window, merged per choice; when the last text frame went. The
         # connection's outbox wakes this Replier when the window closes.
         self._held: dict[int, _HeldDelta] = {}
@@ -120,7 +125,8 @@ class Replier:
             return
         now = time.monotonic()
         window_s = self.frame_window.at(now)
-        window_open = self._last_text_at is not None and now - self._last_text_at < window_s
+        window_open = (self._last_text_at is not None and now - self._last_text_at < window_s
+                       and index not in self._due)
         if finish_reason is None and not tool_calls and window_open:
             held = self._held.get(index)
             if held is None:
@@ -146,6 +152,41 @@ class Replier:
         # gateway reports, and the run's final frame waits and learns of the error.
         if self._outbox is not None and self._outbox.backlogged:
             await self._outbox.send_now()
+
+    def hold_outputs(self, index: int, outputs: HoldableOutputs) -> None:
+        """Called after each of choice `index`'s engine outputs is fed: while this Replier's window
+        is open, the choice's next outputs wait in the engine's queue instead of waking its run at
+        every step, and come merged when the window closes (`window_closed`). Its run then wakes
+        once a window and its text leaves, in the outbox's one flush, beside every other stream's."""
+        if index in self._due:  # woken for the closed window, and its outputs made no delta
+            self._due.discard(index)
+            if index in self._held:
+                self._flush(index)
+        if self._outbox is None or self._last_text_at is None or not self._speaks():
+            return
+        now = time.monotonic()
+        closes_in = self._last_text_at + self.frame_window.at(now) - now
+        if closes_in <= 0:
+            return
+        outputs.hold()
+        self._sources[index] = outputs
+        if not self._waking:
+            self._waking = True
+            self._outbox.wake_at(self, asyncio.get_running_loop().time() + closes_in)
+
+    def window_closed(self) -> None:
+        """The outbox's timer (this window's close, or an earlier one's: windows close together).
+        Held outputs are released: a choice that had more waiting wakes and sends its held text with
+        them at once (`_due`), in the outbox's same flush; held text of a choice with nothing
+        waiting goes now."""
+        self._waking = False
+        sources, self._sources = self._sources, {}
+        for index, outputs in sources.items():
+            if outputs.release():
+                self._due.add(index)
+        for index in sorted(self._held):
+            if index not in self._due:
+                self._flush(index)
 
     async def flush(self) -> None:
         """Send every held delta now (before a frame that must not overtake them)."""
@@ -178,6 +219,7 @@ class Replier:
         if not (num_tokens or token_ids or logprobs or text or reasoning or finish_reason or tool_calls):
             return
         self.sent_tokens = True  # any delta sent counts: its token ids are the client's too
+        self._due.discard(index)
         self._last_text_at = time.monotonic()
         self._send(
             wire.Delta(
@@ -188,6 +230,10 @@ class Replier:
         )
 
     def _stop_waking(self) -> None:
+        if self._sources:  # their outputs must not wait for a wake-up that will not come
+            sources, self._sources = self._sources, {}
+            for outputs in sources.values():
+                outputs.release()
         if self._waking:
             self._waking = False
             assert self._outbox is not None

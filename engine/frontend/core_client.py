@@ -261,22 +261,41 @@ class OutputQueue:
     """One request's outputs from the core: put by the dispatcher (on the loop), taken by its
     stream. An unbounded FIFO with one reader, which is all it needs of asyncio.Queue at a
     fraction of the cost per output (one per token of every running request). The reader takes
-    what is queued straight from `items` and awaits `wait` only when it is empty."""
+    what is queued straight from `items` and awaits `wait` only when nothing is `ready`.
 
-    __slots__ = ("_waiter", "items")
+    While `held`, outputs queue without waking the reader (a finished one still does): a reader
+    that sends text in windows wakes once a window to take them merged, not once a step."""
+
+    __slots__ = ("_waiter", "held", "items")
 
     def __init__(self) -> None:
         self.items: deque[EngineOutput] = deque()
         self._waiter: asyncio.Future[None] | None = None
+        self.held = False
 
     def put_nowait(self, output: EngineOutput) -> None:
         self.items.append(output)
-        if self._waiter is not None and not self._waiter.done():
+        if self._waiter is not None and (not self.held or output.finished) and not self._waiter.done():
             self._waiter.set_result(None)
 
+    @property
+    def ready(self) -> bool:
+        """Whether the reader may take outputs now (a finished output is always the last)."""
+        items = self.items
+        return bool(items) and (not self.held or items[-1].finished)
+
+    def release(self) -> bool:
+        """Stop holding; returns whether outputs were queued (the reader wakes for them)."""
+        self.held = False
+        if not self.items:
+            return False
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+        return True
+
     async def wait(self) -> None:
-        """Until an output is queued."""
-        while not self.items:
+        """Until outputs are `ready`."""
+        while not self.ready:
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
@@ -286,8 +305,8 @@ class OutputQueue:
 
 class OutputStream:
     """One request's outputs as the core sends them, the last one `finished`; outputs that queued
-    up while the consumer was busy come merged into one. `aclose` before the last aborts the
-    request (so does dropping it unclosed); closing twice is closing once."""
+    up while the consumer was busy (or `hold` kept) come merged into one. `aclose` before the last
+    aborts the request (so does dropping it unclosed); closing twice is closing once."""
 
     def __init__(self, queue: OutputQueue, release: Callable[[bool], None]) -> None:
         self._queue = queue
@@ -300,9 +319,10 @@ class OutputStream:
     async def __anext__(self) -> EngineOutput:
         if self._release is None:  # finished or closed
             raise StopAsyncIteration
-        items = self._queue.items
-        if not items:
-            await self._queue.wait()
+        queue = self._queue
+        if not queue.ready:
+            await queue.wait()
+        items = queue.items
         output = items.popleft()
         while items and not output.finished:
             output = output.merged(items.popleft())
@@ -310,6 +330,15 @@ class OutputStream:
             self._finished = True
             self._close()
         return output
+
+    def hold(self) -> None:
+        """Outputs that do not finish the request wait, without waking this stream's reader, until
+        `release`; they then come merged into one."""
+        self._queue.held = True
+
+    def release(self) -> bool:
+        """End a `hold`; returns whether outputs were waiting (the reader wakes to take them)."""
+        return self._queue.release()
 
     async def aclose(self) -> None:
         self._close()

@@ -11,7 +11,7 @@ message checks them again.
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Protocol
+from typing import Annotated, Protocol, runtime_checkable
 
 import msgspec
 from msgspec import Meta
@@ -345,6 +345,16 @@ class EngineOutputs(Protocol):
     async def __anext__(self) -> EngineOutput: ...
 
     async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class HoldableOutputs(EngineOutputs, Protocol):
+    """Outputs whose reader may `hold` them: till `release`, outputs that do not finish the request
+    queue without waking it, and come merged into one (`release` says whether any waited)."""
+
+    def hold(self) -> None: ...
+
+    def release(self) -> bool: ...
 
 
 class Engine(Protocol):

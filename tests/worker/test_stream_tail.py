@@ -45,17 +45,23 @@ def _groupings(ids: list[int]) -> list[list[list[int]]]:
     return [[[t] for t in ids], [ids], *splits]
 
 
-def _stream(tok: Tokenizer, groups: list[list[int]], stop: list[str], reason: FinishReason) -> tuple[str, str]:
+def _run(tok: Tokenizer, groups: list[list[int]], stop: list[str], reason: FinishReason,
+         parse_reasoning: bool = False) -> tuple[CollectingReplier, RunRecord, str]:
     prompt_ids = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
     request = wire.GenerateRequest(request_id="r", model="m", reply_subject="-",
                                    sampling=SamplingParams(max_tokens=64, stop=stop))
     record = RunRecord(request=request, node="n", attempt=1, received_at=time.time())
     replier = CollectingReplier(attempt=1, node="n")
     reasons, error = asyncio.run(choices.generate(
-        GroupedEngine(groups, reason), tok, replier, record, Prompt(token_ids=prompt_ids),
-        SamplingParams(max_tokens=64)))
+        GroupedEngine(groups, reason), tok, replier, record,
+        Prompt(token_ids=prompt_ids, parse_reasoning=parse_reasoning), SamplingParams(max_tokens=64)))
     assert error is None
-    return "".join(f.text for f in replier.frames if isinstance(f, wire.Delta)), reasons[0]
+    return replier, record, reasons[0]
+
+
+def _stream(tok: Tokenizer, groups: list[list[int]], stop: list[str], reason: FinishReason) -> tuple[str, str]:
+    replier, _, finish = _run(tok, groups, stop, reason)
+    return "".join(f.text for f in replier.frames if isinstance(f, wire.Delta)), finish
 
 
 @pytest.mark.parametrize("text", ["ok 🙂", "日本", "héllo 👍🏽"], ids=["emoji", "cjk", "modifier"])
@@ -78,3 +84,18 @@ def test_stop_strings_hold_for_every_grouping(tok: Tokenizer) -> None:
     ids = byte_token_ids(tok, "say 日本 then")
     for groups in _groupings(ids):
         assert _stream(tok, groups, ["本"], FinishReason.LENGTH) == ("say 日", "stop"), groups
+
+
+def test_reasoning_tokens_count_the_same_for_every_grouping(tok: Tokenizer) -> None:
+    """A window's outputs come merged: the tokens up to the reasoning's close still count as
+    reasoning one by one, as a migrated answer's tokens are counted again (`ChoiceText.prime`)."""
+    ids = byte_token_ids(tok, "<think>hm</think>ok")
+    one_by_one = [[t] for t in ids]
+    replier, record, _ = _run(tok, one_by_one, [], FinishReason.LENGTH, parse_reasoning=True)
+    # From the token after the opening tag to the one that closes the reasoning.
+    assert record.reasoning_tokens == len(byte_token_ids(tok, "hm</think>"))
+    for groups in _groupings(ids):
+        grouped, grouped_record, _ = _run(tok, groups, [], FinishReason.LENGTH, parse_reasoning=True)
+        assert grouped_record.reasoning_tokens == record.reasoning_tokens, groups
+        deltas = [f for f in grouped.frames if isinstance(f, wire.Delta)]
+        assert ("".join(d.reasoning for d in deltas), "".join(d.text for d in deltas)) == ("hm", "ok"), groups
