@@ -16,6 +16,7 @@ import nats
 from nats.aio.client import Client as NatsClient
 
 from apps.bus.declaration import Stopped, ensure_topology
+from apps.bus.reconnects import Reconnects, told_on_reconnect
 from apps.bus.topology import BusLimits, inbox_prefix
 
 log = logging.getLogger("helexa.bus")
@@ -125,7 +126,9 @@ async def connect(url: str, name: str, *, role: str | None = None, max_reconnect
     its NATS user may subscribe to (`inbox_prefix`).
     """
     servers = server_urls(url)
-    options: dict[str, Any] = {"error_cb": error_cb or _quiet_errors(url, name)}
+    reconnects = Reconnects()
+    options: dict[str, Any] = {"error_cb": error_cb or _quiet_errors(url, name),
+                               "reconnected_cb": reconnects.reconnected}
     if role is not None:
         options["inbox_prefix"] = inbox_prefix(role, user_of(url))
     if closed_cb is not None:
@@ -140,14 +143,14 @@ async def connect(url: str, name: str, *, role: str | None = None, max_reconnect
         **options,
     ))
     if stop is None:
-        return await connecting
+        return told_on_reconnect(await connecting, reconnects)
     stopping = asyncio.ensure_future(stop.wait())
     try:
         await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         stopping.cancel()
     if connecting.done():
-        return connecting.result()
+        return told_on_reconnect(connecting.result(), reconnects)
     connecting.cancel()
     await asyncio.gather(connecting, return_exceptions=True)
     raise Stopped(f"{name} stopped before NATS answered")

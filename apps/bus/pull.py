@@ -15,7 +15,10 @@ ack like any other. No call returns more than the batch it asked for.
 
 An idle consumer costs one pull request (and the server's 408 answer) per wait: once a pull has
 found nothing, the next `fetch` goes straight to the pull that waits, rather than first asking
-again, with no_wait, for what was not there.
+again, with no_wait, for what was not there. A wait may be long, since it never holds anyone up:
+`interrupt` ends it at once (a reconnect: a restarted server forgot it), and `stop` drains the
+inbox, so the server drops a pull still waiting there (it delivers only to an inbox someone
+listens on) and whatever it had already sent comes back to the caller to hand back.
 
 The recorder and the worker's intake (`apps.worker.intake`) both pull this way.
 """
@@ -23,14 +26,20 @@ The recorder and the worker's intake (`apps.worker.intake`) both pull this way.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
+import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from apps.bus.reconnects import reconnects_of
+
 _STATUS = "Status"
 _HEARTBEAT = "100"
+# How long `stop` waits for the server to confirm the inbox is gone.
+DRAIN_TIMEOUT_S = 2.0
 
 
 class BatchPuller:
@@ -48,15 +57,39 @@ class BatchPuller:
         self._settled = asyncio.Event()
         # The last pull found nothing and nothing has arrived since.
         self._found_nothing = False
+        # The call under way (or the next) was interrupted: it asks the server nothing more.
+        self._interrupted = False
+        self._stopped = False
 
     async def start(self) -> BatchPuller:
         self._sub = await self.nc.subscribe(self._inbox, cb=self._on_msg)
+        reconnects_of(self.nc).add(self.interrupt)
         return self
 
-    async def stop(self) -> None:
-        if self._sub is not None:
-            await self._sub.unsubscribe()
-            self._sub = None
+    def interrupt(self) -> None:
+        """End the `fetch` under way (or else the next one) now, with what it has: a waiting pull
+        as if nothing came. Its pull request stays at the server until it expires; a message it
+        still brings is kept for the next call."""
+        self._interrupted = True
+        self._settled.set()
+
+    async def stop(self) -> list[Msg]:
+        """Pull nothing more: any wait ends now, the inbox is drained (what the server sent before
+        it let go of the inbox still arrives) and every message that came and was not taken is
+        returned, for the caller to hand back. Calls after it return nothing."""
+        self._stopped = True
+        self.interrupt()
+        reconnects_of(self.nc).discard(self.interrupt)
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            try:
+                await asyncio.wait_for(sub.drain(), DRAIN_TIMEOUT_S)  # type: ignore[no-untyped-call]
+            except (nats.errors.Error, TimeoutError):
+                # The connection is gone or going: what the server sent is lost with it, and its
+                # ack wait hands it on.
+                with contextlib.suppress(nats.errors.Error):
+                    await sub.unsubscribe()
+        return self._take(len(self._arrived))
 
     async def _on_msg(self, msg: Msg) -> None:
         status = msg.headers.get(_STATUS) if msg.headers else None
@@ -69,7 +102,10 @@ class BatchPuller:
             self._settled.set()
 
     async def _pull(self, batch: int, wait_s: float, no_wait: bool, max_bytes: int | None = None) -> None:
-        """One pull request; returns when it ended or after `wait_s`, whichever is first."""
+        """One pull request; returns when it ended or after `wait_s`, whichever is first (at once
+        once interrupted)."""
+        if self._interrupted:
+            return
         self._wanted = len(self._arrived) + batch
         self._settled.clear()
         # The server ignores no_wait when expires is present, so they never go together.
@@ -91,21 +127,30 @@ class BatchPuller:
 
         Returns [] when nothing came; never raises on a timeout.
         """
-        if self._arrived or not self._found_nothing:
-            msgs = await self.take_ready(batch, timeout, max_bytes)
-            if msgs:
-                return msgs
-        # Nothing there: wait for the first to arrive, then take what came with it.
-        await self._pull(1, timeout, no_wait=False, max_bytes=max_bytes)
-        if self._arrived and batch > 1:
-            left = None if max_bytes is None else max_bytes - _size(self._arrived)
-            if left is None or left > 0:
-                await self._pull(batch - 1, timeout, no_wait=True, max_bytes=left)
-        return self._take(batch)
+        try:
+            if self._arrived or not self._found_nothing:
+                msgs = await self._take_ready(batch, timeout, max_bytes)
+                if msgs:
+                    return msgs
+            # Nothing there: wait for the first to arrive, then take what came with it.
+            await self._pull(1, timeout, no_wait=False, max_bytes=max_bytes)
+            if self._arrived and batch > 1:
+                left = None if max_bytes is None else max_bytes - _size(self._arrived)
+                if left is None or left > 0:
+                    await self._pull(batch - 1, timeout, no_wait=True, max_bytes=left)
+            return self._take(batch)
+        finally:
+            self._interrupted = self._stopped
 
     async def take_ready(self, batch: int, reply_wait_s: float = 1.0, max_bytes: int | None = None) -> list[Msg]:
         """Up to about `batch` messages (and about `max_bytes`) that are there now; never waits for
         one to arrive (only, at most `reply_wait_s`, for the server's answer)."""
+        try:
+            return await self._take_ready(batch, reply_wait_s, max_bytes)
+        finally:
+            self._interrupted = self._stopped
+
+    async def _take_ready(self, batch: int, reply_wait_s: float, max_bytes: int | None) -> list[Msg]:
         left = None if max_bytes is None else max_bytes - _size(self._arrived)
         if batch > len(self._arrived) and (left is None or left > 0):
             await self._pull(batch - len(self._arrived), reply_wait_s, no_wait=True, max_bytes=left)

@@ -18,6 +18,7 @@ what it recorded (`helexa:gateway_events_full` is 1 meanwhile).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import nats.errors
@@ -52,6 +53,8 @@ class EventPublisher:
         self._queue: asyncio.Queue[tuple[AnyEvent, str | None]] = asyncio.Queue(max_backlog)
         self._tasks: list[asyncio.Task[None]] = []
         self.events_full = False
+        # Set when an event is refused (EVENTS full), cleared at each reading of the room.
+        self._refusal = asyncio.Event()
         metrics.event_backlog.set_function(lambda: self._queue.qsize())
         metrics.events_held.set_function(held_events)
         metrics.events_full.set_function(lambda: float(self.events_full))
@@ -76,6 +79,7 @@ class EventPublisher:
         if not self.events_full:
             log.error("EVENTS refused an event: it is full; new requests are refused until it has room")
         self.events_full = True
+        self._refusal.set()
 
     async def _watch_room(self) -> None:
         while True:
@@ -96,13 +100,14 @@ class EventPublisher:
             await self._pause(interval)
 
     async def _pause(self, interval: float) -> None:
-        """Sleep `interval`, cut short at the next ROOM_CHECK_S once an event has been refused."""
-        slept = 0.0
-        while slept < interval:
-            await asyncio.sleep(ROOM_CHECK_S)
-            slept += ROOM_CHECK_S
-            if self.events_full:
-                return
+        """Sleep `interval`, cut short once an event is refused, to ROOM_CHECK_S after the reading."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        self._refusal.clear()
+        if not self.events_full:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._refusal.wait(), interval)
+        await asyncio.sleep(max(started + ROOM_CHECK_S - loop.time(), 0.0))
 
     async def stop(self, drain_s: float = 2.0) -> None:
         """Give the backlog a moment to go out, then stop."""

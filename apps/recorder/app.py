@@ -27,8 +27,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
+from typing import Any
 
 import asyncpg
 import msgspec
@@ -60,6 +61,8 @@ PULL_OVERHEAD_BYTES = 64 << 10
 # Batches committing at once. Their transactions overlap, so one batch's WAL flush runs while the next
 # is copied and projected; the projections are written for recorders side by side, so this is safe.
 WRITERS = 2
+# How long one wait for the next event lasts while EVENTS is idle (a stop or a reconnect ends it).
+IDLE_WAIT_S = 10.0
 
 # Errors that mean "the database is not reachable right now", as opposed to a bad statement.
 # Deadlocks and serialization failures between concurrent recorders are retried the same way, and
@@ -375,7 +378,8 @@ async def _fetch(puller: BatchPuller, batch_size: int, linger_s: float, stop: as
     waits `linger_s` from its first event for the rest of its burst, so a burst of requests costs
     one commit, made after its prefill, not several made during it, on the cores the engine is using."""
     try:
-        msgs = await puller.fetch(batch_size, timeout=1, max_bytes=batch_bytes)
+        msgs = await _fetched_unless_stopped(puller, stop, puller.fetch(batch_size, timeout=IDLE_WAIT_S,
+                                                                       max_bytes=batch_bytes))
     except nats.errors.Error as exc:
         # NATS restarting or unreachable: the client reconnects by itself, the consumer is durable.
         log.warning("fetch failed, retrying", extra={"error": repr(exc)})
@@ -388,6 +392,20 @@ async def _fetch(puller: BatchPuller, batch_size: int, linger_s: float, stop: as
             left = batch_bytes - sum(len(msg.data) for msg in msgs)
             msgs += await puller.take_ready(batch_size - len(msgs), max_bytes=left)
     return msgs
+
+
+async def _fetched_unless_stopped(puller: BatchPuller, stop: asyncio.Event,
+                                  fetching: Coroutine[Any, Any, list[Msg]]) -> list[Msg]:
+    """What `fetching` brings; its wait ends at once when `stop` is set."""
+    fetched = asyncio.ensure_future(fetching)
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({fetched, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if not fetched.done():
+        puller.interrupt()
+    return await fetched
 
 
 async def _consume(recorder: Recorder, puller: BatchPuller) -> None:

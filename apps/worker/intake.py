@@ -45,7 +45,9 @@ from engine.frontend.protocol import Engine, ServiceClass
 log = logging.getLogger("helexa.worker")
 
 # How long one wait for the first message of a class lasts (the server answers 408 at its end).
-IDLE_WAIT_S = 1.0
+# An idle worker asks once per wait and class; nothing waits it out (`BatchPuller.interrupt` on a
+# reconnect, `stop` when the worker stops).
+IDLE_WAIT_S = 10.0
 
 
 @dataclass(slots=True)
@@ -189,14 +191,16 @@ class Intake:
                 freed.cancel()
         finally:
             stopping.cancel()
-            for task in waits.values():  # each ends within its fetch's timeout; what came goes back
-                await asyncio.wait({task})
-                for msg in self._waited(task):
-                    with contextlib.suppress(nats.errors.Error):
-                        await msg.nak()
+            # Every wait ends now; what came in it, or after it before the inbox closed, goes back.
+            came: list[Msg] = []
             for puller in pullers.values():
+                came += await puller.stop()
+            for task in waits.values():
+                await asyncio.wait({task})
+                came += self._waited(task)
+            for msg in came:
                 with contextlib.suppress(nats.errors.Error):
-                    await puller.stop()
+                    await msg.nak()
 
     def _waited(self, task: asyncio.Task[list[Msg]]) -> list[Msg]:
         """What a finished wait brought ([] when its fetch failed: the loop asks again)."""

@@ -1,5 +1,7 @@
-"""`BatchPuller` on a real server: an idle consumer costs one pull request per wait, and a message
-that arrives while it waits is handed out at once."""
+"""`BatchPuller` on a real server: an idle consumer costs one pull request per wait, a message
+that arrives while it waits is handed out at once, and nothing ever waits a wait out: stopping
+ends it (and the server drops its pull, so the next message goes to whoever pulls next), and so
+does a reconnect to a restarted server, which forgot the pull."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from nats.aio.msg import Msg
 from apps.bus.connection import connect, reached_server
 from apps.bus.declaration import ensure_topology
 from apps.bus.pull import BatchPuller
-from apps.bus.topology import EVENTS_STREAM, BusLimits, event_subject, replay_puller
+from apps.bus.topology import EVENTS_STREAM, BusLimits, event_subject, replay_puller, request_subject, worker_puller
 from apps.embedded.nats_server import NatsServer
 
 
@@ -47,4 +49,46 @@ async def test_an_idle_consumer_costs_one_pull_per_wait(own_nats: NatsServer) ->
         await js.delete_consumer(EVENTS_STREAM, puller.consumer)
     finally:
         await watcher.close()
+        await nc.close()
+
+
+async def test_stopping_ends_a_wait_and_the_server_drops_its_pull(own_nats: NatsServer) -> None:
+    nc = await connect(own_nats.url, "test")
+    try:
+        js = nc.jetstream()
+        limits = BusLimits()
+        first = await worker_puller(nc, "m", limits)
+        waiting = asyncio.create_task(first.fetch(1, timeout=600))
+        await reached_server(nc)  # its pull waits at the server
+        assert await first.stop() == []
+        # A wait of ten minutes, ended by the stop (the bound only keeps a broken stop from hanging).
+        assert await asyncio.wait_for(waiting, 30) == []
+        # The stopped puller's pull is still within its ten minutes, but its inbox is gone: the
+        # server hands the request to the next puller instead of to nobody.
+        await js.publish(request_subject("m"), b"request")
+        second = await worker_puller(nc, "m", limits)
+        (msg,) = await second.fetch(1, timeout=30)
+        assert msg.data == b"request" and msg.metadata.num_delivered == 1
+        await msg.ack()
+        await second.stop()
+    finally:
+        await nc.close()
+
+
+async def test_a_reconnect_ends_a_wait_the_restarted_server_forgot(own_nats: NatsServer) -> None:
+    nc = await connect(own_nats.url, "test")
+    try:
+        puller = await worker_puller(nc, "m", BusLimits())
+        waiting = asyncio.create_task(puller.fetch(1, timeout=600))
+        await reached_server(nc)
+        own_nats.stop()
+        own_nats.start()
+        # Back on the restarted server, the wait ends instead of running out its ten minutes.
+        assert await asyncio.wait_for(waiting, 60) == []
+        await nc.jetstream().publish(request_subject("m"), b"after the restart")
+        (msg,) = await puller.fetch(1, timeout=30)
+        assert msg.data == b"after the restart"
+        await msg.ack()
+        await puller.stop()
+    finally:
         await nc.close()
