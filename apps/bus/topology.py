@@ -25,6 +25,7 @@ from nats.js.api import (
     RetentionPolicy,
     StorageType,
     StreamConfig,
+    StreamInfo,
 )
 from nats.js.errors import BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
@@ -316,7 +317,11 @@ class EventsRoom:
 
 
 async def events_room(js: JetStreamContext) -> EventsRoom:
-    info = await js.stream_info(EVENTS_STREAM)
+    return room_of(await js.stream_info(EVENTS_STREAM))
+
+
+def room_of(info: StreamInfo) -> EventsRoom:
+    """How full a reading of EVENTS's stream info says it is."""
     return EventsRoom(bytes=info.state.bytes, messages=info.state.messages,
                       max_bytes=info.config.max_bytes or -1, max_msgs=info.config.max_msgs or -1)
 

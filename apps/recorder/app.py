@@ -444,8 +444,8 @@ async def _watch(recorder: Recorder, nc: NatsClient) -> None:
     watch = LagWatch(recorder.metrics)
     while not recorder.stop.is_set():
         try:
-            await watch.check(nc.jetstream())
-            recorder.metrics.events_trimmed.inc(await large_events.trim_recorded(nc.jetstream()))
+            lag = await watch.check(nc.jetstream())
+            recorder.metrics.events_trimmed.inc(await large_events.trim_recorded(nc.jetstream(), lag.room))
         except (nats.errors.Error, TimeoutError) as exc:
             log.warning("could not read the recorder's lag", extra={"error": repr(exc)})
         await _pause(recorder.stop, recorder.settings.watch_interval_s)

@@ -112,9 +112,11 @@ async def erase_from_bus(js: JetStreamContext, conn: asyncpg.Connection, respons
     return removed
 
 
-async def trim_recorded(js: JetStreamContext) -> int:
-    """Purge the recorded events of EVENTS once it fills past TRIM_AT of a limit; how many went."""
-    room = await topology.events_room(js)
+async def trim_recorded(js: JetStreamContext, room: topology.EventsRoom | None = None) -> int:
+    """Purge the recorded events of EVENTS once it fills past TRIM_AT of a limit; how many went.
+    `room`: how full EVENTS is, if just read."""
+    if room is None:
+        room = await topology.events_room(js)
     if room.share() < TRIM_AT:
         return 0
     consumer = await js.consumer_info(topology.EVENTS_STREAM, topology.RECORDER_CONSUMER)

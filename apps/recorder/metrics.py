@@ -20,7 +20,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from apps.bus.topology import EVENTS_STREAM, RECORDER_CONSUMER
+from apps.bus.topology import EVENTS_STREAM, RECORDER_CONSUMER, EventsRoom, room_of
 
 log = logging.getLogger("helexa.recorder")
 
@@ -82,6 +82,8 @@ class Lag:
     stream_messages: int
     max_bytes: int  # <= 0: no limit
     max_age_s: float  # <= 0: no limit
+    # How full EVENTS is, from the same reading (what trimming decides on).
+    room: EventsRoom
 
     @property
     def bytes_ratio(self) -> float:
@@ -115,6 +117,7 @@ async def measure(js: JetStreamContext, now: float | None = None) -> Lag:
         stream_messages=stream.state.messages,
         max_bytes=stream.config.max_bytes or -1,
         max_age_s=stream.config.max_age or 0.0,
+        room=room_of(stream),
     )
 
 
