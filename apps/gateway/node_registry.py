@@ -14,10 +14,14 @@ import time
 
 import msgspec
 import nats.errors
-from nats.js.kv import KV_DEL, KV_PURGE
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
 
 from apps.bus import topology, wire
 from apps.bus.codes import ModelState, NodeState
+from apps.bus.reconnects import reconnects_of
 from apps.bus.topology import BusLimits
 from apps.gateway.bus_client import GatewayBus
 from apps.gateway.task_stop import cancel_until_done
@@ -27,6 +31,8 @@ log = logging.getLogger("helexa.gateway")
 # How long a name found unknown stays unknown without asking again, and how many are remembered.
 UNKNOWN_MODEL_TTL_S = 5.0
 MAX_UNKNOWN_MODELS = 10_000
+# How long the server keeps a watch's consumer nobody listens to any more (a gateway that died).
+WATCH_INACTIVE_S = 300.0
 
 
 def serving(nodes: list[wire.NodeStatus], model: str, state: ModelState | None = None) -> list[wire.NodeStatus]:
@@ -114,7 +120,7 @@ class NodeRegistry:
 
         Live workers rewrite their entries every few seconds, so a watch silent for half the TTL
         has most likely lost its consumer (e.g. the NATS server holding it died): start a new one
-        before every entry looks expired.
+        before every entry looks expired. A reconnect starts a new one at once.
         """
         while True:
             try:
@@ -124,30 +130,62 @@ class NodeRegistry:
                 await asyncio.sleep(0.5)
 
     async def _watch_once(self, silence_s: float) -> None:
-        kv = await topology.node_registry(self._bus.js, self._limits)
-        watcher = await kv.watchall()
+        """One watch: a push consumer of the bucket's last entry per node, then of every write.
+
+        Not nats-py's KV watch: that is an ordered consumer whose flow-control task wakes the
+        gateway four times a second for as long as it runs. Entries are read in order with no
+        acks, flow control or heartbeats (a lost consumer is told by its silence, or a reconnect);
+        the initial values are over when a message says nothing is pending after it.
+        """
+        nc, js = self._bus.nc, self._bus.js
+        await topology.node_registry(js, self._limits)  # declared if it is not yet
+        sub = await js.subscribe(f"$KV.{topology.NODES_BUCKET}.>", manual_ack=True, config=ConsumerConfig(
+            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, ack_policy=AckPolicy.NONE, max_deliver=1,
+            flow_control=False, mem_storage=True, num_replicas=1, inactive_threshold=WATCH_INACTIVE_S))
+        reconnected = asyncio.Event()
+        reconnects_of(nc).add(reconnected.set)
+        key_at = len(f"$KV.{topology.NODES_BUCKET}.")
         try:
-            while True:
+            if not (await sub.consumer_info()).num_pending:
+                self._ready.set()
+            while not reconnected.is_set():
                 try:
-                    entry = await watcher.updates(timeout=silence_s)
+                    msg = await _next_unless(sub, reconnected, silence_s)
                 except TimeoutError:  # nats-py's TimeoutError is one too
                     return
-                if entry is None:  # the end of the initial values
-                    self._ready.set()
-                    continue
-                if not hasattr(entry, "operation"):  # the watcher was stopped under us
+                if msg is None:
                     return
-                if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
-                    self._nodes.pop(entry.key, None)
+                key = msg.subject[key_at:]
+                operation = msg.headers.get(KV_OP) if msg.headers else None
+                if operation in (KV_DEL, KV_PURGE) or not msg.data:
+                    self._nodes.pop(key, None)
                 else:
                     try:
-                        self._nodes[entry.key] = wire.node_decoder.decode(entry.value)
+                        self._nodes[key] = wire.node_decoder.decode(msg.data)
                     except msgspec.DecodeError:
-                        log.warning("undecodable node entry ignored", extra={"node": entry.key})
+                        log.warning("undecodable node entry ignored", extra={"node": key})
+                if not self._ready.is_set() and not msg.metadata.num_pending:
+                    self._ready.set()  # the initial values are in
                 self._changed.set()
                 self._changed = asyncio.Event()
         finally:
+            reconnects_of(nc).discard(reconnected.set)
             try:
-                await watcher.stop()
+                await sub.unsubscribe()
             except (nats.errors.Error, TimeoutError):
                 pass
+
+
+async def _next_unless(sub: JetStreamContext.PushSubscription, stop: asyncio.Event,
+                       timeout_s: float) -> Msg | None:
+    """`sub`'s next message; None once `stop` is set first; TimeoutError after `timeout_s`."""
+    taking = asyncio.ensure_future(sub.next_msg(timeout=timeout_s))
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({taking, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if not taking.done():
+        await cancel_until_done(taking)
+        return None
+    return taking.result()

@@ -44,10 +44,12 @@ from engine.frontend.protocol import Engine, ServiceClass
 
 log = logging.getLogger("helexa.worker")
 
-# How long one wait for the first message of a class lasts (the server answers 408 at its end).
-# An idle worker asks once per wait and class; nothing waits it out (`BatchPuller.interrupt` on a
-# reconnect, `stop` when the worker stops).
-IDLE_WAIT_S = 10.0
+# How long one wait for the first message of a class lasts (the server answers 408 at its end):
+# an idle worker asks once per wait and class. Nothing waits one out (`BatchPuller.interrupt` on a
+# reconnect, `stop` when the worker stops), but while one lasts, a worker that freezes (SIGSTOP,
+# a hung process) still has the server hand it the next request, which then waits for a
+# migration or its ack wait: interactive waits stay short for that, batch lines may wait.
+IDLE_WAIT_S = {ServiceClass.INTERACTIVE: 1.0, ServiceClass.BATCH: 10.0}
 
 
 @dataclass(slots=True)
@@ -185,7 +187,7 @@ class Intake:
                     continue
                 for cls in ServiceClass:
                     if cls not in waits and self._room(cls, waits) > 0:
-                        waits[cls] = asyncio.create_task(pullers[cls].fetch(1, timeout=IDLE_WAIT_S))
+                        waits[cls] = asyncio.create_task(pullers[cls].fetch(1, timeout=IDLE_WAIT_S[cls]))
                 freed = asyncio.create_task(self._slot_freed.wait())
                 await asyncio.wait({*waits.values(), freed, stopping}, return_when=asyncio.FIRST_COMPLETED)
                 freed.cancel()
