@@ -7,11 +7,12 @@ on a private inbox through one callback, so a batch costs one wait. The messages
 JetStream messages: ack, nak, term, in_progress and metadata work as usual.
 
 A pull request ends when its batch is full or with a status message (404 no messages, 408 expired,
-409 consumer changed or max_bytes reached, ...). A pull may be bounded in bytes as well as in
-messages (`max_bytes`): the server then stops before the message that would exceed it, which stays
-for the next pull. Messages that arrive after a request was given up on (a reply slower
-than our wait) are kept and handed out with the next batch; they are delivered and waiting for an
-ack like any other. No call returns more than the batch it asked for.
+409 consumer changed or max_bytes reached, ...); 503 (no responders: JetStream is not up, as on a
+server still recovering after a restart) fails the call, so no caller asks again in a tight loop.
+A pull may be bounded in bytes as well as in messages (`max_bytes`): the server then stops before
+the message that would exceed it, which stays for the next pull. Messages that arrive after a
+request was given up on (a reply slower than our wait) are kept and handed out with the next
+batch; they are delivered and waiting for an ack like any other. No call returns more than the batch it asked for.
 
 An idle consumer costs one pull request (and the server's 408 answer) per wait: once a pull has
 found nothing, the next `fetch` goes straight to the pull that waits, rather than first asking
@@ -38,6 +39,8 @@ from apps.bus.reconnects import reconnects_of
 
 _STATUS = "Status"
 _HEARTBEAT = "100"
+# JetStream is not there to answer (a restarted server still recovering its streams).
+_NO_RESPONDERS = "503"
 # How long `stop` waits for the server to confirm the inbox is gone.
 DRAIN_TIMEOUT_S = 2.0
 
@@ -60,11 +63,24 @@ class BatchPuller:
         # The call under way (or the next) was interrupted: it asks the server nothing more.
         self._interrupted = False
         self._stopped = False
+        # A pull waits for a first message: nothing is pending on the consumer now (it would have
+        # ended the wait). And the messages received since the start.
+        self.waiting = False
+        self.received = 0
+        # The last pull was answered "no responders".
+        self._unanswered = False
+        # A `fetch` or `take_ready` is under way.
+        self._in_call = False
 
     async def start(self) -> BatchPuller:
         self._sub = await self.nc.subscribe(self._inbox, cb=self._on_msg)
-        reconnects_of(self.nc).add(self.interrupt)
+        reconnects_of(self.nc).add(self._reconnected)
         return self
+
+    def _reconnected(self) -> None:
+        """A restarted server forgot the pull under way: that call ends (the next asks afresh)."""
+        if self._in_call:
+            self.interrupt()
 
     def interrupt(self) -> None:
         """End the `fetch` under way (or else the next one) now, with what it has: a waiting pull
@@ -79,7 +95,7 @@ class BatchPuller:
         returned, for the caller to hand back. Calls after it return nothing."""
         self._stopped = True
         self.interrupt()
-        reconnects_of(self.nc).discard(self.interrupt)
+        reconnects_of(self.nc).discard(self._reconnected)
         sub, self._sub = self._sub, None
         if sub is not None:
             try:
@@ -94,11 +110,13 @@ class BatchPuller:
     async def _on_msg(self, msg: Msg) -> None:
         status = msg.headers.get(_STATUS) if msg.headers else None
         if status is None:
+            self.received += 1
             self._arrived.append(msg)
             self._found_nothing = False
             if len(self._arrived) >= self._wanted:
                 self._settled.set()
         elif status != _HEARTBEAT:
+            self._unanswered = status == _NO_RESPONDERS
             self._settled.set()
 
     async def _pull(self, batch: int, wait_s: float, no_wait: bool, max_bytes: int | None = None) -> None:
@@ -113,13 +131,20 @@ class BatchPuller:
             {"batch": batch, "no_wait": True} if no_wait else {"batch": batch, "expires": int(wait_s * 1e9)})
         if max_bytes is not None:
             request["max_bytes"] = max_bytes
+        self.waiting = not no_wait
+        self._unanswered = False
         await self.nc.publish(self._next_subject, json.dumps(request).encode(), reply=self._inbox)
         try:
             # A little past expires, so an idle request usually ends on the server's 408.
             await asyncio.wait_for(self._settled.wait(), wait_s + (0.0 if no_wait else 0.25))
         except TimeoutError:
             pass
+        finally:
+            self.waiting = False
         self._found_nothing = not self._arrived
+        if self._unanswered:
+            # As a failed fetch, so its caller pauses rather than asking again at once.
+            raise nats.errors.NoRespondersError
 
     async def fetch(self, batch: int, timeout: float, max_bytes: int | None = None) -> list[Msg]:
         """Up to about `batch` messages (and about `max_bytes`): what is there now, else the first to
@@ -127,6 +152,7 @@ class BatchPuller:
 
         Returns [] when nothing came; never raises on a timeout.
         """
+        self._in_call = True
         try:
             if self._arrived or not self._found_nothing:
                 msgs = await self._take_ready(batch, timeout, max_bytes)
@@ -140,15 +166,16 @@ class BatchPuller:
                     await self._pull(batch - 1, timeout, no_wait=True, max_bytes=left)
             return self._take(batch)
         finally:
-            self._interrupted = self._stopped
+            self._interrupted, self._in_call = self._stopped, False
 
     async def take_ready(self, batch: int, reply_wait_s: float = 1.0, max_bytes: int | None = None) -> list[Msg]:
         """Up to about `batch` messages (and about `max_bytes`) that are there now; never waits for
         one to arrive (only, at most `reply_wait_s`, for the server's answer)."""
+        self._in_call = True
         try:
             return await self._take_ready(batch, reply_wait_s, max_bytes)
         finally:
-            self._interrupted = self._stopped
+            self._interrupted, self._in_call = self._stopped, False
 
     async def _take_ready(self, batch: int, reply_wait_s: float, max_bytes: int | None) -> list[Msg]:
         left = None if max_bytes is None else max_bytes - _size(self._arrived)

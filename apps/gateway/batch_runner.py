@@ -36,12 +36,14 @@ the claim back, and the next run records what is missing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
+import nats.errors
 from nats.aio.msg import Msg
 
 from apps.bus import topology, wire
@@ -62,6 +64,9 @@ log = logging.getLogger("helexa.gateway")
 HANDLER = "batch"
 # How often a running batch re-reads its status (cancelled elsewhere?) and the claim is kept alive.
 _POLL_S = 1.0
+# One wait for a claim while none is there: stopping ends it, and a gateway that freezes meanwhile
+# delays one batch by the claim's ack wait at most.
+_CLAIM_WAIT_S = 30.0
 _KEEP_ALIVE_S = topology.BATCH_ACK_WAIT_S / 4
 # A line refused for lack of capacity is tried this many times in all, this long apart at first.
 _TRIES = 6
@@ -113,7 +118,7 @@ class BatchRunner:
                 try:
                     if puller is None or puller.nc is not self._bus.nc:  # the connection was replaced
                         puller = await topology.batch_puller(self._bus.nc)
-                    claims = await puller.fetch(1, timeout=5.0)
+                    claims = await puller.fetch(1, timeout=_CLAIM_WAIT_S)
                 except Exception as exc:
                     log.warning("batch runner cannot pull claims", extra={"detail": repr(exc)})
                     await asyncio.sleep(_POLL_S)
@@ -122,7 +127,9 @@ class BatchRunner:
                     await self._hold(claim)
         finally:
             if puller is not None and not puller.nc.is_closed:
-                await puller.stop()
+                for claim in await puller.stop():  # came as the runner stopped: another gateway's now
+                    with contextlib.suppress(nats.errors.Error):
+                        await claim.nak()
 
     async def _hold(self, claim: Msg) -> None:
         batch_id = claim.data.decode(errors="replace")

@@ -9,7 +9,7 @@ EVENTS refused (full, or the bus away) are held and published again (`helexa:gat
 EVENTS refuses new events when full rather than dropping old ones, so the gateway stops taking new
 work before it gets there: the publisher reads how full EVENTS is every `ROOM_CHECK_S` (every
 `ROOM_CHECK_IDLE_S` while it is under `EVENTS_NEAR_FULL_AT`, a reading that costs the server a
-JetStream API call), and past
+JetStream API call; none while the gateway emits nothing), and past
 `EVENTS_FULL_AT` of a limit (or as soon as EVENTS refuses one of its events) `check_room` answers
 new requests 503 `events_full` with `Retry-After`, until the recorder has caught up and trimmed
 what it recorded (`helexa:gateway_events_full` is 1 meanwhile).
@@ -55,6 +55,10 @@ class EventPublisher:
         self.events_full = False
         # Set when an event is refused (EVENTS full), cleared at each reading of the room.
         self._refusal = asyncio.Event()
+        # An event was queued since the last reading: a gateway that emits nothing admits nothing,
+        # so it has no reason to read how full EVENTS is (the first event it emits again, or its
+        # refusal, brings a reading).
+        self._emitted = True
         metrics.event_backlog.set_function(lambda: self._queue.qsize())
         metrics.events_held.set_function(held_events)
         metrics.events_full.set_function(lambda: float(self.events_full))
@@ -83,6 +87,10 @@ class EventPublisher:
 
     async def _watch_room(self) -> None:
         while True:
+            if not (self._emitted or self.events_full):
+                await self._pause(ROOM_CHECK_IDLE_S)
+                continue
+            self._emitted = False
             interval = ROOM_CHECK_S
             try:
                 room = await topology.events_room(self._bus.js)
@@ -125,6 +133,7 @@ class EventPublisher:
     def emit(self, event: AnyEvent, subject_kind: str | None = None) -> None:
         """Queue `event` for publishing (under `subject_kind`, see `publish_event`); never blocks,
         never raises."""
+        self._emitted = True
         try:
             self._queue.put_nowait((event, subject_kind))
         except asyncio.QueueFull:

@@ -438,16 +438,23 @@ async def _consume(recorder: Recorder, puller: BatchPuller) -> None:
         await _each(await ahead, Msg.nak)
 
 
-async def _watch(recorder: Recorder, nc: NatsClient) -> None:
+async def _watch(recorder: Recorder, nc: NatsClient, puller: BatchPuller) -> None:
     """Read the lag and the EVENTS limits every `watch_interval_s` until stopped, and trim recorded
-    events off EVENTS as it nears a limit."""
+    events off EVENTS as it nears a limit. A reading that found nothing unrecorded still holds
+    while no event has come since and a pull waits (nothing is pending, or the wait would have
+    ended), so an idle recorder asks JetStream nothing."""
     watch = LagWatch(recorder.metrics)
+    quiet, received = False, -1
     while not recorder.stop.is_set():
-        try:
-            lag = await watch.check(nc.jetstream())
-            recorder.metrics.events_trimmed.inc(await large_events.trim_recorded(nc.jetstream(), lag.room))
-        except (nats.errors.Error, TimeoutError) as exc:
-            log.warning("could not read the recorder's lag", extra={"error": repr(exc)})
+        if not (quiet and puller.waiting and puller.received == received):
+            received = puller.received
+            try:
+                lag = await watch.check(nc.jetstream())
+                recorder.metrics.events_trimmed.inc(await large_events.trim_recorded(nc.jetstream(), lag.room))
+                quiet = lag.unrecorded == 0
+            except (nats.errors.Error, TimeoutError) as exc:
+                log.warning("could not read the recorder's lag", extra={"error": repr(exc)})
+                quiet = False
         await _pause(recorder.stop, recorder.settings.watch_interval_s)
 
 
@@ -473,7 +480,7 @@ async def run_recorder(settings: RecorderSettings, stop: asyncio.Event, rebuild:
         if rebuild and not await recorder.rebuild(nc):
             return
         puller = await recorder_puller(nc, settings.ack_wait_s)
-        watching = asyncio.create_task(_watch(recorder, nc))
+        watching = asyncio.create_task(_watch(recorder, nc, puller))
         metrics_url = f"http://{settings.metrics_host}:{settings.metrics_port}/metrics" if exposition else None
         announce_ready("recorder", consumer=RECORDER_CONSUMER, batch_size=settings.batch_size, metrics=metrics_url)
         await _consume(recorder, puller)

@@ -27,9 +27,9 @@ from engine.frontend.protocol import (
     EngineOutputs,
     EngineRequest,
     FinishReason,
-    HoldableOutputs,
     SamplingParams,
     TokenLogprob,
+    holdable,
 )
 from engine.frontend.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -198,7 +198,7 @@ async def generate_choice(
         return ended.reason, None  # its client has its whole text and its finish already
     reason = ended.reason if ended is not None else FinishReason.ABORT
     # The core's outputs wait out the frame window in its queue (`Replier.hold_outputs`).
-    holdable = outputs if isinstance(outputs, HoldableOutputs) else None
+    held_outputs = holdable(outputs) if outputs is not None else None
     if outputs is not None:
         async with contextlib.aclosing(outputs):
             async for out in outputs:
@@ -220,8 +220,8 @@ async def generate_choice(
                     if hit_stop:
                         reason = FinishReason.STOP
                         break
-                    if holdable is not None and not out.finished:
-                        replier.hold_outputs(index, holdable)
+                    if held_outputs is not None and not out.finished:
+                        replier.hold_outputs(index, held_outputs)
                 if out.finished:
                     if out.finish_reason is FinishReason.ERROR:
                         return FinishReason.ERROR, out.error or "engine error"

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
+import nats.errors
+from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
 from apps.bus.connection import connect, reached_server
@@ -81,14 +83,28 @@ async def test_a_reconnect_ends_a_wait_the_restarted_server_forgot(own_nats: Nat
         puller = await worker_puller(nc, "m", BusLimits())
         waiting = asyncio.create_task(puller.fetch(1, timeout=600))
         await reached_server(nc)
-        own_nats.stop()
+        # Killed, not stopped: a server that shuts down ends its pulls (409) itself.
+        own_nats.process.kill()  # type: ignore[union-attr]
+        own_nats.process.wait()  # type: ignore[union-attr]
         own_nats.start()
         # Back on the restarted server, the wait ends instead of running out its ten minutes.
         assert await asyncio.wait_for(waiting, 60) == []
-        await nc.jetstream().publish(request_subject("m"), b"after the restart")
+        await published_once_up(nc, request_subject("m"), b"after the restart")
         (msg,) = await puller.fetch(1, timeout=30)
         assert msg.data == b"after the restart"
         await msg.ack()
         await puller.stop()
     finally:
         await nc.close()
+
+
+async def published_once_up(nc: NatsClient, subject: str, data: bytes) -> None:
+    """Published as soon as JetStream answers again (a restarted server recovers its streams
+    after it takes connections; nothing announces when)."""
+    for _ in range(300):
+        try:
+            await nc.jetstream().publish(subject, data)
+            return
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            await asyncio.sleep(0.1)
+    raise AssertionError("JetStream never came back")
