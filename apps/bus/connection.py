@@ -18,6 +18,7 @@ from nats.aio.client import Client as NatsClient
 from apps.bus.declaration import Stopped, ensure_topology
 from apps.bus.reconnects import Reconnects, told_on_reconnect
 from apps.bus.topology import BusLimits, inbox_prefix
+from apps.waiting import done_unless
 
 log = logging.getLogger("helexa.bus")
 
@@ -144,12 +145,7 @@ async def connect(url: str, name: str, *, role: str | None = None, max_reconnect
     ))
     if stop is None:
         return told_on_reconnect(await connecting, reconnects)
-    stopping = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopping.cancel()
-    if connecting.done():
+    if await done_unless(connecting, stop):
         return told_on_reconnect(connecting.result(), reconnects)
     connecting.cancel()
     await asyncio.gather(connecting, return_exceptions=True)

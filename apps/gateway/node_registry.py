@@ -25,6 +25,7 @@ from apps.bus.reconnects import reconnects_of
 from apps.bus.topology import BusLimits
 from apps.gateway.bus_client import GatewayBus
 from apps.gateway.task_stop import cancel_until_done
+from apps.waiting import done_unless
 
 log = logging.getLogger("helexa.gateway")
 
@@ -146,8 +147,9 @@ class NodeRegistry:
         reconnects_of(nc).add(reconnected.set)
         key_at = len(f"$KV.{topology.NODES_BUCKET}.")
         try:
-            if not (await sub.consumer_info()).num_pending:
-                self._ready.set()
+            info = await sub.consumer_info()
+            if not info.num_pending and not (info.delivered.consumer_seq if info.delivered else 0):
+                self._ready.set()  # an empty bucket (else the last initial entry says it is the last)
             while not reconnected.is_set():
                 try:
                     msg = await _next_unless(sub, reconnected, silence_s)
@@ -180,12 +182,7 @@ async def _next_unless(sub: JetStreamContext.PushSubscription, stop: asyncio.Eve
                        timeout_s: float) -> Msg | None:
     """`sub`'s next message; None once `stop` is set first; TimeoutError after `timeout_s`."""
     taking = asyncio.ensure_future(sub.next_msg(timeout=timeout_s))
-    stopping = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait({taking, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopping.cancel()
-    if not taking.done():
+    if not await done_unless(taking, stop):
         await cancel_until_done(taking)
         return None
     return taking.result()

@@ -50,6 +50,7 @@ from apps.recorder.dead_letters import DeadLetter, Reason, kind_from_subject
 from apps.recorder.metrics import LagWatch, MetricsServer, RecorderMetrics
 from apps.recorder.migrate import migrate
 from apps.settings import RecorderSettings
+from apps.waiting import done_unless
 
 log = logging.getLogger("helexa.recorder")
 
@@ -398,12 +399,7 @@ async def _fetched_unless_stopped(puller: BatchPuller, stop: asyncio.Event,
                                   fetching: Coroutine[Any, Any, list[Msg]]) -> list[Msg]:
     """What `fetching` brings; its wait ends at once when `stop` is set."""
     fetched = asyncio.ensure_future(fetching)
-    stopping = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait({fetched, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopping.cancel()
-    if not fetched.done():
+    if not await done_unless(fetched, stop):
         puller.interrupt()
     return await fetched
 

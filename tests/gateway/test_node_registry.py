@@ -1,0 +1,63 @@
+"""The gateway's node registry (apps/gateway/node_registry.py) against a real NATS server: the
+entries written before it started are all read before it answers, whenever they arrive; later
+writes and deletes show at once; and it watches without waking the gateway when nothing changes
+(no flow control, no heartbeats)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from nats.js import JetStreamContext
+
+from apps.bus import wire
+from apps.bus.connection import connect
+from apps.bus.topology import NODES_BUCKET, BusLimits, node_registry
+from apps.embedded.nats_server import NatsServer
+from apps.gateway.bus_client import GatewayBus
+from apps.gateway.metrics import GatewayMetrics
+from apps.gateway.node_registry import NodeRegistry
+from tests.support import eventually_async
+
+
+def status(node: str, model: str) -> bytes:
+    return wire.encode(wire.NodeStatus(node=node, version="test",
+                                       models=[wire.ModelStatus(model=model, slots=4, free_slots=4)]))
+
+
+async def test_entries_written_before_it_started_are_read_before_it_answers(
+        own_nats: NatsServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    writer = await connect(own_nats.url, "writer")
+    bus = await GatewayBus.connect(own_nats.url, BusLimits(), GatewayMetrics())
+    registry = NodeRegistry(bus, BusLimits())
+    try:
+        nodes = await node_registry(writer.jetstream(), BusLimits())
+        await nodes.put("early", status("early", "m"))
+        # The watch's first look at its consumer comes only once the server has delivered the
+        # entry (what a loaded machine does): nothing is pending any more, but it is not read yet.
+        consumer_info = JetStreamContext.PushSubscription.consumer_info
+
+        async def late_consumer_info(sub: JetStreamContext.PushSubscription):  # type: ignore[no-untyped-def]
+            while not sub._pending_queue.qsize():
+                await asyncio.sleep(0.01)
+            return await consumer_info(sub)
+
+        monkeypatch.setattr(JetStreamContext.PushSubscription, "consumer_info", late_consumer_info)
+        registry.start()
+        assert [n.node for n in await asyncio.wait_for(registry.serving("m"), 30)] == ["early"]
+
+        await nodes.put("later", status("later", "m"))
+        await eventually_async(lambda: _serving(registry, "m", ["early", "later"]), 30)
+        await nodes.delete("early")
+        await eventually_async(lambda: _serving(registry, "m", ["later"]), 30)
+        # Watched through a plain push consumer: no flow control nor heartbeats to answer.
+        (info,) = await writer.jetstream().consumers_info(f"KV_{NODES_BUCKET}")
+        assert not info.config.flow_control and not info.config.idle_heartbeat
+    finally:
+        await registry.stop()
+        await bus.close()
+        await writer.close()
+
+
+async def _serving(registry: NodeRegistry, model: str, nodes: list[str]) -> bool:
+    return sorted(n.node for n in await registry.serving(model)) == nodes
