@@ -25,7 +25,7 @@ from apps.bus.reconnects import reconnects_of
 from apps.bus.topology import BusLimits
 from apps.gateway.bus_client import GatewayBus
 from apps.gateway.task_stop import cancel_until_done
-from apps.waiting import done_unless
+from apps.waiting import abandon, done_unless
 
 log = logging.getLogger("helexa.gateway")
 
@@ -183,6 +183,6 @@ async def _next_unless(sub: JetStreamContext.PushSubscription, stop: asyncio.Eve
     """`sub`'s next message; None once `stop` is set first; TimeoutError after `timeout_s`."""
     taking = asyncio.ensure_future(sub.next_msg(timeout=timeout_s))
     if not await done_unless(taking, stop):
-        await cancel_until_done(taking)
+        abandon(taking)
         return None
     return taking.result()

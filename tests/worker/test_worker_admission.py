@@ -144,7 +144,7 @@ async def test_a_full_worker_pulls_its_last_interactive_request_while_a_batch_wa
     at once: the seat a batch wait might fill is one the scheduler would preempt for them. (It
     was counted, so the last interactive request waited in the stream until the batch wait
     expired: about half a second per burst at 16 streams, which then ran its own engine steps.)"""
-    monkeypatch.setattr(intake, "IDLE_WAIT_S", 60.0)  # the batch wait outlasts the test
+    monkeypatch.setitem(intake.IDLE_WAIT_S, ServiceClass.BATCH, 60.0)  # the batch wait outlasts the test
     async with worker(own_nats.url, tok, tmp_path, limits=BusLimits(), max_num_seqs=4,
                       interactive_reserve=1) as (_, engine):
         nc = await nats.connect(own_nats.url)
