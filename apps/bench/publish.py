@@ -16,8 +16,8 @@ from nats.aio.client import Client as NatsClient
 
 from apps.bench.scenarios import Outcome
 from apps.bus import connection, declaration, roles
+from apps.bus.event_publish import publish_event
 from apps.bus.events import BenchRunRecorded, ScoreRecorded
-from apps.bus.publish import publish_event
 from apps.bus.topology import BusLimits
 
 # `scorer` of the numbers the bench measured itself; quality scores carry their scorer's name.

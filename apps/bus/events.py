@@ -267,3 +267,29 @@ def kind_of(event_type: type[Event]) -> str:
     return tag
 
 event_decoder = msgspec.json.Decoder(AnyEvent)
+
+# The kinds a publisher may send several of in one EVENTS message (a JSON array of events, all of
+# the kind and model its subject names): each request makes one or more of them, so on a busy
+# node they come many a second (`apps.bus.event_batches`). Every other kind goes one to a
+# message: a response's stored event is erased from the bus by its message (`erase_from_bus`).
+BATCHED_KINDS = frozenset(kind_of(kind) for kind in (RunStarted, RunFinished, RunPreempted, AdmissionDecided))
+
+_parts_decoder = msgspec.json.Decoder(list[msgspec.Raw])
+
+
+def event_parts(data: bytes) -> list[bytes]:
+    """The encoded events one EVENTS message carries: the message itself (one event), or each
+    element of its JSON array. Raises msgspec.DecodeError when an array is not well formed."""
+    if data[:1] != b"[":
+        return [data]
+    return [bytes(raw) for raw in _parts_decoder.decode(data)]
+
+
+def batch_body(encoded: list[bytes]) -> bytes:
+    """One EVENTS message's body for these encoded events (one alone is sent as itself)."""
+    return encoded[0] if len(encoded) == 1 else b"[" + b",".join(encoded) + b"]"
+
+
+def decode_events(data: bytes) -> list[AnyEvent]:
+    """The events of one EVENTS message (`event_parts`), decoded."""
+    return [event_decoder.decode(part) for part in event_parts(data)]

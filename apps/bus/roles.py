@@ -126,7 +126,7 @@ def _read_bucket(stream: str) -> list[str]:
 
 def _write_large_events() -> list[str]:
     """Putting an event too large for one message into the `helexa_events` bucket (see
-    `apps.bus.publish.publish_event`): its chunks and meta, and the look-up and purge a put of an
+    `apps.bus.event_publish.publish_event`): its chunks and meta, and the look-up and purge a put of an
     existing name makes. Its reference, on the event's own subject, names the object's digest, so
     an object another role replaced is not recorded (`apps.recorder.large_events`)."""
     return [f"{_EVENTS_OBJ_SUBJECTS}.>", *_read_bucket(_EVENTS_OBJ_STREAM),

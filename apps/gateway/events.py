@@ -25,8 +25,8 @@ import nats.errors
 
 from apps.bus import topology
 from apps.bus.codes import ErrorCode, Unavailable, unavailable
+from apps.bus.event_publish import held_events, publish_event
 from apps.bus.events import AnyEvent, event_kind
-from apps.bus.publish import held_events, publish_event
 from apps.gateway.bus_client import GatewayBus
 from apps.gateway.metrics import GatewayMetrics
 from apps.gateway.task_stop import cancel_until_done
@@ -141,12 +141,20 @@ class EventPublisher:
 
     async def _publish_forever(self) -> None:
         while True:
-            event, subject_kind = await self._queue.get()
+            # Everything queued goes at once: events of a subject share a message (`publish_event`).
+            queued = [await self._queue.get()]
+            while not self._queue.empty():
+                queued.append(self._queue.get_nowait())
             try:
-                # Held and published again if EVENTS does not take it now (full, or the bus away).
-                await publish_event(self._bus.js, event, on_full=self._refused, current=lambda: self._bus.js,
-                                    subject_kind=subject_kind)
-            except Exception:  # one bad event must not stop the publisher
-                log.exception("event dropped", extra={"kind": event_kind(event)})
+                await asyncio.gather(*(self._publish(event, subject_kind) for event, subject_kind in queued))
             finally:
-                self._queue.task_done()
+                for _ in queued:
+                    self._queue.task_done()
+
+    async def _publish(self, event: AnyEvent, subject_kind: str | None) -> None:
+        try:
+            # Held and published again if EVENTS does not take it now (full, or the bus away).
+            await publish_event(self._bus.js, event, on_full=self._refused, current=lambda: self._bus.js,
+                                subject_kind=subject_kind)
+        except Exception:  # one bad event must not stop the publisher
+            log.exception("event dropped", extra={"kind": event_kind(event)})

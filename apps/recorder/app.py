@@ -40,12 +40,21 @@ from nats.js import JetStreamContext
 
 from apps.bus.connection import connect
 from apps.bus.declaration import Stopped, require_topology
-from apps.bus.events import Event, EventRef, ResponseDeleted, ResponseStored, event_decoder, event_kind
+from apps.bus.events import (
+    BATCHED_KINDS,
+    Event,
+    EventRef,
+    ResponseDeleted,
+    ResponseStored,
+    event_decoder,
+    event_kind,
+    event_parts,
+)
 from apps.bus.pull import BatchPuller, stream_sequence
 from apps.bus.roles import RECORDER, event_refused
 from apps.bus.topology import EVENTS_STREAM, RECORDER_CONSUMER, recorder_puller, replay_puller
 from apps.logs import announce_ready, monotonic_ms
-from apps.recorder import dead_letters, large_events, projector
+from apps.recorder import dead_letters, large_events, parts, projector
 from apps.recorder.dead_letters import DeadLetter, Reason, kind_from_subject
 from apps.recorder.metrics import LagWatch, MetricsServer, RecorderMetrics
 from apps.recorder.migrate import migrate
@@ -137,7 +146,7 @@ class Recorder:
                 else:
                     log.warning("postgres unavailable, retrying", extra=extra)
             if held and time.monotonic() - last_progress >= self.in_progress_every_s:
-                await _each(held, Msg.in_progress)
+                await _each(held, _IN_PROGRESS)
                 last_progress = time.monotonic()
             await _pause(self.stop, delay)
             delay = min(delay * 2, MAX_RETRY_S)
@@ -199,7 +208,7 @@ class Recorder:
             return 0
         if acks:
             # Stopped during an outage: hand the batch back for redelivery now rather than after ack_wait.
-            await _each(msgs, Msg.ack if committed else Msg.nak)
+            await _each(msgs, _ACK if committed else _NAK)
         if committed:
             self.metrics.events_recorded.inc(new)
             # A deleted response's stored event may come after its deletion: either kind may erase.
@@ -227,7 +236,7 @@ class Recorder:
         events, buried, later = await large_events.resolve(self.js, pending, self.settings.batch_bytes)
         await self.bury(buried, acks)
         if later and acks:
-            await _each([msg for msg, _ in later], Msg.nak)
+            await _each([msg for msg, _ in later], _NAK)
         elif later:
             # A replay acks nothing: what is left over is recorded in a round of its own.
             await self.record(events, acks=False)
@@ -252,7 +261,7 @@ class Recorder:
             log.error("event dead-lettered", extra=_describe(msg, reason=letter.reason.value, error=letter.error,
                                                               sqlstate=letter.sqlstate, event_id=letter.event_id))
         if acks:
-            await _each(msgs, Msg.term if kept else Msg.nak)
+            await _each(msgs, _TERM if kept else _NAK)
 
     async def rebuild(self, nc: NatsClient) -> bool:
         """Recompute the projections from `events`, then replay EVENTS; False if stopped first."""
@@ -320,13 +329,17 @@ def _describe(msg: Msg, **fields: object) -> dict[str, object]:
     return {"subject": msg.subject, "stream_seq": stream_sequence(msg), **fields}
 
 
-async def _each(msgs: Sequence[Msg], reply: Callable[[Msg], Awaitable[None]]) -> None:
+# Replies by name: a message's own method, as a part of a shared message (`parts.Part`) has its own.
+_ACK, _NAK, _TERM, _IN_PROGRESS = "ack", "nak", "term", "in_progress"
+
+
+async def _each(msgs: Sequence[Msg], reply: str) -> None:
     # Failing to reply only costs a redelivery, which is idempotent.
     for msg in msgs:
         try:
-            await reply(msg)
+            await getattr(msg, reply)()
         except nats.errors.Error as exc:
-            log.warning("could not reply to event", extra=_describe(msg, reply=reply.__name__, error=repr(exc)))
+            log.warning("could not reply to event", extra=_describe(msg, reply=reply, error=repr(exc)))
 
 
 def decode(msgs: list[Msg]) -> tuple[Pending, Buried]:
@@ -335,24 +348,48 @@ def decode(msgs: list[Msg]) -> tuple[Pending, Buried]:
     counts as undecodable."""
     pending: Pending = []
     undecodable: Buried = []
-    for msg in msgs:
+    for whole in msgs:
         try:
-            identity = _identity_decoder.decode(msg.data)
-            if identity.event_id is None or identity.ts is None:
-                raise msgspec.ValidationError("an event needs its own `event_id` and `ts`")
-            if not 0 <= identity.ts < _MAX_TS:
-                raise msgspec.ValidationError(f"`ts` {identity.ts} is not a time PostgreSQL can record")
-            event = event_decoder.decode(msg.data)
-            refused = event_refused(msg.subject, event)  # only its kind's publishers may send it there
-            if refused is not None:
-                raise msgspec.ValidationError(refused)
-            pending.append((msg, event))
+            each = parts_of(whole)
         except msgspec.DecodeError as exc:
-            undecodable.append((msg, DeadLetter(
-                Reason.UNDECODABLE, msg.subject, msg.data, str(exc), stream_sequence(msg),
-                kind=kind_from_subject(msg.subject),
+            undecodable.append((whole, DeadLetter(
+                Reason.UNDECODABLE, whole.subject, whole.data, str(exc), stream_sequence(whole),
+                kind=kind_from_subject(whole.subject),
             )))  # fmt: skip
+            continue
+        for msg in each:
+            _decode_one(msg, pending, undecodable)
     return pending, undecodable
+
+
+def parts_of(msg: Msg) -> list[Msg]:
+    """The message, or one part per event when it carries several (`apps.recorder.parts`); only
+    the kinds `BATCHED_KINDS` names may share a message."""
+    events = event_parts(msg.data)
+    if not events:
+        raise msgspec.ValidationError("an EVENTS message carries at least one event")
+    if len(events) > 1 and kind_from_subject(msg.subject) not in BATCHED_KINDS:
+        raise msgspec.ValidationError(f"{kind_from_subject(msg.subject)} events go one to a message")
+    return parts.split(msg, events)
+
+
+def _decode_one(msg: Msg, pending: Pending, undecodable: Buried) -> None:
+    try:
+        identity = _identity_decoder.decode(msg.data)
+        if identity.event_id is None or identity.ts is None:
+            raise msgspec.ValidationError("an event needs its own `event_id` and `ts`")
+        if not 0 <= identity.ts < _MAX_TS:
+            raise msgspec.ValidationError(f"`ts` {identity.ts} is not a time PostgreSQL can record")
+        event = event_decoder.decode(msg.data)
+        refused = event_refused(msg.subject, event)  # only its kind's publishers may send it there
+        if refused is not None:
+            raise msgspec.ValidationError(refused)
+        pending.append((msg, event))
+    except msgspec.DecodeError as exc:
+        undecodable.append((msg, DeadLetter(
+            Reason.UNDECODABLE, msg.subject, msg.data, str(exc), stream_sequence(msg),
+            kind=kind_from_subject(msg.subject),
+        )))  # fmt: skip
 
 
 async def _forget(puller: BatchPuller) -> None:
@@ -431,7 +468,7 @@ async def _consume(recorder: Recorder, puller: BatchPuller) -> None:
         for result in await asyncio.gather(*writing, return_exceptions=True):
             if isinstance(result, BaseException):
                 log.error("batch write failed", extra={"error": repr(result)})
-        await _each(await ahead, Msg.nak)
+        await _each(await ahead, _NAK)
 
 
 async def _watch(recorder: Recorder, nc: NatsClient, puller: BatchPuller) -> None:

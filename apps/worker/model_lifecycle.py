@@ -13,8 +13,8 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from apps.bus.codes import ErrorCode, ServingError, Unavailable, unavailable
+from apps.bus.event_publish import publish_event
 from apps.bus.events import CoreRestarted
-from apps.bus.publish import publish_event
 from apps.fleet.catalogue import CatalogueEntry
 from apps.worker.intake import NodeBus
 from apps.worker.model_loop import ModelLoop

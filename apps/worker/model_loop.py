@@ -30,8 +30,8 @@ from nats.aio.msg import Msg
 
 from apps.bus import event_builders, topology, wire
 from apps.bus.codes import ErrorCode, ServingError
+from apps.bus.event_publish import publish_event
 from apps.bus.events import AdmissionDecision, RunFinished
-from apps.bus.publish import publish_event
 from apps.settings import WorkerSettings
 from apps.worker import liveness
 from apps.worker.context_limit import ContextLimit

@@ -18,8 +18,8 @@ from nats.js.kv import KeyValue
 
 from apps.bus import wire
 from apps.bus.codes import ModelState, NodeState
+from apps.bus.event_publish import publish_event
 from apps.bus.events import NodeStatusChanged
-from apps.bus.publish import publish_event
 from apps.worker.model_lifecycle import ModelLifecycle
 from apps.worker.model_loop import ModelLoop
 

@@ -24,7 +24,7 @@ import nats.errors
 import nats.micro
 
 from apps.bus import connection, declaration, roles, topology
-from apps.bus.publish import held_events
+from apps.bus.event_publish import held_events
 from apps.bus.topology import BusLimits
 from apps.fleet.catalogue import CatalogueEntry
 from apps.logs import announce_ready

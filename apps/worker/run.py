@@ -24,8 +24,8 @@ from nats.js import JetStreamContext
 
 from apps.bus import wire
 from apps.bus.codes import ErrorCode, RunStatus, ServingError
+from apps.bus.event_publish import publish_event
 from apps.bus.events import RunFinished
-from apps.bus.publish import publish_event
 from apps.worker import liveness
 from apps.worker.choices import engine_request_ids, generate
 from apps.worker.context_limit import ContextLimit

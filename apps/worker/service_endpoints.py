@@ -22,7 +22,8 @@ from nats.micro.request import Request as ServiceRequest
 
 from apps.bus import topology, wire
 from apps.bus.codes import ErrorCode, ServingError
-from apps.bus.publish import TooLarge, publish_event, respond
+from apps.bus.event_publish import publish_event
+from apps.bus.publish import TooLarge, respond
 from apps.worker import token_service
 from apps.worker.model_loop import ModelLoop
 from apps.worker.node_status import helexa_version, model_status

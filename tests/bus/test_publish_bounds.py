@@ -19,7 +19,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.api import DiscardPolicy
 
-from apps.bus import connection, declaration, publish, topology, wire
+from apps.bus import connection, declaration, event_publish, publish, topology, wire
 from apps.bus.codes import Api, ErrorCode, FinishReason, RunStatus
 from apps.bus.events import (
     AdmissionDecided,
@@ -120,7 +120,7 @@ async def test_every_client_sized_event_at_the_boundary_is_stored_whole(stock_se
         assert limit == 1 << 20
         sent = [event_of_wire_size(kind, limit + offset) for offset in OFFSETS]
         for event in sent:
-            assert await publish.publish_event(nc.jetstream(), event, required=True)
+            assert await event_publish.publish_event(nc.jetstream(), event, required=True)
             assert nc.is_connected, f"{kind} at {len(wire.encode(event))} bytes"
         got = await read_events(nc, len(sent))
         assert [event for _, event in got] == sent
@@ -220,8 +220,8 @@ async def test_a_full_events_stream_refuses_new_events_drops_none_and_the_refuse
         assert stored > 0
         full: list[bool] = []
         late = KINDS["admission"]("refused while full, and longer than the small fillers")
-        assert not await publish.publish_event(js, late, on_full=lambda: full.append(True))
-        assert full and publish.held_events() == 1
+        assert not await event_publish.publish_event(js, late, on_full=lambda: full.append(True))
+        assert full and event_publish.held_events() == 1
         state = (await js.stream_info(topology.EVENTS_STREAM)).state
         assert (state.first_seq, state.messages) == (1, stored), "nothing already stored was dropped"
         # Room again (what a recorder does once it recorded them): the held event goes in by itself.
@@ -234,7 +234,7 @@ async def test_a_full_events_stream_refuses_new_events_drops_none_and_the_refuse
 
 
 async def _held_none() -> bool:
-    return publish.held_events() == 0
+    return event_publish.held_events() == 0
 
 
 async def test_an_existing_discard_old_events_stream_is_converged_to_discard_new(stock_server: NatsServer) -> None:

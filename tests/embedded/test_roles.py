@@ -17,7 +17,7 @@ import pytest
 from nats.aio.client import Client as NatsClient
 from nats.aio.subscription import Subscription
 
-from apps.bus import connection, declaration, publish, roles, topology, wire
+from apps.bus import connection, declaration, event_publish, roles, topology, wire
 from apps.bus.codes import RunStatus
 from apps.bus.events import Event, event_decoder, event_kind
 from apps.embedded import free_port
@@ -318,12 +318,12 @@ async def test_a_large_event_is_recorded_only_as_its_own_role_stored_it(
     """The `helexa_events` bucket is written by every role that publishes events, so a worker can
     replace a gateway's large event's object; the reference's digest keeps the forgery out, and the
     recorder, as its role, reads, erases and trims what it recorded."""
-    monkeypatch.setattr(publish, "fits", lambda *_: False)  # every event by reference
+    monkeypatch.setattr(event_publish, "fits", lambda *_: False)  # every event by reference
     async with as_role(nats_server, roles.GATEWAY) as gateway, as_role(nats_server, roles.WORKER) as worker, \
             as_role(nats_server, roles.RECORDER) as recorder:
         kept, replaced = response_stored("resp_kept", model=MODEL), response_stored("resp_replaced", model=MODEL)
         for event in (kept, replaced):
-            assert await publish.publish_event(gateway.nc.jetstream(), event, required=True)
+            assert await event_publish.publish_event(gateway.nc.jetstream(), event, required=True)
         assert await gateway.refused_nothing()
         forged = msgspec.structs.replace(replaced, principal="mallory")
         await (await worker.nc.jetstream().object_store(topology.LARGE_EVENTS_BUCKET)).put(

@@ -27,7 +27,7 @@ import pytest
 from nats.js.api import DeliverPolicy
 
 from apps.bus import topology
-from apps.bus.events import Event, event_decoder
+from apps.bus.events import Event, decode_events
 from apps.embedded import free_port
 from apps.embedded.nats_server import NatsCluster, NatsServer
 from tests.support import REPO, AppProcess
@@ -177,7 +177,7 @@ async def _collect(nats_url: str, subject: str | list[str], until: Callable[[lis
             except TimeoutError:
                 continue
             if len(wanted) == 1 or msg.subject in wanted:
-                events.append(event_decoder.decode(msg.data))
+                events.extend(decode_events(msg.data))
         return events
     finally:
         await nc.close()

@@ -26,7 +26,7 @@ from nats.aio.subscription import Subscription
 
 from apps.bus import connection, topology, wire
 from apps.bus.codes import ErrorCode, RunStatus
-from apps.bus.events import AnyEvent, RunFinished, event_decoder, event_kind
+from apps.bus.events import AnyEvent, RunFinished, decode_events, event_kind
 from apps.bus.topology import BusLimits
 from apps.embedded.nats_server import NatsServer
 from apps.settings import WorkerSettings
@@ -119,9 +119,9 @@ class RunEvents:
         self.changed = asyncio.Event()
 
     async def on_msg(self, msg: Msg) -> None:
-        event = event_decoder.decode(msg.data)
-        assert isinstance(event, RunFinished)
-        self.finished.append(event)
+        for event in decode_events(msg.data):  # a message may carry several
+            assert isinstance(event, RunFinished)
+            self.finished.append(event)
         self.changed.set()
 
     async def wait_for(self, count: int, timeout_s: float = 30.0) -> list[RunFinished]:
