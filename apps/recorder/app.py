@@ -352,10 +352,7 @@ def decode(msgs: list[Msg]) -> tuple[Pending, Buried]:
         try:
             each = parts_of(whole)
         except msgspec.DecodeError as exc:
-            undecodable.append((whole, DeadLetter(
-                Reason.UNDECODABLE, whole.subject, whole.data, str(exc), stream_sequence(whole),
-                kind=kind_from_subject(whole.subject),
-            )))  # fmt: skip
+            undecodable.append(_undecodable(whole, exc))
             continue
         for msg in each:
             _decode_one(msg, pending, undecodable)
@@ -386,10 +383,12 @@ def _decode_one(msg: Msg, pending: Pending, undecodable: Buried) -> None:
             raise msgspec.ValidationError(refused)
         pending.append((msg, event))
     except msgspec.DecodeError as exc:
-        undecodable.append((msg, DeadLetter(
-            Reason.UNDECODABLE, msg.subject, msg.data, str(exc), stream_sequence(msg),
-            kind=kind_from_subject(msg.subject),
-        )))  # fmt: skip
+        undecodable.append(_undecodable(msg, exc))
+
+
+def _undecodable(msg: Msg, exc: msgspec.DecodeError) -> tuple[Msg, DeadLetter]:
+    return msg, DeadLetter(Reason.UNDECODABLE, msg.subject, msg.data, str(exc), stream_sequence(msg),
+                           kind=kind_from_subject(msg.subject))
 
 
 async def _forget(puller: BatchPuller) -> None:
