@@ -12,6 +12,7 @@ import torch
 
 from engine.cpu import cpu_linear
 from engine.cpu.cpu_decode_stack import CpuDecodeStack
+from engine.cpu.cpu_support import dtype_supported
 from engine.frontend.protocol import EngineRequest
 from engine.loading.loader import Checkpoint, empty_model
 from engine.loading.model_config import ModelConfig
@@ -20,7 +21,7 @@ from engine.runner.model_runner import allocate_kv_caches
 from engine.runner.step_metadata import KVCaches, SequenceChunk, build_step_inputs
 from helexa_kernels import cpu as cpu_kernels
 from tests.engine.test_engine_core import greedy, make_core, run
-from tests.kernels.helpers import AMX_FORMS
+from tests.kernels.helpers import AMX_FORMS, BF16, NEEDS_BF16_CPU
 
 SIZES = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
@@ -31,6 +32,11 @@ MODELS = {
     # Qwen3: per-head q/k norms, attention wider than the residual stream.
     "qwen3-wide": {"model_type": "qwen3", "head_dim": 32},
 }
+
+
+# The dtype the stack's logic is checked in: bf16 where this CPU runs it, else fp32 (its kernels run
+# everywhere).
+KERNEL_DTYPE = torch.bfloat16 if dtype_supported("bfloat16") else torch.float32
 
 
 def random_model(kind: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -95,7 +101,7 @@ def _cpu_kernels() -> None:
 
 @pytest.mark.parametrize("amx_form", AMX_FORMS)
 @pytest.mark.parametrize("block_size", [4, 16])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("dtype", [BF16, pytest.param(torch.float32, id="fp32")])
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_decode_steps_match_the_forward_bit_for_bit(kind: str, dtype: torch.dtype, block_size: int,
                                                     amx_form: Callable[[], AbstractContextManager[None]]) -> None:
@@ -115,6 +121,7 @@ def test_decode_steps_match_the_forward_bit_for_bit(kind: str, dtype: torch.dtyp
         seqs.assert_caches_equal()
 
 
+@NEEDS_BF16_CPU
 def test_more_rows_than_the_bf16_kernel_takes_go_through_onednn_alike() -> None:
     """Past `bf16_kernel_rows` the linears run on oneDNN: the stack picks as PackedWeight does."""
     rows = cpu_linear.bf16_kernel_rows() + 3
@@ -129,7 +136,7 @@ def test_more_rows_than_the_bf16_kernel_takes_go_through_onednn_alike() -> None:
 
 def test_a_step_with_a_prefill_is_left_to_the_forward() -> None:
     generator = torch.Generator().manual_seed(4)
-    seqs = TwoCaches(random_model("llama", torch.bfloat16), num_seqs=2, block_size=16)
+    seqs = TwoCaches(random_model("llama", KERNEL_DTYPE), num_seqs=2, block_size=16)
     seqs.step({0: tokens(generator, 9)})
     served, expected = seqs.step({0: tokens(generator, 1), 1: tokens(generator, 40)})
     assert served is None
@@ -139,14 +146,14 @@ def test_a_step_with_a_prefill_is_left_to_the_forward() -> None:
 
 
 def test_built_only_where_every_part_has_its_kernel() -> None:
-    model = random_model("llama", torch.bfloat16)
-    caches: KVCaches = allocate_kv_caches(model.config, 4, 16, torch.bfloat16, "cpu")
+    model = random_model("llama", KERNEL_DTYPE)
+    caches: KVCaches = allocate_kv_caches(model.config, 4, 16, KERNEL_DTYPE, "cpu")
     assert CpuDecodeStack.build(model, caches) is not None
     assert CpuDecodeStack.build(model, caches[:-1]) is None  # caches for other layers
     ops.use_backend("torch", "cpu")  # the PyTorch forms picked: nothing to call from C++
     assert CpuDecodeStack.build(model, caches) is None
     ops.use_backend("cpu", "cpu")
-    unpacked = random_model("llama", torch.bfloat16)
+    unpacked = random_model("llama", KERNEL_DTYPE)
     unpacked.model.layers[1].mlp.down_proj.packed = None
     assert CpuDecodeStack.build(unpacked, caches) is None
 

@@ -19,6 +19,7 @@ from engine.runner.model_runner import ModelRunner
 from helexa_kernels import cpu as cpu_kernels
 from tests.engine.helpers import PagedSequences
 from tests.engine.tiny_models import randomized_model
+from tests.kernels.helpers import BF16
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"), BF16])
 @pytest.mark.parametrize("shape", [(0, 96), (1, 96), (16, 96), (3, 5, 96)])
 def test_packed_linear_is_f_linear(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     torch.manual_seed(0)
@@ -103,7 +104,7 @@ def test_bf16_runs_the_kernel_up_to_its_measured_rows_and_onednn_above(kernel_ca
     assert kernel_calls == [1, 16]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("dtype", [BF16, pytest.param(torch.float32, id="fp32")])
 def test_logits_come_out_in_fp32_by_every_method(kernel_calls: list[int], dtype: torch.dtype) -> None:
     """An LM head's `fp32_output`: fp32 by the kernel's rows, oneDNN's and unpacked alike; from the
     kernel they are its sums unrounded (closer to an fp32 matmul than the bf16 output)."""
