@@ -270,7 +270,7 @@ event_decoder = msgspec.json.Decoder(AnyEvent)
 
 # The kinds a publisher may send several of in one EVENTS message (a JSON array of events, all of
 # the kind and model its subject names): each request makes one or more of them, so on a busy
-# node they come many a second (`apps.bus.event_batches`). Every other kind goes one to a
+# node they come many a second (`apps.bus.event_publish`). Every other kind goes one to a
 # message: a response's stored event is erased from the bus by its message (`erase_from_bus`).
 BATCHED_KINDS = frozenset(kind_of(kind) for kind in (RunStarted, RunFinished, RunPreempted, AdmissionDecided))
 
