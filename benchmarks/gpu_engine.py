@@ -15,7 +15,10 @@ downloaded), copies those weights into our engine's model, and in this one proce
 
 Each level also reports decode tokens/s (concurrency / ITL: the rate while every request
 decodes, without the prefill that output tokens/s over the wall time includes) and its TTFT
-median (p50); `headline` repeats batch 1's fraction of the roofline and the largest level's
+median (p50), and `bounds`: the fewest seconds that level's run can take on this device (every
+forward reads the weights at the measured copy bandwidth, every token's matmuls run at the
+measured matmul rate; `time_bounds`) as output tokens/s, prefill and decode overlapped or one
+after the other; `headline` repeats batch 1's fraction of the roofline and the largest level's
 figures. HF `generate` runs at --peer-concurrency levels only (default: all).
 
 Correctness gate, before any timing: on a short prompt, our last-position logits must match HF's
@@ -67,7 +70,7 @@ from engine.frontend.engine_config import EngineConfig
 from engine.loading.loader import Checkpoint
 from engine.models import MODEL_REGISTRY
 from engine.runner import ops
-from engine.runner.model_runner import allocate_caches
+from engine.runner.model_runner import allocate_caches, kv_bytes_per_token
 from engine.runner.state_cache import HybridCaches
 from engine.runner.step_metadata import AttentionMetadata
 
@@ -93,6 +96,50 @@ def copy_bandwidth(device: str, gib: float) -> float:
         samples.append(time.perf_counter() - start)
     del src, dst
     return 2 * n * 2 / statistics.median(samples[1:])
+
+
+def matmul_throughput(device: str, dtype: torch.dtype, n: int) -> float:
+    """FLOP/s of an n x n x n matmul in `dtype` (what the library reaches here), median of 10."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    samples = []
+    for _ in range(11):
+        _sync(device)
+        start = time.perf_counter()
+        torch.mm(a, b)
+        _sync(device)
+        samples.append(time.perf_counter() - start)
+    del a, b
+    return 2 * n ** 3 / statistics.median(samples[1:])
+
+
+def time_bounds(checkpoint: Checkpoint, concurrency: int, prompt: int, new: int, bandwidth: float,
+                flops: float) -> dict[str, float]:
+    """The fewest seconds a level's run can take on this device, and the output tokens/s that allows.
+
+    Memory: every sequence needs `new` forwards one after another (a prefill, then new - 1 decodes),
+    each reading every weight once, and each decode reads its sequence's K/V. Compute: 2 FLOPs per
+    weight per token (the LM head only at sampled rows). Attention FLOPs and a hybrid's recurrent
+    state are left out, so both stay lower bounds. `overlapped` assumes prefill compute hides under
+    decode reads perfectly (max of the two); `serial` prefills everything first and then decodes
+    (prefill compute, then the decodes' reads), the shape an all-at-once submission takes."""
+    config = checkpoint.config
+    weights = weight_bytes_per_decode_step(checkpoint)
+    element = next(checkpoint.model.parameters()).element_size()
+    head = config.vocab_size * config.hidden_size  # LM-head parameters
+    body = weights // element - head
+    kv = kv_bytes_per_token(config, next(checkpoint.model.parameters()).dtype)
+    decode_kv = concurrency * kv * sum(prompt + j for j in range(1, new))
+    prefill_flops = 2 * concurrency * (body * prompt + head)
+    decode_flops = 2 * concurrency * (body + head) * (new - 1)
+    decode_bytes = (new - 1) * weights + decode_kv
+    overlapped = max((weights + decode_bytes) / bandwidth, (prefill_flops + decode_flops) / flops)
+    serial = (max(prefill_flops / flops, weights / bandwidth)
+              + max(decode_flops / flops, decode_bytes / bandwidth))
+    tokens = concurrency * new
+    return {"overlapped_s": round(overlapped, 6), "serial_s": round(serial, 6),
+            "output_tokens_per_s_overlapped": round(tokens / overlapped, 1),
+            "output_tokens_per_s_serial": round(tokens / serial, 1)}
 
 
 # --- runs ------------------------------------------------------------------------------------
@@ -245,7 +292,7 @@ def timed(fn, runs: int) -> list[RunResult]:
 
 
 def bench_model(name: str, family: str, sizes: dict, args: argparse.Namespace, device: str,
-                dtype: torch.dtype, budget: Budget, bandwidth: float | None,
+                dtype: torch.dtype, budget: Budget, bandwidth: float | None, flops: float | None,
                 save: Callable[[dict], None]) -> dict:
     """One model's check and figures; `save(entry)` after each level keeps what is done."""
     entry: dict[str, object] = {"model": name, "family": family, "config": sizes,
@@ -303,6 +350,12 @@ def bench_model(name: str, family: str, sizes: dict, args: argparse.Namespace, d
             "fraction_of_roofline": round(measured / roofline, 3),
             "note": "weights only; the batch-1 KV reads (prompt + new tokens) are left out",
         }
+    if bandwidth and flops:
+        entry["bounds"] = bounds = {}
+        for c, figures in ours.items():
+            bounds[c] = time_bounds(checkpoint, c, args.prompt, args.new, bandwidth, flops)
+            bounds[c]["measured_share_of_overlapped"] = round(
+                figures["output_tokens_per_s"] / bounds[c]["output_tokens_per_s_overlapped"], 3)
     entry["headline"] = headline(entry, ours)
     save(entry)
     if graphs:
@@ -328,6 +381,10 @@ def headline(entry: dict, ours: dict) -> dict[str, object]:
         result[f"c{top}_decode_tokens_per_s"] = ours[top]["decode_tokens_per_s"]
         result[f"c{top}_ttft_ms_p50"] = ours[top]["ttft_ms_median"]
         result[f"c{top}_itl_ms"] = ours[top]["itl_ms_median"]
+        if top in entry.get("bounds", {}):
+            bound = entry["bounds"][top]
+            result[f"c{top}_output_tokens_per_s_bound"] = {
+                "overlapped": bound["output_tokens_per_s_overlapped"], "serial": bound["output_tokens_per_s_serial"]}
     return result
 
 
@@ -418,6 +475,7 @@ def main() -> None:
     args.graphs_off, args.profile = levels(args.graphs_off), levels(args.profile)
     budget = Budget(args.budget_s)
     bandwidth = copy_bandwidth(device, 0.0625 if args.tiny else 4.0)
+    flops = matmul_throughput(device, dtype, 256 if args.tiny else 8192)
     report: dict[str, object] = {
         "benchmark": "gpu_engine", "tiny": args.tiny,
         "inputs": {"concurrency": args.concurrency, "peer_concurrency": args.peer_concurrency,
@@ -426,6 +484,7 @@ def main() -> None:
                    "prompts": "random token ids, all submitted at once",
                    "peer": "HF transformers generate, one batch, same weights, same process"},
         "machine": machine(device), "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
+        "matmul_tflops": round(flops / 1e12, 2),
         "models": [],
     }
     failed = False
@@ -443,7 +502,7 @@ def main() -> None:
             write(report, args.out)
 
         try:
-            entry = bench_model(name, family, sizes, args, device, dtype, budget, bandwidth, save)
+            entry = bench_model(name, family, sizes, args, device, dtype, budget, bandwidth, flops, save)
         except Exception as exc:  # one model's failure must not lose the others' figures
             traceback.print_exc()  # into the log: the JSON keeps the one line
             entry = {"model": name, "error": f"{type(exc).__name__}: {exc}"}

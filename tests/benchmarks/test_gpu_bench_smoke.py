@@ -42,9 +42,43 @@ def test_gpu_engine_tiny(tmp_path: Path) -> None:
         assert model["headline"]["batch1_fraction_of_roofline"] > 0
         assert model["headline"]["c4_ttft_ms_p50"] > 0
         assert model["cuda_graphs"] == "not used on CPU"
+        # Each level's bound: prefill and decode one after the other can only be slower.
+        assert set(model["bounds"]) == {"1", "4"}
+        for bound in model["bounds"].values():
+            assert 0 < bound["output_tokens_per_s_serial"] <= bound["output_tokens_per_s_overlapped"]
+        assert set(model["headline"]["c4_output_tokens_per_s_bound"]) == {"overlapped", "serial"}
         # Profiled decode steps at batch 1 (no kernels on CPU: the host ops are there).
         profile = model["step_profile"]["1"]
         assert profile["steps"] > 0 and profile["wall_ms"] > 0 and profile["top_host_ops"]
+
+
+def test_time_bounds_count_every_weight_read_and_every_matmul() -> None:
+    """The memory bound is `new` reads of the weights plus each decode's K/V, at the bandwidth; the
+    compute bound 2 FLOPs per weight per token (the LM head at sampled rows only): each checked
+    alone by making the other resource free, against sums taken from the model's own tensors."""
+    from benchmarks.gpu_engine import time_bounds
+    from benchmarks.gpu_models import TINY_QWEN3, build_pair
+
+    _, checkpoint = build_pair("qwen3", TINY_QWEN3, "cpu", torch.float32)
+    params = dict(checkpoint.model.named_parameters())
+    embedding = params["model.embed_tokens.weight"].numel()
+    head = params["lm_head.weight"].numel()
+    read = sum(p.numel() for p in params.values()) - embedding  # floats one forward reads
+    config = checkpoint.config
+    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4
+    c, prompt, new, free = 3, 10, 5, 1e30
+    contexts = sum(prompt + j for j in range(1, new))  # each decode's context, one sequence
+    memory = time_bounds(checkpoint, c, prompt, new, bandwidth=1e9, flops=free)
+    assert memory["overlapped_s"] == round((new * read * 4 + c * contexts * kv_per_token) / 1e9, 6)
+    compute = time_bounds(checkpoint, c, prompt, new, bandwidth=free, flops=1e6)
+    assert compute["overlapped_s"] == round(2 * c * ((read - head) * (prompt + new - 1) + head * new) / 1e6, 6)
+    # One after the other, nothing hides: the same total either way when one resource is free.
+    assert compute["serial_s"] == compute["overlapped_s"] and memory["serial_s"] == memory["overlapped_s"]
+    assert memory["output_tokens_per_s_overlapped"] == pytest.approx(c * new / memory["overlapped_s"], rel=1e-3)
+    # A compute-bound prefill and memory-bound decodes (5 FLOPs per byte lies between the two):
+    # one after the other is longer by what the overlap would hide.
+    both = time_bounds(checkpoint, c, prompt, new, bandwidth=1e9, flops=5e9)
+    assert both["serial_s"] > both["overlapped_s"]
 
 
 def test_gpu_kernels_tiny(tmp_path: Path) -> None:
