@@ -54,8 +54,8 @@ def measure(num_seqs: int, steps: int) -> dict:
     hidden = torch.zeros(num_seqs * PROMPT_TOKENS, checkpoint.config.hidden_size)
     logits = torch.randn(num_seqs, 64)
     want = logits.argmax(-1).tolist()
-    core.runner.forward = lambda inputs, caches: hidden[:inputs.input_ids.shape[0]]
-    core.runner.model.compute_logits = lambda rows: logits[:rows.shape[0]]
+    core.runner.forward = lambda inputs, caches: hidden[:inputs.input_ids.shape[0]]  # type: ignore[method-assign]
+    core.runner.model.compute_logits = lambda rows: logits[:rows.shape[0]]  # type: ignore[assignment]
     for i in range(num_seqs):
         prompt = [1000 + 37 * i + 5 * j for j in range(PROMPT_TOKENS)]
         core.add_request(EngineRequest(f"s{i}", prompt, SamplingParams(max_tokens=context, temperature=0.0,
