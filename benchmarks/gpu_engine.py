@@ -120,9 +120,11 @@ def time_bounds(checkpoint: Checkpoint, concurrency: int, prompt: int, new: int,
     Memory: every sequence needs `new` forwards one after another (a prefill, then new - 1 decodes),
     each reading every weight once, and each decode reads its sequence's K/V. Compute: 2 FLOPs per
     weight per token (the LM head only at sampled rows). Attention FLOPs and a hybrid's recurrent
-    state are left out, so both stay lower bounds. `overlapped` assumes prefill compute hides under
-    decode reads perfectly (max of the two); `serial` prefills everything first and then decodes
-    (prefill compute, then the decodes' reads), the shape an all-at-once submission takes."""
+    state are left out, so both stay lower bounds (for dense models, as these shapes are: an MoE
+    step reads only its routed experts). `overlapped` assumes prefill compute hides under decode
+    reads perfectly (the larger of all reads and all compute); `serial` prefills everything first
+    and then decodes (each phase as long as its larger part), the shape an all-at-once submission
+    takes."""
     config = checkpoint.config
     weights = weight_bytes_per_decode_step(checkpoint)
     element = next(checkpoint.model.parameters()).element_size()
