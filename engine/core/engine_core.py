@@ -326,7 +326,10 @@ class EngineCore:
 
 
     def close(self) -> None:
-        """End the tensor-parallel group, if any (its ranks exit)."""
+        """End the tensor-parallel group, if any (its ranks exit), and give torch back the thread
+        count it started with."""
+        if self.runner.thread_governor is not None:
+            self.runner.thread_governor.restore()
         if self.runner.followers is not None:
             self.runner.followers.close()
             self.runner.followers = None

@@ -2,7 +2,8 @@
 
 The runner sizes and allocates the paged KV cache (one (k_cache, v_cache) pair per full-attention
 layer), on CPU packs the linear weights for oneDNN (`engine.cpu.cpu_linear`) and keeps freed memory
-for the next step (`engine.cpu.cpu_memory`), decides whether the model is hybrid (linear-attention
+for the next step (`engine.cpu.cpu_memory`) and measures how many threads its steps run fastest on
+while serving (`engine.cpu.thread_governor`), decides whether the model is hybrid (linear-attention
 layers keep a state slot per sequence, `engine.runner.state_cache`) and captures decode CUDA graphs
 where they apply (`engine.runner.cuda_graphs`: CUDA, Triton ops), or on CPU the decode
 steps' one-call layer stack (`engine.cpu.cpu_decode_stack`). Each step it lays the
@@ -28,6 +29,7 @@ import torch
 from engine.core.scheduler import SchedulerOutput
 from engine.cpu import cpu_linear, cpu_memory
 from engine.cpu.cpu_decode_stack import CpuDecodeStack
+from engine.cpu.thread_governor import ThreadGovernor
 from engine.frontend.engine_config import EngineConfig
 from engine.frontend.protocol import TokenLogprob
 from engine.loading.model_config import ModelConfig
@@ -70,6 +72,13 @@ def allocate_caches(model: torch.nn.Module, num_blocks: int, block_size: int, nu
     if state_shape is None:
         return kv_caches
     return HybridCaches(kv=kv_caches, states=LinearStateCache(state_shape, num_slots, dtype, device))
+
+
+def decode_rows(step: SchedulerOutput) -> int | None:
+    """The step's rows when every one decodes a single token, else None."""
+    if all(s.num_new_tokens == 1 and s.sample for s in step.scheduled):
+        return len(step.scheduled) or None
+    return None
 
 
 @dataclass(slots=True)
@@ -130,6 +139,10 @@ class ModelRunner:
         # On CPU, decode steps run the whole layer stack in one C++ call where it applies.
         self.cpu_decode_stack = (CpuDecodeStack.build(model, self.kv_caches) if self.device.type == "cpu"
                                  and not self.is_hybrid and self.tensor_parallel == 1 else None)
+        # On CPU, how many threads each step runs on, measured while serving (a rank of a group
+        # keeps the count its group gave it).
+        self.thread_governor = (ThreadGovernor.for_this_process() if self.device.type == "cpu"
+                                and self.tensor_parallel == 1 else None)
         self.sampler = Sampler()
         # Set by EngineCore: masks the logits rows of grammar-constrained requests in place
         # (engine.core.structured_output), given each row's request id.
@@ -191,6 +204,8 @@ class ModelRunner:
         """Run one step: the sampled token of each request that samples, or why its row failed. In
         a tensor-parallel group any error is the group's (`GroupLost`): the followers are left
         inside a collective."""
+        if self.thread_governor is not None:
+            self.thread_governor.begin(decode_rows(step))
         started = time.perf_counter()
         if self.followers is None:
             result = self._execute(step)
@@ -203,7 +218,10 @@ class ModelRunner:
                 raise
             except Exception as exc:
                 raise GroupLost(f"tensor-parallel step failed: {type(exc).__name__}: {exc}") from exc
-        self.step_tally.add(time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self.step_tally.add(seconds)
+        if self.thread_governor is not None:
+            self.thread_governor.end(seconds)
         return result
 
     def rank_tallies(self) -> list[StepTally]:

@@ -1,11 +1,13 @@
 """Shared engine-test fixtures: the default SmolLM2 checkpoint, loaded once per session; each test
-starts with the ops' kernel choice unset (an engine core sets it for its device)."""
+starts with the ops' kernel choice unset (an engine core sets it for its device) and ends with
+torch's thread count as it found it (an engine core's thread governor moves the process's count)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from engine.loading.default_model import default_model_path
 from engine.loading.loader import Checkpoint, load_checkpoint
@@ -18,6 +20,14 @@ def _kernel_choice_unset() -> Iterator[None]:
     ops.use_backend("auto")
     yield
     ops.use_backend("auto")
+
+
+@pytest.fixture(autouse=True)
+def _thread_count_kept() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(params=["decode-kernel", "sdpa-buckets"])

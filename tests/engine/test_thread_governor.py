@@ -1,0 +1,136 @@
+"""The CPU thread governor: it moves to the count whose decode steps measure faster, only on pairs
+of steps of the same batch, and an engine whose thread count moves mid-run gives the same tokens."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from engine.core.engine_core import EngineCore
+from engine.cpu.thread_governor import ThreadGovernor
+from engine.frontend.engine_config import EngineConfig
+from engine.frontend.protocol import EngineRequest, SamplingParams
+from engine.loading.loader import Checkpoint
+from tests.engine.helpers import run_all
+
+
+class Machine:
+    """Steps whose seconds are a function of the thread count set (what the governor measures)."""
+
+    def __init__(self, seconds: Callable[[int], float]) -> None:
+        self.seconds = seconds
+        self.threads = 0
+        self.sets: list[int] = []
+        self.steps_on: dict[int, int] = {}
+
+    def set_threads(self, n: int) -> None:
+        self.threads = n
+        self.sets.append(n)
+
+    def run(self, governor: ThreadGovernor, rows: int | None) -> None:
+        threads = governor.begin(rows)
+        assert threads == (self.threads or governor.max_threads)
+        self.steps_on[threads] = self.steps_on.get(threads, 0) + 1
+        governor.end(self.seconds(threads))
+
+
+def test_moves_to_the_faster_count_and_back_when_the_machine_changes() -> None:
+    busy = True
+    machine = Machine(lambda n: {1: 0.043, 2: 0.066 if busy else 0.030}[n])
+    governor = ThreadGovernor(2, interval=20, probe_pairs=4, set_threads=machine.set_threads)
+    for _ in range(40):
+        machine.run(governor, 4)
+    assert governor.current == 1
+    busy = False
+    for _ in range(40):
+        machine.run(governor, 4)
+    assert governor.current == 2
+    assert [(a, b) for _, a, b, _ in governor.moves] == [(2, 1), (1, 2)]
+
+
+def test_stays_when_the_other_count_is_not_faster_and_probes_cost_few_steps() -> None:
+    machine = Machine(lambda n: {1: 0.043, 2: 0.030, 3: 0.031}[n])
+    governor = ThreadGovernor(3, interval=50, probe_pairs=4, set_threads=machine.set_threads)
+    for _ in range(1000):
+        machine.run(governor, 8)
+    assert governor.current == 3
+    assert governor.moves == []
+    # 2 is within the margin of 3, so every probe goes down and stays; 1 is never tried.
+    assert set(machine.steps_on) == {2, 3}
+    assert machine.steps_on[2] <= 4 * (1000 // 50 + 1)
+
+
+def test_pairs_only_steps_of_the_same_batch() -> None:
+    # A step's seconds follow its rows alone: a pair across batch sizes would see a faster count.
+    generator = random.Random(0)
+    governor = ThreadGovernor(2, interval=7, probe_pairs=2, set_threads=lambda n: None)
+    tried = 0
+    for _ in range(2000):
+        rows = generator.randint(1, 4)
+        tried += governor.begin(rows) == 1
+        governor.end(0.01 * rows)
+    assert tried > 100
+    assert governor.current == 2 and governor.moves == []
+
+
+def test_other_steps_run_on_the_current_count_and_are_not_measured() -> None:
+    machine = Machine(lambda n: {1: 0.001, 2: 0.030}[n])
+    governor = ThreadGovernor(2, interval=5, probe_pairs=2, set_threads=machine.set_threads)
+    for _ in range(100):
+        machine.run(governor, None)
+    assert governor.decode_steps == 0
+    assert machine.steps_on == {2: 100}
+    governor.restore()
+    assert machine.sets == []
+
+
+def test_restore_gives_back_the_starting_count() -> None:
+    machine = Machine(lambda n: {1: 0.01, 2: 0.03}[n])
+    governor = ThreadGovernor(2, interval=2, probe_pairs=1, set_threads=machine.set_threads)
+    for _ in range(10):
+        machine.run(governor, 1)
+    assert governor.current == 1
+    governor.restore()
+    assert machine.sets[-1] == 2 and governor.current == 2
+
+
+def test_an_engine_whose_threads_move_mid_run_gives_the_same_tokens(smollm2: Checkpoint,
+                                                                   chat_prompt_ids: list[int]) -> None:
+    if torch.get_num_threads() < 2:
+        pytest.skip("torch runs one thread here: nothing to move between")
+    prompts = [chat_prompt_ids, chat_prompt_ids[:-3], chat_prompt_ids[2:]]
+
+    def requests() -> list[EngineRequest]:
+        return [EngineRequest(f"r{i}", prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+                for i, prompt in enumerate(prompts)]
+
+    config = EngineConfig(model="m", max_num_seqs=4, enable_prefix_caching=False)
+    steady = EngineCore(smollm2, config)
+    assert steady.runner.thread_governor is not None
+    steady.runner.thread_governor = None
+    expected = run_all(steady, requests())
+
+    moving = EngineCore(smollm2, config)
+    governor = moving.runner.thread_governor
+    assert governor is not None
+    started = torch.get_num_threads()
+    counts: list[int] = []
+    # Every other decode step probes, and each probe moves (a margin no step can miss).
+    governor.interval, governor.probe_pairs, governor.margin = 1, 1, -1e9
+    real_set = governor._set_threads
+
+    def record(n: int) -> None:
+        counts.append(n)
+        real_set(n)
+
+    governor._set_threads = record
+    try:
+        got = run_all(moving, requests())
+    finally:
+        moving.close()
+    assert {k: tokens for k, (tokens, _) in got.items()} == {k: tokens for k, (tokens, _) in expected.items()}
+    assert len(governor.moves) >= 4 and started - 1 in counts
+    assert torch.get_num_threads() == started
