@@ -84,12 +84,6 @@ def run_tree(tree: Path, num_seqs: int, steps: int) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def commit_of(tree: Path) -> str:
-    """The tree's commit, "-dirty" when its tracked files differ from it."""
-    return subprocess.run(["git", "-C", str(tree), "describe", "--always", "--dirty", "--abbrev=7"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", type=Path, help="a checkout of the commit to compare with")
@@ -102,7 +96,7 @@ def main() -> None:
     if args.measure:
         print(json.dumps(measure(*args.measure)))
         return
-    from benchmarks.lib import emit, machine_info
+    from benchmarks.lib import commit_of, emit, machine_info, medians_of_correct
 
     here = Path(__file__).resolve().parent.parent
     trees = {"this": here, **({"base": args.base.resolve()} if args.base else {})}
@@ -113,15 +107,9 @@ def main() -> None:
         for _ in range(args.runs):
             for name, tree in trees.items():  # alternating, so drift in the machine hits both
                 runs[name].append(run_tree(tree, num_seqs, args.steps))
-        level: dict[str, dict | float] = {}
-        medians: dict[str, float] = {}
-        for name, measured in runs.items():
-            if not all(run["correct"] for run in measured):
-                level[name] = {"correct": False, "note": "a step gave a wrong token or ended a sequence: no time"}
-                continue
-            medians[name] = round(statistics.median(r["host_step_ms"] for r in measured), 4)
-            level[name] = {"correct": True, "host_step_ms_median": medians[name],
-                           "host_step_ms_runs": [round(r["host_step_ms"], 4) for r in measured]}
+        entries, medians = medians_of_correct(runs, "host_step_ms", 4,
+                                              "a step gave a wrong token or ended a sequence: no time")
+        level: dict[str, dict | float] = {**entries}
         if len(medians) == 2:
             level["this_vs_base"] = round(medians["this"] / medians["base"], 3)
         results[str(num_seqs)] = level

@@ -1,4 +1,5 @@
-"""What the benchmark scripts share: the machine a run was on, and how a result is handed over.
+"""What the benchmark scripts share: the machine a run was on, the commit a tree measured was at,
+each contender's median over runs that passed their check, and how a result is handed over.
 
 Every CPU benchmark records the machine beside its numbers, because bf16 is 3× slower than fp32 on
 one x86 part and 6× faster on another; the load average says whether others shared the cores.
@@ -9,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
+import subprocess
 from pathlib import Path
 
 from helexa_kernels.machine import cpu_identity
@@ -56,3 +59,26 @@ def emit(report: dict, out: Path | None) -> None:
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text + "\n")
+
+
+def commit_of(tree: Path) -> str:
+    """The tree's commit, "-dirty" when its tracked files differ from it."""
+    return subprocess.run(["git", "-C", str(tree), "describe", "--always", "--dirty", "--abbrev=7"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+def medians_of_correct(runs: dict[str, list[dict]], key: str, digits: int,
+                       wrong: str) -> tuple[dict[str, dict], dict[str, float]]:
+    """Each contender's `key` over its runs (each run a dict with `correct`): the runs and their
+    median, or, when any run failed its check, `wrong` and no figure. Returns the per-contender
+    entries and the medians of those that passed."""
+    entries: dict[str, dict] = {}
+    medians: dict[str, float] = {}
+    for name, measured in runs.items():
+        if not all(run["correct"] for run in measured):
+            entries[name] = {"correct": False, "note": wrong}
+            continue
+        medians[name] = round(statistics.median(run[key] for run in measured), digits)
+        entries[name] = {"correct": True, f"{key}_median": medians[name],
+                         f"{key}_runs": [round(run[key], digits) for run in measured]}
+    return entries, medians

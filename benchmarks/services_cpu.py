@@ -27,13 +27,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from benchmarks.lib import emit, machine_info
+from benchmarks.lib import commit_of, emit, machine_info
 from benchmarks.openai_load import LoadResult, OpenAILoad
 from benchmarks.process_cpu import CLIENT, ProcessCPU
 from benchmarks.servers import ROOT, free_port, helexa_up
@@ -45,11 +44,6 @@ SERVICES = ("gateway", "worker", "nats", "recorder", "postgres", "supervisor")
 def prompts(count: int, length: int) -> list[list[int]]:
     """Distinct token-id prompts (ordinary vocabulary ids), so no tokenizer is loaded here."""
     return [[1000 + 37 * i + 5 * j for j in range(length)] for i in range(count)]
-
-
-def commit_of(tree: Path) -> str:
-    return subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True, check=True).stdout.strip()
 
 
 def one_round(tree: Path, work: list[list[int]], runs: int, max_tokens: int, scratch: Path,

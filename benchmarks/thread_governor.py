@@ -74,7 +74,7 @@ def main() -> None:
     if args.measure:
         print(json.dumps(measure(args.measure[0] == "on", int(args.measure[1]))))
         return
-    from benchmarks.lib import emit, machine_info
+    from benchmarks.lib import emit, machine_info, medians_of_correct
 
     reference: list[int] | None = None
     results: dict[str, dict] = {}
@@ -93,18 +93,15 @@ def main() -> None:
             for spinner in spinners:
                 spinner.kill()
                 spinner.wait()
-        level: dict[str, object] = {}
-        medians: dict[str, float] = {}
-        for mode, mode_runs in runs.items():
-            if not all(r["correct"] for r in mode_runs):
-                level[mode] = {"correct": False, "note": "a run's tokens differed from the first run's: no time"}
-                continue
-            medians[mode] = round(statistics.median(r["seconds"] for r in mode_runs), 3)
-            level[mode] = {"correct": True, "seconds_median": medians[mode],
-                           "seconds_runs": [round(r["seconds"], 3) for r in mode_runs],
-                           "decode_step_ms_runs": [round(r["decode_step_ms"], 2) for r in mode_runs],
-                           "threads_at_start": mode_runs[0]["threads_at_start"], "dtype": mode_runs[0]["dtype"],
-                           "moves_runs": [r["moves"] for r in mode_runs]}
+        entries, medians = medians_of_correct(runs, "seconds", 3,
+                                              "a run's tokens differed from the first run's: no time")
+        for mode, entry in entries.items():
+            if entry["correct"]:
+                mode_runs = runs[mode]
+                entry.update({"decode_step_ms_runs": [round(r["decode_step_ms"], 2) for r in mode_runs],
+                              "threads_at_start": mode_runs[0]["threads_at_start"], "dtype": mode_runs[0]["dtype"],
+                              "moves_runs": [r["moves"] for r in mode_runs]})
+        level: dict[str, object] = {**entries}
         if len(medians) == 2:
             level["governed_vs_fixed"] = round(medians["governed"] / medians["fixed"], 3)
         results[condition] = level
