@@ -8,12 +8,12 @@ thread that was descheduled, and the step slows several-fold (66 ms on 2 threads
 serves, so the count is measured, never assumed.
 
 Every `interval` pure decode steps the governor runs a probe: decode steps alternate between the
-current count and one neighbour (one thread fewer and one more, in turn, within 1..the starting
-count), each neighbour step paired with the step before it when both ran the same number of rows
-(a decode step's cost grows by a token of context per step, so the two of a pair cost the same
-work). After `probe_pairs` pairs it moves to the neighbour when the median of the pairs' time
-ratios is at least `margin` faster; a probe that finds no pair in `4 * probe_pairs` steps (the
-batch keeps changing) ends without a decision. Other steps (prefill, mixed) run on the current
+current count and one neighbour (a quarter fewer and a quarter more, at least one thread, in turn,
+within 1..the starting count), each neighbour step paired with the step before it when both ran
+the same number of rows (a decode step's cost grows by a token of context per step, so the two of
+a pair cost the same work). After `probe_pairs` pairs it moves to the neighbour when the median of
+the pairs' time ratios is at least `margin` faster; a probe that finds no pair in `4 * probe_pairs`
+steps (the batch keeps changing) ends without a decision. Other steps (prefill, mixed) run on the current
 count and are not measured. A probe costs at most `probe_pairs` steps on the other count per
 `interval` steps.
 """
@@ -113,10 +113,11 @@ class ThreadGovernor:
             self._applied = self.max_threads
 
     def _neighbour(self) -> int:
-        down, up = self.current - 1, self.current + 1
+        stride = max(1, self.current // 4)
+        down, up = self.current - stride, min(self.current + stride, self.max_threads)
         if down < 1:
             return up
-        if up > self.max_threads:
+        if up == self.current:
             return down
         candidate = down if self._next_down else up
         self._next_down = not self._next_down

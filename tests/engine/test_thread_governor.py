@@ -134,3 +134,13 @@ def test_an_engine_whose_threads_move_mid_run_gives_the_same_tokens(smollm2: Che
     assert {k: tokens for k, (tokens, _) in got.items()} == {k: tokens for k, (tokens, _) in expected.items()}
     assert len(governor.moves) >= 4 and started - 1 in counts
     assert torch.get_num_threads() == started
+
+
+def test_a_many_core_count_moves_by_a_quarter_toward_the_faster_count() -> None:
+    # A process allowed 4 of 32 cores: steps slow with every thread over 4.
+    machine = Machine(lambda n: 0.010 * max(1.0, n / 4))
+    governor = ThreadGovernor(32, interval=10, probe_pairs=2, set_threads=machine.set_threads)
+    for _ in range(400):
+        machine.run(governor, 2)
+    assert [(a, b) for _, a, b, _ in governor.moves][:3] == [(32, 24), (24, 18), (18, 14)]
+    assert governor.current <= 5
