@@ -3,8 +3,8 @@
 torch starts with one thread per core the process may use, the fastest count on a quiet machine
 (the default model's decode step on a 2-core EPYC: 30 ms on 2 threads, 43 ms on 1). Where another
 process keeps one of those cores busy, every parallel region of a step waits at its barrier for the
-thread that was descheduled, and the step slows several-fold (66 ms on 2 threads against 43 ms on
-1 in the same state, prefill 467 ms against 209). How busy the machine is changes while the engine
+thread that was descheduled, and the step takes longer than on fewer threads (66 ms on 2 threads
+against 43 ms on 1 in the same state, a prefill 467 ms against 209). How busy the machine is changes while the engine
 serves, so the count is measured, never assumed.
 
 Every `interval` pure decode steps the governor runs a probe: decode steps alternate between the
@@ -13,9 +13,9 @@ within 1..the starting count), each neighbour step paired with the step before i
 the same number of rows (a decode step's cost grows by a token of context per step, so the two of
 a pair cost the same work). After `probe_pairs` pairs it moves to the neighbour when the median of
 the pairs' time ratios is at least `margin` faster; a probe that finds no pair in `4 * probe_pairs`
-steps (the batch keeps changing) ends without a decision. Other steps (prefill, mixed) run on the current
-count and are not measured. A probe costs at most `probe_pairs` steps on the other count per
-`interval` steps.
+steps (the batch keeps changing) ends without a decision. Other steps (prefill, mixed) run on the
+current count and are not measured. A probe costs at most `probe_pairs` steps on the other count
+per `interval` steps.
 """
 
 from __future__ import annotations
