@@ -1,6 +1,7 @@
 """Shared engine-test fixtures: the default SmolLM2 checkpoint, loaded once per session; each test
 starts with the ops' kernel choice unset (an engine core sets it for its device) and ends with
-torch's thread count as it found it (an engine core's thread governor moves the process's count)."""
+torch's thread count as it found it (an engine core's thread governor moves the process's count,
+a tensor-parallel rank 0 sets it), as does each module."""
 
 from __future__ import annotations
 
@@ -22,12 +23,17 @@ def _kernel_choice_unset() -> Iterator[None]:
     ops.use_backend("auto")
 
 
-@pytest.fixture(autouse=True)
-def _thread_count_kept() -> Iterator[None]:
+def _keep_thread_count() -> Iterator[None]:
     threads = torch.get_num_threads()
     yield
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
+
+
+# Per test, and per module for module fixtures (rank 0 of an in-process tensor-parallel core takes
+# cores / world threads when it joins its group).
+_thread_count_kept = pytest.fixture(autouse=True)(_keep_thread_count)
+_thread_count_kept_per_module = pytest.fixture(autouse=True, scope="module")(_keep_thread_count)
 
 
 @pytest.fixture(params=["decode-kernel", "sdpa-buckets"])
