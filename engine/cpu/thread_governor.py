@@ -3,19 +3,22 @@
 torch starts with one thread per core the process may use, the fastest count on a quiet machine
 (the default model's decode step on a 2-core EPYC: 30 ms on 2 threads, 43 ms on 1). Where another
 process keeps one of those cores busy, every parallel region of a step waits at its barrier for the
-thread that was descheduled, and the step takes longer than on fewer threads (66 ms on 2 threads
-against 43 ms on 1 in the same state, a prefill 467 ms against 209). How busy the machine is changes while the engine
-serves, so the count is measured, never assumed.
+thread that was descheduled, and the step takes longer than on fewer threads (in process: 66 ms on
+2 threads against 43 ms on 1, a prefill 467 ms against 209; under `helexa up` a 2-thread step took
+16x a 1-thread one). How busy the machine is changes while the engine serves, so the count is
+measured, never assumed.
 
-Every `interval` pure decode steps the governor runs a probe: decode steps alternate between the
-current count and one neighbour (a quarter fewer and a quarter more, at least one thread, in turn,
-within 1..the starting count), each neighbour step paired with the step before it when both ran
-the same number of rows (a decode step's cost grows by a token of context per step, so the two of
-a pair cost the same work). After `probe_pairs` pairs it moves to the neighbour when the median of
-the pairs' time ratios is at least `margin` faster; a probe that finds no pair in `4 * probe_pairs`
-steps (the batch keeps changing) ends without a decision. Other steps (prefill, mixed) run on the
-current count and are not measured. A probe costs at most `probe_pairs` steps on the other count
-per `interval` steps.
+The governor runs a probe after the first `first_probe` pure decode steps, then every `interval`
+of them or every `interval_s` seconds spent in them, whichever comes first (a busy machine makes
+steps slow, and counting steps alone would leave it slow for minutes): decode steps alternate
+between the current count and one neighbour (a quarter fewer and a quarter more, at least one
+thread, in turn, within 1..the starting count), each neighbour step paired with the step before it
+when both ran the same number of rows (a decode step's cost grows by a token of context per step,
+so the two of a pair cost the same work). After `probe_pairs` pairs it moves to the neighbour when
+the median of the pairs' time ratios is at least `margin` faster; a probe that finds no pair in
+`4 * probe_pairs` steps (the batch keeps changing) ends without a decision. Other steps (prefill,
+mixed) run on the current count and are not measured. A probe costs at most `probe_pairs` steps on
+the other count per `interval` steps or `interval_s` seconds.
 """
 
 from __future__ import annotations
@@ -40,19 +43,23 @@ class _Probe:
 
 
 class ThreadGovernor:
-    def __init__(self, max_threads: int, *, interval: int = 100, probe_pairs: int = 4, margin: float = 0.1,
+    def __init__(self, max_threads: int, *, first_probe: int = 16, interval: int = 100, interval_s: float = 5.0,
+                 probe_pairs: int = 4, margin: float = 0.1,
                  set_threads: Callable[[int], None] = torch.set_num_threads) -> None:
         if max_threads < 2:
             raise ValueError("a governor needs at least 2 threads to choose from")
         self.max_threads = max_threads
         self.current = max_threads
         self.interval = interval
+        self.interval_s = interval_s
         self.probe_pairs = probe_pairs
         self.margin = margin
         self._set_threads = set_threads
         self._applied = max_threads
         self.decode_steps = 0
-        self._since_probe = 0
+        # Decode steps and their seconds since the last probe ended (the first comes sooner).
+        self._since_probe = max(0, interval - first_probe)
+        self._seconds_since_probe = 0.0
         self._probe: _Probe | None = None
         self._next_down = True
         # The step begun last: its rows (None: not a pure decode step) and the count it ran on.
@@ -71,7 +78,8 @@ class ThreadGovernor:
         decode step, else None) and return it."""
         threads = self.current
         if decode_rows is not None:
-            if self._probe is None and self._since_probe >= self.interval:
+            if self._probe is None and (self._since_probe >= self.interval
+                                        or self._seconds_since_probe >= self.interval_s):
                 self._probe = _Probe(self._neighbour())
             if self._probe is not None and self._probe.pending is not None:
                 threads = self._probe.candidate
@@ -88,6 +96,7 @@ class ThreadGovernor:
             return
         self.decode_steps += 1
         self._since_probe += 1
+        self._seconds_since_probe += seconds
         probe = self._probe
         if probe is None:
             return
@@ -135,3 +144,4 @@ class ThreadGovernor:
     def _finish_probe(self) -> None:
         self._probe = None
         self._since_probe = 0
+        self._seconds_since_probe = 0.0

@@ -112,19 +112,17 @@ def test_an_engine_whose_threads_move_mid_run_gives_the_same_tokens(smollm2: Che
     expected = run_all(steady, requests())
 
     moving = EngineCore(smollm2, config)
-    governor = moving.runner.thread_governor
-    assert governor is not None
+    assert moving.runner.thread_governor is not None
     started = torch.get_num_threads()
     counts: list[int] = []
-    # Every other decode step probes, and each probe moves (a margin no step can miss).
-    governor.interval, governor.probe_pairs, governor.margin = 1, 1, -1e9
-    real_set = governor._set_threads
 
     def record(n: int) -> None:
         counts.append(n)
-        real_set(n)
+        torch.set_num_threads(n)
 
-    governor._set_threads = record
+    # Every other decode step probes, and each probe moves (a margin no step can miss).
+    governor = ThreadGovernor(started, first_probe=1, interval=1, probe_pairs=1, margin=-1e9, set_threads=record)
+    moving.runner.thread_governor = governor
     try:
         got = run_all(moving, requests())
     finally:
@@ -142,3 +140,24 @@ def test_a_many_core_count_moves_by_a_quarter_toward_the_faster_count() -> None:
         machine.run(governor, 2)
     assert [(a, b) for _, a, b, _ in governor.moves][:3] == [(32, 24), (24, 18), (18, 14)]
     assert governor.current <= 5
+
+
+def test_slow_steps_bring_the_next_probe_sooner_than_the_step_interval() -> None:
+    machine = Machine(lambda n: {1: 0.05, 2: 1.0}[n])
+    governor = ThreadGovernor(2, first_probe=16, interval=100, interval_s=5.0, probe_pairs=2,
+                              set_threads=machine.set_threads)
+    for _ in range(12):
+        machine.run(governor, 1)
+    # Five 1-second steps reached interval_s; the probe's two pairs took four more.
+    assert governor.moves and governor.moves[0][:3] == (9, 2, 1)
+
+
+def test_the_first_probe_comes_after_first_probe_steps() -> None:
+    machine = Machine(lambda n: {1: 0.01, 2: 0.03}[n])
+    governor = ThreadGovernor(2, first_probe=16, interval=100, probe_pairs=2, set_threads=machine.set_threads)
+    for _ in range(16):
+        machine.run(governor, 1)
+    assert machine.steps_on == {2: 16}
+    for _ in range(4):
+        machine.run(governor, 1)
+    assert governor.moves[0][:3] == (20, 2, 1)
