@@ -43,7 +43,7 @@ class _Probe:
 
 
 class ThreadGovernor:
-    def __init__(self, max_threads: int, *, first_probe: int = 16, interval: int = 100, interval_s: float = 5.0,
+    def __init__(self, max_threads: int, *, first_probe: int = 4, interval: int = 100, interval_s: float = 5.0,
                  probe_pairs: int = 4, margin: float = 0.1,
                  set_threads: Callable[[int], None] = torch.set_num_threads) -> None:
         if max_threads < 2:
