@@ -18,7 +18,9 @@ so the two of a pair cost the same work). After `probe_pairs` pairs it moves to 
 the median of the pairs' time ratios is at least `margin` faster; a probe that finds no pair in
 `4 * probe_pairs` steps (the batch keeps changing) ends without a decision. Other steps (prefill,
 mixed) run on the current count and are not measured. A probe costs at most `probe_pairs` steps on
-the other count per `interval` steps or `interval_s` seconds.
+the other count per interval; each probe that keeps the count doubles the intervals, up to
+`max_backoff` times (a steady machine is probed less and less: beside a spinning process a probe's
+2-thread steps are the slow ones), and a move brings them back.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class _Probe:
 
 class ThreadGovernor:
     def __init__(self, max_threads: int, *, first_probe: int = 4, interval: int = 100, interval_s: float = 5.0,
-                 probe_pairs: int = 4, margin: float = 0.1,
+                 max_backoff: int = 8, probe_pairs: int = 4, margin: float = 0.1,
                  set_threads: Callable[[int], None] = torch.set_num_threads) -> None:
         if max_threads < 2:
             raise ValueError("a governor needs at least 2 threads to choose from")
@@ -52,6 +54,9 @@ class ThreadGovernor:
         self.current = max_threads
         self.interval = interval
         self.interval_s = interval_s
+        self.max_backoff = max_backoff
+        # The intervals' multiplier: doubled after a probe that kept the count, back to 1 on a move.
+        self.backoff = 1
         self.probe_pairs = probe_pairs
         self.margin = margin
         self._set_threads = set_threads
@@ -78,8 +83,8 @@ class ThreadGovernor:
         decode step, else None) and return it."""
         threads = self.current
         if decode_rows is not None:
-            if self._probe is None and (self._since_probe >= self.interval
-                                        or self._seconds_since_probe >= self.interval_s):
+            if self._probe is None and (self._since_probe >= self.interval * self.backoff
+                                        or self._seconds_since_probe >= self.interval_s * self.backoff):
                 self._probe = _Probe(self._neighbour())
             if self._probe is not None and self._probe.pending is not None:
                 threads = self._probe.candidate
@@ -139,6 +144,9 @@ class ThreadGovernor:
                      probe.candidate, ratio, self.current)
             self.moves.append((self.decode_steps, self.current, probe.candidate, ratio))
             self.current = probe.candidate
+            self.backoff = 1
+        else:
+            self.backoff = min(2 * self.backoff, self.max_backoff)
         self._finish_probe()
 
     def _finish_probe(self) -> None:

@@ -44,7 +44,7 @@ def test_moves_to_the_faster_count_and_back_when_the_machine_changes() -> None:
         machine.run(governor, 4)
     assert governor.current == 1
     busy = False
-    for _ in range(40):
+    for _ in range(200):  # the probes that kept 1 thread meanwhile spaced the next ones out
         machine.run(governor, 4)
     assert governor.current == 2
     assert [(a, b) for _, a, b, _ in governor.moves] == [(2, 1), (1, 2)]
@@ -161,3 +161,26 @@ def test_the_first_probe_comes_after_first_probe_steps() -> None:
     for _ in range(4):
         machine.run(governor, 1)
     assert governor.moves[0][:3] == (20, 2, 1)
+
+
+def test_probes_that_keep_the_count_come_less_often_and_a_move_resets_them() -> None:
+    faster = 2
+    machine = Machine(lambda n: 0.01 if n == faster else 0.02)
+    governor = ThreadGovernor(2, first_probe=10, interval=10, max_backoff=4, probe_pairs=1,
+                              set_threads=machine.set_threads)
+    probes_at = []
+    for step in range(200):
+        before = machine.steps_on.get(1, 0)
+        machine.run(governor, 1)
+        if machine.steps_on.get(1, 0) > before:
+            probes_at.append(step)
+    # A probe is two steps (one pair), its second on the other count: the first begins after 10
+    # steps, the next ones 20, 40, 40 ... steps after the one before ended.
+    assert probes_at[:5] == [11, 33, 75, 117, 159]
+    assert governor.backoff == 4
+    faster = 1
+    for _ in range(100):
+        machine.run(governor, 1)
+        if governor.moves:
+            break
+    assert governor.current == 1 and governor.backoff == 1
