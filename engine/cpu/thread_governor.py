@@ -89,9 +89,7 @@ class ThreadGovernor:
             if self._probe is not None and self._probe.pending is not None:
                 threads = self._probe.candidate
         self._step = (decode_rows, threads)
-        if threads != self._applied:
-            self._set_threads(threads)
-            self._applied = threads
+        self._apply(threads)
         return threads
 
     def end(self, seconds: float) -> None:
@@ -122,9 +120,13 @@ class ThreadGovernor:
         """Back to the starting count (torch's count is the whole process's)."""
         self.current = self.max_threads
         self._probe = None
-        if self._applied != self.max_threads:
-            self._set_threads(self.max_threads)
-            self._applied = self.max_threads
+        self._apply(self.max_threads)
+
+    def _apply(self, threads: int) -> None:
+        """Give torch `threads`, unless it has them already."""
+        if threads != self._applied:
+            self._set_threads(threads)
+            self._applied = threads
 
     def _neighbour(self) -> int:
         stride = max(1, self.current // 4)
