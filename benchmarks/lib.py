@@ -7,11 +7,13 @@ one x86 part and 6× faster on another; the load average says whether others sha
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import statistics
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 from helexa_kernels.machine import cpu_identity
@@ -82,3 +84,36 @@ def medians_of_correct(runs: dict[str, list[dict]], key: str, digits: int,
         entries[name] = {"correct": True, f"{key}_median": medians[name],
                          f"{key}_runs": [round(run[key], digits) for run in measured]}
     return entries, medians
+
+
+@contextlib.contextmanager
+def cpu_quota_cgroup(cpus: float) -> Iterator[Path | None]:
+    """A new cgroup (v1 cpu hierarchy) under this process's own, limited to `cpus` CPUs' worth of
+    time per 100 ms period, removed on exit; None where this machine lets no one make one (not root,
+    no v1 cpu hierarchy). Start a process in it with `in_cgroup`."""
+    from engine.cpu.cpu_quota import _cpu_mounts, _own_paths
+
+    own = _own_paths(Path("/proc/self/cgroup").read_text()).get(1)
+    mounts = [m for m in _cpu_mounts(Path("/proc/self/mountinfo").read_text()) if m.version == 1 and m.root == "/"]
+    directory = None
+    if own is not None and mounts:
+        candidate = mounts[0].point / own.lstrip("/") / f"helexa-bench-{os.getpid()}"
+        try:
+            candidate.mkdir()
+            directory = candidate
+            (candidate / "cpu.cfs_period_us").write_text("100000")
+            (candidate / "cpu.cfs_quota_us").write_text(str(round(cpus * 100_000)))
+        except OSError:
+            if directory is not None:
+                directory.rmdir()
+            directory = None
+    try:
+        yield directory
+    finally:
+        if directory is not None:
+            directory.rmdir()
+
+
+def in_cgroup(directory: Path, argv: list[str]) -> list[str]:
+    """`argv` started inside the cgroup at `directory` (it moves itself in, then execs)."""
+    return ["sh", "-c", f'echo $$ > "{directory}/cgroup.procs" && exec "$@"', "sh", *argv]

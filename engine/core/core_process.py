@@ -55,6 +55,7 @@ def build_core(config: EngineConfig, on_rank_lost: Callable[[str], None] = exit_
     is a model whose shapes do not divide by `tensor_parallel`. At N > 1 the dtype and kernel
     choice is made here once and every rank is given it; `on_rank_lost` runs when a rank dies."""
     from engine.cpu import cpu_support
+    from engine.cpu.cpu_quota import fit_torch_threads
     from engine.cpu.dtype_cache import default_cache_path
     from engine.cpu.dtype_choice import choose_dtype
     from engine.loading.loader import load_checkpoint, read_model_config, weights_bytes
@@ -64,6 +65,10 @@ def build_core(config: EngineConfig, on_rank_lost: Callable[[str], None] = exit_
     if config.device == "auto":
         config = dataclasses.replace(config, device="cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(config.device).type
+    if device == "cpu" and config.tensor_parallel == 1:
+        # Before the dtype is measured: the linears are timed on the threads the steps will run on.
+        # Tensor-parallel ranks share the CPUs out when they join (`join_group`).
+        fit_torch_threads()
     if config.dtype != "auto":
         cpu_support.require(config.dtype, device)
     # Picked before the dtype is measured: the linears are timed as this backend runs them.

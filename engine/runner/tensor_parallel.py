@@ -53,6 +53,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from engine.cpu.cpu_quota import cpu_budget
 from engine.frontend import parent_death
 from engine.frontend.engine_config import EngineConfig
 from engine.models.parallel_layers import Shard
@@ -99,12 +100,14 @@ def backend_for(device: str, world: int, gpus: int) -> str:
 
 def join_group(shard: Shard, init_file: str, device: str) -> None:
     """Join the process group (blocks until every rank has)."""
-    threads = max((os.cpu_count() or 1) // shard.world, 1)
     if torch.device(device).type == "cpu":
+        # The CPUs this process may use (its affinity and cgroup quota, `engine.cpu.cpu_quota`), shared.
+        usable = cpu_budget().threads
+        threads = max(usable // shard.world, 1)
         torch.set_num_threads(threads)
-        if threads == 1 and shard.world >= (os.cpu_count() or 1):
-            log.warning("tensor_parallel %d on %d cores: one thread a rank; this layout is for "
-                        "correctness, not speed", shard.world, os.cpu_count() or 1)
+        if threads == 1 and shard.world >= usable:
+            log.warning("tensor_parallel %d on %d usable CPUs: one thread a rank; this layout is for "
+                        "correctness, not speed", shard.world, usable)
     else:
         torch.cuda.set_device(shard.rank % torch.cuda.device_count())
     gpus = torch.cuda.device_count() if torch.device(device).type == "cuda" else 0
