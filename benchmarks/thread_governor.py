@@ -19,21 +19,28 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 PROMPT = "What is the capital of France? " * 6
 
 
-def measure(governed: bool, new: int) -> dict:
-    """One run in this process."""
+def measure(governed: bool, new: int, fit: bool = False) -> dict:
+    """One run in this process (`fit`: torch's count first lowered to the CPUs the process may use,
+    as the engine core's process does, `engine.cpu.cpu_quota`)."""
     import torch
 
     from engine.core.engine_core import EngineCore
+    from engine.cpu.cpu_quota import fit_torch_threads
     from engine.frontend.engine_config import EngineConfig
     from engine.frontend.protocol import EngineRequest, SamplingParams
     from engine.loading.default_model import default_model_path
     from engine.loading.loader import load_checkpoint
 
+    torch_threads = torch.get_num_threads()
+    if fit:
+        fit_torch_threads()
+    threads_at_start = torch.get_num_threads()
     checkpoint = load_checkpoint(default_model_path())
     core = EngineCore(checkpoint, EngineConfig(model="in-memory", max_num_seqs=4, enable_prefix_caching=False))
     governor = core.runner.thread_governor
@@ -52,15 +59,43 @@ def measure(governed: bool, new: int) -> dict:
     seconds = time.perf_counter() - started
     core.close()
     return {"seconds": seconds, "decode_step_ms": statistics.median(steps[1:]) * 1e3, "tokens": tokens,
-            "threads_at_start": torch.get_num_threads(), "dtype": str(core.runner.dtype),
+            "torch_threads": torch_threads, "threads_at_start": threads_at_start, "dtype": str(core.runner.dtype),
             "moves": [] if not governed or governor is None else governor.moves}
 
 
-def run(governed: bool, new: int) -> dict:
-    result = subprocess.run([sys.executable, "-m", "benchmarks.thread_governor", "--measure",
-                             "on" if governed else "off", str(new)],
+def run(mode: str, new: int, wrap: Callable[[list[str]], list[str]] = list) -> dict:
+    """One run in a fresh process (`mode`: "on" governed, "off" torch's count throughout, "fit" the
+    count fitted to the process's CPUs, then governed), its command line passed through `wrap`."""
+    result = subprocess.run(wrap([sys.executable, "-m", "benchmarks.thread_governor", "--measure", mode, str(new)]),
                             cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, check=True)
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def compare(modes: dict[str, str], runs: int, new: int, reference: list[int],
+            wrap: Callable[[list[str]], list[str]] = list) -> tuple[dict[str, object], dict[str, float]]:
+    """`runs` runs of each of `modes` (name: `run`'s mode), alternating so drift in the machine hits
+    each; a run counts only if its tokens equal `reference` (set from the first run when empty).
+    Each mode's entry (medians over its correct runs, its steps, threads and moves) and the medians."""
+    from benchmarks.lib import medians_of_correct
+
+    by_mode: dict[str, list[dict]] = {name: [] for name in modes}
+    for _ in range(runs):
+        for name, mode in modes.items():
+            measured = run(mode, new, wrap)
+            if not reference:
+                reference.extend(measured["tokens"])
+            measured["correct"] = measured.pop("tokens") == reference
+            by_mode[name].append(measured)
+    entries, medians = medians_of_correct(by_mode, "seconds", 3,
+                                          "a run's tokens differed from the first run's: no time")
+    for name, entry in entries.items():
+        if entry["correct"]:
+            mode_runs = by_mode[name]
+            entry.update({"decode_step_ms_runs": [round(r["decode_step_ms"], 2) for r in mode_runs],
+                          "torch_threads": mode_runs[0]["torch_threads"],
+                          "threads_at_start": mode_runs[0]["threads_at_start"], "dtype": mode_runs[0]["dtype"],
+                          "moves_runs": [r["moves"] for r in mode_runs]})
+    return {**entries}, medians
 
 
 def main() -> None:
@@ -72,36 +107,22 @@ def main() -> None:
     parser.add_argument("--measure", nargs=2, metavar=("MODE", "NEW"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
-        print(json.dumps(measure(args.measure[0] == "on", int(args.measure[1]))))
+        mode = args.measure[0]
+        print(json.dumps(measure(mode != "off", int(args.measure[1]), fit=mode == "fit")))
         return
-    from benchmarks.lib import emit, machine_info, medians_of_correct
+    from benchmarks.lib import emit, machine_info
 
-    reference: list[int] | None = None
+    reference: list[int] = []
     results: dict[str, dict] = {}
     for condition in ("quiet", "busy"):
         spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
                     for _ in range(args.busy if condition == "busy" else 0)]
         try:
-            runs: dict[str, list[dict]] = {"governed": [], "fixed": []}
-            for _ in range(args.runs):
-                for mode in runs:  # alternating, so drift in the machine hits both
-                    measured = run(mode == "governed", args.new)
-                    reference = reference if reference is not None else measured["tokens"]
-                    measured["correct"] = measured.pop("tokens") == reference
-                    runs[mode].append(measured)
+            level, medians = compare({"governed": "on", "fixed": "off"}, args.runs, args.new, reference)
         finally:
             for spinner in spinners:
                 spinner.kill()
                 spinner.wait()
-        entries, medians = medians_of_correct(runs, "seconds", 3,
-                                              "a run's tokens differed from the first run's: no time")
-        for mode, entry in entries.items():
-            if entry["correct"]:
-                mode_runs = runs[mode]
-                entry.update({"decode_step_ms_runs": [round(r["decode_step_ms"], 2) for r in mode_runs],
-                              "threads_at_start": mode_runs[0]["threads_at_start"], "dtype": mode_runs[0]["dtype"],
-                              "moves_runs": [r["moves"] for r in mode_runs]})
-        level: dict[str, object] = {**entries}
         if len(medians) == 2:
             level["governed_vs_fixed"] = round(medians["governed"] / medians["fixed"], 3)
         results[condition] = level
