@@ -217,6 +217,8 @@ class ModelStatus(Wire, frozen=True, kw_only=True):
     # helexa:engine_step_seconds).
     rank_steps: list[int] = []
     rank_step_seconds: list[float] = []
+    # Threads the engine's CPU steps run on now (0: a GPU, or unknown); /metrics' helexa:engine_cpu_threads.
+    cpu_threads: int = 0
     # Grammar compiles started for this model (the engine's, and the worker's checks of the tool
     # grammars it composes), and constrained requests that shared a compile done or under way.
     grammar_compiles: int = 0

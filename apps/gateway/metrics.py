@@ -180,10 +180,15 @@ class _NodeCollector(Collector):
         step_seconds = SummaryMetricFamily("helexa:engine_step_seconds",
                                            "Engine steps and their seconds, by model-runner rank (tensor parallelism)",
                                            labels=["model", "rank"])
+        cpu_threads = GaugeMetricFamily("helexa:engine_cpu_threads",
+                                        "Threads a node's CPU engine steps run on now (its CPU quota, then measured)",
+                                        labels=["model", "node"])
         per_model: dict[str, list[wire.ModelStatus]] = {}
         for node in self.metrics._nodes:
             for status in node.models:
                 per_model.setdefault(status.model, []).append(status)
+                if status.cpu_threads:
+                    cpu_threads.add_metric([status.model, node.node], status.cpu_threads)
         for model, statuses in per_model.items():
             running.add_metric([model], sum(s.num_running for s in statuses))
             waiting.add_metric([model], sum(s.num_waiting for s in statuses))
@@ -204,7 +209,7 @@ class _NodeCollector(Collector):
                 step_seconds.add_metric([model, str(rank)], count_value=sum(s.rank_steps[rank] for s in ranked),
                                         sum_value=sum(s.rank_step_seconds[rank] for s in ranked))
         yield from (running, waiting, kv, queries, hits, state_slots, compiles, compile_hits)
-        yield from (batch_running, batch_waiting, preemptions, pulled, step_seconds)
+        yield from (batch_running, batch_waiting, preemptions, pulled, step_seconds, cpu_threads)
         gateway_compiles = CounterMetricFamily("helexa:gateway_grammar_compiles",
                                                "Grammar checks this gateway started compiling")
         gateway_compiles.add_metric([], CHECKER.started)

@@ -69,6 +69,7 @@ def model_status(loop: ModelLoop) -> wire.ModelStatus:
         tensor_parallel=info.tensor_parallel,
         rank_steps=list(stats.rank_steps),
         rank_step_seconds=[round(seconds, 6) for seconds in stats.rank_step_seconds],
+        cpu_threads=stats.cpu_threads,
         grammar_compiles=stats.grammar_compiles + loop.model.grammars.started,
         grammar_cache_hits=stats.grammar_cache_hits,
     )

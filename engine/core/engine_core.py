@@ -320,6 +320,7 @@ class EngineCore:
         tallies = self.runner.rank_tallies()
         s.rank_steps = [t.steps for t in tallies]
         s.rank_step_seconds = [t.seconds for t in tallies]
+        s.cpu_threads = self.runner.cpu_threads
         if self.state_slots is not None:
             s.num_state_slots = self.state_slots.num_slots
             s.num_free_state_slots = self.state_slots.num_free

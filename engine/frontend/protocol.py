@@ -256,6 +256,9 @@ class CoreStats(msgspec.Struct, kw_only=True):
     # by tensor_parallel); followers' figures are their last reports (engine.runner.tensor_parallel).
     rank_steps: list[int] = []
     rank_step_seconds: list[float] = []
+    # Threads this core's CPU steps run on now (engine.cpu.cpu_quota, engine.cpu.thread_governor);
+    # 0 on a GPU.
+    cpu_threads: int = 0
 
     @property
     def kv_usage(self) -> float:

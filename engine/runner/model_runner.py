@@ -224,6 +224,13 @@ class ModelRunner:
             self.thread_governor.end(seconds)
         return result
 
+    @property
+    def cpu_threads(self) -> int:
+        """Threads this rank's steps run on now (the governor moves them); 0 on a GPU."""
+        if self.device.type != "cpu":
+            return 0
+        return self.thread_governor.current if self.thread_governor is not None else torch.get_num_threads()
+
     def rank_tallies(self) -> list[StepTally]:
         """Every rank's step timings, by rank: this one's, then the followers' last reports."""
         return [self.step_tally, *(self.followers.tallies() if self.followers is not None else [])]

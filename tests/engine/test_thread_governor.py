@@ -8,6 +8,8 @@ from collections.abc import Callable
 
 import torch
 
+from apps.bus import wire
+from apps.gateway.metrics import GatewayMetrics
 from engine.core.engine_core import EngineCore
 from engine.cpu.thread_governor import ThreadGovernor
 from engine.frontend.engine_config import EngineConfig
@@ -184,3 +186,24 @@ def test_probes_that_keep_the_count_come_less_often_and_a_move_resets_them() -> 
         if governor.moves:
             break
     assert governor.current == 1 and governor.backoff == 1
+
+
+def test_the_count_the_steps_run_on_reaches_the_stats_and_the_gateways_metrics(smollm2: Checkpoint,
+                                                                              chat_prompt_ids: list[int]) -> None:
+    torch.set_num_threads(2)
+    core = EngineCore(smollm2, EngineConfig(model="m", max_num_seqs=2, enable_prefix_caching=False))
+    # Every other decode step probes, and each probe moves: the count goes 2, 1, 2, ...
+    core.runner.thread_governor = ThreadGovernor(2, first_probe=1, interval=1, probe_pairs=1, margin=-1e9)
+    core.add_request(EngineRequest("r", chat_prompt_ids, SamplingParams(max_tokens=12, temperature=0.0,
+                                                                       ignore_eos=True)))
+    seen: list[int] = []
+    try:
+        while core.has_work():
+            core.step()
+            seen.append(core.stats.cpu_threads)
+    finally:
+        core.close()
+    assert {1, 2} <= set(seen), seen
+    node = wire.NodeStatus(node="n1", version="test", models=[wire.ModelStatus(model="m", cpu_threads=seen[-1])])
+    text = GatewayMetrics().render([node], {}).decode()
+    assert f'helexa:engine_cpu_threads{{model="m",node="n1"}} {float(seen[-1])}' in text, text
