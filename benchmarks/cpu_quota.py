@@ -6,10 +6,10 @@ stops the process for the rest of each 100 ms period once its threads have spent
 runs one request on the default model (greedy, `--new` tokens), each run a fresh process placed in
 a new cgroup (v1 cpu hierarchy; root only) limited to `--cpus` CPUs, in three modes, alternating:
 `torch` (torch's starting count throughout, no governor), `governed` (the thread governor from
-torch's count, the engine before it read quotas) and `fitted` (the count first lowered to the quota,
-`engine.cpu.cpu_quota`, then governed: the engine now). A run counts only if its tokens equal the
-first run's; the JSON gives each mode's median seconds, decode step, threads and governor moves,
-and the ratios against `torch`.
+torch's count, the engine before it read quotas) and `fitted` (the count first lowered to the
+quota, `engine.cpu.thread_governor.fit_torch_threads`, then governed: the engine now). A run counts
+only if its tokens equal the first run's; the JSON gives each mode's median seconds, decode step,
+threads and governor moves, and the ratios against `torch`.
 
     sudo python -m benchmarks.cpu_quota --out benchmarks/results/cpu_quota-<machine>.json
 """

@@ -27,11 +27,11 @@ PROMPT = "What is the capital of France? " * 6
 
 def measure(governed: bool, new: int, fit: bool = False) -> dict:
     """One run in this process (`fit`: torch's count first lowered to the CPUs the process may use,
-    as the engine core's process does, `engine.cpu.cpu_quota`)."""
+    as the engine core's process does, `engine.cpu.thread_governor.fit_torch_threads`)."""
     import torch
 
     from engine.core.engine_core import EngineCore
-    from engine.cpu.cpu_quota import fit_torch_threads
+    from engine.cpu.thread_governor import fit_torch_threads
     from engine.frontend.engine_config import EngineConfig
     from engine.frontend.protocol import EngineRequest, SamplingParams
     from engine.loading.default_model import default_model_path

@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 from helexa_kernels.build_lock import Holder, build_lock
-from helexa_kernels.machine import cache_dir, cpu_identity
+from helexa_kernels.machine import cache_dir, cpu_budget, cpu_identity
 
 log = logging.getLogger("helexa.engine")
 
@@ -111,7 +111,7 @@ def build_directory() -> Path:
 
 def build_estimate() -> str:
     """A rough time for the first build here, e.g. "~1-5 min on 2 cores"."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = cpu_budget().threads  # in a container limited to fewer CPUs than its host's, the limit
     parallel = max(1, min(cores, len(SOURCES)))
     low, high = (seconds / parallel for seconds in BUILD_CORE_S)
     if high < 90:

@@ -55,9 +55,9 @@ def build_core(config: EngineConfig, on_rank_lost: Callable[[str], None] = exit_
     is a model whose shapes do not divide by `tensor_parallel`. At N > 1 the dtype and kernel
     choice is made here once and every rank is given it; `on_rank_lost` runs when a rank dies."""
     from engine.cpu import cpu_support
-    from engine.cpu.cpu_quota import fit_torch_threads
     from engine.cpu.dtype_cache import default_cache_path
     from engine.cpu.dtype_choice import choose_dtype
+    from engine.cpu.thread_governor import fit_torch_threads
     from engine.loading.loader import load_checkpoint, read_model_config, weights_bytes
     from engine.models.parallel_layers import Shard, refuse_indivisible
     from engine.runner.tensor_parallel import join_group, rank_device, start_followers

@@ -21,6 +21,13 @@ mixed) run on the current count and are not measured. A probe costs at most `pro
 the other count per interval; each probe that keeps the count doubles the intervals, up to
 `max_backoff` times (a steady machine is probed less and less: beside a spinning process a probe's
 2-thread steps are the slow ones), and a move brings them back.
+
+It starts from what the process may use: torch counts the cores in the affinity mask and knows no
+CPU quota, so in a container limited to fewer CPUs than its host has cores it would start a thread
+per host core and the kernel would stop the process for the rest of every period once they had
+spent the quota (`docs/benchmarks.md`, "Threads under a CPU quota"). The engine core's process calls
+`fit_torch_threads` before anything is measured (the dtype choice times linears at this count), which
+lowers torch's count to `helexa_kernels.machine.cpu_budget`'s.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from helexa_kernels.machine import CpuBudget, cpu_budget
 
 log = logging.getLogger("helexa.engine")
 
@@ -155,3 +164,14 @@ class ThreadGovernor:
         self._probe = None
         self._since_probe = 0
         self._seconds_since_probe = 0.0
+
+
+def fit_torch_threads(budget: CpuBudget | None = None) -> int:
+    """Lower torch's thread count to what this process may use (never raise it: a count set on
+    purpose, `OMP_NUM_THREADS` or `torch.set_num_threads`, stays when it fits), and return it."""
+    budget = budget or cpu_budget()
+    threads = torch.get_num_threads()
+    if threads > budget.threads:
+        log.info("CPU steps on %d threads, not torch's %d: %s", budget.threads, threads, budget.describe())
+        torch.set_num_threads(budget.threads)
+    return torch.get_num_threads()

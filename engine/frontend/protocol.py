@@ -256,7 +256,7 @@ class CoreStats(msgspec.Struct, kw_only=True):
     # by tensor_parallel); followers' figures are their last reports (engine.runner.tensor_parallel).
     rank_steps: list[int] = []
     rank_step_seconds: list[float] = []
-    # Threads this core's CPU steps run on now (engine.cpu.cpu_quota, engine.cpu.thread_governor);
+    # Threads this core's CPU steps run on now (helexa_kernels.machine.cpu_budget, then engine.cpu.thread_governor);
     # 0 on a GPU.
     cpu_threads: int = 0
 

@@ -53,10 +53,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from engine.cpu.cpu_quota import cpu_budget
 from engine.frontend import parent_death
 from engine.frontend.engine_config import EngineConfig
 from engine.models.parallel_layers import Shard
+from helexa_kernels.machine import cpu_budget
 
 log = logging.getLogger("helexa.engine")
 
@@ -101,7 +101,7 @@ def backend_for(device: str, world: int, gpus: int) -> str:
 def join_group(shard: Shard, init_file: str, device: str) -> None:
     """Join the process group (blocks until every rank has)."""
     if torch.device(device).type == "cpu":
-        # The CPUs this process may use (its affinity and cgroup quota, `engine.cpu.cpu_quota`), shared.
+        # The CPUs this process may use (its affinity and cgroup quota, `helexa_kernels.machine`), shared.
         usable = cpu_budget().threads
         threads = max(usable // shard.world, 1)
         torch.set_num_threads(threads)

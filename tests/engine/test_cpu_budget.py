@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from benchmarks.lib import cpu_quota_cgroup, in_cgroup
-from engine.cpu.cpu_quota import CpuBudget, cgroup_quota, fit_torch_threads
+from engine.cpu.thread_governor import fit_torch_threads
+from helexa_kernels.machine import CpuBudget, cgroup_quota
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -101,7 +102,7 @@ def test_an_engine_core_built_in_a_real_cgroup_with_one_cpu_runs_one_thread() ->
         pytest.skip("one core: a quota cannot lower the count")
     # What the engine core's process does at start (`build_core`), in a process whose cgroup allows
     # one CPU of this machine's cores.
-    child = ("import json, torch; from engine.cpu.cpu_quota import cpu_budget; "
+    child = ("import json, torch; from helexa_kernels.machine import cpu_budget; "
              "from engine.core.core_process import build_core; from engine.frontend.engine_config import EngineConfig; "
              "from engine.loading.default_model import default_model_path; "
              "before = torch.get_num_threads(); quota = cpu_budget().quota; "
