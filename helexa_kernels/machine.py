@@ -63,8 +63,10 @@ class CpuBudget:
         return max(1, min(self.affinity, math.ceil(self.quota)))
 
     def describe(self) -> str:
-        limit = "no CPU quota" if self.quota is None else f"a CPU quota of {self.quota:g} CPUs"
-        return f"{self.affinity} cores in the affinity mask, {limit}"
+        cores = f"{self.affinity} core{'s' if self.affinity != 1 else ''} in the affinity mask"
+        if self.quota is None:
+            return f"{cores}, no CPU quota"
+        return f"{cores}, a CPU quota of {self.quota:g} CPU{'s' if self.quota != 1 else ''}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -172,6 +172,6 @@ def fit_torch_threads(budget: CpuBudget | None = None) -> int:
     budget = budget or cpu_budget()
     threads = torch.get_num_threads()
     if threads > budget.threads:
-        log.info("CPU steps on %d threads, not torch's %d: %s", budget.threads, threads, budget.describe())
+        log.info("CPU steps on %d of torch's %d threads: %s", budget.threads, threads, budget.describe())
         torch.set_num_threads(budget.threads)
     return torch.get_num_threads()

@@ -87,7 +87,8 @@ def test_threads_the_budget_allows() -> None:
     assert CpuBudget(8, 0.5).threads == 1
     assert CpuBudget(8, 1.5).threads == 2  # a fraction rounds up; the governor measures whether 1 is faster
     assert CpuBudget(4, 64.0).threads == 4
-    assert "a CPU quota of 1.5 CPUs" in CpuBudget(8, 1.5).describe()
+    assert CpuBudget(8, 1.5).describe() == "8 cores in the affinity mask, a CPU quota of 1.5 CPUs"
+    assert CpuBudget(1, 1.0).describe() == "1 core in the affinity mask, a CPU quota of 1 CPU"
 
 
 def test_torchs_count_is_lowered_to_the_budget_and_never_raised() -> None:
