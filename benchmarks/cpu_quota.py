@@ -31,15 +31,19 @@ MODES = {"torch": "off", "governed": "on", "fitted": "fit"}
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpus", type=float, default=1.0, help="the cgroup's quota in CPUs per period")
-    parser.add_argument("--new", type=int, default=300, help="tokens decoded per run")
+    parser.add_argument("--new", type=int, default=100, help="tokens decoded per run")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"which of {', '.join(MODES)} to run")
     parser.add_argument("--runs", type=int, default=3, help="runs per mode (medians reported)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    modes = {name: MODES[name] for name in args.modes.split(",") if name in MODES}
+    if len(modes) != len(args.modes.split(",")) or not modes:
+        parser.error(f"--modes: some of {', '.join(MODES)}")
     with cpu_quota_cgroup(args.cpus) as directory:
         if directory is None:
             sys.exit("cpu_quota: this machine lets this user make no cgroup with a CPU quota "
                      "(it needs root and cgroup v1's cpu hierarchy)")
-        level, medians = compare(MODES, args.runs, args.new, [], functools.partial(in_cgroup, directory))
+        level, medians = compare(modes, args.runs, args.new, [], functools.partial(in_cgroup, directory))
     for mode in ("governed", "fitted"):
         if mode in medians and "torch" in medians:
             level[f"{mode}_vs_torch"] = round(medians[mode] / medians["torch"], 3)

@@ -103,6 +103,7 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=400, help="tokens decoded per run")
     parser.add_argument("--runs", type=int, default=3, help="runs per mode and condition (medians reported)")
     parser.add_argument("--busy", type=int, default=1, help="spinning processes beside the engine when busy")
+    parser.add_argument("--conditions", default="quiet,busy", help="which of quiet and busy to measure")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--measure", nargs=2, metavar=("MODE", "NEW"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -114,7 +115,10 @@ def main() -> None:
 
     reference: list[int] = []
     results: dict[str, dict] = {}
-    for condition in ("quiet", "busy"):
+    conditions = args.conditions.split(",")
+    if not conditions or not set(conditions) <= {"quiet", "busy"}:
+        parser.error("--conditions: quiet, busy or both")
+    for condition in conditions:
         spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
                     for _ in range(args.busy if condition == "busy" else 0)]
         try:
