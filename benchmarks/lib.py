@@ -91,10 +91,11 @@ def cpu_quota_cgroup(cpus: float) -> Iterator[Path | None]:
     """A new cgroup (v1 cpu hierarchy) under this process's own, limited to `cpus` CPUs' worth of
     time per 100 ms period, removed on exit; None where this machine lets no one make one (not root,
     no v1 cpu hierarchy). Start a process in it with `in_cgroup`."""
-    from helexa_kernels.machine import _cpu_mounts, _own_paths
+    from helexa_kernels.machine import cgroup_cpu_mounts, own_cgroup_paths
 
-    own = _own_paths(Path("/proc/self/cgroup").read_text()).get(1)
-    mounts = [m for m in _cpu_mounts(Path("/proc/self/mountinfo").read_text()) if m.version == 1 and m.root == "/"]
+    own = own_cgroup_paths(Path("/proc/self/cgroup").read_text()).get(1)
+    mounts = [mount for mount in cgroup_cpu_mounts(Path("/proc/self/mountinfo").read_text())
+              if mount.version == 1 and mount.root == "/"]
     directory = None
     if own is not None and mounts:
         candidate = mounts[0].point / own.lstrip("/") / f"helexa-bench-{os.getpid()}"

@@ -70,7 +70,7 @@ class CpuBudget:
 
 
 @dataclass(frozen=True, slots=True)
-class _Mount:
+class CgroupMount:
     root: str  # the part of the hierarchy mounted here
     point: Path
     version: int  # 1 or 2
@@ -83,7 +83,7 @@ def _unescape(field: str) -> str:
     return _OCTAL.sub(lambda match: chr(int(match.group(1), 8)), field)
 
 
-def _cpu_mounts(mountinfo: str) -> list[_Mount]:
+def cgroup_cpu_mounts(mountinfo: str) -> list[CgroupMount]:
     """The cgroup mounts that carry the cpu controller (v1) and the unified hierarchies (v2)."""
     mounts = []
     for line in mountinfo.splitlines():
@@ -93,13 +93,13 @@ def _cpu_mounts(mountinfo: str) -> list[_Mount]:
             continue
         fstype, options = after[0], after[2].split(",")
         if fstype == "cgroup2":
-            mounts.append(_Mount(_unescape(parts[3]), Path(_unescape(parts[4])), 2))
+            mounts.append(CgroupMount(_unescape(parts[3]), Path(_unescape(parts[4])), 2))
         elif fstype == "cgroup" and "cpu" in options:
-            mounts.append(_Mount(_unescape(parts[3]), Path(_unescape(parts[4])), 1))
+            mounts.append(CgroupMount(_unescape(parts[3]), Path(_unescape(parts[4])), 1))
     return mounts
 
 
-def _own_paths(proc_cgroup: str) -> dict[int, str]:
+def own_cgroup_paths(proc_cgroup: str) -> dict[int, str]:
     """The process's cgroup in the v2 hierarchy and in v1's cpu hierarchy, by version."""
     paths = {}
     for line in proc_cgroup.splitlines():
@@ -127,7 +127,7 @@ def _limit(directory: Path, version: int) -> float | None:
     return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
 
 
-def _chain(mount: _Mount, path: str) -> list[Path]:
+def _chain(mount: CgroupMount, path: str) -> list[Path]:
     """The process's cgroup directory under `mount` and each one above it, up to the mount point.
     In a cgroup namespace the path is already relative to the mounted root."""
     relative = path
@@ -145,10 +145,10 @@ def cgroup_quota(proc: Path = Path("/proc/self")) -> float | None:
     """The smallest CPU quota on the path from this process's cgroups to their roots, or None."""
     try:
         mountinfo = (proc / "mountinfo").read_text()
-        own = _own_paths((proc / "cgroup").read_text())
+        own = own_cgroup_paths((proc / "cgroup").read_text())
     except OSError:
         return None
-    limits = [limit for mount in _cpu_mounts(mountinfo) if mount.version in own
+    limits = [limit for mount in cgroup_cpu_mounts(mountinfo) if mount.version in own
               for directory in _chain(mount, own[mount.version])
               if (limit := _limit(directory, mount.version)) is not None]
     return min(limits, default=None)
