@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import sys
 from pathlib import Path
 
 from benchmarks.lib import cpu_quota_cgroup, emit, in_cgroup, machine_info
 from benchmarks.thread_governor import PROMPT, compare
+from helexa_kernels.machine import cpu_budget
 
 MODES = {"torch": "off", "governed": "on", "fitted": "fit"}
 
@@ -50,7 +50,7 @@ def main() -> None:
     emit({
         "benchmark": "cpu_quota",
         "inputs": {"model": "SmolLM2-135M (default)", "prompt": PROMPT, "new_tokens": args.new, "runs": args.runs,
-                   "quota_cpus": args.cpus, "cores_in_affinity": len(os.sched_getaffinity(0)), "sequences": 1},
+                   "quota_cpus": args.cpus, "cores_in_affinity": cpu_budget().affinity, "sequences": 1},
         "machine": machine_info(),
         "results": level,
     }, args.out)

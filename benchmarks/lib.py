@@ -98,15 +98,17 @@ def cpu_quota_cgroup(cpus: float) -> Iterator[Path | None]:
               if mount.version == 1 and mount.root == "/"]
     directory = None
     if own is not None and mounts:
-        candidate = mounts[0].point / own.lstrip("/") / f"helexa-bench-{os.getpid()}"
+        directory = mounts[0].point / own.lstrip("/") / f"helexa-bench-{os.getpid()}"
         try:
-            candidate.mkdir()
-            directory = candidate
-            (candidate / "cpu.cfs_period_us").write_text("100000")
-            (candidate / "cpu.cfs_quota_us").write_text(str(round(cpus * 100_000)))
+            directory.mkdir()
         except OSError:
-            if directory is not None:
-                directory.rmdir()
+            directory = None
+    if directory is not None:
+        try:
+            (directory / "cpu.cfs_period_us").write_text("100000")
+            (directory / "cpu.cfs_quota_us").write_text(str(round(cpus * 100_000)))
+        except OSError:
+            directory.rmdir()
             directory = None
     try:
         yield directory
