@@ -67,6 +67,7 @@ def bus_limits() -> BusLimits:
         max_deliver=_env_int("HELEXA_MAX_DELIVER", 3),
         # Every uploaded file's content together (the `helexa_files` bucket).
         files_max_bytes=_env_int("HELEXA_FILES_MAX_BYTES", 8 << 30),
+        batch_ack_wait_s=_env_float("HELEXA_BATCH_ACK_WAIT_S", 60.0),
     )
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from apps.bus.topology import BusLimits
 from apps.embedded.nats_server import NatsServer
 from apps.embedded.postgres import PostgresServer
 from tests.support import declared
@@ -52,10 +53,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(skip)
 
 
+# The session bus's limits: the defaults, but a batch held by a gateway a test kills goes to
+# another gateway 15 s after (not 60), as an operator may set with HELEXA_BATCH_ACK_WAIT_S.
+SESSION_BUS = BusLimits(batch_ack_wait_s=15.0)
+
+
 @pytest.fixture(scope="session")
 def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
     with NatsServer(tmp_path_factory.mktemp("nats")) as server:
-        declared(server)
+        declared(server, SESSION_BUS)
         yield server
 
 

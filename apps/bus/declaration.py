@@ -41,7 +41,7 @@ async def ensure_topology(js: JetStreamContext, limits: topology.BusLimits) -> N
     await _object_store(js, topology.LARGE_EVENTS_BUCKET, topology.large_events_config(limits))
     await _object_store(js, topology.FILES_BUCKET, topology.files_config(limits))
     await _ensure_stream(js, topology.batches_stream_config(limits))
-    await js.add_consumer(topology.BATCHES_STREAM, config=topology.batch_runners_config())
+    await js.add_consumer(topology.BATCHES_STREAM, config=topology.batch_runners_config(limits))
 
 
 def topology_streams() -> tuple[str, ...]:

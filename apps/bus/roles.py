@@ -160,6 +160,7 @@ def permissions(role: str, user: str | None) -> dict[str, Any]:
             f"{_FILES_OBJ_SUBJECTS}.>", *_read_bucket(_FILES_OBJ_STREAM), f"{_API}.STREAM.PURGE.{_FILES_OBJ_STREAM}",
             # Batches: claims put on BATCHES and taken (with in-progress acks) by its batch runner.
             topology.BATCH_SUBJECT, f"{_API}.CONSUMER.MSG.NEXT.{topology.BATCHES_STREAM}.*",
+            f"{_API}.CONSUMER.INFO.{topology.BATCHES_STREAM}.{topology.BATCH_RUNNERS_CONSUMER}",
             f"$JS.ACK.{topology.BATCHES_STREAM}.>",
         ]
         subscribe = [inbox, topology.max_deliveries_advisories()]

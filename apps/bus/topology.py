@@ -52,8 +52,9 @@ BATCH_RUNNERS_CONSUMER = "batch-runners"
 BATCH_SUBJECT = "helexa.batch.run"
 # A batch lives at most its 24 h completion window; the stream keeps a claim a day past that.
 BATCH_CLAIM_MAX_AGE_S = 48 * 3600.0
-# How long a claimed batch waits for its runner's in-progress acks before another runner takes it.
-BATCH_ACK_WAIT_S = 60.0
+# The shortest ack wait a batch claim may have (`BusLimits.batch_ack_wait_s`): a runner that cannot
+# read the consumer's own keeps its claim alive at a quarter of this.
+MIN_BATCH_ACK_WAIT_S = 4.0
 
 _REQUEST_PREFIX = "helexa.req"
 # The last token of a model's batch-class request subject (a model's own token is one token, so
@@ -145,6 +146,9 @@ class BusLimits:
     max_deliver: int = 3
     # Every uploaded file's content together (`helexa_files`); per principal, the gateway's quota.
     files_max_bytes: int = 8 << 30
+    # A claimed batch is touched (in-progress ack) by its gateway's runner; silence this long means
+    # the gateway died and another gateway's runner takes the batch.
+    batch_ack_wait_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.request_dedupe_window_s > self.request_max_age_s:
@@ -153,6 +157,8 @@ class BusLimits:
             raise ValueError("node_ttl_s must be positive")
         if self.request_ack_wait_s <= 0 or self.max_deliver < 1:
             raise ValueError("request_ack_wait_s must be positive and max_deliver at least 1")
+        if self.batch_ack_wait_s < MIN_BATCH_ACK_WAIT_S:
+            raise ValueError(f"batch_ack_wait_s must be at least {MIN_BATCH_ACK_WAIT_S:g} s")
         if self.replicas not in (1, 3, 5):
             raise ValueError("replicas must be 1, 3 or 5")
         if (min(self.request_max_msgs, self.request_max_bytes, self.event_max_bytes, self.files_max_bytes) < 1
@@ -211,16 +217,17 @@ def batches_stream_config(limits: BusLimits) -> StreamConfig:
     )
 
 
-def batch_runners_config(ack_wait_s: float = BATCH_ACK_WAIT_S) -> ConsumerConfig:
+def batch_runners_config(limits: BusLimits) -> ConsumerConfig:
     """The durable consumer every gateway's batch runner pulls claims from; a runner sends
-    in-progress acks while its batch runs, so `ack_wait_s` only bounds a dead gateway's batch."""
+    in-progress acks while its batch runs (at a quarter of the ack wait it reads back from this
+    consumer: `batch_ack_wait_s`), so the ack wait only bounds a dead gateway's batch."""
     return ConsumerConfig(
         name=BATCH_RUNNERS_CONSUMER,
         durable_name=BATCH_RUNNERS_CONSUMER,
         filter_subject=BATCH_SUBJECT,
         ack_policy=AckPolicy.EXPLICIT,
         deliver_policy=DeliverPolicy.ALL,
-        ack_wait=ack_wait_s,
+        ack_wait=limits.batch_ack_wait_s,
         max_ack_pending=10_000,
     )
 
@@ -358,6 +365,14 @@ def node_endpoint(node: str, endpoint: str) -> str:
 
 async def batch_puller(nc: NatsClient) -> BatchPuller:
     return await BatchPuller(nc, BATCHES_STREAM, BATCH_RUNNERS_CONSUMER).start()
+
+
+async def batch_ack_wait_s(nc: NatsClient) -> float:
+    """The batch runners' consumer's ack wait as the server has it (whoever declared it, with
+    whichever `batch_ack_wait_s`): a runner keeps its claim alive well inside it."""
+    info = await nc.jetstream().consumer_info(BATCHES_STREAM, BATCH_RUNNERS_CONSUMER)
+    assert info.config.ack_wait is not None
+    return float(info.config.ack_wait)
 
 
 async def recorder_puller(nc: NatsClient, ack_wait_s: float = 60.0) -> BatchPuller:

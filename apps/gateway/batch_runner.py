@@ -44,6 +44,7 @@ from typing import Any
 
 import msgspec
 import nats.errors
+from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
 from apps.bus import topology, wire
@@ -67,7 +68,6 @@ _POLL_S = 1.0
 # One wait for a claim while none is there: stopping ends it, and a gateway that freezes meanwhile
 # delays one batch by the claim's ack wait at most.
 _CLAIM_WAIT_S = 30.0
-_KEEP_ALIVE_S = topology.BATCH_ACK_WAIT_S / 4
 # A line refused for lack of capacity is tried this many times in all, this long apart at first.
 _TRIES = 6
 _RETRY_PAUSE_S = 1.0
@@ -133,7 +133,7 @@ class BatchRunner:
 
     async def _hold(self, claim: Msg) -> None:
         batch_id = claim.data.decode(errors="replace")
-        keep_alive = asyncio.create_task(self._keep_alive(claim))
+        keep_alive = asyncio.create_task(keep_claim_alive(self._bus.nc, claim))
         try:
             finished = await self.run(batch_id, claim.metadata.num_delivered)
         except asyncio.CancelledError:
@@ -148,14 +148,6 @@ class BatchRunner:
             await claim.ack()
         else:
             await claim.nak(delay=_POLL_S * 5)
-
-    async def _keep_alive(self, claim: Msg) -> None:
-        while True:
-            await asyncio.sleep(_KEEP_ALIVE_S)
-            try:
-                await claim.in_progress()
-            except Exception as exc:
-                log.warning("batch claim not kept alive", extra={"detail": repr(exc)})
 
     async def run(self, batch_id: str, delivery: int) -> bool:
         """Run the batch to its end; False if it is not known yet (the claim comes back later)."""
@@ -330,3 +322,20 @@ class _Stop:
     def check_expiry(self) -> None:
         if self.reason is None and self.expires_at is not None and time.time() >= self.expires_at:
             self.reason = "expired"
+
+
+async def keep_claim_alive(nc: NatsClient, claim: Msg) -> None:
+    """In-progress acks on a batch's claim until cancelled, at a quarter of the claim's ack wait as
+    the server has it (`topology.batch_ack_wait_s`), so the claim never passes to another runner
+    while this one lives."""
+    try:
+        every_s = await topology.batch_ack_wait_s(nc) / 4
+    except Exception as exc:
+        every_s = topology.MIN_BATCH_ACK_WAIT_S / 4
+        log.warning("batch claim's ack wait unread: kept alive every %.1f s", every_s, extra={"detail": repr(exc)})
+    while True:
+        await asyncio.sleep(every_s)
+        try:
+            await claim.in_progress()
+        except Exception as exc:
+            log.warning("batch claim not kept alive", extra={"detail": repr(exc)})
