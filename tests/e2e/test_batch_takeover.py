@@ -1,7 +1,8 @@
 """A batch survives the gateway that runs it: SIGKILLed mid-batch, its claim on the BATCHES work
 queue comes back after the ack wait (`SESSION_BUS`: 15 s) to the gateway started again, which
-runs the lines the ledger does not have; every custom_id is answered exactly once in the output. (The session's own gateway
-runs no batches, so the one killed here is the one that held the batch.)"""
+runs the lines the ledger does not have; every custom_id is answered exactly once in the output.
+(The session's own gateway runs no batches, so the one killed here is the one that held the
+batch.)"""
 
 from __future__ import annotations
 
