@@ -25,12 +25,12 @@ flags), environment, torch and source, under `$XDG_CACHE_HOME/helexa/kernels/cpu
 (torch's headers and libraries, Python's headers): two venvs on one machine each build once and
 never rebuild each other's. A directory whose build finished holds `built.json`; a start that finds
 it loads the library as it is, without running the build tool. A start that builds says so first,
-with a rough time, since the first build takes minutes on a small machine (~35 s on 2 Sapphire
-Rapids cores, ~4.5 min on 2 Zen 3 cores). Builds of one directory take turns under an `flock`
-(`helexa_kernels.build_lock`), which the kernel drops when its holder dies: a start killed
-mid-build never blocks the next one, and one that has to wait says on whom. Where the kernels
-cannot be built (no compiler), `load()` says why once and returns False, and `engine.runner.ops` keeps
-the PyTorch forms (`helexa_kernels/<op>/aten.py`, `engine.runner.attention`).
+with a rough time (~20 s on 2 EPYC cores: all sources as one translation unit, `_unit`). Builds
+of one directory take turns under an `flock` (`helexa_kernels.build_lock`), which the kernel drops
+when its holder dies: a start killed mid-build never blocks the next one, and one that has to
+wait says on whom. Where the kernels cannot be built (no compiler), `load()` says why once and
+returns False, and `engine.runner.ops` keeps the PyTorch forms (`helexa_kernels/<op>/aten.py`,
+`engine.runner.attention`).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 from helexa_kernels.build_lock import Holder, build_lock
-from helexa_kernels.machine import cache_dir, cpu_budget, cpu_identity
+from helexa_kernels.machine import cache_dir, cpu_identity
 
 log = logging.getLogger("helexa.engine")
 
@@ -88,9 +88,11 @@ LOCK_FILE = "build.lock"
 # Each build works in a folder of its own (`build-<pid>`), so a killed build's leftovers (torch's
 # `lock` baton, objects its orphaned compilers may still write) never meet the next build.
 WORK_PREFIX = "build-"
-# Core-seconds a build takes (all sources, -O3): ~60-70 on Sapphire Rapids, ~550 on a small Zen 3
-# VM; the sources compile in parallel, one per core.
-BUILD_CORE_S = (60.0, 550.0)
+# Seconds a build takes. The sources compile as one translation unit (`_unit`): most of a source's
+# compile is parsing ATen's and torch's headers, so seven units spent ~100 core-seconds on the
+# 2-core EPYC where one spends ~20 (-O3), and on any core count one unit is about as quick as seven
+# in parallel. Slow small VMs may take some minutes.
+BUILD_S = (15.0, 120.0)
 
 
 def environment() -> dict[str, str]:
@@ -110,15 +112,18 @@ def build_directory() -> Path:
 
 
 def build_estimate() -> str:
-    """A rough time for the first build here, e.g. "~1-5 min on 2 cores"."""
-    cores = cpu_budget().threads  # in a container limited to fewer CPUs than its host's, the limit
-    parallel = max(1, min(cores, len(SOURCES)))
-    low, high = (seconds / parallel for seconds in BUILD_CORE_S)
-    if high < 90:
-        span = f"~{low:.0f}-{high:.0f} s"
-    else:
-        span = f"~{max(1, round(low / 60))}-{round(high / 60)} min"
-    return f"{span} on {cores} core{'s' if cores != 1 else ''}"
+    """A rough time for the first build, said before it starts: "~15 s-2 min"."""
+    low, high = BUILD_S
+    return f"~{low:.0f} s-{high / 60:.0f} min"
+
+
+def _unit(work: Path) -> Path:
+    """The one translation unit the build compiles: a file in `work` that includes every source.
+    Each source keeps its helpers in an anonymous namespace, so two sources may not give helpers
+    the same name (the build says which, file and line)."""
+    unit = work / f"{NAME}.cpp"
+    unit.write_text("".join(f'#include "{source}"\n' for source in SOURCES))
+    return unit
 
 
 def _built(directory: Path) -> bool:
@@ -145,7 +150,7 @@ def _build(directory: Path) -> None:
     work.mkdir()
     log.info("compiling CPU kernels (one-time, %s) into %s ...", build_estimate(), directory)
     start = time.perf_counter()
-    cpp_extension.load(name=NAME, sources=[str(source) for source in SOURCES], extra_cflags=FLAGS,
+    cpp_extension.load(name=NAME, sources=[str(_unit(work))], extra_cflags=FLAGS,
                        extra_ldflags=["-fopenmp"], build_directory=str(work), is_python_module=False,
                        verbose=False)
     build_s = round(time.perf_counter() - start, 1)

@@ -14,7 +14,7 @@
 
 namespace {
 
-void check_rows(const at::Tensor& x, const at::Tensor& cache, const char* name) {
+void check_kv_rows(const at::Tensor& x, const at::Tensor& cache, const char* name) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1, name,
               ": [tokens, kv_heads, head_dim] CPU rows, contiguous within a head");
   TORCH_CHECK(x.scalar_type() == cache.scalar_type(), name, " and its cache must share a dtype");
@@ -31,8 +31,8 @@ void kv_store(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes(),
               "caches: contiguous [num_blocks, block_size, kv_heads, head_dim], the same shape");
-  check_rows(k, k_cache, "k");
-  check_rows(v, v_cache, "v");
+  check_kv_rows(k, k_cache, "k");
+  check_kv_rows(v, v_cache, "v");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.is_contiguous() &&
                   slot_mapping.size(0) == k.size(0) && v.size(0) == k.size(0),
               "slot_mapping: contiguous int64 [tokens]");

@@ -22,7 +22,7 @@ namespace {
 
 using helexa_cpu::Vec;
 
-void check_rows(const at::Tensor& t, const at::Tensor& like, const char* name) {
+void check_norm_rows(const at::Tensor& t, const at::Tensor& like, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.stride(1) == 1, name, ": 2-D CPU rows, contiguous within a row");
   TORCH_CHECK(t.sizes() == like.sizes(), name, ": shape ", t.sizes(), " differs from ", like.sizes());
 }
@@ -78,9 +78,9 @@ void norm_rows_for(at::Tensor& out, const at::Tensor& x, at::Tensor* stream, con
 
 void norm(at::Tensor& out, const at::Tensor& x, at::Tensor* stream, const at::Tensor& weight, double eps,
           bool unit_offset) {
-  check_rows(out, x, "out");
-  check_rows(x, x, "x");
-  if (stream != nullptr) check_rows(*stream, x, "residual");
+  check_norm_rows(out, x, "out");
+  check_norm_rows(x, x, "x");
+  if (stream != nullptr) check_norm_rows(*stream, x, "residual");
   TORCH_CHECK(out.scalar_type() == x.scalar_type(), "out and x must share a dtype");
   const int64_t hidden = x.size(1);
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == hidden, "weight: [", hidden, "]");
