@@ -367,10 +367,10 @@ async def batch_puller(nc: NatsClient) -> BatchPuller:
     return await BatchPuller(nc, BATCHES_STREAM, BATCH_RUNNERS_CONSUMER).start()
 
 
-async def batch_ack_wait_s(nc: NatsClient) -> float:
+async def batch_ack_wait_s(nc: NatsClient, timeout_s: float = 5.0) -> float:
     """The batch runners' consumer's ack wait as the server has it (whoever declared it, with
     whichever `batch_ack_wait_s`): a runner keeps its claim alive well inside it."""
-    info = await nc.jetstream().consumer_info(BATCHES_STREAM, BATCH_RUNNERS_CONSUMER)
+    info = await nc.jetstream().consumer_info(BATCHES_STREAM, BATCH_RUNNERS_CONSUMER, timeout=timeout_s)
     assert info.config.ack_wait is not None
     return float(info.config.ack_wait)
 

@@ -327,12 +327,14 @@ class _Stop:
 async def keep_claim_alive(nc: NatsClient, claim: Msg) -> None:
     """In-progress acks on a batch's claim until cancelled, at a quarter of the claim's ack wait as
     the server has it (`topology.batch_ack_wait_s`), so the claim never passes to another runner
-    while this one lives."""
+    while this one lives. The first ack goes before the read, which is bounded: a read that fails
+    leaves the claim its full ack wait, and the acks go on at the shortest wait's quarter."""
+    every_s = topology.MIN_BATCH_ACK_WAIT_S / 4
     try:
-        every_s = await topology.batch_ack_wait_s(nc) / 4
+        await claim.in_progress()
+        every_s = await topology.batch_ack_wait_s(nc, timeout_s=every_s) / 4
     except Exception as exc:
-        every_s = topology.MIN_BATCH_ACK_WAIT_S / 4
-        log.warning("batch claim's ack wait unread: kept alive every %.1f s", every_s, extra={"detail": repr(exc)})
+        log.warning("batch claim kept alive every %.1f s: its ack wait unread", every_s, extra={"detail": repr(exc)})
     while True:
         await asyncio.sleep(every_s)
         try:
