@@ -85,7 +85,7 @@ def run_tree(tree: Path, cache: Path, what: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base", type=Path, required=True, help="a checkout of the commit to compare with")
+    parser.add_argument("--base", type=Path, help="a checkout of the commit to compare with (required)")
     parser.add_argument("--runs", type=int, default=3, help="builds and decode runs per tree (medians reported)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
@@ -93,6 +93,8 @@ def main() -> None:
     if args.measure:
         print(json.dumps(measure_decode()))
         return
+    if args.base is None:
+        parser.error("--base is required")
     from benchmarks.lib import commit_of, emit, machine_info, medians_of_correct
 
     here = Path(__file__).resolve().parent.parent
