@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -76,14 +73,6 @@ def measure(num_seqs: int, steps: int) -> dict:
     return {"host_step_ms": statistics.median(times) * 1e3, "correct": correct}
 
 
-def run_tree(tree: Path, num_seqs: int, steps: int) -> dict:
-    """`measure` in a fresh process that imports `tree`'s engine (this file runs as a script there)."""
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    result = subprocess.run([sys.executable, __file__, "--measure", str(num_seqs), str(steps)], cwd=tree,
-                            env=env, capture_output=True, text=True, check=True)
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", type=Path, help="a checkout of the commit to compare with")
@@ -96,7 +85,7 @@ def main() -> None:
     if args.measure:
         print(json.dumps(measure(*args.measure)))
         return
-    from benchmarks.lib import commit_of, emit, machine_info, medians_of_correct
+    from benchmarks.lib import emit, measure_in_tree, medians_of_correct, tree_comparison, with_ratio
 
     here = Path(__file__).resolve().parent.parent
     trees = {"this": here, **({"base": args.base.resolve()} if args.base else {})}
@@ -106,22 +95,15 @@ def main() -> None:
         runs: dict[str, list[dict]] = {name: [] for name in trees}
         for _ in range(args.runs):
             for name, tree in trees.items():  # alternating, so drift in the machine hits both
-                runs[name].append(run_tree(tree, num_seqs, args.steps))
+                runs[name].append(measure_in_tree(__file__, tree, [str(num_seqs), str(args.steps)]))
         entries, medians = medians_of_correct(runs, "host_step_ms", 4,
                                               "a step gave a wrong token or ended a sequence: no time")
-        level: dict[str, dict | float] = {**entries}
-        if len(medians) == 2:
-            level["this_vs_base"] = round(medians["this"] / medians["base"], 3)
-        results[str(num_seqs)] = level
-    emit({
-        "benchmark": "host_step",
-        "inputs": {"levels": levels, "prompt_tokens": PROMPT_TOKENS, "timed_steps_per_run": args.steps,
-                   "warm_steps": WARM_STEPS, "runs": args.runs, "model": "SmolLM2-135M (default), float32",
-                   "device_work": "replaced: forward returns zeros, the LM head a fixed [N, 64] logits row"},
-        "trees": {name: {"path": str(tree), "commit": commit_of(tree)} for name, tree in trees.items()},
-        "machine": machine_info(),
-        "results": results,
-    }, args.out)
+        results[str(num_seqs)] = with_ratio(entries, medians)
+    emit(tree_comparison("host_step", {
+        "levels": levels, "prompt_tokens": PROMPT_TOKENS, "timed_steps_per_run": args.steps,
+        "warm_steps": WARM_STEPS, "runs": args.runs, "model": "SmolLM2-135M (default), float32",
+        "device_work": "replaced: forward returns zeros, the LM head a fixed [N, 64] logits row"}, trees, results),
+        args.out)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -68,19 +69,14 @@ def measure_decode() -> dict:
     return {"step_16_ms": step_16_ms, "step_1_ms": step_1_ms, "tokens": digest}
 
 
-def run_tree(tree: Path, cache: Path, what: str) -> dict:
-    """In a fresh process importing `tree`'s sources, with XDG_CACHE_HOME=`cache`: `build` times a
-    build from nothing (the cache emptied first), `decode` runs `measure_decode` on its kernels."""
-    env = {**os.environ, "PYTHONPATH": str(tree), "XDG_CACHE_HOME": str(cache)}
-    if what == "build":
-        subprocess.run(["rm", "-rf", str(cache / "helexa" / "kernels")], check=True)
-        started = time.perf_counter()
-        done = subprocess.run([sys.executable, "-m", "helexa_kernels.cpu"], cwd=tree, env=env,
-                              capture_output=True, text=True)
-        return {"build_s": time.perf_counter() - started, "correct": done.returncode == 0}
-    result = subprocess.run([sys.executable, __file__, "--measure"], cwd=tree,
-                            env=env, capture_output=True, text=True, check=True)
-    return json.loads(result.stdout.strip().splitlines()[-1])
+def timed_build(tree: Path, cache: Path) -> dict:
+    """A build from nothing (the cache folder emptied first) of `tree`'s kernels, in a fresh process
+    with XDG_CACHE_HOME=`cache`."""
+    shutil.rmtree(cache / "helexa" / "kernels", ignore_errors=True)
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "helexa_kernels.cpu"], cwd=tree, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(tree), "XDG_CACHE_HOME": str(cache)})
+    return {"build_s": time.perf_counter() - started, "correct": done.returncode == 0}
 
 
 def main() -> None:
@@ -95,7 +91,7 @@ def main() -> None:
         return
     if args.base is None:
         parser.error("--base is required")
-    from benchmarks.lib import commit_of, emit, machine_info, medians_of_correct
+    from benchmarks.lib import emit, measure_in_tree, medians_of_correct, tree_comparison, with_ratio
 
     here = Path(__file__).resolve().parent.parent
     trees = {"this": here, "base": args.base.resolve()}
@@ -105,10 +101,10 @@ def main() -> None:
         decodes: dict[str, list[dict]] = {name: [] for name in trees}
         for _ in range(args.runs):
             for name, tree in trees.items():  # alternating, so drift in the machine hits both
-                builds[name].append(run_tree(tree, caches[name], "build"))
+                builds[name].append(timed_build(tree, caches[name]))
         for _ in range(args.runs):
             for name, tree in trees.items():
-                decodes[name].append(run_tree(tree, caches[name], "decode"))
+                decodes[name].append(measure_in_tree(__file__, tree, [], {"XDG_CACHE_HOME": str(caches[name])}))
     reference = decodes["base"][0].get("tokens")
     for measured in decodes.values():
         for run in measured:
@@ -117,18 +113,11 @@ def main() -> None:
     for key, runs, digits in (("build_s", builds, 1), ("step_16_ms", decodes, 2), ("step_1_ms", decodes, 2)):
         entries, medians = medians_of_correct(runs, key, digits, "failed its check (a build error, or tokens "
                                               "that differ from the other tree's): no figure")
-        results[key] = {**entries}
-        if len(medians) == 2:
-            results[key]["this_vs_base"] = round(medians["this"] / medians["base"], 3)
-    emit({
-        "benchmark": "kernel_build",
-        "inputs": {"runs": args.runs, "model": "SmolLM2-135M (default), float32",
-                   "decode": f"16 sequences of 128-token prompts, and 1; {WARM_STEPS} warm steps, "
-                             f"median of {TIMED_STEPS}"},
-        "trees": {name: {"path": str(tree), "commit": commit_of(tree)} for name, tree in trees.items()},
-        "machine": machine_info(),
-        "results": results,
-    }, args.out)
+        results[key] = with_ratio(entries, medians)
+    emit(tree_comparison("kernel_build", {
+        "runs": args.runs, "model": "SmolLM2-135M (default), float32",
+        "decode": f"16 sequences of 128-token prompts, and 1; {WARM_STEPS} warm steps, median of {TIMED_STEPS}"},
+        trees, results), args.out)
 
 
 if __name__ == "__main__":

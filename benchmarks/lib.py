@@ -13,6 +13,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -84,6 +85,29 @@ def medians_of_correct(runs: dict[str, list[dict]], key: str, digits: int,
         entries[name] = {"correct": True, f"{key}_median": medians[name],
                          f"{key}_runs": [round(run[key], digits) for run in measured]}
     return entries, medians
+
+
+def measure_in_tree(script: str, tree: Path, args: list[str], env: dict[str, str] | None = None) -> dict:
+    """`script --measure ARGS` in a fresh process that imports `tree`'s sources (a base checkout's
+    or this one's); the JSON its last line prints."""
+    result = subprocess.run([sys.executable, script, "--measure", *args], cwd=tree, capture_output=True, text=True,
+                            env={**os.environ, **(env or {}), "PYTHONPATH": str(tree)}, check=True)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def tree_comparison(benchmark: str, inputs: dict, trees: dict[str, Path], results: dict) -> dict:
+    """The report of a benchmark of this checkout against a base one: inputs, each tree's commit,
+    the machine and the results."""
+    return {"benchmark": benchmark, "inputs": inputs,
+            "trees": {name: {"path": str(tree), "commit": commit_of(tree)} for name, tree in trees.items()},
+            "machine": machine_info(), "results": results}
+
+
+def with_ratio(entries: dict[str, dict], medians: dict[str, float]) -> dict:
+    """`medians_of_correct`'s entries, with `this_vs_base` where both trees have a figure."""
+    if len(medians) == 2:
+        return {**entries, "this_vs_base": round(medians["this"] / medians["base"], 3)}
+    return {**entries}
 
 
 @contextlib.contextmanager
