@@ -25,7 +25,7 @@ flags), environment, torch and source, under `$XDG_CACHE_HOME/helexa/kernels/cpu
 (torch's headers and libraries, Python's headers): two venvs on one machine each build once and
 never rebuild each other's. A directory whose build finished holds `built.json`; a start that finds
 it loads the library as it is, without running the build tool. A start that builds says so first,
-with a rough time (~20 s on 2 EPYC cores: all sources as one translation unit, `_unit`). Builds
+with a rough time (~25 s on 2 EPYC cores: all sources as one translation unit, `_unit`). Builds
 of one directory take turns under an `flock` (`helexa_kernels.build_lock`), which the kernel drops
 when its holder dies: a start killed mid-build never blocks the next one, and one that has to
 wait says on whom. Where the kernels cannot be built (no compiler), `load()` says why once and
@@ -89,9 +89,9 @@ LOCK_FILE = "build.lock"
 # `lock` baton, objects its orphaned compilers may still write) never meet the next build.
 WORK_PREFIX = "build-"
 # Seconds a build takes. The sources compile as one translation unit (`_unit`): most of a source's
-# compile is parsing ATen's and torch's headers, so seven units spent ~100 core-seconds on the
-# 2-core EPYC where one spends ~20 (-O3), and on any core count one unit is about as quick as seven
-# in parallel. Slow small VMs may take some minutes.
+# compile is parsing ATen's and torch's headers, so on the 2-core EPYC seven units took 50 s (two
+# at a time) where one takes 24 s (benchmarks/kernel_build.py); with more cores, seven in parallel
+# would be little quicker than one. Slow small VMs may take some minutes.
 BUILD_S = (15.0, 120.0)
 
 
