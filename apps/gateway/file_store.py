@@ -336,9 +336,10 @@ class FileStore:
     async def page(self, principal: str | None, limit: int, after: str | None, descending: bool,
                    purpose: str | None) -> Page:
         """`principal`'s live files after the cursor `after`, newest first if `descending`."""
+        unprojected = await self._unprojected(principal)  # first: see `_usage`
         rows = await self._fetch(_PAGE, principal, purpose, after, limit + 1, descending)
         found = {row["file_id"]: _from_row(row) for row in rows}
-        for stored in await self._unprojected(principal):
+        for stored in unprojected:
             if (stored.file_id not in found and (purpose is None or stored.purpose == purpose)
                     and (after is None or (stored.file_id < after if descending else stored.file_id > after))):
                 found[stored.file_id] = stored
@@ -347,9 +348,13 @@ class FileStore:
         return Page(files[:limit], len(files) > limit)
 
     async def _usage(self, principal: str | None) -> dict[str, int]:
-        """Bytes of each of `principal`'s live files, as far as this gateway knows."""
+        """Bytes of each of `principal`'s live files, as far as this gateway knows. This gateway's
+        unprojected files are read before the ledger's: one the recorder projects between the two
+        reads is then in the second (read the other way round, it would be in neither, and the
+        principal's caps would let one more file in)."""
+        unprojected = await self._unprojected(principal)
         live = {row["file_id"]: row["bytes"] for row in await self._fetch(_USAGE, principal)}
-        live |= {f.file_id: f.bytes for f in await self._unprojected(principal)}
+        live |= {f.file_id: f.bytes for f in unprojected}
         return {file_id: size for file_id, size in live.items() if not self._recent.was_deleted(file_id)}
 
     async def _unprojected(self, principal: str | None) -> list[StoredFile]:
