@@ -10,21 +10,24 @@ from typing import Any
 
 import asyncpg
 
+from apps.bus.events import FileCreated, event_kind
+from apps.bus.topology import event_subject
 from apps.embedded.postgres import PostgresServer
 from apps.gateway.file_store import FileStore, StoredFile, new_file_id
+from apps.recorder.projector import project
 from tests.support import migrated_database
 
 PRINCIPAL = "alice"
 
 
 async def _project(database_url: str, stored: StoredFile) -> None:
-    """What the recorder writes for the file's file.created event."""
+    """What the recorder does with the file.created event the gateway emitted for `stored`."""
+    event = FileCreated(model="-", node="gateway", file_id=stored.file_id, principal=stored.principal,
+                        filename=stored.filename, purpose=stored.purpose, bytes=stored.bytes,
+                        created_at=stored.created_at)
     connection = await asyncpg.connect(database_url)
     try:
-        await connection.execute(
-            "INSERT INTO files (file_id, event_id, ts, principal, filename, purpose, bytes, created_at)"
-            " VALUES ($1, 'evt-1', now(), $2, $3, $4, $5, $6)",
-            stored.file_id, stored.principal, stored.filename, stored.purpose, stored.bytes, stored.created_at)
+        await project(connection, [(event_subject(event_kind(event), event.model), event)])
     finally:
         await connection.close()
 
