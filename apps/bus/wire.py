@@ -93,6 +93,20 @@ class GenerateRequest(Wire, frozen=True, kw_only=True):
     service_class: ServiceClass = ServiceClass.INTERACTIVE
     priority: Priority = 0
 
+    def text_chars(self) -> int:
+        """Characters of text the chat template renders and the tokenizer reads for this request:
+        the prompt, every message's content, name, tool-call id and tool calls (names, ids and
+        arguments, as JSON), and the tools' JSON (roles are one of a few words, fixed at the edge).
+        What bounds a prompt before it is tokenized counts all of it, so no field the template
+        renders can grow unseen."""
+        chars = len(self.prompt or "") + (len(msgspec.json.encode(self.tools)) if self.tools else 0)
+        for message in self.messages or ():
+            chars += len(message.content)
+            chars += len(message.name or "") + len(message.tool_call_id or "")
+            if message.tool_calls:
+                chars += len(msgspec.json.encode(message.tool_calls))
+        return chars
+
 
 class RequestRef(Wire, frozen=True, kw_only=True):
     """Published on `helexa.req.<model>` instead of a `GenerateRequest` too large for one bus

@@ -32,7 +32,7 @@ from apps.worker.context_limit import ContextLimit
 from apps.worker.prompt import build_prompt, check_resume, resolve_sampling
 from apps.worker.replies import Replier
 from apps.worker.run_record import RunRecord
-from apps.worker.tokenizing import Tokenizing, request_chars
+from apps.worker.tokenizing import Tokenizing
 from apps.worker.tool_grammar import check_composed
 from engine.frontend.grammars import GrammarChecker
 from engine.frontend.protocol import ENGINE_STOPPED, DeviceFault, Engine, FinishReason, is_device_fault
@@ -123,7 +123,7 @@ async def run_request(model: ServedModel, request: wire.GenerateRequest, replier
     try:
         # Templating and tokenizing megabytes takes seconds: long prompts go to processes, so the
         # other streams' frames and every request's heartbeats keep going meanwhile.
-        prompt = await model.tokenizing.run(request_chars(request), build_prompt, request, model.reasoning_parser)
+        prompt = await model.tokenizing.run(request.text_chars(), build_prompt, request, model.reasoning_parser)
         record.prompt_tokens = len(prompt.token_ids)
         sampling = resolve_sampling(request, len(prompt.token_ids), model.context.derive().context)
         await check_composed(request, sampling, model.grammars)

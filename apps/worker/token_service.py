@@ -23,7 +23,6 @@ from apps.bus import wire
 from apps.bus.codes import ErrorCode, ServingError
 from apps.worker.prompt import build_prompt
 from apps.worker.run import ServedModel
-from apps.worker.tokenizing import request_chars
 from engine.frontend.tokenizer import Tokenizer
 
 log = logging.getLogger("helexa.worker")
@@ -59,7 +58,7 @@ def _text_chars(ask: wire.TokenizeRequest) -> int:
     """About how much text answering `ask` handles (a token is a few characters)."""
     if ask.token_ids is not None:
         return 4 * len(ask.token_ids)
-    return request_chars(ask.request) if ask.request is not None else 0
+    return ask.request.text_chars() if ask.request is not None else 0
 
 
 async def answer(served: Callable[[str], ServedModel | None], data: bytes) -> bytes:

@@ -25,9 +25,6 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, TypeVar
 
-import msgspec
-
-from apps.bus import wire
 from engine.frontend import parent_death
 from engine.frontend.tokenizer import Tokenizer
 
@@ -54,12 +51,6 @@ def _with_tokenizer(job: Callable[..., T], *args: Any) -> T:
     """In a pool process: `job(tokenizer, *args)` with the model's tokenizer."""
     assert _tokenizer is not None, "the pool process has no tokenizer"
     return job(_tokenizer, *args)
-
-
-def request_chars(request: wire.GenerateRequest) -> int:
-    """About how many characters of text templating and tokenizing `request` handles."""
-    chars = len(request.prompt or "") + sum(len(m.content) for m in request.messages or [])
-    return chars + (len(msgspec.json.encode(request.tools)) if request.tools else 0)
 
 
 class Tokenizing:

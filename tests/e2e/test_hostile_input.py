@@ -30,6 +30,10 @@ LEAKS = ("Traceback", 'File "', "nats", "msgspec", "asyncpg", "Exception", "Recu
          "litestar")
 
 
+# Past the scripted target's prompt bound (8192 tokens x 16 characters).
+LONG = 8192 * 16 + 1
+
+
 def nested(depth: int) -> Any:
     value: Any = 0
     for _ in range(depth):
@@ -89,6 +93,17 @@ CASES: dict[str, Case] = {
         {"role": "assistant",
          "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "[" * 200 + "]" * 200}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "x"}]), param="messages"),
+    # Text the chat template renders besides `content` counts toward the prompt's bound.
+    "chat-tool-call-name-past-context": Case(CHAT, chat(messages=[
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "f" * LONG, "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "x"}]), param="messages"),
+    "chat-tool-call-id-past-context": Case(CHAT, chat(messages=[
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [{"id": "c" * LONG, "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "x"}]), param="messages"),
+    "chat-message-name-past-context": Case(CHAT, chat(messages=[{"role": "user", "content": "hi", "name": "n" * LONG}]),
+                                           param="messages"),
     "chat-17-stops": Case(CHAT, chat(stop=[f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]), param="stop"),
     "chat-stop-257-chars": Case(CHAT, chat(stop="x" * (MAX_STOP_STRING_BYTES + 1)), param="stop"),
     "chat-stop-300-bytes": Case(CHAT, chat(stop=["€" * 100]), param="stop"),
@@ -131,6 +146,10 @@ CASES: dict[str, Case] = {
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "t", "input": {"x": nested(100)}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}]}])),
+    "messages-tool-use-name-past-context": Case(MESSAGES, message(messages=[
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "t" * LONG, "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}]}])),
     "messages-2049-messages": Case(MESSAGES, message(messages=[{"role": "user", "content": "hi"}] * 2049)),
     "messages-zero-max-tokens": Case(MESSAGES, message(max_tokens=0)),
     "messages-temperature-1.5": Case(MESSAGES, message(temperature=1.5)),
@@ -145,6 +164,10 @@ CASES: dict[str, Case] = {
     "responses-deep-function-arguments": Case(RESPONSES, response(input=[
         {"role": "user", "content": "hi"},
         {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "[" * 200 + "]" * 200},
+        {"type": "function_call_output", "call_id": "c1", "output": "x"}]), param="input"),
+    "responses-function-call-name-past-context": Case(RESPONSES, response(input=[
+        {"role": "user", "content": "hi"},
+        {"type": "function_call", "call_id": "c1", "name": "f" * LONG, "arguments": "{}"},
         {"type": "function_call_output", "call_id": "c1", "output": "x"}]), param="input"),
     "responses-unknown-item": Case(RESPONSES, response(input=[{"type": "computer_call", "id": "x"}]), param="input"),
     "responses-zero-max-output-tokens": Case(RESPONSES, response(max_output_tokens=0), param="max_output_tokens"),

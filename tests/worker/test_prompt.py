@@ -92,3 +92,33 @@ def test_what_cannot_be_continued_is_refused(tokenizer: Tokenizer, case: str) ->
     with pytest.raises(ServingError) as caught:
         build_prompt(tokenizer, req)
     assert caught.value.status == 400
+
+
+# Renders every text field a chat request carries, as Qwen-style templates do.
+EVERY_FIELD = ("{% if tools %}{{ tools | tojson }}{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}"
+               "{% if m.name %} {{ m.name }}{% endif %}{% if m.tool_call_id %} {{ m.tool_call_id }}{% endif %}\n"
+               "{{ m.content }}{% for c in m.tool_calls or [] %}{{ c.id }} {{ c.function.name }} "
+               "{{ c.function.arguments }}{% endfor %}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+
+
+def _turns(name: str = "n", call_id: str = "c", function: str = "f", arguments: str = "{}",
+           content: str = "hi", description: str = "d") -> wire.GenerateRequest:
+    call = {"id": call_id, "type": "function", "function": {"name": function, "arguments": arguments}}
+    tool = {"type": "function", "function": {"name": "f", "description": description}}
+    return wire.GenerateRequest(request_id="r", model="m", reply_subject="_INBOX.x", sampling=SamplingParams(),
+                                tools=[tool], messages=[
+                                    wire.ChatMessage(role="user", content=content, name=name),
+                                    wire.ChatMessage(role="assistant", content="", tool_calls=[call]),
+                                    wire.ChatMessage(role="tool", content="ok", tool_call_id=call_id)])
+
+
+@pytest.mark.parametrize("field", ["name", "call_id", "function", "arguments", "content", "description"])
+def test_text_chars_counts_every_field_the_template_renders(tokenizer: Tokenizer, field: str) -> None:
+    """The prompt bound (gateway) and the inline-or-pool choice (worker) both read `text_chars`:
+    text the template renders but the count misses would be tokenized unbounded, on the loop."""
+    every = Tokenizer(tokenizer.hf, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                      chat_template=EVERY_FIELD)
+    small, large = _turns(), _turns(**{field: "x" * 5000})
+    rendered = len(text_of(every, large)) - len(text_of(every, small))
+    assert rendered > 4000  # the template renders the field (an id twice)
+    assert large.text_chars() - small.text_chars() >= rendered

@@ -12,7 +12,7 @@ import pytest
 from apps.bus import wire
 from apps.bus.codes import ErrorCode, ServingError
 from apps.worker.prompt import build_prompt
-from apps.worker.tokenizing import Tokenizing, request_chars
+from apps.worker.tokenizing import Tokenizing
 from engine.frontend.model_source import load_tokenizer
 from engine.frontend.protocol import SamplingParams
 from engine.frontend.tokenizer import Tokenizer
@@ -37,7 +37,7 @@ def test_a_long_prompt_is_tokenized_in_the_pool_as_it_would_be_inline(tokenizer:
 
     async def both() -> tuple[object, object]:
         short = await tokenizing.run(10, build_prompt, chat("hi"), "auto")
-        long = await tokenizing.run(request_chars(request), build_prompt, request, "auto")
+        long = await tokenizing.run(request.text_chars(), build_prompt, request, "auto")
         return short, long
 
     try:

@@ -168,16 +168,6 @@ _PROMPT_PARAM = {Api.CHAT_COMPLETIONS: "messages", Api.COMPLETIONS: "prompt", Ap
                  Api.RESPONSES: "input"}
 
 
-def prompt_chars(request: wire.GenerateRequest) -> int:
-    """Characters of text the worker will template and tokenize for `request` (its tools' JSON too)."""
-    chars = len(request.prompt or "") + (len(msgspec.json.encode(request.tools)) if request.tools else 0)
-    for message in request.messages or []:
-        chars += len(message.content)
-        for call in message.tool_calls or []:
-            chars += len(str(call.get("function", {}).get("arguments", "")))
-    return chars
-
-
 def check_prompt_size(request: wire.GenerateRequest, nodes: list[wire.NodeStatus]) -> None:
     """A prompt that could never fit the context of the workers serving its model is refused before
     any of them tokenizes it: tokenizing costs time in its length, and its ids the bus's room."""
@@ -190,7 +180,7 @@ def check_prompt_size(request: wire.GenerateRequest, nodes: list[wire.NodeStatus
                       f"{len(request.prompt_token_ids)} tokens. Please shorten '{param}'.", param,
                       ErrorCode.CONTEXT_LENGTH_EXCEEDED)
     limit = context * PROMPT_CHARS_PER_TOKEN
-    chars = prompt_chars(request)
+    chars = request.text_chars()
     if chars > limit:
         raise _refuse(f"This model's maximum context length is {context} tokens, and a prompt may have at most "
                       f"{limit} characters ({PROMPT_CHARS_PER_TOKEN} per token) before it is tokenized. However, "
