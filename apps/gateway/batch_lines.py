@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -26,13 +26,14 @@ from apps.gateway.api.completions import to_bus_request as completion_request
 from apps.gateway.api.responses_output import ResponsesFormatter
 from apps.gateway.api.validate import decode_body
 from apps.gateway.batch_store import StoredBatch
+from apps.gateway.file_store import MAX_CUSTOM_ID_CHARS
 from apps.gateway.rendering import Formatter
 from apps.gateway.response_store import new_response_id
 from engine.frontend.protocol import ServiceClass
 
 
 class InputLine(msgspec.Struct, frozen=True):
-    custom_id: str
+    custom_id: Annotated[str, msgspec.Meta(max_length=MAX_CUSTOM_ID_CHARS)]
     method: str
     url: str
     body: msgspec.Raw

@@ -75,6 +75,9 @@ _RETRY_PAUSE_S = 1.0
 _PROJECTION_WAIT_S = 120.0
 # How long a claim waits for its batch.created to be projected before it is dropped.
 _UNKNOWN_BATCH_S = 600.0
+# Claims of one batch, at most: one that came back this often (its lines never all reach the
+# ledger, or every runner holding it dies) ends `failed` with what is recorded, not re-run forever.
+MAX_CLAIMS = 20
 
 
 class BatchRunner:
@@ -157,6 +160,8 @@ class BatchRunner:
             return made is None or time.time() - made > _UNKNOWN_BATCH_S
         if batch.status in TERMINAL:
             return True
+        if delivery > MAX_CLAIMS:
+            return await self._give_up(batch, delivery)
         content = await self._input(batch)
         if content is None:
             self._batches.set_status(batch_id, "failed", errors=[line_error(
@@ -183,6 +188,19 @@ class BatchRunner:
         self._batches.set_status(batch_id, "finalizing")
         output, errors = await self._write_outputs(batch)
         self._batches.set_status(batch_id, final, output_file_id=output, error_file_id=errors)
+        await self._until(batch_id, lambda b: b.status in TERMINAL)
+        return True
+
+    async def _give_up(self, batch: StoredBatch, delivery: int) -> bool:
+        """End a batch whose claim came back more than MAX_CLAIMS times: `failed`, with the output and
+        error files of the lines the ledger has."""
+        batch_id = batch.batch_id
+        log.warning("batch given up", extra={"batch_id": batch_id, "detail": f"claim {delivery}"})
+        output, errors = await self._write_outputs(batch)
+        recorded = len(await self._batches.lines_done(batch_id))
+        self._batches.set_status(batch_id, "failed", output_file_id=output, error_file_id=errors, errors=[line_error(
+            "batch_failed", f"The batch was claimed {MAX_CLAIMS} times without finishing; the output and error "
+                            f"files hold the {recorded} lines recorded.")])
         await self._until(batch_id, lambda b: b.status in TERMINAL)
         return True
 

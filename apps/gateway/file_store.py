@@ -16,8 +16,9 @@ The race between publishing and projecting is handled as stored responses handle
 another gateway is waited for until the recorder announces it (`helexa_files` NOTIFY).
 
 Bounds, all checked while the upload streams: the file's bytes, for purpose=batch its lines, each
-line's bytes and each line being a JSON object (`JsonlCheck`), and per principal the number of
-live files and their bytes together (this gateway's uploads in flight counted too).
+line's bytes, each line being a JSON object and its `custom_id` at most `MAX_CUSTOM_ID_CHARS`
+(`JsonlCheck`), and per principal the number of live files and their bytes together (this
+gateway's uploads in flight counted too).
 """
 
 from __future__ import annotations
@@ -122,6 +123,11 @@ def too_large(message: str, param: str = "file") -> ServingError:
     return ServingError(413, ErrorCode.REQUEST_TOO_LARGE, message, param=param)
 
 
+# A batch line's custom_id, at most: the ledger indexes it (one row per batch and custom_id), and an
+# index entry holds at most 2,704 bytes (512 characters are at most 2,048 bytes of UTF-8).
+MAX_CUSTOM_ID_CHARS = 512
+
+
 def bad_line(line: int, why: str) -> ServingError:
     return ServingError(400, ErrorCode.INVALID_REQUEST,
                         f"Line {line} of this batch file {why}; each line must be one JSON object.", param="file")
@@ -168,6 +174,11 @@ class JsonlCheck:
             raise bad_line(self.lines, "is not JSON") from None
         if not isinstance(value, dict):
             raise bad_line(self.lines, "is not a JSON object")
+        custom_id = value.get("custom_id")
+        if isinstance(custom_id, str) and len(custom_id) > MAX_CUSTOM_ID_CHARS:
+            raise ServingError(400, ErrorCode.INVALID_REQUEST, f"Line {self.lines} of this batch file has a custom_id "
+                               f"of {len(custom_id)} characters; at most {MAX_CUSTOM_ID_CHARS} are allowed.",
+                               param="file")
 
 
 @dataclass(slots=True)

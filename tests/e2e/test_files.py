@@ -15,6 +15,7 @@ import openai
 import pytest
 from openai.types import FileDeleted, FileObject
 
+from apps.gateway.file_store import MAX_CUSTOM_ID_CHARS
 from tests.e2e.conftest import System
 from tests.support import eventually
 from tests.system import KeyedGateway, api_keys_file, keyed_gateway
@@ -141,6 +142,13 @@ def test_bounds_name_what_they_bound(gateway: KeyedGateway) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client.files.create(file=("bad.jsonl", bad), purpose="batch")
     assert caught.value.body["param"] == "file" and "Line 3 " in caught.value.body["message"]
+
+    # A custom_id the ledger could not index (one row per batch and custom_id) is refused at upload.
+    long_id = json.dumps({"custom_id": "c" * (MAX_CUSTOM_ID_CHARS + 1)}).encode() + b"\n"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.files.create(file=("long-id.jsonl", batch_lines(1) + long_id), purpose="batch")
+    assert caught.value.body["param"] == "file" and "Line 2 " in caught.value.body["message"]
+    assert "custom_id" in caught.value.body["message"]
 
     with pytest.raises(openai.BadRequestError) as caught:
         client.files.create(file=("a.txt", b"a"), purpose="fine-tune")

@@ -9,6 +9,7 @@ import json
 from apps.bus.events import BatchLine
 from apps.gateway.batch_lines import Prepared, expired_lines, output_line, prepare, split_lines
 from apps.gateway.batch_store import StoredBatch
+from apps.gateway.file_store import MAX_CUSTOM_ID_CHARS
 from engine.frontend.protocol import ServiceClass
 
 BATCH = StoredBatch({"batch_id": "batch_x", "principal": "alice", "endpoint": "/v1/chat/completions"})
@@ -35,6 +36,8 @@ def test_invalid_lines_are_error_lines_naming_what_is_wrong() -> None:
         raw(url="/v1/completions"): ("c1", "must be a POST to /v1/chat/completions"),
         raw(model="m"): ("c1", "'messages'"),
         raw(model="m", messages=[{"role": "user", "content": "x" * MAX_BODY}]): ("c1", "max_request_bytes"),
+        # Longer than the ledger can index: kept out of the line's event.
+        raw(custom_id="c" * (MAX_CUSTOM_ID_CHARS + 1)): (None, "$.custom_id"),
     }
     for line, (custom_id, says) in cases.items():
         error = prepare(BATCH, 7, line, 1, MAX_BODY)
