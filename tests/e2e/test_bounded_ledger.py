@@ -190,6 +190,9 @@ def test_oversize_ignored_input_is_refused_by_name_while_other_streams_finish(st
         "a user of 300 characters": (responses_body(user="u" * 300), 400, "user"),
         "a NUL in stored input": (responses_body(input="nul \x00 here"), 400, "input"),
         "a NUL in instructions": (responses_body(instructions="a\x00b"), 400, "instructions"),
+        # The store's byte cap is checked before any NUL is looked for.
+        "a NUL in a 5 MiB body": (responses_body(input=[reasoning, {"role": "user", "content": "a\x00"}]), 413,
+                                  "input"),
     }
 
     async def scenario() -> tuple[list[tuple[int, str | None]], dict[str, httpx.Response]]:

@@ -14,7 +14,7 @@ from pydantic import TypeAdapter
 from apps.bus import wire
 from apps.bus.codes import FinishReason, ServingError
 from apps.gateway.api import responses_schema as rs
-from apps.gateway.api.responses import parse_items, response_template, to_bus_request
+from apps.gateway.api.responses import _has_nul, parse_items, response_template, to_bus_request
 from apps.gateway.api.responses_output import ResponsesFormatter
 from apps.gateway.api.validate import decode_body
 
@@ -210,3 +210,11 @@ def test_a_cut_short_answer_is_incomplete() -> None:
     Response.model_validate(body, strict=True)
     assert (body["status"], body["incomplete_details"], body["output"][0]["status"]) == (
         "incomplete", {"reason": "max_output_tokens"}, "incomplete")
+
+
+@pytest.mark.parametrize(("value", "nul"), [
+    ("a\x00b", True), ({"k\x00": 1}, True), ([{"x": ["y", "z\x00"]}], True), ("a\\\x00", True),
+    # Text that reads like an escaped NUL is none: a backslash, then "u0000".
+    ("a\\u0000", False), (["\\\\u0000"], False), ({"plain": [1, None, "x"]}, False), (None, False)])
+def test_a_nul_is_found_in_any_string_and_only_there(value: object, nul: bool) -> None:
+    assert _has_nul(value) is nul
