@@ -233,8 +233,11 @@ class Recorder:
         batch byte budget: the references past it are handed back (`acks`) or resolved in rounds."""
         if self.js is None or not any(isinstance(e, EventRef) for _, e in pending):
             return pending
-        events, buried, later = await large_events.resolve(self.js, pending, self.settings.batch_bytes)
+        events, buried, later, unavailable = await large_events.resolve(self.js, pending, self.settings.batch_bytes)
         await self.bury(buried, acks)
+        if unavailable and not acks:
+            raise RuntimeError(f"the large-event store did not answer for {len(unavailable)} events; replay again")
+        await _each([msg for msg, _ in unavailable], _NAK, delay=STORE_RETRY_S)
         if later and acks:
             await _each([msg for msg, _ in later], _NAK)
         elif later:
@@ -331,13 +334,15 @@ def _describe(msg: Msg, **fields: object) -> dict[str, object]:
 
 # Replies by name: a message's own method, as a part of a shared message (`parts.Part`) has its own.
 _ACK, _NAK, _TERM, _IN_PROGRESS = "ack", "nak", "term", "in_progress"
+# How long an event whose object the large-event store did not give back waits to be tried again.
+STORE_RETRY_S = 1.0
 
 
-async def _each(msgs: Sequence[Msg], reply: str) -> None:
+async def _each(msgs: Sequence[Msg], reply: str, **options: float) -> None:
     # Failing to reply only costs a redelivery, which is idempotent.
     for msg in msgs:
         try:
-            await getattr(msg, reply)()
+            await getattr(msg, reply)(**options)
         except nats.errors.Error as exc:
             log.warning("could not reply to event", extra=_describe(msg, reply=reply, error=repr(exc)))
 

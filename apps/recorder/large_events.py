@@ -2,7 +2,9 @@
 
 An event too large for one bus message arrives as a `EventRef`; `resolve` reads the event
 itself from the `helexa_events` Object Store, within a byte budget per batch (the references past
-it are handed back for the next batch), so a batch of references costs bounded memory. The
+it are handed back for the next batch), so a batch of references costs bounded memory. A read the
+store does not answer (a NATS restart, a timeout) hands the reference back to be tried again a
+moment later; only an object that is gone or is not its event makes a dead letter. The
 `events` table records the event itself, so rebuilding needs no object.
 
 A deleted response's content is erased from the ledger by the projector; `erase_from_bus` also
@@ -17,9 +19,11 @@ consumer's ack floor), so only unrecorded events can ever fill it.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import asyncpg
 import msgspec
@@ -43,6 +47,13 @@ TRIM_AT = 0.8
 # "sequence not found".
 _NO_MESSAGE = (10057, 10043)
 
+# What the Object Store answers for an object that will never be readable (gone, or not an object of
+# ours): its reference is a dead letter. Any other NATS error is the store not answering now.
+_NOT_ITS_OBJECT = (ObjectNotFoundError, nats.js.errors.BadObjectMetaError, nats.js.errors.DigestMismatchError,
+                   nats.js.errors.LinkIsABucketError)
+# One object's read, at most (an object is at most a few MiB: the largest event the bounds allow).
+OBJECT_READ_S = 30.0
+
 _STORED_EVENTS = """
 SELECT event_id, stream_seq FROM events
 WHERE kind = 'response.stored' AND payload->>'response_id' IN (
@@ -50,25 +61,37 @@ WHERE kind = 'response.stored' AND payload->>'response_id' IN (
 """
 
 
-async def resolve(js: JetStreamContext, pending: Sequence[tuple[Msg, Event]], budget_bytes: int
-                  ) -> tuple[list[tuple[Msg, Event]], list[tuple[Msg, DeadLetter]], list[tuple[Msg, Event]]]:
-    """(events, dead letters, references left for later): each reference replaced by its event while
-    the objects read stay within `budget_bytes` (the first one always is, so a batch makes progress);
-    a reference whose object is gone or is not its event is a dead letter."""
-    events: list[tuple[Msg, Event]] = []
-    buried: list[tuple[Msg, DeadLetter]] = []
-    later: list[tuple[Msg, Event]] = []
+class Resolved(NamedTuple):
+    """What `resolve` made of a batch: the events (references replaced), the dead letters, the
+    references past the byte budget (for the next batch), and those whose object could not be
+    read now (the store unreachable: timed out, no responders) to be tried again later."""
+
+    events: list[tuple[Msg, Event]]
+    buried: list[tuple[Msg, DeadLetter]]
+    later: list[tuple[Msg, Event]]
+    unavailable: list[tuple[Msg, Event]]
+
+
+async def resolve(js: JetStreamContext, pending: Sequence[tuple[Msg, Event]], budget_bytes: int) -> Resolved:
+    """Each reference replaced by its event while the objects read stay within `budget_bytes` (the
+    first one always is, so a batch makes progress); a reference whose object is gone or is not its
+    event is a dead letter. Once the store fails to answer, the references left are not tried."""
+    out = Resolved([], [], [], [])
     spent = 0
     for msg, event in pending:
         if not isinstance(event, EventRef):
-            events.append((msg, event))
+            out.events.append((msg, event))
+            continue
+        if out.unavailable:
+            out.unavailable.append((msg, event))
             continue
         if spent and spent + event.size > budget_bytes:
-            later.append((msg, event))
+            out.later.append((msg, event))
             continue
         spent += event.size
         try:
-            data = (await (await js.object_store(topology.LARGE_EVENTS_BUCKET)).get(event.object)).data or b""
+            async with asyncio.timeout(OBJECT_READ_S):  # nats-py waits for an object's chunks unbounded
+                data = (await (await js.object_store(topology.LARGE_EVENTS_BUCKET)).get(event.object)).data or b""
             if hashlib.sha256(data).hexdigest() != event.digest:
                 raise msgspec.ValidationError("the object is not the one its reference names (digest)")
             resolved = event_decoder.decode(data)
@@ -77,13 +100,19 @@ async def resolve(js: JetStreamContext, pending: Sequence[tuple[Msg, Event]], bu
             refused = event_refused(msg.subject, resolved)  # as for an event that came inline
             if refused is not None:
                 raise msgspec.ValidationError(refused)
-        except (ObjectNotFoundError, msgspec.DecodeError) as exc:
-            error = "its object is gone from the store" if isinstance(exc, ObjectNotFoundError) else str(exc)
-            buried.append((msg, DeadLetter(Reason.UNDECODABLE, msg.subject, msg.data, f"event reference: {error}",
-                                           stream_sequence(msg), event.event_id, event.ref_kind)))
+        except (*_NOT_ITS_OBJECT, msgspec.DecodeError) as exc:
+            error = str(exc) if isinstance(exc, msgspec.DecodeError) else f"its object is unreadable ({exc!r})"
+            if isinstance(exc, ObjectNotFoundError):
+                error = "its object is gone from the store"
+            out.buried.append((msg, DeadLetter(Reason.UNDECODABLE, msg.subject, msg.data, f"event reference: {error}",
+                                               stream_sequence(msg), event.event_id, event.ref_kind)))
             continue
-        events.append((msg, resolved))
-    return events, buried, later
+        except (nats.errors.Error, TimeoutError) as exc:
+            log.warning("large-event store unavailable", extra={"event_id": event.event_id, "error": repr(exc)})
+            out.unavailable.append((msg, event))
+            continue
+        out.events.append((msg, resolved))
+    return out
 
 
 async def erase_from_bus(js: JetStreamContext, conn: asyncpg.Connection, response_ids: list[str]) -> int:

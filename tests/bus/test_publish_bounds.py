@@ -104,8 +104,8 @@ async def read_events(nc: NatsClient, count: int) -> list[tuple[Msg, Event]]:
         msgs = await puller.fetch(count, timeout=10)
         assert len(msgs) == count
         pending = [(msg, event_decoder.decode(msg.data)) for msg in msgs]
-        events, buried, later = await resolve(js, pending, budget_bytes=64 << 20)
-        assert not buried and not later
+        events, buried, later, unavailable = await resolve(js, pending, budget_bytes=64 << 20)
+        assert not buried and not later and not unavailable
         return events
     finally:
         await puller.stop()

@@ -3,18 +3,34 @@
 from __future__ import annotations
 
 import secrets
+from typing import Any
 
 import asyncpg
 import httpx
 import msgspec
+import nats.errors
+import pytest
+from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
+from nats.js.object_store import ObjectStore
 
+from apps.bus import event_publish
 from apps.bus.topology import EVENTS_STREAM, event_subject
 from apps.bus.wire import encode
 from apps.embedded import free_port
 from apps.embedded.nats_server import NatsServer
 from apps.settings import RecorderSettings
-from tests.recorder.conftest import LogWatch, admission, fetchval, finished, publish, recording, started, wait_all_acked
+from tests.recorder.conftest import (
+    LogWatch,
+    admission,
+    fetchval,
+    finished,
+    publish,
+    recording,
+    response_stored,
+    started,
+    wait_all_acked,
+)
 from tests.support import eventually_async
 
 
@@ -117,3 +133,34 @@ async def test_a_replay_meets_the_poison_again_and_keeps_one_dead_letter(
 
 async def _equals(url: str, sql: str, expected: object) -> bool:
     return await fetchval(url, sql) == expected
+
+
+async def test_an_event_whose_object_the_store_does_not_give_back_now_is_recorded_later_not_buried(
+    own_nats: NatsServer, nc: NatsClient, database_url: str, log_watch: LogWatch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A response.stored past the server's max_payload goes by reference (its event in the Object
+    Store). The store's first two reads time out, as during a NATS restart: the recorder keeps
+    running, hands the reference back, and records the event once a read succeeds."""
+    large = response_stored("resp_large", input_items=[
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "z" * nc.max_payload}]}])
+    assert await event_publish.publish_event(nc.jetstream(), large)
+    reads = 0
+    real_get = ObjectStore.get
+
+    async def flaky_get(store: ObjectStore, name: str, *args: Any, **kwargs: Any) -> ObjectStore.ObjectResult:
+        nonlocal reads
+        reads += 1
+        if reads <= 2:
+            raise nats.errors.TimeoutError
+        return await real_get(store, name, *args, **kwargs)
+
+    monkeypatch.setattr(ObjectStore, "get", flaky_get)
+    settings = RecorderSettings(nats_url=own_nats.url, database_url=database_url, metrics_port=free_port(),
+                                watch_interval_s=0.2)
+    async with recording(settings, log_watch) as task:
+        await log_watch.wait_for("ready", task=task)
+        await eventually_async(lambda: _equals(database_url, "SELECT count(*) FROM responses", 1), 30.0,
+                               message="the large response recorded")
+        assert not task.done()
+    assert reads == 3
+    assert await fetchval(database_url, "SELECT count(*) FROM dead_letters") == 0
