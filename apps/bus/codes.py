@@ -74,6 +74,9 @@ class ErrorCode(enum.StrEnum):
     # Another attempt of the request serves its client; this one stopped (the ledger's `error`).
     ATTEMPT_TAKEN = "attempt_taken"
     DEVICE_FAULT = "device_fault"
+    # A frame of the answer was larger than the bus carries: the client got an error in its place
+    # (`generation_failed`); the ledger's `error` says why.
+    REPLY_TOO_LARGE = "reply_too_large"
     CLIENT_CLOSED = "client_closed"
     INTERNAL_ERROR = "internal_error"
     # The body is not JSON (415): what a web page can send cross-site without a preflight.

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 from apps.bus import wire
+from apps.bus.codes import ErrorCode
 from apps.worker.parsers import Parsed
 from apps.worker.prompt import Prompt
 from apps.worker.replies import Replier
@@ -64,10 +65,17 @@ async def generate(
             streams.append(None if ended else engine.generate(
                 EngineRequest(rid, prompt.token_ids, sampling.for_choice(i), resume[i].token_ids, more_arriving,
                               request.service_class, request.priority)))
-        results = await asyncio.gather(*(
-            generate_choice(tokenizer, replier, record, choice, ended, outputs, i)
-            for i, ((choice, ended), outputs) in enumerate(zip(primed, streams, strict=True))
-        ))
+        tasks = [asyncio.ensure_future(generate_choice(tokenizer, replier, record, choice, ended, outputs, i))
+                 for i, ((choice, ended), outputs) in enumerate(zip(primed, streams, strict=True))]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:
+            # One choice raised (or the run was cancelled): the others stop too, none is left
+            # waiting on a stream the `finally` below closes.
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
     finally:
         for outputs in streams:
             if outputs is not None:
@@ -217,6 +225,8 @@ async def generate_choice(
                     parsed, hit_stop, reasoning = choice.feed_counting_reasoning(out.new_token_ids)
                     record.reasoning_tokens += reasoning
                     await send(parsed)
+                    if replier.undeliverable:  # the attempt ended with an error frame: stop the choice
+                        return FinishReason.ERROR, ErrorCode.REPLY_TOO_LARGE
                     if hit_stop:
                         reason = FinishReason.STOP
                         break

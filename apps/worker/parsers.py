@@ -125,13 +125,15 @@ class OutputParser:
             arguments = call.get("arguments", call.get("parameters", {}))
             if not isinstance(name, str) or not isinstance(arguments, dict):
                 raise ValueError("tool call needs a string name and object arguments")
-        except (ValueError, KeyError, TypeError):
-            # Not a tool call we can hand to a client: show the model's text as it was.
+            arguments_json = json.dumps(arguments, ensure_ascii=False)
+        except (ValueError, KeyError, TypeError, RecursionError):
+            # Not a tool call we can hand to a client (nested past what JSON parsing takes, too):
+            # show the model's text as it was.
             self._emit_content(TOOL_OPEN + raw + TOOL_CLOSE if as_written is None else as_written, out)
             return
         out.tool_calls.append(
             wire.ToolCallDelta(index=self.num_tool_calls, id=f"call_{uuid.uuid4().hex[:24]}", name=name,
-                               arguments=json.dumps(arguments, ensure_ascii=False))
+                               arguments=arguments_json)
         )
         self.num_tool_calls += 1
         self._held_space = ""

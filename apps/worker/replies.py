@@ -16,8 +16,9 @@ all streams close together, and the frames one flush makes for one gateway share
 
 Every frame is measured before it is handed on (`apps.bus.publish.fits`): one the server would
 refuse (a tool call's arguments past max_payload) is replaced by an error frame, so the client
-learns its answer could not be delivered and the worker keeps its connection. Error messages are
-bounded (`wire.bounded_text`).
+learns its answer could not be delivered and the worker keeps its connection. That error frame
+ends the attempt (`undeliverable`): nothing follows it, the run stops its choices and the ledger
+records an error, not an answer. Error messages are bounded (`wire.bounded_text`).
 """
 
 from __future__ import annotations
@@ -76,6 +77,9 @@ class Replier:
         # Whether the attempt's last frame (final or error) has gone: nothing follows it, not even
         # a heartbeat that raced the end.
         self.ended = False
+        # Whether a frame was too large for the bus: an error frame went in its place and ended
+        # the attempt, so the client's answer is incomplete.
+        self.undeliverable = False
 
     def silence(self, reason: ErrorCode) -> None:
         if self.silenced is None:
@@ -95,10 +99,13 @@ class Replier:
             size, limit = message_size(data, None), self.nc.max_payload
             log.warning("reply frame too large for the bus; the client gets an error instead",
                         extra={"subject": self.subject, "size": size, "max_payload": limit})
-            # In the refused frame's place in the sequence; the gateway ends the answer and cancels the run.
+            # In the refused frame's place in the sequence, and the attempt's last frame.
             data = wire.encode(wire.ErrorFrame(
                 seq=frame.seq, attempt=self.attempt, status=500, code=ErrorCode.GENERATION_FAILED,
                 message=f"A part of the answer ({size} bytes) is larger than the message bus carries ({limit} bytes)."))
+            self.undeliverable = self.ended = True
+            self._held.clear()
+            self._stop_waking()
         assert self._outbox is not None
         self._outbox.put(self.subject, data, self._bundle_key)
 

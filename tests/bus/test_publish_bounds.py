@@ -168,8 +168,10 @@ async def test_a_frame_past_the_limit_becomes_an_error_frame_and_the_connection_
         await asyncio.wait_for(got.wait(), 10)
         (frame,) = frames
         assert isinstance(frame, wire.ErrorFrame) and frame.code == ErrorCode.GENERATION_FAILED and frame.seq == 0
+        assert replier.undeliverable and replier.ended  # the error frame was the attempt's last
         # An error message is bounded whatever the caller passes.
         got.clear()
+        replier = Replier(nc, "_INBOX.frames", attempt=2, node="n")
         await replier.error(500, ErrorCode.GENERATION_FAILED, "y" * (4 << 20))
         await asyncio.wait_for(got.wait(), 10)
         assert isinstance(frames[-1], wire.ErrorFrame) and len(frames[-1].message.encode()) <= wire.MAX_TEXT_BYTES

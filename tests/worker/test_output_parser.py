@@ -64,6 +64,15 @@ def test_malformed_tool_json_falls_back_to_content(chunk: int) -> None:
     assert out.content == text
 
 
+@pytest.mark.parametrize("depth", [1500, 100_000])
+def test_tool_json_nested_past_what_json_parsing_takes_falls_back_to_content(depth: int) -> None:
+    deep = "[" * depth + "]" * depth
+    text = f'<tool_call>{{"name": "f", "arguments": {{"x": {deep}}}}}</tool_call>'
+    out = run(text, 4096)
+    assert out.tool_calls == []
+    assert out.content == text
+
+
 def test_text_that_only_looks_like_a_tag_is_content() -> None:
     assert run("a < b and <thinking> is not a tag", 1).content == "a < b and <thinking> is not a tag"
 
