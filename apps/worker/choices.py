@@ -214,6 +214,8 @@ async def generate_choice(
                     record.prefill_ms = out.prefill_ms
                     # What the prefix cache held beyond the prompt (a resumed answer's tokens) is not prompt.
                     record.cached_tokens = min(out.num_cached_tokens, record.prompt_tokens)
+                    resumed = len(record.request.resume[0].token_ids) if record.request.resume else 0
+                    record.prefilled_tokens = max(record.prompt_tokens + resumed - out.num_cached_tokens, 0)
                 if out.preempted is not None:
                     record.preempted(out.preempted, out.tokens_kept)
                 if out.new_token_ids:

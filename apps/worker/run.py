@@ -169,7 +169,9 @@ async def run_request(model: ServedModel, request: wire.GenerateRequest, replier
     await started
     for preemption in record.preemptions:
         await publish_event(js, preemption)
-    model.context.observe_prefill(record.prompt_tokens - record.cached_tokens, record.prefill_ms)
+    # The rate is what was computed in the time it took: a migrated request recomputes its resumed
+    # tokens too, and counting only its prompt would drag the rate (and the advertised context) down.
+    model.context.observe_prefill(record.prefilled_tokens, record.prefill_ms)
     if replier.silenced is not None:
         # Another attempt serves the client, or the worker handed the request back before any text
         # (a cancellation); a stream the stopping worker cut short is a failed one.

@@ -36,6 +36,9 @@ class RunRecord:
     completion_tokens: int = 0
     cached_tokens: int = 0
     prefill_ms: float = 0.0
+    # Tokens the engine computed before the first choice's first token (in `prefill_ms`): the
+    # prompt and, for a migrated request, the tokens it resumed after, less what its cache held.
+    prefilled_tokens: int = 0
     reasoning_tokens: int = 0
     first_token_at: float | None = None
     finished_at: float | None = None

@@ -26,6 +26,7 @@ from apps.bus import declaration, wire
 from apps.bus.topology import BusLimits
 from apps.embedded.nats_server import NatsServer
 from apps.settings import WorkerSettings
+from apps.worker.context_limit import ContextLimit
 from apps.worker.model_loop import ModelLoop
 from apps.worker.replies import CollectingReplier
 from apps.worker.run import ServedModel, abort_request, run_request
@@ -259,3 +260,18 @@ async def test_a_resume_that_does_not_fit_the_request_is_refused(shaped: ServedM
     await run_request(shaped, request, replier, attempt=2, node="second", js=js)
     assert [type(f) for f in replier.frames] == [wire.ErrorFrame]
     assert replier.frames[0].status == 400
+
+
+async def test_a_resumed_runs_prefill_sample_counts_the_tokens_it_recomputed(
+        shaped: ServedModel, js: JetStreamContext, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine prefills a migrated request's prompt and its resumed tokens before its first new
+    token; the prefill rate's sample counts both, or every takeover would drag the rate down."""
+    whole = await uninterrupted(shaped, chat("go", SamplingParams(max_tokens=200)), js)
+    first = Answer(whole.frames[:10])
+    resumed_ids = first.token_ids()
+    assert len(resumed_ids) >= 5
+    samples: list[tuple[int, float]] = []
+    monkeypatch.setattr(ContextLimit, "observe_prefill", lambda _, tokens, ms: samples.append((tokens, ms)) or True)
+    second = await resumed(shaped, chat("go", SamplingParams(max_tokens=200)), js, first)
+    prompt_tokens = second.final.usage.prompt_tokens
+    assert samples == [(prompt_tokens + len(resumed_ids), 0.0)]  # the scripted engine caches nothing
