@@ -104,6 +104,8 @@ CASES: dict[str, Case] = {
         {"role": "tool", "tool_call_id": "c", "content": "x"}]), param="messages"),
     "chat-message-name-past-context": Case(CHAT, chat(messages=[{"role": "user", "content": "hi", "name": "n" * LONG}]),
                                            param="messages"),
+    "chat-whole-logprobs-past-bound": Case(CHAT, chat(n=16, logprobs=True, top_logprobs=20, max_tokens=1000),
+                                           param="top_logprobs"),
     "chat-17-stops": Case(CHAT, chat(stop=[f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]), param="stop"),
     "chat-stop-257-chars": Case(CHAT, chat(stop="x" * (MAX_STOP_STRING_BYTES + 1)), param="stop"),
     "chat-stop-300-bytes": Case(CHAT, chat(stop=["€" * 100]), param="stop"),

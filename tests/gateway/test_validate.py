@@ -14,11 +14,13 @@ from apps.bus.topology import BusLimits
 from apps.embedded.nats_server import NatsServer
 from apps.gateway.api.validate import (
     MAX_JSON_DEPTH,
+    MAX_WHOLE_LOGPROB_ENTRIES,
     PROMPT_CHARS_PER_TOKEN,
     bound_output,
     check_prompt_size,
     check_stop_strings,
     check_token_ids,
+    check_whole_logprobs,
     json_too_deep,
 )
 from apps.gateway.bus_client import GatewayBus
@@ -149,3 +151,22 @@ def test_tools_count_toward_the_prompt_and_token_ids_against_the_context() -> No
     with pytest.raises(ServingError) as caught:
         check_prompt_size(_prompted(Api.COMPLETIONS, ids=[1] * 1025), nodes)
     assert caught.value.param == "prompt"
+
+
+def test_a_whole_answers_logprobs_are_bounded_and_a_stream_is_not() -> None:
+    def asking(n: int, max_tokens: int, top: int, api: Api = Api.CHAT_COMPLETIONS,
+               stream: bool = False) -> wire.GenerateRequest:
+        return wire.GenerateRequest(request_id="r", model="m", reply_subject="", api=api, stream=stream, prompt="hi",
+                                    sampling=SamplingParams(n=n, max_tokens=max_tokens, logprobs=top))
+
+    at_bound = MAX_WHOLE_LOGPROB_ENTRIES // (4 * 8)  # tokens, for n=4 and 7 alternatives
+    check_whole_logprobs(asking(4, at_bound, 7))
+    with pytest.raises(ServingError) as caught:
+        check_whole_logprobs(asking(4, at_bound + 1, 7))
+    assert (caught.value.status, caught.value.param) == (400, "top_logprobs")
+    with pytest.raises(ServingError) as caught:
+        check_whole_logprobs(asking(4, at_bound + 1, 7, api=Api.COMPLETIONS))
+    assert caught.value.param == "logprobs"
+    check_whole_logprobs(asking(4, at_bound + 1, 7, stream=True))  # a frame at a time
+    check_whole_logprobs(wire.GenerateRequest(request_id="r", model="m", reply_subject="", prompt="hi",
+                                              sampling=SamplingParams(n=16, max_tokens=100_000)))  # no logprobs

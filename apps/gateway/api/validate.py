@@ -21,6 +21,9 @@ nothing is sent on the bus. The bounds:
   PROMPT_CHARS_PER_TOKEN (16) characters per token of the context the workers advertise, and, as
   token ids, at most the context. Tokenizing costs time in the length of the text, and a prompt
   past that many characters could never fit (tokens average about 4 characters).
+- A non-streamed answer's logprobs (`check_whole_logprobs`): at most MAX_WHOLE_LOGPROB_ENTRIES
+  entries, `n` x the answer's length x (1 + `top_logprobs`), since the whole answer is built and
+  encoded at once (a streamed one goes a frame at a time and is not bounded by this).
 - Grammars (structured outputs, enforced tool calls): `apps/gateway/api/structured.py`.
 """
 
@@ -191,6 +194,28 @@ def check_prompt_size(request: wire.GenerateRequest, nodes: list[wire.NodeStatus
 def _smallest(values: list[int | None]) -> int | None:
     known = [v for v in values if v]
     return min(known) if known else None
+
+
+# Logprob entries (a token's own, and each alternative) one non-streamed answer may carry: about 60
+# bytes each once encoded, so the bound is ~16 MB of body built in the gateway at once.
+MAX_WHOLE_LOGPROB_ENTRIES = 1 << 18
+# What each API calls the number of alternatives per token.
+_LOGPROBS_PARAM = {Api.COMPLETIONS: "logprobs"}
+
+
+def check_whole_logprobs(request: wire.GenerateRequest) -> None:
+    """A non-streamed answer's logprobs within MAX_WHOLE_LOGPROB_ENTRIES, counted from the request
+    once its length is bound (`bound_output`): every choice at its longest."""
+    sampling = request.sampling
+    if request.stream or sampling.logprobs is None or sampling.max_tokens is None:
+        return
+    entries = sampling.n * sampling.max_tokens * (1 + sampling.logprobs)
+    if entries > MAX_WHOLE_LOGPROB_ENTRIES:
+        param = _LOGPROBS_PARAM.get(request.api, "top_logprobs")
+        raise _refuse(f"This answer could hold {entries} logprob entries (n {sampling.n} x {sampling.max_tokens} "
+                      f"tokens x (1 + {sampling.logprobs} alternatives)); a non-streamed answer holds at most "
+                      f"{MAX_WHOLE_LOGPROB_ENTRIES}. Lower '{param}', 'n' or the answer's length, or stream it.",
+                      param, ErrorCode.INVALID_REQUEST)
 
 
 def output_limit(nodes: list[wire.NodeStatus], model: str) -> int | None:
