@@ -257,6 +257,10 @@ def test_a_grammar_past_its_bounds_is_refused_without_compiling(smollm2: Checkpo
     monkeypatch.setattr("engine.core.structured_output.to_llguidance",
                         lambda s: pytest.fail("a grammar past its bounds reached the compiler"))
     huge = StructuredOutput(kind=Kind.GRAMMAR, spec='start: "' + "a" * (64 << 10) + '"')
-    result = run(core, [EngineRequest("big", chat(smollm2, "Hi"), constrained(huge))])
-    assert result["big"][1].finish_reason is FinishReason.ERROR
-    assert "at most" in (result["big"][1].error or "")
+    # Small, but more GBNF rules than their conversion may cost (as a bus client could send it).
+    many_rules = StructuredOutput(kind=Kind.GRAMMAR, spec="".join(f'r{i} ::= "a"\n' for i in range(200)))
+    result = run(core, [EngineRequest("big", chat(smollm2, "Hi"), constrained(huge)),
+                        EngineRequest("rules", chat(smollm2, "Hi"), constrained(many_rules))])
+    for request_id in ("big", "rules"):
+        assert result[request_id][1].finish_reason is FinishReason.ERROR
+        assert "at most" in (result[request_id][1].error or "")

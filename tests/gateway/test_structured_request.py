@@ -86,6 +86,13 @@ def test_whitespace_pattern_reaches_the_schema_options() -> None:
     assert json.loads(constraint.spec)["x-guidance"]["whitespace_pattern"] == "[ ]?"
 
 
+def gbnf_chain(rules: int) -> str:
+    """A GBNF grammar of `rules` rules, each naming the next (its conversion to Lark is what grows
+    with rules x bytes)."""
+    links = rules - 2
+    return "root ::= r0\n" + "".join(f'r{i} ::= "a" r{i + 1} | "b"\n' for i in range(links)) + f'r{links} ::= "c"\n'
+
+
 @pytest.mark.parametrize(("fields", "param"), [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "strin"}}}},
      "response_format"),
@@ -147,6 +154,7 @@ def compiles_started() -> int:
     ({"guided_choice": ["é" * 500] * 100}, "guided_choice"),
     ({"guided_regex": "a" * (BOUNDS.regex_bytes + 1)}, "guided_regex"),
     ({"guided_grammar": 'start: "' + "a" * BOUNDS.grammar_bytes + '"'}, "guided_grammar"),
+    ({"structured_outputs": {"grammar": gbnf_chain(BOUNDS.gbnf_rules + 1)}}, "structured_outputs"),
     ({"guided_json": {"type": "object", "description": "d" * BOUNDS.schema_bytes}}, "guided_json"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"enum": ["e" * BOUNDS.schema_bytes]}}}},
      "response_format"),
@@ -157,7 +165,8 @@ def compiles_started() -> int:
     ({"tools": [{"type": "function", "function": {"name": f"f{i}", "strict": True,
                                                   "parameters": {"description": "d" * (60 << 10)}}}
                 for i in range(5)]}, "tools"),
-], ids=["choices-count", "choice-bytes", "choices-total", "regex", "grammar", "schema", "response_format-schema",
+], ids=["choices-count", "choice-bytes", "choices-total", "regex", "grammar", "gbnf-rules", "schema",
+        "response_format-schema",
         "string-schema-deep", "string-schema-deep-object", "whitespace-pattern", "tool-schema", "tool-schemas-total"])
 def test_past_a_grammar_bound_is_a_400_naming_the_field_before_any_compile(fields: dict[str, Any], param: str) -> None:
     before = compiles_started()
@@ -168,6 +177,7 @@ def test_past_a_grammar_bound_is_a_400_naming_the_field_before_any_compile(field
 
 def test_grammars_at_their_bounds_are_accepted() -> None:
     enforceable(guided_choice=[f"{i:07d}" for i in range(BOUNDS.choices)])
+    enforceable(guided_grammar=gbnf_chain(BOUNDS.gbnf_rules))
     enforceable(guided_regex="(" + "|".join(f"a{i}" for i in range(1500)) + ")")
     enforceable(guided_json=json.dumps({"type": "object", "properties": {f"p{i}": {"type": "integer"}
                                                                          for i in range(2000)}}))

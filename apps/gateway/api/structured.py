@@ -43,6 +43,7 @@ from engine.frontend.grammars import (
     CheckTimeout,
     GrammarChecker,
     constrained_functions,
+    gbnf_rules,
     utf8_len,
 )
 from engine.frontend.protocol import StructuredOutput, StructuredOutputKind
@@ -211,8 +212,11 @@ def _regex(spec: str, param: str) -> StructuredOutput:
 
 
 def _grammar(spec: str, param: str) -> StructuredOutput:
-    return StructuredOutput(kind=StructuredOutputKind.GRAMMAR,
-                            spec=_check_bytes(spec, BOUNDS.grammar_bytes, param, "grammar"))
+    _check_bytes(spec, BOUNDS.grammar_bytes, param, "grammar")
+    if (rules := gbnf_rules(spec)) > BOUNDS.gbnf_rules:
+        raise _refuse(param, f"The grammar in '{param}' has {rules} GBNF rules; at most {BOUNDS.gbnf_rules} "
+                             "are allowed.")
+    return StructuredOutput(kind=StructuredOutputKind.GRAMMAR, spec=spec)
 
 
 def _choice(choices: list[str], param: str) -> StructuredOutput:
