@@ -97,6 +97,10 @@ def interactive_reserve(setting: int, max_num_seqs: int) -> int:
     return max(min(reserve, max_num_seqs - 1), 0)
 
 
+# How long a newer attempt waits here for the older attempt it replaces to end.
+RELEASE_WAIT_S = 30.0
+
+
 def holds(held: Mapping[str, Held], request: wire.GenerateRequest) -> bool:
     """Whether one of `request`'s engine ids is already running here: the engine core must never
     see an id twice (it cannot tell the two apart and fails)."""
@@ -119,6 +123,8 @@ class Intake:
         # Large requests whose body is being fetched from the Object Store (each takes a slot).
         self.fetching = 0
         self._slot_freed = asyncio.Event()
+        # Newer attempts waiting for an older one of theirs to let go of its id (`wake` tells them).
+        self._release_waiters: set[asyncio.Event] = set()
         self._stop = asyncio.Event()
         self._pulling: asyncio.Task[None] | None = None
 
@@ -139,6 +145,8 @@ class Intake:
     def wake(self) -> None:
         """Look for requests again now (a slot was freed, or the engine has slots again)."""
         self._slot_freed.set()
+        for waiter in self._release_waiters:
+            waiter.set()
 
     def _room(self, cls: ServiceClass, waits: Mapping[ServiceClass, object]) -> int:
         """Messages of `cls` that may be pulled now. A wait under way may bring one message, so it
@@ -270,6 +278,31 @@ class Intake:
             return
         self._begin_run(Held(request, msg, ref=ref))
 
+    async def _begin_when_released(self, msg: Msg, request: wire.GenerateRequest,
+                                   ref: wire.RequestRef | None) -> None:
+        """The newer attempt of a request whose older attempt is stopping here: kept here (alive
+        with in-progress acks) until the engine is free of the id, then begun. A nak would spend one
+        of its deliveries each time the older run had not ended yet, and a slow end would use them
+        all up. After RELEASE_WAIT_S it goes back for redelivery after all."""
+        waiter = asyncio.Event()
+        self._release_waiters.add(waiter)
+        try:
+            async with asyncio.timeout(RELEASE_WAIT_S):
+                while holds(self.held, request):
+                    waiter.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(waiter.wait(), liveness.PROBE_S)
+                    await msg.in_progress()
+        except (TimeoutError, nats.errors.Error) as exc:
+            log.warning("a newer attempt waited too long for the older one to end; handed back",
+                        extra={"request_id": request.request_id, "error": repr(exc)})
+            with contextlib.suppress(nats.errors.Error):
+                await msg.nak(delay=liveness.PROBE_S)
+            return
+        finally:
+            self._release_waiters.discard(waiter)
+        self._begin(msg, request, ref)
+
     async def settle(self, msg: Msg, ref: wire.RequestRef | None, *, terminate: bool) -> None:
         """Ack (or terminate) a message for good; a large request's object goes with it."""
         await (msg.term() if terminate else msg.ack())
@@ -321,7 +354,7 @@ class Intake:
                 running.replier.silence(ErrorCode.ATTEMPT_TAKEN)
             await abort_request(self.engine, running.request)
             await self.settle(running.msg, running.ref, terminate=True)  # its requester gave that message up
-            await msg.nak(delay=liveness.PROBE_S)
+            await self._begin_when_released(msg, request, ref)
             return
         # Another message whose id is already running here: refused, so the running one is untouched.
         log.warning("request id already running here; refused",

@@ -182,8 +182,9 @@ async def test_a_newer_attempt_of_a_request_running_here_takes_over(
         own_nats: NatsServer, tok: Tokenizer, tmp_path: Path) -> None:
     """A requester that migrates a request publishes a new message numbered past the old one's
     attempts; reaching the worker still running the old one, it takes over: the old run stops
-    unserved, its message is terminated, and the new attempt answers."""
-    limits = BusLimits(request_ack_wait_s=30.0, max_deliver=3)
+    unserved, its message is terminated, and the new attempt answers. One delivery is all it takes:
+    the new message waits here for the old run to end, it is not nak'ed (each nak spends one)."""
+    limits = BusLimits(request_ack_wait_s=30.0, max_deliver=1)
     async with worker(own_nats.url, tok, tmp_path, limits), client(own_nats.url) as nc:
         events = await run_events(nc)
         requester = await Requester(nc, "moved-1").start()
