@@ -302,27 +302,32 @@ class BatchRunner:
                 await asyncio.sleep(_POLL_S / 4)
 
     async def _write_outputs(self, batch: StoredBatch) -> tuple[str | None, str | None]:
-        rows = await self._batches.lines(batch.batch_id)
-        answered = [row for row in rows if row["status_code"] == 200]
-        failed = [row for row in rows if row["status_code"] != 200]
+        """The output file (answered lines) and the error file (the rest), each written from the
+        ledger a page of lines at a time; None for one that would be empty."""
         ids: list[str | None] = []
-        for name, chosen in (("output", answered), ("errors", failed)):
-            if not chosen:
+        for name, answered in (("output", True), ("errors", False)):
+            pages = self._batches.line_pages(batch.batch_id, answered)
+            first = await anext(pages, None)
+            if first is None:
                 ids.append(None)
                 continue
             stored = await self._files.create_output(batch.principal, f"{batch.batch_id}_{name}.jsonl",
-                                                     _chunks(chosen))
+                                                     _chunks(first, pages))
             ids.append(stored.file_id)
         return ids[0], ids[1]
 
 
-async def _chunks(rows: list[Any]) -> AsyncIterator[bytes]:
+async def _chunks(first: list[Any], pages: AsyncIterator[list[Any]]) -> AsyncIterator[bytes]:
+    """Output lines in chunks of about 1 MiB, from a first page of rows and the pages after it."""
     buffer = bytearray()
-    for row in rows:
-        buffer += output_line(row)
-        if len(buffer) >= 1 << 20:
-            yield bytes(buffer)
-            buffer.clear()
+    rows: list[Any] | None = first
+    while rows is not None:
+        for row in rows:
+            buffer += output_line(row)
+            if len(buffer) >= 1 << 20:
+                yield bytes(buffer)
+                buffer.clear()
+        rows = await anext(pages, None)
     if buffer:
         yield bytes(buffer)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,7 +72,12 @@ _LOCK = "SELECT pg_advisory_xact_lock(hashtextextended('helexa.batch.create:' ||
 _LOCK_WAIT_S = 10.0
 _LOCK_CONNECTIONS = 2
 _LINES_DONE = "SELECT line FROM batch_lines WHERE batch_id = $1"
-_LINES = "SELECT * FROM batch_lines WHERE batch_id = $1 ORDER BY line"
+# One page of a batch's answered lines ($2 true) or the others, after line $3, in line order: the
+# output files are written a page at a time, never the whole batch in memory.
+_LINES_PAGE = ("SELECT * FROM batch_lines WHERE batch_id = $1 AND (coalesce(status_code, 0) = 200) = $2"
+               " AND line > $3 ORDER BY line LIMIT $4")
+# Lines a page holds (a line's body is at most one answer: a few kB usually).
+LINES_PAGE = 64
 
 
 @dataclass(slots=True, frozen=True)
@@ -242,8 +248,13 @@ class BatchStore:
     async def lines_done(self, batch_id: str) -> set[int]:
         return {row["line"] for row in await self.fetch(_LINES_DONE, batch_id)}
 
-    async def lines(self, batch_id: str) -> list[asyncpg.Record]:
-        return await self.fetch(_LINES, batch_id)
+    async def line_pages(self, batch_id: str, answered: bool, page: int = LINES_PAGE
+                         ) -> AsyncIterator[list[asyncpg.Record]]:
+        """The batch's answered lines (status 200), or the others, a page at a time in line order."""
+        after = 0
+        while rows := await self.fetch(_LINES_PAGE, batch_id, answered, after, page):
+            yield rows
+            after = rows[-1]["line"]
 
     async def fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
         return await self._ledger.fetch(query, *args)
