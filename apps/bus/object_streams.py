@@ -12,7 +12,7 @@ from __future__ import annotations
 import base64
 import json
 import secrets
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterable
 from datetime import UTC, datetime
 from hashlib import sha256
 
@@ -64,7 +64,7 @@ async def put_stream(js: JetStreamContext, bucket: str, name: str, content: Asyn
     return info
 
 
-async def read_stream(js: JetStreamContext, info: api.ObjectInfo) -> AsyncIterator[bytes]:
+async def read_stream(js: JetStreamContext, info: api.ObjectInfo) -> AsyncGenerator[bytes, None]:
     """The chunks of the object `info` describes, in order, checked against its digest at the end
     (DigestMismatchError if they do not match it)."""
     if not info.size:

@@ -75,9 +75,10 @@ _RETRY_PAUSE_S = 1.0
 _PROJECTION_WAIT_S = 120.0
 # How long a claim waits for its batch.created to be projected before it is dropped.
 _UNKNOWN_BATCH_S = 600.0
-# Claims of one batch, at most: one that came back this often (its lines never all reach the
-# ledger, or every runner holding it dies) ends `failed` with what is recorded, not re-run forever.
-MAX_CLAIMS = 20
+# How long past its window a batch may still be claimed: one that has not ended by then (its lines
+# never all reach the ledger, or every runner holding it dies) ends with what is recorded, rather
+# than coming back forever. Counted from `expires_at`, so no healthy batch is ever cut by it.
+GIVE_UP_AFTER_EXPIRY_S = 3600.0
 
 
 class BatchRunner:
@@ -160,8 +161,9 @@ class BatchRunner:
             return made is None or time.time() - made > _UNKNOWN_BATCH_S
         if batch.status in TERMINAL:
             return True
-        if delivery > MAX_CLAIMS:
-            return await self._give_up(batch, delivery)
+        expires_at = batch.row.get("expires_at")
+        if expires_at is not None and time.time() > expires_at + GIVE_UP_AFTER_EXPIRY_S:
+            return await self._give_up(batch)
         content = await self._input(batch)
         if content is None:
             self._batches.set_status(batch_id, "failed", errors=[line_error(
@@ -191,16 +193,17 @@ class BatchRunner:
         await self._until(batch_id, lambda b: b.status in TERMINAL)
         return True
 
-    async def _give_up(self, batch: StoredBatch, delivery: int) -> bool:
-        """End a batch whose claim came back more than MAX_CLAIMS times: `failed`, with the output and
-        error files of the lines the ledger has."""
+    async def _give_up(self, batch: StoredBatch) -> bool:
+        """End a batch still claimed GIVE_UP_AFTER_EXPIRY_S past its window: `expired` (`cancelled`
+        if it was being cancelled), with the output and error files of the lines the ledger has."""
         batch_id = batch.batch_id
-        log.warning("batch given up", extra={"batch_id": batch_id, "detail": f"claim {delivery}"})
+        log.warning("batch given up past its window", extra={"batch_id": batch_id})
         output, errors = await self._write_outputs(batch)
         recorded = len(await self._batches.lines_done(batch_id))
-        self._batches.set_status(batch_id, "failed", output_file_id=output, error_file_id=errors, errors=[line_error(
-            "batch_failed", f"The batch was claimed {MAX_CLAIMS} times without finishing; the output and error "
-                            f"files hold the {recorded} lines recorded.")])
+        final = "cancelled" if batch.status == "cancelling" else "expired"
+        self._batches.set_status(batch_id, final, output_file_id=output, error_file_id=errors, errors=[line_error(
+            "batch_incomplete", f"The batch had not ended {GIVE_UP_AFTER_EXPIRY_S / 3600:g} h past its window; the "
+                                f"output and error files hold the {recorded} lines recorded.")])
         await self._until(batch_id, lambda b: b.status in TERMINAL)
         return True
 

@@ -72,12 +72,15 @@ _LOCK = "SELECT pg_advisory_xact_lock(hashtextextended('helexa.batch.create:' ||
 _LOCK_WAIT_S = 10.0
 _LOCK_CONNECTIONS = 2
 _LINES_DONE = "SELECT line FROM batch_lines WHERE batch_id = $1"
-# One page of a batch's answered lines ($2 true) or the others, after line $3, in line order: the
-# output files are written a page at a time, never the whole batch in memory.
-_LINES_PAGE = ("SELECT * FROM batch_lines WHERE batch_id = $1 AND (coalesce(status_code, 0) = 200) = $2"
-               " AND line > $3 ORDER BY line LIMIT $4")
-# Lines a page holds (a line's body is at most one answer: a few kB usually).
-LINES_PAGE = 64
+# A batch's answered lines ($2 true) or the others, after line $3, in line order: the output files
+# are written a page at a time, never the whole batch in memory. A page is at most LINES_PAGE lines
+# and PAGE_BYTES of their bodies and errors (at least one line), chosen from their sizes first.
+_LINES_AFTER = "batch_id = $1 AND (coalesce(status_code, 0) = 200) = $2 AND line > $3"
+_LINE_SIZES = (f"SELECT line, coalesce(octet_length(body::text), 0) + coalesce(octet_length(error::text), 0) AS bytes"
+               f" FROM batch_lines WHERE {_LINES_AFTER} ORDER BY line LIMIT $4")
+_LINES_UP_TO = f"SELECT * FROM batch_lines WHERE {_LINES_AFTER} AND line <= $4 ORDER BY line"
+LINES_PAGE = 256
+PAGE_BYTES = 8 << 20
 
 
 @dataclass(slots=True, frozen=True)
@@ -248,13 +251,19 @@ class BatchStore:
     async def lines_done(self, batch_id: str) -> set[int]:
         return {row["line"] for row in await self.fetch(_LINES_DONE, batch_id)}
 
-    async def line_pages(self, batch_id: str, answered: bool, page: int = LINES_PAGE
-                         ) -> AsyncIterator[list[asyncpg.Record]]:
+    async def line_pages(self, batch_id: str, answered: bool, page: int = LINES_PAGE,
+                         page_bytes: int = PAGE_BYTES) -> AsyncIterator[list[asyncpg.Record]]:
         """The batch's answered lines (status 200), or the others, a page at a time in line order."""
         after = 0
-        while rows := await self.fetch(_LINES_PAGE, batch_id, answered, after, page):
-            yield rows
-            after = rows[-1]["line"]
+        while sizes := await self.fetch(_LINE_SIZES, batch_id, answered, after, page):
+            last, total = sizes[0]["line"], 0
+            for row in sizes:
+                total += row["bytes"]
+                if total > page_bytes:
+                    break
+                last = row["line"]
+            yield await self.fetch(_LINES_UP_TO, batch_id, answered, after, last)
+            after = last
 
     async def fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
         return await self._ledger.fetch(query, *args)

@@ -27,7 +27,7 @@ from litestar.response import Response, Stream
 from apps.bus import wire
 from apps.bus.codes import ErrorCode, FinishReason, ServingError, Unavailable, unavailable
 from apps.gateway.admission import Admissions
-from apps.gateway.api.validate import bound_output, check_prompt_size, check_token_ids, check_whole_logprobs
+from apps.gateway.api.validate import bound_output, bound_whole_logprobs, check_prompt_size, check_token_ids
 from apps.gateway.body_reading import arriving
 from apps.gateway.bus_client import GatewayBus
 from apps.gateway.cold_start import ColdStarts
@@ -83,8 +83,8 @@ class GenerationPipeline:
         check_token_ids(request, nodes)
         check_prompt_size(request, nodes)
         try:
-            request = bound_output(request, nodes, output_param)
-            check_whole_logprobs(request)
+            length_defaulted = request.sampling.max_tokens is None
+            request = bound_whole_logprobs(bound_output(request, nodes, output_param), length_defaulted)
         except ServingError as exc:
             self._metrics.rejected(request.model, exc.code)
             exc.context.update(model=request.model, request_id=request.request_id)

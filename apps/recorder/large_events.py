@@ -20,6 +20,7 @@ consumer's ack floor), so only unrecorded events can ever fill it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 from collections.abc import Sequence
@@ -35,6 +36,7 @@ from nats.js.errors import NotFoundError, ObjectNotFoundError
 
 from apps.bus import topology
 from apps.bus.events import Event, EventRef, event_decoder, event_kind
+from apps.bus.object_streams import read_stream
 from apps.bus.pull import stream_sequence
 from apps.bus.roles import event_refused
 from apps.recorder.dead_letters import DeadLetter, Reason
@@ -90,8 +92,7 @@ async def resolve(js: JetStreamContext, pending: Sequence[tuple[Msg, Event]], bu
             continue
         spent += event.size
         try:
-            async with asyncio.timeout(OBJECT_READ_S):  # nats-py waits for an object's chunks unbounded
-                data = (await (await js.object_store(topology.LARGE_EVENTS_BUCKET)).get(event.object)).data or b""
+            data = await _read_object(js, event.object)
             if hashlib.sha256(data).hexdigest() != event.digest:
                 raise msgspec.ValidationError("the object is not the one its reference names (digest)")
             resolved = event_decoder.decode(data)
@@ -113,6 +114,16 @@ async def resolve(js: JetStreamContext, pending: Sequence[tuple[Msg, Event]], bu
             continue
         out.events.append((msg, resolved))
     return out
+
+
+async def _read_object(js: JetStreamContext, name: str) -> bytes:
+    """The whole object `name` of the large-event store, read within OBJECT_READ_S: its chunks'
+    subscription ends with the read however it ends (nats-py's own `get` waits for chunks without
+    a bound, and leaves its subscription behind when cancelled)."""
+    async with asyncio.timeout(OBJECT_READ_S):
+        info = await (await js.object_store(topology.LARGE_EVENTS_BUCKET)).get_info(name)
+        async with contextlib.aclosing(read_stream(js, info)) as chunks:
+            return b"".join([chunk async for chunk in chunks])
 
 
 async def erase_from_bus(js: JetStreamContext, conn: asyncpg.Connection, response_ids: list[str]) -> int:

@@ -137,8 +137,9 @@ class Intake:
         self._pulling = asyncio.create_task(self._pull_loop(pullers))
 
     async def stop(self) -> None:
-        """Pull nothing more."""
+        """Pull nothing more (and begin nothing that waits: `_begin_when_released`)."""
         self._stop.set()
+        self.wake()
         if self._pulling is not None:
             await self._pulling
 
@@ -283,22 +284,29 @@ class Intake:
         """The newer attempt of a request whose older attempt is stopping here: kept here (alive
         with in-progress acks) until the engine is free of the id, then begun. A nak would spend one
         of its deliveries each time the older run had not ended yet, and a slow end would use them
-        all up. After RELEASE_WAIT_S it goes back for redelivery after all."""
+        all up. It goes back for redelivery after all (one delivery) when the older run has not
+        ended within RELEASE_WAIT_S, or when this worker stops meanwhile."""
         waiter = asyncio.Event()
         self._release_waiters.add(waiter)
         try:
             async with asyncio.timeout(RELEASE_WAIT_S):
-                while holds(self.held, request):
+                while holds(self.held, request) and not self._stop.is_set():
                     waiter.clear()
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(waiter.wait(), liveness.PROBE_S)
                     await msg.in_progress()
+            if self._stop.is_set():
+                raise TimeoutError("the worker is stopping")
         except (TimeoutError, nats.errors.Error) as exc:
-            log.warning("a newer attempt waited too long for the older one to end; handed back",
+            log.warning("a newer attempt not begun here; handed back",
                         extra={"request_id": request.request_id, "error": repr(exc)})
             with contextlib.suppress(nats.errors.Error):
                 await msg.nak(delay=liveness.PROBE_S)
             return
+        except asyncio.CancelledError:
+            with contextlib.suppress(nats.errors.Error):
+                await asyncio.shield(msg.nak())
+            raise
         finally:
             self._release_waiters.discard(waiter)
         self._begin(msg, request, ref)

@@ -163,7 +163,7 @@ async def run_request(model: ServedModel, request: wire.GenerateRequest, replier
     finally:
         if watcher is not None:
             watcher.cancel()
-    if replier.undeliverable:  # an error frame ended the answer (a frame too large for the bus)
+    if replier.undeliverable and error is None:  # an error frame ended the answer (a frame too large for the bus)
         finish_reason, error = FinishReason.ERROR, ErrorCode.REPLY_TOO_LARGE
     record.finished_at = time.time()
     await started

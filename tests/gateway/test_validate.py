@@ -17,10 +17,10 @@ from apps.gateway.api.validate import (
     MAX_WHOLE_LOGPROB_ENTRIES,
     PROMPT_CHARS_PER_TOKEN,
     bound_output,
+    bound_whole_logprobs,
     check_prompt_size,
     check_stop_strings,
     check_token_ids,
-    check_whole_logprobs,
     json_too_deep,
 )
 from apps.gateway.bus_client import GatewayBus
@@ -153,20 +153,24 @@ def test_tools_count_toward_the_prompt_and_token_ids_against_the_context() -> No
     assert caught.value.param == "prompt"
 
 
-def test_a_whole_answers_logprobs_are_bounded_and_a_stream_is_not() -> None:
+def test_a_whole_answers_logprobs_are_bounded_and_a_chat_stream_is_not() -> None:
     def asking(n: int, max_tokens: int, top: int, api: Api = Api.CHAT_COMPLETIONS,
                stream: bool = False) -> wire.GenerateRequest:
         return wire.GenerateRequest(request_id="r", model="m", reply_subject="", api=api, stream=stream, prompt="hi",
                                     sampling=SamplingParams(n=n, max_tokens=max_tokens, logprobs=top))
 
     at_bound = MAX_WHOLE_LOGPROB_ENTRIES // (4 * 8)  # tokens, for n=4 and 7 alternatives
-    check_whole_logprobs(asking(4, at_bound, 7))
-    with pytest.raises(ServingError) as caught:
-        check_whole_logprobs(asking(4, at_bound + 1, 7))
-    assert (caught.value.status, caught.value.param) == (400, "top_logprobs")
-    with pytest.raises(ServingError) as caught:
-        check_whole_logprobs(asking(4, at_bound + 1, 7, api=Api.COMPLETIONS))
-    assert caught.value.param == "logprobs"
-    check_whole_logprobs(asking(4, at_bound + 1, 7, stream=True))  # a frame at a time
-    check_whole_logprobs(wire.GenerateRequest(request_id="r", model="m", reply_subject="", prompt="hi",
-                                              sampling=SamplingParams(n=16, max_tokens=100_000)))  # no logprobs
+    assert bound_whole_logprobs(asking(4, at_bound, 7), False).sampling.max_tokens == at_bound
+    for api, param in [(Api.CHAT_COMPLETIONS, "top_logprobs"), (Api.COMPLETIONS, "logprobs")]:
+        with pytest.raises(ServingError) as caught:
+            bound_whole_logprobs(asking(4, at_bound + 1, 7, api=api), False)
+        assert (caught.value.status, caught.value.param) == (400, param)
+    # A length the client left out (the advertised limit filled in) is shortened to fit instead.
+    assert bound_whole_logprobs(asking(4, at_bound + 1, 7), True).sampling.max_tokens == at_bound
+    # A chat stream goes a frame at a time; a Responses stream ends with every logprob again.
+    assert bound_whole_logprobs(asking(4, at_bound + 1, 7, stream=True), False).sampling.max_tokens == at_bound + 1
+    with pytest.raises(ServingError):
+        bound_whole_logprobs(asking(1, MAX_WHOLE_LOGPROB_ENTRIES // 8 + 1, 7, api=Api.RESPONSES, stream=True), False)
+    no_logprobs = wire.GenerateRequest(request_id="r", model="m", reply_subject="", prompt="hi",
+                                       sampling=SamplingParams(n=16, max_tokens=100_000))
+    assert bound_whole_logprobs(no_logprobs, False) is no_logprobs

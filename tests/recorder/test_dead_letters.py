@@ -145,16 +145,16 @@ async def test_an_event_whose_object_the_store_does_not_give_back_now_is_recorde
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "z" * nc.max_payload}]}])
     assert await event_publish.publish_event(nc.jetstream(), large)
     reads = 0
-    real_get = ObjectStore.get
+    real_get_info = ObjectStore.get_info
 
-    async def flaky_get(store: ObjectStore, name: str, *args: Any, **kwargs: Any) -> ObjectStore.ObjectResult:
+    async def flaky_get_info(store: ObjectStore, name: str, *args: Any, **kwargs: Any) -> Any:
         nonlocal reads
         reads += 1
         if reads <= 2:
             raise nats.errors.TimeoutError
-        return await real_get(store, name, *args, **kwargs)
+        return await real_get_info(store, name, *args, **kwargs)
 
-    monkeypatch.setattr(ObjectStore, "get", flaky_get)
+    monkeypatch.setattr(ObjectStore, "get_info", flaky_get_info)
     settings = RecorderSettings(nats_url=own_nats.url, database_url=database_url, metrics_port=free_port(),
                                 watch_interval_s=0.2)
     async with recording(settings, log_watch) as task:

@@ -21,9 +21,10 @@ nothing is sent on the bus. The bounds:
   PROMPT_CHARS_PER_TOKEN (16) characters per token of the context the workers advertise, and, as
   token ids, at most the context. Tokenizing costs time in the length of the text, and a prompt
   past that many characters could never fit (tokens average about 4 characters).
-- A non-streamed answer's logprobs (`check_whole_logprobs`): at most MAX_WHOLE_LOGPROB_ENTRIES
-  entries, `n` x the answer's length x (1 + `top_logprobs`), since the whole answer is built and
-  encoded at once (a streamed one goes a frame at a time and is not bounded by this).
+- The logprobs of an answer built whole (`bound_whole_logprobs`: non-streamed, or any Responses
+  answer, whose stream ends with every logprob again): at most MAX_WHOLE_LOGPROB_ENTRIES entries,
+  `n` x the answer's length x (1 + `top_logprobs`); a length left out is shortened to fit, one
+  asked for past it is a 400. A chat or completions stream goes a frame at a time.
 - Grammars (structured outputs, enforced tool calls): `apps/gateway/api/structured.py`.
 """
 
@@ -196,26 +197,33 @@ def _smallest(values: list[int | None]) -> int | None:
     return min(known) if known else None
 
 
-# Logprob entries (a token's own, and each alternative) one non-streamed answer may carry: about 60
+# Logprob entries (a token's own, and each alternative) one answer built whole may carry: about 60
 # bytes each once encoded, so the bound is ~16 MB of body built in the gateway at once.
 MAX_WHOLE_LOGPROB_ENTRIES = 1 << 18
 # What each API calls the number of alternatives per token.
 _LOGPROBS_PARAM = {Api.COMPLETIONS: "logprobs"}
 
 
-def check_whole_logprobs(request: wire.GenerateRequest) -> None:
-    """A non-streamed answer's logprobs within MAX_WHOLE_LOGPROB_ENTRIES, counted from the request
-    once its length is bound (`bound_output`): every choice at its longest."""
+def bound_whole_logprobs(request: wire.GenerateRequest, length_defaulted: bool) -> wire.GenerateRequest:
+    """An answer built whole holds its logprobs within MAX_WHOLE_LOGPROB_ENTRIES: `n` x its length
+    x (1 + alternatives), counted once the length is bound (`bound_output`). A non-streamed answer
+    is built whole, and so is a Responses stream's last events (each repeats every logprob). A
+    length the client left out is shortened to fit; one it asked for past the bound is a 400."""
     sampling = request.sampling
-    if request.stream or sampling.logprobs is None or sampling.max_tokens is None:
-        return
-    entries = sampling.n * sampling.max_tokens * (1 + sampling.logprobs)
-    if entries > MAX_WHOLE_LOGPROB_ENTRIES:
-        param = _LOGPROBS_PARAM.get(request.api, "top_logprobs")
-        raise _refuse(f"This answer could hold {entries} logprob entries (n {sampling.n} x {sampling.max_tokens} "
-                      f"tokens x (1 + {sampling.logprobs} alternatives)); a non-streamed answer holds at most "
-                      f"{MAX_WHOLE_LOGPROB_ENTRIES}. Lower '{param}', 'n' or the answer's length, or stream it.",
-                      param, ErrorCode.INVALID_REQUEST)
+    whole = not request.stream or request.api == Api.RESPONSES
+    if not whole or sampling.logprobs is None or sampling.max_tokens is None:
+        return request
+    per_token = sampling.n * (1 + sampling.logprobs)
+    if sampling.max_tokens * per_token <= MAX_WHOLE_LOGPROB_ENTRIES:
+        return request
+    if length_defaulted:
+        shorter = msgspec.structs.replace(sampling, max_tokens=MAX_WHOLE_LOGPROB_ENTRIES // per_token)
+        return msgspec.structs.replace(request, sampling=shorter)
+    param = _LOGPROBS_PARAM.get(request.api, "top_logprobs")
+    raise _refuse(f"This answer could hold {sampling.max_tokens * per_token} logprob entries (n {sampling.n} x "
+                  f"{sampling.max_tokens} tokens x (1 + {sampling.logprobs} alternatives)); an answer built whole "
+                  f"holds at most {MAX_WHOLE_LOGPROB_ENTRIES}. Lower '{param}', 'n' or the answer's length"
+                  f"{'' if request.api == Api.RESPONSES else ', or stream it'}.", param, ErrorCode.INVALID_REQUEST)
 
 
 def output_limit(nodes: list[wire.NodeStatus], model: str) -> int | None:
