@@ -16,6 +16,7 @@ import torch
 from engine.core.engine_core import EngineCore
 from engine.core.structured_output import apply_masks, unpack_numpy, unpack_torch
 from engine.frontend.engine_config import EngineConfig
+from engine.frontend.grammars import STEP_MAX_ITEMS
 from engine.frontend.protocol import EngineOutput, EngineRequest, FinishReason, SamplingParams, StructuredOutput
 from engine.frontend.protocol import StructuredOutputKind as Kind
 from engine.loading.loader import Checkpoint
@@ -264,3 +265,20 @@ def test_a_grammar_past_its_bounds_is_refused_without_compiling(smollm2: Checkpo
     for request_id in ("big", "rules"):
         assert result[request_id][1].finish_reason is FinishReason.ERROR
         assert "at most" in (result[request_id][1].error or "")
+
+
+def test_a_grammar_whose_masks_grow_with_the_answer_fails_alone_while_others_finish(smollm2: Checkpoint) -> None:
+    """An ambiguous grammar compiles at once but costs more per token the longer the answer gets
+    (0.9 ms a mask at 100 tokens, 100 ms at 600): its row fails once a mask passes llguidance's
+    per-token item bound, and the request beside it runs to its end."""
+    core = make_core(smollm2)
+    growing = StructuredOutput(kind=Kind.GRAMMAR, spec='start: s\ns: s s | "a"')
+    prompt = chat(smollm2, "Say a.")
+    result = run(core, [EngineRequest("growing", prompt, constrained(growing, max_tokens=600, min_tokens=600)),
+                        EngineRequest("free", prompt, SamplingParams(max_tokens=300, min_tokens=300))])
+    tokens, final = result["growing"]
+    # The per-token bound ended it (llguidance names its limit), not the later row limit.
+    assert final.finish_reason is FinishReason.ERROR and f"limit {STEP_MAX_ITEMS}" in (final.error or ""), final.error
+    assert len(tokens) < 600
+    free_tokens, free_final = result["free"]
+    assert free_final.finish_reason is FinishReason.LENGTH and len(free_tokens) == 300
