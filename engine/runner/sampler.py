@@ -298,15 +298,18 @@ def top_k_top_p_cutoff(probs: torch.Tensor, top_ks: list[int], top_ps: list[floa
     cutoff = torch.zeros(num_rows, device=device)
     top_ks = [k if 0 < k < vocab else 0 for k in top_ks]
     pending = [i for i in range(num_rows) if top_ks[i] or top_ps[i] < 1.0]
-    for num_candidates in (*_TOP_K_TOP_P_CANDIDATES, vocab):
-        if not pending:
-            break
+    for round_size in (*_TOP_K_TOP_P_CANDIDATES, vocab):
+        # The rows whose top-k fits this round's candidates: a wider top-k waits for a wider round,
+        # so one row's large k never widens (or sorts) the other rows' candidates.
+        now = [i for i in pending if top_ks[i] <= round_size]
+        if not now:
+            continue
         # Top-k alone needs only its k-th largest probability.
-        wanted = num_candidates if any(top_ps[i] < 1.0 for i in pending) else 0
-        num_candidates = min(vocab, max(wanted, *(top_ks[i] for i in pending)))
-        candidates = _take_rows(probs, pending).topk(num_candidates, dim=-1).values  # descending
-        top_k = torch.tensor([top_ks[i] for i in pending], device=device)
-        top_p = torch.tensor([top_ps[i] for i in pending], dtype=torch.float64, device=device)
+        wanted = round_size if any(top_ps[i] < 1.0 for i in now) else 0
+        num_candidates = min(vocab, max(wanted, *(top_ks[i] for i in now)))
+        candidates = _take_rows(probs, now).topk(num_candidates, dim=-1).values  # descending
+        top_k = torch.tensor([top_ks[i] for i in now], device=device)
+        top_p = torch.tensor([top_ps[i] for i in now], dtype=torch.float64, device=device)
         has_top_k, has_top_p = top_k > 0, top_p < 1.0
         kth = candidates.gather(1, (top_k - 1).clamp_min(0).unsqueeze(1)).squeeze(1)
         top_k_cutoff = torch.where(has_top_k, kth, 0.0)
@@ -322,9 +325,10 @@ def top_k_top_p_cutoff(probs: torch.Tensor, top_ks: list[int], top_ps: list[floa
         first_covering = covered.int().argmax(-1, keepdim=True)
         top_p_cutoff = torch.where(has_top_p, candidates.gather(1, first_covering).squeeze(1), 0.0)
         done = ~has_top_p | (covered.any(-1) & (complete | ~has_top_k))
-        rows = torch.tensor(pending, device=device)
+        rows = torch.tensor(now, device=device)
         cutoff[rows[done]] = torch.maximum(top_k_cutoff, top_p_cutoff)[done]
-        pending = [i for i, finished in zip(pending, done.tolist(), strict=True) if not finished]
+        unfinished = {i for i, finished in zip(now, done.tolist(), strict=True) if not finished}
+        pending = [i for i in pending if i in unfinished or top_ks[i] > round_size]
     return cutoff
 
 

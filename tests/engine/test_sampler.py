@@ -431,3 +431,24 @@ def test_every_int64_seed_makes_a_shared_stream_generator() -> None:
     # Seeds are taken modulo 2**64: the same stream, not an error.
     assert torch.equal(torch.rand(4, generator=make_generator(2**64 + 3)), torch.rand(4, generator=make_generator(3)))
     assert torch.equal(torch.rand(4, generator=make_generator(-1)), torch.rand(4, generator=make_generator(2**64 - 1)))
+
+
+def test_one_rows_wide_top_k_neither_widens_nor_changes_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row asking for top_k near the vocabulary sorts only itself: the rows beside it take their
+    candidates as they would alone, and every cut-off is the one the row gets alone."""
+    torch.manual_seed(3)
+    vocab = 20_000
+    probs = torch.randn(5, vocab).mul(3).softmax(-1)
+    top_ks, top_ps = [40, 0, vocab - 1, 40, 0], [1.0, 0.9, 1.0, 0.95, 1.0]
+    alone = [top_k_top_p_cutoff(probs[i:i + 1], [top_ks[i]], [top_ps[i]]) for i in range(5)]
+    calls: list[tuple[int, int]] = []
+    real_topk = torch.Tensor.topk
+
+    def recorded(self: torch.Tensor, k: int, *args: object, **kwargs: object) -> object:
+        calls.append((self.shape[0], k))
+        return real_topk(self, k, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "topk", recorded)
+    together = top_k_top_p_cutoff(probs, top_ks, top_ps)
+    assert torch.equal(together, torch.cat(alone))
+    assert all(k < 5000 for rows, k in calls if rows > 1), calls  # only the wide row sorts wide
