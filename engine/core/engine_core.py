@@ -298,6 +298,7 @@ class EngineCore:
             return
         self._first_scheduled.pop(request.request_id, None)
         self.structured.release(request.request_id)
+        self.runner.sampler.forget(request.request_id)
 
     def _update_stats(self, generated: int) -> None:
         self.stats.steps += 1

@@ -255,6 +255,7 @@ class ModelRunner:
                 prompt_token_ids=request.prompt_token_ids,
                 output_token_ids=request.output_token_ids,
                 eos_token_ids=request.eos_token_ids,
+                request_id=request_id,
             ))
         sampled = self.sampler(logits, rows)
         for request_id, token, logprob, error in zip(inputs.sample_request_ids, sampled.token_ids,

@@ -452,3 +452,32 @@ def test_one_rows_wide_top_k_neither_widens_nor_changes_the_others(monkeypatch: 
     together = top_k_top_p_cutoff(probs, top_ks, top_ps)
     assert torch.equal(together, torch.cat(alone))
     assert all(k < 5000 for rows, k in calls if rows > 1), calls  # only the wide row sorts wide
+
+
+def _penalized_logprobs(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The chosen tokens' logprobs, after penalties: what the penalty state decides."""
+    out = sampler(logits, rows)
+    return torch.tensor([entry.logprob for entry in out.logprobs])  # type: ignore[union-attr]
+
+
+def test_a_kept_penalty_state_gives_what_a_fresh_one_does_step_after_step() -> None:
+    """Penalized requests decoding over many steps (the output growing one token a step, sometimes
+    several, as after a preemption), a request replaced by a new one under the same id, and a
+    request without an id: each step's penalized logits are those computed from the tokens alone."""
+    opts = [options(temperature=0.0, repetition_penalty=1.4, logprobs=0),
+            options(temperature=0.0, frequency_penalty=0.7, presence_penalty=0.2, logprobs=0),
+            options(temperature=0.0, repetition_penalty=0.8, frequency_penalty=-0.3, logprobs=0)]
+    prompts = [[5, 9, 9, 13, VOCAB + 3], [1, 2, 3], list(range(100, 400))]
+    outputs: list[list[int]] = [[], [7], []]
+    kept, fresh = Sampler(), Sampler()
+    for step in range(12):
+        if step == 6:  # request "r1" ends; a new one takes its id, with a new output list
+            outputs[1] = [7, 7, 8]
+        logits = random_logits(3, seed=step)
+        each = list(zip(opts, prompts, outputs, strict=True))
+        with_state = [SamplingRow(o, p, out, [], request_id=f"r{i}") for i, (o, p, out) in enumerate(each)]
+        stateless = [row(o, p, list(out)) for o, p, out in each]
+        assert torch.equal(_penalized_logprobs(kept, logits, with_state),
+                           _penalized_logprobs(fresh, logits, stateless)), step
+        for i, out in enumerate(outputs):
+            out.extend([(step * 31 + i * 7) % VOCAB] * (3 if step == 4 else 1))
