@@ -79,6 +79,10 @@ TokenId = Annotated[int, Meta(ge=0)]
 StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_STRING_BYTES)]
 StopStrings = Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)]
 StopTokenIds = Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)]
+# logit_bias (OpenAI's): token id -> a bias added to its logit before sampling, -100 (never, in
+# effect) to 100 (always); at most MAX_LOGIT_BIAS tokens.
+MAX_LOGIT_BIAS = 1024
+LogitBias = Annotated[dict[TokenId, Annotated[float, Meta(ge=-100.0, le=100.0)]], Meta(max_length=MAX_LOGIT_BIAS)]
 
 
 class ServiceClass(enum.StrEnum):
@@ -123,6 +127,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop: StopStrings = []
     stop_token_ids: StopTokenIds = []
     ignore_eos: bool = False
+    logit_bias: LogitBias = {}
     # None: no logprobs; k: the chosen token's logprob plus the k most likely alternatives.
     logprobs: TopLogprobs | None = None
     # None: free text; else the grammar the output must match (engine.core.structured_output).

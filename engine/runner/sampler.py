@@ -1,10 +1,10 @@
 """Turn one step's logits into tokens: penalties, min_tokens, logprobs, then a greedy or random pick.
 
-Per row, in order: repetition penalty → frequency/presence penalties → min_tokens mask → (logprobs
-are read here) → temperature → top-k → top-p → min-p → draw. Greedy rows (temperature 0) take the
+Per row, in order: logit bias → repetition penalty → frequency/presence penalties → min_tokens mask
+→ (logprobs are read here) → temperature → top-k → top-p → min-p → draw. Greedy rows (temperature 0) take the
 argmax of the penalized logits; ties go to the lowest token id.
 
-Logprobs are the log-softmax of the logits after penalties and the min_tokens mask, before temperature
+Logprobs are the log-softmax of the logits after the bias, penalties and the min_tokens mask, before temperature
 and truncation: the model's distribution as this request's penalties shape it, the same whatever the
 temperature or top-p, and finite for every token the request can be given.
 
@@ -155,6 +155,7 @@ class Sampler:
             if plain is not None:
                 return plain
         logits = logits.to(torch.float32, copy=adjusts)
+        _apply_logit_bias(logits, rows)
         self._apply_penalties(logits, rows)
         errors: list[str | None] = [None] * len(rows)
         # Rows forced greedy because their logits or probabilities are not usable.
@@ -325,7 +326,26 @@ def _plain_greedy(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutpu
 def _adjusts_logits(row: SamplingRow) -> bool:
     options = row.options
     return (options.repetition_penalty != 1.0 or options.frequency_penalty != 0.0
-            or options.presence_penalty != 0.0 or len(row.output_token_ids) < options.min_tokens)
+            or options.presence_penalty != 0.0 or len(row.output_token_ids) < options.min_tokens
+            or bool(options.logit_bias))
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """In place: each row's biases added to their tokens' logits (ids past the logits' vocab have none)."""
+    vocab = logits.shape[1]
+    row_index: list[int] = []
+    token_index: list[int] = []
+    values: list[float] = []
+    for i, row in enumerate(rows):
+        for token, bias in row.options.logit_bias.items():
+            if token < vocab:
+                row_index.append(i)
+                token_index.append(token)
+                values.append(bias)
+    if values:
+        device = logits.device
+        index = (torch.tensor(row_index, device=device), torch.tensor(token_index, device=device))
+        logits.index_put_(index, torch.tensor(values, device=device), accumulate=True)
 
 
 def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:

@@ -188,3 +188,24 @@ def test_seed_reproducibility(system: System) -> None:
     others = {client(system).chat.completions.create(seed=s, **kwargs).choices[0].message.content for s in (1, 2, 3)}
     assert first == again
     assert others - {first}, "other seeds give other text"
+
+
+def test_logit_bias_steers_and_bans_tokens_through_the_sdk(system: System) -> None:
+    """OpenAI's logit_bias on the real model: +100 on one token makes every greedy token that one;
+    -100 on the token greedy decoding picks first keeps it out of the answer."""
+    from engine.frontend.model_source import load_tokenizer
+    from engine.loading.default_model import default_model_path
+
+    tokenizer, _ = load_tokenizer(default_model_path())
+    api = client(system)
+    (forced,) = tokenizer.encode(" banana", add_special_tokens=False)
+    steered = api.completions.create(model=system.model, prompt="The capital of France is", max_tokens=4,
+                                     temperature=0, logit_bias={str(forced): 100}, logprobs=0)
+    assert steered.choices[0].logprobs.tokens == [" banana"] * 4
+    plain = api.chat.completions.create(model=system.model, messages=QUESTION, max_tokens=1, temperature=0,
+                                        logprobs=True)
+    first = plain.choices[0].logprobs.content[0].token
+    (first_id,) = tokenizer.encode(first, add_special_tokens=False)
+    banned = api.chat.completions.create(model=system.model, messages=QUESTION, max_tokens=1, temperature=0,
+                                         logprobs=True, logit_bias={str(first_id): -100})
+    assert banned.choices[0].logprobs.content[0].token != first

@@ -481,3 +481,16 @@ def test_a_kept_penalty_state_gives_what_a_fresh_one_does_step_after_step() -> N
                            _penalized_logprobs(fresh, logits, stateless)), step
         for i, out in enumerate(outputs):
             out.extend([(step * 31 + i * 7) % VOCAB] * (3 if step == 4 else 1))
+
+
+def test_logit_bias_adds_to_its_tokens_in_its_row_only() -> None:
+    logits = random_logits(3)
+    top = logits.argmax(-1).tolist()
+    rows = [row(options(temperature=0.0, logit_bias={7: 100.0}, logprobs=0)),
+            row(options(temperature=0.0, logit_bias={top[1]: -100.0, VOCAB + 5: 50.0})),
+            row(options(temperature=0.0))]
+    out = Sampler()(logits, rows)
+    assert out.token_ids[0] == 7 and out.token_ids[2] == top[2]
+    assert out.token_ids[1] == logits[1].topk(2).indices[1].item()  # the best one banned: the next best
+    # Logprobs are read after the bias.
+    assert out.logprobs[0] is not None and out.logprobs[0].logprob > math.log(0.99)

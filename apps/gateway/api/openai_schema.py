@@ -118,6 +118,7 @@ class GenerationParams(StructuredOutputFields, kw_only=True):
     stop: p.StopString | p.StopStrings | None = None
     stop_token_ids: p.StopTokenIds | None = None
     ignore_eos: bool | None = None
+    logit_bias: p.LogitBias | None = None
     n: p.Choices | None = None
     user: str | None = None
     # Order among this server's interactive requests, lower first (vLLM's `priority`).

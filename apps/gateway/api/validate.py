@@ -12,7 +12,7 @@ nothing is sent on the bus. The bounds:
 - Sampling: the bounds of `engine.frontend.protocol` (`SamplingParams`' field types), among them at most
   16 stop strings of at most 256 bytes each (`stop`, Anthropic's `stop_sequences`) and at most
   64 `stop_token_ids`.
-- Token ids (`stop_token_ids`, a `/v1/completions` prompt given as ids) inside the model's
+- Token ids (`stop_token_ids`, `logit_bias`'s keys, a `/v1/completions` prompt given as ids) inside the model's
   vocabulary, once the workers serving it report its size (`ModelStatus.vocab_size`).
 - The answer's length (`max_tokens`, `max_completion_tokens`, `max_output_tokens`): at most the
   output limit the workers serving the model advertise (`/v1/models` `max_output_tokens`), and
@@ -60,7 +60,8 @@ _BRACKET = re.compile(rb"[\[\]{}]")
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
-_PATH = re.compile(r"at `\$\.([A-Za-z_]+)")
+# "... - at `$.field...`", or for an object's key "... - at `key` in `$.field...`".
+_PATH = re.compile(r"at (?:`key` in )?`\$\.([A-Za-z_]+)")
 _MISSING = re.compile(r"missing required field `([A-Za-z_]+)`")
 
 
@@ -130,7 +131,8 @@ def decode_body(body: bytes, kind: type[T]) -> T:
         if _MISSING.search(text):
             message = f"Missing required parameter: '{param}'."
         else:
-            message = (f"Invalid value for '{param}': {text.split(' - at ')[0]}." if param
+            key = " (a key)" if " - at `key` in " in text else ""
+            message = (f"Invalid value for '{param}'{key}: {text.split(' - at ')[0]}." if param
                        else f"Invalid request: {text}.")
         raise _refuse(message, param) from None
     except msgspec.DecodeError:
@@ -158,6 +160,7 @@ def check_token_ids(request: wire.GenerateRequest, nodes: list[wire.NodeStatus])
         return
     checks: list[tuple[str, list[int], ErrorCode]] = [
         ("stop_token_ids", request.sampling.stop_token_ids, ErrorCode.INVALID_REQUEST),
+        ("logit_bias", list(request.sampling.logit_bias), ErrorCode.INVALID_REQUEST),
         ("prompt", request.prompt_token_ids or [], ErrorCode.INVALID_PROMPT),
     ]
     for param, ids, code in checks:
