@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from engine.runner.step_metadata import AttentionMetadata, SequenceChunk, build_step_inputs
+from engine.runner.step_metadata import AttentionMetadata, SequenceChunk, build_step_inputs, padded_tables
 
 
 def by_definition(chunks: list[SequenceChunk], block_size: int) -> dict[str, list]:
@@ -74,3 +74,13 @@ def test_a_sequence_longer_than_its_blocks_is_refused() -> None:
         AttentionMetadata.build([1], [9], [[3, 7]], block_size=4)
     with pytest.raises(ValueError, match="query_len 0"):
         AttentionMetadata.build([0], [4], [[3]], block_size=4)
+
+
+@pytest.mark.parametrize("lengths", [[3, 3, 3], [8192, 2, 5, 1], [1], [4, 1, 7]])
+def test_block_tables_are_padded_with_zeros_to_the_longest(lengths: list[int]) -> None:
+    tables = [[1000 * row + b + 1 for b in range(n)] for row, n in enumerate(lengths)]
+    padded = padded_tables(tables)
+    assert padded.shape == (len(lengths), max(lengths)) and padded.dtype.name == "int32"
+    for row, table in enumerate(tables):
+        assert padded[row, :len(table)].tolist() == table
+        assert not padded[row, len(table):].any()
