@@ -6,11 +6,15 @@ Cases, each the median time of one call over `--steps` steps (logits fixed per s
 - `wide_top_k`: 15 rows sampling with top_k 40 beside one with top_k = vocabulary - 1;
 - `penalties_8k`: 16 greedy rows with 8,192-token prompts, repetition and frequency penalties, the
   output growing one token a step;
+- `penalties_96`: the same with 96 rows of 4,096-token prompts (more penalized rows than the
+  sampler keeps states for beyond a step's own);
 - `block_tables`: a step's attention metadata for 256 decoding sequences, one of them 8,192 blocks
   long and the others 3.
 
 A case's time counts only where both trees gave the same tokens (and tables) step for step: each
-run reports a digest of them, and a tree whose digest differs from the other's gets no figure.
+run reports a digest of them, and a tree whose digest differs from the other's gets no figure. Each
+figure is the median call; the first call of a run (a penalty state built from the prompt) is in
+`first_ms`.
 
     python -m benchmarks.step_extremes --base /tmp/base --out benchmarks/results/step_extremes-<machine>.json
 """
@@ -26,7 +30,7 @@ import time
 from pathlib import Path
 
 VOCAB = 49152
-CASES = ("greedy16", "wide_top_k", "penalties_8k", "block_tables")
+CASES = ("greedy16", "wide_top_k", "penalties_8k", "penalties_96", "block_tables")
 
 
 def measure(case: str, steps: int) -> dict:
@@ -57,8 +61,9 @@ def measure(case: str, steps: int) -> dict:
         options = [SamplingParams(temperature=1.0, top_k=40, seed=i) for i in range(15)]
         options.append(SamplingParams(temperature=1.0, top_k=VOCAB - 1, seed=15))
     else:
-        options = [SamplingParams(temperature=0.0, repetition_penalty=1.1, frequency_penalty=0.2)] * 16
-    prompt_len = 8192 if case == "penalties_8k" else 16
+        rows = 96 if case == "penalties_96" else 16
+        options = [SamplingParams(temperature=0.0, repetition_penalty=1.1, frequency_penalty=0.2)] * rows
+    prompt_len = {"penalties_8k": 8192, "penalties_96": 4096}.get(case, 16)
     prompts = [torch.randint(0, VOCAB, (prompt_len,), generator=generator).tolist() for _ in options]
     outputs: list[list[int]] = [[] for _ in options]
     sampler = Sampler(seed=0)
@@ -72,7 +77,8 @@ def measure(case: str, steps: int) -> dict:
         digest.update(json.dumps(tokens).encode())
         for out, token in zip(outputs, tokens, strict=True):
             out.append(token)
-    return {"ms": statistics.median(times) * 1e3, "digest": digest.hexdigest(), "correct": True}
+    return {"ms": statistics.median(times) * 1e3, "first_ms": times[0] * 1e3, "digest": digest.hexdigest(),
+            "correct": True}
 
 
 def main() -> None:

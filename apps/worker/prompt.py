@@ -146,6 +146,17 @@ def resolve_sampling(request: wire.GenerateRequest, num_prompt_tokens: int, max_
                                    structured=reply_constraint(request))
 
 
+def check_sampling_ids(request: wire.GenerateRequest, vocab_size: int) -> None:
+    """`stop_token_ids` and `logit_bias` name tokens of this model (the gateway checks them too, when
+    the workers have reported the vocabulary; a bus client's request comes here unchecked)."""
+    sampling = request.sampling
+    for param, ids in (("stop_token_ids", sampling.stop_token_ids), ("logit_bias", list(sampling.logit_bias))):
+        if vocab_size and any(t >= vocab_size for t in ids):
+            raise ServingError(400, ErrorCode.INVALID_REQUEST,
+                               f"'{param}' holds a token id outside the model's vocabulary (ids are 0 to "
+                               f"{vocab_size - 1}).", param=param)
+
+
 def check_resume(request: wire.GenerateRequest, vocab_size: int) -> None:
     """A migrated request names what each of its n choices was sent, in token ids of this model."""
     if request.resume is None:

@@ -29,7 +29,7 @@ from apps.bus.events import RunFinished
 from apps.worker import liveness
 from apps.worker.choices import engine_request_ids, generate
 from apps.worker.context_limit import ContextLimit
-from apps.worker.prompt import build_prompt, check_resume, resolve_sampling
+from apps.worker.prompt import build_prompt, check_resume, check_sampling_ids, resolve_sampling
 from apps.worker.replies import Replier
 from apps.worker.run_record import RunRecord
 from apps.worker.tokenizing import Tokenizing
@@ -128,6 +128,7 @@ async def run_request(model: ServedModel, request: wire.GenerateRequest, replier
         sampling = resolve_sampling(request, len(prompt.token_ids), model.context.derive().context)
         await check_composed(request, sampling, model.grammars)
         check_resume(request, model.tokenizer.vocab_size)
+        check_sampling_ids(request, model.tokenizer.vocab_size)
         check_resume_fits(request, sampling.max_tokens)
     except ServingError as exc:
         await replier.error(exc.status, exc.code or ErrorCode.INVALID_REQUEST, exc.message)

@@ -43,6 +43,7 @@ from engine.frontend.grammars import (
     bounds_error,
     grammar_key,
     parser_limits,
+    run_time_error,
     short_error,
     to_llguidance,
 )
@@ -253,10 +254,10 @@ class StructuredOutputs:
                 continue
             failed = self._failed.pop(request_id, None)
             if failed is not None:
-                ends.append(GrammarEnd(request_id, f"structured output failed: {short_error(failed)}"))
+                ends.append(GrammarEnd(request_id, f"structured output failed: {run_time_error(failed)}"))
             elif not matcher.consume_token(token_id):
                 error = matcher.get_error() or f"token {token_id} is not allowed by the grammar"
-                ends.append(GrammarEnd(request_id, f"structured output failed: {short_error(error)}"))
+                ends.append(GrammarEnd(request_id, f"structured output failed: {run_time_error(error)}"))
             elif matcher.is_stopped():
                 ends.append(GrammarEnd(request_id))
         return ends

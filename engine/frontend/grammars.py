@@ -91,6 +91,16 @@ COMPILE_BUDGET_S = 10.0
 STEP_MAX_ITEMS = 2000
 
 
+def run_time_error(error: str) -> str:
+    """A grammar's failure while generating, as a request's error: short, and for the per-token
+    bound with what usually causes it and the way around it."""
+    if "Too many items" in error:
+        return (f"the grammar needs more parser work per token than allowed ({STEP_MAX_ITEMS} items); a rule "
+                f"repeated by right recursion over single characters (x ::= c x | c) does: write it with + or * "
+                f"or left recursion ({short_error(error, 160)})")
+    return short_error(error)
+
+
 def parser_limits() -> llguidance.LLParserLimits:
     """llguidance's own limits: short errors (verbose ones embed the grammar and parser state), and
     a mask's work bounded per token (`STEP_MAX_ITEMS`)."""

@@ -74,7 +74,8 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_BYTES = 256
 MAX_STOP_TOKEN_IDS = 64
-TokenId = Annotated[int, Meta(ge=0)]
+# Any vocabulary's ids fit int32 (and the core pipe's msgpack); the model's own size is checked where known.
+TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
 # The length here counts characters; the gateway also holds each one to MAX_STOP_STRING_BYTES of UTF-8.
 StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_STRING_BYTES)]
 StopStrings = Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)]

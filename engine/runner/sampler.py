@@ -42,8 +42,8 @@ from engine.frontend.protocol import SamplingParams, TokenLogprob
 _CDF_BLOCK = 256
 # Candidate counts tried in turn for the top-k/top-p kept set before falling back to a full sort.
 _TOP_K_TOP_P_CANDIDATES = (256, 4096)
-# Requests whose penalty state is kept (least recently sampled dropped first): a state is two
-# vocabulary-long vectors, and one dropped is only rebuilt from the request's tokens.
+# Requests whose penalty state is kept beyond those of the step at hand (least recently sampled
+# dropped first): a state is its request's distinct token ids, and one dropped is only rebuilt.
 _PENALTY_STATES = 64
 
 
@@ -87,30 +87,35 @@ class _PenaltyState:
 
     def catch_up(self) -> None:
         """Take in the output tokens added since the last step (one, usually)."""
-        new_seen: list[int] = []
+        new_seen: dict[int, None] = {}  # in order, once each
         new_out: list[int] = []
         bumped: list[int] = []
+        out_index = dict(self.out_index)
         for token in self.outputs[self.counted:]:
             if not 0 <= token < self.vocab:
                 continue  # no logit to adjust
             if token not in self.seen:
-                self.seen.add(token)
-                new_seen.append(token)
-            index = self.out_index.get(token)
+                new_seen[token] = None
+            index = out_index.get(token)
             if index is None:
-                index = self.out_index[token] = len(self.out_index)
+                index = out_index[token] = len(out_index)
                 new_out.append(token)
             bumped.append(index)
-        self.counted = len(self.outputs)
+        # The tensors first: if building one fails (out of device memory), the state is as it was.
         device = self.seen_ids.device
+        seen_ids, out_ids, out_counts = self.seen_ids, self.out_ids, self.out_counts
         if new_seen:
-            self.seen_ids = torch.cat([self.seen_ids, torch.tensor(new_seen, dtype=torch.long, device=device)])
+            seen_ids = torch.cat([seen_ids, torch.tensor(list(new_seen), dtype=torch.long, device=device)])
         if new_out:
-            self.out_ids = torch.cat([self.out_ids, torch.tensor(new_out, dtype=torch.long, device=device)])
-            self.out_counts = torch.cat([self.out_counts, torch.zeros(len(new_out), device=device)])
+            out_ids = torch.cat([out_ids, torch.tensor(new_out, dtype=torch.long, device=device)])
+            out_counts = torch.cat([out_counts, torch.zeros(len(new_out), device=device)])
         if bumped:
-            self.out_counts.index_add_(0, torch.tensor(bumped, dtype=torch.long, device=device),
-                                       torch.ones(len(bumped), device=device))
+            out_counts = out_counts.index_add(0, torch.tensor(bumped, dtype=torch.long, device=device),
+                                              torch.ones(len(bumped), device=device))
+        self.seen_ids, self.out_ids, self.out_counts = seen_ids, out_ids, out_counts
+        self.seen.update(new_seen)
+        self.out_index = out_index
+        self.counted = len(self.outputs)
 
     @classmethod
     def of(cls, row: SamplingRow, vocab: int, device: torch.device) -> _PenaltyState:
@@ -218,6 +223,10 @@ class Sampler:
             return
         vocab, device = logits.shape[1], logits.device
         states = {i: self._penalty_state(rows[i], vocab, device) for i in sorted({*repeat, *additive})}
+        # Dropped only now, and only states no row of this step uses: more penalized rows than the
+        # cache keeps would otherwise rebuild each other's every step.
+        while len(self._penalty_states) > max(_PENALTY_STATES, len(states)):
+            self._penalty_states.popitem(last=False)
         if repeat:
             row_index, token_index = _pairs(repeat, [states[i].seen_ids for i in repeat], device)
             penalty = torch.tensor([row.options.repetition_penalty for row in rows], device=device)[row_index]
@@ -242,8 +251,6 @@ class Sampler:
         if row.request_id:
             self._penalty_states[row.request_id] = state
             self._penalty_states.move_to_end(row.request_id)
-            while len(self._penalty_states) > _PENALTY_STATES:
-                self._penalty_states.popitem(last=False)
         return state
 
     def forget(self, request_id: str) -> None:

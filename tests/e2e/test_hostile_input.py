@@ -119,6 +119,7 @@ CASES: dict[str, Case] = {
     "chat-logit-bias-1025-tokens": Case(CHAT, chat(logit_bias={str(i): 1 for i in range(1025)}), param="logit_bias"),
     "chat-logit-bias-not-a-token": Case(CHAT, chat(logit_bias={"abc": 1}), param="logit_bias"),
     "chat-logit-bias-past-100": Case(CHAT, chat(logit_bias={"5": 101}), param="logit_bias"),
+    "chat-logit-bias-id-past-int64": Case(CHAT, chat(logit_bias={str(2**64): 1}), param="logit_bias"),
     "chat-logit-bias-past-vocab": Case(CHAT, chat(logit_bias={str(VOCAB): 1}), param="logit_bias"),
     "completions-logit-bias-negative-id": Case(COMPLETIONS, completion(logit_bias={"-3": 1}), param="logit_bias"),
     "chat-129-tools": Case(CHAT, chat(tools=[tool(f"f{i}") for i in range(129)]), param="tools"),

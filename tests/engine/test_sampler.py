@@ -494,3 +494,23 @@ def test_logit_bias_adds_to_its_tokens_in_its_row_only() -> None:
     assert out.token_ids[1] == logits[1].topk(2).indices[1].item()  # the best one banned: the next best
     # Logprobs are read after the bias.
     assert out.logprobs[0] is not None and out.logprobs[0].logprob > math.log(0.99)
+
+
+def test_more_penalized_rows_than_the_cache_keeps_keep_their_states_between_steps() -> None:
+    """A step's own rows are never dropped from the penalty cache, however many there are: each
+    row's state is taken in, not rebuilt from its prompt, at the next step."""
+    rows_n = 80  # more than the states kept beyond a step's own
+    opts = options(temperature=0.0, repetition_penalty=1.2)
+    prompts = [[i, i + 1, i + 2] for i in range(rows_n)]
+    outputs: list[list[int]] = [[] for _ in range(rows_n)]
+    sampler = Sampler()
+    kept: dict[str, object] = {}
+    for step in range(3):
+        rows = [SamplingRow(opts, p, out, [], request_id=f"r{i}")
+                for i, (p, out) in enumerate(zip(prompts, outputs, strict=True))]
+        for i, token in enumerate(sampler(random_logits(rows_n, seed=step), rows).token_ids):
+            outputs[i].append(token)
+        states = {rid: sampler._penalty_states[rid] for rid in (f"r{i}" for i in range(rows_n))}
+        if kept:
+            assert all(states[rid] is kept[rid] for rid in kept), "a row's state was rebuilt"
+        kept = states  # type: ignore[assignment]

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 import pytest
 
 from apps.bus import wire
 from apps.bus.codes import ServingError
-from apps.worker.prompt import build_prompt
+from apps.worker.prompt import build_prompt, check_sampling_ids
 from engine.frontend.model_source import load_tokenizer
 from engine.frontend.protocol import SamplingParams
 from engine.frontend.tokenizer import Tokenizer
@@ -122,3 +123,18 @@ def test_text_chars_counts_every_field_the_template_renders(tokenizer: Tokenizer
     rendered = len(text_of(every, large)) - len(text_of(every, small))
     assert rendered > 4000  # the template renders the field (an id twice)
     assert large.text_chars() - small.text_chars() >= rendered
+
+
+@pytest.mark.parametrize("param", ["stop_token_ids", "logit_bias"])
+def test_token_ids_past_the_vocabulary_are_refused_by_the_worker_too(tokenizer: Tokenizer, param: str) -> None:
+    """A bus client's request skips the gateway's vocabulary check; the worker names the parameter."""
+    vocab = tokenizer.vocab_size
+    past = {"stop_token_ids": [vocab], "logit_bias": {vocab: 1.0}}[param]
+    within = {"stop_token_ids": [vocab - 1], "logit_bias": {vocab - 1: 1.0}}[param]
+    def asking(ids: object) -> wire.GenerateRequest:
+        return msgspec.structs.replace(request(("user", "hi")), sampling=SamplingParams(**{param: ids}))
+
+    check_sampling_ids(asking(within), vocab)
+    with pytest.raises(ServingError) as caught:
+        check_sampling_ids(asking(past), vocab)
+    assert caught.value.param == param
