@@ -107,6 +107,9 @@ class _PoisonRow:
     def __init__(self, sampler: object, victim: SamplingParams, everywhere: bool) -> None:
         self.sampler, self.victim, self.everywhere = sampler, victim, everywhere
 
+    def __getattr__(self, name: str) -> object:  # the rest of the sampler (forget) as it is
+        return getattr(self.sampler, name)
+
     def __call__(self, logits: torch.Tensor, rows: list) -> object:
         logits = logits.clone()
         for i, row in enumerate(rows):
