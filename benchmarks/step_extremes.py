@@ -62,8 +62,8 @@ def measure(case: str, steps: int) -> dict:
         options = [SamplingParams(temperature=1.0, top_k=40, seed=i) for i in range(15)]
         options.append(SamplingParams(temperature=1.0, top_k=VOCAB - 1, seed=15))
     else:
-        rows = 96 if case == "penalties_96" else 16
-        options = [SamplingParams(temperature=0.0, repetition_penalty=1.1, frequency_penalty=0.2)] * rows
+        count = 96 if case == "penalties_96" else 16
+        options = [SamplingParams(temperature=0.0, repetition_penalty=1.1, frequency_penalty=0.2)] * count
     prompt_len = {"penalties_8k": 8192, "penalties_96": 4096}.get(case, 16)
     prompts = [torch.randint(0, VOCAB, (prompt_len,), generator=generator).tolist() for _ in options]
     outputs: list[list[int]] = [[] for _ in options]
