@@ -88,18 +88,18 @@ class _PenaltyState:
     def catch_up(self) -> None:
         """Take in the output tokens added since the last step (one, usually)."""
         new_seen: dict[int, None] = {}  # in order, once each
-        new_out: list[int] = []
+        new_out: dict[int, int] = {}  # output tokens not counted before, with their positions
         bumped: list[int] = []
-        out_index = dict(self.out_index)
         for token in self.outputs[self.counted:]:
             if not 0 <= token < self.vocab:
                 continue  # no logit to adjust
             if token not in self.seen:
                 new_seen[token] = None
-            index = out_index.get(token)
+            index = self.out_index.get(token)
             if index is None:
-                index = out_index[token] = len(out_index)
-                new_out.append(token)
+                index = new_out.get(token)
+                if index is None:
+                    index = new_out[token] = len(self.out_index) + len(new_out)
             bumped.append(index)
         # The tensors first: if building one fails (out of device memory), the state is as it was.
         device = self.seen_ids.device
@@ -107,14 +107,14 @@ class _PenaltyState:
         if new_seen:
             seen_ids = torch.cat([seen_ids, torch.tensor(list(new_seen), dtype=torch.long, device=device)])
         if new_out:
-            out_ids = torch.cat([out_ids, torch.tensor(new_out, dtype=torch.long, device=device)])
+            out_ids = torch.cat([out_ids, torch.tensor(list(new_out), dtype=torch.long, device=device)])
             out_counts = torch.cat([out_counts, torch.zeros(len(new_out), device=device)])
         if bumped:
             out_counts = out_counts.index_add(0, torch.tensor(bumped, dtype=torch.long, device=device),
                                               torch.ones(len(bumped), device=device))
         self.seen_ids, self.out_ids, self.out_counts = seen_ids, out_ids, out_counts
         self.seen.update(new_seen)
-        self.out_index = out_index
+        self.out_index.update(new_out)
         self.counted = len(self.outputs)
 
     @classmethod
