@@ -30,6 +30,8 @@ LEAKS = ("Traceback", 'File "', "nats", "msgspec", "asyncpg", "Exception", "Recu
          "litestar")
 
 
+# A stream the target answers slowly, beside hostile requests.
+SLOW, SLOW_REPLY = "a slow stream, please", "one two three four five six seven eight nine ten"
 # Past the scripted target's prompt bound (8192 tokens x 16 characters).
 LONG = 8192 * 16 + 1
 
@@ -193,7 +195,8 @@ CASES: dict[str, Case] = {
 
 @pytest.fixture(scope="module")
 def target(system: System, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with scripted_worker(system, tmp_path_factory.mktemp("hostile"), TARGET, {"rules": [], "default": "fine"}):
+    script = {"rules": [{"match": SLOW, "reply": SLOW_REPLY, "token_delay_s": 0.1}], "default": "fine"}
+    with scripted_worker(system, tmp_path_factory.mktemp("hostile"), TARGET, script):
         # The target's vocabulary size must be known to the gateways before the vocabulary cases run.
         eventually(lambda: any(m["id"] == TARGET for m in httpx.get(f"{system.base_url}/v1/models").json()["data"]),
                    30)
@@ -282,3 +285,35 @@ def test_a_valid_request_still_reaches_the_target(system: System, target: str, k
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["message"]["content"] == "fine"
     assert published(system) == before + 1
+
+
+# The bounds added with the template's text count, the logprobs of a whole answer and logit_bias.
+NEWER_BOUNDS = ["chat-tool-call-name-past-context", "chat-tool-call-id-past-context", "chat-message-name-past-context",
+                "messages-tool-use-name-past-context", "responses-function-call-name-past-context",
+                "chat-whole-logprobs-past-bound", "chat-logit-bias-1025-tokens", "chat-logit-bias-id-past-int64",
+                "chat-logit-bias-past-vocab"]
+
+
+def test_newer_bounds_refuse_by_name_while_a_stream_beside_them_runs_to_its_end(system: System, target: str) -> None:
+    async def scenario() -> tuple[str, list[httpx.Response]]:
+        async with httpx.AsyncClient(base_url=system.base_url, timeout=60) as http:
+            async def stream() -> str:
+                text = []
+                body = chat(messages=[{"role": "user", "content": SLOW}], max_tokens=64, stream=True)
+                async with http.stream("POST", CHAT, json=body) as response:
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: {"):
+                            text += [c["delta"].get("content") or "" for c in json.loads(line[6:])["choices"]]
+                return "".join(text)
+
+            streaming = asyncio.create_task(stream())
+            answers = [await http.post(CASES[name].path, content=json.dumps(CASES[name].body).encode(),
+                                       headers=CASES[name].headers) for name in NEWER_BOUNDS]
+            return await streaming, answers
+
+    before = published(system)
+    text, answers = asyncio.run(scenario())
+    for name, answer in zip(NEWER_BOUNDS, answers, strict=True):
+        assert_envelope(CASES[name], answer, 400)
+    assert text == SLOW_REPLY
+    assert published(system) == before + 1  # the stream alone reached the bus
