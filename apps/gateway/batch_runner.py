@@ -186,25 +186,26 @@ class BatchRunner:
                 stop.started.add(expired.line)
                 self._emit(expired)
         await self._until_lines(batch_id, done | stop.started)
-        final = stop.reason or "completed"
         self._batches.set_status(batch_id, "finalizing")
-        output, errors = await self._write_outputs(batch)
-        self._batches.set_status(batch_id, final, output_file_id=output, error_file_id=errors)
-        await self._until(batch_id, lambda b: b.status in TERMINAL)
-        return True
+        return await self._end_with_outputs(batch, stop.reason or "completed")
 
     async def _give_up(self, batch: StoredBatch) -> bool:
         """End a batch still claimed GIVE_UP_AFTER_EXPIRY_S past its window: `expired` (`cancelled`
         if it was being cancelled), with the output and error files of the lines the ledger has."""
-        batch_id = batch.batch_id
-        log.warning("batch given up past its window", extra={"batch_id": batch_id})
+        log.warning("batch given up past its window", extra={"batch_id": batch.batch_id})
+        recorded = len(await self._batches.lines_done(batch.batch_id))
+        return await self._end_with_outputs(batch, "cancelled" if batch.status == "cancelling" else "expired",
+                                            errors=[line_error("batch_incomplete", (
+                                                f"The batch had not ended {GIVE_UP_AFTER_EXPIRY_S / 3600:g} h past its "
+                                                f"window; the output and error files hold the {recorded} lines "
+                                                "recorded."))])
+
+    async def _end_with_outputs(self, batch: StoredBatch, final: str, **fields: Any) -> bool:
+        """Write the output and error files of the lines the ledger has, end the batch `final` with
+        them (and `fields`), and wait until the ledger has it so."""
         output, errors = await self._write_outputs(batch)
-        recorded = len(await self._batches.lines_done(batch_id))
-        final = "cancelled" if batch.status == "cancelling" else "expired"
-        self._batches.set_status(batch_id, final, output_file_id=output, error_file_id=errors, errors=[line_error(
-            "batch_incomplete", f"The batch had not ended {GIVE_UP_AFTER_EXPIRY_S / 3600:g} h past its window; the "
-                                f"output and error files hold the {recorded} lines recorded.")])
-        await self._until(batch_id, lambda b: b.status in TERMINAL)
+        self._batches.set_status(batch.batch_id, final, output_file_id=output, error_file_id=errors, **fields)
+        await self._until(batch.batch_id, lambda b: b.status in TERMINAL)
         return True
 
     def _prepare_all(self, batch: StoredBatch, lines: list[bytes], done: set[int],

@@ -149,12 +149,10 @@ def resolve_sampling(request: wire.GenerateRequest, num_prompt_tokens: int, max_
 def check_sampling_ids(request: wire.GenerateRequest, vocab_size: int) -> None:
     """`stop_token_ids` and `logit_bias` name tokens of this model (the gateway checks them too, when
     the workers have reported the vocabulary; a bus client's request comes here unchecked)."""
-    sampling = request.sampling
-    for param, ids in (("stop_token_ids", sampling.stop_token_ids), ("logit_bias", list(sampling.logit_bias))):
-        if vocab_size and any(t >= vocab_size for t in ids):
-            raise ServingError(400, ErrorCode.INVALID_REQUEST,
-                               f"'{param}' holds a token id outside the model's vocabulary (ids are 0 to "
-                               f"{vocab_size - 1}).", param=param)
+    past = request.sampling.param_with_id_past(vocab_size) if vocab_size else None
+    if past is not None:
+        raise ServingError(400, ErrorCode.INVALID_REQUEST, f"'{past}' holds a token id outside the model's "
+                           f"vocabulary (ids are 0 to {vocab_size - 1}).", param=past)
 
 
 def check_resume(request: wire.GenerateRequest, vocab_size: int) -> None:

@@ -134,6 +134,14 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     # None: free text; else the grammar the output must match (engine.core.structured_output).
     structured: StructuredOutput | None = None
 
+    def param_with_id_past(self, vocab_size: int) -> str | None:
+        """The parameter that names a token outside a vocabulary of `vocab_size` (None: none does);
+        the gateway and the worker refuse such a request by this one rule."""
+        for param, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias)):
+            if any(token >= vocab_size for token in ids):
+                return param
+        return None
+
     @property
     def greedy(self) -> bool:
         """The one place that decides greedy (argmax) decoding for a request."""

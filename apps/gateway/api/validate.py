@@ -158,15 +158,12 @@ def check_token_ids(request: wire.GenerateRequest, nodes: list[wire.NodeStatus])
     vocab = vocabulary_size(nodes, request.model)
     if not vocab:
         return
-    checks: list[tuple[str, list[int], ErrorCode]] = [
-        ("stop_token_ids", request.sampling.stop_token_ids, ErrorCode.INVALID_REQUEST),
-        ("logit_bias", list(request.sampling.logit_bias), ErrorCode.INVALID_REQUEST),
-        ("prompt", request.prompt_token_ids or [], ErrorCode.INVALID_PROMPT),
-    ]
-    for param, ids, code in checks:
-        if any(i >= vocab for i in ids):
-            raise _refuse(f"'{param}' holds a token id outside the model's vocabulary (ids are 0 to {vocab - 1}).",
-                          param, code)
+    past = request.sampling.param_with_id_past(vocab)
+    if past is not None:
+        raise _refuse(f"'{past}' holds a token id outside the model's vocabulary (ids are 0 to {vocab - 1}).", past)
+    if any(i >= vocab for i in request.prompt_token_ids or []):
+        raise _refuse(f"'prompt' holds a token id outside the model's vocabulary (ids are 0 to {vocab - 1}).",
+                      "prompt", ErrorCode.INVALID_PROMPT)
 
 
 
