@@ -7,7 +7,9 @@ principal) and `response.deleted` onto EVENTS, and the recorder projects them in
 `responses` table (migrations 0005, 0006); a deletion erases the content. Reading is a query on
 that table; a conversation is rebuilt by following `previous_response_id` back to its first
 response (one recursive query, cut at `StoreLimits.max_chain_responses` responses and
-`max_chain_bytes` bytes, so a long chain is refused before any work rather than loaded). A
+`max_chain_bytes` bytes, so a long chain is refused before any work rather than loaded), then
+decoded a response at a time into the typed input items it continues with, the event loop let go
+between responses (what a conversation does not read is skipped unread). A
 response that does not exist, was deleted, or belongs to another principal is a 404 — the same
 404, so ids of others cannot be probed.
 
@@ -28,7 +30,7 @@ A restarted gateway has an empty cache and reads everything from the ledger.
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
 import time
 from collections import OrderedDict
@@ -36,10 +38,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import asyncpg
+import msgspec
 
 from apps.bus import wire
 from apps.bus.codes import ErrorCode, ServingError, Unavailable, unavailable
 from apps.bus.events import AnyEvent, ResponseDeleted, ResponseStored
+from apps.gateway.api import responses_schema as rs
 from apps.gateway.capability_ids import CapabilityIds
 from apps.gateway.ledger_pool import LedgerPool
 from apps.gateway.projection_notices import ProjectionNotices
@@ -121,28 +125,69 @@ def without_nul(value: Any) -> Any:
 
 
 @dataclass(slots=True, frozen=True)
-class StoredResponse:
+class NewResponse:
+    """A response to store, as the handler has it: its input items and the response object."""
+
     response_id: str
     principal: str | None
     previous_response_id: str | None
     input_items: list[dict[str, Any]]
     response: dict[str, Any]
+
+
+class _StoredOutput(msgspec.Struct):
+    """The part of a stored response object a conversation reads: its output items, as input
+    items (every other field is skipped unread)."""
+
+    output: list[rs.InputItem] = []
+
+
+class _StoredModel(msgspec.Struct):
+    model: str | None = None
+
+
+_items_decoder = msgspec.json.Decoder(list[rs.InputItem])
+_output_decoder = msgspec.json.Decoder(_StoredOutput)
+_model_decoder = msgspec.json.Decoder(_StoredModel)
+
+
+@dataclass(slots=True, frozen=True)
+class StoredResponse:
+    """A stored response as read back: its input items and response object kept as the JSON the
+    ledger holds, decoded only into what a reader needs (typed, so the rest is skipped unread)."""
+
+    response_id: str
+    principal: str | None
+    previous_response_id: str | None
+    input_json: bytes = b"[]"
+    response_json: bytes = b"{}"
     deleted: bool = False
-    size: int = 0
 
     @property
-    def items(self) -> list[dict[str, Any]]:
-        """What this turn adds to a conversation: its input, then its output."""
-        return [*self.input_items, *self.response.get("output", [])]
+    def size(self) -> int:
+        return len(self.input_json) + len(self.response_json)
+
+    @property
+    def model(self) -> str | None:
+        return _model_decoder.decode(self.response_json).model
+
+    def items(self) -> list[rs.InputItem]:
+        """What this turn adds to a conversation: its input, then its output (a 400 naming
+        `previous_response_id` if the ledger holds something this gateway cannot read)."""
+        try:
+            return [*_items_decoder.decode(self.input_json), *_output_decoder.decode(self.response_json).output]
+        except msgspec.ValidationError as exc:
+            raise ServingError(400, ErrorCode.INVALID_REQUEST,
+                               f"Response '{self.response_id}' of this conversation cannot be continued: {exc}.",
+                               param="previous_response_id") from None
 
 
 def _from_row(row: asyncpg.Record) -> StoredResponse:
     # A deleted response's content is erased; a row known only by its deletion has no stored columns.
     if row["event_id"] is None or row["deleted_at"] is not None or row["response"] is None:
-        return StoredResponse(row["response_id"], row["principal"], row["previous_response_id"], [], {},
-                              deleted=True)
+        return StoredResponse(row["response_id"], row["principal"], row["previous_response_id"], deleted=True)
     return StoredResponse(row["response_id"], row["principal"], row["previous_response_id"],
-                          json.loads(row["input_items"]), json.loads(row["response"]), size=row["stored_bytes"])
+                          row["input_items"].encode(), row["response"].encode())
 
 
 def not_found(response_id: str, param: str | None = None) -> ServingError:
@@ -228,25 +273,24 @@ class ResponseStore:
                 f"{self.limits.max_response_bytes} bytes are stored per response (send less, or 'store': false).",
                 param="input")
 
-    def keep(self, stored: StoredResponse, model: str) -> None:
+    def keep(self, new: NewResponse, model: str) -> None:
         """Store a response: on the ledger (through EVENTS) and in the recent cache. A NUL in its
         output is kept as U+FFFD, as the ledger records it."""
-        response = without_nul(stored.response)
-        stored = StoredResponse(stored.response_id, stored.principal, stored.previous_response_id,
-                                stored.input_items, response, size=stored_size(stored.input_items, response))
-        self._recent.put(stored)
+        response = without_nul(new.response)
+        self._recent.put(StoredResponse(new.response_id, new.principal, new.previous_response_id,
+                                        wire.encode(new.input_items), wire.encode(response)))
         self._events.emit(ResponseStored(
-            model=model, node="gateway", response_id=stored.response_id, principal=stored.principal,
-            previous_response_id=stored.previous_response_id, input_items=stored.input_items,
-            response=stored.response))
+            model=model, node="gateway", response_id=new.response_id, principal=new.principal,
+            previous_response_id=new.previous_response_id, input_items=new.input_items, response=response))
 
     async def delete(self, response_id: str, principal: str | None) -> StoredResponse:
         """Delete one of `principal`'s responses (404 if it has none of that id): its content is
         erased from the ledger once the recorder projects the deletion."""
         stored = await self.get(response_id, principal)
-        self._events.check_room(stored.response.get("model"))
+        model = stored.model
+        self._events.check_room(model)
         self._recent.delete(response_id)
-        self._events.emit(ResponseDeleted(model=stored.response.get("model") or "-", node="gateway",
+        self._events.emit(ResponseDeleted(model=model or "-", node="gateway",
                                                response_id=response_id, principal=principal))
         return stored
 
@@ -254,9 +298,12 @@ class ResponseStore:
         head = await self._head(response_id, principal, param)
         return head[0]
 
-    async def conversation(self, response_id: str, principal: str | None) -> list[dict[str, Any]]:
+    async def conversation(self, response_id: str, principal: str | None) -> list[rs.InputItem]:
         """Every item of the conversation `response_id` ends, oldest first (inputs and outputs);
-        a 400 past the chain limits, a 404 if a response of it was deleted."""
+        a 400 past the chain limits, a 404 if a response of it was deleted. Each response is
+        decoded apart, the event loop let go between them: at most `max_response_bytes` of JSON
+        at a time, typed, so what a conversation does not read (logprobs, tools, reasoning
+        summaries) is skipped unread."""
         param = "previous_response_id"
         limits = self.limits
         chain = await self._head(response_id, principal, param, limits.max_chain_responses, limits.max_chain_bytes)
@@ -285,7 +332,11 @@ class ResponseStore:
             raise ServingError(404, ErrorCode.RESPONSE_NOT_FOUND,
                                f"Response '{gone.response_id}' of this conversation was deleted; its turns are gone.",
                                param=param)
-        return [item for stored in reversed(chain) for item in stored.items]
+        items: list[rs.InputItem] = []
+        for stored in reversed(chain):
+            items += stored.items()
+            await asyncio.sleep(0)
+        return items
 
     async def _head(self, response_id: str, principal: str | None, param: str | None, length: int = 1,
                     max_bytes: int = 0) -> list[StoredResponse]:

@@ -16,7 +16,9 @@ from apps.bus.codes import ServingError
 from apps.bus.events import AnyEvent, ResponseDeleted, ResponseStored, event_kind
 from apps.bus.topology import event_subject
 from apps.embedded.postgres import PostgresServer
+from apps.gateway.api import responses_schema as rs
 from apps.gateway.response_store import (
+    NewResponse,
     RecentResponses,
     ResponseStore,
     StoredResponse,
@@ -57,8 +59,8 @@ async def database_url(postgres: PostgresServer) -> AsyncIterator[str]:
         await admin.close()
 
 
-def stored(response_id: str, principal: str | None = "alice", previous: str | None = None) -> StoredResponse:
-    return StoredResponse(response_id, principal, previous,
+def stored(response_id: str, principal: str | None = "alice", previous: str | None = None) -> NewResponse:
+    return NewResponse(response_id, principal, previous,
                           [{"type": "message", "role": "user", "content": f"question {response_id}"}],
                           {"id": response_id, "model": "tiny", "status": "completed",
                            "output": [{"type": "message", "role": "assistant", "content": []}]})
@@ -99,7 +101,8 @@ async def test_own_responses_are_served_before_the_ledger_has_them(database_url:
         first, second = keep_two_turns(store)
         # Nothing projected yet: the conversation comes from this gateway's own cache.
         items = await store.conversation(second, "alice")
-        assert [i["content"] for i in items if i["role"] == "user"] == [f"question {first}", f"question {second}"]
+        asked = [i.content for i in items if isinstance(i, rs.MessageItem) and i.role == "user"]
+        assert asked == [f"question {first}", f"question {second}"]
         with pytest.raises(ServingError) as caught:
             await store.get(first, "bob")
         assert caught.value.status == 404
@@ -115,6 +118,56 @@ async def test_own_responses_are_served_before_the_ledger_has_them(database_url:
                 await fresh.conversation(second, None)
         finally:
             await fresh.close()
+    finally:
+        await store.close()
+
+
+async def test_a_conversation_is_decoded_a_response_at_a_time_letting_the_loop_run_between(
+        database_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long conversation is read in one query but decoded a response at a time, typed, with the
+    event loop let go between responses; what it does not read (a summary's free-form values,
+    logprobs, the echoed tools) never becomes Python objects, and the rest arrives whole."""
+    emitted = Emitted()
+    store = ResponseStore(database_url, emitted, projection_wait_s=0.0)  # type: ignore[arg-type]
+    try:
+        ids = [new_response_id() for _ in range(4)]
+        for i, response_id in enumerate(ids):
+            turn = stored(response_id, previous=ids[i - 1] if i else None)
+            turn.input_items.insert(0, {"type": "reasoning", "summary": [{"values": list(range(1000))}]})
+            turn.response["tools"] = [{"type": "function", "name": "f", "parameters": {"enum": list(range(1000))}}]
+            turn.response["output"][0]["content"] = [
+                {"type": "output_text", "text": f"answer {i}", "logprobs": [{"token": "a", "logprob": -1.0}]}]
+            store.keep(turn, "tiny")
+        await record(database_url, emitted.events)
+
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        seen: list[int] = []
+        decode = StoredResponse.items
+
+        def counted(self: StoredResponse) -> list[rs.InputItem]:
+            seen.append(ticks)
+            return decode(self)
+
+        monkeypatch.setattr(StoredResponse, "items", counted)
+        fresh = ResponseStore(database_url, Emitted(), projection_wait_s=0.0)  # type: ignore[arg-type]
+        running = asyncio.create_task(ticker())
+        try:
+            items = await fresh.conversation(ids[-1], "alice")
+        finally:
+            running.cancel()
+            await fresh.close()
+        assert len(seen) == 4 and all(a < b for a, b in zip(seen, seen[1:], strict=False))
+        answers = [part.text for i in items if isinstance(i, rs.MessageItem) and i.role == "assistant"
+                   for part in i.content if isinstance(part, rs.OutputText)]
+        assert answers == [f"answer {i}" for i in range(4)]
+        assert sum(isinstance(i, rs.ReasoningItem) for i in items) == 4
     finally:
         await store.close()
 
@@ -196,10 +249,10 @@ def test_the_cache_is_bounded_in_bytes_and_forgets_by_age(monkeypatch: pytest.Mo
     monkeypatch.setattr(time, "monotonic", lambda: now[0])
     recent = RecentResponses(max_bytes=10_000, ttl_s=60.0)
     for i in range(30):
-        recent.put(StoredResponse(f"resp_{i}", "alice", None, [], {}, size=1_000))
+        recent.put(StoredResponse(f"resp_{i}", "alice", None, b"[]", b"{" + b" " * 996 + b"}"))
     assert recent.bytes <= 10_000 and len(recent.kept) == 10
     assert recent.get("resp_0") is None and recent.get("resp_29") is not None
-    recent.put(StoredResponse("huge", "alice", None, [], {}, size=20_000))
+    recent.put(StoredResponse("huge", "alice", None, b"[]", b"{" + b" " * 19_996 + b"}"))
     assert recent.get("huge") is None and recent.bytes <= 10_000
     now[0] += 61.0
     assert recent.get("resp_29") is None and recent.bytes == 0 and not recent.kept

@@ -40,7 +40,7 @@ from apps.gateway.api.responses_output import ResponsesFormatter
 from apps.gateway.api.responses_tools import WARNING_HEADER, OfferedTools, forced, offered_tools, qualified
 from apps.gateway.api.structured import check_enforceable, json_constraint
 from apps.gateway.api.validate import check_json_depth, check_metadata
-from apps.gateway.response_store import ResponseStore, StoredResponse, new_response_id
+from apps.gateway.response_store import NewResponse, ResponseStore, new_response_id
 from engine.frontend.protocol import SamplingParams, StructuredOutput
 
 HANDLER = "responses"
@@ -224,15 +224,15 @@ async def create_response(request: Request, state: State) -> Response | Stream:
     template = response_template(req, response_id)
     if req.store:
         check_storable(req, store, stored_items, msgspec.to_builtins(template))
-    history = []
+    history: list[rs.InputItem] = []
     if req.previous_response_id is not None:
-        history = parse_items(await store.conversation(req.previous_response_id, principal), "previous_response_id")
+        history = await store.conversation(req.previous_response_id, principal)
     bus_request, offered = to_bus_request(req, response_id, principal, history, items)
     await check_enforceable(bus_request, "text.format")
 
     def keep(response: rs.ResponseObject) -> None:
-        store.keep(StoredResponse(response_id, principal, req.previous_response_id, stored_items,
-                                  msgspec.to_builtins(response)), req.model)
+        store.keep(NewResponse(response_id, principal, req.previous_response_id, stored_items,
+                               msgspec.to_builtins(response)), req.model)
 
     formatter = ResponsesFormatter(template, wants_logprobs(req), on_complete=keep if req.store else None,
                                    namespaces=offered.namespaces)
@@ -245,7 +245,7 @@ async def create_response(request: Request, state: State) -> Response | Stream:
 @get("/v1/responses/{response_id:str}")
 async def retrieve_response(request: Request, state: State, response_id: str) -> Response:
     stored = await state.responses.get(response_id, request.state.principal)
-    return Response(stored.response, media_type="application/json")
+    return Response(stored.response_json, media_type="application/json")
 
 
 @delete("/v1/responses/{response_id:str}", status_code=200)
