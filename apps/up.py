@@ -352,6 +352,8 @@ def run_up(args: argparse.Namespace) -> int:
     folder = Path(args.data_dir).resolve() if args.data_dir else data_dir()
     settings = up_settings()
     env = dict(settings.inherited_env)
+    # The apps keep what they must not lose (events EVENTS has not taken yet) in this folder too.
+    env["HELEXA_DATA_DIR"] = str(folder)
     if args.port:
         env["HELEXA_PORT"] = str(args.port)
     if args.model:

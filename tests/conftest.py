@@ -24,6 +24,9 @@ from tests.system import system  # noqa: F401  (the whole system, one per sessio
 # Workers the tests start compare their text with fp32 references (transformers, earlier runs):
 # they run fp32 unless a test asks otherwise. The measured choice has its own tests.
 os.environ.setdefault("HELEXA_DTYPE", "float32")
+# What the apps the tests start keep on disk (events EVENTS has not taken yet) goes to a folder of
+# this session's, not the checkout's `.helexa` of `make run`.
+os.environ.setdefault("HELEXA_DATA_DIR", tempfile.mkdtemp(prefix="helexa-tests-"))
 
 
 def _has_cuda() -> bool:

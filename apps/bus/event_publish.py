@@ -3,8 +3,10 @@ subject to a message when they come together.
 
 Serving never fails for the ledger's sake. An event EVENTS does not take now (full, or the bus
 unreachable) is held by this process and published again in the background until it is stored
-(`held_events` counts them), so nothing is dropped in silence. One too large for a message goes
-through the Object Store as an `EventRef`.
+(`held_events` counts them), so nothing is dropped in silence; once a process has called
+`keep_held_on_disk`, each held event is also written to its role's spool (`apps.bus.held_spool`)
+until stored, and the next process of that role publishes what a process that died still held.
+One too large for a message goes through the Object Store as an `EventRef`.
 
 Batches. Every request makes two to four events (its admission, its run's start and finish,
 preemptions), so a node serving many streams sends many a second, and each message costs a
@@ -26,6 +28,7 @@ import logging
 import weakref
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import nats.errors
 import nats.js.errors
@@ -33,6 +36,7 @@ from nats.js import JetStreamContext
 
 from apps.bus import topology, wire
 from apps.bus.events import BATCHED_KINDS, AnyEvent, EventRef, batch_body, event_kind
+from apps.bus.held_spool import HeldSpool
 from apps.bus.publish import StreamFull, client_of, fits, is_stream_full, message_size, publish
 
 log = logging.getLogger("helexa.bus")
@@ -48,6 +52,8 @@ BATCH_MAX_EVENTS = 256
 _BATCH_HEADER_BYTES = message_size(b"", {"Nats-Msg-Id": "0" * 32 + f"+{BATCH_MAX_EVENTS}"})
 
 _held: set[asyncio.Task[None]] = set()
+# Each event loop's spool of held events, once its process asked for one.
+_spools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, HeldSpool] = weakref.WeakKeyDictionary()
 
 
 def held_events() -> int:
@@ -215,21 +221,53 @@ async def _publish_event_once(js: JetStreamContext, subject: str, event: AnyEven
     await publish(js, subject, wire.encode(ref), event.event_id)
 
 
-def _hold(js: Callable[[], JetStreamContext], subject: str, event: AnyEvent, exc: BaseException) -> None:
+async def keep_held_on_disk(js: JetStreamContext, data_dir: Path, role: str,
+                            current: Callable[[], JetStreamContext] | None = None) -> None:
+    """From now on this process keeps the events it holds in `data_dir`'s spool for `role` too,
+    and publishes those an earlier process of its role left there (held as any refused event,
+    until stored). Waits for the bus while EVENTS cannot be read."""
+    while True:
+        try:
+            info = await (current or (lambda: js))().stream_info(topology.EVENTS_STREAM)
+            break
+        except (nats.errors.Error, TimeoutError) as exc:
+            log.warning("cannot read EVENTS to find the held-event spool; retrying", extra={"error": repr(exc)})
+            await asyncio.sleep(_HELD_RETRY_S[1])
+    stream = hashlib.sha256(f"{topology.EVENTS_STREAM} {info.created}".encode()).hexdigest()[:16]
+    spool = HeldSpool(data_dir / "held-events" / stream / role)
+    found = await asyncio.to_thread(spool.load)
+    _spools[asyncio.get_running_loop()] = spool
+    for subject, event in found:
+        _hold(current or (lambda: js), subject, event, None, spooled=spool)
+    if found:
+        log.warning("publishing events an earlier process held", extra={"held": len(found),
+                                                                       "spool": str(spool.folder)})
+
+
+def _hold(js: Callable[[], JetStreamContext], subject: str, event: AnyEvent, exc: BaseException | None,
+          spooled: HeldSpool | None = None) -> None:
     context = {"kind": event_kind(event), "event_id": event.event_id,
                "request_id": getattr(event, "request_id", None), "error": wire.bounded_text(repr(exc))}
     if len(_held) >= MAX_HELD_EVENTS:
-        log.error("event lost: too many events already held for EVENTS", extra={**context, "held": len(_held)})
+        if spooled is not None:
+            log.error("held event left on disk for the next start: too many held", extra=context)
+        else:
+            log.error("event lost: too many events already held for EVENTS", extra={**context, "held": len(_held)})
         return
-    log.warning("event held until EVENTS takes it", extra={**context, "held": len(_held) + 1})
-    task = asyncio.ensure_future(_publish_held(js, subject, event))
+    if exc is not None:
+        log.warning("event held until EVENTS takes it", extra={**context, "held": len(_held) + 1})
+    task = asyncio.ensure_future(_publish_held(js, subject, event, spooled))
     _held.add(task)
     task.add_done_callback(_held.discard)
 
 
-async def _publish_held(js: Callable[[], JetStreamContext], subject: str, event: AnyEvent) -> None:
+async def _publish_held(js: Callable[[], JetStreamContext], subject: str, event: AnyEvent,
+                        spooled: HeldSpool | None) -> None:
     pause, longest = _HELD_RETRY_S
     while True:
+        if spooled is None and (spool := _spools.get(asyncio.get_running_loop())) is not None:
+            if await asyncio.to_thread(spool.write, subject, event):
+                spooled = spool
         await asyncio.sleep(pause)
         try:
             await _publish_event_once(js(), subject, event)
@@ -237,4 +275,6 @@ async def _publish_held(js: Callable[[], JetStreamContext], subject: str, event:
             pause = min(pause * 2, longest)
             continue
         log.info("held event stored", extra={"kind": event_kind(event), "event_id": event.event_id})
+        if spooled is not None:
+            await asyncio.to_thread(spooled.remove, event.event_id)
         return

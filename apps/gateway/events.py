@@ -23,13 +23,14 @@ import logging
 
 import nats.errors
 
-from apps.bus import topology
+from apps.bus import roles, topology
 from apps.bus.codes import ErrorCode, Unavailable, unavailable
-from apps.bus.event_publish import held_events, publish_event
+from apps.bus.event_publish import held_events, keep_held_on_disk, publish_event
 from apps.bus.events import AnyEvent, event_kind
 from apps.gateway.bus_client import GatewayBus
 from apps.gateway.metrics import GatewayMetrics
 from apps.gateway.task_stop import cancel_until_done
+from apps.settings import data_dir
 
 log = logging.getLogger("helexa.gateway")
 
@@ -70,6 +71,8 @@ class EventPublisher:
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._publish_forever()) for _ in range(_PUBLISHERS)]
         self._tasks.append(asyncio.create_task(self._watch_room()))
+        self._tasks.append(asyncio.create_task(keep_held_on_disk(self._bus.js, data_dir(), roles.GATEWAY,
+                                                                 current=lambda: self._bus.js)))
 
     def check_room(self, model: str | None = None) -> None:
         """Refuse new work (503 events_full) while EVENTS has no room for its events."""
@@ -124,7 +127,8 @@ class EventPublisher:
         except TimeoutError:
             log.warning("events left unpublished at shutdown", extra={"backlog": self._queue.qsize()})
         if held_events():
-            log.warning("events EVENTS did not take are lost at shutdown", extra={"held": held_events()})
+            log.warning("events EVENTS did not take yet: the next gateway here publishes those on disk",
+                        extra={"held": held_events()})
         # The room watch once survived a single cancellation: a gateway that could not bind its port hung.
         for task in self._tasks:
             await cancel_until_done(task)

@@ -24,11 +24,11 @@ import nats.errors
 import nats.micro
 
 from apps.bus import connection, declaration, roles, topology
-from apps.bus.event_publish import held_events
+from apps.bus.event_publish import held_events, keep_held_on_disk
 from apps.bus.topology import BusLimits
 from apps.fleet.catalogue import CatalogueEntry
 from apps.logs import announce_ready
-from apps.settings import WorkerSettings
+from apps.settings import WorkerSettings, data_dir
 from apps.worker.intake import NodeBus
 from apps.worker.liveness import Cancellations
 from apps.worker.model_lifecycle import ModelLifecycle, Opener
@@ -81,6 +81,7 @@ class WorkerProcess:
             self._closing = True
             await self.nc.close()
             return
+        spooled = asyncio.create_task(keep_held_on_disk(self.js, data_dir(), roles.WORKER))
         self.kv = await topology.node_registry(self.js, self.limits)
         self.entry.attach(self.kv, self.js)
         self.lifecycle.attach(NodeBus(nc=self.nc, js=self.js, node=self.node, limits=self.limits,
@@ -109,6 +110,7 @@ class WorkerProcess:
             stopping.cancel()
             lost.cancel()
             status_task.cancel()
+            spooled.cancel()
             await self._shut_down(service)
         if self._closed.is_set():
             raise BusConnectionLost(f"the NATS server closed the connection: {self.nc.last_error!r}")
@@ -137,7 +139,8 @@ class WorkerProcess:
         with contextlib.suppress(nats.errors.Error):
             await self.kv.delete(self.node)
         if held_events():
-            log.warning("events EVENTS did not take are lost at shutdown", extra={"held": held_events()})
+            log.warning("events EVENTS did not take yet: the next worker here publishes those on disk",
+                        extra={"held": held_events()})
         # drain() waits out pull subscriptions (30 s in nats-py); flush what we sent and close.
         await self.nc.flush()
         await self.nc.close()

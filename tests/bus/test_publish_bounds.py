@@ -17,6 +17,7 @@ import nats.errors
 import pytest
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy
 
 from apps.bus import connection, declaration, event_publish, publish, topology, wire
@@ -196,6 +197,31 @@ async def test_a_service_reply_past_the_limit_is_refused_before_sending(stock_se
         await nc.close()
 
 
+# An admission event's detail longer than the small fillers `fill_events` leaves room for.
+LATE_DETAIL = "refused while full, and longer than the small fillers"
+
+
+async def fill_events(js: JetStreamContext) -> int:
+    """EVENTS (at 64 KiB) filled: large events, then the room they leave with small ones, a
+    little smaller than an admission event of `LATE_DETAIL` (more than the few bytes a
+    timestamp's length varies by), which then cannot fit. Returns how many were stored."""
+    large = [KINDS["admission"](f"filler {i:03} " + "x" * 900) for i in range(200)]
+    small = [KINDS["admission"]("small") for _ in range(200)]
+    stored = 0
+    for events in (large, small):
+        for event in events:
+            try:
+                await publish.publish(js, topology.event_subject("admission", "m"), wire.encode(event),
+                                      event.event_id)
+                stored += 1
+            except publish.StreamFull:
+                break
+        else:
+            pytest.fail("EVENTS took every filler")
+    assert stored > 0
+    return stored
+
+
 async def test_a_full_events_stream_refuses_new_events_drops_none_and_the_refused_are_stored_later(
         stock_server: NatsServer) -> None:
     limits = BusLimits(event_max_bytes=64 << 10)
@@ -204,24 +230,9 @@ async def test_a_full_events_stream_refuses_new_events_drops_none_and_the_refuse
         js = nc.jetstream()
         info = await js.stream_info(topology.EVENTS_STREAM)
         assert info.config.discard == DiscardPolicy.NEW
-        # Filled with large events, then the room they leave with small ones, a little smaller than the
-        # late one (more than the few bytes a timestamp's length varies by), which then cannot fit.
-        large = [KINDS["admission"](f"filler {i:03} " + "x" * 900) for i in range(200)]
-        small = [KINDS["admission"]("small") for _ in range(200)]
-        stored = 0
-        for events in (large, small):
-            for event in events:
-                try:
-                    await publish.publish(js, topology.event_subject("admission", "m"), wire.encode(event),
-                                          event.event_id)
-                    stored += 1
-                except publish.StreamFull:
-                    break
-            else:
-                pytest.fail("EVENTS took every filler")
-        assert stored > 0
+        stored = await fill_events(js)
         full: list[bool] = []
-        late = KINDS["admission"]("refused while full, and longer than the small fillers")
+        late = KINDS["admission"](LATE_DETAIL)
         assert not await event_publish.publish_event(js, late, on_full=lambda: full.append(True))
         assert full and event_publish.held_events() == 1
         state = (await js.stream_info(topology.EVENTS_STREAM)).state
