@@ -30,7 +30,7 @@ from apps.bus.events import AnyEvent, RunFinished, decode_events, event_kind
 from apps.bus.topology import BusLimits
 from apps.embedded.nats_server import NatsServer
 from apps.settings import WorkerSettings
-from apps.worker import model_loop
+from apps.worker import intake, model_loop
 from apps.worker.model_loop import ModelLoop
 from apps.worker.process import WorkerProcess
 from engine.frontend.protocol import FinishReason, SamplingParams
@@ -140,10 +140,10 @@ async def run_events(nc: NatsClient) -> RunEvents:
 
 
 @asynccontextmanager
-async def worker(nats_url: str, tok: Tokenizer, tmp_path: Path, limits: BusLimits,
+async def worker(nats_url: str, tok: Tokenizer, tmp_path: Path, limits: BusLimits, script_rules: dict | None = None,
                  **settings: object) -> AsyncIterator[WorkerProcess]:
     script = tmp_path / "script.json"
-    script.write_text(json.dumps(SCRIPT), encoding="utf-8")
+    script.write_text(json.dumps(script_rules or SCRIPT), encoding="utf-8")
     config = WorkerSettings(nats_url=nats_url, node_id="delivery", heartbeat_s=0.5, status_interval_s=0.5,
                             **settings)  # type: ignore[arg-type]
     loop = ModelLoop(config, ScriptedEngine(script, tok, MODEL), tok, MODEL)
@@ -346,3 +346,43 @@ def test_sigterm_hands_unstarted_requests_to_another_worker_and_cuts_streams_wit
                 taker.stop()
 
     asyncio.run(scenario())
+
+
+async def test_a_newer_attempt_waiting_on_a_stopping_worker_is_handed_back_and_the_next_worker_answers_it(
+        own_nats: NatsServer, tok: Tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A newer attempt waits on the worker whose older run of it has not let go of the id yet (its
+    abort does not reach the engine here, so the old run goes on); the worker stops meanwhile. The
+    waiting attempt is not begun and not left to its ack wait (300 s here): it goes back at once, and
+    the next worker answers it whole."""
+    limits = BusLimits(request_ack_wait_s=300.0, max_deliver=2)
+    # The first worker answers slowly (its old run must outlast the stop), the next one at once.
+    slow = {"default": "", "rules": [{"match": "LONG", "reply": LONG_REPLY, "token_delay_s": 0.5}]}
+    caplog.set_level(logging.INFO, logger="helexa")
+    watch = LogWatch()
+    logging.getLogger("helexa").addHandler(watch)
+    real_abort = intake.abort_request
+
+    async def abort_lost(*_: object) -> None:
+        pass
+
+    monkeypatch.setattr(intake, "abort_request", abort_lost)
+    try:
+        async with client(own_nats.url) as nc:
+            requester = await Requester(nc, "handed-back-1").start()
+            async with worker(own_nats.url, tok, tmp_path, limits, slow):
+                await requester.publish("LONG please")
+                await requester.wait_for(deltas(2))
+                requester.taken_below = 2
+                await requester.publish("LONG please", attempt=2)
+                await watch.wait_for("a newer attempt of a request running here; the run here stops")
+            await watch.wait_for("a newer attempt not begun here; handed back")
+            assert not [f for f in requester.frames if f.attempt >= 2], "the waiting attempt was begun"
+            monkeypatch.setattr(intake, "abort_request", real_abort)
+            async with worker(own_nats.url, tok, tmp_path, limits):
+                await requester.wait_for(lambda fs: any(isinstance(f, wire.Final) for f in fs), timeout_s=60)
+            final = requester.frames[-1]
+            assert isinstance(final, wire.Final) and final.attempt >= 2
+            assert requester.text(final.attempt) == LONG_REPLY
+    finally:
+        logging.getLogger("helexa").removeHandler(watch)
