@@ -67,7 +67,8 @@ _ID_CHARS = 128
 
 class AdmittedTokenCounter(TokenCounter):
     """Token counts admitted like any work on their model (`Admissions.admit_call`), each kind
-    (tokenize, count_tokens, detokenize) in its own pool."""
+    (tokenize, count_tokens, detokenize) in its own pool; a model nobody serves is a 404 before
+    admission, as for generations (admission keeps a pool per model it admits for)."""
 
     def __init__(self, admissions: Admissions, bus: GatewayBus, registry: NodeRegistry,
                  cold_starts: ColdStarts) -> None:
@@ -81,9 +82,10 @@ class AdmittedTokenCounter(TokenCounter):
         else:
             kind = "count_tokens" if request.api == Api.MESSAGES else "tokenize"
             request_id, principal = request.request_id, request.principal
+        nodes = await self._cold_starts.nodes_for(question.model)
         ticket = await self._admissions.admit_call(kind, question.model, request_id, principal)
         try:
-            return await super().ask(question)
+            return await self.ask_nodes(question, nodes)
         finally:
             ticket.release()
 

@@ -3,13 +3,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import uuid
 from collections.abc import Iterator
 
 import anthropic
 import httpx
+import nats
 import pytest
+from nats.aio.msg import Msg
 from openai import OpenAI
 
+from apps.bus import topology
+from apps.bus.events import AdmissionDecided, decode_events
 from tests.e2e.conftest import System, scripted_worker
 
 SCRIPTED = "scripted-tokens"
@@ -132,3 +138,39 @@ def test_count_tokens_errors_are_anthropic_shaped(system: System) -> None:
     assert response.status_code == 404
     error = anthropic.types.ErrorResponse.model_validate(response.json(), strict=True)
     assert error.error.type == "not_found_error"
+
+
+def test_a_model_nobody_serves_is_refused_before_it_is_admitted(system: System) -> None:
+    """A token call naming a model nobody serves is a 404 before admission, as a generation is: no
+    admission pool is made for the name (the gateway keeps one per model it admits for, so each
+    made-up name was kept for good) and no admission decided, while a call on the served model is
+    admitted as ever."""
+
+    async def calls() -> list[AdmissionDecided]:
+        nc = await nats.connect(system.nats_url)
+        seen: list[AdmissionDecided] = []
+        served_admitted = asyncio.Event()
+
+        async def on_events(msg: Msg) -> None:
+            for event in decode_events(msg.data):
+                assert isinstance(event, AdmissionDecided)
+                seen.append(event)
+                if event.model == system.model and event.detail == "tokenize":
+                    served_admitted.set()
+
+        try:
+            await nc.subscribe(topology.event_wildcard("admission"), cb=on_events)
+            await nc.flush()
+            made_up = f"made-up-{uuid.uuid4().hex}"
+            for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]}),
+                               ("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": "hi"}]})):
+                response = await asyncio.to_thread(post, system, path, {"model": made_up, **body})
+                assert response.status_code == 404, response.text
+            response = await asyncio.to_thread(post, system, "/tokenize", {"model": system.model, "prompt": "hi"})
+            assert response.status_code == 200, response.text
+            await asyncio.wait_for(served_admitted.wait(), 30)
+            return [event for event in seen if event.model == made_up]
+        finally:
+            await nc.close()
+
+    assert asyncio.run(calls()) == []

@@ -74,7 +74,10 @@ class TokenCounter:
         return served[0]
 
     async def ask(self, question: wire.TokenizeRequest) -> wire.TokenizeReply:
-        nodes = await self._cold_starts.nodes_for(question.model)
+        return await self.ask_nodes(question, await self._cold_starts.nodes_for(question.model))
+
+    async def ask_nodes(self, question: wire.TokenizeRequest, nodes: list[wire.NodeStatus]) -> wire.TokenizeReply:
+        """`question` asked of `nodes`, the live nodes serving its model (`nodes_for`)."""
         if question.request is not None:
             check_prompt_size(question.request, nodes)
         payload = wire.encode(question)
