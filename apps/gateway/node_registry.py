@@ -32,6 +32,8 @@ log = logging.getLogger("helexa.gateway")
 # How long a name found unknown stays unknown without asking again, and how many are remembered.
 UNKNOWN_MODEL_TTL_S = 5.0
 MAX_UNKNOWN_MODELS = 10_000
+# A node entry not refreshed for this many TTLs is forgotten (its worker is gone; clocks may differ a little).
+FORGET_AFTER_TTLS = 4
 # How long the server keeps a watch's consumer nobody listens to any more (a gateway that died).
 WATCH_INACTIVE_S = 300.0
 
@@ -71,8 +73,19 @@ class NodeRegistry:
         return self._live()
 
     def _live(self) -> list[wire.NodeStatus]:
-        horizon = time.time() - self._limits.node_ttl_s
+        now = time.time()
+        horizon = now - self._limits.node_ttl_s
+        # A worker that died (or lost the bus) leaves its entry to expire, and expiry sends no
+        # marker: entries long past the TTL are forgotten here, or every node id ever seen would
+        # stay (a crash-looping worker makes a new one each start). A later write brings it back.
+        gone = now - FORGET_AFTER_TTLS * self._limits.node_ttl_s
+        for key in [key for key, n in self._nodes.items() if n.updated_at < gone]:
+            del self._nodes[key]
         return [n for n in self._nodes.values() if n.updated_at >= horizon and n.status != NodeState.STOPPING]
+
+    def remembered(self) -> list[str]:
+        """The node ids this gateway keeps an entry of, live or not."""
+        return list(self._nodes)
 
     def batch_running(self, model: str) -> bool:
         """Whether a live node last reported batch-class sequences of `model` running."""

@@ -6,6 +6,7 @@ writes and deletes show at once; and it watches without waking the gateway when 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from nats.js import JetStreamContext
@@ -61,3 +62,28 @@ async def test_entries_written_before_it_started_are_read_before_it_answers(
 
 async def _serving(registry: NodeRegistry, model: str, nodes: list[str]) -> bool:
     return sorted(n.node for n in await registry.serving(model)) == nodes
+
+
+async def test_an_entry_its_worker_left_to_expire_is_forgotten_and_a_new_write_brings_it_back(
+        own_nats: NatsServer) -> None:
+    """Expiry sends no marker, so an entry whose worker died would stay in the gateway for good
+    (one per node id ever seen); past a few TTLs it is forgotten. A write of it later counts again."""
+    writer = await connect(own_nats.url, "writer")
+    limits = BusLimits()
+    bus = await GatewayBus.connect(own_nats.url, limits, GatewayMetrics())
+    registry = NodeRegistry(bus, limits)
+    try:
+        nodes = await node_registry(writer.jetstream(), limits)
+        dead = wire.NodeStatus(node="dead", version="test", models=[wire.ModelStatus(model="m", slots=4, free_slots=4)],
+                               updated_at=time.time() - 10 * limits.node_ttl_s)
+        await nodes.put("dead", wire.encode(dead))
+        await nodes.put("alive", status("alive", "m"))
+        registry.start()
+        assert [n.node for n in await asyncio.wait_for(registry.serving("m"), 30)] == ["alive"]
+        assert "dead" not in registry.remembered()
+        await nodes.put("dead", status("dead", "m"))
+        await eventually_async(lambda: _serving(registry, "m", ["alive", "dead"]), 30)
+    finally:
+        await registry.stop()
+        await bus.close()
+        await writer.close()
