@@ -97,6 +97,8 @@ class ErrorCode(enum.StrEnum):
     # EVENTS is (nearly) full of events not yet recorded: new requests wait until the recorder
     # catches up rather than any event being dropped (a 503 with Retry-After).
     EVENTS_FULL = "events_full"
+    # The files bucket is at HELEXA_FILES_MAX_BYTES: nothing more is stored until files are deleted.
+    FILES_FULL = "files_full"
 
 
 class NodeState(enum.StrEnum):
@@ -181,6 +183,7 @@ class Unavailable(enum.Enum):
                           retry_after_s())
     # EVENTS near its limit: about how long the recorder takes to trim what it recorded.
     EVENTS_FULL = (ErrorCode.EVENTS_FULL, "The event ledger is full of events not yet recorded; retry shortly.", 5)
+    FILES_FULL = (ErrorCode.FILES_FULL, "The file store is full; no file is stored until some are deleted.", 60)
     GATEWAY_STOPPING = (ErrorCode.GATEWAY_STOPPING,
                         "The server is stopping; the answer was cut short. Retry shortly.", 2)
 

@@ -88,7 +88,12 @@ def http_error_handler(request: Request, exc: HTTPException) -> Response:
     if status == 413:
         # Never servable as sent, so no retry hint: name the limit the body broke.
         limit = request.app.request_max_body_size
-        message = f"The request body is larger than this gateway's limit of {limit} bytes (HELEXA_MAX_REQUEST_BYTES)."
+        own = request.route_handler.resolve_request_max_body_size() if request.scope.get("route_handler") else None
+        if own is not None and own != limit:  # a route with a bound of its own (POST /v1/batches)
+            message = f"The request body is larger than this endpoint's limit of {own} bytes."
+        else:
+            message = (f"The request body is larger than this gateway's limit of {limit} bytes "
+                       "(HELEXA_MAX_REQUEST_BYTES).")
         code = ErrorCode.REQUEST_TOO_LARGE
     log_failure(_handler_name(request), status, str(exc.detail))
     return Response(error_body(status, message, code=code), status_code=status, headers=exc.headers)

@@ -33,14 +33,16 @@ from typing import Any
 
 import asyncpg
 import msgspec
+import nats.errors
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 from nats.js.object_store import ObjectStore
 
 from apps.bus import topology, wire
-from apps.bus.codes import ErrorCode, ServingError
+from apps.bus.codes import ErrorCode, ServingError, Unavailable, unavailable
 from apps.bus.events import FileCreated, FileDeleted
 from apps.bus.object_streams import put_stream, read_stream
+from apps.bus.publish import is_stream_full
 from apps.gateway.capability_ids import CapabilityIds
 from apps.gateway.ledger_pool import LedgerPool
 from apps.gateway.projection_notices import ProjectionNotices
@@ -279,6 +281,11 @@ class FileStore:
 
         try:
             await put_stream(self._js(), topology.FILES_BUCKET, file_id, bounded())
+        except (nats.errors.Error, TimeoutError) as exc:  # nothing of it stays (`put_stream`)
+            if is_stream_full(exc):
+                full = {"detail": "files bucket at HELEXA_FILES_MAX_BYTES"}
+                raise unavailable(Unavailable.FILES_FULL, full) from None
+            raise unavailable(Unavailable.BUS_UNAVAILABLE, {"detail": repr(exc)[:200]}) from None
         finally:
             left = self._uploading.get(principal, 0) - size
             if left > 0:

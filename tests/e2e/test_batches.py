@@ -156,6 +156,13 @@ def test_bounds_name_their_parameter(gateway: KeyedGateway) -> None:
         with pytest.raises(openai.BadRequestError) as refused:
             client.post("/batches", cast_to=Batch, body=body)
         assert refused.value.body["param"] == param
+    # The create's body has a bound of its own (64 KiB), and the 413 names that one.
+    body = {"input_file_id": upload.id, "endpoint": "/v1/chat/completions", "completion_window": "24h",
+            "metadata": {"pad": "x" * (64 << 10)}}
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.post("/batches", cast_to=Batch, body=body)
+    assert refused.value.status_code == 413 and refused.value.body["code"] == "request_too_large"
+    assert "endpoint's limit of 65536 bytes" in refused.value.body["message"]
 
 
 def test_a_cancelled_batch_stops_starting_lines_while_interactive_work_runs(
