@@ -26,6 +26,7 @@ from apps.embedded.nats_server import NatsCluster, NatsServer
 from apps.embedded.postgres import PostgresServer
 
 if TYPE_CHECKING:
+    from apps.bus.events import AnyEvent
     from engine.frontend.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -197,3 +198,17 @@ class AppProcess:
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
+
+
+class Emitted:
+    """Stands in for the gateway's event publisher where a store is tested alone: keeps what the
+    store emits, and EVENTS always has room."""
+
+    def __init__(self) -> None:
+        self.events: list[AnyEvent] = []
+
+    def emit(self, event: AnyEvent) -> None:
+        self.events.append(event)
+
+    def check_room(self, model: str | None = None) -> None:
+        pass

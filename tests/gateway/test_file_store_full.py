@@ -12,25 +12,14 @@ import pytest
 
 from apps.bus import connection
 from apps.bus.codes import ErrorCode, ServingError
-from apps.bus.events import AnyEvent
 from apps.bus.topology import FILES_BUCKET, BusLimits
 from apps.embedded.nats_server import NatsServer
 from apps.embedded.postgres import PostgresServer
 from apps.gateway.file_store import FileStore
-from tests.support import declared, migrated_database
+from tests.support import Emitted, declared, migrated_database
 
 FILE_BYTES = 96 << 10
 
-
-class Emitted:
-    def __init__(self) -> None:
-        self.events: list[AnyEvent] = []
-
-    def emit(self, event: AnyEvent) -> None:
-        self.events.append(event)
-
-    def check_room(self, model: str | None = None) -> None:
-        pass
 
 
 async def _content(size: int) -> AsyncIterator[bytes]:

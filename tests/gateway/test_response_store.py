@@ -29,20 +29,7 @@ from apps.gateway.response_store import (
 )
 from apps.recorder.migrate import migrate
 from apps.recorder.projector import project
-from tests.support import eventually_async
-
-
-class Emitted:
-    """Stands in for the gateway's event publisher: keeps what the store emits."""
-
-    def __init__(self) -> None:
-        self.events: list[AnyEvent] = []
-
-    def emit(self, event: AnyEvent) -> None:
-        self.events.append(event)
-
-    def check_room(self, model: str | None = None) -> None:
-        pass
+from tests.support import Emitted, eventually_async
 
 
 @pytest.fixture
