@@ -29,6 +29,8 @@ from nats.js.object_store import (
 )
 
 CHUNK_BYTES = OBJ_DEFAULT_CHUNK_SIZE
+# How long a reader waits for an object's next chunk.
+CHUNK_WAIT_S = 30.0
 
 
 async def put_stream(js: JetStreamContext, bucket: str, name: str, content: AsyncIterable[bytes]) -> api.ObjectInfo:
@@ -64,16 +66,19 @@ async def put_stream(js: JetStreamContext, bucket: str, name: str, content: Asyn
     return info
 
 
-async def read_stream(js: JetStreamContext, info: api.ObjectInfo) -> AsyncGenerator[bytes, None]:
+async def read_stream(js: JetStreamContext, info: api.ObjectInfo,
+                      chunk_wait_s: float = CHUNK_WAIT_S) -> AsyncGenerator[bytes, None]:
     """The chunks of the object `info` describes, in order, checked against its digest at the end
-    (DigestMismatchError if they do not match it)."""
+    (DigestMismatchError if they do not match it). A chunk that does not come within `chunk_wait_s`
+    (the object deleted under the reader, the server gone) ends it with nats' TimeoutError."""
     if not info.size:
         return
     subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=info.bucket, obj=info.nuid)
     sub = await js.subscribe(subject, ordered_consumer=True)
     digest = sha256()
     try:
-        async for msg in sub.messages:
+        while True:
+            msg = await sub.next_msg(timeout=chunk_wait_s)
             digest.update(msg.data)
             yield msg.data
             if msg.metadata.num_pending == 0:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgspec
 import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.js.errors import KeyNotFoundError
@@ -40,7 +41,10 @@ async def live_nodes(nc: NatsClient) -> list[wire.NodeStatus]:
         except KeyNotFoundError:
             continue
         if entry.value:
-            node = wire.node_decoder.decode(entry.value)
+            try:
+                node = wire.node_decoder.decode(entry.value)
+            except msgspec.DecodeError:  # a worker of another version (a rolling upgrade): not a candidate
+                continue
             if node.status != NodeState.STOPPING:
                 nodes.append(node)
     return nodes
@@ -53,7 +57,13 @@ async def _control(nc: NatsClient, node: str, body: dict[str, Any], timeout_s: f
         raise ControlFailed(f"the worker {node} is gone") from None
     except TimeoutError:
         raise ControlFailed(f"the worker {node} did not answer within {timeout_s:g} s") from None
-    return json.loads(msg.data)
+    try:
+        answer = json.loads(msg.data)
+    except ValueError:
+        raise ControlFailed(f"the worker {node} answered what is not JSON ({len(msg.data)} bytes)") from None
+    if not isinstance(answer, dict):
+        raise ControlFailed(f"the worker {node} answered JSON that is not an object")
+    return answer
 
 
 async def list_models(nc: NatsClient) -> dict[str, Any]:

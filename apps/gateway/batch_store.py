@@ -34,6 +34,7 @@ from apps.bus import topology, wire
 from apps.bus.codes import ErrorCode, ServingError, Unavailable, unavailable
 from apps.bus.events import BatchCreated, BatchStatus
 from apps.bus.publish import publish
+from apps.gateway.bus_failures import BUS_ERRORS, bus_unavailable
 from apps.gateway.capability_ids import CapabilityIds
 from apps.gateway.events import EventPublisher
 from apps.gateway.ledger_pool import LedgerPool
@@ -192,7 +193,14 @@ class BatchStore:
                                     input_file_id=input_file_id, endpoint=endpoint, completion_window=window,
                                     metadata=metadata, created_at=now, expires_at=now + COMPLETION_WINDOWS[window])
         self._events.emit(created)
-        await publish(self._js(), topology.BATCH_SUBJECT, batch_id.encode(), batch_id)
+        try:
+            await publish(self._js(), topology.BATCH_SUBJECT, batch_id.encode(), batch_id)
+        except BUS_ERRORS as exc:
+            # Recorded, but no runner will ever claim it: it ends here rather than stay live for good.
+            self.set_status(batch_id, "failed", errors=[{
+                "code": "not_queued", "message": "The batch could not be queued (the message bus is unavailable)."}])
+            raise bus_unavailable(exc, f"queueing batch {batch_id} (marked failed)",
+                                  full=Unavailable.QUEUE_FULL) from None
         stored = StoredBatch({"batch_id": batch_id, "principal": principal, "input_file_id": input_file_id,
                               "endpoint": endpoint, "completion_window": window, "metadata": metadata,
                               "created_at": now, "expires_at": created.expires_at, "status": "validating"})

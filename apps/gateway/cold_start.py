@@ -12,6 +12,7 @@ from apps.fleet import control_client
 from apps.fleet.catalogue import CatalogueEntry
 from apps.fleet.control_client import ControlFailed
 from apps.gateway.bus_client import GatewayBus
+from apps.gateway.bus_failures import BUS_ERRORS, answered_as_unavailable, bus_unavailable
 from apps.gateway.metrics import GatewayMetrics
 from apps.gateway.node_registry import NodeRegistry, serving
 
@@ -42,7 +43,9 @@ class ColdStarts:
             raise unavailable(Unavailable.MODEL_POISONED, {"model": model, "detail": "poisoned"}, model=model)
         if model in self.catalogue:
             return await self._cold_start(model)
-        if await self._registry.model_is_known(model):
+        with answered_as_unavailable(f"looking up the model {model!r}"):
+            known = await self._registry.model_is_known(model)
+        if known:
             self._metrics.rejections.labels(model, "no_worker").inc()
             raise unavailable(Unavailable.NO_WORKER, {"model": model, "detail": "no live node"}, model=model)
         raise ServingError(
@@ -87,3 +90,5 @@ class ColdStarts:
             self._metrics.rejections.labels(model, "no_worker").inc()
             raise unavailable(Unavailable.LOAD_FAILED, {"model": model, "detail": "cold start failed"},
                               model=model, error=exc) from None
+        except BUS_ERRORS as exc:
+            raise bus_unavailable(exc, f"cold start of {model!r}") from None

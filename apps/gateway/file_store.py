@@ -33,16 +33,15 @@ from typing import Any
 
 import asyncpg
 import msgspec
-import nats.errors
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 from nats.js.object_store import ObjectStore
 
 from apps.bus import topology, wire
-from apps.bus.codes import ErrorCode, ServingError, Unavailable, unavailable
+from apps.bus.codes import ErrorCode, ServingError, Unavailable
 from apps.bus.events import FileCreated, FileDeleted
 from apps.bus.object_streams import put_stream, read_stream
-from apps.bus.publish import is_stream_full
+from apps.gateway.bus_failures import BUS_ERRORS, answered_as_unavailable, bus_unavailable
 from apps.gateway.capability_ids import CapabilityIds
 from apps.gateway.ledger_pool import LedgerPool
 from apps.gateway.projection_notices import ProjectionNotices
@@ -281,11 +280,8 @@ class FileStore:
 
         try:
             await put_stream(self._js(), topology.FILES_BUCKET, file_id, bounded())
-        except (nats.errors.Error, TimeoutError) as exc:  # nothing of it stays (`put_stream`)
-            if is_stream_full(exc):
-                full = {"detail": "files bucket at HELEXA_FILES_MAX_BYTES"}
-                raise unavailable(Unavailable.FILES_FULL, full) from None
-            raise unavailable(Unavailable.BUS_UNAVAILABLE, {"detail": repr(exc)[:200]}) from None
+        except BUS_ERRORS as exc:  # nothing of it stays (`put_stream`)
+            raise bus_unavailable(exc, "storing a file", full=Unavailable.FILES_FULL) from None
         finally:
             left = self._uploading.get(principal, 0) - size
             if left > 0:
@@ -323,10 +319,12 @@ class FileStore:
         """Delete one of `principal`'s files: its content now, its row once the recorder projects it."""
         stored = await self.get(file_id, principal)
         self._events.check_room()
-        try:
-            await (await self._store()).delete(file_id)
-        except NotFoundError:
-            pass  # deleted by a request racing this one
+        # A full bucket may refuse the deletion's marker: the chunks go all the same, and a retry works.
+        with answered_as_unavailable("deleting a file", full=Unavailable.FILES_FULL):
+            try:
+                await (await self._store()).delete(file_id)
+            except NotFoundError:
+                pass  # deleted by a request racing this one
         self._recent.delete(file_id)
         self._events.emit(FileDeleted(model="-", node="gateway", file_id=file_id, principal=principal))
         return stored
@@ -335,10 +333,11 @@ class FileStore:
 
     async def content(self, file_id: str, principal: str | None) -> tuple[StoredFile, AsyncIterator[bytes]]:
         stored = await self.get(file_id, principal)
-        try:
-            info = await (await self._store()).get_info(file_id)
-        except NotFoundError:
-            raise not_found(file_id) from None
+        with answered_as_unavailable("reading a file"):
+            try:
+                info = await (await self._store()).get_info(file_id)
+            except NotFoundError:
+                raise not_found(file_id) from None
         if info.deleted:
             raise not_found(file_id)
         return stored, read_stream(self._js(), info)

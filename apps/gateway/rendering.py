@@ -3,6 +3,7 @@ two shapes the pipeline renders through it, a whole JSON response or a stream of
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
@@ -10,7 +11,9 @@ import msgspec
 from litestar.response import Response
 
 from apps.bus import wire
-from apps.bus.codes import ServingError
+from apps.bus.codes import ErrorCode, ServingError
+
+log = logging.getLogger("helexa.gateway")
 
 _encode = msgspec.json.encode
 
@@ -66,6 +69,9 @@ async def sse_chunks(accepted: wire.Accepted, frames: AsyncIterator[wire.Delta |
                 yield part
     except ServingError as exc:
         yield formatter.stream_error(exc)
+    except Exception:  # a bug: the client still gets an error event and the stream's end, not a cut
+        log.exception("a stream failed after its first chunk")
+        yield formatter.stream_error(ServingError(500, ErrorCode.INTERNAL_ERROR, "Internal server error."))
     finally:
         await close()
     if end := b"".join(formatter.stream_end()):

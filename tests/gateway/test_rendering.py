@@ -50,3 +50,25 @@ def test_each_frame_is_one_body_part_holding_all_its_events() -> None:
     finishing = [json.loads(event)["choices"][0] for event in events(parts[2])]
     assert finishing[0]["delta"]["content"] == "Yo" and finishing[1]["finish_reason"] == "stop"
     assert events(parts[4]) == ["[DONE]"] and closed == [True]
+
+
+def test_a_bug_after_the_first_chunk_ends_the_stream_with_an_error_event_not_a_cut() -> None:
+    request = wire.GenerateRequest(request_id="r", model="m", reply_subject="_INBOX.r", stream=True,
+                                   sampling=SamplingParams())
+    closed: list[bool] = []
+
+    async def broken() -> AsyncIterator[wire.Delta | wire.Final]:
+        yield wire.Delta(seq=1, attempt=1, text="Hi", num_tokens=1, index=0)
+        raise RuntimeError("a bug in the frames' path")
+
+    async def close() -> None:
+        closed.append(True)
+
+    async def collect() -> list[bytes]:
+        accepted = wire.Accepted(seq=0, attempt=1, node="n", prompt_tokens=3)
+        return [part async for part in sse_chunks(accepted, broken(), ChatFormatter(request, True), close)]
+
+    parts = asyncio.run(collect())
+    error = json.loads(events(parts[-2])[0])["error"]
+    assert error["code"] == "internal_error" and "RuntimeError" not in error["message"]
+    assert events(parts[-1]) == ["[DONE]"] and closed == [True]

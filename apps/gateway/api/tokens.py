@@ -31,6 +31,7 @@ from apps.gateway.api.anthropic import ANTHROPIC_ERRORS
 from apps.gateway.api.openapi_docs import operation_for
 from apps.gateway.api.validate import check_prompt_size, decode_body, decode_request
 from apps.gateway.bus_client import GatewayBus
+from apps.gateway.bus_failures import BUS_ERRORS, bus_unavailable
 from apps.gateway.cold_start import ColdStarts
 from apps.gateway.node_registry import NodeRegistry
 from engine.frontend.protocol import SamplingParams
@@ -91,7 +92,12 @@ class TokenCounter:
                                    context={**ctx, "detail": "over the bus max_payload"}) from None
             except (nats.errors.NoRespondersError, nats.errors.TimeoutError, TimeoutError):
                 continue  # gone or busy: another node of the model may answer
-            reply = wire.tokenize_reply_decoder.decode(msg.data)
+            except BUS_ERRORS as exc:  # the connection closed, draining or backed up
+                raise bus_unavailable(exc, "asking a worker to count tokens") from None
+            try:
+                reply = wire.tokenize_reply_decoder.decode(msg.data)
+            except msgspec.DecodeError:  # a worker of another version: another node may answer
+                continue
             if reply.error is not None:
                 raise ServingError(reply.error.status, reply.error.code, reply.error.message,
                                    context={**ctx, "node": node.node})
