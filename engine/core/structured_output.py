@@ -30,7 +30,7 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -40,6 +40,7 @@ import torch
 
 from engine.frontend.grammars import (
     COMPILE_BUDGET_S,
+    GrammarThreads,
     bounds_error,
     grammar_key,
     parser_limits,
@@ -102,7 +103,7 @@ class StructuredOutputs:
         self._cache_size = max(cache_size, 1)
         self._compiling: dict[str, Future[llguidance.LLMatcher | str]] = {}
         self._waiting: dict[str, _Waiting] = {}
-        self._pool = ThreadPoolExecutor(max_workers=COMPILE_THREADS, thread_name_prefix="helexa-grammar")
+        self._pool = GrammarThreads(max_workers=COMPILE_THREADS, thread_name_prefix="helexa-grammar")
         # Compiles started, and requests served by one already done or under way (CoreStats).
         self.compiles = 0
         self.cache_hits = 0

@@ -42,6 +42,25 @@ JSON_DEFAULTS: dict[str, object] = {
 }
 # Longest error text (UTF-8 bytes) a grammar failure may carry into a reply, an event or a log line.
 MAX_ERROR_BYTES = 512
+# The stack of a thread that compiles grammars. llguidance recurses through a grammar's rules: a
+# chain of 1,000 `$ref`s (75 KB of JSON schema) overflowed a default 8 MiB thread stack and took
+# the whole process down (SIGSEGV). At 256 MiB the largest spec any bound allows (512 KB) compiles
+# with room to spare (12,000 links, 925 KB, measured); the memory is reserved, touched only as used.
+GRAMMAR_STACK_BYTES = 256 << 20
+_stack_lock = threading.Lock()
+
+
+class GrammarThreads(ThreadPoolExecutor):
+    """A thread pool whose threads have `GRAMMAR_STACK_BYTES` of stack: where grammars compile."""
+
+    def _adjust_thread_count(self) -> None:
+        # Threads start here; the stack size is the interpreter's setting when each is made.
+        with _stack_lock:
+            previous = threading.stack_size(GRAMMAR_STACK_BYTES)
+            try:
+                super()._adjust_thread_count()
+            finally:
+                threading.stack_size(previous)
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,7 +272,7 @@ class GrammarChecker:
 
     def __init__(self, threads: int = 2, deadline_s: float = CHECK_DEADLINE_S,
                  check: Callable[[StructuredOutput], str | None] = grammar_error) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="helexa-grammar")
+        self._pool = GrammarThreads(max_workers=threads, thread_name_prefix="helexa-grammar")
         self.deadline_s = deadline_s
         self._check = check
         self._lock = threading.Lock()
