@@ -35,13 +35,18 @@ __all__ = ["RequestGone", "RequestRefused", "delete", "fetch", "fits", "message_
 
 log = logging.getLogger("helexa.bus")
 
+# The largest request object a worker reads: a gateway's requests are bodies of at most
+# HELEXA_MAX_REQUEST_BYTES (8 MiB) encoded again; the bucket itself would allow 1 GiB.
+MAX_REQUEST_OBJECT_BYTES = 64 << 20
+
 
 class RequestGone(Exception):
     """The referenced request is no longer in the Object Store (deleted, or past its TTL)."""
 
 
 class RequestRefused(Exception):
-    """A reference to an object not named for its request, or whose object holds another request."""
+    """A reference to an object not named for its request, whose object holds another request, or
+    is larger than any request a worker reads (`MAX_REQUEST_OBJECT_BYTES`)."""
 
 
 def names_its_own_object(ref: wire.RequestRef) -> bool:
@@ -85,6 +90,10 @@ async def fetch(js: JetStreamContext, ref: wire.RequestRef) -> wire.GenerateRequ
         raise RequestRefused(f"request {ref.request_id!r}: object {ref.object!r} is not named for it")
     store = await js.object_store(topology.LARGE_REQUESTS_BUCKET)
     try:
+        info = await store.get_info(ref.object)
+        if (info.size or 0) > MAX_REQUEST_OBJECT_BYTES:
+            raise RequestRefused(f"request {ref.request_id!r}: object {ref.object!r} is {info.size} bytes; "
+                                 f"at most {MAX_REQUEST_OBJECT_BYTES} are read")
         result = await store.get(ref.object)
     except ObjectNotFoundError:
         raise RequestGone(f"request {ref.request_id!r}: object {ref.object!r} is not in the store") from None

@@ -9,9 +9,10 @@ protocol's `SamplingParams` as it is (the one definition of sampling), and the s
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Annotated, Any, Generic, TypeVar
 
 import msgspec
+from msgspec import Meta
 
 from apps.bus.codes import Api, ErrorCode, FinishReason, ModelState, NodeState
 from engine.frontend.protocol import PreemptionReason, Priority, SamplingParams, ServiceClass
@@ -36,8 +37,15 @@ def bounded_text(text: str, limit: int = MAX_TEXT_BYTES) -> str:
     return raw[: max(limit - len(note.encode()), 0)].decode("utf-8", "ignore") + note
 
 
+# A message's role is one of a few words at every edge; a bus client's is held to this.
+MAX_ROLE_CHARS = 32
+# What a chat template adds around each message (its role's markers and separators), counted as
+# characters of text: a request of many empty messages is no smaller than it renders.
+MESSAGE_OVERHEAD_CHARS = 8
+
+
 class ChatMessage(Wire, frozen=True, kw_only=True):
-    role: str
+    role: Annotated[str, Meta(max_length=MAX_ROLE_CHARS)]
     content: str
     # Assistant turns that called tools, and tool results answering them.
     tool_calls: list[dict[str, Any]] | None = None
@@ -95,13 +103,14 @@ class GenerateRequest(Wire, frozen=True, kw_only=True):
 
     def text_chars(self) -> int:
         """Characters of text the chat template renders and the tokenizer reads for this request:
-        the prompt, every message's content, name, tool-call id and tool calls (names, ids and
-        arguments, as JSON), and the tools' JSON (roles are one of a few words, fixed at the edge).
-        What bounds a prompt before it is tokenized counts all of it, so no field the template
-        renders can grow unseen."""
+        the prompt, every message's role, content, name, tool-call id and tool calls (names, ids
+        and arguments, as JSON) with `MESSAGE_OVERHEAD_CHARS` for its markers, the tools' JSON and
+        the forced tool's name. What bounds a prompt before it is tokenized counts all of it, so no
+        field the template renders can grow unseen."""
         chars = len(self.prompt or "") + (len(msgspec.json.encode(self.tools)) if self.tools else 0)
+        chars += len(self.tool_name or "")
         for message in self.messages or ():
-            chars += len(message.content)
+            chars += MESSAGE_OVERHEAD_CHARS + len(message.role) + len(message.content)
             chars += len(message.name or "") + len(message.tool_call_id or "")
             if message.tool_calls:
                 chars += len(msgspec.json.encode(message.tool_calls))
@@ -290,8 +299,27 @@ class TokenizeReply(Wire, frozen=True, kw_only=True):
 
 _encoder = msgspec.json.Encoder()
 encode = _encoder.encode
-request_decoder = msgspec.json.Decoder(GenerateRequest)
-_request_ref_decoder = msgspec.json.Decoder(RequestRef)
+T = TypeVar("T")
+
+
+class BodyDecoder(Generic[T]):
+    """A msgspec JSON decoder for bodies from other processes, whose every failure is a
+    msgspec.DecodeError: JSON nested past the interpreter's recursion limit (about 1,000 levels,
+    2 KB of brackets) raised RecursionError, which the readers did not expect (a worker's intake
+    ended on it)."""
+
+    def __init__(self, kind: type[T]) -> None:
+        self._decoder = msgspec.json.Decoder(kind)
+
+    def decode(self, data: bytes | str) -> T:
+        try:
+            return self._decoder.decode(data)
+        except RecursionError:
+            raise msgspec.DecodeError("JSON nested too deeply") from None
+
+
+request_decoder = BodyDecoder(GenerateRequest)
+_request_ref_decoder = BodyDecoder(RequestRef)
 
 
 def decode_request(data: bytes) -> GenerateRequest | RequestRef:
@@ -304,7 +332,9 @@ def decode_request(data: bytes) -> GenerateRequest | RequestRef:
             return _request_ref_decoder.decode(data)
         except msgspec.DecodeError:
             raise exc from None
-frame_decoder = msgspec.json.Decoder(ReplyFrame)
-node_decoder = msgspec.json.Decoder(NodeStatus)
-tokenize_request_decoder = msgspec.json.Decoder(TokenizeRequest)
-tokenize_reply_decoder = msgspec.json.Decoder(TokenizeReply)
+
+
+frame_decoder: BodyDecoder[ReplyFrame] = BodyDecoder(ReplyFrame)  # type: ignore[arg-type]  # a union of frame types
+node_decoder = BodyDecoder(NodeStatus)
+tokenize_request_decoder = BodyDecoder(TokenizeRequest)
+tokenize_reply_decoder = BodyDecoder(TokenizeReply)

@@ -224,7 +224,11 @@ class Intake:
     def _start_all(self, cls: ServiceClass, msgs: list[Msg]) -> None:
         self.pulled[cls] += len(msgs)
         for msg in msgs:
-            self._start(msg)
+            try:
+                self._start(msg)
+            except Exception:  # a bug: this message ends here, the pull loop and the others go on
+                log.exception("a request could not be started; terminated", extra={"model": self.model_id})
+                asyncio.create_task(msg.term())
 
     def _start(self, msg: Msg) -> None:
         try:

@@ -97,6 +97,11 @@ def _grammar(top_lark: str, own: StructuredOutput | None) -> str:
 def reply_constraint(request: wire.GenerateRequest) -> StructuredOutput | None:
     """What the reply must match: the request's own constraint, unless its tools say more."""
     own = request.sampling.structured
+    if own is not None and own.kind is StructuredOutputKind.LLGUIDANCE:
+        # Composed here only: from outside it would skip every per-kind bound of what it holds.
+        raise ServingError(400, ErrorCode.INVALID_REQUEST,
+                           "A structured output of kind 'llguidance' is not accepted; send a JSON schema, "
+                           "regex, grammar or choice.")
     if own is not None and (past_bounds := bounds_error(own)) is not None:
         # A gateway refuses these; a client on the bus gets the same answer here.
         raise ServingError(400, ErrorCode.INVALID_REQUEST, f"The structured output cannot be enforced: {past_bounds}.")

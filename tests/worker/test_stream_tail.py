@@ -99,3 +99,37 @@ def test_reasoning_tokens_count_the_same_for_every_grouping(tok: Tokenizer) -> N
         assert grouped_record.reasoning_tokens == record.reasoning_tokens, groups
         deltas = [f for f in grouped.frames if isinstance(f, wire.Delta)]
         assert ("".join(d.reasoning for d in deltas), "".join(d.text for d in deltas)) == ("hm", "ok"), groups
+
+
+def test_a_long_resume_is_fed_a_chunk_at_a_time_with_the_loop_let_go_between(tok: Tokenizer) -> None:
+    """A migrated choice's resumed tokens are fed to its text as a generation would (~16 µs a
+    token): a resume near a long context would hold the event loop for seconds in one go. Past
+    `PRIME_CHUNK_TOKENS` the loop runs between chunks."""
+    text = "word " * 1500
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) > 2 * choices.PRIME_CHUNK_TOKENS
+    request = wire.GenerateRequest(request_id="r", model="m", reply_subject="s", prompt="hi",
+                                   sampling=SamplingParams(max_tokens=len(ids) + 1))
+    record = RunRecord(request, "node", 2, time.time())
+
+    async def prime() -> int:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        running = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        before = ticks
+        choice, ended = await choices.prime_choice(tok, Prompt(ids[:1]), record,
+                                                   wire.ResumedChoice(token_ids=ids))
+        running.cancel()
+        assert ended is None and choice is not None
+        return ticks - before
+
+    ran = asyncio.run(prime())
+    assert ran >= len(ids) // choices.PRIME_CHUNK_TOKENS
+    assert record.completion_tokens == len(ids)
