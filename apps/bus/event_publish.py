@@ -264,8 +264,10 @@ def _hold(js: Callable[[], JetStreamContext], subject: str, event: AnyEvent, exc
 async def _publish_held(js: Callable[[], JetStreamContext], subject: str, event: AnyEvent,
                         spooled: HeldSpool | None) -> None:
     pause, longest = _HELD_RETRY_S
+    offered = spooled is not None  # to a spool once, as soon as its process has one
     while True:
-        if spooled is None and (spool := _spools.get(asyncio.get_running_loop())) is not None:
+        if not offered and (spool := _spools.get(asyncio.get_running_loop())) is not None:
+            offered = True
             if await asyncio.to_thread(spool.write, subject, event):
                 spooled = spool
         await asyncio.sleep(pause)
