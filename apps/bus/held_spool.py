@@ -2,7 +2,9 @@
 while holding some does not lose them: the next process of its role on the machine publishes them.
 
 One file per event, `<event id>.json` (the subject it goes under, and the event), written whole
-under a temporary name and renamed, so a crash leaves either the whole file or none. The folder is
+under a temporary name and renamed, so a crash leaves either the whole file or none (a temporary
+one left is removed at the next start); readable by the process's user only (0600 in 0700
+folders): an event may hold a client's text. The folder is
 the data directory's `held-events/<EVENTS>/<role>`: `<EVENTS>` names the EVENTS stream by when it
 was created (a stream made again, or another test's server, never receives events held for
 another), and each role replays only its own (its NATS user may publish only its own subjects).
@@ -68,9 +70,11 @@ class HeldSpool:
                 return False
             self._sizes[name] = len(body)
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
+            self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
             temporary = self.folder / f".{name}.tmp"
-            with open(temporary, "wb") as file:
+            # Clients' text (a stored response's input and output): readable by this user only.
+            descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(descriptor, "wb") as file:
                 file.write(body)
                 file.flush()
                 os.fsync(file.fileno())
@@ -96,7 +100,13 @@ class HeldSpool:
     def load(self) -> list[tuple[str, AnyEvent]]:
         """The events held here by earlier processes, oldest first (event ids sort by time). A file
         that cannot be read is renamed `.bad` and left for an operator."""
-        if not self.folder.is_dir():
+        try:
+            if not self.folder.is_dir():
+                return []
+            for unfinished in self.folder.glob(".*.tmp"):  # a write its process did not finish
+                unfinished.unlink(missing_ok=True)
+        except OSError as exc:
+            log.error("the held-event spool cannot be read", extra={"spool": str(self.folder), "error": repr(exc)})
             return []
         found: list[tuple[str, AnyEvent]] = []
         for path in sorted(self.folder.glob("*.json")):

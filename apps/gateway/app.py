@@ -82,10 +82,11 @@ class AdmittedTokenCounter(TokenCounter):
         else:
             kind = "count_tokens" if request.api == Api.MESSAGES else "tokenize"
             request_id, principal = request.request_id, request.principal
-        nodes = await self._cold_starts.nodes_for(question.model)
+        await self._cold_starts.nodes_for(question.model)  # a 404 (or 503) before any admission
         ticket = await self._admissions.admit_call(kind, question.model, request_id, principal)
         try:
-            return await self.ask_nodes(question, nodes)
+            # The nodes as they are once admitted: the wait may have seen some go and others come.
+            return await super().ask(question)
         finally:
             ticket.release()
 

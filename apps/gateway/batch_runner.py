@@ -284,10 +284,14 @@ class BatchRunner:
             stop.check_expiry()
 
     async def _input(self, batch: StoredBatch) -> bytes | None:
+        """The batch's input file, or None when it is gone (a 404). The ledger or the bus away (a
+        503) raises: the claim comes back later, the batch is not failed for the weather."""
         try:
             _, chunks = await self._files.content(batch.row["input_file_id"], batch.principal)
-        except ServingError:
-            return None
+        except ServingError as exc:
+            if exc.status == 404:
+                return None
+            raise
         return b"".join([chunk async for chunk in chunks])
 
     async def _until_lines(self, batch_id: str, lines: set[int]) -> None:

@@ -24,6 +24,7 @@ gateway's uploads in flight counted too).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -41,6 +42,7 @@ from apps.bus import topology, wire
 from apps.bus.codes import ErrorCode, ServingError, Unavailable
 from apps.bus.events import FileCreated, FileDeleted
 from apps.bus.object_streams import put_stream, read_stream
+from apps.bus.publish import is_stream_full
 from apps.gateway.bus_failures import BUS_ERRORS, answered_as_unavailable, bus_unavailable
 from apps.gateway.capability_ids import CapabilityIds
 from apps.gateway.ledger_pool import LedgerPool
@@ -319,12 +321,19 @@ class FileStore:
         """Delete one of `principal`'s files: its content now, its row once the recorder projects it."""
         stored = await self.get(file_id, principal)
         self._events.check_room()
-        # A full bucket may refuse the deletion's marker: the chunks go all the same, and a retry works.
         with answered_as_unavailable("deleting a file", full=Unavailable.FILES_FULL):
+            store = await self._store()
             try:
-                await (await self._store()).delete(file_id)
+                await store.delete(file_id)
             except NotFoundError:
                 pass  # deleted by a request racing this one
+            except BUS_ERRORS as exc:
+                if not is_stream_full(exc):
+                    raise
+                # A full bucket refused the deletion's marker; the chunks went all the same (nats-py
+                # purges them whatever the marker did), so there is room for it now.
+                with contextlib.suppress(NotFoundError):
+                    await store.delete(file_id)
         self._recent.delete(file_id)
         self._events.emit(FileDeleted(model="-", node="gateway", file_id=file_id, principal=principal))
         return stored

@@ -93,14 +93,19 @@ async def _stored_and_removed(spooled: Path) -> bool:
     return event_publish.held_events() == 0 and not spooled.exists()
 
 
-def test_the_spool_is_bounded_and_leaves_an_unreadable_file_for_an_operator(tmp_path: Path) -> None:
+def test_the_spool_is_private_bounded_and_leaves_an_unreadable_file_for_an_operator(tmp_path: Path) -> None:
     spool = HeldSpool(tmp_path / "spool", max_bytes=2_000)
     kept = [e for e in (_admission("x" * 600) for _ in range(5)) if spool.write("helexa.events.admission.m", e)]
     assert 1 <= len(kept) < 5 and spool.bytes <= 2_000
+    # An event may hold a client's text: this user's only.
+    assert (tmp_path / "spool").stat().st_mode & 0o777 == 0o700
+    assert {p.stat().st_mode & 0o777 for p in (tmp_path / "spool").glob("*.json")} == {0o600}
+    (tmp_path / "spool" / f".{kept[0].event_id}.tmp").write_bytes(b"half of a write")
     (tmp_path / "spool" / "0-not-an-event.json").write_bytes(b"{not json")
     again = HeldSpool(tmp_path / "spool")
     assert [event for _, event in again.load()] == kept
     assert (tmp_path / "spool" / "0-not-an-event.bad").exists()
+    assert not list((tmp_path / "spool").glob(".*.tmp"))
     spool.remove(kept[0].event_id)
     assert not (tmp_path / "spool" / f"{kept[0].event_id}.json").exists()
     assert spool.write("helexa.events.admission.m", _admission("x" * 600))  # its room came back

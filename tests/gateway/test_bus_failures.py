@@ -1,6 +1,7 @@
 """Bus failures under a request, on a real NATS server and a real ledger, answered as 503s naming
 the bus or what is full, never a bare 500: a full files bucket (the upload leaves nothing of
-itself, the files before it stay whole), files read or deleted while NATS is down, a batch that
+itself, the files before it stay whole), files read or deleted while NATS is down (a batch runner
+reading its input then retries later: only a file that is gone fails its batch), a batch that
 cannot be queued (it ends failed, not live for good), a model looked up while NATS is down, and an
 object whose chunks stop coming (the read ends, it does not hang)."""
 
@@ -21,10 +22,11 @@ from apps.bus.object_streams import put_stream, read_stream
 from apps.bus.topology import BATCHES_STREAM, FILES_BUCKET, BusLimits
 from apps.embedded.nats_server import NatsServer
 from apps.embedded.postgres import PostgresServer
-from apps.gateway.batch_store import BatchStore
+from apps.gateway.batch_runner import BatchRunner
+from apps.gateway.batch_store import BatchStore, StoredBatch
 from apps.gateway.bus_client import GatewayBus
 from apps.gateway.cold_start import ColdStarts
-from apps.gateway.file_store import FileStore
+from apps.gateway.file_store import FileStore, new_file_id
 from apps.gateway.metrics import GatewayMetrics
 from apps.gateway.node_registry import NodeRegistry
 from tests.support import Emitted, declared, migrated_database
@@ -60,6 +62,17 @@ async def _fill(nats_url: str, postgres: PostgresServer) -> None:
         assert sorted(info.name for info in await bucket.list()) == sorted(f.file_id for f in kept)
         whole = b"".join([chunk async for chunk in _content(FILE_BYTES)])
         assert all([(await bucket.get(f.file_id)).data == whole for f in kept])
+        # Full to the last bytes: deleting a file (which asks for room for its deletion's marker)
+        # still works, and frees its room.
+        while True:
+            try:
+                await store.create("alice", "tiny.txt", "user_data", _content(1))
+            except ServingError as exc:
+                assert exc.code == ErrorCode.FILES_FULL
+                break
+        await store.delete(kept[0].file_id, "alice")
+        assert kept[0].file_id not in {info.name for info in await bucket.list() if not info.deleted}
+        assert (await store.create("alice", "c.txt", "user_data", _content(FILE_BYTES // 2))).bytes == FILE_BYTES // 2
     finally:
         await store.close()
         await nc.close()
@@ -74,13 +87,17 @@ def test_files_read_or_deleted_while_nats_is_down_are_503s_naming_the_bus(
 
 async def _files_without_nats(server: NatsServer, postgres: PostgresServer) -> None:
     nc = await connection.connect(server.url, "files-without-nats")
-    js = nc.jetstream()
+    js = nc.jetstream(timeout=1.0)  # the bus's calls fail in a second, not the default five
     emitted = Emitted()
-    store = FileStore(await migrated_database(postgres, "files_down"), emitted, lambda: js)
+    store = FileStore(await migrated_database(postgres, "files_down"), emitted, lambda: js, projection_wait_s=0.0)
     try:
         kept = await store.create("alice", "a.txt", "user_data", _content(FILE_BYTES))
+        runner = BatchRunner(None, None, store, None, 1, 1 << 20, emitted.emit, GatewayMetrics())  # type: ignore[arg-type]
+        gone = StoredBatch({"batch_id": "b", "principal": "alice", "input_file_id": new_file_id()})
+        assert await runner._input(gone) is None  # a file that is not there: the batch fails
         server.stop()
-        for doing in (store.content(kept.file_id, "alice"), store.delete(kept.file_id, "alice")):
+        batch = StoredBatch({"batch_id": "b", "principal": "alice", "input_file_id": kept.file_id})
+        for doing in (store.content(kept.file_id, "alice"), store.delete(kept.file_id, "alice"), runner._input(batch)):
             with pytest.raises(ServingError) as refused:
                 await doing
             assert (refused.value.status, refused.value.code) == (503, ErrorCode.BUS_UNAVAILABLE)
