@@ -14,6 +14,10 @@ from dataclasses import dataclass, field
 
 from apps.bus import wire
 
+# The longest tool name a call may carry: what a stored Responses item allows (`ItemId`), past
+# every edge's own bound on tool names (OpenAI 64, Anthropic 128).
+MAX_TOOL_NAME_CHARS = 256
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 
@@ -125,6 +129,10 @@ class OutputParser:
             arguments = call.get("arguments", call.get("parameters", {}))
             if not isinstance(name, str) or not isinstance(arguments, dict):
                 raise ValueError("tool call needs a string name and object arguments")
+            if not name or len(name) > MAX_TOOL_NAME_CHARS:
+                # No tool is named so (the edges allow at most 128 characters), and a call kept
+                # under such a name could not be sent back in a later turn.
+                raise ValueError("tool call name empty or too long")
             arguments_json = json.dumps(arguments, ensure_ascii=False)
         except (ValueError, KeyError, TypeError, RecursionError):
             # Not a tool call we can hand to a client (nested past what JSON parsing takes, too):

@@ -73,6 +73,14 @@ def test_tool_json_nested_past_what_json_parsing_takes_falls_back_to_content(dep
     assert out.content == text
 
 
+@pytest.mark.parametrize("name", ["", "f" * 257], ids=["empty", "too-long"])
+def test_a_call_under_a_name_no_tool_can_have_is_content(name: str) -> None:
+    text = f'<tool_call>{{"name": "{name}", "arguments": {{}}}}</tool_call>'
+    out = run(text, 4096)
+    assert out.tool_calls == []
+    assert out.content == text
+
+
 def test_text_that_only_looks_like_a_tag_is_content() -> None:
     assert run("a < b and <thinking> is not a tag", 1).content == "a < b and <thinking> is not a tag"
 
