@@ -9,7 +9,8 @@ that table; a conversation is rebuilt by following `previous_response_id` back t
 response (one recursive query, cut at `StoreLimits.max_chain_responses` responses and
 `max_chain_bytes` bytes, so a long chain is refused before any work rather than loaded), then
 decoded a response at a time into the typed input items it continues with, the event loop let go
-between responses (what a conversation does not read is skipped unread). A
+between responses (the response object's fields other than its output, such as its tools and
+settings, are skipped unread). A
 response that does not exist, was deleted, or belongs to another principal is a 404 — the same
 404, so ids of others cannot be probed.
 
@@ -302,8 +303,8 @@ class ResponseStore:
         """Every item of the conversation `response_id` ends, oldest first (inputs and outputs);
         a 400 past the chain limits, a 404 if a response of it was deleted. Each response is
         decoded apart, the event loop let go between them: at most `max_response_bytes` of JSON
-        at a time, typed, so what a conversation does not read (logprobs, tools, reasoning
-        summaries) is skipped unread."""
+        at a time, typed: of a response object only its output is read (its echoed tools and
+        settings are skipped unread)."""
         param = "previous_response_id"
         limits = self.limits
         chain = await self._head(response_id, principal, param, limits.max_chain_responses, limits.max_chain_bytes)
