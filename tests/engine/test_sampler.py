@@ -514,3 +514,32 @@ def test_more_penalized_rows_than_the_cache_keeps_keep_their_states_between_step
         if kept:
             assert all(states[rid] is kept[rid] for rid in kept), "a row's state was rebuilt"
         kept = states  # type: ignore[assignment]
+
+
+def test_a_penalty_state_whose_update_fails_is_left_as_it_was_and_catches_up_later(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step whose penalty update fails (a device out of memory while the new tokens' tensors are
+    built) leaves the request's state as it was, not half moved: the next step takes in every
+    token since, and the penalties equal a fresh computation's."""
+    opts = options(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5, logprobs=0)
+    prompt, output = [3, 4, 5], [6]
+    kept, fresh = Sampler(), Sampler()
+    kept(random_logits(1, seed=0), [SamplingRow(opts, prompt, output, [], request_id="r")])
+    state = kept._penalty_states["r"]
+    before = (state.seen_ids.clone(), state.out_ids.clone(), state.out_counts.clone(), set(state.seen),
+              dict(state.out_index), state.counted)
+    output.extend([7, 6, 8])
+    real_cat = torch.cat
+
+    def no_memory(*args: object, **kwargs: object) -> torch.Tensor:
+        raise torch.OutOfMemoryError("no room for the new tokens")
+
+    monkeypatch.setattr(torch, "cat", no_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        state.catch_up()
+    monkeypatch.setattr(torch, "cat", real_cat)
+    after = (state.seen_ids, state.out_ids, state.out_counts, state.seen, state.out_index, state.counted)
+    assert all(torch.equal(a, b) for a, b in zip(before[:3], after[:3], strict=True)) and before[3:] == after[3:]
+    logits = random_logits(1, seed=1)
+    assert torch.equal(_penalized_logprobs(kept, logits, [SamplingRow(opts, prompt, output, [], request_id="r")]),
+                       _penalized_logprobs(fresh, logits, [row(opts, prompt, list(output))]))
