@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from typing import Any
 
@@ -19,6 +20,7 @@ from apps.bus.topology import EVENTS_STREAM, event_subject
 from apps.bus.wire import encode
 from apps.embedded import free_port
 from apps.embedded.nats_server import NatsServer
+from apps.recorder import large_events
 from apps.settings import RecorderSettings
 from tests.recorder.conftest import (
     LogWatch,
@@ -135,12 +137,15 @@ async def _equals(url: str, sql: str, expected: object) -> bool:
     return await fetchval(url, sql) == expected
 
 
+@pytest.mark.parametrize("failing", ["timeout", "silence"])
 async def test_an_event_whose_object_the_store_does_not_give_back_now_is_recorded_later_not_buried(
-    own_nats: NatsServer, nc: NatsClient, database_url: str, log_watch: LogWatch, monkeypatch: pytest.MonkeyPatch
+    own_nats: NatsServer, nc: NatsClient, database_url: str, log_watch: LogWatch, monkeypatch: pytest.MonkeyPatch,
+    failing: str,
 ) -> None:
     """A response.stored past the server's max_payload goes by reference (its event in the Object
-    Store). The store's first two reads time out, as during a NATS restart: the recorder keeps
-    running, hands the reference back, and records the event once a read succeeds."""
+    Store). The store's first two reads fail, as during a NATS restart: with nats' timeout, or by
+    never answering (the recorder's own bound on a read ends it). The recorder keeps running, hands
+    the reference back, and records the event once a read succeeds."""
     large = response_stored("resp_large", input_items=[
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "z" * nc.max_payload}]}])
     assert await event_publish.publish_event(nc.jetstream(), large)
@@ -151,10 +156,13 @@ async def test_an_event_whose_object_the_store_does_not_give_back_now_is_recorde
         nonlocal reads
         reads += 1
         if reads <= 2:
+            if failing == "silence":
+                await asyncio.Event().wait()
             raise nats.errors.TimeoutError
         return await real_get_info(store, name, *args, **kwargs)
 
     monkeypatch.setattr(ObjectStore, "get_info", flaky_get_info)
+    monkeypatch.setattr(large_events, "OBJECT_READ_S", 0.5)
     settings = RecorderSettings(nats_url=own_nats.url, database_url=database_url, metrics_port=free_port(),
                                 watch_interval_s=0.2)
     async with recording(settings, log_watch) as task:
