@@ -179,7 +179,8 @@ class Unavailable(enum.Enum):
     CANNOT_LOAD = (ErrorCode.MODEL_UNAVAILABLE, "this worker cannot load models", None)
     NO_MEMORY = (ErrorCode.MODEL_UNAVAILABLE,
                  "the model '{model}' needs {needed_mb} MB; this worker has {free_mb} MB free", None)
-    LEDGER_UNAVAILABLE = (ErrorCode.LEDGER_UNAVAILABLE, "Stored responses cannot be read right now; retry shortly.",
+    LEDGER_UNAVAILABLE = (ErrorCode.LEDGER_UNAVAILABLE,
+                          "The ledger (stored responses, files and batches) cannot be read right now; retry shortly.",
                           retry_after_s())
     # EVENTS near its limit: about how long the recorder takes to trim what it recorded.
     EVENTS_FULL = (ErrorCode.EVENTS_FULL, "The event ledger is full of events not yet recorded; retry shortly.", 5)

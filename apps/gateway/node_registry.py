@@ -20,7 +20,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
 
 from apps.bus import topology, wire
-from apps.bus.codes import ModelState, NodeState
+from apps.bus.codes import ModelState, NodeState, Unavailable, unavailable
 from apps.bus.reconnects import reconnects_of
 from apps.bus.topology import BusLimits
 from apps.gateway.bus_client import GatewayBus
@@ -32,6 +32,8 @@ log = logging.getLogger("helexa.gateway")
 # How long a name found unknown stays unknown without asking again, and how many are remembered.
 UNKNOWN_MODEL_TTL_S = 5.0
 MAX_UNKNOWN_MODELS = 10_000
+# How long a request waits for the registry's first reading (at a gateway's start).
+READY_WAIT_S = 10.0
 # A node entry not refreshed for this many TTLs is forgotten (its worker is gone; clocks may differ a little).
 FORGET_AFTER_TTLS = 4
 # How long the server keeps a watch's consumer nobody listens to any more (a gateway that died).
@@ -68,8 +70,13 @@ class NodeRegistry:
             await cancel_until_done(self._watch)
 
     async def live_nodes(self) -> list[wire.NodeStatus]:
-        """Nodes whose last refresh is younger than the bucket's TTL (expiry leaves no marker)."""
-        await self._ready.wait()
+        """Nodes whose last refresh is younger than the bucket's TTL (expiry leaves no marker); a
+        503 naming the bus when the registry has not been read within READY_WAIT_S of asking (its
+        watch failing since the gateway started), rather than a wait without end."""
+        try:
+            await asyncio.wait_for(self._ready.wait(), READY_WAIT_S)
+        except TimeoutError:
+            raise unavailable(Unavailable.BUS_UNAVAILABLE, {"detail": "the node registry has not been read"}) from None
         return self._live()
 
     def _live(self) -> list[wire.NodeStatus]:

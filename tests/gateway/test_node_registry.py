@@ -12,9 +12,11 @@ import pytest
 from nats.js import JetStreamContext
 
 from apps.bus import wire
+from apps.bus.codes import ErrorCode, ServingError
 from apps.bus.connection import connect
 from apps.bus.topology import NODES_BUCKET, BusLimits, node_registry
 from apps.embedded.nats_server import NatsServer
+from apps.gateway import node_registry as node_registry_module
 from apps.gateway.bus_client import GatewayBus
 from apps.gateway.metrics import GatewayMetrics
 from apps.gateway.node_registry import NodeRegistry
@@ -87,3 +89,18 @@ async def test_an_entry_its_worker_left_to_expire_is_forgotten_and_a_new_write_b
         await registry.stop()
         await bus.close()
         await writer.close()
+
+
+async def test_a_registry_never_read_is_a_503_naming_the_bus_not_a_wait_without_end(
+        own_nats: NatsServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its watch failing since the gateway started (a bucket it may not read, say), the registry
+    has no reading: requests, /ready and /metrics get a 503 after READY_WAIT_S instead of hanging."""
+    monkeypatch.setattr(node_registry_module, "READY_WAIT_S", 0.5)
+    bus = await GatewayBus.connect(own_nats.url, BusLimits(), GatewayMetrics())
+    registry = NodeRegistry(bus, BusLimits())  # its watch never started
+    try:
+        with pytest.raises(ServingError) as refused:
+            await asyncio.wait_for(registry.live_nodes(), 30)
+        assert (refused.value.status, refused.value.code) == (503, ErrorCode.BUS_UNAVAILABLE)
+    finally:
+        await bus.close()
