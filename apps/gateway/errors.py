@@ -78,8 +78,17 @@ def serving_error_handler(request: Request, exc: ServingError) -> Response:
     return Response(error_body(exc.status, exc.message, exc.code, exc.param), status_code=exc.status, headers=headers)
 
 
+# What Litestar raises when the client goes away while its body is read (a 500, though no bug).
+_BODY_CUT_SHORT = "client disconnected prematurely"
+
+
 def http_error_handler(request: Request, exc: HTTPException) -> Response:
     status = exc.status_code
+    if status == 500 and exc.detail == _BODY_CUT_SHORT:
+        # Nobody reads this answer: logged and counted as the client's leaving, not a server error.
+        log_failure(_handler_name(request), 499, "the client left while its body was read")
+        return Response(error_body(499, "Client closed the request.", code=ErrorCode.CLIENT_CLOSED),
+                        status_code=499)
     # A path that is no route has its own handler (`front_door.not_found`).
     message = {404: "Not found.", 405: "Method not allowed."}.get(
         status, exc.detail if status < 500 else "Internal server error."

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import asyncpg
 import httpx
@@ -128,3 +129,14 @@ def test_each_failure_logs_one_structured_warning(system: System) -> None:
     matching = [e for e in system.gateway.lines
                 if e.get("event") == "request failed" and e.get("model") == "model-for-the-log-test"]
     assert len(matching) == 1
+
+
+def test_a_client_that_leaves_while_its_body_is_read_is_logged_as_leaving_not_as_a_server_error(
+        system: System) -> None:
+    host, port = system.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+                     "Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n".encode() + b'{"model": "x')
+    entry = system.gateway.wait_for(lambda e: e.get("event") == "request failed"
+                                    and e.get("error") == "the client left while its body was read", timeout_s=30)
+    assert entry["status"] == 499
