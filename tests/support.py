@@ -212,3 +212,26 @@ class Emitted:
 
     def check_room(self, model: str | None = None) -> None:
         pass
+
+
+class LoopTurns:
+    """Counts the event loop's turns while it is entered: a test reads `count` at points of work
+    that must let the loop go (it does not move while the work holds the loop)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> LoopTurns:
+        self._task = asyncio.create_task(self._turn())
+        await asyncio.sleep(0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+
+    async def _turn(self) -> None:
+        while True:
+            self.count += 1
+            await asyncio.sleep(0)

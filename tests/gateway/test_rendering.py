@@ -18,6 +18,21 @@ def events(part: bytes) -> list[str]:
     return [event.removeprefix("data: ") for event in part.decode().split("\n\n") if event]
 
 
+def render(request: wire.GenerateRequest,
+           frames: AsyncIterator[wire.Delta | wire.Final]) -> tuple[list[bytes], list[bool]]:
+    """The SSE body parts a chat stream of `frames` makes, and whether its close ran."""
+    closed: list[bool] = []
+
+    async def close() -> None:
+        closed.append(True)
+
+    async def collect() -> list[bytes]:
+        accepted = wire.Accepted(seq=0, attempt=1, node="n", prompt_tokens=3)
+        return [part async for part in sse_chunks(accepted, frames, ChatFormatter(request, True), close)]
+
+    return asyncio.run(collect()), closed
+
+
 def test_each_frame_is_one_body_part_holding_all_its_events() -> None:
     request = wire.GenerateRequest(request_id="r", model="m", reply_subject="_INBOX.r", stream=True,
                                    sampling=SamplingParams(n=2))
@@ -28,20 +43,11 @@ def test_each_frame_is_one_body_part_holding_all_its_events() -> None:
         wire.Final(seq=3, attempt=1, finish_reason=FinishReason.STOP,
                    usage=wire.Usage(prompt_tokens=3, completion_tokens=2)),
     ]
-    closed: list[bool] = []
-
     async def replay() -> AsyncIterator[wire.Delta | wire.Final]:
         for frame in frames:
             yield frame
 
-    async def close() -> None:
-        closed.append(True)
-
-    async def collect() -> list[bytes]:
-        accepted = wire.Accepted(seq=0, attempt=1, node="n", prompt_tokens=3)
-        return [part async for part in sse_chunks(accepted, replay(), ChatFormatter(request, True), close)]
-
-    parts = asyncio.run(collect())
+    parts, closed = render(request, replay())
     # The start (a role event per choice), the two deltas, the final, the end marker.
     assert len(parts) == 5, parts
     assert [len(events(part)) for part in parts[:3]] == [2, 1, 2]
@@ -55,20 +61,11 @@ def test_each_frame_is_one_body_part_holding_all_its_events() -> None:
 def test_a_bug_after_the_first_chunk_ends_the_stream_with_an_error_event_not_a_cut() -> None:
     request = wire.GenerateRequest(request_id="r", model="m", reply_subject="_INBOX.r", stream=True,
                                    sampling=SamplingParams())
-    closed: list[bool] = []
-
     async def broken() -> AsyncIterator[wire.Delta | wire.Final]:
         yield wire.Delta(seq=1, attempt=1, text="Hi", num_tokens=1, index=0)
         raise RuntimeError("a bug in the frames' path")
 
-    async def close() -> None:
-        closed.append(True)
-
-    async def collect() -> list[bytes]:
-        accepted = wire.Accepted(seq=0, attempt=1, node="n", prompt_tokens=3)
-        return [part async for part in sse_chunks(accepted, broken(), ChatFormatter(request, True), close)]
-
-    parts = asyncio.run(collect())
+    parts, closed = render(request, broken())
     error = json.loads(events(parts[-2])[0])["error"]
     assert error["code"] == "internal_error" and "RuntimeError" not in error["message"]
     assert events(parts[-1]) == ["[DONE]"] and closed == [True]

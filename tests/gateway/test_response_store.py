@@ -29,7 +29,7 @@ from apps.gateway.response_store import (
 )
 from apps.recorder.migrate import migrate
 from apps.recorder.projector import project
-from tests.support import Emitted, eventually_async
+from tests.support import Emitted, LoopTurns, eventually_async
 
 
 @pytest.fixture
@@ -127,28 +127,20 @@ async def test_a_conversation_is_decoded_a_response_at_a_time_letting_the_loop_r
             store.keep(turn, "tiny")
         await record(database_url, emitted.events)
 
-        ticks = 0
-
-        async def ticker() -> None:
-            nonlocal ticks
-            while True:
-                ticks += 1
-                await asyncio.sleep(0)
-
         seen: list[int] = []
         decode = StoredResponse.items
+        turns = LoopTurns()
 
         def counted(self: StoredResponse) -> list[rs.InputItem]:
-            seen.append(ticks)
+            seen.append(turns.count)
             return decode(self)
 
         monkeypatch.setattr(StoredResponse, "items", counted)
         fresh = ResponseStore(database_url, Emitted(), projection_wait_s=0.0)  # type: ignore[arg-type]
-        running = asyncio.create_task(ticker())
         try:
-            items = await fresh.conversation(ids[-1], "alice")
+            async with turns:
+                items = await fresh.conversation(ids[-1], "alice")
         finally:
-            running.cancel()
             await fresh.close()
         assert len(seen) == 4 and all(a < b for a, b in zip(seen, seen[1:], strict=False))
         answers = [part.text for i in items if isinstance(i, rs.MessageItem) and i.role == "assistant"

@@ -21,7 +21,7 @@ from apps.worker.replies import CollectingReplier
 from apps.worker.run_record import RunRecord
 from engine.frontend.protocol import EngineOutput, EngineRequest, FinishReason, SamplingParams
 from engine.frontend.tokenizer import Tokenizer
-from tests.support import byte_token_ids
+from tests.support import LoopTurns, byte_token_ids
 
 
 class GroupedEngine:
@@ -113,22 +113,13 @@ def test_a_long_resume_is_fed_a_chunk_at_a_time_with_the_loop_let_go_between(tok
     record = RunRecord(request, "node", 2, time.time())
 
     async def prime() -> int:
-        ticks = 0
-
-        async def ticker() -> None:
-            nonlocal ticks
-            while True:
-                ticks += 1
-                await asyncio.sleep(0)
-
-        running = asyncio.create_task(ticker())
-        await asyncio.sleep(0)
-        before = ticks
-        choice, ended = await choices.prime_choice(tok, Prompt(ids[:1]), record,
-                                                   wire.ResumedChoice(token_ids=ids))
-        running.cancel()
+        async with LoopTurns() as turns:
+            before = turns.count
+            choice, ended = await choices.prime_choice(tok, Prompt(ids[:1]), record,
+                                                       wire.ResumedChoice(token_ids=ids))
+            ran = turns.count - before
         assert ended is None and choice is not None
-        return ticks - before
+        return ran
 
     ran = asyncio.run(prime())
     assert ran >= len(ids) // choices.PRIME_CHUNK_TOKENS
