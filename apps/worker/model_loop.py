@@ -182,9 +182,13 @@ class ModelLoop:
 
     async def serve_once(self, request: wire.GenerateRequest, replier: Replier) -> RunFinished:
         """One request not pulled from the consumer (the `generate` endpoint), served the same way;
-        it takes its slots like any other. Raises ServingError (409) for an id already running here."""
+        it takes its slots like any other, and is refused (503 `queue_full`) when they are not free, as
+        the intake would leave it on the stream. Raises ServingError (409) for an id already running here."""
         if holds(self._held, request):
             raise ServingError(409, ErrorCode.INVALID_REQUEST, "A request with this id is already running.")
+        if self.free_slots(request.service_class) < request.sampling.n:
+            raise ServingError(503, ErrorCode.QUEUE_FULL, "This worker has no free sequence for the request "
+                                                          "now: ask again later, or ask another node.")
         self._claim(Held(request, replier=replier))
         try:
             outcome = await run_request(self.model, request, replier, attempt=1, node=self.bus.node, js=self.bus.js)

@@ -2,9 +2,10 @@
 endpoints, beside the model consumers.
 
 `nats micro ls/info/stats` find it. Its endpoints answer a one-shot `generate` (a whole answer in
-one reply, served by the model's loop like any pulled request), `control` (list, load, unload,
-through the worker process's model lifecycle) and `tokenize` (`token_service`). Every reply is
-measured first, so one past the server's max_payload is refused here, not by the server.
+one reply, served by the model's loop like any pulled request, and refused with a 503 while its
+slots are taken), `control` (list, load, unload, through the worker process's model lifecycle) and
+`tokenize` (`token_service`). Every reply is measured first, so one past the server's max_payload
+is refused here, not by the server.
 """
 
 from __future__ import annotations

@@ -62,6 +62,40 @@ def test_worker_is_a_discoverable_micro_service(fleet: Fleet) -> None:
         assert generate["num_requests"] == 1 and generate["num_errors"] == 0
 
 
+def test_generate_is_refused_while_the_workers_slots_are_taken(fleet: Fleet) -> None:
+    # The endpoint takes no more than the engine has room for, as the intake pulls no more: a
+    # second request beside a running one on a one-sequence worker is a 503 at once, while the
+    # first finishes whole, and the worker serves the next one once it has room again.
+    script = {"default": "room again", "rules": [{"match": "SLOW", "reply": "one two three four five six",
+                                                  "token_delay_s": 1.0}]}
+    subject = topology.node_endpoint("full-a", "generate")
+
+    def request(request_id: str, content: str) -> bytes:
+        return wire.encode(wire.GenerateRequest(request_id=request_id, model="full-model", reply_subject="",
+                                                sampling=SamplingParams(),
+                                                messages=[wire.ChatMessage(role="user", content=content)]))
+
+    async def scenario() -> tuple[dict, object, dict]:
+        nc = await nats.connect(fleet.nats_url)
+        try:
+            slow = asyncio.create_task(nc.request(subject, request("full-slow", "SLOW please"), timeout=60))
+            await asyncio.to_thread(wait_events, fleet.nats_url, topology.event_subject("run.started", "full-model"),
+                                    lambda es: any(e.request_id == "full-slow" for e in es))
+            refused = await nc.request(subject, request("full-busy", "hello"), timeout=30)
+            first = json.loads((await slow).data)
+            after = await nc.request(subject, request("full-after", "hello"), timeout=30)
+            return first, refused, json.loads(after.data)
+        finally:
+            await nc.close()
+
+    with fleet.worker("full-a", "full-model", script, HELEXA_MAX_NUM_SEQS="1"):
+        first, refused, after = asyncio.run(scenario())
+    assert refused.headers is not None and refused.headers.get("Nats-Service-Error-Code") == "503"
+    assert "no free sequence" in refused.headers.get("Nats-Service-Error", "")
+    assert first["text"] == "one two three four five six" and first["finish_reason"] == "stop"
+    assert after["text"] == "room again"
+
+
 def helexa(fleet: Fleet, *args: str) -> dict:
     """Run the `helexa` CLI against the fleet and return its JSON answer."""
     done = subprocess.run([sys.executable, "-m", "apps.cli", "--log-level", "WARNING", *args], cwd=REPO,

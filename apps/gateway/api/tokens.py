@@ -75,10 +75,8 @@ class TokenCounter:
         return served[0]
 
     async def ask(self, question: wire.TokenizeRequest) -> wire.TokenizeReply:
-        return await self.ask_nodes(question, await self._cold_starts.nodes_for(question.model))
-
-    async def ask_nodes(self, question: wire.TokenizeRequest, nodes: list[wire.NodeStatus]) -> wire.TokenizeReply:
-        """`question` asked of `nodes`, the live nodes serving its model (`nodes_for`)."""
+        """`question` asked of the live nodes serving its model (`nodes_for`), a few at most."""
+        nodes = await self._cold_starts.nodes_for(question.model)
         if question.request is not None:
             check_prompt_size(question.request, nodes)
         payload = wire.encode(question)
