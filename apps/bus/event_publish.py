@@ -4,8 +4,9 @@ subject to a message when they come together.
 Serving never fails for the ledger's sake. An event EVENTS does not take now (full, or the bus
 unreachable) is held by this process and published again in the background until it is stored
 (`held_events` counts them), so nothing is dropped in silence; once a process has called
-`keep_held_on_disk`, each held event is also written to its role's spool (`apps.bus.held_spool`)
-until stored, and the next process of that role publishes what a process that died still held.
+`keep_held_on_disk` for a role, each held event of that role's subjects is also written to the
+role's spool (`apps.bus.held_spool`) until stored, and the next process of that role publishes what
+a process that died still held (past `MAX_HELD_EVENTS` at once, the rest as held ones are stored).
 One too large for a message goes through the Object Store as an `EventRef`.
 
 Batches. Every request makes two to four events (its admission, its run's start and finish,
@@ -26,6 +27,7 @@ import asyncio
 import hashlib
 import logging
 import weakref
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +36,7 @@ import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
 
-from apps.bus import topology, wire
+from apps.bus import roles, topology, wire
 from apps.bus.events import BATCHED_KINDS, AnyEvent, EventRef, batch_body, event_kind
 from apps.bus.held_spool import HeldSpool
 from apps.bus.publish import StreamFull, client_of, fits, is_stream_full, message_size, publish
@@ -52,13 +54,17 @@ BATCH_MAX_EVENTS = 256
 _BATCH_HEADER_BYTES = message_size(b"", {"Nats-Msg-Id": "0" * 32 + f"+{BATCH_MAX_EVENTS}"})
 
 _held: set[asyncio.Task[None]] = set()
-# Each event loop's spool of held events, once its process asked for one.
-_spools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, HeldSpool] = weakref.WeakKeyDictionary()
+# Each event loop's spools of held events, by role, once its process asked for them.
+_spools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, HeldSpool]] = weakref.WeakKeyDictionary()
+# Each loop's events found in a spool while `MAX_HELD_EVENTS` were held: each is held in its turn,
+# as a held one is stored.
+_from_spool: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, deque[_Held]] = weakref.WeakKeyDictionary()
 
 
 def held_events() -> int:
-    """Events this process holds because EVENTS did not take them yet."""
-    return len(_held)
+    """Events this process holds because EVENTS did not take them yet (those a spool had no turn
+    for yet too)."""
+    return len(_held) + sum(len(waiting) for waiting in _from_spool.values())
 
 
 async def publish_event(js: JetStreamContext, event: AnyEvent, *, required: bool = False,
@@ -236,7 +242,7 @@ async def keep_held_on_disk(js: JetStreamContext, data_dir: Path, role: str,
     stream = hashlib.sha256(f"{topology.EVENTS_STREAM} {info.created}".encode()).hexdigest()[:16]
     spool = HeldSpool(data_dir / "held-events" / stream / role)
     found = await asyncio.to_thread(spool.load)
-    _spools[asyncio.get_running_loop()] = spool
+    _spools.setdefault(asyncio.get_running_loop(), {})[role] = spool
     for subject, event in found:
         _hold(current or (lambda: js), subject, event, None, spooled=spool)
     if found:
@@ -249,8 +255,8 @@ def _hold(js: Callable[[], JetStreamContext], subject: str, event: AnyEvent, exc
     context = {"kind": event_kind(event), "event_id": event.event_id,
                "request_id": getattr(event, "request_id", None), "error": wire.bounded_text(repr(exc))}
     if len(_held) >= MAX_HELD_EVENTS:
-        if spooled is not None:
-            log.error("held event left on disk for the next start: too many held", extra=context)
+        if spooled is not None:  # on disk already: its turn comes as held events are stored
+            _from_spool.setdefault(asyncio.get_running_loop(), deque()).append(_Held(js, subject, event, spooled))
         else:
             log.error("event lost: too many events already held for EVENTS", extra={**context, "held": len(_held)})
         return
@@ -258,7 +264,24 @@ def _hold(js: Callable[[], JetStreamContext], subject: str, event: AnyEvent, exc
         log.warning("event held until EVENTS takes it", extra={**context, "held": len(_held) + 1})
     task = asyncio.ensure_future(_publish_held(js, subject, event, spooled))
     _held.add(task)
-    task.add_done_callback(_held.discard)
+    task.add_done_callback(_stored)
+
+
+@dataclass(slots=True, frozen=True)
+class _Held:
+    js: Callable[[], JetStreamContext]
+    subject: str
+    event: AnyEvent
+    spooled: HeldSpool
+
+
+def _stored(task: asyncio.Task[None]) -> None:
+    """A held event is stored (or its loop ended): the next one a spool had no room for is held."""
+    _held.discard(task)
+    waiting = _from_spool.get(task.get_loop())
+    if waiting and len(_held) < MAX_HELD_EVENTS and not task.cancelled():
+        turn = waiting.popleft()
+        _hold(turn.js, turn.subject, turn.event, None, spooled=turn.spooled)
 
 
 async def _publish_held(js: Callable[[], JetStreamContext], subject: str, event: AnyEvent,
@@ -266,7 +289,8 @@ async def _publish_held(js: Callable[[], JetStreamContext], subject: str, event:
     pause, longest = _HELD_RETRY_S
     offered = spooled is not None  # to a spool once, as soon as its process has one
     while True:
-        if not offered and (spool := _spools.get(asyncio.get_running_loop())) is not None:
+        if not offered and (spool := _spools.get(asyncio.get_running_loop(), {}).get(
+                roles.event_publisher(subject) or "")) is not None:
             offered = True
             if await asyncio.to_thread(spool.write, subject, event):
                 spooled = spool

@@ -85,6 +85,15 @@ EVENT_SUBJECTS: dict[str, dict[str, str]] = {
 }
 
 
+_SUBJECT_PUBLISHER = {subject: role for subjects in EVENT_SUBJECTS.values() for subject, role in subjects.items()}
+
+
+def event_publisher(subject: str) -> str | None:
+    """The one role that may publish events on `subject` (None: not an event subject)."""
+    kind = topology.kind_of_subject(subject)
+    return None if kind is None else _SUBJECT_PUBLISHER.get(kind)
+
+
 def event_subject_kinds(role: str) -> list[str]:
     """The subject kinds `role` may publish events on."""
     return sorted(subject for subjects in EVENT_SUBJECTS.values() for subject, owner in subjects.items()

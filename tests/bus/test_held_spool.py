@@ -14,14 +14,14 @@ from apps.bus import event_publish, topology
 from apps.bus.events import AdmissionDecided, AdmissionDecision
 from apps.bus.held_spool import HeldSpool
 from apps.embedded.nats_server import NatsServer
-from tests.bus.test_publish_bounds import LATE_DETAIL, connected, fill_events, read_events, stock_server
+from tests.bus.test_publish_bounds import KINDS, LATE_DETAIL, connected, fill_events, read_events, stock_server
 from tests.support import eventually_async
 
 __all__ = ["stock_server"]  # the fixture, used here by name
 
 REPO = Path(__file__).resolve().parents[2]
 
-# A process of the worker role: it keeps held events on disk, publishes one that a full EVENTS
+# A process of the gateway role: it keeps held events on disk, publishes one that a full EVENTS
 # refuses, says its id once the spool has it, and waits to be killed.
 _HOLDER = """
 import asyncio, sys
@@ -33,12 +33,12 @@ async def main():
     data_dir = Path(sys.argv[2])
     nc = await connection.connect(sys.argv[1], "held-spool-holder", max_reconnect_attempts=0)
     js = nc.jetstream()
-    await event_publish.keep_held_on_disk(js, data_dir, "worker")
+    await event_publish.keep_held_on_disk(js, data_dir, "gateway")
     event = AdmissionDecided(model="m", node="gateway", request_id="r", principal=None,
                              decision=AdmissionDecision.ADMITTED, detail=sys.argv[3], pending=0, in_flight=0)
     assert not await event_publish.publish_event(js, event)
     for _ in range(600):  # 30 s at most; a holder that gives up prints nothing
-        if list(data_dir.glob(f"held-events/*/worker/{event.event_id}.json")):
+        if list(data_dir.glob(f"held-events/*/gateway/{event.event_id}.json")):
             break
         await asyncio.sleep(0.05)
     else:
@@ -71,20 +71,58 @@ async def test_an_event_held_by_a_killed_process_is_published_by_the_next_one(
         finally:
             holder.send_signal(signal.SIGKILL)
             holder.wait(30)
-        [spooled] = list(tmp_path.glob("held-events/*/worker/*.json"))
+        [spooled] = list(tmp_path.glob("held-events/*/gateway/*.json"))
         assert spooled.name == f"{event_id}.json"
         # Nothing of it reached EVENTS: it lives only on disk now.
         assert (await js.stream_info(topology.EVENTS_STREAM)).state.messages == stored
 
         # Room again, and the role's next process starts: it publishes what the dead one held.
         await js.purge_stream(topology.EVENTS_STREAM, seq=stored + 1)
-        await event_publish.keep_held_on_disk(js, tmp_path, "worker")
+        await event_publish.keep_held_on_disk(js, tmp_path, "gateway")
         await eventually_async(lambda: _stored_and_removed(spooled), 20.0, message="the spooled event stored")
         [(_, event)] = await read_events(nc, 1)
         assert (event.event_id, getattr(event, "detail", None)) == (event_id, LATE_DETAIL)
-        # Another role's spool is its own: a gateway starting here finds nothing to publish.
-        await event_publish.keep_held_on_disk(js, tmp_path, "gateway")
+        # Another role's spool is its own: a worker starting here finds nothing to publish.
+        await event_publish.keep_held_on_disk(js, tmp_path, "worker")
         assert event_publish.held_events() == 0
+    finally:
+        await nc.close()
+
+
+async def test_each_role_spools_its_own_events_and_a_spool_past_the_held_cap_is_published_whole(
+        stock_server: NatsServer, tmp_path: Path, monkeypatch) -> None:
+    nc = await connected(stock_server.url, topology.BusLimits(event_max_bytes=64 << 10))
+    try:
+        js = nc.jetstream()
+        stored = await fill_events(js)
+        # One loop keeping both roles' spools (as a test process may): each event goes to the
+        # spool of the role that publishes its subject.
+        await event_publish.keep_held_on_disk(js, tmp_path / "both", "gateway")
+        await event_publish.keep_held_on_disk(js, tmp_path / "both", "worker")
+        admission, run = KINDS["admission"]("a" * 1000), KINDS["run.finished"]("r" * 1000)
+        assert not await event_publish.publish_event(js, admission)
+        assert not await event_publish.publish_event(js, run)
+        await eventually_async(lambda: len(list((tmp_path / "both").glob("held-events/*/*/*.json"))) == 2, 20.0,
+                               message="both held events spooled")
+        assert [p.parent.name for p in (tmp_path / "both").glob(f"held-events/*/*/{admission.event_id}.json")] \
+            == ["gateway"]
+        assert [p.parent.name for p in (tmp_path / "both").glob(f"held-events/*/*/{run.event_id}.json")] \
+            == ["worker"]
+
+        # A dead gateway left more events than a process holds at once: the next one holds what
+        # it may and the rest in turn, as those are stored, until every one is.
+        [gateway_spool] = (tmp_path / "both").glob("held-events/*/gateway")
+        left = HeldSpool(tmp_path / "next" / gateway_spool.relative_to(tmp_path / "both"))
+        events = [_admission(f"left {i}") for i in range(5)]
+        assert all(left.write(topology.event_subject("admission", "m"), e) for e in events)
+        monkeypatch.setattr(event_publish, "MAX_HELD_EVENTS", 4)  # two held already, two more
+        await event_publish.keep_held_on_disk(js, tmp_path / "next", "gateway")
+        assert event_publish.held_events() == 7
+        await js.purge_stream(topology.EVENTS_STREAM, seq=stored + 1)
+        await eventually_async(lambda: event_publish.held_events() == 0, 30.0, message="every held event stored")
+        assert not list(left.folder.glob("*.json")) and not list((tmp_path / "both").glob("held-events/*/*/*.json"))
+        ids = {event.event_id for _, event in await read_events(nc, 7)}
+        assert ids == {admission.event_id, run.event_id, *(e.event_id for e in events)}
     finally:
         await nc.close()
 
