@@ -30,7 +30,9 @@ the ledger at every poll, so the deadline has one owner, the `batches` row) the 
 the lines that never started become error lines `batch_expired`, and the batch is `expired`. A
 line refused for lack of capacity (429, 503) is retried after a pause, with a new request id, a
 bounded number of times. Waits on the ledger are bounded too: a line event lost on its way gives
-the claim back, and the next run records what is missing.
+the claim back, and the next run records what is missing. A batch the ledger has in a final state
+that its run did not give it (`failed` by a gateway whose claim publish seemed to fail, though the
+claim was queued) starts no more lines, and its claim is done.
 """
 
 from __future__ import annotations
@@ -181,6 +183,10 @@ class BatchRunner:
             await self._run_lines(batch, prepared, stop)
         finally:
             watcher.cancel()
+        if stop.reason == "ended":
+            log.warning("batch ended elsewhere while it ran: no more of its lines start",
+                        extra={"batch_id": batch_id})
+            return True
         if stop.reason == "expired":
             for expired in expired_lines(batch_id, prepared, stop.started):
                 stop.started.add(expired.line)
@@ -280,6 +286,9 @@ class BatchRunner:
             if batch is not None:
                 if batch.status == "cancelling":
                     stop.reason = "cancelled"
+                elif batch.status in TERMINAL:
+                    # Ended elsewhere: `failed` by a gateway that could not tell its claim was queued.
+                    stop.reason = "ended"
                 stop.expires_at = batch.row["expires_at"]  # the ledger owns the deadline
             stop.check_expiry()
 
@@ -341,7 +350,8 @@ async def _chunks(first: list[Any], pages: AsyncIterator[list[Any]]) -> AsyncIte
 
 
 class _Stop:
-    """Why no further line of a batch starts: None (they do), `cancelled` or `expired`."""
+    """Why no further line of a batch starts: None (they do), `cancelled`, `expired`, or `ended` (the
+    ledger has it in a final state this run did not give it)."""
 
     def __init__(self, batch: StoredBatch) -> None:
         self.reason: str | None = "cancelled" if batch.status == "cancelling" else None

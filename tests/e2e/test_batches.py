@@ -11,19 +11,24 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import nats
 import openai
 import pytest
 from openai.types import Batch
 from openai.types.chat import ChatCompletion
 from openai.types.responses import Response
 
+from apps.bus import topology
+from apps.bus.event_publish import publish_event
+from apps.bus.events import BatchStatus
 from tests.e2e.conftest import System, scripted_worker
-from tests.support import REPO, eventually, fetch_rows
+from tests.support import REPO, eventually, eventually_async, fetch_rows
 from tests.system import KeyedGateway, api_keys_file, keyed_gateway
 
 ALICE, BOB, CAROL = "sk-alice-batches", "sk-bob-batches", "sk-carol-batches"
@@ -188,6 +193,40 @@ def test_a_cancelled_batch_stops_starting_lines_while_interactive_work_runs(
     eventually(lambda: len(ledger(system, "SELECT request_id FROM runs WHERE starts_with(request_id, $1)",
                                   f"{created.id}-")) == completed, 60, message="runs of lines not in the output")
 
+
+
+def test_a_batch_failed_elsewhere_while_it_runs_starts_no_more_lines_and_its_claim_is_done(
+        system: System, gateway: KeyedGateway) -> None:
+    # A gateway whose claim publish seemed to fail marks its batch failed, though the claim was
+    # queued: the runner that took the claim stops starting lines once the ledger says so.
+    client = gateway.client()
+    lines = [line(f"doomed-{i}", f"slow doomed {i}") for i in range(40)]
+    upload = client.files.create(file=("doomed.jsonl", jsonl(lines)), purpose="batch")
+    created = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                    completion_window="24h")
+    eventually(lambda: completed_lines(client, created.id) >= 1, 120, message="no line finished")
+
+    async def fail_it_and_wait_for_the_claim() -> None:
+        nc = await nats.connect(system.nats_url)
+        try:
+            js = nc.jetstream()
+            await publish_event(js, BatchStatus(model="-", node="gateway", batch_id=created.id, status="failed",
+                                                at=int(time.time()), errors=[{"code": "not_queued",
+                                                                              "message": "injected"}]),
+                                required=True)
+
+            async def claim_done() -> bool:
+                return (await js.stream_info(topology.BATCHES_STREAM)).state.messages == 0
+            await eventually_async(claim_done, 120, interval_s=0.5, message="the claim was never done")
+        finally:
+            await nc.close()
+
+    asyncio.run(fail_it_and_wait_for_the_claim())
+    done = client.batches.retrieve(created.id)
+    assert done.status == "failed" and done.output_file_id is None
+    assert done.errors is not None and done.errors.data and done.errors.data[0].code == "not_queued"
+    runs = ledger(system, "SELECT request_id FROM runs WHERE starts_with(request_id, $1)", f"{created.id}-")
+    assert 1 <= len(runs) < 40
 
 
 def test_a_batch_whose_window_passes_mid_run_writes_what_is_done_and_expires_the_rest(
