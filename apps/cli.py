@@ -353,12 +353,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logs.configure(args.log_level or settings.log_level())
-    if args.command != "up":
-        from apps.fleet import operator
+    try:
+        logs.configure(args.log_level or settings.log_level())
+        if args.command != "up":
+            from apps.fleet import operator
 
-        operator.use_data_dir(Path(args.data_dir).resolve() if args.data_dir else settings.data_dir())
-    args.func(args)
+            operator.use_data_dir(Path(args.data_dir).resolve() if args.data_dir else settings.data_dir())
+        args.func(args)
+    except settings.SettingError as exc:  # one line naming the setting, not a traceback
+        print(f"helexa: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,10 @@ DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 BENCH_NATS_URL = "HELEXA_BENCH_NATS_URL"
 
 
+class SettingError(ValueError):
+    """A setting that cannot be used as given: the message names it (the CLI prints it alone)."""
+
+
 def _env(name: str, default: str) -> str:
     value = os.environ.get(name, "").strip()
     return value or default
@@ -34,7 +38,7 @@ def _env_float(name: str, default: float) -> float:
     try:
         return float(raw) if raw else default
     except ValueError:
-        raise ValueError(f"{name} must be a number, got {raw!r}") from None
+        raise SettingError(f"{name} must be a number, got {raw!r}") from None
 
 
 def _env_int(name: str, default: int) -> int:
@@ -42,7 +46,7 @@ def _env_int(name: str, default: int) -> int:
     try:
         return int(raw) if raw else default
     except ValueError:
-        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+        raise SettingError(f"{name} must be an integer, got {raw!r}") from None
 
 
 def default_node_id() -> str:
@@ -51,11 +55,22 @@ def default_node_id() -> str:
 
 def bus_limits() -> BusLimits:
     """The bus shape every app of one fleet must agree on (TTL, replicas, redelivery)."""
+    try:
+        return _bus_limits()
+    except SettingError:
+        raise
+    except ValueError as exc:  # BusLimits' own checks, which name the limits
+        raise SettingError(f"bus limits: {exc}") from None
+
+
+def _bus_limits() -> BusLimits:
     from apps.bus.topology import BusLimits
 
     return BusLimits(
         # Past this many queued requests REQUESTS refuses new ones (503 queue_full), dropping none.
         request_max_msgs=_env_int("HELEXA_REQUESTS_MAX_MSGS", 100_000),
+        # REQUESTS' bytes, and the bucket of requests too large for one message.
+        request_max_bytes=_env_int("HELEXA_REQUESTS_MAX_BYTES", 1 << 30),
         # EVENTS refuses new events past these (new requests get 503 events_full); the recorder
         # trims events it has recorded as the stream nears them.
         event_max_age_s=_env_float("HELEXA_EVENTS_MAX_AGE_S", 7 * 24 * 3600.0),
@@ -78,7 +93,7 @@ def log_level() -> str:
     """HELEXA_LOG_LEVEL: the apps' log threshold (the CLI's --log-level overrides it)."""
     level = _env("HELEXA_LOG_LEVEL", "INFO").upper()
     if level not in _LOG_LEVELS:
-        raise ValueError(f"HELEXA_LOG_LEVEL must be one of {', '.join(_LOG_LEVELS)}, got {level!r}")
+        raise SettingError(f"HELEXA_LOG_LEVEL must be one of {', '.join(_LOG_LEVELS)}, got {level!r}")
     return level
 
 
@@ -86,7 +101,7 @@ def event_loop() -> str:
     """HELEXA_EVENT_LOOP: the apps' asyncio event loop, `uvloop` (the default) or `asyncio`."""
     loop = _env("HELEXA_EVENT_LOOP", "uvloop").lower()
     if loop not in ("uvloop", "asyncio"):
-        raise ValueError(f"HELEXA_EVENT_LOOP must be uvloop or asyncio, got {loop!r}")
+        raise SettingError(f"HELEXA_EVENT_LOOP must be uvloop or asyncio, got {loop!r}")
     return loop
 
 
@@ -94,7 +109,7 @@ def postgres_fsync() -> bool:
     """HELEXA_PG_FSYNC=off runs the embedded PostgreSQL without fsync (benchmarks, throwaway data)."""
     value = _env("HELEXA_PG_FSYNC", "on").lower()
     if value not in ("on", "off"):
-        raise ValueError(f"HELEXA_PG_FSYNC must be on or off, got {value!r}")
+        raise SettingError(f"HELEXA_PG_FSYNC must be on or off, got {value!r}")
     return value == "on"
 
 
@@ -183,37 +198,37 @@ class GatewaySettings:
 
     def __post_init__(self) -> None:
         if min(self.max_connections, self.max_headers, self.max_header_bytes) < 1:
-            raise ValueError("HELEXA_MAX_CONNECTIONS, HELEXA_MAX_HEADERS and HELEXA_MAX_HEADER_BYTES must be >= 1")
+            raise SettingError("HELEXA_MAX_CONNECTIONS, HELEXA_MAX_HEADERS and HELEXA_MAX_HEADER_BYTES must be >= 1")
         if min(self.header_timeout_s, self.body_timeout_s, self.keep_alive_s) <= 0:
-            raise ValueError("HELEXA_HEADER_TIMEOUT_S, HELEXA_BODY_TIMEOUT_S and HELEXA_KEEP_ALIVE_S must be > 0")
+            raise SettingError("HELEXA_HEADER_TIMEOUT_S, HELEXA_BODY_TIMEOUT_S and HELEXA_KEEP_ALIVE_S must be > 0")
         if self.rate_limit_rps < 0 or (self.rate_limit_rps and self.rate_limit_burst < 1):
-            raise ValueError("HELEXA_RATE_LIMIT_RPS must be >= 0 (0: off) and HELEXA_RATE_LIMIT_BURST >= 1")
+            raise SettingError("HELEXA_RATE_LIMIT_RPS must be >= 0 (0: off) and HELEXA_RATE_LIMIT_BURST >= 1")
         if self.response_wait_s < 0:
-            raise ValueError("HELEXA_RESPONSE_WAIT_S must be >= 0")
+            raise SettingError("HELEXA_RESPONSE_WAIT_S must be >= 0")
         if self.batch_concurrency < 0:
-            raise ValueError("HELEXA_BATCH_CONCURRENCY must be >= 0")
+            raise SettingError("HELEXA_BATCH_CONCURRENCY must be >= 0")
         if self.max_live_batches_per_principal < 1:
-            raise ValueError("HELEXA_MAX_LIVE_BATCHES_PER_PRINCIPAL must be >= 1")
+            raise SettingError("HELEXA_MAX_LIVE_BATCHES_PER_PRINCIPAL must be >= 1")
         if self.stop_grace_s < 0:
-            raise ValueError("HELEXA_STOP_GRACE_S must be >= 0")
+            raise SettingError("HELEXA_STOP_GRACE_S must be >= 0")
         if min(self.max_stored_response_bytes, self.max_chain_responses, self.max_chain_bytes,
                self.response_cache_bytes) < 1 or self.response_cache_ttl_s <= 0:
-            raise ValueError("the stored-response limits (HELEXA_MAX_STORED_RESPONSE_BYTES, HELEXA_MAX_CHAIN_*, "
-                             "HELEXA_RESPONSE_CACHE_*) must be positive")
+            raise SettingError("the stored-response limits (HELEXA_MAX_STORED_RESPONSE_BYTES, HELEXA_MAX_CHAIN_*, "
+                               "HELEXA_RESPONSE_CACHE_*) must be positive")
         if min(self.max_file_bytes, self.max_batch_lines, self.max_batch_line_bytes, self.max_files_per_principal,
                self.max_file_bytes_per_principal) < 1 or self.upload_timeout_s <= 0:
-            raise ValueError("the file limits (HELEXA_MAX_FILE_*, HELEXA_MAX_BATCH_*, HELEXA_MAX_FILES_PER_PRINCIPAL, "
-                             "HELEXA_UPLOAD_TIMEOUT_S) must be positive")
+            raise SettingError("the file limits (HELEXA_MAX_FILE_*, HELEXA_MAX_BATCH_*, "
+                               "HELEXA_MAX_FILES_PER_PRINCIPAL, HELEXA_UPLOAD_TIMEOUT_S) must be positive")
         if self.max_migrations < 0:
-            raise ValueError("HELEXA_MAX_MIGRATIONS must be >= 0")
+            raise SettingError("HELEXA_MAX_MIGRATIONS must be >= 0")
         if self.stream_buffer_frames < 1:
-            raise ValueError("HELEXA_STREAM_BUFFER_FRAMES must be at least 1")
+            raise SettingError("HELEXA_STREAM_BUFFER_FRAMES must be at least 1")
         if not 0 < self.port < 65536:
-            raise ValueError("HELEXA_PORT must be a TCP port")
+            raise SettingError("HELEXA_PORT must be a TCP port")
         if self.accept_timeout_s <= 0 or self.stream_idle_timeout_s <= 0:
-            raise ValueError("timeouts must be positive")
+            raise SettingError("timeouts must be positive")
         if min(self.max_in_flight, self.max_queue_depth, self.max_per_principal) < 0 or self.max_wait_s <= 0:
-            raise ValueError("admission limits must be >= 0, and HELEXA_MAX_WAIT_S positive")
+            raise SettingError("admission limits must be >= 0, and HELEXA_MAX_WAIT_S positive")
 
 
 @dataclass(slots=True)
@@ -283,35 +298,35 @@ class WorkerSettings:
 
     def __post_init__(self) -> None:
         if self.core_restarts < 0 or self.core_restart_window_s <= 0:
-            raise ValueError("HELEXA_CORE_RESTARTS must be >= 0 and HELEXA_CORE_RESTART_WINDOW_S positive")
+            raise SettingError("HELEXA_CORE_RESTARTS must be >= 0 and HELEXA_CORE_RESTART_WINDOW_S positive")
         if self.kernels not in KERNEL_CHOICES:
-            raise ValueError(f"HELEXA_KERNELS must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
+            raise SettingError(f"HELEXA_KERNELS must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
         if self.heartbeat_s <= 0:
-            raise ValueError("HELEXA_HEARTBEAT_S must be positive")
+            raise SettingError("HELEXA_HEARTBEAT_S must be positive")
         if not 0 <= self.frame_window_ms <= 1000:
-            raise ValueError("HELEXA_FRAME_WINDOW_MS must be between 0 and 1000")
+            raise SettingError("HELEXA_FRAME_WINDOW_MS must be between 0 and 1000")
         if not 0 <= self.frame_window_steps <= 100:
-            raise ValueError("HELEXA_FRAME_WINDOW_STEPS must be between 0 and 100")
+            raise SettingError("HELEXA_FRAME_WINDOW_STEPS must be between 0 and 100")
         if self.max_model_len < 0:
-            raise ValueError("HELEXA_MAX_MODEL_LEN must be >= 0 (0 = the model's own limit)")
+            raise SettingError("HELEXA_MAX_MODEL_LEN must be >= 0 (0 = the model's own limit)")
         if self.interactive_reserve < -1:
-            raise ValueError("HELEXA_INTERACTIVE_RESERVE must be >= 0 (or -1: a quarter of max_num_seqs)")
+            raise SettingError("HELEXA_INTERACTIVE_RESERVE must be >= 0 (or -1: a quarter of max_num_seqs)")
         if self.status_interval_s <= 0:
-            raise ValueError("HELEXA_STATUS_INTERVAL_S must be positive")
+            raise SettingError("HELEXA_STATUS_INTERVAL_S must be positive")
         if self.kv_cache_mb < 1:
-            raise ValueError("HELEXA_KV_CACHE_MB must be at least 1")
+            raise SettingError("HELEXA_KV_CACHE_MB must be at least 1")
         if self.reasoning_parser not in ("auto", "on", "off"):
-            raise ValueError("HELEXA_REASONING_PARSER must be auto, on or off")
+            raise SettingError("HELEXA_REASONING_PARSER must be auto, on or off")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError("HELEXA_DTYPE must be auto, float32, bfloat16 or float16")
+            raise SettingError("HELEXA_DTYPE must be auto, float32, bfloat16 or float16")
         if not 0 <= self.batch_window_ms <= 1000:
-            raise ValueError("HELEXA_BATCH_WINDOW_MS must be between 0 and 1000")
+            raise SettingError("HELEXA_BATCH_WINDOW_MS must be between 0 and 1000")
         if self.requester_grace_s < 0 or self.stop_grace_s < 0:
-            raise ValueError("HELEXA_REQUESTER_GRACE_S and HELEXA_STOP_GRACE_S must be >= 0")
+            raise SettingError("HELEXA_REQUESTER_GRACE_S and HELEXA_STOP_GRACE_S must be >= 0")
         if self.tokenize_processes < 1:
-            raise ValueError("HELEXA_TOKENIZE_PROCESSES must be at least 1")
+            raise SettingError("HELEXA_TOKENIZE_PROCESSES must be at least 1")
         if not 1 <= self.tensor_parallel <= 64:
-            raise ValueError("HELEXA_TENSOR_PARALLEL must be between 1 and 64")
+            raise SettingError("HELEXA_TENSOR_PARALLEL must be between 1 and 64")
 
     def engine_config(self, model_path: str) -> EngineConfig:
         return EngineConfig(
@@ -355,17 +370,17 @@ class RecorderSettings:
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
-            raise ValueError("HELEXA_RECORDER_BATCH must be at least 1")
+            raise SettingError("HELEXA_RECORDER_BATCH must be at least 1")
         if self.batch_bytes < 1:
-            raise ValueError("HELEXA_RECORDER_BATCH_BYTES must be at least 1")
+            raise SettingError("HELEXA_RECORDER_BATCH_BYTES must be at least 1")
         if self.ack_wait_s < 1:
-            raise ValueError("HELEXA_RECORDER_ACK_WAIT_S must be at least 1")
+            raise SettingError("HELEXA_RECORDER_ACK_WAIT_S must be at least 1")
         if not 0 <= self.linger_ms <= 5000:
-            raise ValueError("HELEXA_RECORDER_LINGER_MS must be 0 to 5000")
+            raise SettingError("HELEXA_RECORDER_LINGER_MS must be 0 to 5000")
         if not 0 <= self.metrics_port < 65536:
-            raise ValueError("HELEXA_RECORDER_METRICS_PORT must be a TCP port (0: no metrics endpoint)")
+            raise SettingError("HELEXA_RECORDER_METRICS_PORT must be a TCP port (0: no metrics endpoint)")
         if self.watch_interval_s <= 0:
-            raise ValueError("HELEXA_RECORDER_WATCH_S must be positive")
+            raise SettingError("HELEXA_RECORDER_WATCH_S must be positive")
 
 
 @dataclass(slots=True)
@@ -384,7 +399,7 @@ def services_nice() -> int:
     """How much lower `helexa up` runs its servers, gateway and recorder than the worker (0-19)."""
     nice = _env_int("HELEXA_SERVICES_NICE", 5)
     if not 0 <= nice <= 19:
-        raise ValueError(f"HELEXA_SERVICES_NICE must be 0 to 19, got {nice}")
+        raise SettingError(f"HELEXA_SERVICES_NICE must be 0 to 19, got {nice}")
     return nice
 
 

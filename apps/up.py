@@ -53,6 +53,7 @@ import nats.errors
 
 from apps.bus import connection, roles
 from apps.embedded import port_is_free, stable_port, stored_port
+from apps.embedded.bus_storage import DiskTooSmall, storage_limits
 from apps.embedded.data_dir import AlreadyRunning, UpLock, display_path, write_env
 from apps.embedded.nats_server import NatsServer
 from apps.embedded.postgres import PostgresServer, psql_binary
@@ -313,7 +314,11 @@ def _declare_topology(url: str, embedded: bool) -> None:
         asyncio.run(asyncio.wait_for(connection.setup(url, bus_limits()), None if embedded else EXTERNAL_SETUP_S))
     except (OSError, TimeoutError, nats.errors.Error) as exc:
         if embedded:
-            raise StartFailed(f"helexa: cannot declare the bus topology on NATS: {exc!r}") from None
+            hint = ""
+            if "insufficient storage" in str(exc):
+                hint = (" (JetStream reserves every stream's size on disk: free some space, or lower "
+                        "HELEXA_EVENTS_MAX_BYTES, HELEXA_FILES_MAX_BYTES or HELEXA_REQUESTS_MAX_BYTES)")
+            raise StartFailed(f"helexa: cannot declare the bus topology on NATS: {exc}{hint}") from None
         log.warning("could not declare the bus topology with NATS_URL; the apps wait until an "
                     "administrator does (helexa bus setup)", extra={"error": repr(exc)[:300]})
 
@@ -388,6 +393,12 @@ def run_up(args: argparse.Namespace) -> int:
             nats_embedded = _embedded(exported_nats, nats_dir, lambda p: {
                 NatsServer(nats_dir, p).url, NatsServer(nats_dir, p).url_for(roles.OPERATOR)})
             if nats_embedded:
+                try:
+                    sizes = storage_limits(nats_dir, os.environ)
+                except DiskTooSmall as exc:
+                    raise StartFailed(f"helexa: not enough disk for the bus at {nats_dir}: {exc}") from None
+                os.environ.update(sizes)  # the bus setup below reads them, as every app does
+                env.update(sizes)
                 log.info("starting NATS", extra={"data_dir": str(nats_dir)})
                 servers.callback(log.info, "stopped", extra={"app": "nats"})
                 nats_server = servers.enter_context(

@@ -61,7 +61,7 @@ class NatsServer:
     def __init__(self, data_dir: Path, port: int | None = None, cluster_port: int | None = None,
                  routes: list[str] | None = None, cluster_name: str = "helexa",
                  credentials: Credentials | None = None, max_payload: int | None = EMBEDDED_MAX_PAYLOAD,
-                 tethered: bool = False, users_dir: Path | None = None) -> None:
+                 tethered: bool = False, users_dir: Path | None = None, max_file_store: int | None = None) -> None:
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.cluster_port = cluster_port
@@ -79,6 +79,8 @@ class NatsServer:
         # `helexa up`'s server: in a process group of its own (the terminal's Ctrl-C reaches only
         # `up`, which stops it last), and sent SIGTERM by the kernel if `up` dies.
         self.tethered = tethered
+        # None: JetStream's default (three quarters of the disk free at start).
+        self.max_file_store = max_file_store
 
     @property
     def credentials(self) -> Credentials:
@@ -108,10 +110,11 @@ class NatsServer:
         c = self.credentials
         users = [(role, found.user, found.password) for role in roles.ROLES
                  for found in (self.role_credentials(role),)]
+        store = "" if self.max_file_store is None else f", max_file_store: {self.max_file_store}"
         lines = [
             f"listen: \"127.0.0.1:{self.port}\"",
             f"server_name: {_quoted(f'helexa-{self.port}')}",
-            f"jetstream {{ store_dir: {_quoted(str(self.data_dir / 'jetstream'))} }}",
+            f"jetstream {{ store_dir: {_quoted(str(self.data_dir / 'jetstream'))}{store} }}",
             roles.authorization((c.user, c.password), users),
         ]
         if self.max_payload is not None:

@@ -1,0 +1,111 @@
+"""How much disk `helexa up`'s own NATS server lets the bus reserve (runs in `up`'s process).
+
+JetStream reserves each stream's and bucket's `max_bytes` up front and refuses one past its store's
+limit (by default three quarters of the disk free when the server starts). The default sizes
+reserve 18 GiB (REQUESTS and the large-requests bucket at `HELEXA_REQUESTS_MAX_BYTES`, EVENTS and
+the large-events bucket at `HELEXA_EVENTS_MAX_BYTES`, the files bucket at `HELEXA_FILES_MAX_BYTES`),
+so on a small disk the first `helexa up` could not declare the bus at all. At the first start of a
+data directory (no JetStream store there yet) the sizes not set in the environment are scaled to
+`DISK_SHARE` of the free disk, each at least its floor, and written to `bus-storage.json` beside the
+store; later starts reuse what was chosen, so a stream never shrinks under the events it holds. A
+disk too small even for the floors is a start failure naming what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from apps.bus.topology import BusLimits
+
+log = logging.getLogger("helexa.up")
+
+# Of the disk free at the first start, what the bus may reserve: the rest is PostgreSQL's, the
+# model's and everything else on the machine.
+DISK_SHARE = 0.5
+RECORD = "bus-storage.json"
+
+
+@dataclass(slots=True, frozen=True)
+class Sized:
+    variable: str
+    default: int
+    floor: int
+    # Streams and buckets reserving this size each.
+    copies: int
+
+
+_DEFAULTS = BusLimits()
+SIZED = (
+    Sized("HELEXA_REQUESTS_MAX_BYTES", _DEFAULTS.request_max_bytes, 64 << 20, 2),
+    Sized("HELEXA_EVENTS_MAX_BYTES", _DEFAULTS.event_max_bytes, 256 << 20, 2),
+    Sized("HELEXA_FILES_MAX_BYTES", _DEFAULTS.files_max_bytes, 256 << 20, 1),
+)
+
+
+class DiskTooSmall(Exception):
+    pass
+
+
+def _gib(size: int) -> str:
+    return f"{size / (1 << 30):.2f} GiB"
+
+
+def _size(raw: str) -> int:
+    """A size set in the environment; one that is not a number counts as none here (the app's own
+    settings refuse it by name)."""
+    try:
+        return max(int(raw), 0)
+    except ValueError:
+        return 0
+
+
+def size_to_disk(free_bytes: int, environ: Mapping[str, str]) -> dict[str, int]:
+    """The size of each of `SIZED` not set in `environ`: its default where the bus's share of
+    `free_bytes` holds every default, else scaled down alike to fit the share left by the sizes
+    set, each at least its floor. Raises DiskTooSmall when even the floors do not fit."""
+    budget = int(free_bytes * DISK_SHARE)
+    fixed = [s for s in SIZED if environ.get(s.variable, "").strip()]
+    scaled = [s for s in SIZED if s not in fixed]
+    fixed_bytes = sum(_size(environ[s.variable]) * s.copies for s in fixed)
+    budget -= fixed_bytes
+    wanted = sum(s.default * s.copies for s in scaled)
+    floors = sum(s.floor * s.copies for s in scaled)
+    if floors > budget:
+        raise DiskTooSmall(
+            f"the disk has {_gib(free_bytes)} free; the bus needs at least "
+            f"{_gib(int((floors + fixed_bytes) / DISK_SHARE))} free at its first start (it reserves "
+            f"{DISK_SHARE:.0%} of it for its streams). Free some space, or give --data-dir a larger disk")
+    share = min(1.0, budget / wanted) if wanted else 1.0
+    return {s.variable: max(s.floor, int(s.default * share)) for s in scaled}
+
+
+def _free_bytes(folder: Path) -> int:
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    return shutil.disk_usage(existing).free
+
+
+def storage_limits(nats_dir: Path, environ: Mapping[str, str], free_bytes: int | None = None) -> dict[str, str]:
+    """The bus sizes `up` gives every app of its NATS server (only those `environ` does not set):
+    chosen at the data directory's first start (`size_to_disk`) and read back after; none for a
+    store made before sizes were chosen (its streams keep theirs)."""
+    record = nats_dir / RECORD
+    if record.exists():
+        chosen = {k: int(v) for k, v in json.loads(record.read_text(encoding="utf-8")).items()}
+    elif (nats_dir / "jetstream").exists():
+        return {}
+    else:
+        free = _free_bytes(nats_dir) if free_bytes is None else free_bytes
+        chosen = size_to_disk(free, environ)
+        nats_dir.mkdir(parents=True, exist_ok=True)
+        record.write_text(json.dumps(chosen, indent=1) + "\n", encoding="utf-8")
+        if any(chosen[s.variable] < s.default for s in SIZED if s.variable in chosen):
+            log.warning("the bus is sized to the disk: set these to choose otherwise",
+                        extra={"free": _gib(free), **{k: _gib(v) for k, v in chosen.items()}})
+    return {k: str(v) for k, v in chosen.items() if not environ.get(k, "").strip()}
