@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import pwd
+import shutil
 import signal
 import stat
 import subprocess
@@ -76,6 +77,17 @@ def _open_path_to(path: Path) -> None:
             folder.chmod(mode | stat.S_IXOTH | stat.S_IXGRP)
 
 
+def run_tool(command: list[str], what: str, input: bytes | None = None, user: str | None = None) -> None:
+    """Run a PostgreSQL (or system) tool; one that fails raises RuntimeError with what it was doing
+    and the last lines it wrote (initdb says why: the disk full, a permission), not a traceback."""
+    try:
+        subprocess.run(command, check=True, capture_output=True, input=input, user=user)
+    except subprocess.CalledProcessError as exc:
+        said = [line.strip() for line in (exc.stderr or b"").decode(errors="replace").splitlines() if line.strip()]
+        detail = f": {' / '.join(said[-3:])}" if said else ""
+        raise RuntimeError(f"helexa: {what} failed (exit {exc.returncode}){detail}") from None
+
+
 def run_as() -> str | None:
     """The system user to run postgres as: ourselves unless we are root."""
     if os.geteuid() != 0:
@@ -83,7 +95,7 @@ def run_as() -> str | None:
     try:
         pwd.getpwnam(SYSTEM_USER)
     except KeyError:
-        subprocess.run(["useradd", "--system", "--no-create-home", SYSTEM_USER], check=True, capture_output=True)
+        run_tool(["useradd", "--system", "--no-create-home", SYSTEM_USER], f"making the {SYSTEM_USER} system user")
     install = _install_dir()
     _open_path_to(install)
     for root, dirs, files in os.walk(install):
@@ -175,33 +187,30 @@ class PostgresServer:
         self._give_to_server(hba)
 
     def _initdb(self, credentials: Credentials) -> None:
+        """A new cluster, made beside `pgdata` and renamed into place once whole: an initdb that
+        failed, was interrupted or was killed leaves no half cluster for the next start to trip on."""
+        partial = self.pgdata.with_name(self.pgdata.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
         pwfile = self.data_dir / ".initdb-password"
         fd = os.open(pwfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as out:
                 out.write(credentials.password + "\n")
             self._give_to_server(pwfile)
-            subprocess.run(
-                [postgres_bin("initdb"), "-D", str(self.pgdata), "--auth=scram-sha-256", f"--pwfile={pwfile}",
-                 "--encoding=utf8", "-U", credentials.user],
-                check=True,
-                capture_output=True,
-                user=self._user,
-            )
+            run_tool([postgres_bin("initdb"), "-D", str(partial), "--auth=scram-sha-256", f"--pwfile={pwfile}",
+                      "--encoding=utf8", "-U", credentials.user], "creating PostgreSQL's database (initdb)",
+                     user=self._user)
+            partial.rename(self.pgdata)
         finally:
             pwfile.unlink(missing_ok=True)
+            shutil.rmtree(partial, ignore_errors=True)
 
     def _set_password(self, credentials: Credentials) -> None:
         # Single-user mode opens no port and no socket: the password is set before anyone can connect.
         secret = credentials.password.replace("'", "''")
-        subprocess.run(
-            [postgres_bin("postgres"), "--single", "-D", str(self.pgdata), "-c", "password_encryption=scram-sha-256",
-             "postgres"],
-            input=f"ALTER ROLE \"{credentials.user}\" WITH PASSWORD '{secret}'\n".encode(),
-            check=True,
-            capture_output=True,
-            user=self._user,
-        )
+        run_tool([postgres_bin("postgres"), "--single", "-D", str(self.pgdata), "-c",
+                  "password_encryption=scram-sha-256", "postgres"], "setting PostgreSQL's password",
+                 input=f"ALTER ROLE \"{credentials.user}\" WITH PASSWORD '{secret}'\n".encode(), user=self._user)
 
     def start(self, timeout_s: float = 60.0) -> PostgresServer:
         self._user = run_as()
