@@ -1,14 +1,18 @@
 """The recorder loop: fetch a batch from the shared EVENTS consumer, commit it to Postgres, then ack.
 
 A message is acked only after its batch committed, so a crash at any point means redelivery,
-which the projector turns into a no-op. PostgreSQL being down (at start or mid-stream) is
-waited out: the batch in hand is kept, marked in progress so JetStream does not hand it to
-another recorder, and written again once the database is back.
+which the projector turns into a no-op. PostgreSQL being down (at start or mid-stream), or failing
+a write for a reason no event causes (a lock it may not wait for, a disk error, an internal error,
+our schema or grants), is waited out: the batch in hand is kept, marked in progress so JetStream
+does not hand it to another recorder, and written again once the database takes it. A write that
+hangs (a lock held by an open transaction, a server gone without a reset) is ended after half the
+consumer's ack wait and waited out the same way.
 
 One event never stops the recorder: a message that does not decode, or an event PostgreSQL refuses
-for any reason that is not an outage (a bad value, an index row too large, ...), is isolated by
-halving its batch and goes to the `dead_letters` table with its error and stream sequence, and the
-events around it are recorded as usual (see `dead_letters.py`; counted in `metrics.py`).
+for its data (SQLSTATE classes 22, 23 and 54: a bad value, a constraint, an index row too large; or
+a value asyncpg cannot send), is isolated by halving its batch and goes to the `dead_letters`
+table with its error and stream sequence, and the events around it are recorded as usual (see
+`dead_letters.py`; counted in `metrics.py`).
 
 Events too large for one message come by reference and are read from the Object Store within a
 byte budget per batch (`large_events.py`), and batches are pulled with a byte bound too
@@ -93,14 +97,30 @@ _UNAVAILABLE = (
 # them) rather than sending every event to the dead-letter table.
 _SCHEMA = (asyncpg.exceptions.SyntaxOrAccessError,)
 
+# What PostgreSQL refuses for the events' own data; every other refusal (a lock not available, a
+# disk or internal error) no event causes, and is waited out like an outage.
+_BAD_DATA = (
+    asyncpg.exceptions.DataError,  # class 22
+    asyncpg.exceptions.IntegrityConstraintViolationError,  # class 23
+    asyncpg.exceptions.ProgramLimitExceededError,  # class 54: e.g. an index row too large
+)
+
 # Unix seconds an event's `ts` may take (up to the year 2286): beyond, it cannot become a timestamptz.
 _MAX_TS = 1e10
 
 
 def _retried(exc: BaseException) -> bool:
-    """Whether a write error is waited out; any other error is about the events being written.
-    A ValueError is bad input even when asyncpg raises it as an InterfaceError."""
-    return not isinstance(exc, ValueError) and isinstance(exc, _UNAVAILABLE + _SCHEMA)
+    """Whether a write error is waited out: all but the events' own bad data (a ValueError is bad
+    input even when asyncpg raises it as an InterfaceError). A bug of ours (a TypeError in a
+    projection) is waited out too, loudly: sending every event to the dead letters would hide it."""
+    return not isinstance(exc, (ValueError, *_BAD_DATA))
+
+
+def _outage(exc: BaseException) -> bool:
+    """A retried error after which the connections are made again: not one a statement lost on its
+    own (a deadlock, our schema, a refusal the server answered on a healthy connection)."""
+    return _retried(exc) and isinstance(exc, _UNAVAILABLE) and not isinstance(
+        exc, asyncpg.exceptions.TransactionRollbackError)
 
 
 Pending = list[tuple[Msg, Event]]
@@ -140,11 +160,16 @@ class Recorder:
             except Exception as exc:
                 if not _retried(exc):
                     raise
-                extra = {"during": what, "error": repr(exc), "retry_in_s": delay, "held": len(held)}
+                extra = {"during": what, "error": repr(exc), "retry_in_s": delay, "held": len(held),
+                         "sqlstate": getattr(exc, "sqlstate", None)}
                 if isinstance(exc, _SCHEMA):
                     log.error("postgres refuses the recorder's statements (schema or grants?), retrying", extra=extra)
-                else:
+                elif _outage(exc):
                     log.warning("postgres unavailable, retrying", extra=extra)
+                elif isinstance(exc, asyncpg.PostgresError):
+                    log.error("postgres failed the write for a reason no event causes, retrying", extra=extra)
+                else:
+                    log.error("the recorder failed, not the events: retrying", extra=extra, exc_info=exc)
             if held and time.monotonic() - last_progress >= self.in_progress_every_s:
                 await _each(held, _IN_PROGRESS)
                 last_progress = time.monotonic()
@@ -168,14 +193,15 @@ class Recorder:
             # deadlock or serialization conflict (or failed on its data or our schema). Only the pool
             # this write used: another writer failing on the same outage must not close the pool a
             # retry has opened meanwhile.
-            outage = _retried(exc) and not isinstance(exc, (asyncpg.exceptions.TransactionRollbackError, *_SCHEMA))
-            if outage and self.pool is pool:
+            if _outage(exc) and self.pool is pool:
                 self.pool = None
                 pool.terminate()
             raise
 
     async def write(self, pending: Pending) -> int:
-        async with self.connection() as conn:
+        """One batch's commit, ended (TimeoutError: an outage, the connections made again) when it
+        outlasts half the ack wait, so a write that hangs never holds the batch past its ack wait."""
+        async with self.connection() as conn, asyncio.timeout(self.settings.ack_wait_s / 2):
             return await projector.project(
                 conn, [projector.Recorded(msg.subject, e, stream_sequence(msg)) for msg, e in pending]
             )

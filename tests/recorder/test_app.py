@@ -155,3 +155,40 @@ async def test_an_outage_mid_stream_holds_the_batch_and_retries_it(
         await wait_all_acked(js)
 
     assert await fetchval(own_postgres.url, "SELECT count(*) FROM runs WHERE status = 'ok'") == 2
+
+
+async def test_a_lock_the_write_may_not_wait_for_is_waited_out_and_a_hung_write_is_ended(
+    own_nats: NatsServer, js: JetStreamContext, database_url: str, log_watch: LogWatch
+) -> None:
+    # A DBA's lock_timeout makes a write that meets a held lock fail with 55P03, which no event
+    # causes: the batch is held and written once the lock goes, and nothing is dead-lettered. Without
+    # lock_timeout the same lock hangs the write, which is ended at half the ack wait and retried.
+    settings = RecorderSettings(nats_url=own_nats.url, database_url=database_url, batch_size=64, ack_wait_s=2.0)
+    holder = await asyncpg.connect(database_url)
+    try:
+        database = await holder.fetchval("SELECT current_database()")
+        for lock_timeout, logged in (("100ms", "postgres failed the write for a reason no event causes, retrying"),
+                                     ("0", "postgres unavailable, retrying")):
+            # Each recorder's connections are new, so they take the database's setting of the moment.
+            await holder.execute(f"ALTER DATABASE \"{database}\" SET lock_timeout = '{lock_timeout}'")
+            request_id = f"locked-{lock_timeout}"
+            log_watch.records.clear()
+            async with recording(settings, log_watch) as task:
+                await log_watch.wait_for("ready", task=task)
+                async with holder.transaction():
+                    await holder.execute("LOCK TABLE runs IN ACCESS EXCLUSIVE MODE")
+                    await publish(js, started(request_id), finished(request_id))
+                    failed = await log_watch.wait_for(logged, task=task, during="write")
+                    if lock_timeout != "0":
+                        assert failed.sqlstate == "55P03"
+                    else:
+                        assert "TimeoutError" in failed.error
+                    info = await js.consumer_info(EVENTS_STREAM, RECORDER_CONSUMER)
+                    assert info.num_ack_pending + info.num_pending == 2  # held, not settled
+                await eventually_async(
+                    lambda rid=request_id: _is(database_url, f"SELECT count(*) FROM runs WHERE request_id = '{rid}' "
+                                                             "AND status = 'ok'", 1), 20.0, message="the held run")
+                await wait_all_acked(js)
+    finally:
+        await holder.close()
+    assert await fetchval(database_url, "SELECT count(*) FROM dead_letters") == 0
