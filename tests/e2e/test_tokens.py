@@ -59,6 +59,14 @@ def test_tokenize_a_chat_counts_its_prompt_tokens(system: System) -> None:
     assert without_prompt["tokens"] == counted["tokens"][:without_prompt["count"]]
 
 
+def test_a_developer_message_is_rendered_as_the_system_prompt(system: System) -> None:
+    # OpenAI's newer name for the system prompt: the model's template knows only `system`, and
+    # would otherwise render an unknown turn beside its own default system prompt.
+    as_developer = [{"role": "developer", "content": CHAT[0]["content"]}, CHAT[1]]
+    assert tokenize(system, model=system.model, messages=as_developer)["tokens"] == \
+        tokenize(system, model=system.model, messages=CHAT)["tokens"]
+
+
 def test_tokenize_counts_what_tool_use_adds(system: System, scripted: str) -> None:
     """Tools in the template and a forced call's opening are part of what the model is sent."""
     client = openai_client(system)

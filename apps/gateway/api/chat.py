@@ -26,10 +26,11 @@ _encode = msgspec.json.encode
 
 def to_bus_request(req: oa.ChatCompletionRequest, request_id: str,
                    principal: str | None = None) -> wire.GenerateRequest:
-    """The bus request for a chat completion; the pipeline gives it its reply subject and deadline."""
+    """The bus request for a chat completion; the pipeline gives it its reply subject and deadline.
+    A developer message is the system prompt (OpenAI's newer name for it), as chat templates know it."""
     messages = [
-        wire.ChatMessage(role=m.role, content=m.text(), tool_calls=m.template_tool_calls(),
-                         tool_call_id=m.tool_call_id, name=m.name)
+        wire.ChatMessage(role="system" if m.role == "developer" else m.role, content=m.text(),
+                         tool_calls=m.template_tool_calls(), tool_call_id=m.tool_call_id, name=m.name)
         for m in req.messages
     ]
     tool_required, tool_name = req.forced_tool()
