@@ -5,13 +5,18 @@ do not reach JetStream again and again."""
 from __future__ import annotations
 
 import asyncio
+import json
+import typing
 
 import pytest
+from openai.types.shared.reasoning_effort import ReasoningEffort
 
 from apps.bus import wire
 from apps.bus.codes import Api, ErrorCode, ServingError
 from apps.bus.topology import BusLimits
 from apps.embedded.nats_server import NatsServer
+from apps.gateway.api import openai_schema as oa
+from apps.gateway.api import responses_schema as rs
 from apps.gateway.api.validate import (
     MAX_JSON_DEPTH,
     MAX_WHOLE_LOGPROB_ENTRIES,
@@ -21,6 +26,7 @@ from apps.gateway.api.validate import (
     check_prompt_size,
     check_stop_strings,
     check_token_ids,
+    decode_body,
     json_too_deep,
 )
 from apps.gateway.bus_client import GatewayBus
@@ -176,3 +182,27 @@ def test_a_whole_answers_logprobs_are_bounded_and_a_chat_stream_is_not() -> None
     no_logprobs = wire.GenerateRequest(request_id="r", model="m", reply_subject="", prompt="hi",
                                        sampling=SamplingParams(n=16, max_tokens=100_000))
     assert bound_whole_logprobs(no_logprobs, False) is no_logprobs
+
+
+@pytest.mark.parametrize("kind, body, field, default", [
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "stream": None, "logprobs": None}, "stream", False),
+    ("completions", {"prompt": "hi", "echo": None}, "echo", False),
+    ("responses", {"input": "hi", "store": None, "parallel_tool_calls": None, "stream": None}, "store", True),
+])
+def test_a_null_boolean_flag_means_its_default_as_the_sdks_send_it(kind: str, body: dict, field: str,
+                                                                   default: bool) -> None:
+    request_type = {"chat": oa.ChatCompletionRequest, "completions": oa.CompletionRequest,
+                    "responses": rs.ResponsesRequest}[kind]
+    decoded = decode_body(json.dumps({"model": "m", **body}).encode(), request_type)
+    assert getattr(decoded, field) is default
+    # A null where no null means anything is still refused by name.
+    with pytest.raises(ServingError) as refused:
+        decode_body(json.dumps({**body, "model": None}).encode(), request_type)
+    assert refused.value.param == "model"
+
+
+def test_reasoning_effort_takes_every_value_the_sdk_has() -> None:
+    for effort in typing.get_args(typing.get_args(ReasoningEffort)[0]):
+        decoded = decode_body(json.dumps({"model": "m", "input": "hi", "reasoning": {"effort": effort}}).encode(),
+                              rs.ResponsesRequest)
+        assert decoded.reasoning is not None and decoded.reasoning.effort == effort

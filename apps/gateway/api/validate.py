@@ -125,6 +125,8 @@ def decode_body(body: bytes, kind: type[T]) -> T:
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
+        if (without := _null_flags_dropped(body, kind, str(exc))) is not None:
+            return decode_body(without, kind)
         text = str(exc)
         found = _MISSING.search(text) or _PATH.search(text)
         param = found.group(1) if found else None
@@ -137,6 +139,23 @@ def decode_body(body: bytes, kind: type[T]) -> T:
         raise _refuse(message, param) from None
     except msgspec.DecodeError:
         raise _refuse("The request body is not valid JSON.", code=ErrorCode.INVALID_JSON) from None
+
+
+def _null_flags_dropped(body: bytes, kind: type, error: str) -> bytes | None:
+    """`body` without the top-level nulls of `kind`'s boolean fields that have a default, when a
+    null there is what failed: the SDKs type them Optional (`logprobs=None` is sent as null), and
+    null means the default, as OpenAI takes it. None when that is not the error."""
+    if not (isinstance(kind, type) and issubclass(kind, msgspec.Struct)):
+        return None
+    flags = {f.encode_name for f in msgspec.structs.fields(kind) if f.type is bool
+             and f.default is not msgspec.NODEFAULT}
+    found = _PATH.search(error)
+    if "got `null`" not in error or found is None or found.group(1) not in flags:
+        return None
+    fields = msgspec.json.decode(body)
+    if not isinstance(fields, dict):
+        return None
+    return msgspec.json.encode({k: v for k, v in fields.items() if not (k in flags and v is None)})
 
 
 def check_stop_strings(stops: list[str], param: str) -> list[str]:
