@@ -28,7 +28,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterable, AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +55,8 @@ log = logging.getLogger("helexa.gateway")
 FILE_IDS = CapabilityIds("file-")
 ID_PREFIX = FILE_IDS.prefix
 PURPOSES = ("batch", "user_data")
+# What a file may be listed by: the ones uploaded, and the batches' outputs.
+LISTED_PURPOSES = (*PURPOSES, "batch_output")
 # This gateway's own files and deletions kept until the ledger has them.
 _RECENT_MAX = 10_000
 _RECENT_TTL_S = 600.0
@@ -249,20 +251,35 @@ class FileStore:
 
     # -- writing --------------------------------------------------------------------------------
 
-    async def create(self, principal: str | None, filename: str, purpose: str,
+    async def create(self, principal: str | None, filename: str, purpose: str | Callable[[], Awaitable[str]],
                      content: AsyncIterable[bytes]) -> StoredFile:
         """Store `content` as a new file of `principal`'s, within the bounds (413/400 as it streams;
-        nothing of a refused upload stays stored)."""
+        nothing of a refused upload stays stored). `purpose` may come only after the content (a
+        form whose `file` part comes first, as openai-node sends it): then the batch checks run
+        quietly as it streams, and their first refusal is raised once the purpose says `batch`."""
         self._events.check_room()
+        purpose_after = None if isinstance(purpose, str) else purpose
         live = await self._usage(principal)
         limits = self.limits
         if len(live) + 1 > limits.max_files_per_principal:
             raise too_large(f"You have {len(live)} files; at most {limits.max_files_per_principal} are kept per "
                             "principal (max_files_per_principal): delete some first.")
         room = limits.max_bytes_per_principal - sum(live.values()) - self._uploading.get(principal, 0)
-        check = JsonlCheck(limits.max_batch_lines, limits.max_batch_line_bytes) if purpose == "batch" else None
+        check = (JsonlCheck(limits.max_batch_lines, limits.max_batch_line_bytes)
+                 if purpose == "batch" or purpose_after is not None else None)
+        refusal: ServingError | None = None  # the batch checks' first, while the purpose is not known
         file_id = new_file_id()
         size = 0
+
+        def checked(step: Callable[[], None]) -> None:
+            nonlocal refusal, check
+            if purpose_after is None:
+                step()
+                return
+            try:
+                step()
+            except ServingError as exc:
+                refusal, check = exc, None
 
         async def bounded() -> AsyncIterator[bytes]:
             nonlocal size
@@ -275,10 +292,11 @@ class FileStore:
                     raise too_large(f"This file would take your files past {limits.max_bytes_per_principal} bytes "
                                     "together (max_bytes_per_principal): delete some first.")
                 if check is not None:
-                    await asyncio.to_thread(check.feed, chunk)
+                    feed = check.feed
+                    await asyncio.to_thread(checked, lambda: feed(chunk))  # noqa: B023  # run at once
                 yield chunk
             if check is not None:
-                check.finish()
+                checked(check.finish)
 
         try:
             await put_stream(self._js(), topology.FILES_BUCKET, file_id, bounded())
@@ -290,12 +308,26 @@ class FileStore:
                 self._uploading[principal] = left
             else:
                 self._uploading.pop(principal, None)
+        if purpose_after is not None:
+            try:
+                purpose = await purpose_after()
+                if purpose == "batch" and refusal is not None:
+                    raise refusal
+            except BaseException:
+                await self._discard(file_id)
+                raise
+        assert isinstance(purpose, str)
         stored = StoredFile(file_id, principal, filename, purpose, size, int(time.time()))
         self._recent.put(stored)
         self._events.emit(FileCreated(model="-", node="gateway", file_id=file_id, principal=principal,
                                            filename=filename, purpose=purpose, bytes=size,
                                            created_at=stored.created_at))
         return stored
+
+    async def _discard(self, file_id: str) -> None:
+        """A stored object no file was made of (its upload refused after its content): gone again."""
+        with answered_as_unavailable("discarding a refused upload"), contextlib.suppress(NotFoundError):
+            await (await self._store()).delete(file_id)
 
     async def create_output(self, principal: str | None, filename: str, content: AsyncIterable[bytes]) -> StoredFile:
         """Store a file the system made for `principal` (a batch's output or errors, purpose

@@ -119,6 +119,9 @@ def test_a_200_line_batch_runs_to_completed_with_its_invalid_lines_as_errors(
     assert sorted(row["custom_id"] for row in errors) == ["no-messages", "wrong-url"]
     assert all(row["response"] is None and row["error"]["message"] for row in errors)
     assert client.files.retrieve(done.output_file_id).purpose == "batch_output"
+    # Listed by that purpose too, as the SDK types it.
+    outputs = {f.id for f in client.files.list(purpose="batch_output").data}
+    assert {done.output_file_id, done.error_file_id} <= outputs and upload.id not in outputs
 
     rows = ledger(system, "SELECT count(*) AS n, count(DISTINCT custom_id) AS ids FROM batch_lines WHERE batch_id = $1",
                   created.id)

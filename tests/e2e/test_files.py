@@ -20,7 +20,7 @@ from tests.e2e.conftest import System
 from tests.support import eventually
 from tests.system import KeyedGateway, api_keys_file, keyed_gateway
 
-ALICE, BOB = "sk-alice-files", "sk-bob-files"
+ALICE, BOB, CAROL = "sk-alice-files", "sk-bob-files", "sk-carol-files"
 MAX_FILE_BYTES = 4 << 20
 MAX_LINES = 5
 MAX_LINE_BYTES = 4096
@@ -35,7 +35,8 @@ def start_gateway(system: System, keys: Path) -> KeyedGateway:
 
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return api_keys_file(tmp_path_factory.mktemp("keys"), {ALICE: "files-alice", BOB: "files-bob"})
+    return api_keys_file(tmp_path_factory.mktemp("keys"),
+                         {ALICE: "files-alice", BOB: "files-bob", CAROL: "files-carol"})
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +121,37 @@ def test_another_principal_cannot_see_read_or_delete(gateway: KeyedGateway) -> N
         mine.id.removeprefix("file-"), "")
     assert gateway.client().files.content(mine.id).content == b"42"
     gateway.client().files.delete(mine.id)
+
+
+def file_first(name: str, content: bytes, purpose: str | None) -> tuple[bytes, str]:
+    """A form whose `file` part comes before `purpose`, as openai-node sends `{file, purpose}`."""
+    boundary = "node-order-boundary"
+    body = (f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="{name}"\r\n'
+            "Content-Type: application/octet-stream\r\n\r\n").encode() + content + b"\r\n"
+    if purpose is not None:
+        body += f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\n{purpose}\r\n'.encode()
+    return body + f"--{boundary}--\r\n".encode(), f"multipart/form-data; boundary={boundary}"
+
+
+def test_the_file_may_come_before_its_purpose_and_is_checked_for_it(gateway: KeyedGateway) -> None:
+    def upload(name: str, content: bytes, purpose: str | None) -> httpx.Response:
+        body, kind = file_first(name, content, purpose)
+        return httpx.post(f"{gateway.url}/v1/files", content=body, timeout=60,
+                          headers={"Authorization": f"Bearer {CAROL}", "Content-Type": kind})
+
+    client = gateway.client(CAROL)
+    long_line = b"x" * (MAX_LINE_BYTES + 10) + b"\n"
+    kept = upload("notes.txt", long_line, "user_data")  # no batch checks for a user_data file
+    assert kept.status_code == 200, kept.text
+    assert kept.json()["purpose"] == "user_data" and client.files.content(kept.json()["id"]).content == long_line
+    batch = upload("lines.jsonl", batch_lines(2), "batch")
+    assert batch.status_code == 200 and batch.json()["purpose"] == "batch"
+    for content, purpose, status, param in ((long_line, "batch", 413, "file"), (b"not json\n", "batch", 400, "file"),
+                                            (b"a", "fine-tune", 400, "purpose"), (b"a", None, 400, "purpose")):
+        refused = upload("refused.jsonl", content, purpose)
+        assert (refused.status_code, refused.json()["error"]["param"]) == (status, param), refused.text
+    # Nothing of the refused uploads is kept.
+    assert sorted(f.filename for f in client.files.list().data) == ["lines.jsonl", "notes.txt"]
 
 
 def test_bounds_name_what_they_bound(gateway: KeyedGateway) -> None:

@@ -20,7 +20,7 @@ from litestar.response import Response, Stream
 
 from apps.bus import wire
 from apps.bus.codes import ErrorCode, ServingError
-from apps.gateway.file_store import PURPOSES, FileStore, valid_id
+from apps.gateway.file_store import LISTED_PURPOSES, PURPOSES, FileStore, valid_id
 
 # Bytes of the multipart framing and the `purpose` field beyond the file itself.
 FORM_OVERHEAD_BYTES = 64 << 10
@@ -34,9 +34,9 @@ def _refuse(message: str, param: str | None) -> ServingError:
     return ServingError(400, ErrorCode.INVALID_REQUEST, message, param=param)
 
 
-def _check_purpose(purpose: str) -> str:
-    if purpose not in PURPOSES:
-        raise _refuse(f"'purpose' must be one of {', '.join(PURPOSES)}; got '{wire.bounded_text(purpose, 64)}'.",
+def _check_purpose(purpose: str, allowed: tuple[str, ...] = PURPOSES) -> str:
+    if purpose not in allowed:
+        raise _refuse(f"'purpose' must be one of {', '.join(allowed)}; got '{wire.bounded_text(purpose, 64)}'.",
                       "purpose")
     return purpose
 
@@ -101,21 +101,28 @@ def _filename(segment: Any) -> str:
 
 @post("/v1/files", status_code=200, request_max_body_size=None)
 async def create_file(request: Request, state: State) -> Response:
+    """The form's `purpose` and `file` in either order: the Python SDK sends `purpose` first, and
+    openai-node the file first (its object's key order)."""
     store: FileStore = state.files
     principal = request.state.principal
     form = Form(request, store.limits.max_file_bytes + FORM_OVERHEAD_BYTES)
     purpose: str | None = None
     stored = None
+
+    async def purpose_after_the_file() -> str:
+        async for event in form.events:
+            if isinstance(event, multipart.MultipartSegment) and event.name == "purpose":
+                return _check_purpose(await form.small("purpose", MAX_PURPOSE_BYTES))
+        raise _refuse("'purpose' is required: batch or user_data.", "purpose")
+
     async for event in form.events:
         if not isinstance(event, multipart.MultipartSegment):
             continue
         if event.name == "purpose" and purpose is None:
             purpose = _check_purpose(await form.small("purpose", MAX_PURPOSE_BYTES))
         elif event.name == "file" and stored is None:
-            if purpose is None:
-                raise _refuse("'purpose' (batch or user_data) must come before 'file' in the form, so the "
-                              "file is checked as it arrives.", "purpose")
-            stored = await store.create(principal, _filename(event), purpose, form.body())
+            stored = await store.create(principal, _filename(event), purpose or purpose_after_the_file, form.body())
+            purpose = stored.purpose
         else:
             async for _ in form.body():
                 pass
@@ -143,7 +150,7 @@ async def list_files(request: Request, state: State) -> Response:
         raise _refuse("'after' must be a file id.", "after")
     purpose = query.get("purpose")
     if purpose is not None:
-        _check_purpose(purpose)
+        _check_purpose(purpose, LISTED_PURPOSES)
     page = await state.files.page(request.state.principal, limit, after, order == "desc", purpose)
     data = [stored.as_object() for stored in page.files]
     return Response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
