@@ -61,6 +61,11 @@ def _handler_name(request: Request) -> str:
     return f"{request.method} {request.url.path}"
 
 
+def request_id_headers(request_id: str) -> dict[str, str]:
+    """A request's id, as each SDK reads it: `x-request-id` (OpenAI) and `request-id` (Anthropic)."""
+    return {"X-Request-Id": request_id, "Request-Id": request_id}
+
+
 def serving_error_handler(request: Request, exc: ServingError) -> Response:
     ctx = exc.context
     log_failure(
@@ -74,7 +79,7 @@ def serving_error_handler(request: Request, exc: ServingError) -> Response:
     headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else {}
     if ctx.get("request_id"):
         # Refused after it had an id (admission, a worker's refusal): the client can name it to the ledger.
-        headers["X-Request-Id"] = ctx["request_id"]
+        headers.update(request_id_headers(ctx["request_id"]))
     return Response(error_body(exc.status, exc.message, exc.code, exc.param), status_code=exc.status, headers=headers)
 
 

@@ -31,7 +31,7 @@ from apps.gateway.api.validate import bound_output, bound_whole_logprobs, check_
 from apps.gateway.body_reading import arriving
 from apps.gateway.bus_client import GatewayBus
 from apps.gateway.cold_start import ColdStarts
-from apps.gateway.errors import log_failure
+from apps.gateway.errors import log_failure, request_id_headers
 from apps.gateway.events import EventPublisher
 from apps.gateway.first_frame import FirstFrames, Generation
 from apps.gateway.generation_metrics import GenerationMetrics
@@ -60,7 +60,7 @@ class GenerationPipeline:
                     handler: str, output_param: str = "max_tokens") -> Response | Stream:
         """The whole answer to one API request, or its SSE stream once the worker has answered.
         `output_param` is what the client's API calls the answer's length limit (for its 400)."""
-        headers = {"X-Request-Id": request.request_id}
+        headers = request_id_headers(request.request_id)
         if client is not None:
             request = msgspec.structs.replace(request, arriving=arriving(client))
         try:

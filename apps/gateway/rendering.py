@@ -48,7 +48,8 @@ async def whole_response(frames: AsyncIterator[wire.Delta | wire.Final], formatt
             return Response(_encode(formatter.whole(deltas, frame)), media_type="application/json",
                             headers=headers)
     except ServingError as exc:
-        return Response(formatter.error_body(exc), status_code=exc.status)
+        retry = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else {}
+        return Response(formatter.error_body(exc), status_code=exc.status, headers={**headers, **retry})
     raise AssertionError("frames() ended without a final frame")
 
 

@@ -116,6 +116,14 @@ def test_top_k_1_is_greedy(system: System, greedy: anthropic.types.Message) -> N
     assert text_of(sampled) == text_of(greedy)
 
 
+def test_the_request_id_is_where_the_sdk_reads_it(system: System, greedy: anthropic.types.Message) -> None:
+    # Anthropic's SDK reads `request-id` (OpenAI's `x-request-id`), on answers and on refusals.
+    assert greedy._request_id == greedy.id
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        client(system).messages.create(**ask(system, max_tokens=10**6))
+    assert refused.value.request_id is not None and refused.value.request_id.startswith("msg_")
+
+
 def test_max_tokens_is_the_stop_reason(system: System) -> None:
     message = client(system).messages.create(**ask(system, max_tokens=3))
     assert message.stop_reason == "max_tokens"
