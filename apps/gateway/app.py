@@ -34,7 +34,7 @@ from apps.gateway.api.completions import completions
 from apps.gateway.api.files import create_file, delete_file, file_content, list_files, retrieve_file
 from apps.gateway.api.front_door import index, not_found
 from apps.gateway.api.health import health, metrics, ready
-from apps.gateway.api.models import list_models
+from apps.gateway.api.models import list_models, retrieve_model
 from apps.gateway.api.openapi_docs import add_components
 from apps.gateway.api.responses import create_response, delete_response, retrieve_response
 from apps.gateway.api.tokens import TokenCounter, count_tokens, detokenize, tokenize
@@ -186,7 +186,7 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
         route_handlers=[chat_completions, completions, messages, create_response, retrieve_response, delete_response,
                         create_file, list_files, retrieve_file, file_content, delete_file,
                         create_batch, list_batches, retrieve_batch, cancel_batch,
-                        list_models, tokenize, detokenize, count_tokens, health, ready, metrics, index],
+                        list_models, retrieve_model, tokenize, detokenize, count_tokens, health, ready, metrics, index],
         lifespan=[bus_lifespan],
         middleware=[edge_guard(keys, hosts, limiter, lambda: app.state.admissions)],
         exception_handlers={

@@ -124,6 +124,16 @@ def test_the_request_id_is_where_the_sdk_reads_it(system: System, greedy: anthro
     assert refused.value.request_id is not None and refused.value.request_id.startswith("msg_")
 
 
+def test_the_models_list_and_retrieve_as_the_anthropic_sdk_reads_them(system: System) -> None:
+    listed = client(system).models.list()
+    entry = next(m for m in listed.data if m.id == system.model)
+    assert entry.type == "model" and entry.display_name == system.model
+    assert entry.created_at.tzinfo is not None and entry.created_at.year >= 2026
+    assert client(system).models.retrieve(system.model) == entry
+    with pytest.raises(anthropic.NotFoundError):
+        client(system).models.retrieve("not-served")
+
+
 def test_max_tokens_is_the_stop_reason(system: System) -> None:
     message = client(system).messages.create(**ask(system, max_tokens=3))
     assert message.stop_reason == "max_tokens"

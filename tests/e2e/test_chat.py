@@ -7,7 +7,7 @@ import asyncio
 import asyncpg
 import pytest
 import torch
-from openai import OpenAI
+from openai import NotFoundError, OpenAI
 
 from tests.e2e.conftest import System
 from tests.support import eventually_async
@@ -75,6 +75,10 @@ def test_models_lists_the_served_model_with_its_limits(system: System) -> None:
     # SmolLM2's 8192 positions bind (the KV pool holds more); a quarter is kept for the output.
     assert entry.limit == {"context": 8192, "input": 6144, "output": 2048}
     assert (entry.max_model_len, entry.max_input_tokens, entry.max_output_tokens) == (8192, 6144, 2048)
+    assert client(system).models.retrieve(system.model).model_dump() == entry.model_dump()
+    with pytest.raises(NotFoundError) as missing:
+        client(system).models.retrieve("org/not-served")
+    assert missing.value.body["code"] == "model_not_found" and "org/not-served" in missing.value.body["message"]
 
 
 def test_non_streaming_equals_transformers_and_is_recorded(system: System, reference: dict) -> None:
