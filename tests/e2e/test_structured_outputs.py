@@ -10,6 +10,7 @@ import json
 import re
 from typing import Annotated
 
+import anthropic
 import jsonschema
 import openai
 import pytest
@@ -186,3 +187,55 @@ def test_responses_parse_returns_the_parsed_object(system: System, model: type[B
         max_output_tokens=MAX_TOKENS)
     assert response.status == "completed", response
     assert isinstance(response.output_parsed, model), response.output_text
+
+
+def anthropic_client(system: System) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=system.base_url, api_key="unused", max_retries=0, timeout=300)
+
+
+class Capital(BaseModel):
+    country: str
+    capital: str
+    coastal: bool
+    continent: Annotated[str, Field(json_schema_extra={"enum": ["Europe", "Asia", "Africa", "Americas"]})]
+
+
+def test_anthropic_parse_returns_the_parsed_object(system: System) -> None:
+    # The Anthropic SDK's `messages.parse(output_format=...)` sends `output_config.format` (a schema
+    # without numeric or length bounds, which it moves into descriptions for Anthropic's models).
+    message = anthropic_client(system).messages.parse(
+        model=system.model, max_tokens=MAX_TOKENS, messages=[{"role": "user", "content": "Tell me about France."}],
+        output_format=Capital, extra_body={"temperature": 0})
+    assert message.stop_reason == "end_turn"
+    assert isinstance(message.parsed_output, Capital)
+
+
+def test_anthropic_strict_tool_and_failed_tool_results(system: System) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+              "required": ["city", "unit"], "additionalProperties": False}
+    tool = {"name": "get_weather", "description": "Weather in a city", "input_schema": schema, "strict": True}
+    message = anthropic_client(system).messages.create(
+        model=system.model, max_tokens=64, messages=[{"role": "user", "content": "What's the weather in Oslo?"}],
+        tools=[tool], tool_choice={"type": "tool", "name": "get_weather"}, extra_body={"temperature": 0})
+    assert message.stop_reason == "tool_use"
+    (call,) = [block for block in message.content if block.type == "tool_use"]
+    jsonschema.validate(call.input, schema)
+    # A schema that cannot be enforced is a 400 naming where it came.
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        anthropic_client(system).messages.create(
+            model=system.model, max_tokens=8, messages=[{"role": "user", "content": "Hi"}],
+            output_config={"format": {"type": "json_schema",
+                                      "schema": {"type": "object", "properties": {"a": {"type": "strin"}}}}})
+    assert "output_config.format" in refused.value.message
+
+
+def test_an_anthropic_tool_result_marked_as_an_error_reaches_the_model_as_one(system: System) -> None:
+    def counted(is_error: bool) -> int:
+        return anthropic_client(system).messages.count_tokens(model=system.model, messages=[
+            {"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather",
+                                               "input": {"city": "Oslo"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "timeout",
+                                          "is_error": is_error}]}]).input_tokens
+    assert counted(True) > counted(False)

@@ -91,6 +91,8 @@ def _user_turn(blocks: list[an.ContentBlockIn], tool_names: dict[str, str]) -> l
                 out.append(wire.ChatMessage(role="user", content="\n".join(texts)))
                 texts = []
             content = block.content if isinstance(block.content, str) else _joined(block.content, "tool results")
+            if block.is_error:  # the model must know the call failed, as Anthropic's models are told
+                content = f"Error: {content}" if content else "Error"
             out.append(wire.ChatMessage(role="tool", content=content, tool_call_id=block.tool_use_id,
                                         name=tool_names.get(block.tool_use_id)))
         else:
@@ -117,6 +119,8 @@ def function_tools(req: an.MessagesRequest) -> list[dict[str, Any]] | None:
         function: dict[str, Any] = {"name": tool.name, "parameters": tool.input_schema}
         if tool.description is not None:
             function["description"] = tool.description
+        if tool.strict is not None:
+            function["strict"] = tool.strict
         tools.append({"type": "function", "function": function})
     return tools
 
@@ -251,7 +255,7 @@ ANTHROPIC_ERRORS: ExceptionHandlersMap = {
 async def messages(request: Request, state: State) -> Response | Stream:
     req = await state.bodies.read(request, an.MessagesRequest)
     bus_request = to_bus_request(req, f"msg_{uuid.uuid4().hex}", request.state.principal)
-    await check_enforceable(bus_request, None)
+    await check_enforceable(bus_request, req.constraint_param())
     return await state.generations.serve(request, bus_request, MessagesFormatter(bus_request), HANDLER)
 
 

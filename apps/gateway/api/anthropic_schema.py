@@ -7,7 +7,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from apps.bus.codes import FinishReason
+from apps.bus.codes import ErrorCode, FinishReason, ServingError
+from apps.gateway.api.structured import json_constraint
 from apps.gateway.api.validate import MAX_MESSAGES, MAX_TOOLS, ModelId, check_stop_strings
 from engine.frontend.protocol import SamplingParams, StopStrings, TokenCount, TopK, TopP
 
@@ -61,6 +62,19 @@ class ToolIn(msgspec.Struct, kw_only=True):
     input_schema: dict[str, Any]
     # Absent or "custom" for client tools; Anthropic's server tools ("bash_20250124", ...) set it.
     type: str | None = None
+    # Calls of a strict tool are held to `input_schema` (apps/gateway/api/structured.py).
+    strict: bool | None = None
+
+
+class JsonOutputFormat(msgspec.Struct, kw_only=True, tag_field="type", tag="json_schema"):
+    schema: dict[str, Any]
+
+
+class OutputConfig(msgspec.Struct, kw_only=True):
+    """What the answer looks like: `format` holds it to a JSON schema (structured outputs); other
+    keys (`effort`) are accepted and not acted on."""
+
+    format: JsonOutputFormat | None = None
 
 
 class ToolChoiceAuto(msgspec.Struct, kw_only=True, tag_field="type", tag="auto"):
@@ -102,11 +116,27 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     tools: Annotated[list[ToolIn], Meta(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
     metadata: Metadata | None = None
+    output_config: OutputConfig | None = None
+    # The structured-outputs beta's spelling of `output_config.format`.
+    output_format: JsonOutputFormat | None = None
+
+    def constraint_param(self) -> str | None:
+        """The field the answer's JSON schema came in (for a 400 naming it), if any."""
+        if self.output_config is not None and self.output_config.format is not None:
+            return "output_config.format"
+        return "output_format" if self.output_format is not None else None
 
     def sampling_params(self) -> SamplingParams:
         """Anthropic's sampling fields under their `SamplingParams` names; null means the default."""
         stops = check_stop_strings(self.stop_sequences or [], "stop_sequences")
         given: dict[str, Any] = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+        configured = self.output_config.format if self.output_config is not None else None
+        if configured is not None and self.output_format is not None:
+            raise ServingError(400, ErrorCode.INVALID_REQUEST, "Give the answer's JSON schema once: "
+                               "'output_config.format' or 'output_format', not both.", param="output_format")
+        chosen = configured or self.output_format
+        if chosen is not None:
+            given["structured"] = json_constraint(chosen.schema, self.constraint_param() or "output_format")
         return SamplingParams(max_tokens=self.max_tokens, stop=list(stops),
                               **{name: value for name, value in given.items() if value is not None})
 
