@@ -182,25 +182,92 @@ def lower_priority(pid: int, nice: int) -> None:
             log.debug("could not lower a thread's priority", extra={"pid": pid, "tid": tid, "error": repr(exc)})
 
 
+class EmbeddedServer:
+    """`up`'s own NATS or PostgreSQL, watched like the apps: its exit (killed for memory, a crash)
+    sets `attention`, and the supervisor starts it again (same port, data and credentials)."""
+
+    def __init__(self, name: str, server: NatsServer | PostgresServer, log_file: Path,
+                 attention: threading.Event, nice: int) -> None:
+        self.name, self.server, self.log_file, self.nice = name, server, log_file, nice
+        self.attention = attention
+        self.backoff_s = FIRST_BACKOFF_S
+        self.started_at = time.monotonic()
+        self.restarts = 0
+        self.watch()
+
+    def watch(self) -> None:
+        process = self.server.process
+        if process is None:
+            return
+
+        def wait() -> None:
+            process.wait()
+            self.attention.set()
+
+        threading.Thread(target=wait, name=f"watch-{self.name}", daemon=True).start()
+
+    def alive(self) -> bool:
+        return self.server.process is not None and self.server.process.poll() is None
+
+    def restart(self) -> None:
+        """Start it again; raises (RuntimeError, TimeoutError, OSError) when it does not come up."""
+        self.server.start()
+        self.started_at = time.monotonic()
+        if self.server.process is not None:
+            lower_priority(self.server.process.pid, self.nice)
+        self.watch()
+
+
 class Supervisor:
-    """Restarts children that exit, each after its own backoff, until `stop` is set.
+    """Restarts children, and `up`'s own servers, that exit, each after its own backoff, until
+    `stop` is set.
 
-    It sleeps until `attention` is set (a child exited, or `stop` was set: whoever sets either
-    sets it too) or a restart is due; an idle system wakes it never, not five times a second."""
+    It sleeps until `attention` is set (a child or server exited, or `stop` was set: whoever sets
+    either sets it too) or a restart is due; an idle system wakes it never, not five times a second."""
 
-    def __init__(self, children: list[Child], stop: threading.Event, attention: threading.Event) -> None:
+    def __init__(self, children: list[Child], stop: threading.Event, attention: threading.Event,
+                 servers: list[EmbeddedServer] | None = None) -> None:
         self.children = children
         self.stop = stop
         self.attention = attention
-        self._due: dict[str, float] = {}  # app → monotonic time of its restart
+        self.servers = servers or []
+        self._due: dict[str, float] = {}  # app or server → monotonic time of its restart
 
     def run(self) -> None:
         while not self.stop.is_set():
             self.attention.clear()
+            for server in self.servers:
+                self._look_after_server(server)
             for child in self.children:
                 self._look_after(child)
             due = min(self._due.values(), default=None)
             self.attention.wait(None if due is None else max(due - time.monotonic(), 0.0))
+
+    def _look_after_server(self, server: EmbeddedServer) -> None:
+        now = time.monotonic()
+        if server.alive():
+            return
+        if server.name not in self._due:
+            process = server.server.process
+            if now - server.started_at >= STABLE_AFTER_S:
+                server.backoff_s = FIRST_BACKOFF_S
+            self._due[server.name] = now + server.backoff_s
+            log.error("embedded server exited, restarting", extra={
+                "app": server.name, "returncode": process.returncode if process is not None else None,
+                "log": display_path(server.log_file), "restart_in_s": server.backoff_s,
+                "restarts": server.restarts})  # fmt: skip
+            server.backoff_s = min(server.backoff_s * 2, MAX_BACKOFF_S)
+        elif now >= self._due[server.name]:
+            del self._due[server.name]
+            server.restarts += 1
+            try:
+                server.restart()
+            except (RuntimeError, TimeoutError, OSError) as exc:
+                log.error("embedded server did not start again", extra={
+                    "app": server.name, "error": str(exc), "log": display_path(server.log_file)})
+                self.attention.set()  # look again: its next try is scheduled at once
+                return
+            log.info("embedded server restarted", extra={"app": server.name, "restarts": server.restarts})
 
     def _look_after(self, child: Child) -> None:
         now = time.monotonic()
@@ -371,6 +438,7 @@ def run_up(args: argparse.Namespace) -> int:
     nice = services_nice()
     credential_files: list[Path] = []
     role_folders: list[Path] = []
+    watched: list[EmbeddedServer] = []  # up's own servers, started again if they exit
     lock = UpLock(folder)
     try:
         lock.acquire()
@@ -405,6 +473,7 @@ def run_up(args: argparse.Namespace) -> int:
                     NatsServer(nats_dir, port=stable_port(nats_dir, "nats"), tethered=True))
                 if nats_server.process is not None:
                     lower_priority(nats_server.process.pid, nice)
+                watched.append(EmbeddedServer("nats", nats_server, nats_dir / "nats-server.log", attention, nice))
                 admin_nats = nats_server.url
                 nats_urls = {role: nats_server.url_for(role) for role in roles.ROLES}
                 credential_files.append(nats_server.credentials_file)
@@ -425,6 +494,8 @@ def run_up(args: argparse.Namespace) -> int:
                     PostgresServer(pg_dir, port=stable_port(pg_dir, "postgres"), tethered=True))
                 if postgres.process is not None:  # its backends, forked later, inherit it
                     lower_priority(postgres.process.pid, nice)
+                watched.append(EmbeddedServer("postgres", postgres, postgres.data_dir / "postgres.log", attention,
+                                              nice))
                 owner_database = postgres.url
                 credential_files.append(postgres.credentials_file)
                 role_folders.append(postgres.data_dir / "roles")
@@ -437,8 +508,9 @@ def run_up(args: argparse.Namespace) -> int:
                 if postgres is not None:
                     asyncio.run(postgres.open_app_roles())
             except (OSError, asyncpg.PostgresError) as exc:
+                said = str(exc) or ("no answer in time" if isinstance(exc, TimeoutError) else type(exc).__name__)
                 raise StartFailed(f"helexa: cannot migrate PostgreSQL at {without_password(owner_database)} "
-                                  f"(DATABASE_URL): {exc}") from None
+                                  f"(DATABASE_URL): {said}") from None
             if postgres is not None:
                 database_urls = {app: postgres.role_url(app) for app in LEDGER_APPS}
                 reader_database = postgres.role_url("reader")
@@ -458,7 +530,7 @@ def run_up(args: argparse.Namespace) -> int:
             model = worker.get("model")
             print(banner(url, model or "", env_file, worker, credential_files, role_folders), flush=True)
             announce_ready("up", url=url, model=model, data_dir=str(folder), env_file=str(env_file))
-            Supervisor(children, stop, attention).run()
+            Supervisor(children, stop, attention, watched).run()
         except (StartFailed, RuntimeError, TimeoutError, OSError) as exc:
             if not stop.is_set():
                 failure = str(exc) if str(exc).startswith("helexa") else f"helexa: {exc}"

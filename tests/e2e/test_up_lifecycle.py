@@ -274,6 +274,48 @@ def test_an_app_that_dies_is_restarted_and_serves_again(tmp_path: Path, script: 
     assert all(children[app].is_running() for app in ("worker", "recorder"))
 
 
+def test_an_embedded_server_that_dies_is_started_again_and_the_system_serves_and_records(
+        tmp_path: Path, script: Path, ups: list[AppProcess]) -> None:
+    # Killed for memory, or crashed: `up` says so, starts it again on the same port and data, and
+    # the apps, which wait out an outage, serve and record again.
+    data = tmp_path / "data"
+    up = start_up(ups, data, free_port(), script)
+    ready = wait_up(up)
+    client = openai.OpenAI(base_url=f"{ready['url']}/v1", api_key="unused", max_retries=0, timeout=30)
+    database = read_env(data)["DATABASE_URL"]
+    for name, binary in (("nats", "nats-server"), ("postgres", "postgres")):
+        server = next(p for p in psutil.Process(up.process.pid).children() if p.name() == binary)
+        server.kill()
+        exited = up.wait_for(lambda e, n=name: e.get("event") == "embedded server exited, restarting"
+                             and e.get("app") == n, timeout_s=30)
+        assert exited["returncode"] == -signal.SIGKILL and exited["log"].endswith(".log")
+        up.wait_for(lambda e, n=name: e.get("event") == "embedded server restarted" and e.get("app") == n,
+                    timeout_s=90)
+        assert eventually(lambda: _answer_or_wait(client, ready["model"]), timeout_s=90,
+                          message=f"no answer after {name} restarted") == "Paris."
+    recorded = eventually(lambda: asyncio.run(_runs(database)) >= 2, timeout_s=90,
+                          message="the answers after the restarts were not recorded")
+    assert recorded and up.process.poll() is None
+
+
+def _answer_or_wait(client: openai.OpenAI, model: str) -> str | None:
+    """An answer, or None while the system still says it waits for its bus (503)."""
+    try:
+        return _answer(client, model)
+    except openai.APIStatusError as exc:
+        if exc.status_code == 503:
+            return None
+        raise
+
+
+async def _runs(database_url: str) -> int:
+    conn = await asyncpg.connect(database_url)
+    try:
+        return await conn.fetchval("SELECT count(*) FROM runs WHERE status = 'ok'")
+    finally:
+        await conn.close()
+
+
 def _answer(client: openai.OpenAI, model: str) -> str | None:
     try:
         reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "capital?"}])
