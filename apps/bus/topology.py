@@ -260,13 +260,15 @@ def recorder_consumer_config(ack_wait_s: float = 60.0) -> ConsumerConfig:
     )
 
 
-def replay_consumer_config(name: str) -> ConsumerConfig:
-    """A private, unacknowledged read of EVENTS from its first message, for `helexa recorder --rebuild`."""
+def replay_consumer_config(name: str, start_seq: int | None = None) -> ConsumerConfig:
+    """A private, unacknowledged read of EVENTS from its first message (or from `start_seq`), for
+    `helexa recorder --rebuild`."""
     return ConsumerConfig(
         name=name,
         filter_subject=every_event(),
         ack_policy=AckPolicy.NONE,
-        deliver_policy=DeliverPolicy.ALL,
+        deliver_policy=DeliverPolicy.ALL if start_seq is None else DeliverPolicy.BY_START_SEQUENCE,
+        opt_start_seq=start_seq,
         # The server removes it by itself if the recorder dies mid-replay.
         inactive_threshold=60.0,
         mem_storage=True,
@@ -381,10 +383,11 @@ async def recorder_puller(nc: NatsClient, ack_wait_s: float = 60.0) -> BatchPull
     return await BatchPuller(nc, EVENTS_STREAM, RECORDER_CONSUMER).start()
 
 
-async def replay_puller(nc: NatsClient) -> BatchPuller:
-    """Batches from a new private consumer reading EVENTS from its start; delete it when done."""
+async def replay_puller(nc: NatsClient, start_seq: int | None = None) -> BatchPuller:
+    """Batches from a new private consumer reading EVENTS from its start (or from `start_seq`);
+    delete it when done."""
     name = f"{RECORDER_CONSUMER}-replay-{uuid.uuid4().hex[:12]}"
-    await nc.jetstream().add_consumer(EVENTS_STREAM, config=replay_consumer_config(name))
+    await nc.jetstream().add_consumer(EVENTS_STREAM, config=replay_consumer_config(name, start_seq))
     return await BatchPuller(nc, EVENTS_STREAM, name).start()
 
 

@@ -38,6 +38,7 @@ from typing import Any
 import asyncpg
 import msgspec
 import nats.errors
+import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -322,12 +323,26 @@ class Recorder:
             return 0, 0
         puller = await replay_puller(nc)
         replayed = recorded = 0
+        reached = 0  # the last stream sequence replayed
         try:
             while not self.stop.is_set():
-                msgs = await puller.fetch(REPLAY_BATCH, timeout=5, max_bytes=max(
-                    self.settings.batch_bytes, nc.max_payload + PULL_OVERHEAD_BYTES))
+                try:
+                    msgs = await puller.fetch(REPLAY_BATCH, timeout=5, max_bytes=max(
+                        self.settings.batch_bytes, nc.max_payload + PULL_OVERHEAD_BYTES))
+                except nats.errors.NoRespondersError:
+                    msgs = []  # its consumer is gone: looked at below
                 if not msgs:
-                    break  # the tail expired from the stream meanwhile
+                    left = await _left_to_replay(nc.jetstream(), puller.consumer)
+                    if left == 0:
+                        break  # all delivered: the tail expired from the stream meanwhile
+                    if left is None:
+                        # The server removed the idle consumer (a ledger outage outlasted its
+                        # inactive threshold): go on from where the replay got to.
+                        log.warning("replay goes on with a new consumer", extra={"from_seq": reached + 1})
+                        await _forget(puller)
+                        puller = await replay_puller(nc, start_seq=reached + 1)
+                    continue
+                reached = stream_sequence(msgs[-1])
                 replayed += len(msgs)
                 pending, undecodable = decode(msgs)
                 await self.bury(undecodable, acks=False)
@@ -344,6 +359,14 @@ class Recorder:
         if self.pool is not None:
             self.pool.terminate()
             self.pool = None
+
+
+async def _left_to_replay(js: JetStreamContext, consumer: str) -> int | None:
+    """Messages a replay's consumer has yet to deliver; None when the server no longer has it."""
+    try:
+        return (await js.consumer_info(EVENTS_STREAM, consumer)).num_pending
+    except nats.js.errors.NotFoundError:
+        return None
 
 
 async def _pause(stop: asyncio.Event, seconds: float) -> None:

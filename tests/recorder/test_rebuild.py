@@ -7,15 +7,27 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 
 import asyncpg
+import pytest
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
 from apps.bus.events import ResponseDeleted, ResponseStored
 from apps.bus.topology import EVENTS_STREAM, RECORDER_CONSUMER
 from apps.embedded.nats_server import NatsServer
+from apps.recorder import app
 from apps.recorder.projections import PROJECTIONS
 from apps.settings import RecorderSettings
-from tests.recorder.conftest import LogWatch, publish_fast, recording, snapshot, wait_all_acked, wait_rows
+from tests.recorder.conftest import (
+    LogWatch,
+    finished,
+    publish,
+    publish_fast,
+    recording,
+    snapshot,
+    started,
+    wait_all_acked,
+    wait_rows,
+)
 from tests.recorder.workload import assert_projections, mixed
 from tests.support import AppProcess
 
@@ -113,3 +125,30 @@ async def test_rebuild_reproduces_identical_projections(
 
     consumers = [c.name for c in await js.consumers_info(EVENTS_STREAM)]
     assert consumers == [RECORDER_CONSUMER]
+
+
+async def test_a_replay_whose_consumer_the_server_removed_goes_on_from_where_it_got_to(
+    own_nats: NatsServer, js: JetStreamContext, database_url: str, log_watch: LogWatch,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A ledger outage longer than the replay consumer's inactive threshold has the server remove
+    # it: the replay makes a new one from the next sequence, and replays the whole stream.
+    ids = [f"replayed-{i}" for i in range(10)]
+    await publish(js, *(started(i) for i in ids), *(finished(i) for i in ids))
+    monkeypatch.setattr(app, "REPLAY_BATCH", 5)
+    record, removed = app.Recorder.record, []
+
+    async def record_then_lose_the_consumer(self: app.Recorder, pending: app.Pending, acks: bool = True) -> int:
+        if not acks and not removed:
+            for info in await js.consumers_info(EVENTS_STREAM):
+                if info.name.startswith(f"{RECORDER_CONSUMER}-replay-"):
+                    await js.delete_consumer(EVENTS_STREAM, info.name)
+                    removed.append(info.name)
+        return await record(self, pending, acks)
+
+    monkeypatch.setattr(app.Recorder, "record", record_then_lose_the_consumer)
+    settings = RecorderSettings(nats_url=own_nats.url, database_url=database_url)
+    async with recording(settings, log_watch, rebuild=True) as task:
+        done = await log_watch.wait_for("rebuild finished", task=task)
+    assert removed and log_watch.matching("replay goes on with a new consumer", from_seq=6)
+    assert (done.replayed, done.recorded) == (20, 20)
