@@ -173,14 +173,20 @@ def test_bounds_name_their_parameter(gateway: KeyedGateway) -> None:
     assert "endpoint's limit of 65536 bytes" in refused.value.body["message"]
 
 
-def test_a_cancelled_batch_stops_starting_lines_while_interactive_work_runs(
-        system: System, gateway: KeyedGateway) -> None:
-    client = gateway.client()
-    lines = [line(f"slow-{i}", f"slow question {i}") for i in range(40)]
-    upload = client.files.create(file=("slow.jsonl", jsonl(lines)), purpose="batch")
+def running_slow_batch(client: openai.OpenAI, name: str) -> Batch:
+    """A batch of 40 slow lines (each holds its slot about 3 s), once its first line has finished."""
+    lines = [line(f"{name}-{i}", f"slow {name} question {i}") for i in range(40)]
+    upload = client.files.create(file=(f"{name}.jsonl", jsonl(lines)), purpose="batch")
     created = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
                                     completion_window="24h")
     eventually(lambda: completed_lines(client, created.id) >= 1, 120, message="no line finished")
+    return created
+
+
+def test_a_cancelled_batch_stops_starting_lines_while_interactive_work_runs(
+        system: System, gateway: KeyedGateway) -> None:
+    client = gateway.client()
+    created = running_slow_batch(client, "slow")
     # An interactive stream finishes while the batch's lines hold the worker.
     stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "now"}], stream=True)
     assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == "a quick answer"
@@ -197,17 +203,12 @@ def test_a_cancelled_batch_stops_starting_lines_while_interactive_work_runs(
                                   f"{created.id}-")) == completed, 60, message="runs of lines not in the output")
 
 
-
 def test_a_batch_failed_elsewhere_while_it_runs_starts_no_more_lines_and_its_claim_is_done(
         system: System, gateway: KeyedGateway) -> None:
     # A gateway whose claim publish seemed to fail marks its batch failed, though the claim was
     # queued: the runner that took the claim stops starting lines once the ledger says so.
     client = gateway.client()
-    lines = [line(f"doomed-{i}", f"slow doomed {i}") for i in range(40)]
-    upload = client.files.create(file=("doomed.jsonl", jsonl(lines)), purpose="batch")
-    created = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
-                                    completion_window="24h")
-    eventually(lambda: completed_lines(client, created.id) >= 1, 120, message="no line finished")
+    created = running_slow_batch(client, "doomed")
 
     async def fail_it_and_wait_for_the_claim() -> None:
         nc = await nats.connect(system.nats_url)
