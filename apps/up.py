@@ -53,7 +53,7 @@ import nats.errors
 
 from apps.bus import connection, roles
 from apps.embedded import port_is_free, stable_port, stored_port
-from apps.embedded.bus_storage import DiskTooSmall, storage_limits
+from apps.embedded.bus_storage import BusStorageRefused, storage_limits, store_bytes
 from apps.embedded.data_dir import AlreadyRunning, UpLock, display_path, write_env
 from apps.embedded.nats_server import NatsServer
 from apps.embedded.postgres import PostgresServer, psql_binary
@@ -262,7 +262,7 @@ class Supervisor:
             server.restarts += 1
             try:
                 server.restart()
-            except (RuntimeError, TimeoutError, OSError) as exc:
+            except Exception as exc:  # whatever it was, it is logged and tried again
                 log.error("embedded server did not start again", extra={
                     "app": server.name, "error": str(exc), "log": display_path(server.log_file)})
                 self.attention.set()  # look again: its next try is scheduled at once
@@ -385,7 +385,8 @@ def _declare_topology(url: str, embedded: bool) -> None:
             if "insufficient storage" in str(exc):
                 hint = (" (JetStream reserves every stream's size on disk: free some space, or lower "
                         "HELEXA_EVENTS_MAX_BYTES, HELEXA_FILES_MAX_BYTES or HELEXA_REQUESTS_MAX_BYTES)")
-            raise StartFailed(f"helexa: cannot declare the bus topology on NATS: {exc}{hint}") from None
+            said = str(exc) or ("no answer in time" if isinstance(exc, TimeoutError) else type(exc).__name__)
+            raise StartFailed(f"helexa: cannot declare the bus topology on NATS: {said}{hint}") from None
         log.warning("could not declare the bus topology with NATS_URL; the apps wait until an "
                     "administrator does (helexa bus setup)", extra={"error": repr(exc)[:300]})
 
@@ -463,14 +464,15 @@ def run_up(args: argparse.Namespace) -> int:
             if nats_embedded:
                 try:
                     sizes = storage_limits(nats_dir, os.environ)
-                except DiskTooSmall as exc:
-                    raise StartFailed(f"helexa: not enough disk for the bus at {nats_dir}: {exc}") from None
+                except BusStorageRefused as exc:
+                    raise StartFailed(f"helexa: cannot size the bus at {nats_dir}: {exc}") from None
                 os.environ.update(sizes)  # the bus setup below reads them, as every app does
                 env.update(sizes)
                 log.info("starting NATS", extra={"data_dir": str(nats_dir)})
                 servers.callback(log.info, "stopped", extra={"app": "nats"})
                 nats_server = servers.enter_context(
-                    NatsServer(nats_dir, port=stable_port(nats_dir, "nats"), tethered=True))
+                    NatsServer(nats_dir, port=stable_port(nats_dir, "nats"), tethered=True,
+                               max_file_store=store_bytes(os.environ)))
                 if nats_server.process is not None:
                     lower_priority(nats_server.process.pid, nice)
                 watched.append(EmbeddedServer("nats", nats_server, nats_dir / "nats-server.log", attention, nice))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -47,8 +48,9 @@ SIZED = (
 )
 
 
-class DiskTooSmall(Exception):
-    pass
+class BusStorageRefused(Exception):
+    """The bus cannot be sized here (the disk too small, its record unreadable): one line saying
+    what to do."""
 
 
 def _gib(size: int) -> str:
@@ -67,21 +69,31 @@ def _size(raw: str) -> int:
 def size_to_disk(free_bytes: int, environ: Mapping[str, str]) -> dict[str, int]:
     """The size of each of `SIZED` not set in `environ`: its default where the bus's share of
     `free_bytes` holds every default, else scaled down alike to fit the share left by the sizes
-    set, each at least its floor. Raises DiskTooSmall when even the floors do not fit."""
+    set, each at least its floor. Sizes set by hand are the operator's to judge (JetStream refuses
+    what its store cannot hold): beside them the others take their floors at least. Raises
+    BusStorageRefused when nothing is set and even the floors do not fit."""
     budget = int(free_bytes * DISK_SHARE)
     fixed = [s for s in SIZED if environ.get(s.variable, "").strip()]
     scaled = [s for s in SIZED if s not in fixed]
-    fixed_bytes = sum(_size(environ[s.variable]) * s.copies for s in fixed)
-    budget -= fixed_bytes
+    budget = max(budget - sum(_size(environ[s.variable]) * s.copies for s in fixed), 0)
     wanted = sum(s.default * s.copies for s in scaled)
     floors = sum(s.floor * s.copies for s in scaled)
-    if floors > budget:
-        raise DiskTooSmall(
-            f"the disk has {_gib(free_bytes)} free; the bus needs at least "
-            f"{_gib(int((floors + fixed_bytes) / DISK_SHARE))} free at its first start (it reserves "
-            f"{DISK_SHARE:.0%} of it for its streams). Free some space, or give --data-dir a larger disk")
+    if floors > budget and not fixed:
+        raise BusStorageRefused(
+            f"the disk has {_gib(free_bytes)} free; the bus needs at least {_gib(int(floors / DISK_SHARE))} "
+            f"free at its first start (it reserves {DISK_SHARE:.0%} of it for its streams). Free some space, "
+            "or give --data-dir a larger disk")
     share = min(1.0, budget / wanted) if wanted else 1.0
     return {s.variable: max(s.floor, int(s.default * share)) for s in scaled}
+
+
+def store_bytes(environ: Mapping[str, str]) -> int:
+    """What the bus reserves with the sizes `environ` gives (the defaults for the others), and a
+    quarter more for the node registry, the batch claims and JetStream's own files: the limit
+    `up` gives its NATS server's store, so that JetStream's default (three quarters of the disk
+    free when it starts, less as the store fills) never refuses streams it took before."""
+    reserved = sum((_size(environ.get(s.variable, "")) or s.default) * s.copies for s in SIZED)
+    return reserved + reserved // 4
 
 
 def _free_bytes(folder: Path) -> int:
@@ -97,14 +109,20 @@ def storage_limits(nats_dir: Path, environ: Mapping[str, str], free_bytes: int |
     store made before sizes were chosen (its streams keep theirs)."""
     record = nats_dir / RECORD
     if record.exists():
-        chosen = {k: int(v) for k, v in json.loads(record.read_text(encoding="utf-8")).items()}
+        try:
+            chosen = {str(k): int(v) for k, v in json.loads(record.read_text(encoding="utf-8")).items()}
+        except (OSError, ValueError, AttributeError) as exc:
+            raise BusStorageRefused(f"{record} cannot be read ({exc}): delete it to size the bus again "
+                                    "from the disk free now") from None
     elif (nats_dir / "jetstream").exists():
         return {}
     else:
         free = _free_bytes(nats_dir) if free_bytes is None else free_bytes
         chosen = size_to_disk(free, environ)
         nats_dir.mkdir(parents=True, exist_ok=True)
-        record.write_text(json.dumps(chosen, indent=1) + "\n", encoding="utf-8")
+        written = record.with_name(f".{RECORD}.tmp")  # whole or not at all, even on a full disk
+        written.write_text(json.dumps(chosen, indent=1) + "\n", encoding="utf-8")
+        os.replace(written, record)
         if any(chosen[s.variable] < s.default for s in SIZED if s.variable in chosen):
             log.warning("the bus is sized to the disk: set these to choose otherwise",
                         extra={"free": _gib(free), **{k: _gib(v) for k, v in chosen.items()}})

@@ -110,6 +110,10 @@ _BAD_DATA = (
 _MAX_TS = 1e10
 
 
+class WriteTimedOut(TimeoutError):
+    """A batch's write ran past half the ack wait (an outage, as any TimeoutError)."""
+
+
 def _retried(exc: BaseException) -> bool:
     """Whether a write error is waited out: all but the events' own bad data (a ValueError is bad
     input even when asyncpg raises it as an InterfaceError). A bug of ours (a TypeError in a
@@ -150,8 +154,10 @@ class Recorder:
         # Well inside the consumer's ack_wait.
         self.in_progress_every_s = settings.ack_wait_s / 4
 
-    async def until_done(self, what: str, op: Callable[[], Awaitable[object]], held: Sequence[Msg] = ()) -> bool:
-        """Run `op` until it gets through to Postgres; False if `stop` was set first."""
+    async def until_done(self, what: str, op: Callable[[], Awaitable[object]], held: Sequence[Msg] = (),
+                         halve_when_slow: bool = False) -> bool:
+        """Run `op` until it gets through to Postgres; False if `stop` was set first. With
+        `halve_when_slow`, a write that ran past its time is raised for its batch to be halved."""
         delay = FIRST_RETRY_S
         last_progress = time.monotonic()
         while not self.stop.is_set():
@@ -159,7 +165,7 @@ class Recorder:
                 await op()
                 return True
             except Exception as exc:
-                if not _retried(exc):
+                if not _retried(exc) or (halve_when_slow and isinstance(exc, WriteTimedOut)):
                     raise
                 extra = {"during": what, "error": repr(exc), "retry_in_s": delay, "held": len(held),
                          "sqlstate": getattr(exc, "sqlstate", None)}
@@ -200,18 +206,26 @@ class Recorder:
             raise
 
     async def write(self, pending: Pending) -> int:
-        """One batch's commit, ended (TimeoutError: an outage, the connections made again) when it
-        outlasts half the ack wait, so a write that hangs never holds the batch past its ack wait."""
-        async with self.connection() as conn, asyncio.timeout(self.settings.ack_wait_s / 2):
-            return await projector.project(
-                conn, [projector.Recorded(msg.subject, e, stream_sequence(msg)) for msg, e in pending]
-            )
+        """One batch's commit, ended when it outlasts half the ack wait (WriteTimedOut: an outage,
+        the connections made again; its socket is closed at once, as a server gone without a reset
+        would never answer the cancel), so a write that hangs never holds the batch past its ack wait."""
+        async with self.connection() as conn:
+            try:
+                async with asyncio.timeout(self.settings.ack_wait_s / 2):
+                    return await projector.project(
+                        conn, [projector.Recorded(msg.subject, e, stream_sequence(msg)) for msg, e in pending]
+                    )
+            except TimeoutError:
+                conn.terminate()
+                raise WriteTimedOut(f"the write of {len(pending)} events ran past "
+                                    f"{self.settings.ack_wait_s / 2:g} s") from None
 
     async def record(self, pending: Pending, acks: bool = True) -> int:
         """Commit then ack; returns how many events were new.
 
         A batch that fails for any reason but an outage is halved until the culprit is alone, which
-        goes to the dead-letter table (then is terminated when `acks`). Without `acks` (a replay)
+        goes to the dead-letter table (then is terminated when `acks`); one whose write runs past its
+        time is halved too, and an event alone that does is waited out. Without `acks` (a replay)
         nothing is acked, nak'ed or held.
         """
         msgs = [msg for msg, _ in pending]
@@ -222,7 +236,8 @@ class Recorder:
             new = await self.write(pending)
 
         try:
-            committed = await self.until_done("write", write, held=msgs if acks else ())
+            committed = await self.until_done("write", write, held=msgs if acks else (),
+                                              halve_when_slow=len(pending) > 1)
         except Exception as exc:
             if len(pending) > 1:
                 half = len(pending) // 2

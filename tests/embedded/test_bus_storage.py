@@ -14,7 +14,14 @@ import pytest
 
 from apps.bus import connection
 from apps.bus.topology import BusLimits
-from apps.embedded.bus_storage import DISK_SHARE, SIZED, DiskTooSmall, size_to_disk, storage_limits
+from apps.embedded.bus_storage import (
+    DISK_SHARE,
+    SIZED,
+    BusStorageRefused,
+    size_to_disk,
+    storage_limits,
+    store_bytes,
+)
 from apps.embedded.nats_server import NatsServer
 from apps.up import StartFailed, _declare_topology
 from tests.support import REPO
@@ -40,9 +47,13 @@ def test_a_large_disk_keeps_the_defaults_and_a_small_one_scales_them_to_its_shar
 
 
 def test_a_disk_too_small_for_the_smallest_bus_is_refused_saying_what_to_do() -> None:
-    with pytest.raises(DiskTooSmall) as refused:
+    with pytest.raises(BusStorageRefused) as refused:
         size_to_disk(GIB, {})
     assert "1.00 GiB free" in str(refused.value) and "--data-dir" in str(refused.value)
+    # Sizes set by hand are the operator's to judge: the others take their floors beside them.
+    chosen = size_to_disk(6 * GIB, {s.variable: str(GIB) for s in SIZED[:2]})  # 4 GiB set, 3 GiB share
+    assert chosen == {SIZED[2].variable: SIZED[2].floor}
+    assert size_to_disk(10 * GIB, {s.variable: str(2 * GIB) for s in SIZED}) == {}
 
 
 def test_the_first_starts_choice_is_kept_and_an_older_store_keeps_its_sizes(tmp_path: Path) -> None:
@@ -56,6 +67,13 @@ def test_the_first_starts_choice_is_kept_and_an_older_store_keeps_its_sizes(tmp_
     # A store made before sizes were chosen keeps the ones its streams have.
     (tmp_path / "old" / "jetstream").mkdir(parents=True)
     assert storage_limits(tmp_path / "old", {}, free_bytes=GIB) == {}
+    # A record cut short (a full disk) is refused naming it, not a traceback at every start.
+    (tmp_path / "nats" / "bus-storage.json").write_text('{"HELEXA_EVENTS_MAX', encoding="utf-8")
+    with pytest.raises(BusStorageRefused) as unreadable:
+        storage_limits(tmp_path / "nats", {})
+    assert "bus-storage.json cannot be read" in str(unreadable.value) and "delete it" in str(unreadable.value)
+    # The store's limit holds what the bus reserves, whatever the disk has free later.
+    assert store_bytes({k: str(v) for k, v in first.items()}) >= reserved({k: int(v) for k, v in first.items()})
 
 
 def test_on_a_small_disks_store_the_defaults_cannot_be_declared_and_the_sized_bus_can(

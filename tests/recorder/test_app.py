@@ -182,7 +182,7 @@ async def test_a_lock_the_write_may_not_wait_for_is_waited_out_and_a_hung_write_
                     if lock_timeout != "0":
                         assert failed.sqlstate == "55P03"
                     else:
-                        assert "TimeoutError" in failed.error
+                        assert "WriteTimedOut" in failed.error
                     info = await js.consumer_info(EVENTS_STREAM, RECORDER_CONSUMER)
                     assert info.num_ack_pending + info.num_pending == 2  # held, not settled
                 await eventually_async(
