@@ -59,12 +59,14 @@ _spools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, HeldSpoo
 # Each loop's events found in a spool while `MAX_HELD_EVENTS` were held: each is held in its turn,
 # as a held one is stored.
 _from_spool: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, deque[_Held]] = weakref.WeakKeyDictionary()
+# Events refused while `MAX_HELD_EVENTS` were held, being written to their role's spool.
+_spooling: set[asyncio.Task[None]] = set()
 
 
 def held_events() -> int:
     """Events this process holds because EVENTS did not take them yet (those a spool had no turn
     for yet too)."""
-    return len(_held) + sum(len(waiting) for waiting in _from_spool.values())
+    return len(_held) + len(_spooling) + sum(len(waiting) for waiting in _from_spool.values())
 
 
 async def publish_event(js: JetStreamContext, event: AnyEvent, *, required: bool = False,
@@ -255,8 +257,14 @@ def _hold(js: Callable[[], JetStreamContext], subject: str, event: AnyEvent, exc
     context = {"kind": event_kind(event), "event_id": event.event_id,
                "request_id": getattr(event, "request_id", None), "error": wire.bounded_text(repr(exc))}
     if len(_held) >= MAX_HELD_EVENTS:
+        loop = asyncio.get_running_loop()
         if spooled is not None:  # on disk already: its turn comes as held events are stored
-            _from_spool.setdefault(asyncio.get_running_loop(), deque()).append(_Held(js, subject, event, spooled))
+            _from_spool.setdefault(loop, deque()).append(_Held(js, subject, event, spooled))
+        elif (spool := _spools.get(loop, {}).get(roles.event_publisher(subject) or "")) is not None:
+            # Its role's spool may have room: on disk, it waits its turn as those do.
+            writing = asyncio.ensure_future(_spool_past_the_cap(_Held(js, subject, event, spool), context))
+            _spooling.add(writing)
+            writing.add_done_callback(_spooling.discard)
         else:
             log.error("event lost: too many events already held for EVENTS", extra={**context, "held": len(_held)})
         return
@@ -275,11 +283,27 @@ class _Held:
     spooled: HeldSpool
 
 
+async def _spool_past_the_cap(held: _Held, context: dict[str, object]) -> None:
+    if await asyncio.to_thread(held.spooled.write, held.subject, held.event):
+        _from_spool.setdefault(asyncio.get_running_loop(), deque()).append(held)
+        if len(_held) < MAX_HELD_EVENTS:  # a turn came while it was written
+            _stored_turn(asyncio.get_running_loop())
+    else:
+        log.error("event lost: too many events already held for EVENTS, and no room in the spool",
+                  extra={**context, "held": len(_held)})
+
+
 def _stored(task: asyncio.Task[None]) -> None:
     """A held event is stored (or its loop ended): the next one a spool had no room for is held."""
     _held.discard(task)
-    waiting = _from_spool.get(task.get_loop())
-    if waiting and len(_held) < MAX_HELD_EVENTS and not task.cancelled():
+    if not task.cancelled():
+        _stored_turn(task.get_loop())
+
+
+def _stored_turn(loop: asyncio.AbstractEventLoop) -> None:
+    """The next event waiting on disk is held, if there is one and room for it."""
+    waiting = _from_spool.get(loop)
+    if waiting and len(_held) < MAX_HELD_EVENTS:
         turn = waiting.popleft()
         _hold(turn.js, turn.subject, turn.event, None, spooled=turn.spooled)
 

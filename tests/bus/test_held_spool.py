@@ -118,11 +118,17 @@ async def test_each_role_spools_its_own_events_and_a_spool_past_the_held_cap_is_
         monkeypatch.setattr(event_publish, "MAX_HELD_EVENTS", 4)  # two held already, two more
         await event_publish.keep_held_on_disk(js, tmp_path / "next", "gateway")
         assert event_publish.held_events() == 7
+        # A fresh event refused meanwhile waits on disk too, not lost to the backlog.
+        fresh = _admission("fresh")
+        assert not await event_publish.publish_event(js, fresh)
+        await eventually_async(lambda: (left.folder / f"{fresh.event_id}.json").exists(), 20.0,
+                               message="the fresh event spooled")
+        assert event_publish.held_events() == 8
         await js.purge_stream(topology.EVENTS_STREAM, seq=stored + 1)
         await eventually_async(lambda: event_publish.held_events() == 0, 30.0, message="every held event stored")
         assert not list(left.folder.glob("*.json")) and not list((tmp_path / "both").glob("held-events/*/*/*.json"))
-        ids = {event.event_id for _, event in await read_events(nc, 7)}
-        assert ids == {admission.event_id, run.event_id, *(e.event_id for e in events)}
+        ids = {event.event_id for _, event in await read_events(nc, 8)}
+        assert ids == {admission.event_id, run.event_id, fresh.event_id, *(e.event_id for e in events)}
     finally:
         await nc.close()
 
