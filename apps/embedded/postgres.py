@@ -189,21 +189,31 @@ class PostgresServer:
     def _initdb(self, credentials: Credentials) -> None:
         """A new cluster, made beside `pgdata` and renamed into place once whole: an initdb that
         failed, was interrupted or was killed leaves no half cluster for the next start to trip on."""
-        partial = self.pgdata.with_name(self.pgdata.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
+        if self.pgdata.exists() and any(self.pgdata.iterdir()):
+            raise RuntimeError(f"helexa: {self.pgdata} holds files but no database (no PG_VERSION): move it "
+                               "aside or delete it, and start again")
+        # An empty folder made for it (a mount point) is filled in place.
+        in_place = self.pgdata.exists()
+        target = self.pgdata if in_place else self.pgdata.with_name(self.pgdata.name + ".partial")
+        if in_place:
+            self._give_to_server(target)
+        else:
+            shutil.rmtree(target, ignore_errors=True)
         pwfile = self.data_dir / ".initdb-password"
         fd = os.open(pwfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as out:
                 out.write(credentials.password + "\n")
             self._give_to_server(pwfile)
-            run_tool([postgres_bin("initdb"), "-D", str(partial), "--auth=scram-sha-256", f"--pwfile={pwfile}",
+            run_tool([postgres_bin("initdb"), "-D", str(target), "--auth=scram-sha-256", f"--pwfile={pwfile}",
                       "--encoding=utf8", "-U", credentials.user], "creating PostgreSQL's database (initdb)",
                      user=self._user)
-            partial.rename(self.pgdata)
+            if not in_place:
+                target.rename(self.pgdata)
         finally:
             pwfile.unlink(missing_ok=True)
-            shutil.rmtree(partial, ignore_errors=True)
+            if not in_place:
+                shutil.rmtree(target, ignore_errors=True)
 
     def _set_password(self, credentials: Credentials) -> None:
         # Single-user mode opens no port and no socket: the password is set before anyone can connect.

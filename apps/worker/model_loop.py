@@ -186,6 +186,9 @@ class ModelLoop:
         the intake would leave it on the stream. Raises ServingError (409) for an id already running here."""
         if holds(self._held, request):
             raise ServingError(409, ErrorCode.INVALID_REQUEST, "A request with this id is already running.")
+        if request.sampling.n > self.engine.max_num_seqs:
+            raise ServingError(400, ErrorCode.INVALID_REQUEST, f"'n' is {request.sampling.n}; this worker runs at "
+                                                               f"most {self.engine.max_num_seqs} sequences at once.")
         if self.free_slots(request.service_class) < request.sampling.n:
             raise ServingError(503, ErrorCode.QUEUE_FULL, "This worker has no free sequence for the request "
                                                           "now: ask again later, or ask another node.")

@@ -299,11 +299,11 @@ def test_an_embedded_server_that_dies_is_started_again_and_the_system_serves_and
 
 
 def _answer_or_wait(client: openai.OpenAI, model: str) -> str | None:
-    """An answer, or None while the system still says it waits for its bus (503)."""
+    """An answer, or None while the system is still coming back (a 5xx, a timeout)."""
     try:
         return _answer(client, model)
     except openai.APIStatusError as exc:
-        if exc.status_code == 503:
+        if exc.status_code >= 500:
             return None
         raise
 

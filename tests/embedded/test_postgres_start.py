@@ -31,3 +31,16 @@ def test_a_failed_initdb_says_why_and_the_next_start_makes_a_whole_cluster(tmp_p
             finally:
                 await conn.close()
         assert asyncio.run(ask()) == 1
+
+
+def test_an_empty_pgdata_folder_is_filled_in_place_and_one_holding_other_files_is_named(tmp_path: Path) -> None:
+    (tmp_path / "mounted" / "pgdata").mkdir(parents=True)  # a volume mounted there: it cannot be renamed over
+    with PostgresServer(tmp_path / "mounted") as server:
+        assert (server.pgdata / "PG_VERSION").exists()
+
+    (tmp_path / "stray" / "pgdata").mkdir(parents=True)
+    (tmp_path / "stray" / "pgdata" / "notes.txt").write_text("not a database")
+    with pytest.raises(RuntimeError) as refused:
+        PostgresServer(tmp_path / "stray").start()
+    assert "holds files but no database" in str(refused.value) and "pgdata" in str(refused.value)
+    assert (tmp_path / "stray" / "pgdata" / "notes.txt").exists()  # nothing of the user's is touched

@@ -66,8 +66,8 @@ def test_generate_is_refused_while_the_workers_slots_are_taken(fleet: Fleet) -> 
     # The endpoint takes no more than the engine has room for, as the intake pulls no more: a
     # second request beside a running one on a one-sequence worker is a 503 at once, while the
     # first finishes whole, and the worker serves the next one once it has room again.
-    script = {"default": "room again", "rules": [{"match": "SLOW", "reply": "one two three four five six",
-                                                  "token_delay_s": 1.0}]}
+    slow = " ".join(["word"] * 15)  # about 15 s: room to see it start and ask beside it on a loaded machine
+    script = {"default": "room again", "rules": [{"match": "SLOW", "reply": slow, "token_delay_s": 1.0}]}
     subject = topology.node_endpoint("full-a", "generate")
 
     def request(request_id: str, content: str) -> bytes:
@@ -78,11 +78,11 @@ def test_generate_is_refused_while_the_workers_slots_are_taken(fleet: Fleet) -> 
     async def scenario() -> tuple[dict, object, dict]:
         nc = await nats.connect(fleet.nats_url)
         try:
-            slow = asyncio.create_task(nc.request(subject, request("full-slow", "SLOW please"), timeout=60))
+            running = asyncio.create_task(nc.request(subject, request("full-slow", "SLOW please"), timeout=120))
             await asyncio.to_thread(wait_events, fleet.nats_url, topology.event_subject("run.started", "full-model"),
                                     lambda es: any(e.request_id == "full-slow" for e in es))
             refused = await nc.request(subject, request("full-busy", "hello"), timeout=30)
-            first = json.loads((await slow).data)
+            first = json.loads((await running).data)
             after = await nc.request(subject, request("full-after", "hello"), timeout=30)
             return first, refused, json.loads(after.data)
         finally:
@@ -92,7 +92,7 @@ def test_generate_is_refused_while_the_workers_slots_are_taken(fleet: Fleet) -> 
         first, refused, after = asyncio.run(scenario())
     assert refused.headers is not None and refused.headers.get("Nats-Service-Error-Code") == "503"
     assert "no free sequence" in refused.headers.get("Nats-Service-Error", "")
-    assert first["text"] == "one two three four five six" and first["finish_reason"] == "stop"
+    assert first["text"] == slow and first["finish_reason"] == "stop"
     assert after["text"] == "room again"
 
 
