@@ -88,12 +88,13 @@ def size_to_disk(free_bytes: int, environ: Mapping[str, str]) -> dict[str, int]:
 
 
 def store_bytes(environ: Mapping[str, str]) -> int:
-    """What the bus reserves with the sizes `environ` gives (the defaults for the others), and a
-    quarter more for the node registry, the batch claims and JetStream's own files: the limit
-    `up` gives its NATS server's store, so that JetStream's default (three quarters of the disk
-    free when it starts, less as the store fills) never refuses streams it took before."""
+    """The limit `up` gives its NATS server's store: twice what the bus reserves with the sizes
+    `environ` gives (the defaults for the others; JetStream counts a stream being updated twice
+    while it converges) and a GiB for the node registry, the batch claims and its own files, so that
+    JetStream's default (three quarters of the disk free when it starts, less as the store fills)
+    never refuses streams it took before."""
     reserved = sum((_size(environ.get(s.variable, "")) or s.default) * s.copies for s in SIZED)
-    return reserved + reserved // 4
+    return 2 * reserved + (1 << 30)
 
 
 def _free_bytes(folder: Path) -> int:
