@@ -375,6 +375,11 @@ def _child_env(base: dict[str, str], app: str, nats_urls: dict[str, str],
     return env
 
 
+def _said(exc: BaseException) -> str:
+    """An error's text for a one-line failure; never empty (a bare TimeoutError has none)."""
+    return str(exc) or ("no answer in time" if isinstance(exc, TimeoutError) else type(exc).__name__)
+
+
 def _declare_topology(url: str, embedded: bool) -> None:
     """The streams, as the administrator (of `up`'s own server), or tried with an external NATS_URL."""
     try:
@@ -385,8 +390,7 @@ def _declare_topology(url: str, embedded: bool) -> None:
             if "insufficient storage" in str(exc):
                 hint = (" (JetStream reserves every stream's size on disk: free some space, or lower "
                         "HELEXA_EVENTS_MAX_BYTES, HELEXA_FILES_MAX_BYTES or HELEXA_REQUESTS_MAX_BYTES)")
-            said = str(exc) or ("no answer in time" if isinstance(exc, TimeoutError) else type(exc).__name__)
-            raise StartFailed(f"helexa: cannot declare the bus topology on NATS: {said}{hint}") from None
+            raise StartFailed(f"helexa: cannot declare the bus topology on NATS: {_said(exc)}{hint}") from None
         log.warning("could not declare the bus topology with NATS_URL; the apps wait until an "
                     "administrator does (helexa bus setup)", extra={"error": repr(exc)[:300]})
 
@@ -510,9 +514,8 @@ def run_up(args: argparse.Namespace) -> int:
                 if postgres is not None:
                     asyncio.run(postgres.open_app_roles())
             except (OSError, asyncpg.PostgresError) as exc:
-                said = str(exc) or ("no answer in time" if isinstance(exc, TimeoutError) else type(exc).__name__)
                 raise StartFailed(f"helexa: cannot migrate PostgreSQL at {without_password(owner_database)} "
-                                  f"(DATABASE_URL): {said}") from None
+                                  f"(DATABASE_URL): {_said(exc)}") from None
             if postgres is not None:
                 database_urls = {app: postgres.role_url(app) for app in LEDGER_APPS}
                 reader_database = postgres.role_url("reader")

@@ -260,7 +260,7 @@ def _hold(js: Callable[[], JetStreamContext], subject: str, event: AnyEvent, exc
         loop = asyncio.get_running_loop()
         if spooled is not None:  # on disk already: its turn comes as held events are stored
             _from_spool.setdefault(loop, deque()).append(_Held(js, subject, event, spooled))
-        elif (spool := _spools.get(loop, {}).get(roles.event_publisher(subject) or "")) is not None:
+        elif (spool := _spool_for(subject)) is not None:
             # Its role's spool may have room: on disk, it waits its turn as those do.
             writing = asyncio.ensure_future(_spool_past_the_cap(_Held(js, subject, event, spool), context))
             _spooling.add(writing)
@@ -273,6 +273,11 @@ def _hold(js: Callable[[], JetStreamContext], subject: str, event: AnyEvent, exc
     task = asyncio.ensure_future(_publish_held(js, subject, event, spooled))
     _held.add(task)
     task.add_done_callback(_stored)
+
+
+def _spool_for(subject: str) -> HeldSpool | None:
+    """This loop's spool of the role that publishes on `subject`, if its process keeps one."""
+    return _spools.get(asyncio.get_running_loop(), {}).get(roles.event_publisher(subject) or "")
 
 
 @dataclass(slots=True, frozen=True)
@@ -313,8 +318,7 @@ async def _publish_held(js: Callable[[], JetStreamContext], subject: str, event:
     pause, longest = _HELD_RETRY_S
     offered = spooled is not None  # to a spool once, as soon as its process has one
     while True:
-        if not offered and (spool := _spools.get(asyncio.get_running_loop(), {}).get(
-                roles.event_publisher(subject) or "")) is not None:
+        if not offered and (spool := _spool_for(subject)) is not None:
             offered = True
             if await asyncio.to_thread(spool.write, subject, event):
                 spooled = spool

@@ -133,7 +133,7 @@ def file_first(name: str, content: bytes, purpose: str | None) -> tuple[bytes, s
     return body + f"--{boundary}--\r\n".encode(), f"multipart/form-data; boundary={boundary}"
 
 
-def test_the_file_may_come_before_its_purpose_and_is_checked_for_it(gateway: KeyedGateway) -> None:
+def test_the_file_may_come_before_its_purpose_and_is_checked_for_it(system: System, gateway: KeyedGateway) -> None:
     def upload(name: str, content: bytes, purpose: str | None) -> httpx.Response:
         body, kind = file_first(name, content, purpose)
         return httpx.post(f"{gateway.url}/v1/files", content=body, timeout=60,
@@ -146,10 +146,17 @@ def test_the_file_may_come_before_its_purpose_and_is_checked_for_it(gateway: Key
     assert kept.json()["purpose"] == "user_data" and client.files.content(kept.json()["id"]).content == long_line
     batch = upload("lines.jsonl", batch_lines(2), "batch")
     assert batch.status_code == 200 and batch.json()["purpose"] == "batch"
+    # A chat stream on the same gateway runs to its end beside the refused uploads.
+    stream = client.chat.completions.create(model=system.model, stream=True, max_tokens=16, temperature=0,
+                                            messages=[{"role": "user", "content": "Count to five."}])
+    chunks = iter(stream)
+    first = next(chunks)
     for content, purpose, status, param in ((long_line, "batch", 413, "file"), (b"not json\n", "batch", 400, "file"),
                                             (b"a", "fine-tune", 400, "purpose"), (b"a", None, 400, "purpose")):
         refused = upload("refused.jsonl", content, purpose)
         assert (refused.status_code, refused.json()["error"]["param"]) == (status, param), refused.text
+    finish = [c.choices[0].finish_reason for c in [first, *chunks] if c.choices and c.choices[0].finish_reason]
+    assert finish in (["stop"], ["length"])
     # Nothing of the refused uploads is kept.
     assert sorted(f.filename for f in client.files.list().data) == ["lines.jsonl", "notes.txt"]
 

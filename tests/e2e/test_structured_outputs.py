@@ -221,13 +221,19 @@ def test_anthropic_strict_tool_and_failed_tool_results(system: System) -> None:
     assert message.stop_reason == "tool_use"
     (call,) = [block for block in message.content if block.type == "tool_use"]
     jsonschema.validate(call.input, schema)
-    # A schema that cannot be enforced is a 400 naming where it came.
+    # A schema that cannot be enforced is a 400 naming where it came; a stream beside it runs to its end.
+    stream = client(system).chat.completions.create(model=system.model, stream=True, max_tokens=16, temperature=0,
+                                                    messages=[{"role": "user", "content": "Count to five."}])
+    chunks = iter(stream)
+    first = next(chunks)
     with pytest.raises(anthropic.BadRequestError) as refused:
         anthropic_client(system).messages.create(
             model=system.model, max_tokens=8, messages=[{"role": "user", "content": "Hi"}],
             output_config={"format": {"type": "json_schema",
                                       "schema": {"type": "object", "properties": {"a": {"type": "strin"}}}}})
     assert "output_config.format" in refused.value.message
+    finish = [c.choices[0].finish_reason for c in [first, *chunks] if c.choices and c.choices[0].finish_reason]
+    assert finish in (["stop"], ["length"])
 
 
 def test_an_anthropic_tool_result_marked_as_an_error_reaches_the_model_as_one(system: System) -> None:
