@@ -343,6 +343,13 @@ class StartFailed(Exception):
     """Something `up` started did not come up; the message is the one line the user sees."""
 
 
+def _unless_stopped(stop: threading.Event) -> None:
+    """Between the steps of the start (NATS, the bus, PostgreSQL, migrations): a Ctrl-C during one
+    ends the start after it, rather than once the apps are up too."""
+    if stop.is_set():
+        raise StartFailed("stopped")
+
+
 def _wait_until_ready(children: list[Child], stop: threading.Event) -> None:
     """Until every child is ready. Before the system is up an exit is a failure to start (a bad
     model, a port in use): reported at once, whichever child it is, rather than retried."""
@@ -416,11 +423,15 @@ def run_up(args: argparse.Namespace) -> int:
     # Set with `stop` and whenever a child exits: what the supervisor waits on.
     attention = threading.Event()
     children: list[Child] = []
+    watched: list[EmbeddedServer] = []  # up's own servers, started again if they exit
 
     def on_signal(*_: object) -> None:
-        if stop.is_set():  # a second Ctrl-C: no more waiting
+        if stop.is_set():  # a second Ctrl-C: no more waiting, for the apps or the servers
             for child in children:
                 _kill_group(child.process.pid)
+            for server in watched:
+                if server.server.process is not None:
+                    _kill_group(server.server.process.pid)
         stop.set()
         attention.set()
 
@@ -443,7 +454,6 @@ def run_up(args: argparse.Namespace) -> int:
     nice = services_nice()
     credential_files: list[Path] = []
     role_folders: list[Path] = []
-    watched: list[EmbeddedServer] = []  # up's own servers, started again if they exit
     lock = UpLock(folder)
     try:
         lock.acquire()
@@ -487,7 +497,9 @@ def run_up(args: argparse.Namespace) -> int:
             else:
                 admin_nats = exported_nats
                 nats_urls = dict.fromkeys(roles.ROLES, exported_nats)
+            _unless_stopped(stop)
             _declare_topology(admin_nats, nats_embedded)
+            _unless_stopped(stop)
             exported_database = settings.exported_database_url
             postgres: PostgresServer | None = None
             if _embedded(exported_database, pg_dir, lambda p: {
@@ -507,6 +519,7 @@ def run_up(args: argparse.Namespace) -> int:
                 role_folders.append(postgres.data_dir / "roles")
             else:
                 owner_database = exported_database
+            _unless_stopped(stop)
             url = f"http://{gateway.host}:{gateway.port}"
             log.info("applying migrations")
             try:
@@ -516,6 +529,7 @@ def run_up(args: argparse.Namespace) -> int:
             except (OSError, asyncpg.PostgresError) as exc:
                 raise StartFailed(f"helexa: cannot migrate PostgreSQL at {without_password(owner_database)} "
                                   f"(DATABASE_URL): {_said(exc)}") from None
+            _unless_stopped(stop)
             if postgres is not None:
                 database_urls = {app: postgres.role_url(app) for app in LEDGER_APPS}
                 reader_database = postgres.role_url("reader")

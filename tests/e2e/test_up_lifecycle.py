@@ -257,6 +257,29 @@ def test_ctrl_c_ends_the_streams_then_stops_the_apps_then_the_servers_quietly(
     assert stopped == ["gateway", "worker", "recorder", "postgres", "nats"]
 
 
+def test_ctrl_c_during_the_first_start_stops_before_any_app_and_the_next_start_serves(
+        tmp_path: Path, script: Path, ups: list[AppProcess]) -> None:
+    """Ctrl-C while PostgreSQL's database is being made (initdb in up's process group gets it too,
+    as in a terminal): the start ends there, no app is started, nothing is left running, and the
+    half-made database is no obstacle to the next start."""
+    data = tmp_path / "data"
+    up = start_up(ups, data, free_port(), script)
+    up.wait_for(lambda e: str(e.get("event", "")).startswith("creating PostgreSQL's database"), timeout_s=120)
+    os.killpg(up.process.pid, signal.SIGINT)
+    assert up.process.wait(120) == 0
+    up.stop()  # collects the rest of its output
+    assert "Traceback" not in up.output(last=100_000)
+    stopped = [e["app"] for e in up.lines if e.get("event") == "stopped" and e.get("logger") == "helexa.up"]
+    assert stopped == ["postgres", "nats"]
+    assert processes_using(data) == []
+
+    again = start_up(ups, data, free_port(), script)
+    ready = wait_up(again)
+    assert _answer(openai.OpenAI(base_url=f"{ready['url']}/v1", api_key="unused", max_retries=0, timeout=60),
+                   ready["model"]) == "Paris."
+    assert again.stop(signal.SIGTERM, timeout_s=60) == 0
+
+
 def test_an_app_that_dies_is_restarted_and_serves_again(tmp_path: Path, script: Path, ups: list[AppProcess]) -> None:
     """The supervisor sleeps until a child exits (no polling): a killed gateway is started again
     after its backoff, on the same port, and answers; the other apps ran on untouched."""
