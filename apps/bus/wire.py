@@ -87,6 +87,9 @@ class GenerateRequest(Wire, frozen=True, kw_only=True):
     # The reply must open with a tool call: any tool (`tool_required`), or the one named.
     tool_required: bool = False
     tool_name: str | None = None
+    # At most one tool call in the reply (`parallel_tool_calls: false`, Anthropic's
+    # `disable_parallel_tool_use`): the choice ends once its first call is whole.
+    single_tool_call: bool = False
     # The conversation ends on an assistant turn that the model continues (Anthropic prefill).
     continue_final_message: bool = False
     # A migrated attempt (its first worker died mid-stream): one entry per choice, what the client

@@ -109,9 +109,11 @@ class ChoiceText:
         self.parser = prompt.output_parser()
 
     def feed(self, token_ids: list[int]) -> tuple[Parsed, bool]:
-        """New tokens in; (what may be sent now, whether a stop string ended the choice) out."""
+        """New tokens in; (what may be sent now, whether the choice has ended: a stop string, or
+        the one tool call a single-call reply may hold) out."""
         text, hit_stop = self.stops.feed(self.detokenizer.step(token_ids))
-        return self.parser.feed(text), hit_stop
+        parsed = self.parser.feed(text)
+        return parsed, hit_stop or self.parser.done
 
     def feed_counting_reasoning(self, token_ids: list[int]) -> tuple[Parsed, bool, int]:
         """`feed`, and how many of the tokens were reasoning (fed while the parser was in it, as

@@ -44,15 +44,24 @@ def _partial_tag_suffix(text: str, tags: list[str]) -> int:
 
 
 class OutputParser:
-    def __init__(self, parse_reasoning: bool, parse_tools: bool, in_reasoning: bool = False) -> None:
+    """`single_tool_call`: the reply holds at most one call; once it is whole the parser is `done`
+    and takes no more text (the choice ends there, as a stop string would end it)."""
+
+    def __init__(self, parse_reasoning: bool, parse_tools: bool, in_reasoning: bool = False,
+                 single_tool_call: bool = False) -> None:
         self.parse_reasoning = parse_reasoning
         self.parse_tools = parse_tools
+        self.single_tool_call = single_tool_call
         self.mode = "reasoning" if in_reasoning else "content"
         self._buffer = ""
         # Whitespace between tool calls is held, and dropped if nothing but calls follow.
         self._held_space = ""
         self._strip_leading = False
         self.num_tool_calls = 0
+
+    @property
+    def done(self) -> bool:
+        return self.single_tool_call and self.num_tool_calls > 0
 
     @property
     def in_reasoning(self) -> bool:
@@ -67,6 +76,8 @@ class OutputParser:
         return tags
 
     def feed(self, text: str) -> Parsed:
+        if self.done:
+            return Parsed()
         if not (self.parse_reasoning or self.parse_tools or self._buffer or self._strip_leading
                 or self.mode != "content" or self.num_tool_calls):
             return Parsed(text)  # nothing to look for: the text is content, as it came
@@ -84,6 +95,9 @@ class OutputParser:
                 self._emit_tool_call(self._buffer[:end], out)
                 self._buffer = self._buffer[end + len(TOOL_CLOSE):]
                 self.mode = "content"
+                if self.done:
+                    self._buffer = ""
+                    break
             else:
                 tags = [(self._buffer.find(t), t) for t in self._open_tags()]
                 found = [(i, t) for i, t in tags if i >= 0]
@@ -151,6 +165,8 @@ class OutputParser:
         unclosed tool call counts when its JSON is complete (models often stop right after it)."""
         out = Parsed()
         rest, self._buffer = self._buffer, ""
+        if self.done:
+            return out
         if self.mode == "reasoning":
             out.reasoning = rest
         elif self.mode == "tool":

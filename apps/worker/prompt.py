@@ -28,9 +28,12 @@ class Prompt:
     # Text placed after the template's prompt that the reply must start with (a forced tool call);
     # the parser reads it first, as if the model had written it.
     forced_start: str = ""
+    # The reply ends with its first whole tool call (`wire.GenerateRequest.single_tool_call`).
+    single_tool_call: bool = False
 
     def output_parser(self) -> OutputParser:
-        parser = OutputParser(self.parse_reasoning, self.parse_tools, in_reasoning=self.opens_reasoning)
+        parser = OutputParser(self.parse_reasoning, self.parse_tools, in_reasoning=self.opens_reasoning,
+                              single_tool_call=self.single_tool_call)
         parser.feed(self.forced_start)
         return parser
 
@@ -64,6 +67,7 @@ def build_prompt(tokenizer: Tokenizer, request: wire.GenerateRequest, reasoning_
             parse_reasoning=parse_reasoning,
             parse_tools=bool(request.tools) or TOOL_OPEN in template,
             forced_start=forced,
+            single_tool_call=request.single_tool_call,
         )
     if request.prompt_token_ids is not None:
         vocab = tokenizer.vocab_size

@@ -10,6 +10,7 @@ import json
 import math
 from collections.abc import Iterator
 
+import anthropic
 import pytest
 from openai import OpenAI
 
@@ -36,6 +37,10 @@ SCRIPT = {
         {"match": "Name the capital", "reply": " Paris."},
         # First match wins: the follow-up turn also contains the question.
         {"match": "18 degrees", "reply": "It is 18 degrees in Paris."},
+        {"match": "weather in Rome and Oslo",
+         "reply": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
+                  '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+                  'Checking both.'},
         {"match": "weather in Paris",
          "reply": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'},
         {"match": "think it over", "reply": "<think>\nTwo plus two is four.\n</think>\n\nThe answer is 4."},
@@ -172,6 +177,41 @@ def test_top_logprobs_without_logprobs_is_400(system: System) -> None:
             model=system.model, messages=[{"role": "user", "content": "hi"}], top_logprobs=2
         )
     assert caught.value.body["param"] == "top_logprobs"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_parallel_tool_calls_false_ends_the_reply_at_its_first_call(system: System, scripted: str,
+                                                                    stream: bool) -> None:
+    """The script writes two calls and some text; `parallel_tool_calls: false` keeps the first call
+    alone and stops generating there (fewer tokens than the whole reply)."""
+    question = "What is the weather in Rome and Oslo?"
+    whole = ask(system, question, tools=[WEATHER_TOOL])
+    assert [json.loads(c.function.arguments)["city"] for c in whole.choices[0].message.tool_calls] == ["Rome", "Oslo"]
+    if stream:
+        got = collect_stream(ask(system, question, stream=True, tools=[WEATHER_TOOL], parallel_tool_calls=False,
+                                 stream_options={"include_usage": True}))
+        calls = [json.loads(arguments)["city"] for _, _, _, arguments in got["tool_calls"]]
+        content, finish = got["content"], got["finish"]
+    else:
+        single = ask(system, question, tools=[WEATHER_TOOL], parallel_tool_calls=False)
+        choice = single.choices[0]
+        calls = [json.loads(c.function.arguments)["city"] for c in choice.message.tool_calls]
+        content, finish = choice.message.content, choice.finish_reason
+        assert single.usage.completion_tokens < whole.usage.completion_tokens
+    assert (calls, content or "", finish) == (["Rome"], "", "tool_calls")
+
+
+def test_disable_parallel_tool_use_ends_a_message_at_its_first_tool_use(system: System, scripted: str) -> None:
+    """Anthropic's form of the same: `tool_choice.disable_parallel_tool_use`."""
+    messages_client = anthropic.Anthropic(base_url=system.base_url, api_key="unused", max_retries=0, timeout=60)
+    tool = {"name": "get_weather", "input_schema": WEATHER_TOOL["function"]["parameters"]}
+    kw = {"model": SCRIPTED, "max_tokens": 200, "tools": [tool],
+          "messages": [{"role": "user", "content": "What is the weather in Rome and Oslo?"}]}
+    both = messages_client.messages.create(**kw)
+    one = messages_client.messages.create(**kw, tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+    assert [b.input["city"] for b in both.content if b.type == "tool_use"] == ["Rome", "Oslo"]
+    assert [(b.type, b.input["city"]) for b in one.content] == [("tool_use", "Rome")]
+    assert one.stop_reason == "tool_use"
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

@@ -57,6 +57,22 @@ def test_tool_calls_are_parsed_and_whitespace_between_dropped(chunk: int) -> Non
 
 
 @pytest.mark.parametrize("chunk", CHUNKS, ids=lambda c: f"chunk-{c}")
+def test_a_single_call_reply_takes_nothing_after_its_first_call(chunk: int) -> None:
+    parser = OutputParser(parse_reasoning=True, parse_tools=True, single_tool_call=True)
+    text = ('Let me look. <tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call> and more')
+    parts = []
+    for i in range(0, len(text), chunk):
+        parts.append(parser.feed(text[i:i + chunk]))
+        if parser.done:
+            break
+    parts.append(parser.finish())
+    assert [c.name for p in parts for c in p.tool_calls] == ["a"]
+    assert "".join(p.content for p in parts) == "Let me look. "
+    assert parser.done and not parser.feed("<tool_call>")
+
+
+@pytest.mark.parametrize("chunk", CHUNKS, ids=lambda c: f"chunk-{c}")
 def test_malformed_tool_json_falls_back_to_content(chunk: int) -> None:
     text = "Sure. <tool_call>{not json}</tool_call> done"
     out = run(text, chunk)

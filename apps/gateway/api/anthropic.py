@@ -137,6 +137,8 @@ def to_bus_request(req: an.MessagesRequest, request_id: str, principal: str | No
         tools=function_tools(req),
         tool_required=isinstance(choice, an.ToolChoiceAny | an.ToolChoiceTool),
         tool_name=choice.name if isinstance(choice, an.ToolChoiceTool) else None,
+        single_tool_call=isinstance(choice, an.ToolChoiceAuto | an.ToolChoiceAny | an.ToolChoiceTool)
+        and choice.disable_parallel_tool_use,
         # A conversation that ends on an assistant turn is a prefill: the reply continues it.
         continue_final_message=messages[-1].role == "assistant",
         sampling=req.sampling_params(),

@@ -155,6 +155,8 @@ class ChatCompletionRequest(GenerationParams, kw_only=True):
     max_completion_tokens: p.TokenCount | None = None
     tools: Annotated[list[ToolDef], Meta(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # False: the reply holds at most one tool call.
+    parallel_tool_calls: bool = True
     logprobs: bool = False
     top_logprobs: p.TopLogprobs | None = None
     # vLLM's extension: the final assistant message is a prefix the model continues.

@@ -192,7 +192,8 @@ def to_bus_request(req: rs.ResponsesRequest, response_id: str, principal: str | 
     return wire.GenerateRequest(
         request_id=response_id, model=req.model, reply_subject="", messages=messages,
         tools=offered.functions or None, tool_required=tool_required, tool_name=tool_name,
-        sampling=sampling_params(req), stream=req.stream, principal=principal, api=Api.RESPONSES,
+        single_tool_call=not req.parallel_tool_calls, sampling=sampling_params(req), stream=req.stream,
+        principal=principal, api=Api.RESPONSES,
         priority=req.priority,
     ), offered
 
