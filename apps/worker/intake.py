@@ -149,15 +149,21 @@ class Intake:
         for waiter in self._release_waiters:
             waiter.set()
 
-    def _room(self, cls: ServiceClass, waits: Mapping[ServiceClass, object]) -> int:
-        """Messages of `cls` that may be pulled now. A wait under way may bring one message, so it
-        holds a slot until it ends, for batch-class requests: they leave the reserve free besides.
-        Interactive requests count neither: the seat a batch wait might fill is one the scheduler
-        preempts for them (counting it kept the last interactive request of a full worker in the
-        stream until the batch wait expired)."""
+    def room(self, cls: ServiceClass) -> int:
+        """Sequences a request of `cls` may start on now, pulled or not (the `generate` endpoint):
+        the free slots, less the interactive reserve for batch-class work."""
         if cls == ServiceClass.INTERACTIVE:
             return self._free_slots(cls)
-        return self._free_slots(cls) - len(waits) - self.reserve
+        return self._free_slots(cls) - self.reserve
+
+    def _room(self, cls: ServiceClass, waits: Mapping[ServiceClass, object]) -> int:
+        """Messages of `cls` that may be pulled now. A wait under way may bring one message, so it
+        holds a slot until it ends, for batch-class requests. Interactive requests do not count it:
+        the seat a batch wait might fill is one the scheduler preempts for them (counting it kept
+        the last interactive request of a full worker in the stream until the batch wait expired)."""
+        if cls == ServiceClass.INTERACTIVE:
+            return self.room(cls)
+        return self.room(cls) - len(waits)
 
     async def _pull_loop(self, pullers: Mapping[ServiceClass, BatchPuller]) -> None:
         """Take what is ready, interactive first; when nothing is, wait for the first message of

@@ -183,13 +183,14 @@ class ModelLoop:
     async def serve_once(self, request: wire.GenerateRequest, replier: Replier) -> RunFinished:
         """One request not pulled from the consumer (the `generate` endpoint), served the same way;
         it takes its slots like any other, and is refused (503 `queue_full`) when they are not free, as
-        the intake would leave it on the stream. Raises ServingError (409) for an id already running here."""
+        the intake would leave it on the stream (a batch-class one also when it would take the
+        interactive reserve). Raises ServingError (409) for an id already running here."""
         if holds(self._held, request):
             raise ServingError(409, ErrorCode.INVALID_REQUEST, "A request with this id is already running.")
         if request.sampling.n > self.engine.max_num_seqs:
             raise ServingError(400, ErrorCode.INVALID_REQUEST, f"'n' is {request.sampling.n}; this worker runs at "
                                                                f"most {self.engine.max_num_seqs} sequences at once.")
-        if self.free_slots(request.service_class) < request.sampling.n:
+        if self.intake.room(request.service_class) < request.sampling.n:
             raise ServingError(503, ErrorCode.QUEUE_FULL, "This worker has no free sequence for the request "
                                                           "now: ask again later, or ask another node.")
         self._claim(Held(request, replier=replier))

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from apps.bus import topology, wire
-from engine.frontend.protocol import SamplingParams
+from engine.frontend.protocol import SamplingParams, ServiceClass
 from tests.fleet.conftest import COLD_MODEL, Fleet, finished_subjects, wait_events
 from tests.support import REPO
 
@@ -94,6 +94,40 @@ def test_generate_is_refused_while_the_workers_slots_are_taken(fleet: Fleet) -> 
     assert "no free sequence" in refused.headers.get("Nats-Service-Error", "")
     assert first["text"] == slow and first["finish_reason"] == "stop"
     assert after["text"] == "room again"
+
+
+def test_generate_keeps_the_interactive_reserve_from_batch_class_requests(fleet: Fleet) -> None:
+    # A two-sequence worker keeps one for interactive work (HELEXA_INTERACTIVE_RESERVE's default):
+    # beside a running request, a batch-class one is a 503, an interactive one is served.
+    slow = " ".join(["word"] * 10)
+    script = {"default": "served", "rules": [{"match": "SLOW", "reply": slow, "token_delay_s": 1.0}]}
+    subject = topology.node_endpoint("reserve-a", "generate")
+
+    def request(request_id: str, content: str, service_class: ServiceClass) -> bytes:
+        return wire.encode(wire.GenerateRequest(request_id=request_id, model="reserve-model", reply_subject="",
+                                                sampling=SamplingParams(), service_class=service_class,
+                                                messages=[wire.ChatMessage(role="user", content=content)]))
+
+    async def scenario() -> tuple[dict, object, dict]:
+        nc = await nats.connect(fleet.nats_url)
+        try:
+            running = asyncio.create_task(nc.request(subject, request("reserve-slow", "SLOW please",
+                                                                      ServiceClass.INTERACTIVE), timeout=120))
+            await asyncio.to_thread(wait_events, fleet.nats_url,
+                                    topology.event_subject("run.started", "reserve-model"),
+                                    lambda es: any(e.request_id == "reserve-slow" for e in es))
+            refused = await nc.request(subject, request("reserve-batch", "hello", ServiceClass.BATCH), timeout=30)
+            served = await nc.request(subject, request("reserve-chat", "hello", ServiceClass.INTERACTIVE),
+                                      timeout=60)
+            return json.loads((await running).data), refused, json.loads(served.data)
+        finally:
+            await nc.close()
+
+    with fleet.worker("reserve-a", "reserve-model", script, HELEXA_MAX_NUM_SEQS="2"):
+        first, refused, served = asyncio.run(scenario())
+    assert refused.headers is not None and refused.headers.get("Nats-Service-Error-Code") == "503"
+    assert served["text"] == "served"
+    assert first["text"] == slow and first["finish_reason"] == "stop"
 
 
 def helexa(fleet: Fleet, *args: str) -> dict:
