@@ -70,6 +70,8 @@ def test_tools_and_sampling_are_translated() -> None:
     assert (out.sampling.max_tokens, out.sampling.temperature, out.sampling.top_p, out.sampling.logprobs) == (
         7, 0.5, 0.9, 3)
     assert bus(request(tools=[tool], tool_choice="none")).tools is None
+    assert (out.single_tool_call, bus(request(tools=[tool], parallel_tool_calls=False)).single_tool_call) == (
+        False, True)
 
 
 @pytest.mark.parametrize("fields, param", [
