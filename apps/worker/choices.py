@@ -64,7 +64,7 @@ async def generate(
             more_arriving = request.arriving > 0 or i < len(ids) - 1
             streams.append(None if ended else engine.generate(
                 EngineRequest(rid, prompt.token_ids, sampling.for_choice(i), resume[i].token_ids, more_arriving,
-                              request.service_class, request.priority)))
+                              request.service_class, request.priority, cache_salt=request.principal or "")))
         tasks = [asyncio.ensure_future(generate_choice(tokenizer, replier, record, choice, ended, outputs, i))
                  for i, ((choice, ended), outputs) in enumerate(zip(primed, streams, strict=True))]
         try:

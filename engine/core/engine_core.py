@@ -115,7 +115,8 @@ class EngineCore:
         engine_request = Request(request.request_id, request.prompt_token_ids, request.sampling,
                                  eos_token_ids=self.info.eos_token_ids,
                                  resumed_token_ids=request.resumed_token_ids,
-                                 service_class=request.service_class, priority=request.priority)
+                                 service_class=request.service_class, priority=request.priority,
+                                 cache_salt=request.cache_salt)
         structured = request.sampling.structured
         if request.request_id in self._compiling:
             # Its grammar would replace the waiting one's: refused as the scheduler refuses a duplicate.

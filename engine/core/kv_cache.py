@@ -21,8 +21,8 @@ HashFn = Callable[[BlockHash | None, tuple[int, ...]], BlockHash]
 
 
 def hash_block_tokens(parent_hash: BlockHash | None, token_ids: tuple[int, ...]) -> BlockHash:
-    """SHA-256 of the parent hash and the tokens: prompts from different tenants share this cache,
-    so the hash must not be one a crafted prompt can collide with (Python's `hash` can be)."""
+    """SHA-256 of the parent hash and the tokens: the hash must not be one a crafted prompt can
+    collide with (Python's `hash` can be), within a salt's requests or across salts."""
     digest = hashlib.sha256(parent_hash or b"")
     digest.update(array("q", token_ids).tobytes())
     return digest.digest()
@@ -46,14 +46,25 @@ class KVBlock:
         return f"KVBlock({self.block_id}, ref={self.ref_cnt}, {cached})"
 
 
+def salt_root(cache_salt: str) -> BlockHash | None:
+    """The parent hash of a request's first block: None for the shared cache, else one derived
+    from its salt, so blocks hit only between requests with the same salt (the same principal:
+    another tenant's prompt can be neither reused nor probed for by its hit count or speed)."""
+    if not cache_salt:
+        return None
+    return hashlib.sha256(b"helexa cache salt\0" + cache_salt.encode()).digest()
+
+
 class _RequestHashes:
-    """Per request: hashes of its full blocks (computed lazily) and how many blocks are registered."""
+    """Per request: hashes of its full blocks (computed lazily), how many blocks are registered,
+    and the parent hash of its first block (`salt_root`)."""
 
-    __slots__ = ("hashes", "num_cached_blocks")
+    __slots__ = ("hashes", "num_cached_blocks", "root")
 
-    def __init__(self) -> None:
+    def __init__(self, root: BlockHash | None) -> None:
         self.hashes: list[BlockHash] = []
         self.num_cached_blocks = 0
+        self.root = root
 
 
 class KVCacheManager:
@@ -107,11 +118,11 @@ class KVCacheManager:
         # A request still in the table has been looked up since it was last freed (it is retrying
         # admission); count each admission once so the hit rate is not skewed by retries.
         first_lookup = request.request_id not in self._requests
-        state = self._requests.setdefault(request.request_id, _RequestHashes())
+        state = self._state(request)
         token_ids = request.all_token_ids
         max_hit_blocks = (len(token_ids) - 1) // self.block_size
         block_ids: list[int] = []
-        parent_hash: BlockHash | None = None
+        parent_hash = state.root
         for i in range(max_hit_blocks):
             block_tokens = self._block_tokens(token_ids, i)
             block_hash = self._block_hash(state, token_ids, i)
@@ -157,7 +168,7 @@ class KVCacheManager:
         """Register the request's blocks that became full and computed; call after each step."""
         if not self.enable_prefix_caching:
             return
-        state = self._requests.setdefault(request.request_id, _RequestHashes())
+        state = self._state(request)
         token_ids = request.all_token_ids
         num_full_blocks = min(num_computed_tokens // self.block_size, len(request.block_ids))
         for i in range(state.num_cached_blocks, num_full_blocks):
@@ -170,7 +181,7 @@ class KVCacheManager:
             if block_hash in self._cached:
                 continue
             block.block_hash = block_hash
-            block.parent_hash = state.hashes[i - 1] if i > 0 else None
+            block.parent_hash = state.hashes[i - 1] if i > 0 else state.root
             block.token_ids = self._block_tokens(token_ids, i)
             self._cached[block_hash] = block
         state.num_cached_blocks = max(state.num_cached_blocks, num_full_blocks)
@@ -202,6 +213,12 @@ class KVCacheManager:
             block.parent_hash = None
             block.token_ids = ()
 
+    def _state(self, request: Request) -> _RequestHashes:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = self._requests[request.request_id] = _RequestHashes(salt_root(request.cache_salt))
+        return state
+
     def _block_tokens(self, token_ids: list[int], index: int) -> tuple[int, ...]:
         return tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
 
@@ -210,6 +227,6 @@ class KVCacheManager:
         hashes = state.hashes
         while len(hashes) <= index:
             i = len(hashes)
-            parent = hashes[i - 1] if i > 0 else None
+            parent = hashes[i - 1] if i > 0 else state.root
             hashes.append(self.hash_fn(parent, self._block_tokens(token_ids, i)))
         return hashes[index]

@@ -44,6 +44,7 @@ class Request:
         resumed_token_ids: list[int] | None = None,
         service_class: ServiceClass = ServiceClass.INTERACTIVE,
         priority: int = 0,
+        cache_salt: str = "",
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -55,6 +56,8 @@ class Request:
         self.service_class = service_class
         # Lower runs first within the class.
         self.priority = priority
+        # Prefix-cache blocks are shared only between requests with the same salt (engine.core.kv_cache).
+        self.cache_salt = cache_salt
         # Scheduler steps spent waiting since it last entered the waiting queue (aging).
         self.waiting_steps = 0
         self.eos_token_ids = list(eos_token_ids or [])

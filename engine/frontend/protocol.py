@@ -181,6 +181,9 @@ class EngineRequest(msgspec.Struct, frozen=True, array_like=True):
     more_arriving: bool = False
     service_class: ServiceClass = ServiceClass.INTERACTIVE
     priority: Priority = 0
+    # Who may share this request's prefix-cache blocks: requests with the same salt (the worker
+    # gives its principal); "" is the shared cache.
+    cache_salt: str = ""
 
 
 class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -58,6 +58,26 @@ def test_the_principal_reaches_the_ledger_and_the_key_no_log(system: System,
     assert ALICE_KEY not in gateway.output() and "sk-nope" not in gateway.output()
 
 
+def test_the_prefix_cache_is_shared_within_a_principal_and_never_across(
+        system: System, keyed_gateway: tuple[str, AppProcess]) -> None:
+    """Bob sending alice's prompt word for word reuses none of her KV (nor learns from
+    `cached_tokens` that she sent it); each principal's own repeat is a hit."""
+    url, _ = keyed_gateway
+    prompt = [{"role": "user", "content": "A prompt only this test sends: " + " ".join(
+        f"item{i}" for i in range(60)) + ". Which item comes first?"}]
+
+    def cached(key: str) -> int:
+        client = OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60)
+        reply = client.chat.completions.create(model=system.model, messages=prompt, max_tokens=2, temperature=0)
+        assert reply.usage.prompt_tokens > 64
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(ALICE_KEY) == 0
+    assert cached(ALICE_KEY) > 0
+    assert cached("sk-bob-secret") == 0
+    assert cached("sk-bob-secret") > 0
+
+
 def test_metrics_expose_the_named_families(system: System) -> None:
     client = OpenAI(base_url=f"{system.base_url}/v1", api_key="unused", max_retries=0)
     for _ in range(2):

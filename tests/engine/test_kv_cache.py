@@ -89,6 +89,25 @@ def test_prefix_hit_and_miss():
     assert kv.prefix_hits == 0 + 8 + 4 + 0
 
 
+def test_blocks_are_shared_only_between_requests_with_the_same_salt():
+    """A principal's prompt is a hit for that principal alone: another one's identical prompt (or a
+    guess at it) computes its own blocks, and the unsalted shared cache is a space of its own."""
+    kv = KVCacheManager(num_blocks=16, block_size=BLOCK_SIZE)
+    tokens = list(range(9))
+    alice = Request("a", tokens, SamplingParams(max_tokens=4), cache_salt="alice")
+    compute_prompt(kv, alice)
+    assert kv.get_computed_blocks(Request("b", tokens, SamplingParams(max_tokens=4), cache_salt="bob")) == ([], 0)
+    assert kv.get_computed_blocks(make_request("c", tokens)) == ([], 0)
+    again = Request("d", tokens, SamplingParams(max_tokens=4), cache_salt="alice")
+    assert kv.get_computed_blocks(again) == (alice.block_ids[:2], 8)
+
+    shared = make_request("e", list(range(100, 109)))
+    compute_prompt(kv, shared)
+    assert kv.get_computed_blocks(make_request("f", list(range(100, 109)))) == (shared.block_ids[:2], 8)
+    salted = Request("g", list(range(100, 109)), SamplingParams(max_tokens=4), cache_salt="alice")
+    assert kv.get_computed_blocks(salted) == ([], 0)
+
+
 def test_lookup_counts_a_request_once_until_it_is_freed():
     kv = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE)
     compute_prompt(kv, make_request("a", list(range(9))))
