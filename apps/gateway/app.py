@@ -38,7 +38,7 @@ from apps.gateway.api.models import list_models, retrieve_model
 from apps.gateway.api.openapi_docs import add_components
 from apps.gateway.api.responses import create_response, delete_response, retrieve_response
 from apps.gateway.api.tokens import TokenCounter, count_tokens, detokenize, tokenize
-from apps.gateway.auth import AllowedHosts, ApiKeys
+from apps.gateway.auth import AllowedHosts, ApiKeys, exposed_without_keys
 from apps.gateway.batch_runner import BatchRunner
 from apps.gateway.batch_store import BatchStore
 from apps.gateway.body_reading import BodyReader
@@ -133,6 +133,10 @@ def create_app(settings: GatewaySettings | None = None) -> Litestar:
     settings = settings or GatewaySettings()
     keys = ApiKeys.load(settings.api_keys_file) if settings.api_keys_file else None
     hosts = AllowedHosts.for_gateway(settings.allowed_hosts, keys is None, settings.host, settings.port)
+    if exposed_without_keys(keys is None, settings.host):
+        log.warning("no API keys on an address others can reach: every caller can read, list, delete and "
+                    "cancel every stored response, file and batch; set HELEXA_API_KEYS",
+                    extra={"host": settings.host, "port": settings.port})
     limiter = RateLimiter(settings.rate_limit_rps, settings.rate_limit_burst) if settings.rate_limit_rps else None
 
     @asynccontextmanager

@@ -97,6 +97,12 @@ class AllowedHosts:
                                param="Host", context={"detail": f"host not allowed: {host[:256]!r}"})
 
 
+def exposed_without_keys(keyless: bool, bind_host: str) -> bool:
+    """A keyless gateway others can reach: every caller is then one principal, who lists, reads,
+    deletes and cancels every stored response, file and batch (worth a warning at start)."""
+    return keyless and not _is_loopback(bind_host)
+
+
 def _is_loopback(host: str) -> bool:
     if host.lower() == "localhost":
         return True

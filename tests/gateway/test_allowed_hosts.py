@@ -3,10 +3,15 @@ at its port (DNS rebinding), a configured list replaces that, and keyed or publi
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 import pytest
 
 from apps.bus.codes import ServingError
+from apps.gateway.app import create_app
 from apps.gateway.auth import AllowedHosts
+from apps.settings import GatewaySettings
 
 
 def refused(hosts: AllowedHosts, host: str | None) -> bool:
@@ -41,3 +46,18 @@ def test_a_configured_list_replaces_the_default() -> None:
         assert not refused(hosts, host), host
     for host in ("localhost:8000", "example.com", "internal", "proxy:9001", "evil.example"):
         assert refused(hosts, host), host
+
+
+@pytest.mark.parametrize(("bind", "keys", "warned"), [
+    ("0.0.0.0", False, True), ("10.1.2.3", False, True), ("127.0.0.1", False, False), ("0.0.0.0", True, False),
+], ids=["keyless-any", "keyless-lan", "keyless-loopback", "keyed-any"])
+def test_a_keyless_gateway_others_can_reach_warns_at_start(bind: str, keys: bool, warned: bool, tmp_path: Path,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    settings = GatewaySettings(host=bind)
+    if keys:
+        (tmp_path / "keys.txt").write_text("sk-test-0123456789 alice\n", encoding="utf-8")
+        settings.api_keys_file = str(tmp_path / "keys.txt")
+    with caplog.at_level(logging.WARNING, logger="helexa.gateway"):
+        create_app(settings)
+    said = [r.getMessage() for r in caplog.records if "HELEXA_API_KEYS" in r.getMessage()]
+    assert bool(said) == warned
