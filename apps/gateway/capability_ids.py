@@ -19,12 +19,19 @@ class CapabilityIds:
         self.prefix = prefix
         forms = "[0-9a-f]{44}" + (f"|{also_valid}" if also_valid else "")
         self._pattern = re.compile(f"{re.escape(prefix)}(?:{forms})")
+        self._current = re.compile(f"{re.escape(prefix)}[0-9a-f]{{44}}")
 
     def new(self) -> str:
         return f"{self.prefix}{time.time_ns() // 1_000_000:012x}{secrets.token_hex(16)}"
 
     def valid(self, capability_id: str) -> bool:
         return self._pattern.fullmatch(capability_id) is not None
+
+    def unguessable(self, capability_id: str) -> bool:
+        """Whether the id has today's form, 128 fresh random bits. An older form may be one more
+        than an id its holder has (a UUIDv7 of the same millisecond): usable only where the store
+        checks the owner too, never as the only key."""
+        return self._current.fullmatch(capability_id) is not None
 
     def made_at_s(self, capability_id: str) -> float | None:
         """When an id was made (its first 48 bits are Unix milliseconds); None for a malformed id."""

@@ -341,8 +341,9 @@ class ResponseStore:
 
     async def _head(self, response_id: str, principal: str | None, param: str | None, length: int = 1,
                     max_bytes: int = 0) -> list[StoredResponse]:
-        """`response_id` (and predecessors the same read found), which must be `principal`'s and not deleted."""
-        if not valid_id(response_id):
+        """`response_id` (and predecessors the same read found), which must be `principal`'s and not deleted.
+        Keyless (no principal), the id is all a caller shows: one of an older, guessable form is not found."""
+        if not valid_id(response_id) or (principal is None and not RESPONSE_IDS.unguessable(response_id)):
             raise not_found(response_id, param)
         chain = await self._read(response_id, length, max_bytes)
         if not chain:

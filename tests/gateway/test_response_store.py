@@ -207,6 +207,24 @@ async def test_an_unreachable_ledger_is_503_unless_the_response_is_this_gateways
         await store.close()
 
 
+async def test_an_id_of_the_older_guessable_form_needs_an_owner_to_be_found(database_url: str) -> None:
+    """Keyless, an id is the only key, so only today's form (128 random bits) opens a response; an
+    earlier version's UUIDv7 id (one more than another of its millisecond) still opens its owner's."""
+    store = ResponseStore(database_url, Emitted(), projection_wait_s=0.0)  # type: ignore[arg-type]
+    try:
+        legacy_keyless, legacy_owned, current = old_id(5), old_id(5), new_response_id()
+        store.keep(stored(legacy_keyless, principal=None), "tiny")
+        store.keep(stored(legacy_owned), "tiny")
+        store.keep(stored(current, principal=None), "tiny")
+        assert (await store.get(current, None)).response_id == current
+        assert (await store.get(legacy_owned, "alice")).response_id == legacy_owned
+        with pytest.raises(ServingError) as caught:
+            await store.get(legacy_keyless, None)
+        assert caught.value.status == 404
+    finally:
+        await store.close()
+
+
 def test_ids_carry_128_fresh_random_bits_after_their_time() -> None:
     """The id is the capability: ids made in the same millisecond share their time prefix and
     nothing else, so neither a neighbour's id nor a creation time leads to another's id."""
