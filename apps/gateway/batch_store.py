@@ -226,17 +226,18 @@ class BatchStore:
     async def get(self, batch_id: str, principal: str | None) -> StoredBatch:
         if not BATCH_IDS.valid(batch_id):
             raise not_found(batch_id)
-        stored = await self.read(batch_id)
+        stored = await self.read(batch_id, principal=principal)
         if stored is None or stored.principal != principal:
             raise not_found(batch_id)
         return stored
 
-    async def read(self, batch_id: str, wait_s: float | None = None) -> StoredBatch | None:
+    async def read(self, batch_id: str, wait_s: float | None = None,
+                   principal: str | None = None) -> StoredBatch | None:
         """The batch from the ledger, else this gateway's new one, else (made moments ago, through
         another gateway) from the ledger once the recorder announces it."""
         wait = self.projection_wait_s if wait_s is None else wait_s
         return await self._notices.read_when_projected(batch_id, BATCH_IDS.made_at_s(batch_id), wait,
-                                                       lambda: self._one_or_recent(batch_id))
+                                                       lambda: self._one_or_recent(batch_id), principal)
 
     async def _one_or_recent(self, batch_id: str) -> StoredBatch | None:
         rows = await self.fetch(_ONE, batch_id)

@@ -386,7 +386,7 @@ class FileStore:
     async def get(self, file_id: str, principal: str | None, param: str = "file_id") -> StoredFile:
         if not valid_id(file_id):
             raise not_found(file_id, param)
-        stored = await self._read(file_id)
+        stored = await self._read(file_id, principal)
         if stored is None or stored.deleted or self._recent.was_deleted(file_id) or stored.principal != principal:
             raise not_found(file_id, param)
         return stored
@@ -426,11 +426,11 @@ class FileStore:
             self._recent.forget(file_id)
         return [f for f in recent if f.file_id not in known]
 
-    async def _read(self, file_id: str) -> StoredFile | None:
+    async def _read(self, file_id: str, principal: str | None) -> StoredFile | None:
         """The file from the ledger, else this gateway's recent ones, else (made moments ago,
         through another gateway) from the ledger once the recorder announces it."""
         return await self._notices.read_when_projected(file_id, FILE_IDS.made_at_s(file_id), self.projection_wait_s,
-                                                       lambda: self._one_or_recent(file_id))
+                                                       lambda: self._one_or_recent(file_id), principal)
 
     async def _one_or_recent(self, file_id: str) -> StoredFile | None:
         rows = await self._fetch(_ONE, file_id)

@@ -8,7 +8,9 @@ connection of its own and wakes the readers waiting for that id, which then read
 While the listening connection is down, readers fall back to reading the ledger every
 `FALLBACK_RECHECK_S`; a reconnect wakes every waiter so none misses a notice sent meanwhile.
 Uploaded files are announced the same way on `helexa_files` (a `ProjectionNotices` of that channel). At
-most `max_waiters` reads wait at once; past that a read does not wait.
+most `max_waiters` reads wait at once, and at most an eighth of them for one principal (reads of ids
+made "now" cost a client nothing to invent: one key's flood must not leave everyone's real reads of
+another gateway's fresh objects without a wait); past that a read does not wait.
 """
 
 from __future__ import annotations
@@ -36,10 +38,12 @@ class ProjectionNotices:
         self._database_url = database_url
         self._channel = channel
         self.max_waiters = max_waiters
+        self.max_waiters_per_principal = max(max_waiters // 8, 1)
         self._conn: asyncpg.Connection | None = None
         self._lock = asyncio.Lock()
         self._waiting: dict[str, set[asyncio.Event]] = {}
         self._count = 0
+        self._by_principal: dict[str, int] = {}
 
     @property
     def listening(self) -> bool:
@@ -50,20 +54,28 @@ class ProjectionNotices:
         return self._count
 
     @asynccontextmanager
-    async def expecting(self, response_id: str) -> AsyncIterator[asyncio.Event | None]:
+    async def expecting(self, response_id: str, principal: str | None = None) -> AsyncIterator[asyncio.Event | None]:
         """An event set when the recorder announces `response_id` (or the listener reconnects);
-        None when too many reads wait already."""
-        if self._count >= self.max_waiters:
+        None when too many reads wait already, in all or of `principal`'s (anonymous reads count
+        only in all)."""
+        if self._count >= self.max_waiters or (
+                principal is not None and self._by_principal.get(principal, 0) >= self.max_waiters_per_principal):
             yield None
             return
         arrived = asyncio.Event()
         self._waiting.setdefault(response_id, set()).add(arrived)
         self._count += 1
+        if principal is not None:
+            self._by_principal[principal] = self._by_principal.get(principal, 0) + 1
         try:
             await self.listen()
             yield arrived
         finally:
             self._count -= 1
+            if principal is not None:
+                left = self._by_principal.pop(principal) - 1
+                if left:
+                    self._by_principal[principal] = left
             waiting = self._waiting.get(response_id)
             if waiting is not None:
                 waiting.discard(arrived)
@@ -71,14 +83,14 @@ class ProjectionNotices:
                     del self._waiting[response_id]
 
     async def read_when_projected(self, item_id: str, made_at_s: float | None, wait_s: float,
-                                  read: Callable[[], Awaitable[T]]) -> T:
+                                  read: Callable[[], Awaitable[T]], principal: str | None = None) -> T:
         """`read()` now; for an id made moments ago (within `wait_s` of `made_at_s`: probably through
         another gateway, not projected yet) that it does not find, again on each of the recorder's
         notices for it (every `FALLBACK_RECHECK_S` while not listening) until found or the wait is over."""
         found = await read()
         if found or made_at_s is None or not made_at_s - 1.0 <= time.time() < made_at_s + wait_s:
             return found
-        async with self.expecting(item_id) as arrived:
+        async with self.expecting(item_id, principal) as arrived:
             while arrived is not None:
                 arrived.clear()  # before the read: a notice during it is not missed
                 found = await read()

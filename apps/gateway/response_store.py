@@ -313,7 +313,8 @@ class ResponseStore:
             if len(chain) >= limits.max_chain_responses or total > limits.max_chain_bytes:
                 break
             wanted = chain[-1].previous_response_id
-            found = await self._read(wanted, limits.max_chain_responses - len(chain), limits.max_chain_bytes - total)
+            found = await self._read(wanted, limits.max_chain_responses - len(chain), limits.max_chain_bytes - total,
+                                     principal)
             if not found:
                 log.warning("a stored response's predecessor is missing",
                             extra={"response_id": chain[-1].response_id, "previous": wanted})
@@ -345,7 +346,7 @@ class ResponseStore:
         Keyless (no principal), the id is all a caller shows: one of an older, guessable form is not found."""
         if not valid_id(response_id) or (principal is None and not RESPONSE_IDS.unguessable(response_id)):
             raise not_found(response_id, param)
-        chain = await self._read(response_id, length, max_bytes)
+        chain = await self._read(response_id, length, max_bytes, principal)
         if not chain:
             raise not_found(response_id, param)
         head = chain[0]
@@ -353,13 +354,14 @@ class ResponseStore:
             raise not_found(response_id, param)
         return chain
 
-    async def _read(self, response_id: str, length: int, max_bytes: int) -> list[StoredResponse]:
+    async def _read(self, response_id: str, length: int, max_bytes: int,
+                    principal: str | None) -> list[StoredResponse]:
         """The response and its predecessors as far as one source has them: the ledger, else this
         gateway's recent ones, else — for an id made moments ago — the ledger once the recorder
         announces it."""
         return await self._notices.read_when_projected(
             response_id, created_at_s(response_id), self.projection_wait_s,
-            lambda: self._query_or_recent(response_id, length, max_bytes))
+            lambda: self._query_or_recent(response_id, length, max_bytes), principal)
 
     async def _query_or_recent(self, response_id: str, length: int, max_bytes: int) -> list[StoredResponse]:
         recent = self._recent.get(response_id)
