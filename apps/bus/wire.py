@@ -8,6 +8,7 @@ protocol's `SamplingParams` as it is (the one definition of sampling), and the s
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Annotated, Any, Generic, TypeVar
 
@@ -42,6 +43,30 @@ MAX_ROLE_CHARS = 32
 # What a chat template adds around each message (its role's markers and separators), counted as
 # characters of text: a request of many empty messages is no smaller than it renders.
 MESSAGE_OVERHEAD_CHARS = 8
+
+
+# Extra variables for the chat template (vLLM's `chat_template_kwargs`; Qwen3's `enable_thinking`):
+# at most this many, each named like a template variable, in at most this many bytes of JSON, and
+# none of the variables the worker itself gives the template.
+MAX_TEMPLATE_KWARGS = 16
+MAX_TEMPLATE_KWARGS_BYTES = 4096
+TEMPLATE_KWARG_NAME = r"^[A-Za-z_][A-Za-z0-9_]{0,63}$"
+TEMPLATE_OWN_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+
+
+def template_kwargs_problem(kwargs: dict[str, Any]) -> str | None:
+    """What is wrong with `kwargs` as extra template variables, or None: the same check at the
+    gateway (a 400 naming the field) and at the worker (for any bus client)."""
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        return f"at most {MAX_TEMPLATE_KWARGS} variables"
+    for name in kwargs:
+        if not isinstance(name, str) or re.fullmatch(TEMPLATE_KWARG_NAME, name) is None:
+            return "each name must be an identifier of at most 64 characters"
+        if name in TEMPLATE_OWN_VARIABLES:
+            return f"'{name}' is set by the server"
+    if len(msgspec.json.encode(kwargs)) > MAX_TEMPLATE_KWARGS_BYTES:
+        return f"at most {MAX_TEMPLATE_KWARGS_BYTES} bytes of JSON"
+    return None
 
 
 class ChatMessage(Wire, frozen=True, kw_only=True):
@@ -103,15 +128,18 @@ class GenerateRequest(Wire, frozen=True, kw_only=True):
     # feeder sends `batch`. `priority` orders requests within a class, lower first.
     service_class: ServiceClass = ServiceClass.INTERACTIVE
     priority: Priority = 0
+    # Extra chat template variables (`template_kwargs_problem` bounds them), e.g. enable_thinking.
+    template_kwargs: dict[str, Any] | None = None
 
     def text_chars(self) -> int:
         """Characters of text the chat template renders and the tokenizer reads for this request:
         the prompt, every message's role, content, name, tool-call id and tool calls (names, ids
-        and arguments, as JSON) with `MESSAGE_OVERHEAD_CHARS` for its markers, the tools' JSON and
-        the forced tool's name. What bounds a prompt before it is tokenized counts all of it, so no
-        field the template renders can grow unseen."""
+        and arguments, as JSON) with `MESSAGE_OVERHEAD_CHARS` for its markers, the tools' JSON, the
+        forced tool's name and the extra template variables' JSON. What bounds a prompt before it
+        is tokenized counts all of it, so no field the template renders can grow unseen."""
         chars = len(self.prompt or "") + (len(msgspec.json.encode(self.tools)) if self.tools else 0)
         chars += len(self.tool_name or "")
+        chars += len(msgspec.json.encode(self.template_kwargs)) if self.template_kwargs else 0
         for message in self.messages or ():
             chars += MESSAGE_OVERHEAD_CHARS + len(message.role) + len(message.content)
             chars += len(message.name or "") + len(message.tool_call_id or "")

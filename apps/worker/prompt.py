@@ -84,7 +84,12 @@ def build_prompt(tokenizer: Tokenizer, request: wire.GenerateRequest, reasoning_
 
 def _render_chat(tokenizer: Tokenizer, request: wire.GenerateRequest, add_generation_prompt: bool = True) -> str:
     messages = [_template_message(m) for m in request.messages or []]
-    extra = {"tools": request.tools} if request.tools else {}
+    extra: dict[str, Any] = {"tools": request.tools} if request.tools else {}
+    if request.template_kwargs:
+        problem = wire.template_kwargs_problem(request.template_kwargs)
+        if problem is not None:
+            raise ServingError(400, ErrorCode.INVALID_REQUEST, f"'chat_template_kwargs': {problem}.")
+        extra.update(request.template_kwargs)
     final = messages[-1] if request.continue_final_message else None
     prefill = (final or {}).get("content", "").strip()
     if final is not None:
@@ -106,7 +111,9 @@ def _render_chat(tokenizer: Tokenizer, request: wire.GenerateRequest, add_genera
         if not prefill:
             return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=False, **extra)
-    except TemplateError as exc:
+    except (TemplateError, TypeError, ValueError) as exc:
+        # TypeError, ValueError: a template's own filters meeting a value of another type than it
+        # expects (an extra variable's, a message field's).
         raise ServingError(400, ErrorCode.INVALID_MESSAGES,
                            f"The messages do not fit the model's chat template: {exc}") from exc
     # Cut the rendered conversation right after the prefill, before the template closes the turn.

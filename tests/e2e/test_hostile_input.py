@@ -124,6 +124,13 @@ CASES: dict[str, Case] = {
     "chat-logit-bias-id-past-int64": Case(CHAT, chat(logit_bias={str(2**64): 1}), param="logit_bias"),
     "chat-logit-bias-past-vocab": Case(CHAT, chat(logit_bias={str(VOCAB): 1}), param="logit_bias"),
     "completions-logit-bias-negative-id": Case(COMPLETIONS, completion(logit_bias={"-3": 1}), param="logit_bias"),
+    "chat-template-kwargs-own-variable": Case(CHAT, chat(chat_template_kwargs={"messages": []}),
+                                              param="chat_template_kwargs"),
+    "chat-template-kwargs-17": Case(CHAT, chat(chat_template_kwargs={f"v{i}": 1 for i in range(17)}),
+                                    param="chat_template_kwargs"),
+    "chat-template-kwargs-5kb": Case(CHAT, chat(chat_template_kwargs={"doc": "d" * 5000}),
+                                     param="chat_template_kwargs"),
+    "chat-template-kwargs-odd-name": Case(CHAT, chat(chat_template_kwargs={"a b": 1}), param="chat_template_kwargs"),
     "chat-129-tools": Case(CHAT, chat(tools=[tool(f"f{i}") for i in range(129)]), param="tools"),
     "chat-2049-messages": Case(CHAT, chat(messages=[{"role": "user", "content": "hi"}] * 2049), param="messages"),
     "chat-no-messages": Case(CHAT, chat(messages=[]), param="messages"),
@@ -287,11 +294,12 @@ def test_a_valid_request_still_reaches_the_target(system: System, target: str, k
     assert published(system) == before + 1
 
 
-# The bounds added with the template's text count, the logprobs of a whole answer and logit_bias.
+# The bounds added with the template's text count, the logprobs of a whole answer, logit_bias and
+# the chat template's extra variables.
 NEWER_BOUNDS = ["chat-tool-call-name-past-context", "chat-tool-call-id-past-context", "chat-message-name-past-context",
                 "messages-tool-use-name-past-context", "responses-function-call-name-past-context",
                 "chat-whole-logprobs-past-bound", "chat-logit-bias-1025-tokens", "chat-logit-bias-id-past-int64",
-                "chat-logit-bias-past-vocab"]
+                "chat-logit-bias-past-vocab", "chat-template-kwargs-own-variable", "chat-template-kwargs-5kb"]
 
 
 def test_newer_bounds_refuse_by_name_while_a_stream_beside_them_runs_to_its_end(system: System, target: str) -> None:

@@ -257,3 +257,11 @@ def test_impossible_tool_choice_or_continuation_is_400(system: System, scripted:
     with pytest.raises(openai.BadRequestError) as caught:
         ask(system, "Use a tool now.", **kw)
     assert caught.value.body["param"] == param
+
+
+def test_extra_template_variables_reach_the_worker(system: System, scripted: str) -> None:
+    """Clients send Qwen3's switch as vLLM's `chat_template_kwargs` or as `reasoning_effort`; a
+    template that reads neither renders as before."""
+    reply = ask(system, "hello", reasoning_effort="none",
+                extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert (reply.choices[0].message.content, reply.choices[0].finish_reason) == ("ok", "stop")

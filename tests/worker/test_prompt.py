@@ -3,6 +3,7 @@ model's real tokenizer and chat template."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import msgspec
@@ -138,3 +139,27 @@ def test_token_ids_past_the_vocabulary_are_refused_by_the_worker_too(tokenizer: 
     with pytest.raises(ServingError) as caught:
         check_sampling_ids(asking(past), vocab)
     assert caught.value.param == param
+
+
+# Qwen3's switch, in a template of the default model's markers.
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+    "{% if limit is defined %}{{ 'x' * limit }}{% endif %}{% endif %}"
+)
+
+
+def test_extra_template_variables_reach_the_template_and_are_bounded(tokenizer: Tokenizer) -> None:
+    thinking = copy.copy(tokenizer)
+    thinking.chat_template = THINKING_TEMPLATE
+    thinking.__dict__.pop("_template", None)
+    plain = text_of(thinking, request(("user", "Hi")))
+    switched_off = request(("user", "Hi"), template_kwargs={"enable_thinking": False})
+    assert text_of(thinking, switched_off) == plain + "<think>\n\n</think>\n\n"
+    assert not build_prompt(thinking, switched_off).opens_reasoning
+    # A bus client's variables are held to the gateway's bounds; a value the template cannot use is a 400.
+    for kwargs in ({"messages": []}, {"a b": 1}, {f"v{i}": 1 for i in range(17)}, {"limit": "many"}):
+        with pytest.raises(ServingError) as refused:
+            build_prompt(thinking, request(("user", "Hi"), template_kwargs=kwargs))
+        assert refused.value.status == 400, kwargs

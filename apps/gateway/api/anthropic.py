@@ -22,6 +22,7 @@ from apps.bus.codes import Api, ErrorCode, FinishReason, ServingError
 from apps.gateway.api import anthropic_schema as an
 from apps.gateway.api.openapi_docs import operation_for
 from apps.gateway.api.structured import check_enforceable
+from apps.gateway.api.validate import template_kwargs
 from apps.gateway.errors import http_error_handler, internal_error_handler, serving_error_handler
 
 HANDLER = "messages"
@@ -139,6 +140,7 @@ def to_bus_request(req: an.MessagesRequest, request_id: str, principal: str | No
         tool_name=choice.name if isinstance(choice, an.ToolChoiceTool) else None,
         single_tool_call=isinstance(choice, an.ToolChoiceAuto | an.ToolChoiceAny | an.ToolChoiceTool)
         and choice.disable_parallel_tool_use,
+        template_kwargs=template_kwargs(None, "thinking", req.thinking.switch() if req.thinking else None),
         # A conversation that ends on an assistant turn is a prefill: the reply continues it.
         continue_final_message=messages[-1].role == "assistant",
         sampling=req.sampling_params(),

@@ -101,6 +101,13 @@ class Metadata(msgspec.Struct, kw_only=True):
     user_id: str | None = None
 
 
+class ThinkingConfig(msgspec.Struct, kw_only=True):
+    type: Annotated[str, Meta(max_length=32)]
+
+    def switch(self) -> bool | None:
+        return {"enabled": True, "adaptive": True, "disabled": False}.get(self.type)
+
+
 class MessagesRequest(msgspec.Struct, kw_only=True):
     """The parameters we act on; unknown fields are accepted and ignored, as Anthropic clients expect."""
 
@@ -117,6 +124,9 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     tool_choice: ToolChoice | None = None
     metadata: Metadata | None = None
     output_config: OutputConfig | None = None
+    # Extended thinking: `enabled` / `disabled` turn a thinking template's reasoning on or off
+    # (enable_thinking); left out, the template's own default holds. Its budget is not acted on.
+    thinking: ThinkingConfig | None = None
     # The structured-outputs beta's spelling of `output_config.format`.
     output_format: JsonOutputFormat | None = None
 

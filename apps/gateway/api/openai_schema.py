@@ -11,7 +11,14 @@ from msgspec import Meta
 
 from apps.bus.codes import ErrorCode, ServingError
 from apps.gateway.api.structured import StructuredOutputFields
-from apps.gateway.api.validate import MAX_MESSAGES, MAX_TOOLS, ModelId, check_json_depth, check_stop_strings
+from apps.gateway.api.validate import (
+    MAX_MESSAGES,
+    MAX_TOOLS,
+    ModelId,
+    check_json_depth,
+    check_stop_strings,
+    template_kwargs,
+)
 from engine.frontend import protocol as p
 
 
@@ -161,6 +168,12 @@ class ChatCompletionRequest(GenerationParams, kw_only=True):
     top_logprobs: p.TopLogprobs | None = None
     # vLLM's extension: the final assistant message is a prefix the model continues.
     continue_final_message: bool = False
+    # vLLM's extension: extra chat template variables (Qwen3's `enable_thinking`), bounded by
+    # `wire.template_kwargs_problem`.
+    chat_template_kwargs: dict[str, Any] | None = None
+    # "none" turns a thinking template's reasoning off (enable_thinking: false); other levels are
+    # accepted and not acted on.
+    reasoning_effort: Annotated[str, Meta(max_length=32)] | None = None
 
     def completion_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -203,6 +216,10 @@ class ChatCompletionRequest(GenerationParams, kw_only=True):
                 param="tool_choice",
             )
         return True, name
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        return template_kwargs(self.chat_template_kwargs, "chat_template_kwargs",
+                               thinking=False if self.reasoning_effort == "none" else None)
 
     def continues_final_message(self) -> bool:
         if self.continue_final_message and self.messages[-1].role != "assistant":

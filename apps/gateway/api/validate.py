@@ -31,7 +31,7 @@ nothing is sent on the bus. The bounds:
 from __future__ import annotations
 
 import re
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 from litestar import Request
@@ -156,6 +156,18 @@ def _null_flags_dropped(body: bytes, kind: type, error: str) -> bytes | None:
     if not isinstance(fields, dict):
         return None
     return msgspec.json.encode({k: v for k, v in fields.items() if not (k in flags and v is None)})
+
+
+def template_kwargs(given: dict[str, Any] | None, param: str, thinking: bool | None = None) -> dict[str, Any] | None:
+    """Extra chat template variables from a request: `given` checked (a 400 naming `param`), with
+    `enable_thinking` set from the API's own reasoning switch (`thinking`) unless given."""
+    kwargs = dict(given or {})
+    problem = wire.template_kwargs_problem(kwargs)
+    if problem is not None:
+        raise _refuse(f"'{param}': {problem}.", param)
+    if thinking is not None:
+        kwargs.setdefault("enable_thinking", thinking)
+    return kwargs or None
 
 
 def check_stop_strings(stops: list[str], param: str) -> list[str]:
