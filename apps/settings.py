@@ -1,6 +1,9 @@
-"""Every setting the apps read, from the environment, in one place (see the README's table).
+"""The settings the apps read, from the environment (the table with defaults: docs/operations.md).
 
-CLI flags override these; nothing else in the code reads os.environ for configuration.
+CLI flags override these. A few settings belong to the one module that uses them and are read
+there: the GPU kernels' HELEXA_GEMV (engine/runner/gpu_linear.py) and HELEXA_GDN_CHUNK
+(helexa_kernels/gated_delta_rule/triton.py), the batches CLI's HELEXA_URL and HELEXA_API_KEY
+(apps/fleet/batches.py), and the tests' HELEXA_TEST_UNSUPPORTED_DTYPES (engine/cpu/cpu_support.py).
 """
 
 from __future__ import annotations
