@@ -197,10 +197,16 @@ def not_found(response_id: str, param: str | None = None) -> ServingError:
                         param=param, context={"detail": "unknown, deleted or another principal's response"})
 
 
+# Ids a gateway remembers having no stored response (about 100 bytes each).
+MAX_GONE_IDS = 65_536
+
+
 @dataclass(slots=True)
 class RecentResponses:
-    """This gateway's own responses until the ledger has them, and its own deletions: at most
-    `max_bytes` of responses, each forgotten `ttl_s` after it was kept (oldest first either way)."""
+    """This gateway's own responses until the ledger has them, and ids it knows have none (its own
+    deletions, its unstored responses): at most `max_bytes` of responses and `MAX_GONE_IDS` ids,
+    each forgotten `ttl_s` after it was kept (oldest first either way). A forgotten id is only
+    slower to refuse: its read waits for the ledger as a fresh id from elsewhere does."""
 
     max_bytes: int
     ttl_s: float
@@ -235,6 +241,8 @@ class RecentResponses:
         self._expire(time.monotonic())
         self.deleted[response_id] = time.monotonic()
         self.deleted.move_to_end(response_id)
+        while len(self.deleted) > MAX_GONE_IDS:
+            self.deleted.popitem(last=False)
 
     def get(self, response_id: str) -> StoredResponse | None:
         self._expire(time.monotonic())
@@ -283,6 +291,11 @@ class ResponseStore:
         self._events.emit(ResponseStored(
             model=model, node="gateway", response_id=new.response_id, principal=new.principal,
             previous_response_id=new.previous_response_id, input_items=new.input_items, response=response))
+
+    def not_stored(self, response_id: str) -> None:
+        """A response made here with `store: false`: reading it here is a 404 at once, rather
+        than a wait for a ledger that will never have it (the wait a fresh id from elsewhere gets)."""
+        self._recent.delete(response_id)
 
     async def delete(self, response_id: str, principal: str | None) -> StoredResponse:
         """Delete one of `principal`'s responses (404 if it has none of that id): its content is
@@ -344,7 +357,8 @@ class ResponseStore:
                     max_bytes: int = 0) -> list[StoredResponse]:
         """`response_id` (and predecessors the same read found), which must be `principal`'s and not deleted.
         Keyless (no principal), the id is all a caller shows: one of an older, guessable form is not found."""
-        if not valid_id(response_id) or (principal is None and not RESPONSE_IDS.unguessable(response_id)):
+        if not valid_id(response_id) or (principal is None and not RESPONSE_IDS.unguessable(response_id)) \
+                or self._recent.was_deleted(response_id):
             raise not_found(response_id, param)
         chain = await self._read(response_id, length, max_bytes, principal)
         if not chain:

@@ -18,6 +18,7 @@ from apps.bus.topology import event_subject
 from apps.embedded.postgres import PostgresServer
 from apps.gateway.api import responses_schema as rs
 from apps.gateway.response_store import (
+    MAX_GONE_IDS,
     NewResponse,
     RecentResponses,
     ResponseStore,
@@ -253,6 +254,11 @@ def test_the_cache_is_bounded_in_bytes_and_forgets_by_age(monkeypatch: pytest.Mo
     assert recent.get("huge") is None and recent.bytes <= 10_000
     now[0] += 61.0
     assert recent.get("resp_29") is None and recent.bytes == 0 and not recent.kept
+    # Ids known to have no response (deleted, or made unstored here) are bounded in number too.
+    for i in range(MAX_GONE_IDS + 5):
+        recent.delete(f"resp_gone_{i}")
+    assert len(recent.deleted) == MAX_GONE_IDS
+    assert not recent.was_deleted("resp_gone_4") and recent.was_deleted(f"resp_gone_{MAX_GONE_IDS + 4}")
 
 
 async def test_a_conversation_past_its_limits_is_refused_before_it_is_loaded(database_url: str) -> None:

@@ -227,6 +227,8 @@ async def create_response(request: Request, state: State) -> Response | Stream:
     template = response_template(req, response_id)
     if req.store:
         check_storable(req, store, stored_items, msgspec.to_builtins(template))
+    else:
+        store.not_stored(response_id)
     history: list[rs.InputItem] = []
     if req.previous_response_id is not None:
         history = await store.conversation(req.previous_response_id, principal)
