@@ -408,9 +408,11 @@ def test_a_gateway_that_cannot_bind_exits_at_once_naming_the_address(nats_server
 def test_a_batch_completes_across_ctrl_c_and_up_again_on_the_same_data_dir(
         tmp_path: Path, script: Path, ups: list[AppProcess]) -> None:
     """The whole system stopped mid-batch (Ctrl-C) and started again: the batch's claim and lines
-    wait in the data directory's NATS and PostgreSQL, and the new gateway runs what is missing."""
+    wait in the data directory's NATS and PostgreSQL, and the new gateway runs what is missing. The
+    stopping gateway gives its claim back, but a NATS server that restarts forgets that and hands
+    the claim out again only after the batch ack wait: 8 s here rather than the default minute."""
     data, port, lines = tmp_path / "data", free_port(), 16
-    env = {"HELEXA_BATCH_CONCURRENCY": "4"}
+    env = {"HELEXA_BATCH_CONCURRENCY": "4", "HELEXA_BATCH_ACK_WAIT_S": "8"}
     first = start_up(ups, data, port, script, env=env)
     ready = wait_up(first)
     client = openai.OpenAI(base_url=f"{ready['url']}/v1", api_key="unused", max_retries=0, timeout=60)
