@@ -197,28 +197,31 @@ def not_found(response_id: str, param: str | None = None) -> ServingError:
                         param=param, context={"detail": "unknown, deleted or another principal's response"})
 
 
-# Ids a gateway remembers having no stored response (about 100 bytes each).
-MAX_GONE_IDS = 65_536
+# Responses made here with `store: false` that a gateway remembers (about 100 bytes each).
+MAX_UNSTORED_IDS = 65_536
 
 
 @dataclass(slots=True)
 class RecentResponses:
-    """This gateway's own responses until the ledger has them, and ids it knows have none (its own
-    deletions, its unstored responses): at most `max_bytes` of responses and `MAX_GONE_IDS` ids,
-    each forgotten `ttl_s` after it was kept (oldest first either way). A forgotten id is only
-    slower to refuse: its read waits for the ledger as a fresh id from elsewhere does."""
+    """This gateway's own responses until the ledger has them, its own deletions, and the ids of
+    its responses made with `store: false`: at most `max_bytes` of responses and
+    `MAX_UNSTORED_IDS` unstored ids, each forgotten `ttl_s` after it was kept (oldest first either
+    way). A forgotten unstored id is only slower to refuse (its read waits for the ledger as a fresh
+    id from elsewhere does); deletions are not capped, as each follows a stored response's read."""
 
     max_bytes: int
     ttl_s: float
     kept: OrderedDict[str, tuple[float, StoredResponse]] = field(default_factory=OrderedDict)
     deleted: OrderedDict[str, float] = field(default_factory=OrderedDict)
+    unstored: OrderedDict[str, float] = field(default_factory=OrderedDict)
     bytes: int = 0
 
     def _expire(self, now: float) -> None:
         while self.kept and now - next(iter(self.kept.values()))[0] > self.ttl_s:
             self.bytes -= self.kept.popitem(last=False)[1][1].size
-        while self.deleted and now - next(iter(self.deleted.values())) > self.ttl_s:
-            self.deleted.popitem(last=False)
+        for marks in (self.deleted, self.unstored):
+            while marks and now - next(iter(marks.values())) > self.ttl_s:
+                marks.popitem(last=False)
 
     def put(self, stored: StoredResponse) -> None:
         now = time.monotonic()
@@ -241,8 +244,12 @@ class RecentResponses:
         self._expire(time.monotonic())
         self.deleted[response_id] = time.monotonic()
         self.deleted.move_to_end(response_id)
-        while len(self.deleted) > MAX_GONE_IDS:
-            self.deleted.popitem(last=False)
+
+    def mark_unstored(self, response_id: str) -> None:
+        self._expire(time.monotonic())
+        self.unstored[response_id] = time.monotonic()
+        while len(self.unstored) > MAX_UNSTORED_IDS:
+            self.unstored.popitem(last=False)
 
     def get(self, response_id: str) -> StoredResponse | None:
         self._expire(time.monotonic())
@@ -252,6 +259,10 @@ class RecentResponses:
     def was_deleted(self, response_id: str) -> bool:
         self._expire(time.monotonic())
         return response_id in self.deleted
+
+    def has_none(self, response_id: str) -> bool:
+        """Whether this gateway knows `response_id` has no stored response (deleted, or unstored)."""
+        return self.was_deleted(response_id) or response_id in self.unstored
 
 
 class ResponseStore:
@@ -295,7 +306,7 @@ class ResponseStore:
     def not_stored(self, response_id: str) -> None:
         """A response made here with `store: false`: reading it here is a 404 at once, rather
         than a wait for a ledger that will never have it (the wait a fresh id from elsewhere gets)."""
-        self._recent.delete(response_id)
+        self._recent.mark_unstored(response_id)
 
     async def delete(self, response_id: str, principal: str | None) -> StoredResponse:
         """Delete one of `principal`'s responses (404 if it has none of that id): its content is
@@ -358,7 +369,7 @@ class ResponseStore:
         """`response_id` (and predecessors the same read found), which must be `principal`'s and not deleted.
         Keyless (no principal), the id is all a caller shows: one of an older, guessable form is not found."""
         if not valid_id(response_id) or (principal is None and not RESPONSE_IDS.unguessable(response_id)) \
-                or self._recent.was_deleted(response_id):
+                or self._recent.has_none(response_id):
             raise not_found(response_id, param)
         chain = await self._read(response_id, length, max_bytes, principal)
         if not chain:

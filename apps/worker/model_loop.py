@@ -187,9 +187,10 @@ class ModelLoop:
         interactive reserve). Raises ServingError (409) for an id already running here."""
         if holds(self._held, request):
             raise ServingError(409, ErrorCode.INVALID_REQUEST, "A request with this id is already running.")
-        if request.sampling.n > self.engine.max_num_seqs:
+        most = self.engine.max_num_seqs - (self.intake.reserve if request.service_class == ServiceClass.BATCH else 0)
+        if request.sampling.n > most:
             raise ServingError(400, ErrorCode.INVALID_REQUEST, f"'n' is {request.sampling.n}; this worker runs at "
-                                                               f"most {self.engine.max_num_seqs} sequences at once.")
+                                                               f"most {most} sequences at once for such a request.")
         if self.intake.room(request.service_class) < request.sampling.n:
             raise ServingError(503, ErrorCode.QUEUE_FULL, "This worker has no free sequence for the request "
                                                           "now: ask again later, or ask another node.")

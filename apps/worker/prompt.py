@@ -111,11 +111,15 @@ def _render_chat(tokenizer: Tokenizer, request: wire.GenerateRequest, add_genera
         if not prefill:
             return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=False, **extra)
-    except (TemplateError, TypeError, ValueError) as exc:
-        # TypeError, ValueError: a template's own filters meeting a value of another type than it
-        # expects (an extra variable's, a message field's).
+    except TemplateError as exc:
         raise ServingError(400, ErrorCode.INVALID_MESSAGES,
                            f"The messages do not fit the model's chat template: {exc}") from exc
+    except TypeError as exc:
+        if not request.template_kwargs:
+            raise
+        # The template meeting an extra variable of another type than it expects.
+        raise ServingError(400, ErrorCode.INVALID_REQUEST,
+                           f"'chat_template_kwargs' do not fit the model's chat template: {exc}") from exc
     # Cut the rendered conversation right after the prefill, before the template closes the turn.
     end = text.rfind(prefill)
     if end < 0:

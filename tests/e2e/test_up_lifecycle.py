@@ -16,7 +16,7 @@ import stat
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -259,19 +259,25 @@ def test_ctrl_c_ends_the_streams_then_stops_the_apps_then_the_servers_quietly(
 
 def test_ctrl_c_during_the_first_start_stops_before_any_app_and_the_next_start_serves(
         tmp_path: Path, script: Path, ups: list[AppProcess]) -> None:
-    """Ctrl-C while PostgreSQL's database is being made (initdb in up's process group gets it too,
-    as in a terminal): the start ends there, no app is started, nothing is left running, and the
-    half-made database is no obstacle to the next start."""
+    """Ctrl-C while NATS starts ends the start there: no PostgreSQL, no app. Ctrl-C in a terminal
+    while PostgreSQL's database is being made (initdb, in up's process group, gets it too): no app,
+    nothing left running, and the half-made database is no obstacle to the next start."""
     data = tmp_path / "data"
-    up = start_up(ups, data, free_port(), script)
-    up.wait_for(lambda e: str(e.get("event", "")).startswith("creating PostgreSQL's database"), timeout_s=120)
-    os.killpg(up.process.pid, signal.SIGINT)
-    assert up.process.wait(120) == 0
-    up.stop()  # collects the rest of its output
-    assert "Traceback" not in up.output(last=100_000)
-    stopped = [e["app"] for e in up.lines if e.get("event") == "stopped" and e.get("logger") == "helexa.up"]
-    assert stopped == ["postgres", "nats"]
-    assert processes_using(data) == []
+
+    def stopped_by(signal_it: Callable[[AppProcess], None], line: str) -> list[str]:
+        up = start_up(ups, data, free_port(), script)
+        up.wait_for(lambda e: str(e.get("event", "")).startswith(line), timeout_s=120)
+        signal_it(up)
+        assert up.process.wait(120) == 0
+        up.stop()  # collects the rest of its output
+        assert "Traceback" not in up.output(last=100_000)
+        assert processes_using(data) == []
+        return [e["app"] for e in up.lines if e.get("event") == "stopped" and e.get("logger") == "helexa.up"]
+
+    assert stopped_by(lambda up: os.kill(up.process.pid, signal.SIGINT), "starting NATS") == ["nats"]
+    assert not (data / "postgres" / "pgdata").exists()
+    assert stopped_by(lambda up: os.killpg(up.process.pid, signal.SIGINT),
+                      "creating PostgreSQL's database") == ["postgres", "nats"]
 
     again = start_up(ups, data, free_port(), script)
     ready = wait_up(again)

@@ -98,19 +98,22 @@ def test_generate_is_refused_while_the_workers_slots_are_taken(fleet: Fleet) -> 
 
 def test_generate_keeps_the_interactive_reserve_from_batch_class_requests(fleet: Fleet) -> None:
     # A two-sequence worker keeps one for interactive work (HELEXA_INTERACTIVE_RESERVE's default):
-    # beside a running request, a batch-class one is a 503, an interactive one is served.
+    # beside a running request, a batch-class one is a 503, an interactive one is served; a
+    # batch-class request for more choices than the reserve ever leaves it is a 400, not a 503.
     slow = " ".join(["word"] * 10)
     script = {"default": "served", "rules": [{"match": "SLOW", "reply": slow, "token_delay_s": 1.0}]}
     subject = topology.node_endpoint("reserve-a", "generate")
 
-    def request(request_id: str, content: str, service_class: ServiceClass) -> bytes:
+    def request(request_id: str, content: str, service_class: ServiceClass, n: int = 1) -> bytes:
         return wire.encode(wire.GenerateRequest(request_id=request_id, model="reserve-model", reply_subject="",
-                                                sampling=SamplingParams(), service_class=service_class,
+                                                sampling=SamplingParams(n=n), service_class=service_class,
                                                 messages=[wire.ChatMessage(role="user", content=content)]))
 
     async def scenario() -> tuple[dict, object, dict]:
         nc = await nats.connect(fleet.nats_url)
         try:
+            never = await nc.request(subject, request("reserve-two", "hello", ServiceClass.BATCH, n=2), timeout=30)
+            assert never.headers is not None and never.headers.get("Nats-Service-Error-Code") == "400"
             running = asyncio.create_task(nc.request(subject, request("reserve-slow", "SLOW please",
                                                                       ServiceClass.INTERACTIVE), timeout=120))
             await asyncio.to_thread(wait_events, fleet.nats_url,

@@ -18,7 +18,7 @@ from apps.bus.topology import event_subject
 from apps.embedded.postgres import PostgresServer
 from apps.gateway.api import responses_schema as rs
 from apps.gateway.response_store import (
-    MAX_GONE_IDS,
+    MAX_UNSTORED_IDS,
     NewResponse,
     RecentResponses,
     ResponseStore,
@@ -226,6 +226,20 @@ async def test_an_id_of_the_older_guessable_form_needs_an_owner_to_be_found(data
         await store.close()
 
 
+async def test_a_response_made_here_unstored_is_refused_without_waiting_for_the_ledger(database_url: str) -> None:
+    """A fresh id is waited for (the recorder may not have it yet), but not one this gateway made
+    with `store: false`: the ledger will never have it. (An hour's wait would time the test out.)"""
+    store = ResponseStore(database_url, Emitted(), projection_wait_s=3600.0)  # type: ignore[arg-type]
+    try:
+        unstored = new_response_id()
+        store.not_stored(unstored)
+        with pytest.raises(ServingError) as caught:
+            await asyncio.wait_for(store.get(unstored, None), 60)
+        assert caught.value.status == 404
+    finally:
+        await store.close()
+
+
 def test_ids_carry_128_fresh_random_bits_after_their_time() -> None:
     """The id is the capability: ids made in the same millisecond share their time prefix and
     nothing else, so neither a neighbour's id nor a creation time leads to another's id."""
@@ -254,11 +268,13 @@ def test_the_cache_is_bounded_in_bytes_and_forgets_by_age(monkeypatch: pytest.Mo
     assert recent.get("huge") is None and recent.bytes <= 10_000
     now[0] += 61.0
     assert recent.get("resp_29") is None and recent.bytes == 0 and not recent.kept
-    # Ids known to have no response (deleted, or made unstored here) are bounded in number too.
-    for i in range(MAX_GONE_IDS + 5):
-        recent.delete(f"resp_gone_{i}")
-    assert len(recent.deleted) == MAX_GONE_IDS
-    assert not recent.was_deleted("resp_gone_4") and recent.was_deleted(f"resp_gone_{MAX_GONE_IDS + 4}")
+    # Ids of responses made unstored here are bounded in number too, and never push out a deletion.
+    recent.delete("resp_deleted")
+    for i in range(MAX_UNSTORED_IDS + 5):
+        recent.mark_unstored(f"resp_unstored_{i}")
+    assert len(recent.unstored) == MAX_UNSTORED_IDS
+    assert not recent.has_none("resp_unstored_4") and recent.has_none(f"resp_unstored_{MAX_UNSTORED_IDS + 4}")
+    assert recent.was_deleted("resp_deleted")
 
 
 async def test_a_conversation_past_its_limits_is_refused_before_it_is_loaded(database_url: str) -> None:

@@ -58,3 +58,11 @@ def test_chat_template_kwargs_past_their_bounds_are_a_400_naming_them(kwargs: di
     with pytest.raises(ServingError) as refused:
         chat_request(chat_template_kwargs=kwargs)
     assert (refused.value.status, refused.value.param) == (400, "chat_template_kwargs")
+
+
+def test_the_variable_the_reasoning_setting_adds_counts_toward_the_bounds() -> None:
+    sixteen = {f"v{i}": 0 for i in range(16)}
+    assert chat_request(chat_template_kwargs=sixteen).template_kwargs == sixteen
+    with pytest.raises(ServingError) as refused:
+        chat_request(chat_template_kwargs=sixteen, reasoning_effort="none")
+    assert refused.value.param == "chat_template_kwargs" and "enable_thinking" in refused.value.message

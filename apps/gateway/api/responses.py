@@ -17,7 +17,8 @@ out with a warning). What cannot be honoured is refused by name: image and file 
 references, background runs, conversation objects, prompt templates, `truncation: auto`.
 A JSON `text.format` (json_object, json_schema) is enforced with the same grammar as chat's
 `response_format` (`apps/gateway/api/structured.py`). Reasoning items sent back as input are not shown
-to the model again; `reasoning.effort` is echoed, not enforced.
+to the model again; `reasoning.effort` is echoed, and `"none"` turns a thinking template's
+reasoning off (`enable_thinking`); other levels are not enforced.
 """
 
 from __future__ import annotations
@@ -227,8 +228,6 @@ async def create_response(request: Request, state: State) -> Response | Stream:
     template = response_template(req, response_id)
     if req.store:
         check_storable(req, store, stored_items, msgspec.to_builtins(template))
-    else:
-        store.not_stored(response_id)
     history: list[rs.InputItem] = []
     if req.previous_response_id is not None:
         history = await store.conversation(req.previous_response_id, principal)
@@ -241,6 +240,8 @@ async def create_response(request: Request, state: State) -> Response | Stream:
 
     formatter = ResponsesFormatter(template, wants_logprobs(req), on_complete=keep if req.store else None,
                                    namespaces=offered.namespaces)
+    if not req.store:
+        store.not_stored(response_id)  # checked and about to run: a read of it here is a 404 at once
     answer = await state.generations.serve(request, bus_request, formatter, HANDLER, output_param="max_output_tokens")
     if (warning := offered.warning()) is not None:
         answer.headers[WARNING_HEADER] = warning

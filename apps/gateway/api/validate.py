@@ -162,11 +162,13 @@ def template_kwargs(given: dict[str, Any] | None, param: str, thinking: bool | N
     """Extra chat template variables from a request: `given` checked (a 400 naming `param`), with
     `enable_thinking` set from the API's own reasoning switch (`thinking`) unless given."""
     kwargs = dict(given or {})
+    added = thinking is not None and "enable_thinking" not in kwargs
+    if added:
+        kwargs["enable_thinking"] = thinking
     problem = wire.template_kwargs_problem(kwargs)
     if problem is not None:
-        raise _refuse(f"'{param}': {problem}.", param)
-    if thinking is not None:
-        kwargs.setdefault("enable_thinking", thinking)
+        also = " (counting enable_thinking, which the request's reasoning setting adds)" if added else ""
+        raise _refuse(f"'{param}': {problem}{also}.", param)
     return kwargs or None
 
 
