@@ -239,5 +239,10 @@ def test_a_generation_that_fails_mid_stream_ends_with_response_failed(system: Sy
     assert events[2].code == "generation_failed" and events[2].message
     failed = events[3].response
     assert failed.status == "failed" and failed.error.code == "server_error"
+    # Never stored: this gateway says so at once rather than waiting out HELEXA_RESPONSE_WAIT_S (30 s)
+    # for the recorder (the client's 20 s timeout would end that wait first).
+    quick = OpenAI(base_url=f"{system.base_url}/v1", api_key="unused", max_retries=0, timeout=20)
+    with pytest.raises(openai.NotFoundError):
+        quick.responses.retrieve(failed.id)
     with pytest.raises(openai.InternalServerError):
         client(system).responses.create(model=scripted, input="Please fail now.")

@@ -238,10 +238,13 @@ async def create_response(request: Request, state: State) -> Response | Stream:
         store.keep(NewResponse(response_id, principal, req.previous_response_id, stored_items,
                                msgspec.to_builtins(response)), req.model)
 
+    # A response that will not be stored (unstored, or its generation failed): a read of it here
+    # is a 404 at once, not a wait for the ledger.
     formatter = ResponsesFormatter(template, wants_logprobs(req), on_complete=keep if req.store else None,
-                                   namespaces=offered.namespaces)
+                                   namespaces=offered.namespaces,
+                                   on_failed=(lambda: store.not_stored(response_id)) if req.store else None)
     if not req.store:
-        store.not_stored(response_id)  # checked and about to run: a read of it here is a 404 at once
+        store.not_stored(response_id)  # checked and about to run
     answer = await state.generations.serve(request, bus_request, formatter, HANDLER, output_param="max_output_tokens")
     if (warning := offered.warning()) is not None:
         answer.headers[WARNING_HEADER] = warning

@@ -162,13 +162,16 @@ _RESPONSE_ERROR_CODES = {ErrorCode.RATE_LIMIT_EXCEEDED: "rate_limit_exceeded",
 
 class ResponsesFormatter:
     """A Responses answer, whole (`response`) or as its event stream; `on_complete` gets the final
-    response object (to store it) once the generation has ended well."""
+    response object (to store it) once the generation has ended well, `on_failed` is told when it
+    ended in an error instead (nothing will be stored)."""
 
     def __init__(self, template: rs.ResponseObject, with_logprobs: bool,
                  on_complete: Callable[[rs.ResponseObject], None] | None = None,
-                 namespaces: dict[str, tuple[str, str]] | None = None) -> None:
+                 namespaces: dict[str, tuple[str, str]] | None = None,
+                 on_failed: Callable[[], None] | None = None) -> None:
         self.template = template
         self.on_complete = on_complete
+        self.on_failed = on_failed
         self._output = OutputBuilder(with_logprobs, namespaces)
         self._finish: FinishReason | None = None
         self._sequence = 0
@@ -199,6 +202,8 @@ class ResponsesFormatter:
         return self._finished(final)[0]
 
     def error_body(self, error: ServingError) -> dict[str, Any]:
+        if self.on_failed is not None:
+            self.on_failed()
         return error_body(error.status, error.message, error.code, error.param)
 
     def stream_start(self, accepted: wire.Accepted) -> list[bytes]:
@@ -214,6 +219,8 @@ class ResponsesFormatter:
         return [self._sse(event) for event in [*events, {"type": done, "response": response}]]
 
     def stream_error(self, error: ServingError) -> bytes:
+        if self.on_failed is not None:
+            self.on_failed()
         code = _RESPONSE_ERROR_CODES.get(error.code, "server_error") if error.code else "server_error"
         failed = msgspec.structs.replace(self.template, status="failed", output=self._output.items,
                                          error=rs.ResponseError(code=code, message=error.message))
