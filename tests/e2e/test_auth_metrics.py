@@ -16,12 +16,14 @@ from tests.e2e.test_chat import finished_run
 from tests.support import AppProcess
 
 ALICE_KEY = "sk-alice-0123456789abcdef"
+# A principal only the prefix-cache test sends as: nothing of its own is cached before it.
+CAROL_KEY = "sk-carol-0123456789abcdef"
 
 
 @pytest.fixture(scope="module")
 def keyed_gateway(system: System, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, AppProcess]]:
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
-    keys.write_text(f"# key principal\n{ALICE_KEY} alice\nsk-bob-secret bob\n")
+    keys.write_text(f"# key principal\n{ALICE_KEY} alice\nsk-bob-secret bob\n{CAROL_KEY} carol\n")
     port = free_port()
     gateway = AppProcess(["gateway"], {**system.env_for("gateway"), "HELEXA_PORT": str(port),
                                        "HELEXA_API_KEYS": str(keys)})
@@ -60,8 +62,9 @@ def test_the_principal_reaches_the_ledger_and_the_key_no_log(system: System,
 
 def test_the_prefix_cache_is_shared_within_a_principal_and_never_across(
         system: System, keyed_gateway: tuple[str, AppProcess]) -> None:
-    """Bob sending alice's prompt word for word reuses none of her KV (nor learns from
-    `cached_tokens` that she sent it); each principal's own repeat is a hit."""
+    """Carol sending alice's prompt word for word reuses none of her KV (nor learns from
+    `cached_tokens` that she sent it); each principal's own repeat is a hit past the chat template's
+    opening (which alice's earlier requests in this module may have cached for her already)."""
     url, _ = keyed_gateway
     prompt = [{"role": "user", "content": "A prompt only this test sends: " + " ".join(
         f"item{i}" for i in range(60)) + ". Which item comes first?"}]
@@ -69,13 +72,13 @@ def test_the_prefix_cache_is_shared_within_a_principal_and_never_across(
     def cached(key: str) -> int:
         client = OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60)
         reply = client.chat.completions.create(model=system.model, messages=prompt, max_tokens=2, temperature=0)
-        assert reply.usage.prompt_tokens > 64
+        assert reply.usage.prompt_tokens > 128
         return reply.usage.prompt_tokens_details.cached_tokens
 
-    assert cached(ALICE_KEY) == 0
-    assert cached(ALICE_KEY) > 0
-    assert cached("sk-bob-secret") == 0
-    assert cached("sk-bob-secret") > 0
+    cached(ALICE_KEY)
+    assert cached(ALICE_KEY) > 96
+    assert cached(CAROL_KEY) == 0
+    assert cached(CAROL_KEY) > 96
 
 
 def test_metrics_expose_the_named_families(system: System) -> None:
