@@ -131,6 +131,7 @@ CASES: dict[str, Case] = {
     "chat-template-kwargs-5kb": Case(CHAT, chat(chat_template_kwargs={"doc": "d" * 5000}),
                                      param="chat_template_kwargs"),
     "chat-template-kwargs-odd-name": Case(CHAT, chat(chat_template_kwargs={"a b": 1}), param="chat_template_kwargs"),
+    "chat-reasoning-effort-33-chars": Case(CHAT, chat(reasoning_effort="e" * 33), param="reasoning_effort"),
     "chat-129-tools": Case(CHAT, chat(tools=[tool(f"f{i}") for i in range(129)]), param="tools"),
     "chat-2049-messages": Case(CHAT, chat(messages=[{"role": "user", "content": "hi"}] * 2049), param="messages"),
     "chat-no-messages": Case(CHAT, chat(messages=[]), param="messages"),
@@ -154,6 +155,7 @@ CASES: dict[str, Case] = {
     "messages-text-plain": Case(MESSAGES, json.dumps(message()).encode(), 415, headers=TEXT),
     "messages-model-4kb": Case(MESSAGES, message(model="x" * 4096)),
     "messages-model-dots": Case(MESSAGES, message(model="." * 1400)),
+    "messages-thinking-type-33-chars": Case(MESSAGES, message(thinking={"type": "t" * 33}), param="thinking"),
     "messages-60k-stop-sequences": Case(MESSAGES, message(stop_sequences=["z"] * 60_000)),
     "messages-stop-sequence-300-bytes": Case(MESSAGES, message(stop_sequences=["€" * 100])),
     "messages-stop-sequence-500kb": Case(MESSAGES, message(stop_sequences=["q" * 500_000])),
@@ -299,7 +301,8 @@ def test_a_valid_request_still_reaches_the_target(system: System, target: str, k
 NEWER_BOUNDS = ["chat-tool-call-name-past-context", "chat-tool-call-id-past-context", "chat-message-name-past-context",
                 "messages-tool-use-name-past-context", "responses-function-call-name-past-context",
                 "chat-whole-logprobs-past-bound", "chat-logit-bias-1025-tokens", "chat-logit-bias-id-past-int64",
-                "chat-logit-bias-past-vocab", "chat-template-kwargs-own-variable", "chat-template-kwargs-5kb"]
+                "chat-logit-bias-past-vocab", "chat-template-kwargs-own-variable", "chat-template-kwargs-5kb",
+                "chat-reasoning-effort-33-chars", "messages-thinking-type-33-chars"]
 
 
 def test_newer_bounds_refuse_by_name_while_a_stream_beside_them_runs_to_its_end(system: System, target: str) -> None:
