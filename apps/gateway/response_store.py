@@ -204,7 +204,7 @@ MAX_UNSTORED_IDS = 65_536
 @dataclass(slots=True)
 class RecentResponses:
     """This gateway's own responses until the ledger has them, its own deletions, and the ids of
-    its responses made with `store: false`: at most `max_bytes` of responses and
+    its responses that will not be stored: at most `max_bytes` of responses and
     `MAX_UNSTORED_IDS` unstored ids, each forgotten `ttl_s` after it was kept (oldest first either
     way). A forgotten unstored id is only slower to refuse (its read waits for the ledger as a fresh
     id from elsewhere does); deletions are not capped, as each follows a stored response's read."""
@@ -304,8 +304,9 @@ class ResponseStore:
             previous_response_id=new.previous_response_id, input_items=new.input_items, response=response))
 
     def not_stored(self, response_id: str) -> None:
-        """A response made here with `store: false`: reading it here is a 404 at once, rather
-        than a wait for a ledger that will never have it (the wait a fresh id from elsewhere gets)."""
+        """A response made here that will not be stored (`store: false`, or its generation failed):
+        reading it here is a 404 at once, rather than a wait for a ledger that will never have it
+        (the wait a fresh id from elsewhere gets)."""
         self._recent.mark_unstored(response_id)
 
     async def delete(self, response_id: str, principal: str | None) -> StoredResponse:

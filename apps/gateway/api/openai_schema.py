@@ -18,6 +18,7 @@ from apps.gateway.api.validate import (
     check_json_depth,
     check_stop_strings,
     template_kwargs,
+    thinking_for_effort,
 )
 from engine.frontend import protocol as p
 
@@ -219,7 +220,7 @@ class ChatCompletionRequest(GenerationParams, kw_only=True):
 
     def template_kwargs(self) -> dict[str, Any] | None:
         return template_kwargs(self.chat_template_kwargs, "chat_template_kwargs",
-                               thinking=False if self.reasoning_effort == "none" else None)
+                               thinking=thinking_for_effort(self.reasoning_effort))
 
     def continues_final_message(self) -> bool:
         if self.continue_final_message and self.messages[-1].role != "assistant":

@@ -40,7 +40,7 @@ from apps.gateway.api.openapi_docs import operation_for
 from apps.gateway.api.responses_output import ResponsesFormatter
 from apps.gateway.api.responses_tools import WARNING_HEADER, OfferedTools, forced, offered_tools, qualified
 from apps.gateway.api.structured import check_enforceable, json_constraint
-from apps.gateway.api.validate import check_json_depth, check_metadata, template_kwargs
+from apps.gateway.api.validate import check_json_depth, check_metadata, template_kwargs, thinking_for_effort
 from apps.gateway.response_store import NewResponse, ResponseStore, new_response_id
 from engine.frontend.protocol import SamplingParams, StructuredOutput
 
@@ -195,8 +195,8 @@ def to_bus_request(req: rs.ResponsesRequest, response_id: str, principal: str | 
         tools=offered.functions or None, tool_required=tool_required, tool_name=tool_name,
         single_tool_call=not req.parallel_tool_calls, sampling=sampling_params(req), stream=req.stream,
         principal=principal, api=Api.RESPONSES,
-        template_kwargs=template_kwargs(None, "reasoning", thinking=False if req.reasoning is not None
-                                        and req.reasoning.effort == "none" else None),
+        template_kwargs=template_kwargs(None, "reasoning",
+                                        thinking_for_effort(req.reasoning.effort if req.reasoning else None)),
         priority=req.priority,
     ), offered
 

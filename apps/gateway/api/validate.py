@@ -158,6 +158,12 @@ def _null_flags_dropped(body: bytes, kind: type, error: str) -> bytes | None:
     return msgspec.json.encode({k: v for k, v in fields.items() if not (k in flags and v is None)})
 
 
+def thinking_for_effort(effort: str | None) -> bool | None:
+    """A thinking template's switch from OpenAI's reasoning effort: "none" turns reasoning off;
+    other levels leave the template's default (they are not enforced)."""
+    return False if effort == "none" else None
+
+
 def template_kwargs(given: dict[str, Any] | None, param: str, thinking: bool | None = None) -> dict[str, Any] | None:
     """Extra chat template variables from a request: `given` checked (a 400 naming `param`), with
     `enable_thinking` set from the API's own reasoning switch (`thinking`) unless given."""
