@@ -55,22 +55,29 @@ log = logging.getLogger("helexa.gateway")
 RESPONSE_IDS = CapabilityIds("resp_", also_valid="[0-9a-f]{32}")
 ID_PREFIX = RESPONSE_IDS.prefix
 
-_ONE = """
-SELECT response_id, principal, previous_response_id, input_items, response, deleted_at, event_id, stored_bytes
+# A row's content is read only for its owner ($2): another principal's read of an id gets its
+# principal (for the one 404) and nothing of what it holds, however large.
+_OWNED = "CASE WHEN {t}principal IS NOT DISTINCT FROM ${n} THEN {t}{column} END AS {column}"
+_ONE = f"""
+SELECT response_id, principal, previous_response_id, {_OWNED.format(t="", n=2, column="input_items")},
+       {_OWNED.format(t="", n=2, column="response")}, deleted_at, event_id, stored_bytes
 FROM responses WHERE response_id = $1
 """
 # From a response back through its predecessors, newest first, while within $2 responses and
-# until past $3 bytes (the row that crosses it is read, so the caller sees the chain goes on).
-_CHAIN = """
+# until past $3 bytes (the row that crosses it is read, so the caller sees the chain goes on), and
+# only through the reader's ($4) own responses: the first of another's ends it, unread.
+_CHAIN = f"""
 WITH RECURSIVE chain AS (
-    SELECT response_id, principal, previous_response_id, input_items, response, deleted_at, event_id, stored_bytes,
+    SELECT response_id, principal, previous_response_id, {_OWNED.format(t="", n=4, column="input_items")},
+           {_OWNED.format(t="", n=4, column="response")}, deleted_at, event_id, stored_bytes,
            stored_bytes AS total, 0 AS depth
     FROM responses WHERE response_id = $1
   UNION ALL
-    SELECT r.response_id, r.principal, r.previous_response_id, r.input_items, r.response, r.deleted_at,
+    SELECT r.response_id, r.principal, r.previous_response_id, {_OWNED.format(t="r.", n=4, column="input_items")},
+           {_OWNED.format(t="r.", n=4, column="response")}, r.deleted_at,
            r.event_id, r.stored_bytes, c.total + r.stored_bytes, c.depth + 1
     FROM responses r JOIN chain c ON r.response_id = c.previous_response_id
-    WHERE c.depth + 1 < $2 AND c.total <= $3
+    WHERE c.depth + 1 < $2 AND c.total <= $3 AND c.principal IS NOT DISTINCT FROM $4
 )
 SELECT * FROM chain ORDER BY depth
 """
@@ -387,23 +394,26 @@ class ResponseStore:
         announces it."""
         return await self._notices.read_when_projected(
             response_id, created_at_s(response_id), self.projection_wait_s,
-            lambda: self._query_or_recent(response_id, length, max_bytes), principal)
+            lambda: self._query_or_recent(response_id, length, max_bytes, principal), principal)
 
-    async def _query_or_recent(self, response_id: str, length: int, max_bytes: int) -> list[StoredResponse]:
+    async def _query_or_recent(self, response_id: str, length: int, max_bytes: int,
+                               principal: str | None) -> list[StoredResponse]:
         recent = self._recent.get(response_id)
         try:
-            found = await self._query(response_id, length, max_bytes)
+            found = await self._query(response_id, length, max_bytes, principal)
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
             if recent is not None:
                 return [recent]
             raise unavailable(Unavailable.LEDGER_UNAVAILABLE, {"detail": f"postgres: {exc!r}"}) from None
         return found or ([recent] if recent is not None else [])
 
-    async def _query(self, response_id: str, length: int, max_bytes: int) -> list[StoredResponse]:
+    async def _query(self, response_id: str, length: int, max_bytes: int,
+                     principal: str | None) -> list[StoredResponse]:
+        """The rows as far as `length` and `max_bytes` allow; of another principal's, only who owns it."""
         pool = await self._ledger.get()
         async with pool.acquire() as conn:
             if length == 1:
-                row = await conn.fetchrow(_ONE, response_id)
+                row = await conn.fetchrow(_ONE, response_id, principal)
                 return [_from_row(row)] if row is not None else []
-            return [_from_row(row) for row in await conn.fetch(_CHAIN, response_id, length, max_bytes)]
+            return [_from_row(row) for row in await conn.fetch(_CHAIN, response_id, length, max_bytes, principal)]
 

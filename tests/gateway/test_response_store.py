@@ -311,6 +311,41 @@ async def test_a_conversation_past_its_limits_is_refused_before_it_is_loaded(dat
         await store.close()
 
 
+async def test_another_principals_read_loads_nothing_of_what_a_response_holds(database_url: str) -> None:
+    """The owner check is in the query: a read of alice's conversation as bob (or keyless) is the
+    same 404 as ever, and the ledger sends back who owns the head and none of its content, nor
+    walks on to its predecessors; alice's read of it loads it whole."""
+    emitted = Emitted()
+    writer = ResponseStore(database_url, emitted, projection_wait_s=0.0)  # type: ignore[arg-type]
+    first, second = keep_two_turns(writer)
+    await record(database_url, emitted.events)
+    await writer.close()
+    store = ResponseStore(database_url, Emitted(), projection_wait_s=0.0)  # type: ignore[arg-type]
+    loaded: list[list[StoredResponse]] = []
+    query = store._query
+
+    async def spy(*args: object) -> list[StoredResponse]:
+        rows = await query(*args)  # type: ignore[arg-type]
+        loaded.append(rows)
+        return rows
+
+    store._query = spy  # type: ignore[method-assign]
+    try:
+        for principal in ("bob", None):
+            for read in (store.get, store.conversation):
+                with pytest.raises(ServingError) as caught:
+                    await read(second, principal)
+                assert caught.value.status == 404
+        assert [[(s.response_id, s.principal, s.size) for s in rows] for rows in loaded] == \
+            [[(second, "alice", len(b"[]{}"))]] * 4
+        loaded.clear()
+        assert len(await store.conversation(second, "alice")) == 4
+        assert [s.response_id for s in loaded[0]] == [second, first]
+        assert all(s.size > 100 for s in loaded[0])
+    finally:
+        await store.close()
+
+
 async def test_a_conversation_through_a_deleted_response_is_gone_with_it(database_url: str) -> None:
     emitted = Emitted()
     store = ResponseStore(database_url, emitted, projection_wait_s=0.0)  # type: ignore[arg-type]
