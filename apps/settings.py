@@ -421,8 +421,14 @@ class UpSettings:
     exported_nats_url: str
     exported_database_url: str
     inherited_env: dict[str, str]
+    # An app or embedded server that fails to come back this many restarts in a row (an app that
+    # exits before it is ready, a server that does not start) ends `up`; 0 retries forever.
+    restart_tries: int = 5
 
 
 def up_settings() -> UpSettings:
+    tries = _env_int("HELEXA_UP_RESTART_TRIES", 5)
+    if tries < 0:
+        raise SettingError("HELEXA_UP_RESTART_TRIES must be >= 0 (0: retry forever)")
     return UpSettings(exported_nats_url=_env("NATS_URL", ""), exported_database_url=_env("DATABASE_URL", ""),
-                      inherited_env=dict(os.environ))
+                      inherited_env=dict(os.environ), restart_tries=tries)

@@ -100,6 +100,8 @@ class Child:
         self.exited = exited
         self.nice = nice
         self.restarts = 0
+        # Restarts in a row that exited before they were ready (0 once one is).
+        self.failed_restarts = 0
         self.backoff_s = FIRST_BACKOFF_S
         self.spawn()
 
@@ -193,6 +195,7 @@ class EmbeddedServer:
         self.backoff_s = FIRST_BACKOFF_S
         self.started_at = time.monotonic()
         self.restarts = 0
+        self.failed_restarts = 0  # restarts in a row that did not start (0 once one does)
         self.watch()
 
     def watch(self) -> None:
@@ -220,14 +223,16 @@ class EmbeddedServer:
 
 class Supervisor:
     """Restarts children, and `up`'s own servers, that exit, each after its own backoff, until
-    `stop` is set.
+    `stop` is set; one that fails to come back `restart_tries` restarts in a row (0: never give up)
+    ends the run with a `StartFailed` naming it and what it said last.
 
     It sleeps until `attention` is set (a child or server exited, or `stop` was set: whoever sets
     either sets it too) or a restart is due; an idle system wakes it never, not five times a second."""
 
     def __init__(self, children: list[Child], stop: threading.Event, attention: threading.Event,
-                 servers: list[EmbeddedServer] | None = None) -> None:
+                 servers: list[EmbeddedServer] | None = None, restart_tries: int = 0) -> None:
         self.children = children
+        self.restart_tries = restart_tries
         self.stop = stop
         self.attention = attention
         self.servers = servers or []
@@ -265,8 +270,12 @@ class Supervisor:
             except Exception as exc:  # whatever it was, it is logged and tried again
                 log.error("embedded server did not start again", extra={
                     "app": server.name, "error": str(exc), "log": display_path(server.log_file)})
+                server.failed_restarts += 1
+                self._give_up_after(server.failed_restarts, server.name, f"{_said(exc)} (its log: "
+                                    f"{display_path(server.log_file)})")
                 self.attention.set()  # look again: its next try is scheduled at once
                 return
+            server.failed_restarts = 0
             log.info("embedded server restarted", extra={"app": server.name, "restarts": server.restarts})
 
     def _look_after(self, child: Child) -> None:
@@ -275,6 +284,12 @@ class Supervisor:
             return
         if child.app not in self._due:
             _kill_group(child.process.pid)  # what it leaves behind (an engine process) goes with it
+            if child.restarts and not child.ready.is_set():
+                child.failed_restarts += 1
+                said = f"exit {child.process.returncode}" + (f": {child.last_error}" if child.last_error else "")
+                self._give_up_after(child.failed_restarts, child.app, said)
+            else:
+                child.failed_restarts = 0
             ran_s = round(now - child.started_at, 1)
             if ran_s >= STABLE_AFTER_S:
                 child.backoff_s = FIRST_BACKOFF_S
@@ -289,6 +304,11 @@ class Supervisor:
             child.spawn()
             log.info("child restarted", extra={"app": child.app, "pid": child.process.pid,
                                                "restarts": child.restarts})
+
+    def _give_up_after(self, failed_in_a_row: int, name: str, said: str) -> None:
+        if self.restart_tries and failed_in_a_row >= self.restart_tries:
+            raise StartFailed(f"helexa: the {name} did not come back after {failed_in_a_row} restarts in a row "
+                              f"({said}); stopping (HELEXA_UP_RESTART_TRIES)")
 
 
 # How much of the worker's dtype reason the banner shows (the whole of it is in the worker's log).
@@ -549,7 +569,7 @@ def run_up(args: argparse.Namespace) -> int:
             model = worker.get("model")
             print(banner(url, model or "", env_file, worker, credential_files, role_folders), flush=True)
             announce_ready("up", url=url, model=model, data_dir=str(folder), env_file=str(env_file))
-            Supervisor(children, stop, attention, watched).run()
+            Supervisor(children, stop, attention, watched, settings.restart_tries).run()
         except (StartFailed, RuntimeError, TimeoutError, OSError) as exc:
             if not stop.is_set():
                 failure = str(exc) if str(exc).startswith("helexa") else f"helexa: {exc}"

@@ -303,6 +303,31 @@ def test_an_app_that_dies_is_restarted_and_serves_again(tmp_path: Path, script: 
     assert all(children[app].is_running() for app in ("worker", "recorder"))
 
 
+def test_an_app_that_cannot_come_back_ends_up_in_one_line_after_its_tries(
+        tmp_path: Path, script: Path, ups: list[AppProcess]) -> None:
+    """A worker that exits before it is ready again, restart after restart (its script now
+    unreadable), is not restarted forever: after HELEXA_UP_RESTART_TRIES in a row `up` stops
+    everything and ends in one line naming it and what it said last."""
+    own_script = tmp_path / "script.json"
+    own_script.write_text(script.read_text(encoding="utf-8"), encoding="utf-8")
+    data = tmp_path / "data"
+    up = start_up(ups, data, free_port(), own_script, env={"HELEXA_UP_RESTART_TRIES": "2"})
+    wait_up(up)
+    workers = [p for p in psutil.Process(up.process.pid).children() if p.cmdline()[-2:] == ["apps.cli", "worker"]]
+    assert len(workers) == 1, workers
+    own_script.write_text("{not json", encoding="utf-8")
+    workers[0].kill()
+    assert up.process.wait(120) == 1
+    up.stop()  # collects the rest of its output
+    restarted = [e["restarts"] for e in up.lines if e.get("event") == "child restarted"]
+    assert restarted == [1, 2]
+    lines = up.output(last=100_000).strip().splitlines()
+    assert lines[-1].startswith("helexa: the worker did not come back after 2 restarts in a row (exit 1: "
+                                "the model could not be loaded: "), lines[-1]
+    assert "Traceback" not in "\n".join(lines)
+    assert processes_using(data) == []
+
+
 def test_an_embedded_server_that_dies_is_started_again_and_the_system_serves_and_records(
         tmp_path: Path, script: Path, ups: list[AppProcess]) -> None:
     # Killed for memory, or crashed: `up` says so, starts it again on the same port and data, and
