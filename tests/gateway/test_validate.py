@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import typing
 
 import pytest
@@ -15,9 +16,11 @@ from apps.bus import wire
 from apps.bus.codes import Api, ErrorCode, ServingError
 from apps.bus.topology import BusLimits
 from apps.embedded.nats_server import NatsServer
+from apps.gateway.api import chat
 from apps.gateway.api import openai_schema as oa
 from apps.gateway.api import responses_schema as rs
 from apps.gateway.api.validate import (
+    MAX_JSON_CONTAINERS,
     MAX_JSON_DEPTH,
     MAX_WHOLE_LOGPROB_ENTRIES,
     PROMPT_CHARS_PER_TOKEN,
@@ -42,10 +45,80 @@ from engine.frontend.protocol import SamplingParams
     ('{"a": "\\"' + "{" * 500 + '"}', False),  # nor after an escaped quote
     ('[' * 30 + '{"a": ' * 35 + "1" + "}" * 35 + "]" * 30, True),
     ("[" + "[]," * 10_000 + "[]]", False),  # many brackets, shallow
-], ids=["at-the-bound", "past-the-bound", "in-a-string", "after-an-escape", "mixed", "wide"])
+    ('["\\\\", ' + "[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH + "]", True),  # an escaped backslash ends its string
+    ('["\\\\\\"' + "[" * 500 + '"]', False),  # three backslashes: the quote is escaped
+], ids=["at-the-bound", "past-the-bound", "in-a-string", "after-an-escape", "mixed", "wide",
+        "after-an-escaped-backslash", "after-an-odd-run"])
 def test_nesting_depth(text: str, deep: bool) -> None:
+    assert json.loads(text) is not None  # each case is valid JSON
     assert json_too_deep(text) is deep
     assert json_too_deep(text.encode()) is deep
+
+
+def _depth(value: object) -> int:
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    return 0
+
+
+def test_nesting_depth_agrees_with_a_decoder_on_random_documents() -> None:
+    """Strings holding brackets, quotes and runs of backslashes, keys among them: the depth the
+    check sees is the decoded document's, at every limit around it."""
+    rng = random.Random(7)
+    strings = ["[", "]{", '"', "\\", '\\"[', "\\\\", "x"]
+
+    def document(level: int) -> object:
+        if level > 8 or rng.random() < 0.25:
+            return rng.choice([*(rng.choice(strings) * rng.randint(1, 3) for _ in range(2)), 1, None])
+        if rng.random() < 0.5:
+            return [document(level + 1) for _ in range(rng.randint(0, 3))]
+        return {rng.choice(strings) + str(i): document(level + 1) for i in range(rng.randint(0, 3))}
+
+    for _ in range(500):
+        text = json.dumps(document(0))
+        depth = _depth(json.loads(text))
+        for limit in (max(depth - 1, 0), depth, depth + 1):
+            assert json_too_deep(text, limit) is (depth > limit), (text, limit)
+
+
+def test_a_body_of_too_many_arrays_and_objects_is_refused_before_it_is_decoded() -> None:
+    """A tool's `parameters` is untyped: decoding builds whatever it holds, in one call on the
+    loop. Past MAX_JSON_CONTAINERS arrays and objects the body is a 400; brackets in strings
+    (a prompt of code) do not count."""
+    def body(parameters: object, content: str = "hi") -> bytes:
+        return json.dumps({"model": "m", "messages": [{"role": "user", "content": content}], "tools": [
+            {"type": "function", "function": {"name": "f", "parameters": parameters}}]}).encode()
+
+    at_the_bound = {"type": "object", "x": [{} for _ in range(MAX_JSON_CONTAINERS - 8)]}  # and the body's own 8
+    assert decode_body(body(at_the_bound), oa.ChatCompletionRequest).tools is not None
+    with pytest.raises(ServingError) as refused:
+        decode_body(body({"type": "object", "x": [[] for _ in range(MAX_JSON_CONTAINERS)]}), oa.ChatCompletionRequest)
+    assert refused.value.status == 400 and f"at most {MAX_JSON_CONTAINERS}" in refused.value.message
+    code = "{[()]}" * MAX_JSON_CONTAINERS  # brackets in a string
+    assert decode_body(body({"type": "object"}, code), oa.ChatCompletionRequest).messages[0].content == code
+
+
+def test_tool_call_arguments_share_one_budget_of_arrays_and_objects() -> None:
+    """Each call's `arguments` is JSON in a string, parsed for the template: many calls of a
+    few thousand arrays each are within the body's bounds, but not past the budget together."""
+    arguments = json.dumps([[] for _ in range(4096)])
+
+    def conversation(calls: int) -> oa.ChatCompletionRequest:
+        messages = [{"role": "user", "content": "hi"}]
+        for i in range(calls):
+            messages += [{"role": "assistant", "tool_calls": [
+                {"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": arguments}}]},
+                {"role": "tool", "tool_call_id": f"c{i}", "content": "ok"}]
+        return decode_body(json.dumps({"model": "m", "messages": messages}).encode(), oa.ChatCompletionRequest)
+
+    fits = MAX_JSON_CONTAINERS // 4097
+    assert len(chat.to_bus_request(conversation(fits), "r").messages) == 1 + 2 * fits
+    with pytest.raises(ServingError) as refused:
+        chat.to_bus_request(conversation(fits + 1), "r")
+    assert (refused.value.status, refused.value.param) == (400, "messages")
+    assert "arguments together" in refused.value.message
 
 
 def test_stop_strings_are_bounded_in_bytes() -> None:

@@ -18,6 +18,7 @@ from apps.gateway.api import openai_schema as oa
 from apps.gateway.api.openapi_docs import operation_for
 from apps.gateway.api.request_ids import new_request_id
 from apps.gateway.api.structured import check_enforceable
+from apps.gateway.api.validate import JsonBudget
 from apps.gateway.errors import error_body
 
 HANDLER = "chat_completions"
@@ -28,9 +29,10 @@ def to_bus_request(req: oa.ChatCompletionRequest, request_id: str,
                    principal: str | None = None) -> wire.GenerateRequest:
     """The bus request for a chat completion; the pipeline gives it its reply subject and deadline.
     A developer message is the system prompt (OpenAI's newer name for it), as chat templates know it."""
+    arguments = JsonBudget()
     messages = [
         wire.ChatMessage(role="system" if m.role == "developer" else m.role, content=m.text(),
-                         tool_calls=m.template_tool_calls(), tool_call_id=m.tool_call_id, name=m.name)
+                         tool_calls=m.template_tool_calls(arguments), tool_call_id=m.tool_call_id, name=m.name)
         for m in req.messages
     ]
     tool_required, tool_name = req.forced_tool()

@@ -3,7 +3,6 @@ contract (`apps.gateway.api.validate`), so decoding checks them and the OpenAPI 
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -14,8 +13,8 @@ from apps.gateway.api.structured import StructuredOutputFields
 from apps.gateway.api.validate import (
     MAX_MESSAGES,
     MAX_TOOLS,
+    JsonBudget,
     ModelId,
-    check_json_depth,
     check_stop_strings,
     template_kwargs,
     thinking_for_effort,
@@ -46,15 +45,14 @@ class MessageIn(msgspec.Struct, kw_only=True):
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
 
-    def template_tool_calls(self) -> list[dict[str, Any]] | None:
+    def template_tool_calls(self, budget: JsonBudget) -> list[dict[str, Any]] | None:
         """Tool calls as chat templates expect them: arguments as an object, not a JSON string."""
         if not self.tool_calls:
             return None
         calls = []
         for call in self.tool_calls:
-            check_json_depth(call.function.arguments or "{}", "messages")
             try:
-                arguments = json.loads(call.function.arguments or "{}")
+                arguments = budget.parse(call.function.arguments or "{}", "messages")
             except ValueError:
                 raise ServingError(400, ErrorCode.INVALID_REQUEST, "Tool call arguments must be a JSON object.",
                                    param="messages") from None

@@ -23,7 +23,6 @@ reasoning off (`enable_thinking`); other levels are not enforced.
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from typing import Any
@@ -40,7 +39,7 @@ from apps.gateway.api.openapi_docs import operation_for
 from apps.gateway.api.responses_output import ResponsesFormatter
 from apps.gateway.api.responses_tools import WARNING_HEADER, OfferedTools, forced, offered_tools, qualified
 from apps.gateway.api.structured import check_enforceable, json_constraint
-from apps.gateway.api.validate import check_json_depth, check_metadata, template_kwargs, thinking_for_effort
+from apps.gateway.api.validate import JsonBudget, check_metadata, template_kwargs, thinking_for_effort
 from apps.gateway.response_store import NewResponse, ResponseStore, new_response_id
 from engine.frontend.protocol import SamplingParams, StructuredOutput
 
@@ -79,11 +78,10 @@ def _text(content: str | list[rs.ContentPart], param: str) -> str:
     return "".join(texts)
 
 
-def _template_call(item: rs.FunctionCallItem, param: str) -> dict[str, Any]:
+def _template_call(item: rs.FunctionCallItem, param: str, budget: JsonBudget) -> dict[str, Any]:
     """A function call as chat templates expect it: arguments as an object, not a JSON string."""
-    check_json_depth(item.arguments or "{}", param)
     try:
-        arguments = json.loads(item.arguments or "{}")
+        arguments = budget.parse(item.arguments or "{}", param)
     except ValueError:
         arguments = None
     if not isinstance(arguments, dict):
@@ -97,13 +95,14 @@ def chat_messages(items: list[rs.InputItem], instructions: str | None, param: st
     as `system`, function calls joined to the assistant turn they belong to, outputs as `tool`."""
     out: list[wire.ChatMessage] = [wire.ChatMessage(role="system", content=instructions)] if instructions else []
     names: dict[str, str] = {}
+    arguments = JsonBudget()
     for item in items:
         if isinstance(item, rs.MessageItem):
             role = "system" if item.role in ("system", "developer") else item.role
             out.append(wire.ChatMessage(role=role, content=_text(item.content, param)))
         elif isinstance(item, rs.FunctionCallItem):
             names[item.call_id] = qualified(item.namespace, item.name)
-            call = _template_call(item, param)
+            call = _template_call(item, param, arguments)
             if out and out[-1].role == "assistant":
                 out[-1] = msgspec.structs.replace(out[-1], tool_calls=[*(out[-1].tool_calls or []), call])
             else:
