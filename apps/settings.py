@@ -296,12 +296,17 @@ class WorkerSettings:
     # the model is out of service until reloaded); 0 never restarts one.
     core_restarts: int = field(default_factory=lambda: _env_int("HELEXA_CORE_RESTARTS", 3))
     core_restart_window_s: float = field(default_factory=lambda: _env_float("HELEXA_CORE_RESTART_WINDOW_S", 600.0))
+    # An engine core that holds unfinished requests and is not heard from this long is hung (a
+    # device or kernel that never returns): killed, and restarted as above; 0: never.
+    core_stall_s: float = field(default_factory=lambda: _env_float("HELEXA_CORE_STALL_S", 600.0))
     # Model-runner ranks each model is sharded across (torch.distributed; engine.runner.tensor_parallel).
     tensor_parallel: int = field(default_factory=lambda: _env_int("HELEXA_TENSOR_PARALLEL", 1))
 
     def __post_init__(self) -> None:
         if self.core_restarts < 0 or self.core_restart_window_s <= 0:
             raise SettingError("HELEXA_CORE_RESTARTS must be >= 0 and HELEXA_CORE_RESTART_WINDOW_S positive")
+        if self.core_stall_s < 0:
+            raise SettingError("HELEXA_CORE_STALL_S must be >= 0 (0: never)")
         if self.kernels not in KERNEL_CHOICES:
             raise SettingError(f"HELEXA_KERNELS must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
         if self.heartbeat_s <= 0:
@@ -344,6 +349,7 @@ class WorkerSettings:
             cuda_graphs=self.cuda_graphs,
             kernels=self.kernels,
             batch_window_ms=self.batch_window_ms,
+            stall_s=self.core_stall_s,
             tensor_parallel=self.tensor_parallel,
             batch_aging_steps=self.batch_aging_steps,
             batch_step_interval=self.batch_step_interval,

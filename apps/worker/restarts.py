@@ -2,7 +2,9 @@
 
 `SupervisedEngine` is the `Engine` a model loop serves from: it passes everything to the running
 core (`engine.frontend.core_client.AsyncEngine`), and when that core's process dies unasked it starts a new
-one with the same configuration (the dtype the first one measured, pinned). The requests the dead
+one with the same configuration (the dtype the first one measured, pinned); a core that hangs
+(alive, silent past `EngineConfig.stall_s` while it holds work) is killed by its client and dies
+the same way. The requests the dead
 core held have had their error outputs already; each run ends with an `engine_lost` error frame,
 which a gateway migrates like a lost worker's stream. While the new core starts the engine has no
 free slots, so the model loop pulls nothing and new requests wait in JetStream, or go to other
@@ -165,7 +167,7 @@ class SupervisedEngine:
             report = replace(report, out_of_service=f"a device fault before the core died: {device_fault}")
         else:
             log.warning("restarting the engine core", extra={"model": dead.model_id, "exitcode": exitcode,
-                                                             "held_requests": held})
+                                                             "held_requests": held, "stalled": dead.stalled})
             report = await self._start_again(report)
         if report.out_of_service is not None:
             log.error("the engine core is not restarted: the model is out of service until reloaded",

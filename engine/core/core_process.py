@@ -20,6 +20,7 @@ from engine.core.batch_window import gather_burst
 from engine.core.engine_core import GRAMMAR_POLL_S, EngineCore
 from engine.frontend.engine_config import EngineConfig
 from engine.frontend.protocol import (
+    CORE_PULSE_S,
     AbortRequests,
     AddRequest,
     CoreFailed,
@@ -169,6 +170,8 @@ def run_core_process(conn: Connection, config: EngineConfig) -> None:
     send(CoreReady(info=core.info))
     window_s = config.batch_window_ms / 1000.0
     arrivals = Arrivals()
+    last_sent = time.monotonic()
+    pulse_s = min(CORE_PULSE_S, config.stall_s / 4) if config.stall_s else CORE_PULSE_S
     try:
         while True:
             outputs: list[EngineOutput] = []
@@ -196,10 +199,13 @@ def run_core_process(conn: Connection, config: EngineConfig) -> None:
             except Exception as exc:
                 log.exception("engine step failed")
                 outputs.extend(core.fail_all(device_fault_message(exc)))
-            if outputs:
+            # Outputs, or at least a pulse while it works (a long prefill, a grammar compile): a
+            # core not heard from is hung (`EngineConfig.stall_s`).
+            if outputs or time.monotonic() - last_sent >= pulse_s:
                 try:
                     send(StepOutputs(outputs=outputs, stats=core.stats))
                 except (EOFError, OSError):
                     return
+                last_sent = time.monotonic()
     finally:
         core.close()

@@ -18,6 +18,7 @@ import os
 import queue
 import signal
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -76,6 +77,12 @@ class AsyncEngine:
         # The first device fault the core reported, if any: a core that dies after one is not
         # restarted (the model is poisoned until it is reloaded).
         self.device_fault: str | None = None
+        # The requests the core has not finished, and when it was last heard from (or given work
+        # while it had none): silence past `config.stall_s` with any of them is a hung core.
+        self._unfinished: set[str] = set()
+        self._heard_at = time.monotonic()
+        self._watchdog: asyncio.Task[None] | None = None
+        self.stalled = False
 
     @classmethod
     async def start(cls, config: EngineConfig, process_setup: Callable[[], None] | None = None) -> AsyncEngine:
@@ -119,6 +126,23 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._reader = PipeReader(self._loop, conn, self._received, self._core_died)
         threading.Thread(target=self._write, daemon=True, name="helexa-engine-writer").start()
+        if self.config.stall_s > 0:
+            self._watchdog = asyncio.create_task(self._watch_for_stalls(self.config.stall_s))
+
+    async def _watch_for_stalls(self, stall_s: float) -> None:
+        """Kills a core that holds unfinished requests and has been silent for `stall_s` (alive,
+        so its pipe never closes, and its requests would wait forever): its death then takes the
+        path of any core's, error outputs and a restart."""
+        while not self._dead:
+            silent_s = time.monotonic() - self._heard_at
+            if self._unfinished and silent_s >= stall_s:
+                log.error("engine core stalled: not heard from while it held unfinished requests; killed",
+                          extra={"pid": self.pid, "silent_s": round(silent_s, 1),
+                                 "requests": len(self._unfinished)})
+                self.stalled = True
+                self._process.kill()
+                return
+            await asyncio.sleep(max(stall_s - silent_s, 0.0) if self._unfinished else stall_s / 4)
 
     def _recv_startup(self) -> CoreReady | CoreFailed:
         assert self._conn is not None
@@ -168,6 +192,7 @@ class AsyncEngine:
         return max(self.max_num_seqs - taken, 0)
 
     def _received(self, data: bytes | memoryview) -> None:
+        self._heard_at = time.monotonic()
         message = from_core_decoder.decode(data)
         if isinstance(message, StepOutputs):
             self._dispatch(message)
@@ -177,6 +202,8 @@ class AsyncEngine:
         for output in message.outputs:
             if output.error is not None and self.device_fault is None and is_device_fault(output.error):
                 self.device_fault = output.error
+            if output.finished:
+                self._unfinished.discard(output.request_id)
             queue = self._queues.get(output.request_id)
             if queue is not None:
                 queue.put_nowait(output)
@@ -224,6 +251,9 @@ class AsyncEngine:
                                           finish_reason=FinishReason.ERROR, error=refused))
             return OutputStream(queue, lambda finished: None)
         self._queues[request.request_id] = queue
+        if not self._unfinished:
+            self._heard_at = time.monotonic()  # silence while it had nothing to do is not a stall
+        self._unfinished.add(request.request_id)
         if request.service_class == ServiceClass.BATCH:
             self._batch.add(request.request_id)
         self._send(AddRequest(request))
@@ -234,6 +264,7 @@ class AsyncEngine:
             self._send(AbortRequests([request_id]))
         self._queues.pop(request_id, None)
         self._batch.discard(request_id)
+        self._unfinished.discard(request_id)
 
     async def abort(self, request_id: str) -> None:
         if request_id in self._queues:
@@ -244,6 +275,8 @@ class AsyncEngine:
         if self._closed:
             return
         self._closed = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         self._send(Shutdown())
         self._outbox.put(None)
         if self._process is not None:

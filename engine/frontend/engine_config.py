@@ -49,6 +49,10 @@ class EngineConfig:
     # batch_narrow_tokens batch tokens (engine.core.scheduler's narrow batch steps).
     batch_narrow_s: float = 10.0
     batch_narrow_tokens: int = 16
+    # A core that holds unfinished requests and is not heard from (it sends at least every
+    # CORE_PULSE_S while it has work) for this long is hung, not busy: the client kills it, and
+    # the worker restarts it like any core that dies; 0: never.
+    stall_s: float = 600.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -57,6 +61,8 @@ class EngineConfig:
             raise ValueError("num_kv_blocks and kv_cache_bytes must be >= 0")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.stall_s < 0:
+            raise ValueError("stall_s must be >= 0 (0: never)")
         if not 0 <= self.batch_window_ms <= 1000:
             raise ValueError("batch_window_ms must be between 0 and 1000")
         if not 1 <= self.tensor_parallel <= 64:

@@ -93,6 +93,43 @@ async def test_a_dead_core_fails_requests_instead_of_hanging(engine: AsyncEngine
     assert engine.free_slots() == 0
 
 
+async def test_a_hung_core_is_killed_and_fails_its_requests_instead_of_hanging(chat_prompt_ids: list[int]) -> None:
+    """A core that is alive but makes no step (SIGSTOP: as a device or kernel that never returns)
+    sends nothing and its pipe never closes; past `stall_s` of silence with a request unfinished
+    the client kills it, and the request ends with an error output like any dead core's."""
+    engine = await AsyncEngine.start(EngineConfig(model=str(default_model_path()), max_num_seqs=4, stall_s=3.0))
+    died = asyncio.Event()
+    engine.on_death = lambda held: died.set()
+    try:
+        idle = await collect(engine, EngineRequest("idle-before", chat_prompt_ids, greedy(2)))
+        assert idle[-1].finish_reason is FinishReason.LENGTH and not engine.stalled
+        stream = engine.generate(EngineRequest("stuck", chat_prompt_ids, greedy(500)))
+        await stream.__anext__()
+        os.kill(engine._process.pid, signal.SIGSTOP)
+        rest = [out async for out in stream]
+        assert rest[-1].finish_reason is FinishReason.ERROR
+        await asyncio.wait_for(died.wait(), 30)
+        assert engine.stalled and engine.exitcode in (None, -signal.SIGKILL)
+    finally:
+        await engine.shutdown()
+
+
+async def test_a_core_busy_with_one_long_prefill_is_not_taken_for_hung(chat_prompt_ids: list[int]) -> None:
+    """Steps that finish no output (a long prompt prefilled 16 tokens a step: 188 steps) still
+    pulse: a stall bound shorter than the prefill takes it for the work it is."""
+    engine = await AsyncEngine.start(EngineConfig(model=str(default_model_path()), max_num_seqs=4,
+                                                  max_num_batched_tokens=16, stall_s=0.4))
+    try:
+        prompt = (chat_prompt_ids * 200)[:3000]
+        started = asyncio.get_running_loop().time()
+        outputs = await collect(engine, EngineRequest("long", prompt, greedy(1)))
+        assert outputs[-1].finish_reason is FinishReason.LENGTH, outputs[-1]
+        assert asyncio.get_running_loop().time() - started > 0.4  # longer than the bound, or it proves nothing
+        assert not engine.stalled
+    finally:
+        await engine.shutdown()
+
+
 def test_merged_outputs_concatenate_tokens_and_keeps_first_prefill() -> None:
     a = EngineOutput("r", [1], num_prompt_tokens=5, prefill_ms=3.0)
     b = EngineOutput("r", [2, 3], finished=True, finish_reason=FinishReason.STOP, num_prompt_tokens=5)

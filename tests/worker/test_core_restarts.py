@@ -21,6 +21,7 @@ class Core:
         self.pid = pid
         self.on_death = None
         self.device_fault: str | None = None
+        self.stalled = False
         self.exitcode: int | None = None
         self.dead = False
         self.closed = False
