@@ -113,10 +113,10 @@ class GenerationPipeline:
     async def frames(self, generation: Generation) -> AsyncIterator[wire.Delta | wire.Final]:
         """Deltas then one Final; raises ServingError on an error frame or a lost worker.
 
-        Silence before any text means the worker may have died holding the request: JetStream
+        Silence before any delta means the worker may have died holding the request: JetStream
         hands it to another worker after its ack wait, so we keep waiting as a queued request
         would, up to its deadline (workers drop it after that; the max-deliveries advisory ends
-        it sooner when every delivery's worker died). Silence after text means the worker is
+        it sooner when every delivery's worker died). Silence after one means the worker is
         lost: the request migrates to another worker from what the client has
         (`apps.gateway.migration`), up to `max_migrations` times; then the client gets the error.
         """
@@ -154,8 +154,9 @@ class GenerationPipeline:
                 if isinstance(frame, wire.Delta):
                     completion_tokens += frame.num_tokens
                     delivered.add(frame)
-                    if frame.text or frame.reasoning or frame.tool_calls:
-                        reply.lock()
+                    # Any delta is the client's (its tokens count, their logprobs show, its text
+                    # may be held back): the attempt that sent it is the answer from now on.
+                    reply.lock()
                 if isinstance(frame, wire.Final):
                     generation.finished = True
                 timer.frame(frame)

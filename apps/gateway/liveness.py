@@ -16,8 +16,8 @@ The protocol, per request (the worker's half lives in `apps/worker/liveness.py`)
   (text cannot be taken back).
 - **Heartbeats.** A worker holding a request sends a `Heartbeat` frame every few seconds (and
   in-progress acks to JetStream). Silence longer than the stream idle timeout means: before any
-  text, the worker may have died holding the request (JetStream redelivers it after its ack wait),
-  so keep waiting as a queued request would, up to the request's deadline; after text, the worker
+  delta, the worker may have died holding the request (JetStream redelivers it after its ack wait),
+  so keep waiting as a queued request would, up to the request's deadline; after one, the worker
   is lost: the request migrates to another worker (`apps/gateway/migration.py`), or past the
   migration limit the client gets `worker_lost` and later attempts are ignored.
 - **Cancel.** When the client leaves early, or the gateway ends a request no worker will finish,
@@ -54,7 +54,7 @@ T = TypeVar("T")
 
 
 def attempt_taken(probe: bytes, locked_attempt: int | None, base_attempt: int = 0) -> bool:
-    """Whether a probe asking for attempt `probe` must be refused: another attempt sent text, or
+    """Whether a probe asking for attempt `probe` must be refused: another attempt sent a delta, or
     the request was migrated past it."""
     try:
         asking = int(probe) if probe else None
@@ -80,7 +80,7 @@ async def answer_probes(nc: NatsClient, reply: ReplyStream, reply_subject: str) 
 async def next_live_frame(reply: ReplyStream, idle_timeout_s: float, deadline: float) -> wire.ReplyFrame:
     """The next frame that is not a heartbeat (heartbeats only prove the worker is there).
 
-    Silence before any text keeps waiting until `deadline`; silence after text is `worker_lost`.
+    Silence before any delta keeps waiting until `deadline`; silence after one is `worker_lost`.
     """
     while True:
         try:

@@ -78,7 +78,7 @@ class Migrator:
     def may_migrate(self, error: ServingError, reply: ReplyStream, migrations: int) -> bool:
         if error.code not in MIGRATABLE or migrations >= self._settings.max_migrations:
             return False
-        # Silence before any text past the deadline is a request nobody took, not a lost worker.
+        # Silence before any delta past the deadline is a request nobody took, not a lost worker.
         return error.code != ErrorCode.WORKER_LOST or reply.locked_attempt is not None
 
     async def migrate(self, lost: wire.GenerateRequest, reply: ReplyStream, node: str, prompt_tokens: int,

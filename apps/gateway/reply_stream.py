@@ -1,5 +1,5 @@
 """One request's reply subject, read as frames: in order per attempt, stale attempts dropped,
-pinned to the attempt that first sent the client text, and held in a bounded buffer.
+pinned to the attempt that first sent the client a delta, and held in a bounded buffer.
 
 Each attempt numbers its frames from 0. A missing or repeated number inside the attempt being
 read, or a new attempt whose first frame to arrive is not its frame 0, means frames were lost
@@ -46,8 +46,9 @@ class ReplyTimeout(Exception):
 class ReplyStream:
     """Frames of one request's reply subject, in order, duplicates and stale attempts dropped.
 
-    Once the client has been sent text, `lock()` pins the attempt that sent it: a later attempt
-    (JetStream redelivered the request) would start the text again, so its frames are dropped.
+    Once the client has been sent a delta (text, or tokens whose text is held back), `lock()` pins
+    the attempt that sent it: a later attempt (JetStream redelivered the request) would start the
+    answer again, so its frames are dropped.
     The owner routes the reply subject's frames to `on_frame` (`apps.gateway.reply_router`) and
     sets `subscriptions` (closed with the stream) and `on_close`.
     """
@@ -91,7 +92,7 @@ class ReplyStream:
 
     def migrate(self, base_attempt: int) -> None:
         """The request goes on as attempt `base_attempt` (or a redelivery of it): frames of the
-        attempts before it are dropped from now, and the next attempt to send text is pinned."""
+        attempts before it are dropped from now, and the next attempt to send a delta is pinned."""
         self._base_attempt = self._attempt = base_attempt
         self._next_seq = 0
         self._locked = False

@@ -31,12 +31,13 @@ from apps.settings import GatewaySettings
 from engine.frontend.protocol import SamplingParams
 
 
-def pipeline_on(bus: GatewayBus, metrics: GatewayMetrics, registry: NodeRegistry | None = None) -> GenerationPipeline:
+def pipeline_on(bus: GatewayBus, metrics: GatewayMetrics, registry: NodeRegistry | None = None,
+                settings: GatewaySettings | None = None) -> GenerationPipeline:
     cold_starts = ColdStarts(bus, registry or NodeRegistry(bus, BusLimits()), metrics)
     events = EventPublisher(bus, metrics)
     admissions = Admissions(AdmissionLimits(), None, metrics, events.emit)
     return GenerationPipeline(bus, cold_starts, admissions, Canceller(lambda: bus.nc), events, metrics,
-                              GatewaySettings())
+                              settings or GatewaySettings())
 
 
 async def bare_worker(url: str, model: str) -> tuple[nats.NATS, JetStreamContext.PullSubscription]:
@@ -123,6 +124,49 @@ async def test_an_answer_whose_start_was_lost_goes_on_as_a_new_attempt(own_nats:
         await worker.close()
         await bus.close()
 
+
+
+async def test_a_delta_without_text_pins_its_attempt_so_a_migration_resumes_one_answer(own_nats: NatsServer) -> None:
+    """The first delta holds a token and no text yet (held back: a tag, half a character, a stop
+    string's start), and the client has it (its logprobs, its count). Then a redelivery's attempt
+    starts from scratch beside it: its frames are not this client's answer. When the stream then
+    goes silent, the migration resumes from the tokens of the one attempt the client read, never
+    the two mixed."""
+    metrics = GatewayMetrics()
+    bus = await GatewayBus.connect(own_nats.url, BusLimits(), metrics)
+    pipeline = pipeline_on(bus, metrics, settings=GatewaySettings(stream_idle_timeout_s=1.0))
+    worker, pulled = await bare_worker(own_nats.url, "pinned")
+    resumed: list[list[int]] = []
+
+    async def serve() -> None:
+        request = await next_request(pulled)
+        await worker.publish(request.reply_subject, wire.encode(
+            wire.Delta(seq=0, attempt=1, text="", num_tokens=1, token_ids=[5])))
+        # A second delivery of the same message, answering from its start, then lost too.
+        await worker.publish(request.reply_subject, wire.encode(
+            wire.Delta(seq=0, attempt=2, text="Other", num_tokens=1, token_ids=[9])))
+        migrated = await next_request(pulled)
+        resumed.extend(choice.token_ids for choice in migrated.resume or [])
+        usage = wire.Usage(prompt_tokens=3, completion_tokens=3)
+        for frame in [wire.Delta(seq=0, attempt=migrated.attempt, text="Hello", num_tokens=1, token_ids=[7]),
+                      wire.Delta(seq=1, attempt=migrated.attempt, text=" there", num_tokens=1, token_ids=[8],
+                                 finish_reason="stop"),
+                      wire.Final(seq=2, attempt=migrated.attempt, finish_reason="stop", usage=usage)]:
+            await worker.publish(migrated.reply_subject, wire.encode(frame))
+
+    serving = asyncio.create_task(serve())
+    try:
+        generation = await pipeline.first_frames.wait(new_request(bus, "pinned-1", "pinned"), "test")
+        deltas = [f async for f in pipeline.frames(generation) if isinstance(f, wire.Delta)]
+        assert [t for d in deltas for t in d.token_ids] == [5, 7, 8]
+        assert "".join(d.text for d in deltas) == "Hello there"
+        assert resumed == [[5]]
+        await pipeline.close(generation)
+        await serving
+    finally:
+        serving.cancel()
+        await worker.close()
+        await bus.close()
 
 
 async def answer(worker: nats.NATS, request: wire.GenerateRequest) -> None:
