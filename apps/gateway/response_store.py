@@ -303,9 +303,12 @@ class ResponseStore:
     def keep(self, new: NewResponse, model: str) -> None:
         """Store a response: on the ledger (through EVENTS) and in the recent cache. A NUL in its
         output is kept as U+FFFD, as the ledger records it."""
-        response = without_nul(new.response)
+        response, encoded = new.response, wire.encode(new.response)
+        if b"\\u0000" in encoded:  # JSON's only spelling of a NUL: the walk only when there is one
+            response = without_nul(response)
+            encoded = wire.encode(response)
         self._recent.put(StoredResponse(new.response_id, new.principal, new.previous_response_id,
-                                        wire.encode(new.input_items), wire.encode(response)))
+                                        wire.encode(new.input_items), encoded))
         self._events.emit(ResponseStored(
             model=model, node="gateway", response_id=new.response_id, principal=new.principal,
             previous_response_id=new.previous_response_id, input_items=new.input_items, response=response))

@@ -5,6 +5,7 @@ and an old unknown one is not, and ownership is checked on every read."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -307,6 +308,23 @@ async def test_a_conversation_past_its_limits_is_refused_before_it_is_loaded(dat
             assert caught.value.status == 400 and "stored bytes" in caught.value.message
         finally:
             await small.close()
+    finally:
+        await store.close()
+
+
+async def test_a_nul_in_a_kept_response_is_kept_as_the_ledger_records_it(database_url: str) -> None:
+    emitted = Emitted()
+    store = ResponseStore(database_url, emitted, projection_wait_s=0.0)  # type: ignore[arg-type]
+    try:
+        plain, with_nul = new_response_id(), new_response_id()
+        for response_id, text in ((plain, "a \\u0000 spelled out"), (with_nul, "a\x00b")):
+            new = stored(response_id)
+            new.response["output"][0]["content"] = [{"type": "output_text", "text": text}]
+            store.keep(new, "tiny")
+        texts = [json.loads((await store.get(r, "alice")).response_json)["output"][0]["content"][0]["text"]
+                 for r in (plain, with_nul)]
+        assert texts == ["a \\u0000 spelled out", "a\ufffdb"]
+        assert [e.response["output"][0]["content"][0]["text"] for e in emitted.events] == texts
     finally:
         await store.close()
 
