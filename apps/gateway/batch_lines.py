@@ -160,15 +160,17 @@ def split_lines(content: bytes) -> list[bytes]:
 
 
 def output_line(row: Any) -> bytes:
-    """One line of an output or error file, in OpenAI's shape."""
+    """One line of an output or error file, in OpenAI's shape. The ledger's JSON (a body is up
+    to an answer's whole logprobs: megabytes) goes in as it is, never decoded and made again."""
     response = None
     if row["status_code"] is not None:
-        body = row["body"]
-        response = {"status_code": row["status_code"], "request_id": row["request_id"],
-                    "body": msgspec.json.decode(body) if isinstance(body, str) else body}
-    error = row["error"]
+        response = {"status_code": row["status_code"], "request_id": row["request_id"], "body": _raw(row["body"])}
     return msgspec.json.encode({
         "id": f"batch_req_{row['batch_id'].removeprefix('batch_')}_{row['line']}",
-        "custom_id": row["custom_id"], "response": response,
-        "error": msgspec.json.decode(error) if isinstance(error, str) else error,
+        "custom_id": row["custom_id"], "response": response, "error": _raw(row["error"]),
     }) + b"\n"
+
+
+def _raw(value: Any) -> Any:
+    """A jsonb column as asyncpg gives it (its JSON text) to embed as it is; else the value."""
+    return msgspec.Raw(value.encode()) if isinstance(value, str) else value
