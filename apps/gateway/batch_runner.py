@@ -50,7 +50,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
 from apps.bus import topology, wire
-from apps.bus.codes import ServingError
+from apps.bus.codes import ErrorCode, ServingError
 from apps.bus.events import AnyEvent, BatchLine
 from apps.bus.pull import BatchPuller
 from apps.gateway.api.structured import check_enforceable
@@ -145,6 +145,10 @@ class BatchRunner:
         except asyncio.CancelledError:
             await asyncio.shield(claim.nak())  # this gateway stops: another runner takes it now
             raise
+        except _GatewayStopping:
+            keep_alive.cancel()
+            await claim.nak()  # its lines in flight were not recorded: whoever takes it runs them
+            return
         except Exception as exc:
             log.warning("batch interrupted", extra={"batch_id": batch_id, "detail": repr(exc)})
             finished = False
@@ -183,6 +187,8 @@ class BatchRunner:
             await self._run_lines(batch, prepared, stop)
         finally:
             watcher.cancel()
+        if stop.reason == "stopping":
+            raise _GatewayStopping(batch_id)
         if stop.reason == "ended":
             log.warning("batch ended elsewhere while it ran: no more of its lines start",
                         extra={"batch_id": batch_id})
@@ -246,14 +252,14 @@ class BatchRunner:
                 slots.release()
                 break
             stop.started.add(item.line)
-            task = asyncio.create_task(self._line(batch, item))
+            task = asyncio.create_task(self._line(batch, item, stop))
             running.add(task)
             task.add_done_callback(running.discard)
             task.add_done_callback(lambda _: slots.release())
         if running:
             await asyncio.gather(*running)
 
-    async def _line(self, batch: StoredBatch, item: Prepared) -> None:
+    async def _line(self, batch: StoredBatch, item: Prepared, stop: _Stop) -> None:
         request = item.request
         self._metrics.batch_lines_running.inc()
         try:
@@ -264,6 +270,11 @@ class BatchRunner:
                 if status not in (429, 503) or attempt == _TRIES - 1:
                     break
                 await asyncio.sleep(_RETRY_PAUSE_S * 2 ** attempt)
+        except _GatewayStopping:
+            # Ended by this gateway's stop, not answered: neither retried here nor recorded as a
+            # failure, and no line starts after it; whoever takes the claim runs it.
+            stop.reason = "stopping"
+            return
         finally:
             self._metrics.batch_lines_running.dec()
         self._metrics.batch_lines.labels("answered" if status == 200 else "failed").inc()
@@ -274,6 +285,8 @@ class BatchRunner:
             await check_enforceable(request, item.constraint_param)
             response = await self._generations.serve(None, request, item.formatter, HANDLER, item.output_param)
         except ServingError as exc:
+            if exc.code == ErrorCode.GATEWAY_STOPPING:
+                raise _GatewayStopping(request.request_id) from None
             return exc.status, error_body(exc.status, exc.message, exc.code)
         content = response.content
         body = msgspec.json.decode(content) if isinstance(content, bytes) else content
@@ -349,9 +362,13 @@ async def _chunks(first: list[Any], pages: AsyncIterator[list[Any]]) -> AsyncIte
         yield bytes(buffer)
 
 
+class _GatewayStopping(Exception):
+    """This gateway is stopping and ended a line's answer: the batch goes back to the queue."""
+
+
 class _Stop:
-    """Why no further line of a batch starts: None (they do), `cancelled`, `expired`, or `ended` (the
-    ledger has it in a final state this run did not give it)."""
+    """Why no further line of a batch starts: None (they do), `cancelled`, `expired`, `ended` (the
+    ledger has it in a final state this run did not give it), or `stopping` (this gateway is)."""
 
     def __init__(self, batch: StoredBatch) -> None:
         self.reason: str | None = "cancelled" if batch.status == "cancelling" else None

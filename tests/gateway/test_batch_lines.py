@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import json
 
+from apps.bus.codes import ErrorCode, ServingError
 from apps.bus.events import BatchLine
 from apps.gateway.batch_lines import Prepared, expired_lines, output_line, prepare, split_lines
+from apps.gateway.batch_runner import BatchRunner, _Stop
 from apps.gateway.batch_store import StoredBatch
 from apps.gateway.file_store import MAX_CUSTOM_ID_CHARS
+from apps.gateway.metrics import GatewayMetrics
 from engine.frontend.protocol import ServiceClass
+from tests.support import Emitted
 
 BATCH = StoredBatch({"batch_id": "batch_x", "principal": "alice", "endpoint": "/v1/chat/completions"})
 MAX_BODY = 4096
@@ -75,3 +79,32 @@ def test_at_expiry_the_lines_never_started_are_batch_expired_error_lines() -> No
     for event in expired[1:]:
         assert event.error is not None and event.error["code"] == "batch_expired"
         assert (event.status_code, event.body, event.event_id) == (None, None, f"batch_x.{event.line}")
+
+
+class _StoppingGateway:
+    """The generation pipeline of a gateway that is stopping: every answer in flight ends with
+    `gateway_stopping` (`app.end_in_flight`)."""
+
+    def __init__(self) -> None:
+        self.served = 0
+
+    async def serve(self, *args: object) -> object:
+        self.served += 1
+        raise ServingError(503, ErrorCode.GATEWAY_STOPPING, "The gateway is stopping.")
+
+
+async def test_lines_ended_by_the_gateways_stop_are_not_retried_nor_recorded_and_the_batch_goes_back() -> None:
+    """A line's answer ended because this gateway stops is not the line's failure: it is not
+    retried here (which would publish it again on a closing gateway) nor recorded as an error
+    line (which would end it for good); no line starts after it, and the batch goes back to the
+    queue, for whoever takes it to run the lines not recorded."""
+    gateway, emitted = _StoppingGateway(), Emitted()
+    runner = BatchRunner(None, None, None, gateway, 2, MAX_BODY, emitted.emit,  # type: ignore[arg-type]
+                         GatewayMetrics())
+    items = [prepare(BATCH, n, raw(f"c{n}"), 1, MAX_BODY) for n in range(1, 6)]
+    batch = StoredBatch({**BATCH.row, "status": "in_progress", "expires_at": None})
+    stop = _Stop(batch)
+    await runner._run_lines(batch, items, stop)  # type: ignore[arg-type]
+    assert stop.reason == "stopping"
+    assert gateway.served == 2  # the two lines running at once, each tried once
+    assert emitted.events == []
