@@ -70,9 +70,12 @@ _POLL_S = 1.0
 # One wait for a claim while none is there: stopping ends it, and a gateway that freezes meanwhile
 # delays one batch by the claim's ack wait at most.
 _CLAIM_WAIT_S = 30.0
-# A line refused for lack of capacity is tried this many times in all, this long apart at first.
-_TRIES = 6
+# A line refused for the moment (429, 503: the model busy past the queue's wait, no worker yet) is
+# tried again, the pauses doubling from _RETRY_PAUSE_S up to _MAX_RETRY_PAUSE_S, until it is
+# answered or no line may run any more (expired, cancelled): a batch waits out interactive load
+# within its window rather than failing lines.
 _RETRY_PAUSE_S = 1.0
+_MAX_RETRY_PAUSE_S = 60.0
 # How long a runner waits for its events to reach the ledger before it gives the claim back.
 _PROJECTION_WAIT_S = 120.0
 # How long a claim waits for its batch.created to be projected before it is dropped.
@@ -263,13 +266,14 @@ class BatchRunner:
         request = item.request
         self._metrics.batch_lines_running.inc()
         try:
-            for attempt in range(_TRIES):
-                if attempt:
-                    request = msgspec.structs.replace(request, request_id=f"{item.request.request_id}-r{attempt}")
+            attempt = 0
+            while True:
                 status, body = await self._answer(request, item)
-                if status not in (429, 503) or attempt == _TRIES - 1:
+                if status not in (429, 503) or stop.reason is not None:
                     break
-                await asyncio.sleep(_RETRY_PAUSE_S * 2 ** attempt)
+                await asyncio.sleep(min(_RETRY_PAUSE_S * 2 ** attempt, _MAX_RETRY_PAUSE_S))
+                attempt += 1
+                request = msgspec.structs.replace(request, request_id=f"{item.request.request_id}-r{attempt}")
         except _GatewayStopping:
             # Ended by this gateway's stop, not answered: neither retried here nor recorded as a
             # failure, and no line starts after it; whoever takes the claim runs it.

@@ -4,7 +4,11 @@ else is that line's error line, never the batch's failure."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+
+import pytest
+from litestar import Response
 
 from apps.bus.codes import ErrorCode, ServingError
 from apps.bus.events import BatchLine
@@ -108,3 +112,46 @@ async def test_lines_ended_by_the_gateways_stop_are_not_retried_nor_recorded_and
     assert stop.reason == "stopping"
     assert gateway.served == 2  # the two lines running at once, each tried once
     assert emitted.events == []
+
+
+class _BusyModel:
+    """A model busy with interactive work `busy_for` times in a row (the queue's wait runs out:
+    503 `queue_timeout`), then answering."""
+
+    def __init__(self, busy_for: int) -> None:
+        self.busy_for, self.served = busy_for, 0
+
+    async def serve(self, *args: object) -> object:
+        self.served += 1
+        if self.served <= self.busy_for:
+            raise ServingError(503, ErrorCode.QUEUE_TIMEOUT, "The model is busy; retry later.")
+        return Response(content=b'{"id": "chatcmpl-1"}', status_code=200)
+
+
+async def test_a_line_waits_out_a_busy_model_rather_than_failing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Interactive load longer than a few retries does not fail batch lines: a line refused for
+    the moment is tried until it is answered (the batch's window bounds it, as its expiry or a
+    cancel stops the retries)."""
+    import apps.gateway.batch_runner as batch_runner
+
+    monkeypatch.setattr(batch_runner, "_RETRY_PAUSE_S", 0.001)
+    model, emitted = _BusyModel(busy_for=8), Emitted()  # more than the six tries a line once had
+    runner = BatchRunner(None, None, None, model, 1, MAX_BODY, emitted.emit,  # type: ignore[arg-type]
+                         GatewayMetrics())
+    batch = StoredBatch({**BATCH.row, "status": "in_progress", "expires_at": None})
+    await runner._run_lines(batch, [prepare(batch, 1, raw("c1"), 1, MAX_BODY)], _Stop(batch))  # type: ignore[list-item]
+    assert model.served == 9
+    assert [(e.line, e.status_code, e.body) for e in emitted.events] == [(1, 200, {"id": "chatcmpl-1"})]
+    ended = _BusyModel(busy_for=10**6)
+    stop = _Stop(batch)
+
+    async def cancel_after_three() -> None:
+        while ended.served < 3:
+            await asyncio.sleep(0)
+        stop.reason = "cancelled"
+
+    runner = BatchRunner(None, None, None, ended, 1, MAX_BODY, emitted.emit,  # type: ignore[arg-type]
+                         GatewayMetrics())
+    await asyncio.gather(runner._run_lines(batch, [prepare(batch, 2, raw("c2"), 1, MAX_BODY)], stop),  # type: ignore[list-item]
+                         cancel_after_three())
+    assert emitted.events[-1].line == 2 and emitted.events[-1].status_code == 503
