@@ -12,7 +12,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from apps.bus import wire
-from apps.bus.codes import FinishReason, ServingError
+from apps.bus.codes import ErrorCode, FinishReason, ServingError
 from apps.gateway.api import responses_schema as rs
 from apps.gateway.api.responses import _has_nul, parse_items, response_template, to_bus_request
 from apps.gateway.api.responses_output import ResponsesFormatter
@@ -212,6 +212,16 @@ def test_a_cut_short_answer_is_incomplete() -> None:
     Response.model_validate(body, strict=True)
     assert (body["status"], body["incomplete_details"], body["output"][0]["status"]) == (
         "incomplete", {"reason": "max_output_tokens"}, "incomplete")
+
+
+def test_a_failed_stream_shows_the_text_it_had_so_far() -> None:
+    formatter = ResponsesFormatter(response_template(request(), "resp_3"), False)
+    chunks = formatter.stream_start(wire.Accepted(seq=0, node="n", prompt_tokens=3))
+    for d in [delta(text="Par"), delta(text="is is")]:
+        chunks += formatter.stream_delta(d)
+    chunks.append(formatter.stream_error(ServingError(503, ErrorCode.WORKER_LOST, "The worker stopped.")))
+    failed = parse_stream(chunks)[-1]
+    assert failed.type == "response.failed" and failed.response.output[0].content[0].text == "Paris is"
 
 
 @pytest.mark.parametrize(("value", "nul"), [

@@ -168,6 +168,9 @@ class ContentBuilder:
     def __init__(self) -> None:
         self.blocks: list[an.ContentBlockOut] = []
         self._open: an.TextOut | an.ThinkingOut | None = None
+        # The open block's text so far, joined into it when it closes (a `+=` per delta on the
+        # block would copy the whole text each time).
+        self._parts: list[str] = []
 
     @property
     def has_tool_use(self) -> bool:
@@ -184,9 +187,14 @@ class ContentBuilder:
         return events
 
     def close(self) -> list[dict[str, Any]]:
+        """End the open block (its text whole from here on)."""
         if self._open is None:
             return []
-        self._open = None
+        if isinstance(self._open, an.TextOut):
+            self._open.text = "".join(self._parts)
+        else:
+            self._open.thinking = "".join(self._parts)
+        self._open, self._parts = None, []
         return [{"type": "content_block_stop", "index": len(self.blocks) - 1}]
 
     def _start(self, block: an.ContentBlockOut, shown: an.ContentBlockOut) -> list[dict[str, Any]]:
@@ -201,7 +209,7 @@ class ContentBuilder:
             block = an.TextOut(text="")
             events += self._start(block, an.TextOut(text=""))
             self._open = block
-        self._open.text += text
+        self._parts.append(text)
         return [*events, self._delta({"type": "text_delta", "text": text})]
 
     def _append_thinking(self, thinking: str) -> list[dict[str, Any]]:
@@ -210,7 +218,7 @@ class ContentBuilder:
             block = an.ThinkingOut(thinking="")
             events += self._start(block, an.ThinkingOut(thinking=""))
             self._open = block
-        self._open.thinking += thinking
+        self._parts.append(thinking)
         return [*events, self._delta({"type": "thinking_delta", "thinking": thinking})]
 
     def _tool_use(self, call: wire.ToolCallDelta) -> list[dict[str, Any]]:
@@ -288,6 +296,7 @@ class MessagesFormatter:
     def whole(self, deltas: list[wire.Delta], final: wire.Final) -> an.MessageOut:
         for delta in deltas:
             self._feed(delta)
+        self._content.close()
         return an.MessageOut(
             id=self.id,
             model=self.model,

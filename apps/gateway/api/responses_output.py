@@ -61,6 +61,9 @@ class OutputBuilder:
         self.namespaces = namespaces or {}
         self.items: list[rs.OutputItem] = []
         self._open: rs.OutputMessage | rs.OutputReasoning | None = None
+        # The open item's text so far, joined into it when it closes (a `+=` per delta on the
+        # item would copy the whole text each time).
+        self._parts: list[str] = []
 
     def feed(self, delta: wire.Delta) -> list[Event]:
         events = []
@@ -77,6 +80,7 @@ class OutputBuilder:
         item, self._open = self._open, None
         if item is None:
             return []
+        item.content[0].text, self._parts = "".join(self._parts), []
         item.status = status  # type: ignore[assignment]  # an item type narrows its status
         index = len(self.items) - 1
         place = {"item_id": item.id, "output_index": index, "content_index": 0}
@@ -90,6 +94,12 @@ class OutputBuilder:
             events = [{"type": "response.reasoning_text.done", **place, "text": reasoning.text},
                       {"type": "response.content_part.done", **place, "part": _snapshot(reasoning)}]
         return [*events, {"type": "response.output_item.done", "output_index": index, "item": _snapshot(item)}]
+
+    def so_far(self) -> list[rs.OutputItem]:
+        """The items as they stand, the open one with its text so far (it stays open)."""
+        if self._open is not None:
+            self._open.content[0].text = "".join(self._parts)
+        return self.items
 
     def _add(self, item: rs.OutputItem) -> list[Event]:
         events = self.close()
@@ -110,7 +120,7 @@ class OutputBuilder:
             self._open = item
             events.append({"type": "response.content_part.added", **self._place(),
                            "part": _snapshot(item.content[0])})
-        self._open.content[0].text += text
+        self._parts.append(text)
         return [*events, {"type": "response.reasoning_text.delta", **self._place(), "delta": text}]
 
     def _text(self, text: str, logprobs: list[wire.TokenLogprobs] | None) -> list[Event]:
@@ -123,7 +133,7 @@ class OutputBuilder:
             events.append({"type": "response.content_part.added", **self._place(),
                            "part": _snapshot(item.content[0])})
         part = self._open.content[0]
-        part.text += text
+        self._parts.append(text)
         shown = output_logprobs(logprobs or [])
         if part.logprobs is not None:
             part.logprobs += shown
@@ -222,7 +232,7 @@ class ResponsesFormatter:
         if self.on_failed is not None:
             self.on_failed()
         code = _RESPONSE_ERROR_CODES.get(error.code, "server_error") if error.code else "server_error"
-        failed = msgspec.structs.replace(self.template, status="failed", output=self._output.items,
+        failed = msgspec.structs.replace(self.template, status="failed", output=self._output.so_far(),
                                          error=rs.ResponseError(code=code, message=error.message))
         return (self._sse({"type": "error", "code": error.code, "message": error.message, "param": error.param})
                 + self._sse({"type": "response.failed", "response": failed}))
