@@ -103,8 +103,10 @@ def chat_messages(items: list[rs.InputItem], instructions: str | None, param: st
         elif isinstance(item, rs.FunctionCallItem):
             names[item.call_id] = qualified(item.namespace, item.name)
             call = _template_call(item, param, arguments)
-            if out and out[-1].role == "assistant":
-                out[-1] = msgspec.structs.replace(out[-1], tool_calls=[*(out[-1].tool_calls or []), call])
+            if out and out[-1].role == "assistant" and out[-1].tool_calls is not None:
+                out[-1].tool_calls.append(call)  # a list made here: one call at a time, not copied each time
+            elif out and out[-1].role == "assistant":
+                out[-1] = msgspec.structs.replace(out[-1], tool_calls=[call])
             else:
                 out.append(wire.ChatMessage(role="assistant", content="", tool_calls=[call]))
         elif isinstance(item, rs.FunctionCallOutputItem):
