@@ -214,6 +214,24 @@ def test_a_cut_short_answer_is_incomplete() -> None:
         "incomplete", {"reason": "max_output_tokens"}, "incomplete")
 
 
+def test_the_done_event_carries_every_deltas_logprobs_and_the_output_has_them_with_bytes() -> None:
+    def token(text: str) -> wire.TokenLogprobs:
+        return wire.TokenLogprobs(token=text, logprob=-0.5, bytes=list(text.encode()), top=[(text, -0.5, [1])])
+
+    formatter = ResponsesFormatter(response_template(request(), "resp_4"), with_logprobs=True)
+    chunks = formatter.stream_start(wire.Accepted(seq=0, node="n", prompt_tokens=3))
+    for text in ("Par", "is"):
+        chunks += formatter.stream_delta(msgspec.structs.replace(delta(text=text), logprobs=[token(text)]))
+    chunks += formatter.stream_final(wire.Final(seq=9, finish_reason=FinishReason.STOP,
+                                                usage=wire.Usage(prompt_tokens=3, completion_tokens=2)))
+    events = parse_stream(chunks)
+    streamed = [lp.token for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert streamed == [lp.token for lp in done.logprobs] == ["Par", "is"]
+    output = events[-1].response.output[0].content[0]
+    assert [(lp.token, lp.bytes) for lp in output.logprobs] == [("Par", list(b"Par")), ("is", list(b"is"))]
+
+
 def test_a_failed_stream_shows_the_text_it_had_so_far() -> None:
     formatter = ResponsesFormatter(response_template(request(), "resp_3"), False)
     chunks = formatter.stream_start(wire.Accepted(seq=0, node="n", prompt_tokens=3))

@@ -64,6 +64,8 @@ class OutputBuilder:
         # The open item's text so far, joined into it when it closes (a `+=` per delta on the
         # item would copy the whole text each time).
         self._parts: list[str] = []
+        # Its logprobs as the text events carry them (without bytes), made a delta at a time.
+        self._event_logprobs: list[dict[str, Any]] = []
 
     def feed(self, delta: wire.Delta) -> list[Event]:
         events = []
@@ -81,19 +83,22 @@ class OutputBuilder:
         if item is None:
             return []
         item.content[0].text, self._parts = "".join(self._parts), []
+        event_logprobs, self._event_logprobs = self._event_logprobs, []
         item.status = status  # type: ignore[assignment]  # an item type narrows its status
         index = len(self.items) - 1
         place = {"item_id": item.id, "output_index": index, "content_index": 0}
+        # A closed item changes no more: its done events hold it as it is, not a copy (a copy of
+        # an answer's logprobs is half a second at their bound).
         if isinstance(item, rs.OutputMessage):
             part = item.content[0]
             events = [{"type": "response.output_text.done", **place, "text": part.text,
-                       "logprobs": _without_bytes(part.logprobs or [])},
-                      {"type": "response.content_part.done", **place, "part": _snapshot(part)}]
+                       "logprobs": event_logprobs},
+                      {"type": "response.content_part.done", **place, "part": part}]
         else:
             reasoning = item.content[0]
             events = [{"type": "response.reasoning_text.done", **place, "text": reasoning.text},
-                      {"type": "response.content_part.done", **place, "part": _snapshot(reasoning)}]
-        return [*events, {"type": "response.output_item.done", "output_index": index, "item": _snapshot(item)}]
+                      {"type": "response.content_part.done", **place, "part": reasoning}]
+        return [*events, {"type": "response.output_item.done", "output_index": index, "item": item}]
 
     def so_far(self) -> list[rs.OutputItem]:
         """The items as they stand, the open one with its text so far (it stays open)."""
@@ -135,10 +140,12 @@ class OutputBuilder:
         part = self._open.content[0]
         self._parts.append(text)
         shown = output_logprobs(logprobs or [])
+        in_event = _without_bytes(shown)
         if part.logprobs is not None:
             part.logprobs += shown
+            self._event_logprobs += in_event
         return [*events, {"type": "response.output_text.delta", **self._place(), "delta": text,
-                          "logprobs": _without_bytes(shown)}]
+                          "logprobs": in_event}]
 
     def _function_call(self, call: wire.ToolCallDelta) -> list[Event]:
         namespace, name = self.namespaces.get(call.name, (None, call.name))
