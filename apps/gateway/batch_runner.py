@@ -70,12 +70,17 @@ _POLL_S = 1.0
 # One wait for a claim while none is there: stopping ends it, and a gateway that freezes meanwhile
 # delays one batch by the claim's ack wait at most.
 _CLAIM_WAIT_S = 30.0
-# A line refused for the moment (429, 503: the model busy past the queue's wait, no worker yet) is
-# tried again, the pauses doubling from _RETRY_PAUSE_S up to _MAX_RETRY_PAUSE_S, until it is
-# answered or no line may run any more (expired, cancelled): a batch waits out interactive load
-# within its window rather than failing lines.
+# A line refused for the moment is tried again, the pauses doubling from _RETRY_PAUSE_S up to
+# _MAX_RETRY_PAUSE_S: refused for capacity (the model busy past the queue's wait, its queue full,
+# the principal's cap, a model still loading), until it is answered or no line may run any more
+# (expired, cancelled), so a batch waits out interactive load within its window; any other 429 or
+# 503 (a worker or engine lost, a model out of service) at most _TRIES times in all, so a line
+# that fails for its own sake (one that hangs its engine) ends with its error.
 _RETRY_PAUSE_S = 1.0
 _MAX_RETRY_PAUSE_S = 60.0
+_TRIES = 6
+_WAITED_OUT = frozenset({ErrorCode.QUEUE_TIMEOUT, ErrorCode.QUEUE_FULL, ErrorCode.RATE_LIMIT_EXCEEDED,
+                         ErrorCode.MODEL_LOADING})
 # How long a runner waits for its events to reach the ledger before it gives the claim back.
 _PROJECTION_WAIT_S = 120.0
 # How long a claim waits for its batch.created to be projected before it is dropped.
@@ -149,6 +154,7 @@ class BatchRunner:
             await asyncio.shield(claim.nak())  # this gateway stops: another runner takes it now
             raise
         except _GatewayStopping:
+            self._stopping = True  # this gateway takes no more claims, this one included
             keep_alive.cancel()
             await claim.nak()  # its lines in flight were not recorded: whoever takes it runs them
             return
@@ -269,15 +275,17 @@ class BatchRunner:
             attempt = 0
             while True:
                 status, body = await self._answer(request, item)
-                if status not in (429, 503) or stop.reason is not None:
+                if status not in (429, 503) or (_code(body) not in _WAITED_OUT and attempt == _TRIES - 1):
                     break
-                await asyncio.sleep(min(_RETRY_PAUSE_S * 2 ** attempt, _MAX_RETRY_PAUSE_S))
+                await stop.wait(min(_RETRY_PAUSE_S * 2 ** attempt, _MAX_RETRY_PAUSE_S))
+                if stop.reason is not None:
+                    break  # its last refusal is its answer
                 attempt += 1
                 request = msgspec.structs.replace(request, request_id=f"{item.request.request_id}-r{attempt}")
         except _GatewayStopping:
             # Ended by this gateway's stop, not answered: neither retried here nor recorded as a
             # failure, and no line starts after it; whoever takes the claim runs it.
-            stop.reason = "stopping"
+            stop.end("stopping")
             return
         finally:
             self._metrics.batch_lines_running.dec()
@@ -294,18 +302,27 @@ class BatchRunner:
             return exc.status, error_body(exc.status, exc.message, exc.code)
         content = response.content
         body = msgspec.json.decode(content) if isinstance(content, bytes) else content
-        return response.status_code or 200, body if isinstance(body, dict) else {"content": body}
+        body = body if isinstance(body, dict) else {"content": body}
+        status = response.status_code or 200
+        if status == 503 and _code(body) == ErrorCode.GATEWAY_STOPPING:  # ended after its first frame
+            raise _GatewayStopping(request.request_id)
+        return status, body
 
     async def _watch(self, batch_id: str, stop: _Stop) -> None:
         while stop.reason is None:
-            await asyncio.sleep(_POLL_S)
-            batch = await self._batches.read(batch_id)
+            await stop.wait(_POLL_S)
+            try:
+                batch = await self._batches.read(batch_id)
+            except ServingError as exc:  # the ledger away for now: the expiry is still watched
+                log.warning("a running batch's status cannot be read", extra={"batch_id": batch_id,
+                                                                              "detail": exc.message})
+                batch = None
             if batch is not None:
                 if batch.status == "cancelling":
-                    stop.reason = "cancelled"
+                    stop.end("cancelled")
                 elif batch.status in TERMINAL:
                     # Ended elsewhere: `failed` by a gateway that could not tell its claim was queued.
-                    stop.reason = "ended"
+                    stop.end("ended")
                 stop.expires_at = batch.row["expires_at"]  # the ledger owns the deadline
             stop.check_expiry()
 
@@ -375,15 +392,34 @@ class _Stop:
     ledger has it in a final state this run did not give it), or `stopping` (this gateway is)."""
 
     def __init__(self, batch: StoredBatch) -> None:
-        self.reason: str | None = "cancelled" if batch.status == "cancelling" else None
+        self.reason: str | None = None
+        self._ended = asyncio.Event()
+        if batch.status == "cancelling":
+            self.end("cancelled")
         self.expires_at = batch.row["expires_at"]
         # The lines this run recorded or started (each is recorded once it finishes).
         self.started: set[int] = set()
         self.check_expiry()
 
+    def end(self, reason: str) -> None:
+        if self.reason is None:
+            self.reason = reason
+            self._ended.set()
+
+    async def wait(self, timeout_s: float) -> None:
+        """Until `timeout_s` has passed or no line may run any more, whichever is first."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._ended.wait(), timeout_s)
+
     def check_expiry(self) -> None:
-        if self.reason is None and self.expires_at is not None and time.time() >= self.expires_at:
-            self.reason = "expired"
+        if self.expires_at is not None and time.time() >= self.expires_at:
+            self.end("expired")
+
+
+def _code(body: dict[str, Any]) -> str | None:
+    """An error body's `error.code`, if it is one."""
+    error = body.get("error")
+    return error.get("code") if isinstance(error, dict) else None
 
 
 async def keep_claim_alive(nc: NatsClient, claim: Msg) -> None:

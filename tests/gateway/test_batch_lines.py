@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import msgspec
 import pytest
 from litestar import Response
 
@@ -15,6 +16,7 @@ from apps.bus.events import BatchLine
 from apps.gateway.batch_lines import Prepared, expired_lines, output_line, prepare, split_lines
 from apps.gateway.batch_runner import BatchRunner, _Stop
 from apps.gateway.batch_store import StoredBatch
+from apps.gateway.errors import error_body
 from apps.gateway.file_store import MAX_CUSTOM_ID_CHARS
 from apps.gateway.metrics import GatewayMetrics
 from engine.frontend.protocol import ServiceClass
@@ -87,22 +89,28 @@ def test_at_expiry_the_lines_never_started_are_batch_expired_error_lines() -> No
 
 class _StoppingGateway:
     """The generation pipeline of a gateway that is stopping: every answer in flight ends with
-    `gateway_stopping` (`app.end_in_flight`)."""
+    `gateway_stopping` (`app.end_in_flight`): raised before the first frame, or as the 503 answer
+    `rendering.whole_response` makes of it after."""
 
-    def __init__(self) -> None:
-        self.served = 0
+    def __init__(self, after_first_frame: bool) -> None:
+        self.served, self.after_first_frame = 0, after_first_frame
 
     async def serve(self, *args: object) -> object:
         self.served += 1
-        raise ServingError(503, ErrorCode.GATEWAY_STOPPING, "The gateway is stopping.")
+        error = ServingError(503, ErrorCode.GATEWAY_STOPPING, "The gateway is stopping.")
+        if self.after_first_frame:
+            return Response(content=msgspec.json.encode(error_body(503, error.message, error.code)), status_code=503)
+        raise error
 
 
-async def test_lines_ended_by_the_gateways_stop_are_not_retried_nor_recorded_and_the_batch_goes_back() -> None:
+@pytest.mark.parametrize("after_first_frame", [False, True], ids=["before-its-first-frame", "after"])
+async def test_lines_ended_by_the_gateways_stop_are_not_retried_nor_recorded_and_the_batch_goes_back(
+        after_first_frame: bool) -> None:
     """A line's answer ended because this gateway stops is not the line's failure: it is not
     retried here (which would publish it again on a closing gateway) nor recorded as an error
     line (which would end it for good); no line starts after it, and the batch goes back to the
     queue, for whoever takes it to run the lines not recorded."""
-    gateway, emitted = _StoppingGateway(), Emitted()
+    gateway, emitted = _StoppingGateway(after_first_frame), Emitted()
     runner = BatchRunner(None, None, None, gateway, 2, MAX_BODY, emitted.emit,  # type: ignore[arg-type]
                          GatewayMetrics())
     items = [prepare(BATCH, n, raw(f"c{n}"), 1, MAX_BODY) for n in range(1, 6)]
@@ -115,16 +123,16 @@ async def test_lines_ended_by_the_gateways_stop_are_not_retried_nor_recorded_and
 
 
 class _BusyModel:
-    """A model busy with interactive work `busy_for` times in a row (the queue's wait runs out:
-    503 `queue_timeout`), then answering."""
+    """A model refusing `busy_for` times in a row (by default busy with interactive work: the
+    queue's wait runs out, 503 `queue_timeout`), then answering."""
 
-    def __init__(self, busy_for: int) -> None:
-        self.busy_for, self.served = busy_for, 0
+    def __init__(self, busy_for: int, code: ErrorCode = ErrorCode.QUEUE_TIMEOUT) -> None:
+        self.busy_for, self.served, self.code = busy_for, 0, code
 
     async def serve(self, *args: object) -> object:
         self.served += 1
         if self.served <= self.busy_for:
-            raise ServingError(503, ErrorCode.QUEUE_TIMEOUT, "The model is busy; retry later.")
+            raise ServingError(503, self.code, "Not now.")
         return Response(content=b'{"id": "chatcmpl-1"}', status_code=200)
 
 
@@ -155,3 +163,50 @@ async def test_a_line_waits_out_a_busy_model_rather_than_failing(monkeypatch: py
     await asyncio.gather(runner._run_lines(batch, [prepare(batch, 2, raw("c2"), 1, MAX_BODY)], stop),  # type: ignore[list-item]
                          cancel_after_three())
     assert emitted.events[-1].line == 2 and emitted.events[-1].status_code == 503
+    assert ended.served == 3  # none after the cancel
+
+
+async def test_a_line_that_fails_for_its_own_sake_ends_with_its_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 503 that is no matter of capacity (its worker or engine lost past the migrations, as a
+    line that hangs its engine is) is tried a few times, not until the batch expires."""
+    import apps.gateway.batch_runner as batch_runner
+
+    monkeypatch.setattr(batch_runner, "_RETRY_PAUSE_S", 0.001)
+    model, emitted = _BusyModel(busy_for=10**6, code=ErrorCode.ENGINE_LOST), Emitted()
+    runner = BatchRunner(None, None, None, model, 1, MAX_BODY, emitted.emit,  # type: ignore[arg-type]
+                         GatewayMetrics())
+    batch = StoredBatch({**BATCH.row, "status": "in_progress", "expires_at": None})
+    await runner._run_lines(batch, [prepare(batch, 1, raw("c1"), 1, MAX_BODY)], _Stop(batch))  # type: ignore[list-item]
+    assert model.served == batch_runner._TRIES
+    assert [(e.line, e.status_code) for e in emitted.events] == [(1, 503)]
+
+
+class _LedgerAway:
+    def __init__(self) -> None:
+        self.reads, self.three_failed = 0, asyncio.Event()
+
+    async def read(self, batch_id: str) -> object:
+        self.reads += 1
+        if self.reads == 3:
+            self.three_failed.set()
+        raise ServingError(503, ErrorCode.LEDGER_UNAVAILABLE, "The ledger is unavailable.")
+
+
+async def test_a_running_batch_still_expires_while_the_ledger_is_away(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The watcher is what ends retries at the batch's expiry: a ledger it cannot read for now
+    does not end the watch (a line waiting out a busy model would wait forever)."""
+    import apps.gateway.batch_runner as batch_runner
+
+    monkeypatch.setattr(batch_runner, "_POLL_S", 0.01)
+    ledger = _LedgerAway()
+    runner = BatchRunner(None, ledger, None, None, 1, MAX_BODY, Emitted().emit,  # type: ignore[arg-type]
+                         GatewayMetrics())
+    clock = [0.0]
+    monkeypatch.setattr(batch_runner.time, "time", lambda: clock[0])
+    stop = _Stop(StoredBatch({**BATCH.row, "status": "in_progress", "expires_at": 100.0}))
+    watching = asyncio.create_task(runner._watch("batch_x", stop))
+    await asyncio.wait_for(ledger.three_failed.wait(), 5)
+    assert stop.reason is None and not watching.done()
+    clock[0] = 101.0
+    await asyncio.wait_for(watching, 5)
+    assert stop.reason == "expired"
