@@ -190,14 +190,14 @@ CASES: dict[str, Case] = {
         {"type": "function_call_output", "call_id": "c1", "output": "x"}]), param="input"),
     # More arrays and objects than a body may hold (decoding builds each, in one call on the loop),
     # in a tool's untyped schema, and in tool-call arguments that are each within the bound.
-    "chat-tool-parameters-70k-objects": Case(CHAT, chat(tools=[tool("f", {"type": "object",
-                                                                          "x": [{}] * 70_000})])),
-    "messages-input-schema-70k-arrays": Case(MESSAGES, message(tools=[anthropic_tool("f", {"type": "object",
-                                                                                         "x": [[]] * 70_000})])),
-    "responses-function-call-arguments-70k-arrays": Case(RESPONSES, response(input=[
+    "chat-tool-parameters-300k-objects": Case(CHAT, chat(tools=[tool("f", {"type": "object",
+                                                                           "x": [{}] * 300_000})])),
+    "messages-input-schema-300k-arrays": Case(MESSAGES, message(tools=[anthropic_tool("f", {"type": "object",
+                                                                                          "x": [[]] * 300_000})])),
+    "responses-function-call-arguments-300k-arrays": Case(RESPONSES, response(input=[
         {"role": "user", "content": "hi"},
-        *({"type": "function_call", "call_id": f"c{i}", "name": "f", "arguments": json.dumps([[]] * 10_000)}
-          for i in range(7)),
+        *({"type": "function_call", "call_id": f"c{i}", "name": "f", "arguments": json.dumps([[]] * 100_000)}
+          for i in range(3)),
         {"type": "function_call_output", "call_id": "c0", "output": "x"}]), param="input"),
     "responses-unknown-item": Case(RESPONSES, response(input=[{"type": "computer_call", "id": "x"}]), param="input"),
     "responses-zero-max-output-tokens": Case(RESPONSES, response(max_output_tokens=0), param="max_output_tokens"),
@@ -314,8 +314,8 @@ NEWER_BOUNDS = ["chat-tool-call-name-past-context", "chat-tool-call-id-past-cont
                 "chat-whole-logprobs-past-bound", "chat-logit-bias-1025-tokens", "chat-logit-bias-id-past-int64",
                 "chat-logit-bias-past-vocab", "chat-template-kwargs-own-variable", "chat-template-kwargs-5kb",
                 "chat-reasoning-effort-33-chars", "messages-thinking-type-33-chars",
-                "chat-tool-parameters-70k-objects", "messages-input-schema-70k-arrays",
-                "responses-function-call-arguments-70k-arrays"]
+                "chat-tool-parameters-300k-objects", "messages-input-schema-300k-arrays",
+                "responses-function-call-arguments-300k-arrays"]
 
 
 def test_newer_bounds_refuse_by_name_while_a_stream_beside_them_runs_to_its_end(system: System, target: str) -> None:

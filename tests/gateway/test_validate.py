@@ -16,7 +16,7 @@ from apps.bus import wire
 from apps.bus.codes import Api, ErrorCode, ServingError
 from apps.bus.topology import BusLimits
 from apps.embedded.nats_server import NatsServer
-from apps.gateway.api import chat
+from apps.gateway.api import chat, validate
 from apps.gateway.api import openai_schema as oa
 from apps.gateway.api import responses_schema as rs
 from apps.gateway.api.validate import (
@@ -63,9 +63,13 @@ def _depth(value: object) -> int:
     return 0
 
 
-def test_nesting_depth_agrees_with_a_decoder_on_random_documents() -> None:
+@pytest.mark.parametrize("slice_bytes", [1 << 20, 7, 2, 1])
+def test_nesting_depth_agrees_with_a_decoder_on_random_documents(slice_bytes: int,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Strings holding brackets, quotes and runs of backslashes, keys among them: the depth the
-    check sees is the decoded document's, at every limit around it."""
+    check sees is the decoded document's, at every limit around it, however the text is sliced
+    (a string, an escape or a run of backslashes across a slice's end)."""
+    monkeypatch.setattr(validate, "_SHAPE_SLICE_BYTES", slice_bytes)
     rng = random.Random(7)
     strings = ["[", "]{", '"', "\\", '\\"[', "\\\\", "x"]
 
@@ -81,6 +85,15 @@ def test_nesting_depth_agrees_with_a_decoder_on_random_documents() -> None:
         depth = _depth(json.loads(text))
         for limit in (max(depth - 1, 0), depth, depth + 1):
             assert json_too_deep(text, limit) is (depth > limit), (text, limit)
+        assert validate._json_shape(text, 0) == (depth, _containers(json.loads(text))), text
+
+
+def _containers(value: object) -> int:
+    if isinstance(value, list):
+        return 1 + sum(map(_containers, value))
+    if isinstance(value, dict):
+        return 1 + sum(map(_containers, value.values()))
+    return 0
 
 
 def test_a_body_of_too_many_arrays_and_objects_is_refused_before_it_is_decoded() -> None:
@@ -101,9 +114,9 @@ def test_a_body_of_too_many_arrays_and_objects_is_refused_before_it_is_decoded()
 
 
 def test_tool_call_arguments_share_one_budget_of_arrays_and_objects() -> None:
-    """Each call's `arguments` is JSON in a string, parsed for the template: many calls of a
-    few thousand arrays each are within the body's bounds, but not past the budget together."""
-    arguments = json.dumps([[] for _ in range(4096)])
+    """Each call's `arguments` is JSON in a string, parsed for the template: calls of tens of
+    thousands of arrays each are within the body's bounds, but not past the budget together."""
+    arguments = json.dumps([[] for _ in range(32_767)])
 
     def conversation(calls: int) -> oa.ChatCompletionRequest:
         messages = [{"role": "user", "content": "hi"}]
@@ -113,7 +126,7 @@ def test_tool_call_arguments_share_one_budget_of_arrays_and_objects() -> None:
                 {"role": "tool", "tool_call_id": f"c{i}", "content": "ok"}]
         return decode_body(json.dumps({"model": "m", "messages": messages}).encode(), oa.ChatCompletionRequest)
 
-    fits = MAX_JSON_CONTAINERS // 4097
+    fits = MAX_JSON_CONTAINERS // 32_768
     assert len(chat.to_bus_request(conversation(fits), "r").messages) == 1 + 2 * fits
     with pytest.raises(ServingError) as refused:
         chat.to_bus_request(conversation(fits + 1), "r")

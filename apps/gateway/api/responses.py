@@ -90,19 +90,21 @@ def _template_call(item: rs.FunctionCallItem, param: str, budget: JsonBudget) ->
     return {"id": item.call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def chat_messages(items: list[rs.InputItem], instructions: str | None, param: str = "input") -> list[wire.ChatMessage]:
+def chat_messages(items: list[rs.InputItem], instructions: str | None, param: str = "input",
+                  history: int = 0) -> list[wire.ChatMessage]:
     """The conversation as the chat messages a template renders: system and developer messages
     as `system`, function calls joined to the assistant turn they belong to, outputs as `tool`."""
     out: list[wire.ChatMessage] = [wire.ChatMessage(role="system", content=instructions)] if instructions else []
     names: dict[str, str] = {}
     arguments = JsonBudget()
-    for item in items:
+    for index, item in enumerate(items):
         if isinstance(item, rs.MessageItem):
             role = "system" if item.role in ("system", "developer") else item.role
             out.append(wire.ChatMessage(role=role, content=_text(item.content, param)))
         elif isinstance(item, rs.FunctionCallItem):
             names[item.call_id] = qualified(item.namespace, item.name)
-            call = _template_call(item, param, arguments)
+            # The first `history` items are the conversation's before this request's own.
+            call = _template_call(item, param if index >= history else "previous_response_id", arguments)
             if out and out[-1].role == "assistant" and out[-1].tool_calls is not None:
                 out[-1].tool_calls.append(call)  # a list made here: one call at a time, not copied each time
             elif out and out[-1].role == "assistant":
@@ -187,7 +189,7 @@ def to_bus_request(req: rs.ResponsesRequest, response_id: str, principal: str | 
     """The bus request for a response: `history` (the turns it continues) then its own `items`;
     with the tools offered (to name calls back and to warn of those left out)."""
     _check_supported(req)
-    messages = chat_messages(history + items, req.instructions)
+    messages = chat_messages(history + items, req.instructions, history=len(history))
     if not any(m.role != "system" for m in messages):
         raise _refuse("'input' holds no message to answer.", "input")
     offered, tool_required, tool_name = _tools(req)

@@ -5,7 +5,7 @@ nothing is sent on the bus. The bounds:
 
 - `Content-Type` is `application/json` (or `application/<x>+json`). What a web page may send
   cross-site without a CORS preflight (`text/plain`, forms, no type at all) is refused with 415.
-- JSON shape: at most MAX_JSON_DEPTH (64) levels and MAX_JSON_CONTAINERS (65,536) arrays and
+- JSON shape: at most MAX_JSON_DEPTH (64) levels and MAX_JSON_CONTAINERS (262,144) arrays and
   objects, in the body and in each tool-call `arguments` string; tool schemas (`parameters`,
   `input_schema`) are bounded by the body's.
 - `model`: 1–256 bytes of `A-Z a-z 0-9 . _ : / @ + -`.
@@ -54,10 +54,11 @@ MAX_MESSAGES = 2048
 PROMPT_CHARS_PER_TOKEN = 16
 MAX_TOOLS = 128
 MAX_JSON_DEPTH = 64
-# Arrays and objects a body (or a tool call's `arguments`) may hold: 32 for each of MAX_MESSAGES;
-# msgspec builds them all in one call (about 5 ms for this many empty ones, half a second for the
-# three million an 8 MiB body could hold).
-MAX_JSON_CONTAINERS = 1 << 16
+# Arrays and objects a body (or a tool call's `arguments`) may hold: room for an answer's logprobs
+# echoed back (43 a token at 20 alternatives); msgspec builds them all in one call on the loop
+# (tens of milliseconds for this many, half a second for the three million an 8 MiB body could
+# hold).
+MAX_JSON_CONTAINERS = 1 << 18
 
 T = TypeVar("T")
 
@@ -65,6 +66,7 @@ T = TypeVar("T")
 _DEPTH_STEP = np.zeros(256, dtype=np.int8)
 _DEPTH_STEP[list(b"[{")] = 1
 _DEPTH_STEP[list(b"]}")] = -1
+_SHAPE_SLICE_BYTES = 1 << 18
 # OpenAI's bounds on the `metadata` of a stored response or batch.
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY_CHARS = 64
@@ -102,18 +104,33 @@ def _json_shape(data: bytes | str, limit: int) -> tuple[int, int]:
     if brackets <= limit:
         return brackets, brackets  # too few to be past it: the common case, at C speed
     # The running depth over the bytes outside strings, at C speed throughout (an 8 MiB body of
-    # brackets or of short strings in tens of milliseconds, not a Python step per bracket).
-    text = np.frombuffer(raw, dtype=np.uint8)
-    delimiter = text == ord('"')
-    if b"\\" in raw:  # a quote after an odd run of backslashes is inside its string
-        positions = np.arange(text.size, dtype=np.int32)
-        last_other = np.maximum.accumulate(np.where(text == ord("\\"), -1, positions))
-        escaped = np.zeros(text.size, dtype=bool)
-        escaped[1:] = (positions[:-1] - last_other[:-1]) % 2 == 1
-        delimiter &= ~escaped
-    outside = (np.cumsum(delimiter, dtype=np.int32) & 1) == 0
-    steps = np.where(outside, _DEPTH_STEP[text], 0).astype(np.int32)
-    return int(np.cumsum(steps).max()), int(np.count_nonzero(steps == 1))
+    # brackets or of short strings in tens of milliseconds, not a Python step per bracket), a
+    # slice at a time so its arrays stay small (a few MiB, whatever the body's size).
+    depth = deepest = containers = 0
+    in_string = False
+    backslashes = 0  # the run of them that ended the slice before
+    for start in range(0, len(raw), _SHAPE_SLICE_BYTES):
+        text = np.frombuffer(raw, dtype=np.uint8, count=min(_SHAPE_SLICE_BYTES, len(raw) - start), offset=start)
+        delimiter = text == ord('"')
+        backslash = text == ord("\\")
+        if backslashes or backslash.any():  # a quote after an odd run of backslashes is inside its string
+            positions = np.arange(text.size, dtype=np.int32)
+            last_other = np.maximum.accumulate(np.where(backslash, -1, positions))
+            run = np.empty(text.size, dtype=np.int32)  # backslashes right before each byte
+            run[0] = backslashes
+            run[1:] = positions[:-1] - last_other[:-1]
+            run[1:] += np.where(last_other[:-1] < 0, backslashes, 0)
+            delimiter &= run % 2 == 0
+            backslashes = int(run[-1] + 1) if backslash[-1] else 0
+        quotes = np.cumsum(delimiter, dtype=np.int32)
+        outside = (quotes & 1) == int(in_string)
+        steps = np.where(outside, _DEPTH_STEP[text], 0).astype(np.int32)
+        running = np.cumsum(steps)
+        deepest = max(deepest, depth + int(running.max()))
+        depth += int(running[-1])
+        containers += int(np.count_nonzero(steps == 1))
+        in_string ^= bool(quotes[-1] & 1)
+    return deepest, containers
 
 
 def check_json_shape(data: bytes | str, param: str | None) -> int:
