@@ -83,6 +83,8 @@ FIRST_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 30.0
 # A child running this long counts as healthy again: its next crash restarts it after FIRST_BACKOFF_S.
 STABLE_AFTER_S = 60.0
+# How long an exited child's output may take to be read to its end.
+PUMP_DRAIN_S = 2.0
 
 
 class Child:
@@ -122,7 +124,8 @@ class Child:
             preexec_fn=dies_with_us(signal.SIGKILL),
         )
         lower_priority(self.process.pid, self.nice)
-        threading.Thread(target=self._pump, args=(self.process, self.ready), daemon=True).start()
+        self.pump = threading.Thread(target=self._pump, args=(self.process, self.ready), daemon=True)
+        self.pump.start()
 
     def _pump(self, process: subprocess.Popen[str], ready: threading.Event) -> None:
         assert process.stdout is not None
@@ -284,6 +287,7 @@ class Supervisor:
             return
         if child.app not in self._due:
             _kill_group(child.process.pid)  # what it leaves behind (an engine process) goes with it
+            child.pump.join(PUMP_DRAIN_S)  # its last lines read, what it said last among them
             if child.restarts and not child.ready.is_set():
                 child.failed_restarts += 1
                 said = f"exit {child.process.returncode}" + (f": {child.last_error}" if child.last_error else "")

@@ -20,7 +20,6 @@ from engine.core.batch_window import gather_burst
 from engine.core.engine_core import GRAMMAR_POLL_S, EngineCore
 from engine.frontend.engine_config import EngineConfig
 from engine.frontend.protocol import (
-    CORE_PULSE_S,
     AbortRequests,
     AddRequest,
     CoreFailed,
@@ -171,7 +170,6 @@ def run_core_process(conn: Connection, config: EngineConfig) -> None:
     window_s = config.batch_window_ms / 1000.0
     arrivals = Arrivals()
     last_sent = time.monotonic()
-    pulse_s = min(CORE_PULSE_S, config.stall_s / 4) if config.stall_s else CORE_PULSE_S
     try:
         while True:
             outputs: list[EngineOutput] = []
@@ -201,7 +199,7 @@ def run_core_process(conn: Connection, config: EngineConfig) -> None:
                 outputs.extend(core.fail_all(device_fault_message(exc)))
             # Outputs, or at least a pulse while it works (a long prefill, a grammar compile): a
             # core not heard from is hung (`EngineConfig.stall_s`).
-            if outputs or time.monotonic() - last_sent >= pulse_s:
+            if outputs or time.monotonic() - last_sent >= config.pulse_s:
                 try:
                     send(StepOutputs(outputs=outputs, stats=core.stats))
                 except (EOFError, OSError):

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# A core with work sends StepOutputs at least this often by default (`EngineConfig.pulse_s`),
+# outputs or none: its client tells a hung core (a device or a kernel that never returns) from a
+# busy one by that.
+CORE_PULSE_S = 1.0
+
 # auto: Triton kernels on CUDA, the C++ CPU kernels on CPU; torch (the PyTorch forms), triton or
 # cpu force one (engine.runner.ops).
 KERNEL_CHOICES = ("auto", "torch", "triton", "cpu")
@@ -50,9 +55,10 @@ class EngineConfig:
     batch_narrow_s: float = 10.0
     batch_narrow_tokens: int = 16
     # A core that holds unfinished requests and is not heard from (it sends at least every
-    # CORE_PULSE_S while it has work) for this long is hung, not busy: the client kills it, and
-    # the worker restarts it like any core that dies; 0: never.
+    # `pulse_s` while it has work, between steps) for this long is hung, not busy: the client kills
+    # it, and the worker restarts it like any core that dies; 0: never.
     stall_s: float = 600.0
+    pulse_s: float = CORE_PULSE_S
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -61,8 +67,8 @@ class EngineConfig:
             raise ValueError("num_kv_blocks and kv_cache_bytes must be >= 0")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        if self.stall_s < 0:
-            raise ValueError("stall_s must be >= 0 (0: never)")
+        if self.stall_s < 0 or self.pulse_s <= 0 or (self.stall_s and self.stall_s < 4 * self.pulse_s):
+            raise ValueError("stall_s must be 0 (never) or at least 4 x pulse_s, and pulse_s positive")
         if not 0 <= self.batch_window_ms <= 1000:
             raise ValueError("batch_window_ms must be between 0 and 1000")
         if not 1 <= self.tensor_parallel <= 64:

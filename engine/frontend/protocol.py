@@ -337,10 +337,6 @@ class DeviceFault(RuntimeError):
 
 DEVICE_FAULT_PREFIX = "device fault: "
 ENGINE_STOPPED = "the engine process stopped"
-# A core with work sends StepOutputs at least this often (a quarter of its stall bound if that is
-# less), outputs or none: its client tells a hung core (a device or a kernel that never returns)
-# from a busy one by that.
-CORE_PULSE_S = 1.0
 # What a failing accelerator raises (torch.AcceleratorError, "CUDA error: an illegal memory access").
 _DEVICE_FAULT_MARKERS = ("CUDA error", "AcceleratorError", "device-side assert", "HIP error")
 

@@ -10,7 +10,7 @@ import pytest
 
 from engine.frontend.core_client import AsyncEngine
 from engine.frontend.engine_config import EngineConfig
-from engine.frontend.protocol import EngineOutput, EngineRequest, FinishReason, SamplingParams
+from engine.frontend.protocol import EngineOutput, EngineRequest, FinishReason, SamplingParams, StepOutputs
 from engine.loading.default_model import default_model_path
 from engine.loading.loader import Checkpoint
 
@@ -97,10 +97,14 @@ async def test_a_hung_core_is_killed_and_fails_its_requests_instead_of_hanging(c
     """A core that is alive but makes no step (SIGSTOP: as a device or kernel that never returns)
     sends nothing and its pipe never closes; past `stall_s` of silence with a request unfinished
     the client kills it, and the request ends with an error output like any dead core's."""
-    engine = await AsyncEngine.start(EngineConfig(model=str(default_model_path()), max_num_seqs=4, stall_s=3.0))
+    engine = await AsyncEngine.start(EngineConfig(model=str(default_model_path()), max_num_seqs=4, stall_s=3.0,
+                                                  pulse_s=0.5))
     died = asyncio.Event()
     engine.on_death = lambda held: died.set()
     try:
+        # Long idle first (as if the core had said nothing for longer than the bound while it had
+        # no work): the first request after it is not taken for a stall.
+        engine._heard_at -= 60.0
         idle = await collect(engine, EngineRequest("idle-before", chat_prompt_ids, greedy(2)))
         assert idle[-1].finish_reason is FinishReason.LENGTH and not engine.stalled
         stream = engine.generate(EngineRequest("stuck", chat_prompt_ids, greedy(500)))
@@ -114,18 +118,25 @@ async def test_a_hung_core_is_killed_and_fails_its_requests_instead_of_hanging(c
         await engine.shutdown()
 
 
-async def test_a_core_busy_with_one_long_prefill_is_not_taken_for_hung(chat_prompt_ids: list[int]) -> None:
-    """Steps that finish no output (a long prompt prefilled 16 tokens a step: 188 steps) still
-    pulse: a stall bound shorter than the prefill takes it for the work it is."""
+async def test_a_core_busy_with_a_long_prefill_is_heard_from_between_its_steps(chat_prompt_ids: list[int]) -> None:
+    """Steps that finish no output (a long prompt prefilled 16 tokens a step: 50 steps) still
+    pulse, at least every `pulse_s`: a core at work is never silent for longer than a step, so
+    only a step that never ends (or one past `stall_s`) is taken for a hang."""
     engine = await AsyncEngine.start(EngineConfig(model=str(default_model_path()), max_num_seqs=4,
-                                                  max_num_batched_tokens=16, stall_s=0.4))
+                                                  max_num_batched_tokens=16, pulse_s=0.01))
+    pulses = 0
+    dispatch = engine._dispatch
+
+    def counted(message: StepOutputs) -> None:
+        nonlocal pulses
+        pulses += not message.outputs
+        dispatch(message)
+
+    engine._dispatch = counted  # type: ignore[method-assign]
     try:
-        prompt = (chat_prompt_ids * 200)[:3000]
-        started = asyncio.get_running_loop().time()
-        outputs = await collect(engine, EngineRequest("long", prompt, greedy(1)))
+        outputs = await collect(engine, EngineRequest("long", (chat_prompt_ids * 100)[:800], greedy(1)))
         assert outputs[-1].finish_reason is FinishReason.LENGTH, outputs[-1]
-        assert asyncio.get_running_loop().time() - started > 0.4  # longer than the bound, or it proves nothing
-        assert not engine.stalled
+        assert pulses > 0 and not engine.stalled
     finally:
         await engine.shutdown()
 
