@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.frontend.engine_config import KERNEL_CHOICES, EngineConfig
+from engine.frontend.engine_config import CORE_PULSE_S, KERNEL_CHOICES, EngineConfig
 
 if TYPE_CHECKING:
     from apps.bus.topology import BusLimits
@@ -305,8 +305,9 @@ class WorkerSettings:
     def __post_init__(self) -> None:
         if self.core_restarts < 0 or self.core_restart_window_s <= 0:
             raise SettingError("HELEXA_CORE_RESTARTS must be >= 0 and HELEXA_CORE_RESTART_WINDOW_S positive")
-        if self.core_stall_s < 0:
-            raise SettingError("HELEXA_CORE_STALL_S must be >= 0 (0: never)")
+        if self.core_stall_s < 0 or 0 < self.core_stall_s < 4 * CORE_PULSE_S:
+            raise SettingError(f"HELEXA_CORE_STALL_S must be 0 (never) or at least {4 * CORE_PULSE_S:g} "
+                               "(four of the core's pulses)")
         if self.kernels not in KERNEL_CHOICES:
             raise SettingError(f"HELEXA_KERNELS must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
         if self.heartbeat_s <= 0:
