@@ -308,6 +308,9 @@ class TokenizeRequest(Wire, frozen=True, kw_only=True):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    # Only how many tokens (`TokenizeReply.count`), not the ids: a count of a long context is a
+    # few bytes on the bus, where its ids are ~6 bytes each.
+    count_only: bool = False
 
 
 class TokenizeError(Wire, frozen=True, kw_only=True):
@@ -321,6 +324,8 @@ class TokenizeReply(Wire, frozen=True, kw_only=True):
 
     model: str
     token_ids: list[int] = []
+    # How many tokens, answering `count_only` (None from a worker that sends the ids instead).
+    count: int | None = None
     text: str = ""
     token_strs: list[str] | None = None
     # The context the worker serves for the model (0: unknown).

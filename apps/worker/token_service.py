@@ -42,13 +42,14 @@ def tokenize(tokenizer: Tokenizer, ask: wire.TokenizeRequest, reasoning_parser: 
             raise ServingError(400, ErrorCode.INVALID_PROMPT, f"Token ids must be in [0, {vocab}).")
         # Special tokens are kept: the text of a rendered prompt shows its template's markers.
         text = tokenizer.decode(ask.token_ids, skip_special_tokens=False)
-        return wire.TokenizeReply(model=ask.model, token_ids=list(ask.token_ids), text=text,
-                                  max_model_len=max_model_len)
+        return wire.TokenizeReply(model=ask.model, text=text, max_model_len=max_model_len)  # the asker has the ids
     if ask.request is None:
         raise ServingError(400, ErrorCode.INVALID_REQUEST, "Nothing to tokenize: give a request or token ids.")
     prompt = build_prompt(tokenizer, ask.request, reasoning_parser,
                           add_generation_prompt=ask.add_generation_prompt,
                           add_special_tokens=ask.add_special_tokens)
+    if ask.count_only:
+        return wire.TokenizeReply(model=ask.model, count=len(prompt.token_ids), max_model_len=max_model_len)
     token_strs = [tokenizer.hf.id_to_token(i) or "" for i in prompt.token_ids] if ask.return_token_strs else None
     return wire.TokenizeReply(model=ask.model, token_ids=prompt.token_ids, token_strs=token_strs,
                               max_model_len=max_model_len)

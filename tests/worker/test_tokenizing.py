@@ -12,6 +12,7 @@ import pytest
 from apps.bus import wire
 from apps.bus.codes import ErrorCode, ServingError
 from apps.worker.prompt import build_prompt
+from apps.worker.token_service import tokenize
 from apps.worker.tokenizing import Tokenizing
 from engine.frontend.model_source import load_tokenizer
 from engine.frontend.protocol import SamplingParams
@@ -68,3 +69,16 @@ def test_serving_errors_pickle_with_their_fields() -> None:
     assert (copy.status, copy.code, copy.message, copy.param, copy.retry_after_s, copy.context) == \
         (413, ErrorCode.REQUEST_TOO_LARGE, "too big", "prompt", 3, {"model": "m"})
 
+
+
+def test_a_count_goes_back_without_the_ids_and_detokenize_without_them_either(tokenizer: Tokenizer) -> None:
+    """What the bus carries back is what the gateway needs: a count (`/v1/messages/count_tokens`)
+    is a number, not ~6 bytes per token of a long context that may not fit one message; a text
+    (`/detokenize`) comes without the ids it was asked about."""
+    request = chat("How many tokens is this? " * 200)
+    whole = tokenize(tokenizer, wire.TokenizeRequest(model="m", request=request), "", 8192)
+    counted = tokenize(tokenizer, wire.TokenizeRequest(model="m", request=request, count_only=True), "", 8192)
+    assert counted.count == len(whole.token_ids) > 1000 and counted.token_ids == []
+    assert len(wire.encode(counted)) < 200 < len(wire.encode(whole)) // 20
+    text = tokenize(tokenizer, wire.TokenizeRequest(model="m", token_ids=whole.token_ids[:5]), "", 8192)
+    assert text.text and text.token_ids == []

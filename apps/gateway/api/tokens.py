@@ -164,5 +164,6 @@ async def detokenize(request: Request, state: State) -> ts.DetokenizeResponse:
 async def count_tokens(request: Request, state: State) -> ts.CountTokensResponse:
     req = await decode_request(request, ts.CountTokensRequest)
     bus_request = anthropic.to_bus_request(req, _request_id(), request.state.principal)
-    reply = await state.token_counter.ask(wire.TokenizeRequest(model=bus_request.model, request=bus_request))
-    return ts.CountTokensResponse(input_tokens=len(reply.token_ids))
+    reply = await state.token_counter.ask(wire.TokenizeRequest(model=bus_request.model, request=bus_request,
+                                                               count_only=True))
+    return ts.CountTokensResponse(input_tokens=reply.count if reply.count is not None else len(reply.token_ids))
