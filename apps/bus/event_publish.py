@@ -39,6 +39,7 @@ from nats.js import JetStreamContext
 from apps.bus import roles, topology, wire
 from apps.bus.events import BATCHED_KINDS, AnyEvent, EventRef, batch_body, event_kind
 from apps.bus.held_spool import HeldSpool
+from apps.bus.object_streams import put_options
 from apps.bus.publish import StreamFull, client_of, fits, is_stream_full, message_size, publish
 
 log = logging.getLogger("helexa.bus")
@@ -218,7 +219,7 @@ async def _publish_event_once(js: JetStreamContext, subject: str, event: AnyEven
     # By reference: the object is named by the event id, so a retry replaces it and is stored once.
     store = await js.object_store(topology.LARGE_EVENTS_BUCKET)
     try:
-        await store.put(event.event_id, body)
+        await store.put(event.event_id, body, put_options(client_of(js), event.event_id))
     except nats.js.errors.APIError as exc:
         if is_stream_full(exc):
             raise StreamFull(topology.LARGE_EVENTS_BUCKET, exc.description or "") from exc

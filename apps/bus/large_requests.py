@@ -29,6 +29,7 @@ from nats.js.api import PubAck
 from nats.js.errors import ObjectNotFoundError
 
 from apps.bus import topology, wire
+from apps.bus.object_streams import put_options
 from apps.bus.publish import StreamFull, fits, is_stream_full, message_size, publish
 
 __all__ = ["RequestGone", "RequestRefused", "delete", "fetch", "fits", "message_size", "publish_request"]
@@ -70,7 +71,7 @@ async def publish_request(js: JetStreamContext, nc: NatsClient, request: wire.Ge
         return await publish(js, subject, body, msg_id)
     store = await js.object_store(topology.LARGE_REQUESTS_BUCKET)
     try:
-        await store.put(msg_id, body)
+        await store.put(msg_id, body, put_options(nc, msg_id))
     except nats.js.errors.APIError as exc:
         if is_stream_full(exc):  # the bucket is at its max_bytes: as full as REQUESTS would be
             raise StreamFull(topology.LARGE_REQUESTS_BUCKET, exc.description or "") from exc

@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator, AsyncIterable
 from datetime import UTC, datetime
 from hashlib import sha256
 
+from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext, api
 from nats.js.errors import DigestMismatchError
 from nats.js.kv import MSG_ROLLUP_SUBJECT
@@ -28,23 +29,37 @@ from nats.js.object_store import (
     OBJ_STREAM_TEMPLATE,
 )
 
+from apps.bus.publish import client_of
+
 CHUNK_BYTES = OBJ_DEFAULT_CHUNK_SIZE
+
+
+def chunk_bytes(nc: NatsClient) -> int:
+    """An object's chunk size on `nc`'s server: nats-py's 128 KiB, or less where the server takes
+    less in one message (a chunk is a message of its own, body only)."""
+    return min(CHUNK_BYTES, nc.max_payload)
+
+
+def put_options(nc: NatsClient, name: str) -> api.ObjectMeta:
+    """`ObjectStore.put`'s meta for object `name` in chunks that `nc`'s server takes."""
+    return api.ObjectMeta(name=name, options=api.ObjectMetaOptions(max_chunk_size=chunk_bytes(nc)))
 # How long a reader waits for an object's next chunk.
 CHUNK_WAIT_S = 30.0
 
 
 async def put_stream(js: JetStreamContext, bucket: str, name: str, content: AsyncIterable[bytes]) -> api.ObjectInfo:
     """Store `content` as object `name` (a new name: nothing it replaces is cleaned up), in chunks
-    of CHUNK_BYTES; if `content` raises, the chunks sent so far are purged and the error goes on."""
+    of `chunk_bytes`; if `content` raises, the chunks sent so far are purged and the error goes on."""
+    size_of_chunk = chunk_bytes(client_of(js))
     nuid = secrets.token_hex(16)  # the chunks' subject token, new for every put
     chunks_subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=nuid)
     digest, size, count, pending = sha256(), 0, 0, bytearray()
     try:
         async for piece in content:
             pending += piece
-            while len(pending) >= CHUNK_BYTES:
-                chunk = bytes(pending[:CHUNK_BYTES])
-                del pending[:CHUNK_BYTES]
+            while len(pending) >= size_of_chunk:
+                chunk = bytes(pending[:size_of_chunk])
+                del pending[:size_of_chunk]
                 digest.update(chunk)
                 await js.publish(chunks_subject, chunk)
                 size, count = size + len(chunk), count + 1
@@ -56,7 +71,7 @@ async def put_stream(js: JetStreamContext, bucket: str, name: str, content: Asyn
             name=name, bucket=bucket, nuid=nuid, size=size, chunks=count,
             mtime=datetime.now(UTC).isoformat(),
             digest=OBJ_DIGEST_TEMPLATE.format(digest=base64.urlsafe_b64encode(digest.digest()).decode()),
-            options=api.ObjectMetaOptions(max_chunk_size=CHUNK_BYTES))
+            options=api.ObjectMetaOptions(max_chunk_size=size_of_chunk))
         meta_subject = OBJ_META_PRE_TEMPLATE.format(bucket=bucket, obj=base64.urlsafe_b64encode(name.encode()).decode())
         await js.publish(meta_subject, json.dumps(info.as_dict()).encode(),
                          headers={api.Header.ROLLUP: MSG_ROLLUP_SUBJECT})

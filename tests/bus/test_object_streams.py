@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator
+from pathlib import Path
 
+import msgspec
 import nats
 import pytest
 from nats.js.object_store import OBJ_STREAM_TEMPLATE
 
-from apps.bus import topology
+from apps.bus import declaration, topology
+from apps.bus.event_publish import _publish_event_once
+from apps.bus.events import ResponseStored, event_kind
 from apps.bus.object_streams import CHUNK_BYTES, put_stream, read_stream
+from apps.bus.topology import BusLimits, event_subject
 from apps.embedded.nats_server import NatsServer
 
 BUCKET = topology.FILES_BUCKET
@@ -59,3 +64,24 @@ async def test_a_failed_put_leaves_no_chunks(nats_server: NatsServer) -> None:
         assert (await js.stream_info(stream)).state.messages == before
     finally:
         await nc.close()
+
+
+async def test_a_server_taking_less_than_a_chunk_gets_chunks_it_takes(tmp_path: Path) -> None:
+    """A server configured below nats-py's 128 KiB chunk (64 KiB here): streamed objects, and
+    events too large for one message, go in chunks of what it takes, not a refused publish."""
+    with NatsServer(tmp_path / "nats", max_payload=64 << 10) as server:
+        nc = await nats.connect(server.url)
+        try:
+            js = nc.jetstream()
+            await declaration.ensure_topology(js, BusLimits())
+            data = os.urandom(3 * CHUNK_BYTES)
+            info = await put_stream(js, BUCKET, "small-server", pieces(data, 7000))
+            assert info.chunks == len(data) // (64 << 10)
+            assert (await (await js.object_store(BUCKET)).get("small-server")).data == data
+            event = ResponseStored(model="m", node="gateway", response_id="resp_x", principal=None,
+                                   response={"output": "x" * (200 << 10)})
+            await _publish_event_once(js, event_subject(event_kind(event), "m"), event)
+            stored = await (await js.object_store(topology.LARGE_EVENTS_BUCKET)).get(event.event_id)
+            assert msgspec.json.decode(stored.data)["response"] == event.response
+        finally:
+            await nc.close()
