@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 import msgspec
 import nats
@@ -67,41 +68,46 @@ def new_request(bus: GatewayBus, request_id: str, model: str) -> wire.GenerateRe
                                 sampling=SamplingParams(), prompt="hi", deadline=time.time() + 30)
 
 
-async def test_a_reply_without_accepted_keeps_its_first_delta(own_nats: NatsServer) -> None:
+async def frames_read(url: str, model: str,
+                      serve: Callable[[nats.NATS, JetStreamContext.PullSubscription], Awaitable[None]],
+                      settings: GatewaySettings | None = None) -> list[wire.Delta | wire.Final]:
+    """The frames a gateway's pipeline reads of one request for `model`, while `serve` plays its
+    worker on a bare NATS client (it must have served by the time the answer ends)."""
     metrics = GatewayMetrics()
-    bus = await GatewayBus.connect(own_nats.url, BusLimits(), metrics)
-    pipeline = pipeline_on(bus, metrics)
-    worker, pulled = await bare_worker(own_nats.url, "bare")
-
-    async def serve() -> None:
-        request = await next_request(pulled)
-        for frame in whole_answer():
-            await worker.publish(request.reply_subject, wire.encode(frame))
-
-    serving = asyncio.create_task(serve())
+    bus = await GatewayBus.connect(url, BusLimits(), metrics)
+    pipeline = pipeline_on(bus, metrics, settings=settings)
+    worker, pulled = await bare_worker(url, model)
+    serving = asyncio.create_task(serve(worker, pulled))
     try:
-        generation = await pipeline.first_frames.wait(new_request(bus, "bare-1", "bare"), "test")
-        texts = [f.text async for f in pipeline.frames(generation) if isinstance(f, wire.Delta)]
-        assert "".join(texts) == "Hello there"
+        generation = await pipeline.first_frames.wait(new_request(bus, f"{model}-1", model), "test")
+        frames = [f async for f in pipeline.frames(generation)]
         await pipeline.close(generation)
         await serving
+        return frames
     finally:
         serving.cancel()
         await worker.close()
         await bus.close()
 
 
+async def test_a_reply_without_accepted_keeps_its_first_delta(own_nats: NatsServer) -> None:
+    async def serve(worker: nats.NATS, pulled: JetStreamContext.PullSubscription) -> None:
+        request = await next_request(pulled)
+        for frame in whole_answer():
+            await worker.publish(request.reply_subject, wire.encode(frame))
+
+    frames = await frames_read(own_nats.url, "bare", serve)
+    texts = [f.text for f in frames if isinstance(f, wire.Delta)]
+    assert "".join(texts) == "Hello there"
+
+
 async def test_an_answer_whose_start_was_lost_goes_on_as_a_new_attempt(own_nats: NatsServer) -> None:
     """Only the end of the first attempt arrives (its first frames went nowhere, as when the
     gateway's subscription moves to another server of a cluster): never an empty or cut answer,
     the request is published again and the next attempt's answer is the one read, whole."""
-    metrics = GatewayMetrics()
-    bus = await GatewayBus.connect(own_nats.url, BusLimits(), metrics)
-    pipeline = pipeline_on(bus, metrics)
-    worker, pulled = await bare_worker(own_nats.url, "lossy")
     attempts: list[int] = []
 
-    async def serve() -> None:
+    async def serve(worker: nats.NATS, pulled: JetStreamContext.PullSubscription) -> None:
         request = await next_request(pulled)
         attempts.append(request.attempt)
         await worker.publish(request.reply_subject, wire.encode(whole_answer()[-1]))
@@ -110,20 +116,10 @@ async def test_an_answer_whose_start_was_lost_goes_on_as_a_new_attempt(own_nats:
         for frame in whole_answer(attempt=request.attempt):
             await worker.publish(request.reply_subject, wire.encode(frame))
 
-    serving = asyncio.create_task(serve())
-    try:
-        generation = await pipeline.first_frames.wait(new_request(bus, "lossy-1", "lossy"), "test")
-        frames = [f async for f in pipeline.frames(generation)]
-        assert "".join(f.text for f in frames if isinstance(f, wire.Delta)) == "Hello there"
-        assert isinstance(frames[-1], wire.Final)
-        await pipeline.close(generation)
-        await serving
-        assert attempts == [1, 1 + bus.limits.max_deliver]
-    finally:
-        serving.cancel()
-        await worker.close()
-        await bus.close()
-
+    frames = await frames_read(own_nats.url, "lossy", serve)
+    assert "".join(f.text for f in frames if isinstance(f, wire.Delta)) == "Hello there"
+    assert isinstance(frames[-1], wire.Final)
+    assert attempts == [1, 1 + BusLimits().max_deliver]
 
 
 async def test_a_delta_without_text_pins_its_attempt_so_a_migration_resumes_one_answer(own_nats: NatsServer) -> None:
@@ -132,13 +128,9 @@ async def test_a_delta_without_text_pins_its_attempt_so_a_migration_resumes_one_
     starts from scratch beside it: its frames are not this client's answer. When the stream then
     goes silent, the migration resumes from the tokens of the one attempt the client read, never
     the two mixed."""
-    metrics = GatewayMetrics()
-    bus = await GatewayBus.connect(own_nats.url, BusLimits(), metrics)
-    pipeline = pipeline_on(bus, metrics, settings=GatewaySettings(stream_idle_timeout_s=1.0))
-    worker, pulled = await bare_worker(own_nats.url, "pinned")
     resumed: list[list[int]] = []
 
-    async def serve() -> None:
+    async def serve(worker: nats.NATS, pulled: JetStreamContext.PullSubscription) -> None:
         request = await next_request(pulled)
         await worker.publish(request.reply_subject, wire.encode(
             wire.Delta(seq=0, attempt=1, text="", num_tokens=1, token_ids=[5])))
@@ -154,19 +146,11 @@ async def test_a_delta_without_text_pins_its_attempt_so_a_migration_resumes_one_
                       wire.Final(seq=2, attempt=migrated.attempt, finish_reason="stop", usage=usage)]:
             await worker.publish(migrated.reply_subject, wire.encode(frame))
 
-    serving = asyncio.create_task(serve())
-    try:
-        generation = await pipeline.first_frames.wait(new_request(bus, "pinned-1", "pinned"), "test")
-        deltas = [f async for f in pipeline.frames(generation) if isinstance(f, wire.Delta)]
-        assert [t for d in deltas for t in d.token_ids] == [5, 7, 8]
-        assert "".join(d.text for d in deltas) == "Hello there"
-        assert resumed == [[5]]
-        await pipeline.close(generation)
-        await serving
-    finally:
-        serving.cancel()
-        await worker.close()
-        await bus.close()
+    frames = await frames_read(own_nats.url, "pinned", serve, GatewaySettings(stream_idle_timeout_s=1.0))
+    deltas = [f for f in frames if isinstance(f, wire.Delta)]
+    assert [t for d in deltas for t in d.token_ids] == [5, 7, 8]
+    assert "".join(d.text for d in deltas) == "Hello there"
+    assert resumed == [[5]]
 
 
 async def answer(worker: nats.NATS, request: wire.GenerateRequest) -> None:
